@@ -1,0 +1,10 @@
+"""Triton device code of `overlap`, installed as ``overlap.kernels``.
+
+Kernels take peer-pointer tables and flag pointers, so the same code runs on GPUs and,
+interpreted (``TRITON_INTERPRET=1``, set by `overlap` where no GPU exists), on CPU ranks
+over POSIX shared memory.
+"""
+
+from .ag_matmul import all_gather_matmul_kernel
+
+__all__ = ["all_gather_matmul_kernel"]

@@ -1,0 +1,97 @@
+"""Fused all-gather + GEMM: every tile waits only for the rank chunk it reads.
+
+Shapes (legend): ``M`` rows of one rank's shard, ``W`` ranks, ``K`` inner dim, ``N`` columns.
+Each rank's shard ``a_MK`` lives in that rank's symmetric buffer; ``ptr_table[r]`` is the address
+of rank r's shard in this process, ``flag_table[r]`` the address of rank r's ready flag. The
+output ``out_[W*M]N`` holds rank r's rows at ``r*M ... (r+1)*M``.
+
+Program ids are laid out chunk-major starting from this rank's own chunk, then ``rank + 1``,
+``rank + 2``, ...: the first tiles need no peer at all, and peers are visited in the order
+their data is most likely to have arrived (everyone publishes at about the same time, and
+starting at ``rank + 1`` spreads the readers over the producers).
+
+Waiting: a tile acquires the producer's flag (``flag >= epoch``) before it loads the chunk, so
+its loads see the producer's data (release/acquire pairing with the producer's flag store).
+The spin is bounded: on GPUs by ``%globaltimer`` against ``timeout_ns``, when interpreted by an
+abort word that a host watchdog sets at the deadline. A tile that gives up records ``src + 1``
+in ``err_ptr`` (atomic max) and the host raises `OverlapTimeout` naming that peer.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _wait_flag(flag_ptr, epoch, abort_ptr, err_ptr, src, timeout_ns, INTERPRETED: tl.constexpr):
+    ready = tl.atomic_add(flag_ptr, 0, sem="acquire")
+    if INTERPRETED:
+        aborted = tl.load(abort_ptr, volatile=True)
+        while (ready < epoch) & (aborted == 0):
+            ready = tl.atomic_add(flag_ptr, 0, sem="acquire")
+            aborted = tl.load(abort_ptr, volatile=True)
+    else:
+        start = tl.extra.cuda.globaltimer()
+        now = start
+        while (ready < epoch) & (now - start < timeout_ns):
+            ready = tl.atomic_add(flag_ptr, 0, sem="acquire")
+            now = tl.extra.cuda.globaltimer()
+    if ready < epoch:
+        tl.atomic_max(err_ptr, src + 1)
+
+
+@triton.jit
+def all_gather_matmul_kernel(
+    # output and the local weight shard
+    out_ptr, b_ptr,
+    # symmetric memory: per-rank shard addresses and ready-flag addresses (int64 tables)
+    ptr_table, flag_table,
+    # protocol
+    epoch, rank, world_size, abort_ptr, err_ptr, timeout_ns,
+    # sizes: M rows per rank, N, K
+    M, N, K,
+    # strides (the shards are row-major [M, K] in their buffers)
+    stride_am,
+    stride_bk, stride_bn,
+    stride_om, stride_on,
+    # meta
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    # ---- which tile: chunk-major, own chunk first --------------------------------------------
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_chunk = tiles_m * tiles_n
+    step = pid // tiles_per_chunk
+    src = (rank + step) % world_size
+    tile = pid % tiles_per_chunk
+    tile_m = tile // tiles_n
+    tile_n = tile % tiles_n
+
+    # ---- wait for the chunk this tile reads ---------------------------------------------------
+    flag_ptr = tl.load(flag_table + src).to(tl.pointer_type(tl.int32))
+    _wait_flag(flag_ptr, epoch, abort_ptr, err_ptr, src, timeout_ns, INTERPRETED)
+
+    # ---- GEMM tile, loading A straight from the producer's buffer -----------------------------
+    a_ptr = tl.load(ptr_table + src).to(tl.pointer_type(b_ptr.dtype.element_ty))
+    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - kk * BLOCK_K
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        if UPCAST:  # the interpreter's bf16 dot is wrong (DESIGN.md): compute in fp32 there
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+
+    # ---- store into this source rank's rows of the output ------------------------------------
+    rows = src * M + offs_m
+    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))

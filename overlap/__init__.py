@@ -1,0 +1,53 @@
+"""overlap: communication/compute overlap for tensor- and expert-parallel training.
+
+Public API (DESIGN.md): `all_gather_matmul`, `Plan`, `reserve`, `release`, `OverlapTimeout`,
+`OverlapMismatchError`. No init call: a group's symmetric heap is created by its first call.
+
+Where no GPU exists and the user has not set ``TRITON_INTERPRET``, importing `overlap` sets it to
+1 so that the ``fused`` strategy's Triton kernels run interpreted on CPU ranks. Triton reads the
+variable when a kernel is defined, so this affects Triton kernels defined after this import.
+"""
+
+from __future__ import annotations
+
+import logging as _logging
+import os as _os
+
+from . import envs as _envs
+
+__version__ = "0.1.0"
+
+
+def _set_triton_interpret() -> None:
+    if _envs.triton_interpret_set_by_user():
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        _os.environ["TRITON_INTERPRET"] = "1"
+
+
+_set_triton_interpret()
+
+_log = _logging.getLogger("overlap")
+if not _log.handlers:
+    _handler = _logging.StreamHandler()
+    _handler.setFormatter(_logging.Formatter("[overlap %(levelname)s] %(message)s"))
+    _log.addHandler(_handler)
+_log.setLevel(getattr(_logging, _envs.log_level(), _logging.WARNING))
+
+from .errors import OverlapError, OverlapMismatchError, OverlapTimeout  # noqa: E402
+from .ops import all_gather_matmul  # noqa: E402
+from .plan import STRATEGIES, Plan  # noqa: E402
+from .symm import release, reserve  # noqa: E402
+
+__all__ = [
+    "STRATEGIES",
+    "OverlapError",
+    "OverlapMismatchError",
+    "OverlapTimeout",
+    "Plan",
+    "all_gather_matmul",
+    "release",
+    "reserve",
+]

@@ -1,0 +1,51 @@
+"""Every environment variable `overlap` reads, in one place.
+
+The README's environment table lists the same names; keep the two in step.
+Values are read when asked for (not at import), so tests and launchers can set them late.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: name -> (default, meaning). The README table is generated from the same text by hand.
+VARIABLES: dict[str, tuple[str, str]] = {
+    "OVERLAP_TIMEOUT_S": ("300", "deadline in seconds of every wait on a peer (per-call `timeout=` wins)"),
+    "OVERLAP_LOG": ("warning", "log level of the `overlap` logger: debug, info (plans and fallbacks), warning"),
+    "OVERLAP_NODE_ID": ("", "node identity of this rank; overrides torchrun's GROUP_RANK and the hostname"),
+    "OVERLAP_SHM_DIR": ("/dev/shm", "where CPU symmetric memory segments are created (then unlinked at once)"),
+    "OVERLAP_BUILD_CUDA": ("1", "build time: 0 skips the CUDA half of overlap._C even where nvcc exists"),
+    "TRITON_INTERPRET": ("", "set to 1 by overlap before its kernels are imported when no GPU exists"),
+}
+
+
+def _get(name: str) -> str:
+    value = os.environ.get(name, "")
+    return value if value != "" else VARIABLES[name][0]
+
+
+def timeout_s() -> float:
+    raw = _get("OVERLAP_TIMEOUT_S")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"OVERLAP_TIMEOUT_S must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"OVERLAP_TIMEOUT_S must be > 0, got {value}")
+    return value
+
+
+def log_level() -> str:
+    return _get("OVERLAP_LOG").upper()
+
+
+def node_id() -> str:
+    return os.environ.get("OVERLAP_NODE_ID", "")
+
+
+def shm_dir() -> str:
+    return _get("OVERLAP_SHM_DIR")
+
+
+def triton_interpret_set_by_user() -> bool:
+    return "TRITON_INTERPRET" in os.environ

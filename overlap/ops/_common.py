@@ -1,0 +1,245 @@
+"""What every op shares: argument checks, the per-call handshake, bounded waits, autocast, ranges."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import envs, symm, world
+from ..errors import OverlapError, OverlapTimeout
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class InputError(Exception):
+    """A local mistake found by an op's checks; carries the exception to raise (ValueError/TypeError)."""
+
+    def __init__(self, exc: Exception):
+        super().__init__(str(exc))
+        self.exc = exc
+
+
+def resolve_timeout(timeout: float | None) -> float:
+    if timeout is None:
+        return envs.timeout_s()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    return float(timeout)
+
+
+def describe(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}"
+
+
+def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Cast floating inputs to the autocast dtype where autocast is on (torch's rule for matmul)."""
+    device_type = tensors[0].device.type if isinstance(tensors[0], torch.Tensor) else "cpu"
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)
+
+
+def check_matmul_operands(op: str, a: Any, b: Any, device: torch.device) -> None:
+    """Checks shared by the TP ops: ``a`` is ``[..., k]``, ``b`` is ``[k, n]``, same float dtype/device."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise TypeError(f"overlap.{op}: a and b must be tensors, got {type(a).__name__} and {type(b).__name__}")
+    if a.dim() < 2:
+        raise ValueError(f"overlap.{op}: a must be [..., k] with at least 2 dims (dim 0 is gathered), got {describe(a)}")
+    if b.dim() != 2:
+        raise ValueError(f"overlap.{op}: b must be [k, n] (pass a weight w[n, k] as w.t()), got {describe(b)}")
+    if a.shape[-1] != b.shape[0]:
+        raise ValueError(f"overlap.{op}: inner dims differ: a is {describe(a)} (k={a.shape[-1]}), "
+                         f"b is {describe(b)} (k={b.shape[0]})")
+    if a.dtype != b.dtype:
+        raise TypeError(f"overlap.{op}: a and b must have one dtype outside autocast, got {a.dtype} and {b.dtype}")
+    if a.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"overlap.{op}: dtype must be one of {FLOAT_DTYPES}, got {a.dtype}")
+    if a.numel() == 0 or b.numel() == 0:
+        raise ValueError(f"overlap.{op}: empty operands are not supported: a is {describe(a)}, b is {describe(b)}")
+    if a.device != b.device:
+        raise ValueError(f"overlap.{op}: a is on {a.device}, b on {b.device}")
+    if a.device.type != device.type:
+        raise ValueError(f"overlap.{op}: the group computes on {device.type} but the inputs are on {a.device}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The per-call handshake (signature check and heap sizing), on one node or across nodes
+# ----------------------------------------------------------------------------------------------
+
+
+class _CollectiveCall:
+    """Handshake result for groups that span nodes (no symmetric heap)."""
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+
+    def finish(self) -> None:
+        pass
+
+
+_EPOCHS: dict[int, int] = {}
+_HEADER_BYTES = 256
+
+
+def _collective_handshake(op: str, pg, info: world.GroupInfo, signature: str, timeout: float,
+                          post_only: bool) -> _CollectiveCall:
+    epoch = _EPOCHS.get(id(pg), 0) + 1
+    _EPOCHS[id(pg)] = epoch
+    raw = signature.encode()[:_HEADER_BYTES].ljust(_HEADER_BYTES, b"\0")
+    mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(info.device)
+    every = torch.empty(info.world_size * _HEADER_BYTES, dtype=torch.uint8, device=info.device)
+    work = all_gather_async(every, mine, pg)
+    wait_work(work, op, info.rank, "any", "signature", timeout)
+    if post_only:
+        return _CollectiveCall(epoch)
+    rows = every.view(info.world_size, _HEADER_BYTES).cpu()
+    for p in range(info.world_size):
+        if bytes(rows[p].tolist()) != raw:
+            from ..errors import OverlapMismatchError
+
+            theirs = bytes(rows[p].tolist()).rstrip(b"\0").decode(errors="replace")
+            raise OverlapMismatchError(f"overlap.{op}: ranks disagree on call {epoch} of this group:\n"
+                                       f"  rank {info.rank}: {signature}\n  rank {p}: {theirs}")
+    return _CollectiveCall(epoch)
+
+
+def begin_call(op: str, pg, info: world.GroupInfo, signature: str, need_bytes: int, timeout: float,
+               error: InputError | None = None):
+    """Start a call on every rank: check signatures and size the heap, or pass on a local error.
+
+    With `error` (this rank's arguments are wrong) the rank posts a poisoned signature, so that
+    peers already waiting in this call raise at once instead of at their deadline, and then
+    raises the error itself without waiting for anyone.
+    """
+    if error is not None:
+        signature = f"<invalid input on rank {info.rank}: {error.exc}>"
+    if info.single_node:
+        call = symm.heap_for(pg).begin(op, signature, 0 if error else need_bytes, timeout, post_only=error is not None)
+    else:
+        call = _collective_handshake(op, pg, info, signature, timeout, post_only=error is not None)
+    if error is not None:
+        raise error.exc
+    return call
+
+
+def all_gather_async(out: torch.Tensor, inp: torch.Tensor, pg):
+    """``all_gather_into_tensor`` under the name of the installed torch (renamed in 2.12+)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=pg, async_op=True)
+
+
+def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, pg):
+    """``reduce_scatter_tensor`` (sum) under the name of the installed torch."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=pg, async_op=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bounded waits on torch.distributed work
+# ----------------------------------------------------------------------------------------------
+
+
+def wait_work(work, op: str, rank: int, peer: int | str, chunk: int | str, timeout: float) -> None:
+    """``work.wait`` with a deadline; timeouts and dead peers become overlap errors."""
+    try:
+        ok = work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        text = str(exc)
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            raise OverlapTimeout(op, rank, peer, chunk, timeout, "torch.distributed transfer") from exc
+        raise OverlapError(f"overlap.{op}: rank {rank}: transfer with peer {peer} (chunk {chunk}) failed: {text}. "
+                           "The peer probably died; destroy and re-create the group.") from exc
+    if ok is False:
+        raise OverlapTimeout(op, rank, peer, chunk, timeout, "torch.distributed transfer")
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU "copy engine": one worker thread per process, so copies overlap GEMMs as on a GPU side stream
+# ----------------------------------------------------------------------------------------------
+
+_ENGINE: ThreadPoolExecutor | None = None
+_ENGINE_PID = -1
+_ENGINE_LOCK = threading.Lock()
+
+
+def copy_engine() -> ThreadPoolExecutor:
+    global _ENGINE, _ENGINE_PID
+    with _ENGINE_LOCK:
+        if _ENGINE is None or _ENGINE_PID != os.getpid():
+            _ENGINE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="overlap-copy")
+            _ENGINE_PID = os.getpid()
+        return _ENGINE
+
+
+def result(fut: Future, timeout: float):
+    """A copy-engine future's result (its own waits are bounded; this bound is a backstop)."""
+    return fut.result(timeout=timeout + 5.0)
+
+
+def drain(futures: list[Future]) -> None:
+    """Wait for every submitted copy before leaving a call, even on an error path."""
+    for f in futures:
+        try:
+            f.result()
+        except Exception:  # noqa: BLE001 - the first error was raised already
+            pass
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels (interpreted where no GPU exists)
+# ----------------------------------------------------------------------------------------------
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def kernels():
+    try:
+        from .. import kernels as k
+    except ImportError as exc:
+        raise RuntimeError(f"overlap: the 'fused' strategy needs Triton, which failed to import: {exc}") from exc
+    return k
+
+
+class Watchdog:
+    """Sets ``abort[0] = 1`` after `timeout` seconds, releasing interpreted in-kernel spins."""
+
+    def __init__(self, abort: torch.Tensor, timeout: float):
+        self._timer = threading.Timer(timeout, lambda: abort.fill_(1))
+        self._timer.daemon = True
+
+    def __enter__(self) -> "Watchdog":
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._timer.cancel()
+
+
+def record(name: str) -> contextlib.AbstractContextManager:
+    return torch.profiler.record_function(f"overlap.{name}")
+
+
+def chunk_bounds(rows: int, num_chunks: int) -> list[tuple[int, int]]:
+    """Split `rows` into at most `num_chunks` near-equal non-empty ranges."""
+    num_chunks = max(1, min(num_chunks, rows))
+    base, extra = divmod(rows, num_chunks)
+    bounds, start = [], 0
+    for i in range(num_chunks):
+        size = base + (1 if i < extra else 0)
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+

@@ -1,0 +1,120 @@
+"""Plans: how one call is executed (strategy, chunking per link class, tile shape, variants).
+
+A `Plan` is a small immutable value. ``strategy="auto"`` resolves one with `resolve_auto`,
+a pure function of the call signature (op, shapes, dtype) and of the group's topology, so
+every rank computes the same plan without communicating; the plan's text is part of the
+call signature, so ranks that somehow disagree raise on every rank instead of hanging.
+
+Default heuristic (until plan files and the cost model exist):
+
+* one rank: ``reference`` (there is nothing to communicate);
+* a group that spans nodes: ``pipelined``, 2 chunks per network transfer;
+* CPU ranks of one node: ``symm`` (shared-memory copies beat gloo's loopback TCP); interpreted
+  ``fused`` is never chosen;
+* GPU ranks of one node: ``fused`` for fp16/bf16 with at least 128 rows per rank, else ``symm``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Mapping
+
+from .world import LINK_CLASSES, GroupInfo
+
+log = logging.getLogger("overlap")
+
+STRATEGIES = ("reference", "pipelined", "symm", "fused")
+DEFAULT_CHUNKS = {"shm": 1, "nvlink": 1, "pcie": 2, "network": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How to run one op.
+
+    strategy: one of `STRATEGIES`.
+    num_chunks: chunks per peer transfer, per link class (``"shm"``, ``"nvlink"``, ``"pcie"``,
+        ``"network"``); a ring is chunked for its slowest link, pairwise transfers per peer link.
+        Missing classes take `DEFAULT_CHUNKS`.
+    block_m, block_n, block_k: tile shape of the ``fused`` kernel (0 = the kernel's default).
+    one_shot: all-reduce variant flag (used by ``matmul_all_reduce``).
+    """
+
+    strategy: str
+    num_chunks: tuple[tuple[str, int], ...] = ()
+    block_m: int = 0
+    block_n: int = 0
+    block_k: int = 0
+    one_shot: bool = False
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES} or 'auto', got {self.strategy!r}")
+        chunks = self.num_chunks
+        if isinstance(chunks, Mapping):
+            chunks = tuple(sorted(chunks.items()))
+            object.__setattr__(self, "num_chunks", chunks)
+        for link, n in chunks:
+            if link not in LINK_CLASSES:
+                raise ValueError(f"num_chunks: unknown link class {link!r}; known: {LINK_CLASSES}")
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"num_chunks[{link!r}] must be an int >= 1, got {n!r}")
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0 or (v and (v < 16 or v & (v - 1))):
+                raise ValueError(f"{name} must be 0 (default) or a power of two >= 16, got {v!r}")
+
+    def chunks_for(self, link_class: str) -> int:
+        return dict(self.num_chunks).get(link_class, DEFAULT_CHUNKS[link_class])
+
+    def describe(self) -> str:
+        """Canonical text of the plan (part of every call signature)."""
+        chunks = ",".join(f"{k}={v}" for k, v in self.num_chunks)
+        tiles = f",tile={self.block_m}x{self.block_n}x{self.block_k}" if self.block_m else ""
+        return f"{self.strategy}[{chunks}{tiles}{',one_shot' if self.one_shot else ''}]"
+
+
+def as_plan(strategy: str, plan: Plan | Mapping | None) -> Plan | None:
+    """Normalize the ``strategy=``/``plan=`` arguments of an op; None means 'resolve auto'."""
+    if plan is not None:
+        if isinstance(plan, Mapping):
+            plan = Plan(**plan)
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be an overlap.Plan, a dict of its fields or None, got {type(plan).__name__}")
+        if strategy not in ("auto", plan.strategy):
+            raise ValueError(f"strategy={strategy!r} contradicts plan.strategy={plan.strategy!r}")
+        return plan
+    if not isinstance(strategy, str):
+        raise TypeError(f"strategy must be a str, got {type(strategy).__name__}")
+    if strategy == "auto":
+        return None
+    return Plan(strategy)
+
+
+_LOGGED: set[str] = set()
+
+
+def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int, dtype_name: str) -> Plan:
+    """The default heuristic of this module's docstring; identical on every rank by construction."""
+    if info.world_size == 1:
+        plan = Plan("reference")
+    elif not info.single_node:
+        plan = Plan("pipelined")
+    elif info.device.type == "cuda" and dtype_name in ("float16", "bfloat16") and rows_per_rank >= 128:
+        plan = Plan("fused")
+    else:
+        plan = Plan("symm")
+    key = f"{op}|{signature}"
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.info("overlap.%s: auto chose %s for %s (default heuristic)", op, plan.describe(), signature)
+    return plan
+
+
+def check_plan_fits(op: str, plan: Plan, info: GroupInfo) -> None:
+    """Raise ValueError where a forced strategy cannot run on this group."""
+    if plan.strategy in ("symm", "fused") and not info.single_node:
+        raise ValueError(
+            f"overlap.{op}: strategy {plan.strategy!r} needs the ranks of one node, but this group spans "
+            f"nodes {info.node_names}; use 'pipelined' or 'auto'"
+        )

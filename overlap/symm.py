@@ -1,0 +1,486 @@
+"""Symmetric memory: equal buffers on every rank of a node, addressable by every rank, and flags.
+
+Per group (created lazily by the first call that needs it, one collective rendezvous):
+
+* a **control pad** per rank in host POSIX shared memory (CPU and GPU alike): the per-call
+  handshake words (epoch, signature, bytes needed, a readable copy of the signature) and, on CPU
+  ranks, the data flags;
+* a **data heap** per rank, split into a ring of `NUM_SLOTS` equal slots. CPU: a POSIX shared
+  memory segment mapped by every local rank. CUDA: torch's ``_symmetric_memory``, whose
+  allocation is a separate device flag array (flags never move when the heap grows);
+* a per-process table of peer addresses (`SymmHeap.ptr_table`), which Triton kernels take.
+
+The buffer protocol (DESIGN.md) as implemented here:
+
+* **Handshake.** Every call on a group (any strategy, any op) starts with `SymmHeap.begin`:
+  the group's epoch advances by one, each rank posts ``(signature, bytes needed)`` under the
+  new epoch and waits until every peer has posted the same epoch. Each rank then compares every
+  peer's signature with its own, so a disagreement raises `OverlapMismatchError` on every rank,
+  on every call, with both signatures in the message; nothing else has been exchanged yet, so
+  the group stays usable. Ranks can be at most one epoch apart, so a ring of four entries per
+  rank is never overwritten before it is read.
+* **Growth.** All ranks now know the same ``need``; if a slot is smaller, every rank grows
+  together (a shared-memory rendezvous on the control pad, no collective): new segments are
+  created, mapped by every peer, then unlinked at once, so ``/dev/shm`` holds nothing after the
+  rendezvous even if a rank is later killed. `overlap.reserve` grows ahead of time.
+* **Flags carry epochs and are never reset.** A consumer waits for ``flag >= epoch``.
+  ``ready[slot][i]`` lives in the producer's pad; ``done[slot][q]`` lives in every rank's pad and
+  is written by rank ``q`` when it has finished everything it does with slot ``slot`` in that
+  epoch (reading peers' buffers and its own). Before a rank writes into slot ``s`` (its own
+  buffer or a peer's) at epoch ``E``, it waits until ``done[s][q] >= E - NUM_SLOTS`` for every
+  ``q``: the previous user of the slot is finished everywhere. Every rank signals ``done`` to
+  every peer at the end of every call, whether it read from that peer or not.
+
+Memory ordering: a producer writes its data with ordinary stores, then publishes the flag with
+a release store; a consumer reads the flag with an acquire load before it reads the data
+(``overlap._C`` on CPU, ``st.release``/``ld.acquire`` semantics in Triton and CUDA).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import os
+import re
+import secrets
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import envs, world
+from .errors import OverlapMismatchError, OverlapTimeout
+
+log = logging.getLogger("overlap")
+
+NUM_SLOTS = 4
+MAX_PEERS = 128
+MAX_FLAGS = 256  # ready flags per slot (chunks a producer can publish in one call)
+_HS_RING = 4
+_SIG_TEXT_BYTES = 240
+
+# Control pad layout, in int32 words.
+_W_HS_EPOCH = 0  # epoch of the last handshake this rank posted
+_W_GEN_READY = 1  # heap generation this rank has created
+_W_GEN_MAPPED = 2  # heap generation this rank has mapped from every peer
+_HS_BASE = 16
+_HS_STRIDE = 4 + _SIG_TEXT_BYTES // 4  # sig_lo, sig_hi, need_lo, need_hi, text
+_SLOT_BASE = 512
+_SLOT_STRIDE = MAX_FLAGS + MAX_PEERS  # ready[MAX_FLAGS], done[MAX_PEERS]
+_CTRL_WORDS = _SLOT_BASE + NUM_SLOTS * _SLOT_STRIDE
+_ALIGN = 4096
+
+_NAME_RE = re.compile(r"^overlap-[0-9a-f]+-(\d+)-")
+
+
+def _c():
+    from . import _C
+
+    return _C
+
+
+# ----------------------------------------------------------------------------------------------
+# POSIX shared memory segments
+# ----------------------------------------------------------------------------------------------
+
+
+def _create_segment(path: str, nbytes: int) -> torch.Tensor:
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def _attach_segment(path: str, nbytes: int) -> torch.Tensor:
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"overlap: shared memory segment {path} of a peer is missing; ranks of one group must share "
+            f"{envs.shm_dir()} (set OVERLAP_NODE_ID per node if two nodes share a hostname)"
+        )
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_segments(directory: str | None = None) -> list[str]:
+    """Remove segments left by processes that are provably dead (their creator pid is gone).
+
+    Segments are normally unlinked right after every rank has mapped them; one survives only if a
+    rank died inside that window. Called at every heap creation; returns the removed paths.
+    """
+    directory = directory or envs.shm_dir()
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _NAME_RE.match(name)
+        if m and not _pid_alive(int(m.group(1))):
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+_CREATED: set[str] = set()  # paths this process created and has not unlinked yet
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    _CREATED.discard(path)
+
+
+@atexit.register
+def _unlink_created() -> None:
+    for path in list(_CREATED):
+        _unlink(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Signatures
+# ----------------------------------------------------------------------------------------------
+
+
+def signature_hash(text: str) -> tuple[int, int]:
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    lo = int.from_bytes(digest[:4], "little", signed=True)
+    hi = int.from_bytes(digest[4:], "little", signed=True)
+    return lo, hi
+
+
+class SymmHeap:
+    """Symmetric heap, control pads and flags of one group on one node.
+
+    Not thread-safe: calls on one group are issued by one thread, as collectives are.
+    Use `heap_for(group)`; free with `release(group)` (on every rank) or at exit.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, info: world.GroupInfo):
+        if not info.single_node:
+            raise ValueError(f"symmetric memory needs the ranks of one node; this group spans nodes {info.node_names}")
+        if info.world_size > MAX_PEERS:
+            raise ValueError(f"symmetric memory supports at most {MAX_PEERS} ranks per group, got {info.world_size}")
+        self.group, self.info = group, info
+        self.rank, self.world_size = info.rank, info.world_size
+        self.device = info.device
+        self.epoch = 0
+        self.generation = 0
+        self.slot_bytes = 0
+        self.closed = False
+        self._lock = threading.Lock()
+        remove_stale_segments()
+        # One collective: agree on a run id so segment names are predictable from (pid, rank).
+        token = [f"{os.getpid():x}{secrets.token_hex(4)}" if self.rank == 0 else None]
+        dist.broadcast_object_list(token, src=info.global_ranks[0], group=group)
+        self._uid = token[0]
+        path = self._path("ctrl", self.rank)
+        _CREATED.add(path)
+        own = _create_segment(path, _CTRL_WORDS * 4)
+        dist.barrier(group=group)  # every control pad exists
+        self.ctrl = [own.view(torch.int32) if p == self.rank else
+                     _attach_segment(self._path("ctrl", p), _CTRL_WORDS * 4).view(torch.int32)
+                     for p in range(self.world_size)]
+        dist.barrier(group=group)  # every control pad is mapped by every rank: unlink ours
+        _unlink(path)
+        self._ctrl_np = [t.numpy() for t in self.ctrl]
+        self._ctrl_addr = [t.data_ptr() for t in self.ctrl]
+        self.data: list[torch.Tensor] = []
+        self._ptr_tables: dict[tuple[int, str], torch.Tensor] = {}
+        if self.device.type == "cuda":
+            self._cuda_flags = _CudaFlags(group, self.world_size)
+
+    # -- names ------------------------------------------------------------------------------
+    def _path(self, kind: str, rank: int) -> str:
+        pid = self.info.pids[rank]
+        return os.path.join(envs.shm_dir(), f"overlap-{self._uid}-{pid}-{kind}-r{rank}")
+
+    # -- addresses of control words ---------------------------------------------------------
+    def ctrl_addr(self, peer: int, word: int) -> int:
+        return self._ctrl_addr[peer] + 4 * word
+
+    def ready_word(self, slot: int, index: int) -> int:
+        assert 0 <= index < MAX_FLAGS, index
+        return _SLOT_BASE + slot * _SLOT_STRIDE + index
+
+    def done_word(self, slot: int, reader: int) -> int:
+        return _SLOT_BASE + slot * _SLOT_STRIDE + MAX_FLAGS + reader
+
+    # -- the per-call handshake ---------------------------------------------------------------
+    def begin(self, op: str, signature: str, need_bytes: int, timeout: float, post_only: bool = False) -> "Call":
+        """Start a call: advance the epoch, check signatures on every rank, grow if needed.
+
+        ``post_only`` publishes the signature and returns None without waiting (a rank that is
+        about to raise on its own bad input uses it, so its peers fail fast too).
+        """
+        if self.closed:
+            raise RuntimeError("overlap: this group's symmetric heap was released; it cannot be used again")
+        c = _c()
+        self.epoch += 1
+        epoch = self.epoch
+        entry = _HS_BASE + (epoch % _HS_RING) * _HS_STRIDE
+        lo, hi = signature_hash(signature)
+        text = signature.encode()[:_SIG_TEXT_BYTES].ljust(_SIG_TEXT_BYTES, b"\0")
+        mine = self._ctrl_np[self.rank]
+        mine[entry : entry + 4] = (lo, hi, need_bytes & 0x7FFFFFFF, need_bytes >> 31)
+        mine[entry + 4 : entry + _HS_STRIDE].view("u1")[:] = list(text)
+        # Release: the entry above is visible to a peer that sees the new epoch.
+        c.signal_store(self.ctrl_addr(self.rank, _W_HS_EPOCH), epoch)
+        if post_only:
+            Call(self, op, epoch, timeout).finish()
+            return None
+        peers = [p for p in range(self.world_size) if p != self.rank]
+        missing = c.signal_wait_all([self.ctrl_addr(p, _W_HS_EPOCH) for p in peers], epoch, timeout)
+        if missing >= 0:
+            raise OverlapTimeout(op, self.rank, peers[missing], "handshake", timeout,
+                                 "the peer never started this call")
+        need = need_bytes
+        for p in peers:
+            words = self._ctrl_np[p][entry : entry + 4].copy()
+            if (int(words[0]), int(words[1])) != (lo, hi):
+                # Nothing was exchanged in this call: release its slot so the group stays usable.
+                Call(self, op, epoch, timeout).finish()
+                theirs = bytes(self._ctrl_np[p][entry + 4 : entry + _HS_STRIDE].view("u1")).rstrip(b"\0").decode(
+                    errors="replace")
+                raise OverlapMismatchError(
+                    f"overlap.{op}: ranks disagree on call {epoch} of this group:\n"
+                    f"  rank {self.rank}: {signature}\n  rank {p}: {theirs}\n"
+                    "every rank of a group must make the same calls with the same shapes, dtypes and plans"
+                )
+            need = max(need, int(words[2]) | (int(words[3]) << 31))
+        if need > self.slot_bytes:
+            self._grow(need, op, timeout)
+        return Call(self, op, epoch, timeout)
+
+    # -- growth --------------------------------------------------------------------------------
+    def _grow(self, need: int, op: str, timeout: float) -> None:
+        c = _c()
+        slot_bytes = max(need, 2 * self.slot_bytes)
+        slot_bytes = (slot_bytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        log.info("overlap: growing symmetric heap to %d bytes per slot (%d slots)", slot_bytes, NUM_SLOTS)
+        self.generation += 1
+        gen = self.generation
+        peers = [p for p in range(self.world_size) if p != self.rank]
+
+        def barrier(word: int, what: str) -> None:
+            c.signal_store(self.ctrl_addr(self.rank, word), gen)
+            missing = c.signal_wait_all([self.ctrl_addr(p, word) for p in peers], gen, timeout)
+            if missing >= 0:
+                raise OverlapTimeout(op, self.rank, peers[missing], "heap growth", timeout, what)
+
+        if self.device.type == "cuda":
+            # Every rank is in this call, so all earlier calls are enqueued; the old buffers may
+            # still be read by the device: wait for it before dropping them.
+            torch.cuda.synchronize(self.device)
+            self.data = _cuda_data(self.group, NUM_SLOTS * slot_bytes, self.device)
+        else:
+            path = self._path(f"g{gen}", self.rank)
+            _CREATED.add(path)
+            own = _create_segment(path, NUM_SLOTS * slot_bytes)
+            barrier(_W_GEN_READY, "peer did not create its segment")
+            self.data = [own if p == self.rank else _attach_segment(self._path(f"g{gen}", p), NUM_SLOTS * slot_bytes)
+                         for p in range(self.world_size)]
+            barrier(_W_GEN_MAPPED, "peer did not map the segments")
+            _unlink(path)
+        self.slot_bytes = slot_bytes
+        self._ptr_tables.clear()
+
+    def reserve(self, nbytes: int, timeout: float) -> None:
+        self.begin("reserve", f"reserve(bytes={nbytes})", nbytes, timeout).finish()
+
+    # -- buffers --------------------------------------------------------------------------------
+    def slot_tensor(self, peer: int, slot: int, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0):
+        """View of `shape` elements of `dtype` in `peer`'s slot, starting `offset` bytes in."""
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        assert offset % 16 == 0 and offset + nbytes <= self.slot_bytes, (offset, nbytes, self.slot_bytes)
+        start = slot * self.slot_bytes + offset
+        return self.data[peer][start : start + nbytes].view(dtype).view(shape)
+
+    def ptr_table(self, slot: int, offset: int = 0) -> torch.Tensor:
+        """int64 ``[world]`` tensor of every peer's slot address (+offset) in this process."""
+        key = (slot, offset)
+        table = self._ptr_tables.get(key)
+        if table is None:
+            addrs = [t.data_ptr() + slot * self.slot_bytes + offset for t in self.data]
+            table = torch.tensor(addrs, dtype=torch.int64, device=self.device)
+            self._ptr_tables[key] = table
+        return table
+
+    def flag_table(self, slot: int, index: int) -> torch.Tensor:
+        """int64 ``[world]`` tensor of the address of ``ready[slot][index]`` in every peer's pad."""
+        key = (slot, f"ready{index}")
+        table = self._ptr_tables.get(key)
+        if table is None:
+            word = self.ready_word(slot, index)
+            if self.device.type == "cuda":
+                addrs = self._cuda_flags.addrs(word)
+            else:
+                addrs = [self.ctrl_addr(p, word) for p in range(self.world_size)]
+            table = torch.tensor(addrs, dtype=torch.int64, device=self.device)
+            self._ptr_tables[key] = table
+        return table
+
+    def close(self) -> None:
+        self.closed = True
+        self.data = []
+        self.ctrl = []
+        self._ctrl_np = []
+        self._ptr_tables.clear()
+
+
+class Call:
+    """One call's view of the heap: its epoch, its slot, and the flag operations on them."""
+
+    def __init__(self, heap: SymmHeap, op: str, epoch: int, timeout: float):
+        self.heap, self.op, self.epoch, self.timeout = heap, op, epoch, timeout
+        self.slot = epoch % NUM_SLOTS
+        self.rank, self.world_size = heap.rank, heap.world_size
+
+    def buffer(self, peer: int, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
+        return self.heap.slot_tensor(peer, self.slot, dtype, shape, offset)
+
+    # Flag operations. CPU ranks: host stores and bounded host waits on the control pads.
+    # GPU ranks: stream-ordered writes and waits (``overlap._C``) on the device flag words, on
+    # `stream` (default: the current stream), so the host never blocks on the device.
+    def _cuda(self) -> bool:
+        return self.heap.device.type == "cuda"
+
+    def _flag_addr(self, owner: int, word: int) -> int:
+        h = self.heap
+        return h._cuda_flags.addrs(word)[owner] if self._cuda() else h.ctrl_addr(owner, word)
+
+    def wait_slot_free(self, stream: Any = None) -> None:
+        """Wait until every rank has finished with this slot's previous epoch."""
+        prev = self.epoch - NUM_SLOTS
+        if prev <= 0:
+            return
+        h = self.heap
+        addrs = [self._flag_addr(h.rank, h.done_word(self.slot, q)) for q in range(self.world_size)]
+        if self._cuda():
+            for addr in addrs:
+                _c().cuda_stream_wait_value32(addr, prev, _stream_handle(stream))
+            return
+        missing = _c().signal_wait_all(addrs, prev, self.timeout)
+        if missing >= 0:
+            raise OverlapTimeout(self.op, self.rank, missing, f"slot {self.slot}", self.timeout,
+                                 "the peer did not finish the slot's previous call")
+
+    def signal_ready(self, index: int = 0, stream: Any = None) -> None:
+        h = self.heap
+        addr = self._flag_addr(h.rank, h.ready_word(self.slot, index))
+        if self._cuda():
+            _c().cuda_stream_write_value32(addr, self.epoch, _stream_handle(stream))
+        else:
+            _c().signal_store(addr, self.epoch)
+
+    def wait_ready(self, peer: int, index: int = 0, stream: Any = None) -> None:
+        h = self.heap
+        addr = self._flag_addr(peer, h.ready_word(self.slot, index))
+        if self._cuda():
+            _c().cuda_stream_wait_value32(addr, self.epoch, _stream_handle(stream))
+        elif not _c().signal_wait(addr, self.epoch, self.timeout):
+            raise OverlapTimeout(self.op, self.rank, peer, index, self.timeout, "data never signalled ready")
+
+    def finish(self, stream: Any = None) -> None:
+        """Tell every rank (this one included) that this rank is done with the slot."""
+        h = self.heap
+        for q in range(self.world_size):
+            addr = self._flag_addr(q, h.done_word(self.slot, self.rank))
+            if self._cuda():
+                _c().cuda_stream_write_value32(addr, self.epoch, _stream_handle(stream))
+            else:
+                _c().signal_store(addr, self.epoch)
+
+
+def _stream_handle(stream: Any) -> int:
+    if stream is None:
+        stream = torch.cuda.current_stream()
+    return int(stream.cuda_stream)
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA backing (torch's symmetric memory). Compiled and imported everywhere, run only on GPUs.
+# ----------------------------------------------------------------------------------------------
+
+
+def _cuda_data(group: dist.ProcessGroup, nbytes: int, device: torch.device) -> list[torch.Tensor]:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(local, group)
+    rank = dist.get_rank(group)
+    return [local if p == rank else handle.get_buffer(p, (nbytes,), torch.uint8)
+            for p in range(dist.get_world_size(group))]
+
+
+class _CudaFlags:
+    """Device flag words (same layout as the control pad's slot area) in symmetric memory."""
+
+    def __init__(self, group: dist.ProcessGroup, world_size: int):
+        self.tensors = _cuda_data(group, _CTRL_WORDS * 4, world.group_device(group))
+        self.tensors[dist.get_rank(group)].zero_()
+        dist.barrier(group=group)
+
+    def addrs(self, word: int) -> list[int]:
+        return [t.data_ptr() + 4 * word for t in self.tensors]
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-group registry
+# ----------------------------------------------------------------------------------------------
+
+_HEAPS: dict[int, tuple[Any, SymmHeap]] = {}
+
+
+def heap_for(group: Any = None) -> SymmHeap:
+    """The group's heap, created on first use (a collective: every rank of the group calls it)."""
+    pg = world.resolve_group(group)
+    entry = _HEAPS.get(id(pg))
+    if entry is not None and entry[0] is pg and not entry[1].closed:
+        return entry[1]
+    heap = SymmHeap(pg, world.group_info(pg))
+    _HEAPS[id(pg)] = (pg, heap)
+    return heap
+
+
+def reserve(group: Any = None, nbytes: int = 0, timeout: float | None = None) -> None:
+    """Grow `group`'s symmetric heap so every slot holds at least `nbytes` (collective)."""
+    if not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
+    heap_for(group).reserve(nbytes, envs.timeout_s() if timeout is None else timeout)
+
+
+def release(group: Any = None) -> None:
+    """Free `group`'s heap in this process. Call it on every rank of the group, not mid-call."""
+    pg = world.resolve_group(group)
+    entry = _HEAPS.pop(id(pg), None)
+    if entry is not None:
+        entry[1].close()
+    world.forget_group(pg)
+
+
+@atexit.register
+def _release_all() -> None:
+    for _pg, heap in list(_HEAPS.values()):
+        heap.close()
+    _HEAPS.clear()

@@ -1,0 +1,256 @@
+"""Ranks, nodes and links: who the peers of a group are and how each pair is connected.
+
+A group is a ``torch.distributed`` process group (``None`` is the default group). `GroupInfo`
+adds what `overlap` needs on top: the node of every rank (from torchrun's environment,
+``OVERLAP_NODE_ID`` or the hostname, in that order of precedence as DESIGN.md says), the link
+class of every peer pair, and the device the group computes on.
+
+Link classes: ``"shm"`` (CPU ranks of one node: POSIX shared memory), ``"nvlink"`` and ``"pcie"``
+(GPU ranks of one node, told apart by peer access), ``"network"`` (ranks on different nodes).
+
+`launch` starts N local ranks when the program was not started by torchrun: gloo on CPU,
+NCCL with one rank per GPU where GPUs exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from . import envs
+
+LINK_CLASSES = ("shm", "nvlink", "pcie", "network")
+
+
+def node_identity() -> str:
+    """This process's node: OVERLAP_NODE_ID, else torchrun's GROUP_RANK, else the hostname."""
+    explicit = envs.node_id()
+    if explicit:
+        return explicit
+    if os.environ.get("GROUP_RANK", "") != "" and os.environ.get("LOCAL_WORLD_SIZE", "") != "":
+        return f"torchrun-node{os.environ['GROUP_RANK']}"
+    return socket.gethostname()
+
+
+def resolve_group(group: Any) -> dist.ProcessGroup:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "overlap needs torch.distributed to be initialized: start the program with torchrun, "
+            "or with overlap.world.launch(fn, nproc), or call torch.distributed.init_process_group"
+        )
+    if group is None:
+        return dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    return group
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupInfo:
+    """Static facts about one group, gathered once per group with one collective."""
+
+    rank: int
+    world_size: int
+    global_ranks: tuple[int, ...]
+    nodes: tuple[str, ...]  # node identity of each group rank
+    pids: tuple[int, ...]
+    backend: str
+    device: torch.device
+    peer_access: tuple[bool, ...]  # GPU peer access from this rank to each group rank
+
+    @property
+    def single_node(self) -> bool:
+        return len(set(self.nodes)) == 1
+
+    @property
+    def node_names(self) -> list[str]:
+        return sorted(set(self.nodes))
+
+    def link_class(self, peer: int) -> str:
+        """Link class between this rank and group rank `peer`."""
+        if self.nodes[peer] != self.nodes[self.rank]:
+            return "network"
+        if self.device.type != "cuda":
+            return "shm"
+        return "nvlink" if self.peer_access[peer] else "pcie"
+
+    def link_classes(self) -> dict[int, str]:
+        return {p: self.link_class(p) for p in range(self.world_size) if p != self.rank}
+
+
+_INFOS: dict[int, tuple[dist.ProcessGroup, GroupInfo]] = {}
+
+
+def group_device(group: dist.ProcessGroup) -> torch.device:
+    backend = dist.get_backend(group)
+    if "nccl" in str(backend).lower() and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def group_info(group: Any = None) -> GroupInfo:
+    """`GroupInfo` of `group` (collective on first use per group, cached afterwards)."""
+    pg = resolve_group(group)
+    cached = _INFOS.get(id(pg))
+    if cached is not None and cached[0] is pg:
+        return cached[1]
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    device = group_device(pg)
+    node = node_identity()
+    device_index = device.index if device.type == "cuda" else -1
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (node, os.getpid(), device_index), group=pg)
+    peer_access = []
+    for peer_node, _pid, peer_dev in gathered:
+        same_gpu_node = device.type == "cuda" and peer_node == node and peer_dev >= 0
+        ok = same_gpu_node and (peer_dev == device_index or torch.cuda.can_device_access_peer(device_index, peer_dev))
+        peer_access.append(bool(ok))
+    info = GroupInfo(
+        rank=rank,
+        world_size=world,
+        global_ranks=tuple(dist.get_global_rank(pg, r) for r in range(world)) if pg is not dist.group.WORLD
+        else tuple(range(world)),
+        nodes=tuple(g[0] for g in gathered),
+        pids=tuple(g[1] for g in gathered),
+        backend=str(dist.get_backend(pg)),
+        device=device,
+        peer_access=tuple(peer_access),
+    )
+    _INFOS[id(pg)] = (pg, info)
+    return info
+
+
+def forget_group(group: dist.ProcessGroup) -> None:
+    _INFOS.pop(id(group), None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Starting local ranks
+# ----------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_nproc() -> int:
+    """Default rank count of `launch`: every GPU where GPUs exist, else 2 CPU ranks."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def init_rank(rank: int, world_size: int, port: int, timeout_s: float = 300.0) -> None:
+    """Initialize torch.distributed for one locally started rank (gloo on CPU, NCCL on GPUs)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+    if use_cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend="nccl" if use_cuda else "gloo",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **({"device_id": torch.device("cuda", rank)} if use_cuda else {}),
+    )
+
+
+def init_from_env() -> bool:
+    """Initialize from torchrun's environment if it is there and nothing is initialized yet."""
+    if dist.is_initialized():
+        return True
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return False
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return True
+
+
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors: Any) -> None:
+    torch.set_num_threads(1)
+    try:
+        init_rank(rank, world_size, port)
+        fn(*args)
+    except BaseException:  # noqa: BLE001 - reported to the parent, which exits non-zero
+        errors.put((rank, traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a dead peer can make teardown fail; the error is reported
+                pass
+
+
+def launch(fn: Callable, nproc: int | None = None, args: tuple = (), timeout_s: float | None = None) -> None:
+    """Run ``fn(*args)`` on `nproc` freshly started local ranks and wait for all of them.
+
+    `fn` must be importable (defined at module level). Raises ``RuntimeError`` with the first
+    failing rank's traceback; the other ranks are then stopped, so one failure never hangs the rest.
+    """
+    import multiprocessing as mp
+    import queue
+    import time
+
+    nproc = default_nproc() if nproc is None else nproc
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, fn, args, errors)) for r in range(nproc)]
+    for p in procs:
+        p.start()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    failure = None
+    try:
+        while any(p.is_alive() for p in procs):
+            try:
+                failure = errors.get(timeout=0.2)
+                break
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                failure = (dead[0], f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}")
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                failure = (-1, f"ranks did not finish within {timeout_s} s")
+                break
+        if failure is None:
+            try:
+                failure = errors.get_nowait()
+            except queue.Empty:
+                pass
+        if failure is None:
+            bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+            if bad:
+                failure = (bad[0], f"rank {bad[0]} exited with code {procs[bad[0]].exitcode}")
+    finally:
+        for p in procs:
+            if failure is not None and p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failure is not None:
+        rank, text = failure
+        raise RuntimeError(f"rank {rank} failed:\n{text}")
