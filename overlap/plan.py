@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Mapping
+from collections.abc import Mapping
 
 from .world import LINK_CLASSES, GroupInfo
 

@@ -224,7 +224,7 @@ class SymmHeap:
         return _SLOT_BASE + slot * _SLOT_STRIDE + MAX_FLAGS + reader
 
     # -- the per-call handshake ---------------------------------------------------------------
-    def begin(self, op: str, signature: str, need_bytes: int, timeout: float, post_only: bool = False) -> "Call":
+    def begin(self, op: str, signature: str, need_bytes: int, timeout: float, post_only: bool = False) -> Call:
         """Start a call: advance the epoch, check signatures on every rank, grow if needed.
 
         ``post_only`` publishes the signature and returns None without waiting (a rank that is
@@ -252,19 +252,21 @@ class SymmHeap:
             raise OverlapTimeout(op, self.rank, peers[missing], "handshake", timeout,
                                  "the peer never started this call")
         need = need_bytes
+        differ = []
         for p in peers:
             words = self._ctrl_np[p][entry : entry + 4].copy()
             if (int(words[0]), int(words[1])) != (lo, hi):
-                # Nothing was exchanged in this call: release its slot so the group stays usable.
-                Call(self, op, epoch, timeout).finish()
-                theirs = bytes(self._ctrl_np[p][entry + 4 : entry + _HS_STRIDE].view("u1")).rstrip(b"\0").decode(
-                    errors="replace")
-                raise OverlapMismatchError(
-                    f"overlap.{op}: ranks disagree on call {epoch} of this group:\n"
-                    f"  rank {self.rank}: {signature}\n  rank {p}: {theirs}\n"
-                    "every rank of a group must make the same calls with the same shapes, dtypes and plans"
-                )
+                raw = bytes(self._ctrl_np[p][entry + 4 : entry + _HS_STRIDE].view("u1"))
+                differ.append(f"  rank {p}: {raw.rstrip(bytes(1)).decode(errors='replace')}")
             need = max(need, int(words[2]) | (int(words[3]) << 31))
+        if differ:
+            # Nothing was exchanged in this call: release its slot so the group stays usable.
+            Call(self, op, epoch, timeout).finish()
+            raise OverlapMismatchError(
+                f"overlap.{op}: ranks disagree on call {epoch} of this group:\n"
+                f"  rank {self.rank}: {signature}\n" + "\n".join(differ) + "\n"
+                "every rank of a group must make the same calls with the same shapes, dtypes and plans"
+            )
         if need > self.slot_bytes:
             self._grow(need, op, timeout)
         return Call(self, op, epoch, timeout)

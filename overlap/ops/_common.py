@@ -54,7 +54,8 @@ def check_matmul_operands(op: str, a: Any, b: Any, device: torch.device) -> None
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise TypeError(f"overlap.{op}: a and b must be tensors, got {type(a).__name__} and {type(b).__name__}")
     if a.dim() < 2:
-        raise ValueError(f"overlap.{op}: a must be [..., k] with at least 2 dims (dim 0 is gathered), got {describe(a)}")
+        raise ValueError(f"overlap.{op}: a must be [..., k] with at least 2 dims (dim 0 is gathered), "
+                         f"got {describe(a)}")
     if b.dim() != 2:
         raise ValueError(f"overlap.{op}: b must be [k, n] (pass a weight w[n, k] as w.t()), got {describe(b)}")
     if a.shape[-1] != b.shape[0]:
@@ -220,7 +221,7 @@ class Watchdog:
         self._timer = threading.Timer(timeout, lambda: abort.fill_(1))
         self._timer.daemon = True
 
-    def __enter__(self) -> "Watchdog":
+    def __enter__(self) -> Watchdog:
         self._timer.start()
         return self
 

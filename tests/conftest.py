@@ -1,0 +1,60 @@
+"""Shared fixtures: rank pools per world size, and a check that /dev/shm is left clean."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+from harness import RankPool
+
+_POOLS: dict[int, RankPool] = {}
+
+
+@pytest.fixture(scope="session")
+def pools():
+    """``pools(world_size)`` -> a live `RankPool`, reused across tests, replaced when broken."""
+
+    def get(world_size: int) -> RankPool:
+        pool = _POOLS.get(world_size)
+        if pool is None or pool.broken:
+            if pool is not None:
+                pool.close()
+            pool = _POOLS[world_size] = RankPool(world_size)
+        return pool
+
+    yield get
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A fresh seed per test, printed so a failure can be replayed (OVERLAP_TEST_SEED fixes it)."""
+    value = int(os.environ.get("OVERLAP_TEST_SEED", random.randrange(2**31)))
+    print(f"[seed] {request.node.nodeid}: OVERLAP_TEST_SEED={value}")
+    return value
+
+
+def _our_segments() -> list[str]:
+    shm = os.environ.get("OVERLAP_SHM_DIR", "/dev/shm")
+    try:
+        return sorted(n for n in os.listdir(shm) if n.startswith("overlap-"))
+    except OSError:
+        return []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shm_left_clean(pools):
+    """After the suite (pools closed, killed ranks included), /dev/shm holds no segment of ours."""
+    before = set(_our_segments())
+    yield
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+    from overlap.symm import remove_stale_segments
+
+    remove_stale_segments()
+    left = sorted(set(_our_segments()) - before)
+    assert not left, f"shared-memory segments left behind: {left}"
