@@ -9,9 +9,9 @@ can start on the local chunk at once and take every peer's chunk as it arrives.
 Strategies (same results; `reference` is the oracle):
 
 * ``reference``: ``all_gather_into_tensor``, then one GEMM.
-* ``pipelined``: pairwise point-to-point transfers (each peer's shard in ``num_chunks[link]``
-  pieces) all posted at once; the local GEMM runs while they fly, then each piece's GEMM as soon
-  as it is received, peers in the order ``rank+1, rank+2, ...``. Any backend, any topology.
+* ``pipelined``: a pairwise exchange (step i: receive from ``rank+i``, send to ``rank-i``), each
+  step split into ``num_chunks[link]`` pieces, all posted at once; the local GEMM runs while they
+  fly, then each piece's GEMM as soon as it is received. Any backend, any topology.
 * ``symm``: every rank copies its shard into its slot of the symmetric heap and flags it; a copy
   engine (a side stream on GPUs, a worker thread on CPU ranks) pulls peers' chunks into a local
   buffer, and the GEMM of each chunk waits only for that chunk. Ranks of one node.
@@ -160,25 +160,33 @@ def _pipelined(a2, b, pg, info, chosen, timeout, sig):
     W, r, m = info.world_size, info.rank, a2.shape[0]
     full = a2.new_empty((W * m, a2.shape[1]))
     out = a2.new_empty((W * m, b.shape[1]))
-    recvs, sends = [], []
+    steps = []
     try:
-        # Receives first, then sends, peers in the order they will be consumed: rank r reads
-        # r+1, r+2, ... so a sender serves r-1 first.
+        # Pairwise exchange: at step i every rank receives from r+i and sends to r-i (a shift, so
+        # every send has its receive at the same step, also when a backend serializes steps, as
+        # NCCL does). Each step is split into chunks for its link; all steps are posted at once and
+        # the GEMM of a chunk waits only for that chunk.
         for i in range(1, W):
-            p = (r + i) % W
-            for j, (lo, hi) in enumerate(C.chunk_bounds(m, chosen.chunks_for(info.link_class(p)))):
-                work = dist.irecv(full[p * m + lo : p * m + hi], src=info.global_ranks[p], group=pg, tag=j)
-                recvs.append((p, j, lo, hi, work))
-        for i in range(1, W):
-            p = (r - i) % W
-            for j, (lo, hi) in enumerate(C.chunk_bounds(m, chosen.chunks_for(info.link_class(p)))):
-                sends.append((p, j, dist.isend(a2[lo:hi], dst=info.global_ranks[p], group=pg, tag=j)))
+            src, dst = (r + i) % W, (r - i) % W
+            recv_bounds = C.chunk_bounds(m, chosen.chunks_for(info.link_class(src)))
+            send_bounds = C.chunk_bounds(m, chosen.chunks_for(info.link_class(dst)))
+            for j in range(max(len(recv_bounds), len(send_bounds))):
+                ops = []
+                if j < len(recv_bounds):
+                    lo, hi = recv_bounds[j]
+                    ops.append(dist.P2POp(dist.irecv, full[src * m + lo : src * m + hi], info.global_ranks[src], pg))
+                if j < len(send_bounds):
+                    lo, hi = send_bounds[j]
+                    ops.append(dist.P2POp(dist.isend, a2[lo:hi], info.global_ranks[dst], pg))
+                works = dist.batch_isend_irecv(ops)
+                steps.append((src, j, recv_bounds[j] if j < len(recv_bounds) else None, works))
         torch.mm(a2, b, out=out[r * m : (r + 1) * m])
-        for p, j, lo, hi, work in recvs:
-            C.wait_work(work, OP, r, p, j, timeout)
-            torch.mm(full[p * m + lo : p * m + hi], b, out=out[p * m + lo : p * m + hi])
-        for p, j, work in sends:
-            C.wait_work(work, OP, r, p, j, timeout)
+        for src, j, bounds, works in steps:
+            for work in works:
+                C.wait_work(work, OP, r, src, j, timeout)
+            if bounds is not None:
+                lo, hi = bounds
+                torch.mm(full[src * m + lo : src * m + hi], b, out=out[src * m + lo : src * m + hi])
         return out
     finally:
         call.finish()
