@@ -23,17 +23,18 @@ import triton.language as tl
 
 @triton.jit
 def _wait_flag(flag_ptr, epoch, abort_ptr, err_ptr, src, timeout_ns, INTERPRETED: tl.constexpr):
-    ready = tl.atomic_add(flag_ptr, 0, sem="acquire")
+    # System scope: the producer may be another GPU (or the host) writing through a peer mapping.
+    ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     if INTERPRETED:
         aborted = tl.load(abort_ptr, volatile=True)
         while (ready < epoch) & (aborted == 0):
-            ready = tl.atomic_add(flag_ptr, 0, sem="acquire")
+            ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
             aborted = tl.load(abort_ptr, volatile=True)
     else:
         start = tl.extra.cuda.globaltimer()
         now = start
         while (ready < epoch) & (now - start < timeout_ns):
-            ready = tl.atomic_add(flag_ptr, 0, sem="acquire")
+            ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
             now = tl.extra.cuda.globaltimer()
     if ready < epoch:
         tl.atomic_max(err_ptr, src + 1)
@@ -54,7 +55,7 @@ def all_gather_matmul_kernel(
     stride_bk, stride_bn,
     stride_om, stride_on,
     # meta
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     # ---- which tile: chunk-major, own chunk first --------------------------------------------
@@ -64,16 +65,23 @@ def all_gather_matmul_kernel(
     tiles_per_chunk = tiles_m * tiles_n
     step = pid // tiles_per_chunk
     src = (rank + step) % world_size
+    # Within a chunk, groups of GROUP_M row tiles sweep the columns together so the B tiles they
+    # share stay in L2.
     tile = pid % tiles_per_chunk
-    tile_m = tile // tiles_n
-    tile_n = tile % tiles_n
+    group_size = GROUP_M * tiles_n
+    first_m = (tile // group_size) * GROUP_M
+    rows_in_group = min(tiles_m - first_m, GROUP_M)
+    tile_m = first_m + (tile % group_size) % rows_in_group
+    tile_n = (tile % group_size) // rows_in_group
 
     # ---- wait for the chunk this tile reads ---------------------------------------------------
     flag_ptr = tl.load(flag_table + src).to(tl.pointer_type(tl.int32))
     _wait_flag(flag_ptr, epoch, abort_ptr, err_ptr, src, timeout_ns, INTERPRETED)
 
     # ---- GEMM tile, loading A straight from the producer's buffer -----------------------------
-    a_ptr = tl.load(ptr_table + src).to(tl.pointer_type(b_ptr.dtype.element_ty))
+    # Buffers are 16-byte aligned (symm.py asserts it); saying so lets the compiler use wide,
+    # pipelined loads for a pointer that comes out of a table.
+    a_ptr = tl.multiple_of(tl.load(ptr_table + src).to(tl.pointer_type(b_ptr.dtype.element_ty)), 16)
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)

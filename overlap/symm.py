@@ -204,6 +204,11 @@ class SymmHeap:
         self._ctrl_addr = [t.data_ptr() for t in self.ctrl]
         self.data: list[torch.Tensor] = []
         self._ptr_tables: dict[tuple[int, str], torch.Tensor] = {}
+        # Where asynchronous (stream-ordered, in-kernel) waits report a missed deadline: word p
+        # is set when a wait on peer p gave up. Pinned host memory on GPUs, so the host reads it
+        # without synchronizing; `begin` checks it at the next call.
+        self.async_errors = torch.zeros(MAX_PEERS + 1, dtype=torch.int32,
+                                        pin_memory=self.device.type == "cuda")
         if self.device.type == "cuda":
             self._cuda_flags = _CudaFlags(group, self.world_size)
 
@@ -232,6 +237,7 @@ class SymmHeap:
         """
         if self.closed:
             raise RuntimeError("overlap: this group's symmetric heap was released; it cannot be used again")
+        self.check_async_errors(op, timeout)
         c = _c()
         self.epoch += 1
         epoch = self.epoch
@@ -270,6 +276,23 @@ class SymmHeap:
         if need > self.slot_bytes:
             self._grow(need, op, timeout)
         return Call(self, op, epoch, timeout)
+
+    def err_addr(self, peer: int) -> int:
+        """Address of the error word of waits on `peer` (device-visible on GPUs)."""
+        return self.async_errors.data_ptr() + 4 * peer
+
+    def kernel_err(self) -> torch.Tensor:
+        """Error word of in-kernel waits (a kernel stores ``peer + 1`` there)."""
+        return self.async_errors[MAX_PEERS:]
+
+    def check_async_errors(self, op: str, timeout: float) -> None:
+        """Raise if an earlier call's asynchronous wait gave up (the group is then unusable)."""
+        bad = torch.nonzero(self.async_errors[:MAX_PEERS]).flatten().tolist()
+        kernel = int(self.async_errors[MAX_PEERS])
+        if bad or kernel:
+            peer = bad[0] if bad else kernel - 1
+            raise OverlapTimeout(op, self.rank, peer, "of an earlier call", timeout,
+                                 "a stream-ordered or in-kernel wait passed its deadline")
 
     # -- growth --------------------------------------------------------------------------------
     def _grow(self, need: int, op: str, timeout: float) -> None:
@@ -379,13 +402,19 @@ class Call:
         h = self.heap
         addrs = [self._flag_addr(h.rank, h.done_word(self.slot, q)) for q in range(self.world_size)]
         if self._cuda():
-            for addr in addrs:
-                _c().cuda_stream_wait_value32(addr, prev, _stream_handle(stream))
+            for q, addr in enumerate(addrs):
+                self._bounded_wait(addr, prev, q, stream)
             return
         missing = _c().signal_wait_all(addrs, prev, self.timeout)
         if missing >= 0:
             raise OverlapTimeout(self.op, self.rank, missing, f"slot {self.slot}", self.timeout,
                                  "the peer did not finish the slot's previous call")
+
+    def _bounded_wait(self, addr: int, value: int, peer: int, stream: Any) -> None:
+        # A one-thread kernel that spins with a %globaltimer limit and, past it, records the
+        # failure in pinned memory (checked by the next call) instead of blocking the stream forever.
+        _c().cuda_wait_flag_bounded(addr, value, int(self.timeout * 1e9), self.heap.err_addr(peer),
+                                    _stream_handle(stream))
 
     def signal_ready(self, index: int = 0, stream: Any = None) -> None:
         h = self.heap
@@ -399,7 +428,7 @@ class Call:
         h = self.heap
         addr = self._flag_addr(peer, h.ready_word(self.slot, index))
         if self._cuda():
-            _c().cuda_stream_wait_value32(addr, self.epoch, _stream_handle(stream))
+            self._bounded_wait(addr, self.epoch, peer, stream)
         elif not _c().signal_wait(addr, self.epoch, self.timeout):
             raise OverlapTimeout(self.op, self.rank, peer, index, self.timeout, "data never signalled ready")
 

@@ -26,16 +26,17 @@ def compile_ag_matmul(dtype: str, block: tuple[int, int, int]) -> dict:
         "epoch": "i32", "rank": "i32", "world_size": "i32", "abort_ptr": "*i32", "err_ptr": "*i32",
         "timeout_ns": "i64", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
         "stride_bk": "i32", "stride_bn": "i32", "stride_om": "i32", "stride_on": "i32",
-        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
         "UPCAST": "constexpr", "INTERPRETED": "constexpr",
     }
-    constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST": False, "INTERPRETED": False}
+    constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "UPCAST": False, "INTERPRETED": False}
     src = ASTSource(fn=ag_matmul.all_gather_matmul_kernel, signature=signature, constexprs=constexprs)
     kernel = compile(src, target=TARGET, options={"num_warps": 8, "num_stages": 3})
     ptx = kernel.asm["ptx"]
     return {
         "kernel": "all_gather_matmul_kernel", "dtype": dtype, "block": list(block),
-        "wgmma": "wgmma" in ptx, "globaltimer": "globaltimer" in ptx, "acquire": ".acquire" in ptx,
+        "wgmma": "wgmma" in ptx, "globaltimer": "globaltimer" in ptx,
+        "acquire": ".acquire" in ptx, "sys_scope": ".sys" in ptx,
         "cubin_bytes": len(kernel.asm.get("cubin", b"")), "seconds": round(time.time() - t0, 2),
     }
 

@@ -23,5 +23,5 @@ def test_ag_matmul_compiles_for_sm90_with_wgmma():
     for r in report:
         assert r["wgmma"], f"no wgmma in the PTX of {r}"
         assert r["globaltimer"], f"the bounded wait does not read %globaltimer: {r}"
-        assert r["acquire"], f"the flag load is not an acquire: {r}"
+        assert r["acquire"] and r["sys_scope"], f"the flag load is not a system-scope acquire: {r}"
         assert r["cubin_bytes"] > 0, r

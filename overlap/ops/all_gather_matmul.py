@@ -228,7 +228,10 @@ def _symm(a2, b, pg, info, chosen, timeout, sig):
 
 
 def _symm_cuda(a2, b, pg, info, chosen, timeout, sig):
-    """GPU: copy-engine pulls on a side stream, stream-ordered flags. Not yet run on a GPU."""
+    """GPU: copy-engine pulls on a side stream, stream-ordered flags and bounded waits.
+
+    Not yet run on a GPU. A wait that passes its deadline is reported by the next call on the group.
+    """
     W, r, (m, k) = info.world_size, info.rank, a2.shape
     call = C.begin_call(OP, pg, info, sig, a2.numel() * a2.element_size(), timeout)
     main = torch.cuda.current_stream()
@@ -288,7 +291,9 @@ def _fused(a2, b, pg, info, chosen, timeout, sig):
         call.buffer(r, a2.dtype, (m, k)).copy_(a2)
         call.signal_ready()
         out = a2.new_empty((W * m, n))
-        err = torch.zeros(1, dtype=torch.int32, device=a2.device)
+        # GPU: the kernel's error word is pinned host memory, checked by the next call without a
+        # sync. CPU (interpreted): checked right after the kernel.
+        err = heap.kernel_err() if a2.is_cuda else torch.zeros(1, dtype=torch.int32)
         abort = torch.zeros(1, dtype=torch.int32, device=a2.device)
         bm, bn, bk = _fused_tiles(chosen, interpreted, a2.dtype)
         grid = (W * triton_cdiv(m, bm) * triton_cdiv(n, bn),)
@@ -302,10 +307,10 @@ def _fused(a2, b, pg, info, chosen, timeout, sig):
                 k,
                 b.stride(0), b.stride(1),
                 out.stride(0), out.stride(1),
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                 UPCAST=interpreted and a2.dtype == torch.bfloat16, INTERPRETED=interpreted,
             )
-        bad = int(err.item())
+        bad = 0 if a2.is_cuda else int(err.item())
         if bad:
             raise OverlapTimeout(OP, r, bad - 1, f"rank chunk {bad - 1}", timeout, "fused kernel tile wait")
         return out

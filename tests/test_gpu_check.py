@@ -1,0 +1,73 @@
+"""Tests of bench/gpu_check.py without a GPU: its --help, and its --cpu-smoke mode, which runs the
+virtual-rank checks under the Triton interpreter (one process) and every op x strategy over gloo
+(two ranks under torchrun). Every run is a subprocess with a timeout: no test hangs.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_check.py"
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TRITON_INTERPRET")}
+    env["PYTHONUNBUFFERED"] = "1"
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _check_table_and_json(proc: subprocess.CompletedProcess, path: Path) -> dict:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-6000:]}"
+    tail = proc.stdout.rstrip().splitlines()
+    assert tail[-1].endswith(" s") and " passed, 0 failed" in tail[-1], out[-3000:]
+    assert any(line.startswith("check ") and "status" in line for line in tail), out[-3000:]
+    doc = json.loads(path.read_text())
+    assert doc["ok"] is True and doc["torch"] and "date" in doc
+    return doc
+
+
+def test_help():
+    proc = _run([str(SCRIPT), "--help"], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for option in ("--cpu-smoke", "--no-install", "--install", "--json", "--time-limit"):
+        assert option in proc.stdout
+
+
+def test_cpu_smoke_virtual_ranks(tmp_path):
+    path = tmp_path / "gpu_check.json"
+    proc = _run([str(SCRIPT), "--cpu-smoke", "--no-install", "--json", str(path)], timeout=90)
+    doc = _check_table_and_json(proc, path)
+    assert doc["mode"] == "cpu-smoke"
+    status = {r["name"]: r["status"] for r in doc["results"]}
+    ordered = [n for n in status if n.startswith("a.ordered")]
+    # fp32 and bf16, W=2 and 4, two shapes each
+    assert len(ordered) == 8 and all(status[n] == "PASS" for n in ordered), status
+    for prefix in ("b.racing", "c.timeout"):
+        assert [s for n, s in status.items() if n.startswith(prefix)] == ["PASS"], status
+    timeout = next(r for r in doc["results"] if r["name"].startswith("c.timeout"))
+    assert "bounded wait fired" in timeout["value"] and "err=2" in timeout["value"]
+    gpu_only = [n for n in status if n.startswith(("d.", "e.", "time "))]
+    assert gpu_only and all(status[n] == "SKIP" for n in gpu_only), status
+    assert "FAIL" not in status.values()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="gloo ranks over /dev/shm")
+def test_cpu_smoke_torchrun_two_ranks(tmp_path):
+    path = tmp_path / "gpu_check.json"
+    args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            str(SCRIPT), "--cpu-smoke", "--no-install", "--json", str(path)]
+    proc = _run(args, timeout=90)
+    doc = _check_table_and_json(proc, path)
+    assert doc["mode"] == "cpu-smoke-distributed"
+    checks = {r["name"]: r["status"] for r in doc["results"] if "fwd+bwd" in r["name"]}
+    for strategy in ("reference", "pipelined", "symm", "fused"):
+        assert [s for n, s in checks.items() if f" {strategy} " in n] == ["PASS"], checks
+    timed = [r for r in doc["results"] if r["name"].startswith("time ") and r["status"] == "PASS"]
+    assert len(timed) == 4 and all(r["data"]["ms"] > 0 for r in timed), doc["results"]
