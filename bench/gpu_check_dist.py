@@ -1,0 +1,238 @@
+"""Several GPUs under torchrun (WORLD_SIZE > 1): every strategy of every op in `build_ops` against
+``reference``, forward and backward, then timings of each strategy and of torch's own
+``symm_mem.fused_all_gather_matmul`` where it exists. With ``--cpu-smoke`` the same runs over gloo on the
+CPU at tiny sizes.
+
+Imports overlap: the entry point imports this module only after its self-install.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from gpu_check_common import Report, bench_shapes, compare, dtype_name, fmt_shape, poll
+
+import overlap
+from overlap.ops import _common as common
+
+# ==============================================================================================
+# Several GPUs under torchrun: every op x strategy against `reference`, then timings
+# ==============================================================================================
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCase:
+    """One fused op as the distributed checks see it. A new op is one more entry in `build_ops`."""
+
+    fn: Callable[..., torch.Tensor]  # overlap.<op>(*inputs, strategy=..., timeout=...)
+    inputs: Callable[[dict[str, int], torch.dtype, torch.device], tuple[torch.Tensor, ...]]
+    flops: Callable[[dict[str, int], int], float]  # (shape, world size) -> flops per rank
+    check_shapes: tuple[dict[str, int], ...]
+    smoke_shapes: tuple[dict[str, int], ...]  # CPU (gloo, interpreted fused): tiny
+    bench_shapes: Callable[[int], list[tuple[str, dict[str, int]]]]  # world size -> labelled shapes
+    native: Callable[[tuple[torch.Tensor, ...], Any], Callable[[], torch.Tensor] | str] | None = None
+
+
+def _ag_inputs(shape: dict[str, int], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+    m, k, n = shape["m"], shape["k"], shape["n"]
+    a = torch.randn(m, k, device=device, dtype=dtype) / math.sqrt(k)
+    return a, torch.randn(n, k, device=device, dtype=dtype).t()  # b = w.t(), as a Megatron weight
+
+
+def _torch_fused_all_gather_matmul(inputs: tuple[torch.Tensor, ...], group: Any) -> Callable[[], torch.Tensor] | str:
+    """torch's own ``symm_mem.fused_all_gather_matmul`` on the same inputs, or why it cannot run."""
+    import inspect
+
+    a, b = inputs
+    if a.device.type != "cuda":
+        return "needs CUDA"
+    try:
+        import torch.distributed._symmetric_memory as symm_mem  # registers torch.ops.symm_mem.*
+    except ImportError as exc:
+        return f"torch.distributed._symmetric_memory does not import: {exc}"
+    op = getattr(torch.ops.symm_mem, "fused_all_gather_matmul", None)
+    if op is None:
+        return "torch.ops.symm_mem.fused_all_gather_matmul does not exist in this torch"
+    py_fn = getattr(symm_mem, "_fused_all_gather_matmul", None)
+    schema = op.default._schema
+    signature = str(inspect.signature(py_fn)) if py_fn is not None else str(schema)
+    known = {"A": a, "A_shard": a, "Bs": [b], "gather_dim": 0, "group_name": group.group_name, "return_A": False}
+    args, kwargs = [], {}
+    for arg in schema.arguments:
+        if arg.name not in known:
+            if arg.has_default_value():
+                continue
+            return f"unknown argument {arg.name!r} in {signature}"
+        if arg.kwarg_only:
+            kwargs[arg.name] = known[arg.name]
+        else:
+            args.append(known[arg.name])
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # deprecated in newer torch, still needed in older
+            enable(group.group_name)
+    return lambda: op(*args, **kwargs)[1][0]
+
+
+def build_ops() -> dict[str, OpCase]:
+    return {
+        "all_gather_matmul": OpCase(
+            fn=overlap.all_gather_matmul,
+            inputs=_ag_inputs,
+            flops=lambda s, w: 2.0 * w * s["m"] * s["k"] * s["n"],
+            check_shapes=({"m": 256, "k": 1024, "n": 768}, {"m": 100, "k": 1000, "n": 300}),
+            smoke_shapes=({"m": 8, "k": 32, "n": 24},),
+            bench_shapes=bench_shapes,
+            native=_torch_fused_all_gather_matmul,
+        ),
+    }
+
+
+class Dist:
+    """This rank's view of the torchrun world, with bounded collectives for the checks' bookkeeping."""
+
+    def __init__(self, rep: Report, timeout: float):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.group = dist.group.WORLD
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.info = overlap.world.group_info(self.group)
+        self.device = self.info.device
+        self.cuda = self.device.type == "cuda"
+        self.rep, self.timeout = rep, timeout
+        self.broken = False  # after a failed call the group may be unusable: later sections skip
+
+    def wait(self, work: Any, what: str) -> None:
+        common.wait_work(work, "gpu_check", self.rank, "any", what, self.timeout)
+
+    def barrier(self) -> None:
+        self.wait(self.dist.barrier(group=self.group, async_op=True), "barrier")
+
+    def agree(self, ok: bool, err: float) -> tuple[bool, float]:
+        """Every rank's verdict and worst error, so all ranks report the same thing."""
+        t = torch.tensor([0.0 if ok else 1.0, err if math.isfinite(err) else math.inf], dtype=torch.float64,
+                         device=self.device)
+        self.wait(self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.group, async_op=True), "agree")
+        return t[0].item() == 0.0, t[1].item()
+
+    def slowest(self, value: float) -> float:
+        return self.agree(True, value)[1]
+
+    def run(self, section: str, fn: Callable[[], None]) -> None:
+        """Report.run, with the ranks agreeing on whether to run: a section one rank skips alone would
+        leave the others waiting in its collectives."""
+        if not self.rep.selected(section):
+            return
+        skip = "an earlier distributed failure may have left the group unusable" if self.broken else None
+        if skip is None:
+            try:
+                if self.slowest(float(self.rep.over_time())) > 0:
+                    skip = f"over --time-limit {self.rep.time_limit:.0f} s on some rank"
+            except Exception as exc:  # noqa: BLE001 - a peer is gone
+                self.broken, skip = True, f"ranks could not agree to start ({type(exc).__name__}: {exc})"
+        if skip is not None:
+            self.rep.run(section, fn, skip=skip)
+        elif self.rep.run(section, fn, check_time=False):
+            self.broken = True  # an exception escaped the section: peers may be stuck in its collectives
+
+    def time_calls(self, fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
+        """Median ms of `fn` over a fixed number of calls (do_bench picks its own count, which would
+        differ between ranks and deadlock a collective)."""
+        for _ in range(warmup):
+            fn()
+        self.barrier()
+        if not self.cuda:
+            times = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            return statistics.median(times)
+        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for start, end in pairs:
+            start.record()
+            fn()
+            end.record()
+        if not poll([pairs[-1][1]], self.timeout):
+            raise RuntimeError(f"timed calls did not finish within {self.timeout} s")
+        return statistics.median(s.elapsed_time(e) for s, e in pairs)
+
+
+def dist_check(d: Dist, name: str, case: OpCase, shape: dict[str, int], strategy: str, dtype: torch.dtype) -> None:
+    """`strategy` against `reference` on fresh inputs: the output and the gradients of every input."""
+    inputs = case.inputs(shape, dtype, d.device)
+
+    def forward_backward(strat: str, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+        y = case.fn(*leaves, strategy=strat, timeout=d.timeout)
+        y.backward(grad)
+        return (y.detach(), *[t.grad for t in leaves])
+
+    with torch.no_grad():
+        grad = torch.randn_like(case.fn(*inputs, strategy="reference", timeout=d.timeout))
+    want = forward_backward("reference", grad)
+    got = forward_backward(strategy, grad)
+    ok, worst, parts = True, 0.0, []
+    for label, g, w in zip(("out", *[f"grad{i}" for i in range(len(inputs))]), got, want, strict=True):
+        good, max_err, rel = compare(g, w.double())
+        ok, worst = ok and good, max(worst, max_err if math.isfinite(max_err) else math.inf)
+        parts.append(f"{label} {max_err:.1e}")
+    ok, worst = d.agree(ok, worst)
+    d.rep.add(name, "PASS" if ok else "FAIL", f"max {worst:.1e} over ranks ({', '.join(parts)} here)", max_err=worst)
+
+
+def dist_time(d: Dist, label: str, case: OpCase, shape: dict[str, int], dtype: torch.dtype, iters: int) -> None:
+    """Each strategy vs `reference` on one shape, then torch's own fused op where it exists."""
+    inputs = case.inputs(shape, dtype, d.device)
+    flops = case.flops(shape, d.world_size)
+    times: dict[str, float] = {}
+    for strategy in overlap.STRATEGIES:
+        with torch.no_grad():
+            t = d.time_calls(lambda s=strategy: case.fn(*inputs, strategy=s, timeout=d.timeout), iters)
+        t = max(d.slowest(t), 1e-9)  # the slowest rank's median
+        times[strategy] = t
+        interpreted = " (interpreted: not a GPU number)" if strategy == "fused" and not d.cuda else ""
+        d.rep.add(f"time {label} {strategy}", "PASS", f"{t:.3f} ms{interpreted}", tflops=flops / (t * 1e-3) / 1e12,
+                  ratio=times["reference"] / t, ms=t)
+    if case.native is None:
+        return
+    native = case.native(inputs, d.group)
+    if isinstance(native, str):
+        d.rep.add(f"time {label} torch symm_mem", "SKIP", native)
+        return
+    with torch.no_grad():
+        ok, max_err, rel = compare(native(), case.fn(*inputs, strategy="reference", timeout=d.timeout).double())
+        ok, max_err = d.agree(ok, max_err)
+        if not ok:
+            d.rep.add(f"time {label} torch symm_mem", "FAIL", f"differs from reference: max {max_err:.1e}")
+            return
+        t = max(d.slowest(d.time_calls(native, iters)), 1e-9)
+    d.rep.add(f"time {label} torch symm_mem", "PASS", f"{t:.3f} ms", tflops=flops / (t * 1e-3) / 1e12,
+              ratio=times["reference"] / t, ms=t)
+
+
+def run_distributed(rep: Report, cpu_smoke: bool) -> Dist:
+    overlap.world.init_from_env()
+    d = Dist(rep, timeout=30.0)
+    dtype = torch.float32 if not d.cuda else torch.bfloat16
+    rep.log(f"{d.world_size} ranks on {d.device.type}, {dtype_name(dtype)}")
+    for op_name, case in build_ops().items():
+        for shape in case.smoke_shapes if cpu_smoke else case.check_shapes:
+            for strategy in overlap.STRATEGIES:
+                name = f"{op_name} {strategy} fwd+bwd W={d.world_size} {fmt_shape(shape)}"
+                d.run(name, lambda n=name, c=case, s=shape, st=strategy: dist_check(d, n, c, s, st, dtype))
+        bench = [("tiny", case.smoke_shapes[0])] if cpu_smoke else case.bench_shapes(d.world_size)
+        for label, shape in bench:
+            name = f"{op_name} {label} {fmt_shape(shape)}"
+            d.run(f"time {name}", lambda n=name, c=case, s=shape: dist_time(d, n, c, s, dtype, 3 if cpu_smoke else 20))
+    return d
