@@ -25,6 +25,7 @@ def _set_triton_interpret() -> None:
 
     if not torch.cuda.is_available():
         _os.environ["TRITON_INTERPRET"] = "1"
+        _envs.TRITON_INTERPRET_SET_BY_OVERLAP = True
 
 
 _set_triton_interpret()
@@ -37,7 +38,7 @@ if not _log.handlers:
 _log.setLevel(getattr(_logging, _envs.log_level(), _logging.WARNING))
 
 from .errors import OverlapError, OverlapMismatchError, OverlapTimeout  # noqa: E402
-from .ops import all_gather_matmul  # noqa: E402
+from .ops.all_gather_matmul import all_gather_matmul  # noqa: E402
 from .plan import STRATEGIES, Plan  # noqa: E402
 from .symm import release, reserve  # noqa: E402
 

@@ -49,3 +49,12 @@ def shm_dir() -> str:
 
 def triton_interpret_set_by_user() -> bool:
     return "TRITON_INTERPRET" in os.environ
+
+
+def triton_interpret() -> bool:
+    """Whether Triton kernels defined from now on run in the interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false", "no")
+
+
+#: True when `import overlap` set TRITON_INTERPRET itself (no GPU, not set by the user).
+TRITON_INTERPRET_SET_BY_OVERLAP = False

@@ -148,21 +148,20 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
-def init_rank(rank: int, world_size: int, port: int, timeout_s: float = 300.0) -> None:
-    """Initialize torch.distributed for one locally started rank (gloo on CPU, NCCL on GPUs)."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+def init_rank(rank: int, world_size: int, init_file: str, timeout_s: float = 300.0) -> None:
+    """Initialize torch.distributed for one locally started rank (gloo on CPU, NCCL on GPUs).
+
+    Ranks meet through a file store (`init_file`, a path that does not exist yet), so no TCP port
+    has to be picked in advance and raced for.
+    """
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
     if use_cuda:
         torch.cuda.set_device(rank)
     dist.init_process_group(
         backend="nccl" if use_cuda else "gloo",
+        init_method=f"file://{init_file}",
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
@@ -183,11 +182,13 @@ def init_from_env() -> bool:
     return True
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors: Any) -> None:
+def _rank_main(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, errors: Any) -> None:
     torch.set_num_threads(1)
     try:
-        init_rank(rank, world_size, port)
+        init_rank(rank, world_size, init_file)
         fn(*args)
+        # Every rank is done before any tears down, so no rank loses a peer mid-teardown.
+        dist.barrier()
     except BaseException:  # noqa: BLE001 - reported to the parent, which exits non-zero
         errors.put((rank, traceback.format_exc()))
         raise SystemExit(1) from None
@@ -212,10 +213,13 @@ def launch(fn: Callable, nproc: int | None = None, args: tuple = (), timeout_s: 
     nproc = default_nproc() if nproc is None else nproc
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
+    import tempfile
+
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, fn, args, errors)) for r in range(nproc)]
+    store_dir = tempfile.mkdtemp(prefix="overlap-launch-")
+    init_file = os.path.join(store_dir, "store")
+    procs = [ctx.Process(target=_rank_main, args=(r, nproc, init_file, fn, args, errors)) for r in range(nproc)]
     for p in procs:
         p.start()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -252,6 +256,9 @@ def launch(fn: Callable, nproc: int | None = None, args: tuple = (), timeout_s: 
             if p.is_alive():
                 p.kill()
                 p.join()
+        import shutil
+
+        shutil.rmtree(store_dir, ignore_errors=True)
     if failure is not None:
         rank, text = failure
         raise RuntimeError(f"rank {rank} failed:\n{text}")

@@ -12,7 +12,8 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -27,20 +28,16 @@ class RankError(AssertionError):
         self.results = results or []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, conn, env: dict[str, str]) -> None:
+def _worker(rank: int, world_size: int, init_file: str, conn, env: dict[str, str]) -> None:
     os.environ.update(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    # A file store: no TCP port to pick in advance (and to race for with other test runs).
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -66,12 +63,13 @@ class RankPool:
     def __init__(self, world_size: int, env: dict[str, str] | None = None, start_timeout: float = 60.0):
         self.world_size = world_size
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        self._store_dir = tempfile.mkdtemp(prefix="overlap-test-")
+        init_file = os.path.join(self._store_dir, "store")
         self.conns, self.procs = [], []
         base_env = {"OVERLAP_TIMEOUT_S": "20", **(env or {})}
         for r in range(world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(r, world_size, port, child, base_env), daemon=True)
+            p = ctx.Process(target=_worker, args=(r, world_size, init_file, child, base_env), daemon=True)
             p.start()
             child.close()
             self.conns.append(parent)
@@ -139,6 +137,7 @@ class RankPool:
                 p.kill()
         for p in self.procs:
             p.join(timeout=10)
+        shutil.rmtree(self._store_dir, ignore_errors=True)
 
     def close(self) -> None:
         if not self.broken:

@@ -1,5 +1,5 @@
-"""The fused operations, one module each (see each module's docstring)."""
+"""The fused operations, one module each (see each module's docstring).
 
-from .all_gather_matmul import all_gather_matmul
-
-__all__ = ["all_gather_matmul"]
+Import the functions from `overlap` (``overlap.all_gather_matmul``); ``overlap.ops.<name>`` is
+the module that implements one.
+"""

@@ -202,7 +202,7 @@ def drain(futures: list[Future]) -> None:
 
 
 def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return envs.triton_interpret()
 
 
 @functools.cache

@@ -1,0 +1,9 @@
+"""Benchmarks of the fused ops: one definition of the cases (`cases`), one runner (`runner`).
+
+``overlap bench`` runs them on locally started ranks (or in place under torchrun); the
+top-level ``bench/`` scripts reuse the same cases.
+"""
+
+from .cases import OPS, Case, default_cases, parse_shape
+
+__all__ = ["OPS", "Case", "default_cases", "parse_shape"]

@@ -1,0 +1,377 @@
+"""The ``overlap`` command: ``overlap info``, ``overlap bench``, ``overlap --version``.
+
+Both commands need ranks. Started by torchrun (``torchrun --nproc-per-node 4 -m overlap.cli
+bench``) they run in place on the ranks torchrun made; started plainly they start ``--nproc``
+local ranks with `overlap.world.launch` (default: every GPU, else 2 CPU ranks on gloo).
+
+Exit codes: 0 success; 1 a rank failed (its traceback goes to stderr) or a benchmark result did
+not match ``reference``; 2 bad command-line arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import overlap
+
+from . import envs, world
+from .benchmarks.cases import DTYPES, OPS, Case, parse_shape
+from .plan import STRATEGIES
+
+_DESCRIPTION = "overlap: hide tensor- and expert-parallel communication behind the GEMMs around it."
+
+_EPILOG = """\
+Ranks: under torchrun the commands run on torchrun's ranks (--nproc is ignored); otherwise they
+start --nproc local ranks (default: one per GPU, else 2 CPU ranks on gloo).
+
+examples:
+  overlap info
+  overlap bench
+  overlap bench --nproc 4 --shape 1024x1024x1024 --dtype bfloat16 --json results.json
+  torchrun --nproc-per-node 8 -m overlap.cli bench --strategies reference,symm,fused
+"""
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument types (each raises argparse.ArgumentTypeError, which argparse turns into exit code 2)
+# ----------------------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value}")
+    return value
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    try:
+        return parse_shape(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _strategies(text: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in names if s not in STRATEGIES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(STRATEGIES)}, got {text!r}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="overlap",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"overlap {overlap.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    nproc_help = "local ranks to start when not under torchrun (default: one per GPU, else 2 CPU ranks)"
+
+    info = sub.add_parser(
+        "info",
+        help="versions, build, ranks and the link class of every rank pair",
+        description="Start the ranks and print what overlap sees: versions of overlap, torch and Triton, "
+        "whether overlap._C has CUDA, the Triton interpreter state, the backend, every rank "
+        "(pid, node, device) and the link class (shm, nvlink, pcie, network) of every pair of ranks.",
+    )
+    info.add_argument("--nproc", type=_positive_int, default=None, metavar="N", help=nproc_help)
+
+    bench = sub.add_parser(
+        "bench",
+        help="check and time every strategy against reference",
+        description="Benchmark an op on the ranks: for each case, check every strategy against "
+        "'reference' (a mismatch fails the command), warm up, then time interleaved repeats between "
+        "barriers. Prints one line per strategy and case (median ms, p25..p75, TFLOP/s, speedup over "
+        "reference, overlap efficiency = (T_ref - T) / min(T_comm, T_compute)), the transfer and the "
+        "GEMM alone for context, and the geometric-mean speedup per strategy. Interpreted 'fused' "
+        "(CPU ranks) runs only where every dim <= 128 and is left out of the summary.",
+    )
+    bench.add_argument("--nproc", type=_positive_int, default=None, metavar="N", help=nproc_help)
+    bench.add_argument("--op", choices=OPS, default=OPS[0], help="op to benchmark (default: %(default)s)")
+    bench.add_argument(
+        "--shape",
+        type=_shape,
+        nargs="+",
+        default=None,
+        metavar="MxKxN",
+        help="cases: each rank's a is [M, K] (M rows of the gathered dim per rank), b is [K, N] "
+        "(default: the built-in cases of the op for the ranks' device)",
+    )
+    bench.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default=None,
+        help="dtype of the cases (default: float32 for --shape, else each built-in case's own)",
+    )
+    bench.add_argument(
+        "--strategies",
+        type=_strategies,
+        default=STRATEGIES,
+        metavar="LIST",
+        help=f"comma-separated strategies (default: {','.join(STRATEGIES)}); reference, the baseline, always runs",
+    )
+    bench.add_argument(
+        "--warmup",
+        type=_non_negative_int,
+        default=3,
+        metavar="W",
+        help="warm-up calls per timed label (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--iters", type=_positive_int, default=10, metavar="I", help="timed repeats per label (default: %(default)s)"
+    )
+    bench.add_argument("--json", default=None, metavar="PATH", help="rank 0 writes the results there as JSON")
+    bench.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="deadline in seconds of each wait on a peer (default: OVERLAP_TIMEOUT_S, 300)",
+    )
+    bench.add_argument(
+        "--seed", type=_non_negative_int, default=None, help="seed of the random inputs (default: a fresh one, printed)"
+    )
+    bench.set_defaults(subparser=bench)
+    info.set_defaults(subparser=info)
+    return parser
+
+
+# ----------------------------------------------------------------------------------------------
+# Running a function on the ranks
+# ----------------------------------------------------------------------------------------------
+
+
+def _on_ranks(command: str, fn: Callable, args: tuple, nproc: int | None) -> tuple[int, Any]:
+    """Run ``fn(*args)`` on torchrun's ranks in place, or on `nproc` freshly started local ranks.
+
+    Returns (exit code, what `fn` returned in place or None): the code is 0, or 1 after printing
+    the failing rank's traceback to stderr.
+    """
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    try:
+        in_place = world.init_from_env()
+    except Exception:  # noqa: BLE001 - a broken torchrun environment is reported like a rank failure
+        print(f"overlap {command}: could not join torchrun's ranks:\n{traceback.format_exc()}", file=sys.stderr)
+        return 1, None
+    if in_place:
+        if nproc is not None and nproc != dist.get_world_size():
+            print(
+                f"overlap {command}: running on the {dist.get_world_size()} ranks of torchrun; --nproc {nproc} "
+                "is ignored",
+                file=sys.stderr,
+            )
+        try:
+            value = fn(*args)
+        except Exception:  # noqa: BLE001 - reported, exit code 1
+            print(f"overlap {command}: rank {dist.get_rank()} failed:\n{traceback.format_exc()}", file=sys.stderr)
+            return 1, None
+        finally:
+            if owned and dist.is_initialized():
+                dist.destroy_process_group()
+        return 0, value
+    try:
+        world.launch(fn, nproc, args=args)
+    except RuntimeError as exc:
+        print(f"overlap {command}: {exc}", file=sys.stderr)
+        return 1, None
+    return 0, None
+
+
+# ----------------------------------------------------------------------------------------------
+# overlap info
+# ----------------------------------------------------------------------------------------------
+
+
+def _software_lines() -> list[str]:
+    import torch
+
+    from .benchmarks.runner import triton_version
+
+    lines = [f"overlap {overlap.__version__} ({os.path.dirname(overlap.__file__)})", f"torch {torch.__version__}"]
+    tv = triton_version()
+    lines.append("triton: not installed (the 'fused' strategy is unavailable)" if tv is None else f"triton {tv}")
+    interp = envs.triton_interpret()
+    how = " (set by overlap: no GPU)" if envs.TRITON_INTERPRET_SET_BY_OVERLAP else ""
+    lines.append(f"TRITON_INTERPRET: {'on: Triton kernels run in the interpreter' + how if interp else 'off'}")
+    try:
+        from . import _C
+
+        count: Any
+        try:
+            count = _C.cuda_device_count()
+        except Exception as exc:  # noqa: BLE001 - no driver: say why
+            count = f"unavailable ({exc})"
+        lines.append(f"overlap._C: built with CUDA: {'yes' if _C.has_cuda else 'no'}; CUDA devices: {count}")
+    except ImportError as exc:
+        lines.append(f"overlap._C: not importable ({exc})")
+    return lines
+
+
+def _info_rank() -> None:
+    import torch
+    import torch.distributed as dist
+
+    info = world.group_info()
+    device = str(info.device)
+    if info.device.type == "cuda":
+        device += f" ({torch.cuda.get_device_name(info.device)})"
+    mine = {
+        "rank": info.rank,
+        "pid": os.getpid(),
+        "node": info.nodes[info.rank],
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "links": ["-" if p == info.rank else info.link_class(p) for p in range(info.world_size)],
+    }
+    every: list[Any] = [None] * info.world_size
+    dist.all_gather_object(every, mine)
+    if info.rank == 0:
+        _print_info(info, every)
+    dist.barrier()  # no rank tears its connections down while rank 0 still works
+
+
+def _print_info(info: world.GroupInfo, every: list[dict[str, Any]]) -> None:
+    lines = _software_lines()
+    lines.append(
+        f"backend: {info.backend}, {info.world_size} rank(s) on {len(info.node_names)} node(s): "
+        f"{', '.join(info.node_names)}"
+    )
+    lines.append("")
+    rows = [("rank", "pid", "node", "device", "threads")]
+    rows += [(str(r["rank"]), str(r["pid"]), r["node"], r["device"], str(r["threads"])) for r in every]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.append("")
+    lines.append("link classes (row: rank, column: peer)")
+    cells = [[""] + [str(p) for p in range(info.world_size)]]
+    cells += [[str(r["rank"])] + r["links"] for r in every]
+    width = max(len(c) for row in cells for c in row)
+    lines += [" ".join(c.rjust(width) for c in row) for row in cells]
+    print("\n".join(lines), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# overlap bench
+# ----------------------------------------------------------------------------------------------
+
+
+def _bench_rank(config: Any, status_path: str) -> tuple[int, list[str]]:
+    """Run the benchmark on this rank; returns (rank, the failed (case, strategy) pairs). Rank 0
+    also writes the pairs to `status_path` for the parent of locally started ranks."""
+    import torch.distributed as dist
+
+    from .benchmarks import runner
+
+    rows = runner.run(config)
+    dist.barrier()  # no rank tears its connections down while another still communicates
+    failed = [f"{r['case']} {r['strategy']}" for r in rows if r.get("status") == "FAILED"]
+    if dist.get_rank() == 0:
+        with open(status_path, "w") as f:
+            json.dump({"failed": failed}, f)
+    return dist.get_rank(), failed
+
+
+def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .benchmarks.runner import BenchConfig
+
+    if args.json is not None:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder):
+            parser.error(f"--json: folder {folder} does not exist")
+    cases: tuple[Case, ...] = ()
+    if args.shape:
+        cases = tuple(dict.fromkeys(Case(args.op, m, k, n, args.dtype or "float32") for m, k, n in args.shape))
+    config = BenchConfig(
+        op=args.op,
+        cases=cases,
+        dtype=args.dtype,
+        strategies=args.strategies,
+        warmup=args.warmup,
+        iters=args.iters,
+        timeout=args.timeout,
+        json_path=args.json,
+        seed=args.seed,
+    )
+    with tempfile.TemporaryDirectory(prefix="overlap-bench-") as tmp:
+        status_path = os.path.join(tmp, "status.json")
+        code, in_place = _on_ranks("bench", _self()._bench_rank, (config, status_path), args.nproc)
+        if code != 0:
+            return code
+        if in_place is None:  # locally started ranks: rank 0 left the verdict in the file
+            rank = 0
+            with open(status_path) as f:
+                failed = json.load(f)["failed"]
+        else:
+            rank, failed = in_place
+    if failed and rank == 0:
+        print(f"overlap bench: {len(failed)} result(s) did not match reference: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _self():
+    """This module under its importable name, so that spawned ranks can unpickle its functions.
+
+    (Run as ``python -m overlap.cli`` this file is ``__main__``, which spawned children import under
+    another name.)
+    """
+    import importlib
+
+    return importlib.import_module("overlap.cli")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``overlap`` console script. Returns the exit code (see the module docstring)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        if args.command == "info":
+            return _on_ranks("info", _self()._info_rank, (), args.nproc)[0]
+        if args.command == "bench":
+            return _bench(args, args.subparser)
+    except KeyboardInterrupt:
+        print(f"overlap {args.command}: interrupted", file=sys.stderr)
+        return 130
+    raise AssertionError(f"unhandled command {args.command!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
