@@ -15,7 +15,11 @@ import time
 import pytest
 import torch
 
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
+    torch.float16: dict(rtol=1.6e-2, atol=1e-2),
+}
 
 # (rows per rank, middle dims, k, n, b layout): odd sizes, one row, 3-D inputs, transposed weight views.
 CASES = [
@@ -390,3 +394,57 @@ def test_killed_peer_times_out_and_leaves_no_segment():
         assert not (set(left) - before), f"segments visible while the group was alive: {left}"
     after = {n for n in os.listdir(shm) if n.startswith("overlap-")}
     assert not (after - before), f"segments left after a killed rank: {sorted(after - before)}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Heap lifetime: reserve ahead, no growth afterwards; release and re-create
+# ----------------------------------------------------------------------------------------------
+
+
+def reserve_then_release(rank, world_size, seed):
+    import torch.distributed as dist
+
+    import overlap
+    from overlap import symm
+
+    group = dist.new_group(list(range(world_size)))
+    overlap.reserve(group, 1 << 16)
+    heap = symm.heap_for(group)
+    generation, slot_bytes = heap.generation, heap.slot_bytes
+    assert slot_bytes >= 1 << 16, slot_bytes
+    cases = [(8, (), 64, 16, "contiguous"), (30, (), 500, 4, "weight.t()")]
+    done = check_strategy_on(group, rank, world_size, seed, cases)
+    assert (heap.generation, heap.slot_bytes) == (generation, slot_bytes), "a reserved heap grew"
+    with pytest.raises(ValueError):
+        overlap.reserve(group, -1)
+    overlap.release(group)
+    assert heap.closed
+    done += check_strategy_on(group, rank, world_size, seed + 1, [(4, (), 8, 3, "contiguous")])  # a fresh heap
+    assert symm.heap_for(group) is not heap
+    overlap.release(group)
+    return done
+
+
+def check_strategy_on(group, rank, world_size, seed, cases):
+    import overlap
+
+    done = 0
+    for m, mid, k, n, layout in cases:
+        inputs, outs, _, _ = oracle(seed, world_size, m, mid, k, n, layout, torch.float32)
+        a, b, _ = inputs[rank]
+        for strategy in ("symm", "fused" if k <= 128 else "pipelined"):
+            y = overlap.all_gather_matmul(a, b, group=group, strategy=strategy)
+            torch.testing.assert_close(y, outs[rank].float(), **TOL[torch.float32])
+            done += 1
+    return done
+
+
+def test_reserve_and_release(pools, seed):
+    assert pools(2).run(reserve_then_release, seed) == [6, 6]
+
+
+@pytest.mark.parametrize("strategy", ["pipelined", "symm", "fused"])
+def test_float16(pools, seed, strategy):
+    cases = [(5, (), 24, 19, "weight.t()"), (3, (2,), 40, 8, "contiguous")]
+    reports = pools(3).run(check_strategy, strategy, torch.float16, seed, cases)
+    assert all(len(r) == len(cases) for r in reports)
