@@ -73,7 +73,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("signal_add", &overlap::signal_add, py::arg("addr"), py::arg("value"),
         "Atomically add `value` to the int32 at `addr` (acq_rel); return the old value.");
   m.def("signal_wait", &signal_wait, py::arg("addr"), py::arg("value"), py::arg("timeout_s"),
-        "Wait until *(int32*)addr >= value (signed): True once it holds, False if `timeout_s` "
+        "Wait until *(int32*)addr >= value (modulo 2^32: the signed difference is >= 0): True once it holds, False if `timeout_s` "
         "seconds pass first. Releases the GIL; yields the core while waiting.");
   m.def("signal_wait_all", &signal_wait_all, py::arg("addrs"), py::arg("value"),
         py::arg("timeout_s"),

@@ -85,7 +85,7 @@ int64_t signal_wait_all_until(const std::vector<uint64_t>& addrs, int32_t value,
   for (const int32_t* flag : flags) {
     if (!flag_wait_geq(flag, value, deadline)) {
       for (size_t i = 0; i < flags.size(); ++i) {
-        if (flag_load_acquire(flags[i]) < value) return static_cast<int64_t>(i);
+        if (!flag_reached(flag_load_acquire(flags[i]), value)) return static_cast<int64_t>(i);
       }
       return -1;
     }

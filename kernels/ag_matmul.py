@@ -23,20 +23,21 @@ import triton.language as tl
 
 @triton.jit
 def _wait_flag(flag_ptr, epoch, abort_ptr, err_ptr, src, timeout_ns, INTERPRETED: tl.constexpr):
+    # Epochs wrap modulo 2^32, so "reached" is a non-negative int32 difference (as in overlap._C).
     # System scope: the producer may be another GPU (or the host) writing through a peer mapping.
     ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     if INTERPRETED:
         aborted = tl.load(abort_ptr, volatile=True)
-        while (ready < epoch) & (aborted == 0):
+        while ((ready - epoch) < 0) & (aborted == 0):
             ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
             aborted = tl.load(abort_ptr, volatile=True)
     else:
         start = tl.extra.cuda.globaltimer()
         now = start
-        while (ready < epoch) & (now - start < timeout_ns):
+        while ((ready - epoch) < 0) & (now - start < timeout_ns):
             ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
             now = tl.extra.cuda.globaltimer()
-    if ready < epoch:
+    if (ready - epoch) < 0:
         tl.atomic_max(err_ptr, src + 1)
 
 
@@ -85,7 +86,8 @@ def all_gather_matmul_kernel(
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+    # 64-bit row offsets: W*M*N and M*K can pass 2^31 elements at long sequences.
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
@@ -100,6 +102,6 @@ def all_gather_matmul_kernel(
         b_ptrs += BLOCK_K * stride_bk
 
     # ---- store into this source rank's rows of the output ------------------------------------
-    rows = src * M + offs_m
+    rows = src.to(tl.int64) * M + offs_m
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))

@@ -44,7 +44,6 @@ import logging
 import os
 import re
 import secrets
-import threading
 from typing import Any
 
 import torch
@@ -65,6 +64,12 @@ _SIG_TEXT_BYTES = 240
 _W_HS_EPOCH = 0  # epoch of the last handshake this rank posted
 _W_GEN_READY = 1  # heap generation this rank has created
 _W_GEN_MAPPED = 2  # heap generation this rank has mapped from every peer
+_W_REBASE_QUIET = 3  # re-base rounds in which this rank has stopped touching flags
+_W_REBASE_DONE = 4  # re-base rounds in which this rank has cleared its own flags
+
+#: Epochs stay below this: the call that reaches it re-bases every flag of the group to zero, so
+#: flags and epochs are always int32 values far apart from wrapping (see `SymmHeap._rebase`).
+REBASE_EPOCH = 2**30
 _HS_BASE = 16
 _HS_STRIDE = 4 + _SIG_TEXT_BYTES // 4  # sig_lo, sig_hi, need_lo, need_hi, text
 _SLOT_BASE = 512
@@ -89,8 +94,16 @@ def _c():
 def _create_segment(path: str, nbytes: int) -> torch.Tensor:
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, nbytes)
-    finally:
+        # Reserve the pages now: on tmpfs a sparse file "succeeds" and the first write past the
+        # free space kills the process with SIGBUS instead.
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        os.close(fd)
+        _unlink(path)
+        raise OSError(exc.errno, f"overlap: cannot reserve {nbytes} bytes of shared memory in "
+                      f"{os.path.dirname(path)} ({exc.strerror}); free space there, point OVERLAP_SHM_DIR "
+                      "at a larger tmpfs, or give the container a larger /dev/shm") from None
+    else:
         os.close(fd)
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
@@ -114,12 +127,16 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_segments(directory: str | None = None) -> list[str]:
+def remove_stale_segments(directory: str | None = None, min_age_s: float = 60.0) -> list[str]:
     """Remove segments left by processes that are provably dead (their creator pid is gone).
 
     Segments are normally unlinked right after every rank has mapped them; one survives only if a
-    rank died inside that window. Called at every heap creation; returns the removed paths.
+    rank died inside that window. Called at every heap creation; returns the removed names. Only
+    segments older than `min_age_s` go: a job in another pid namespace sharing this directory
+    (``--ipc=host``) may hold a live segment whose pid means nothing here, for a moment.
     """
+    import time
+
     directory = directory or envs.shm_dir()
     removed = []
     try:
@@ -128,9 +145,12 @@ def remove_stale_segments(directory: str | None = None) -> list[str]:
         return removed
     for name in names:
         m = _NAME_RE.match(name)
+        path = os.path.join(directory, name)
         if m and not _pid_alive(int(m.group(1))):
             try:
-                os.unlink(os.path.join(directory, name))
+                if time.time() - os.stat(path).st_mtime < min_age_s:
+                    continue
+                os.unlink(path)
                 removed.append(name)
             except OSError:
                 pass
@@ -173,7 +193,7 @@ class SymmHeap:
     Use `heap_for(group)`; free with `release(group)` (on every rank) or at exit.
     """
 
-    def __init__(self, group: dist.ProcessGroup, info: world.GroupInfo):
+    def __init__(self, group: dist.ProcessGroup, info: world.GroupInfo, timeout: float):
         if not info.single_node:
             raise ValueError(f"symmetric memory needs the ranks of one node; this group spans nodes {info.node_names}")
         if info.world_size > MAX_PEERS:
@@ -185,20 +205,22 @@ class SymmHeap:
         self.generation = 0
         self.slot_bytes = 0
         self.closed = False
-        self._lock = threading.Lock()
+        # Epoch of the last call that used each slot's data (identical on every rank: every rank
+        # makes the same calls, and whether a call uses the heap is part of its signature).
+        self.last_data_epoch = [0] * NUM_SLOTS
         remove_stale_segments()
-        # One collective: agree on a run id so segment names are predictable from (pid, rank).
-        token = [f"{os.getpid():x}{secrets.token_hex(4)}" if self.rank == 0 else None]
-        dist.broadcast_object_list(token, src=info.global_ranks[0], group=group)
-        self._uid = token[0]
+        # Bounded rendezvous through the store: agree on a run id so segment names are
+        # predictable from (pid, rank), create, map every peer's pad, then unlink our own.
+        token = f"{os.getpid():x}{secrets.token_hex(4)}".encode()
+        self._uid = world.store_exchange(group, "heap-uid", token, timeout)[0].decode()
         path = self._path("ctrl", self.rank)
         _CREATED.add(path)
         own = _create_segment(path, _CTRL_WORDS * 4)
-        dist.barrier(group=group)  # every control pad exists
+        world.store_exchange(group, "ctrl-created", b"", timeout)
         self.ctrl = [own.view(torch.int32) if p == self.rank else
                      _attach_segment(self._path("ctrl", p), _CTRL_WORDS * 4).view(torch.int32)
                      for p in range(self.world_size)]
-        dist.barrier(group=group)  # every control pad is mapped by every rank: unlink ours
+        world.store_exchange(group, "ctrl-mapped", b"", timeout)
         _unlink(path)
         self._ctrl_np = [t.numpy() for t in self.ctrl]
         self._ctrl_addr = [t.data_ptr() for t in self.ctrl]
@@ -209,8 +231,9 @@ class SymmHeap:
         # without synchronizing; `begin` checks it at the next call.
         self.async_errors = torch.zeros(MAX_PEERS + 1, dtype=torch.int32,
                                         pin_memory=self.device.type == "cuda")
-        if self.device.type == "cuda":
-            self._cuda_flags = _CudaFlags(group, self.world_size)
+        # GPU flag words live in torch's symmetric memory, created with the first data heap:
+        # calls that use no heap (reference, pipelined) never need them, nor the CUDA half of _C.
+        self._cuda_flags: _CudaFlags | None = None
 
     # -- names ------------------------------------------------------------------------------
     def _path(self, kind: str, rank: int) -> str:
@@ -232,8 +255,10 @@ class SymmHeap:
     def begin(self, op: str, signature: str, need_bytes: int, timeout: float, post_only: bool = False) -> Call:
         """Start a call: advance the epoch, check signatures on every rank, grow if needed.
 
-        ``post_only`` publishes the signature and returns None without waiting (a rank that is
-        about to raise on its own bad input uses it, so its peers fail fast too).
+        ``need_bytes`` is what one slot must hold for this call; 0 means the call uses no heap
+        data (reference, pipelined), and then it touches no data flag either. ``post_only``
+        publishes the signature and returns None without waiting (a rank that is about to raise
+        on its own bad input uses it, so its peers fail fast too).
         """
         if self.closed:
             raise RuntimeError("overlap: this group's symmetric heap was released; it cannot be used again")
@@ -250,7 +275,6 @@ class SymmHeap:
         # Release: the entry above is visible to a peer that sees the new epoch.
         c.signal_store(self.ctrl_addr(self.rank, _W_HS_EPOCH), epoch)
         if post_only:
-            Call(self, op, epoch, timeout).finish()
             return None
         peers = [p for p in range(self.world_size) if p != self.rank]
         missing = c.signal_wait_all([self.ctrl_addr(p, _W_HS_EPOCH) for p in peers], epoch, timeout)
@@ -266,16 +290,21 @@ class SymmHeap:
                 differ.append(f"  rank {p}: {raw.rstrip(bytes(1)).decode(errors='replace')}")
             need = max(need, int(words[2]) | (int(words[3]) << 31))
         if differ:
-            # Nothing was exchanged in this call: release its slot so the group stays usable.
-            Call(self, op, epoch, timeout).finish()
+            # Nothing was exchanged and no slot was used: the group stays usable.
             raise OverlapMismatchError(
                 f"overlap.{op}: ranks disagree on call {epoch} of this group:\n"
                 f"  rank {self.rank}: {signature}\n" + "\n".join(differ) + "\n"
                 "every rank of a group must make the same calls with the same shapes, dtypes and plans"
             )
+        if epoch >= REBASE_EPOCH:
+            epoch = self._rebase(op, timeout)
         if need > self.slot_bytes:
             self._grow(need, op, timeout)
-        return Call(self, op, epoch, timeout)
+        slot = epoch % NUM_SLOTS
+        prev = self.last_data_epoch[slot]
+        if need > 0:
+            self.last_data_epoch[slot] = epoch
+        return Call(self, op, epoch, timeout, uses_heap=need > 0, prev_data_epoch=prev)
 
     def err_addr(self, peer: int) -> int:
         """Address of the error word of waits on `peer` (device-visible on GPUs)."""
@@ -293,6 +322,41 @@ class SymmHeap:
             peer = bad[0] if bad else kernel - 1
             raise OverlapTimeout(op, self.rank, peer, "of an earlier call", timeout,
                                  "a stream-ordered or in-kernel wait passed its deadline")
+
+    # -- re-basing epochs ---------------------------------------------------------------------
+    def _rebase(self, op: str, timeout: float) -> int:
+        """Reset every flag of the group to 0 and this call's epoch to 1 (all ranks together).
+
+        Flags are int32 and compared as such, so epochs must never approach 2^31; once every
+        2^30 calls, inside the handshake of the call that reaches `REBASE_EPOCH` (the same call
+        on every rank), the ranks stop touching flags, each clears its own, and all restart
+        from epoch 1. Two shared-memory barriers, no collective.
+        """
+        c = _c()
+        self._rebases = getattr(self, "_rebases", 0) + 1
+        peers = [p for p in range(self.world_size) if p != self.rank]
+
+        def barrier(word: int, what: str) -> None:
+            c.signal_store(self.ctrl_addr(self.rank, word), self._rebases)
+            missing = c.signal_wait_all([self.ctrl_addr(p, word) for p in peers], self._rebases, timeout)
+            if missing >= 0:
+                raise OverlapTimeout(op, self.rank, peers[missing], "epoch re-base", timeout, what)
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no queued wait or signal of ours is left
+        # Every rank has passed this call's handshake wait (so nobody reads our epoch word any
+        # more) and has finished every earlier call (so nobody writes our flags any more).
+        barrier(_W_REBASE_QUIET, "peer did not quiesce for the epoch re-base")
+        self._ctrl_np[self.rank][_SLOT_BASE:_CTRL_WORDS] = 0
+        if self._cuda_flags is not None:
+            self._cuda_flags.tensors[self.rank].zero_()
+            torch.cuda.synchronize(self.device)
+        c.signal_store(self.ctrl_addr(self.rank, _W_HS_EPOCH), 1)
+        barrier(_W_REBASE_DONE, "peer did not finish the epoch re-base")
+        self.epoch = 1
+        self.last_data_epoch = [0] * NUM_SLOTS
+        log.info("overlap: re-based the epochs of a group (every %d calls)", REBASE_EPOCH)
+        return 1
 
     # -- growth --------------------------------------------------------------------------------
     def _grow(self, need: int, op: str, timeout: float) -> None:
@@ -314,6 +378,8 @@ class SymmHeap:
             # Every rank is in this call, so all earlier calls are enqueued; the old buffers may
             # still be read by the device: wait for it before dropping them.
             torch.cuda.synchronize(self.device)
+            if self._cuda_flags is None:
+                self._cuda_flags = _CudaFlags(self.group, self.world_size)
             self.data = _cuda_data(self.group, NUM_SLOTS * slot_bytes, self.device)
         else:
             path = self._path(f"g{gen}", self.rank)
@@ -374,12 +440,18 @@ class SymmHeap:
 
 
 class Call:
-    """One call's view of the heap: its epoch, its slot, and the flag operations on them."""
+    """One call's view of the heap: its epoch, its slot, and the flag operations on them.
 
-    def __init__(self, heap: SymmHeap, op: str, epoch: int, timeout: float):
+    Calls that use no heap data (``uses_heap`` False) make every flag operation a no-op.
+    """
+
+    def __init__(self, heap: SymmHeap, op: str, epoch: int, timeout: float, uses_heap: bool = True,
+                 prev_data_epoch: int = 0):
         self.heap, self.op, self.epoch, self.timeout = heap, op, epoch, timeout
+        self.word = epoch  # the int32 flag value of this call (< REBASE_EPOCH)
         self.slot = epoch % NUM_SLOTS
         self.rank, self.world_size = heap.rank, heap.world_size
+        self.uses_heap, self.prev_data_epoch = uses_heap, prev_data_epoch
 
     def buffer(self, peer: int, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
         return self.heap.slot_tensor(peer, self.slot, dtype, shape, offset)
@@ -395,9 +467,9 @@ class Call:
         return h._cuda_flags.addrs(word)[owner] if self._cuda() else h.ctrl_addr(owner, word)
 
     def wait_slot_free(self, stream: Any = None) -> None:
-        """Wait until every rank has finished with this slot's previous epoch."""
-        prev = self.epoch - NUM_SLOTS
-        if prev <= 0:
+        """Wait until every rank has finished the previous call that used this slot's data."""
+        prev = self.prev_data_epoch
+        if prev <= 0 or not self.uses_heap:
             return
         h = self.heap
         addrs = [self._flag_addr(h.rank, h.done_word(self.slot, q)) for q in range(self.world_size)]
@@ -420,27 +492,29 @@ class Call:
         h = self.heap
         addr = self._flag_addr(h.rank, h.ready_word(self.slot, index))
         if self._cuda():
-            _c().cuda_stream_write_value32(addr, self.epoch, _stream_handle(stream))
+            _c().cuda_stream_write_value32(addr, self.word, _stream_handle(stream))
         else:
-            _c().signal_store(addr, self.epoch)
+            _c().signal_store(addr, self.word)
 
     def wait_ready(self, peer: int, index: int = 0, stream: Any = None) -> None:
         h = self.heap
         addr = self._flag_addr(peer, h.ready_word(self.slot, index))
         if self._cuda():
-            self._bounded_wait(addr, self.epoch, peer, stream)
-        elif not _c().signal_wait(addr, self.epoch, self.timeout):
+            self._bounded_wait(addr, self.word, peer, stream)
+        elif not _c().signal_wait(addr, self.word, self.timeout):
             raise OverlapTimeout(self.op, self.rank, peer, index, self.timeout, "data never signalled ready")
 
     def finish(self, stream: Any = None) -> None:
         """Tell every rank (this one included) that this rank is done with the slot."""
+        if not self.uses_heap:
+            return
         h = self.heap
         for q in range(self.world_size):
             addr = self._flag_addr(q, h.done_word(self.slot, self.rank))
             if self._cuda():
-                _c().cuda_stream_write_value32(addr, self.epoch, _stream_handle(stream))
+                _c().cuda_stream_write_value32(addr, self.word, _stream_handle(stream))
             else:
-                _c().signal_store(addr, self.epoch)
+                _c().signal_store(addr, self.word)
 
 
 def _stream_handle(stream: Any) -> int:
@@ -483,13 +557,14 @@ class _CudaFlags:
 _HEAPS: dict[int, tuple[Any, SymmHeap]] = {}
 
 
-def heap_for(group: Any = None) -> SymmHeap:
-    """The group's heap, created on first use (a collective: every rank of the group calls it)."""
+def heap_for(group: Any = None, timeout: float | None = None) -> SymmHeap:
+    """The group's heap, created on first use (every rank of the group must call; bounded by `timeout`)."""
     pg = world.resolve_group(group)
     entry = _HEAPS.get(id(pg))
     if entry is not None and entry[0] is pg and not entry[1].closed:
         return entry[1]
-    heap = SymmHeap(pg, world.group_info(pg))
+    timeout = envs.timeout_s() if timeout is None else timeout
+    heap = SymmHeap(pg, world.group_info(pg, timeout), timeout)
     _HEAPS[id(pg)] = (pg, heap)
     return heap
 
@@ -498,7 +573,8 @@ def reserve(group: Any = None, nbytes: int = 0, timeout: float | None = None) ->
     """Grow `group`'s symmetric heap so every slot holds at least `nbytes` (collective)."""
     if not isinstance(nbytes, int) or nbytes < 0:
         raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
-    heap_for(group).reserve(nbytes, envs.timeout_s() if timeout is None else timeout)
+    timeout = envs.timeout_s() if timeout is None else timeout
+    heap_for(group, timeout).reserve(nbytes, timeout)
 
 
 def release(group: Any = None) -> None:
@@ -506,7 +582,14 @@ def release(group: Any = None) -> None:
     pg = world.resolve_group(group)
     entry = _HEAPS.pop(id(pg), None)
     if entry is not None:
-        entry[1].close()
+        heap = entry[1]
+        if heap.device.type == "cuda" and not heap.closed:
+            torch.cuda.synchronize(heap.device)  # queued work may still read the buffers
+            try:
+                heap.check_async_errors("release", 0.0)
+            except OverlapTimeout as exc:
+                log.warning("overlap.release: %s", exc)
+        heap.close()
     world.forget_group(pg)
 
 

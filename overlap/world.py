@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -96,8 +97,8 @@ def group_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def group_info(group: Any = None) -> GroupInfo:
-    """`GroupInfo` of `group` (collective on first use per group, cached afterwards)."""
+def group_info(group: Any = None, timeout: float | None = None) -> GroupInfo:
+    """`GroupInfo` of `group` (a bounded rendezvous on first use per group, cached afterwards)."""
     pg = resolve_group(group)
     cached = _INFOS.get(id(pg))
     if cached is not None and cached[0] is pg:
@@ -106,8 +107,9 @@ def group_info(group: Any = None) -> GroupInfo:
     device = group_device(pg)
     node = node_identity()
     device_index = device.index if device.type == "cuda" else -1
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (node, os.getpid(), device_index), group=pg)
+    timeout = envs.timeout_s() if timeout is None else timeout
+    gathered = [pickle.loads(v) for v in
+                store_exchange(pg, "info", pickle.dumps((node, os.getpid(), device_index)), timeout)]
     peer_access = []
     for peer_node, _pid, peer_dev in gathered:
         same_gpu_node = device.type == "cuda" and peer_node == node and peer_dev >= 0
@@ -126,6 +128,45 @@ def group_info(group: Any = None) -> GroupInfo:
     )
     _INFOS[id(pg)] = (pg, info)
     return info
+
+
+# ----------------------------------------------------------------------------------------------
+# Bounded rendezvous through the default store (any backend, no device work, with a deadline)
+# ----------------------------------------------------------------------------------------------
+
+_ROUNDS: dict[tuple[str, str], int] = {}
+
+
+def _group_key(pg: dist.ProcessGroup) -> str:
+    name = getattr(pg, "group_name", "") or ""
+    return name if name else "g" + "-".join(str(dist.get_global_rank(pg, r)) for r in range(dist.get_world_size(pg)))
+
+
+def store_exchange(pg: dist.ProcessGroup, tag: str, value: bytes, timeout: float) -> list[bytes]:
+    """Every rank of `pg` publishes `value` under `tag`; returns every rank's value, in rank order.
+
+    Goes through the process group's store (TCP or file), so it needs no device work and waits at
+    most `timeout` seconds: past it, `OverlapTimeout` names the first rank that never arrived.
+    Every rank must make the same sequence of exchanges with the same tags (rounds are counted).
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    from .errors import OverlapTimeout
+
+    key = (_group_key(pg), tag)
+    _ROUNDS[key] = round_ = _ROUNDS.get(key, 0) + 1
+    prefix = f"overlap/{key[0]}/{tag}/{round_}"
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    store = c10d._get_default_store()
+    store.set(f"{prefix}/{rank}", value)
+    keys = [f"{prefix}/{r}" for r in range(world)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception as exc:  # noqa: BLE001 - the store raises its own error types on timeout
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise OverlapTimeout("setup", rank, missing[0] if missing else "unknown", f"rendezvous '{tag}'", timeout,
+                             f"{type(exc).__name__}") from exc
+    return [store.get(k) for k in keys]
 
 
 def forget_group(group: dist.ProcessGroup) -> None:

@@ -55,6 +55,6 @@ def shm_left_clean(pools):
     _POOLS.clear()
     from overlap.symm import remove_stale_segments
 
-    remove_stale_segments()
+    remove_stale_segments(min_age_s=0)
     left = sorted(set(_our_segments()) - before)
     assert not left, f"shared-memory segments left behind: {left}"

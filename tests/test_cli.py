@@ -161,8 +161,8 @@ _WRONG_SYMM = """
 
     right = agm.STRATEGIES["symm"]
 
-    def wrong(a2, b, pg, info, *rest):
-        out = right(a2, b, pg, info, *rest)
+    def wrong(call, a2, b, pg, info, *rest):
+        out = right(call, a2, b, pg, info, *rest)
         if info.rank == 1:  # wrong on one rank only: every rank must still agree not to time it
             out[0, 0] += 1.0
         return out

@@ -368,3 +368,12 @@ def test_gpu_stream_wait_holds_work_until_the_flag_is_written():
         assert time.monotonic() < deadline, "the stream wait was never released"
         time.sleep(0.01)
     assert float(x.sum()) == 1024.0
+
+
+def test_wait_compares_modulo_2_32(shm):
+    """Epochs wrap: a flag that passed 2^31 still counts as reaching a value just below it."""
+    flag = shm.addr(0)
+    _C.signal_store(flag, -(2**31))  # epoch 2^31, wrapped
+    assert _C.signal_wait(flag, 2**31 - 1, 0.05)  # epoch 2^31 - 1 was reached
+    assert not _C.signal_wait(flag, -(2**31) + 1, 0.05)  # epoch 2^31 + 1 was not
+    assert _C.signal_wait_all([flag], 2**31 - 3, 0.05) == -1

@@ -102,18 +102,39 @@ def test_signature_hash_separates_signatures():
 
 
 def test_stale_segments_of_dead_processes_are_removed(tmp_path):
+    import os
     import subprocess
     import sys
+    import time
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           check=True)
     pid = int(dead.stdout)
     stale = tmp_path / f"overlap-abc123-{pid}-g1-r0"
-    live = tmp_path / f"overlap-abc123-{__import__('os').getpid()}-g1-r0"
-    stale.write_bytes(b"x")
-    live.write_bytes(b"x")
+    fresh = tmp_path / f"overlap-abc124-{pid}-g1-r1"  # dead pid, but too young to be sure (other pid namespace)
+    live = tmp_path / f"overlap-abc123-{os.getpid()}-g1-r0"
+    for f in (stale, fresh, live):
+        f.write_bytes(b"x")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    os.utime(live, (old, old))
     assert symm.remove_stale_segments(str(tmp_path)) == [stale.name]
-    assert live.exists() and not stale.exists()
+    assert live.exists() and fresh.exists() and not stale.exists()
+    assert symm.remove_stale_segments(str(tmp_path), min_age_s=0) == [fresh.name]
+
+
+def test_shared_memory_shortage_is_a_clear_error(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    path = str(tmp_path / "overlap-seg")
+    with pytest.raises(OSError, match="OVERLAP_SHM_DIR"):
+        symm._create_segment(path, 1 << 20)
+    assert not os.path.exists(path)
 
 
 def test_ops_need_an_initialized_group():

@@ -46,7 +46,10 @@ def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if not torch.is_autocast_enabled(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)
+    # torch's autocast casts fp32/fp16/bf16 matmul inputs and leaves float64 alone.
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.float16,
+                                                                             torch.bfloat16) else t
+                 for t in tensors)
 
 
 def check_matmul_operands(op: str, a: Any, b: Any, device: torch.device) -> None:
@@ -69,8 +72,8 @@ def check_matmul_operands(op: str, a: Any, b: Any, device: torch.device) -> None
         raise ValueError(f"overlap.{op}: empty operands are not supported: a is {describe(a)}, b is {describe(b)}")
     if a.device != b.device:
         raise ValueError(f"overlap.{op}: a is on {a.device}, b on {b.device}")
-    if a.device.type != device.type:
-        raise ValueError(f"overlap.{op}: the group computes on {device.type} but the inputs are on {a.device}")
+    if a.device.type != device.type or (device.type == "cuda" and a.device.index != device.index):
+        raise ValueError(f"overlap.{op}: this rank's group computes on {device} but the inputs are on {a.device}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,7 +128,8 @@ def begin_call(op: str, pg, info: world.GroupInfo, signature: str, need_bytes: i
     if error is not None:
         signature = f"<invalid input on rank {info.rank}: {error.exc}>"
     if info.single_node:
-        call = symm.heap_for(pg).begin(op, signature, 0 if error else need_bytes, timeout, post_only=error is not None)
+        heap = symm.heap_for(pg, timeout)
+        call = heap.begin(op, signature, 0 if error else need_bytes, timeout, post_only=error is not None)
     else:
         call = _collective_handshake(op, pg, info, signature, timeout, post_only=error is not None)
     if error is not None:

@@ -75,11 +75,18 @@ def all_gather_matmul(
         OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
     """
     pg = world.resolve_group(group)
-    timeout = C.resolve_timeout(timeout)
-    a, b = C.autocast_inputs(a, b)
-    info = world.group_info(pg)
     error, chosen, sig = None, None, ""
     try:
+        timeout = C.resolve_timeout(timeout)
+    except ValueError as exc:
+        error, timeout = C.InputError(exc), C.resolve_timeout(None)
+    info = world.group_info(pg, timeout)
+    # Everything below is local; a mistake is passed on to the peers through the handshake
+    # (`begin_call` with `error`) so that no rank is left waiting in a call another rank left.
+    try:
+        if error is not None:
+            raise error.exc
+        a, b = C.autocast_inputs(a, b)
         C.check_matmul_operands(OP, a, b, info.device)
         chosen = plan_mod.as_plan(strategy, plan)
         rows = math.prod(a.shape[:-1])
@@ -98,11 +105,18 @@ def all_gather_matmul(
         return _AllGatherMatmul.apply(a, b, pg, info, chosen, timeout, sig)
 
 
+def _heap_bytes(chosen: Plan, a: torch.Tensor) -> int:
+    """Bytes of one heap slot this call needs (0: the strategy uses no symmetric memory)."""
+    return a.numel() * a.element_size() if chosen.strategy in ("symm", "fused") else 0
+
+
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, pg, info, chosen: Plan, timeout: float, sig: str):
+        # The handshake comes first: nothing that can fail locally runs between it and the data.
+        call = C.begin_call(OP, pg, info, sig, _heap_bytes(chosen, a), timeout)
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
-        out2 = STRATEGIES[chosen.strategy](a2, b, pg, info, chosen, timeout, sig)
+        out2 = STRATEGIES[chosen.strategy](call, a2, b, pg, info, chosen, timeout)
         ctx.save_for_backward(a, b)
         ctx.pg, ctx.info, ctx.timeout = pg, info, timeout
         return out2.view(info.world_size * a.shape[0], *a.shape[1:-1], b.shape[1])
@@ -113,11 +127,11 @@ class _AllGatherMatmul(torch.autograd.Function):
         pg, info, timeout = ctx.pg, ctx.info, ctx.timeout
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         k, n = b.shape
-        g2 = grad_out.reshape(-1, n)
-        a2 = a.reshape(-1, k).contiguous()
         sig = f"{OP}.backward(a={C.describe(a)}, b={tuple(b.shape)}, grads={int(need_a)}{int(need_b)})"
         op = f"{OP}.backward"
         call = C.begin_call(op, pg, info, sig, 0, timeout)
+        g2 = grad_out.reshape(-1, n)
+        a2 = a.reshape(-1, k).contiguous()
         grad_a = grad_b = None
         with C.record(op):
             try:
@@ -144,8 +158,7 @@ class _AllGatherMatmul(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 
 
-def _reference(a2, b, pg, info, chosen, timeout, sig):
-    call = C.begin_call(OP, pg, info, sig, 0, timeout)
+def _reference(call, a2, b, pg, info, chosen, timeout):
     try:
         full = a2.new_empty((info.world_size * a2.shape[0], a2.shape[1]))
         work = C.all_gather_async(full, a2, pg)
@@ -155,8 +168,7 @@ def _reference(a2, b, pg, info, chosen, timeout, sig):
         call.finish()
 
 
-def _pipelined(a2, b, pg, info, chosen, timeout, sig):
-    call = C.begin_call(OP, pg, info, sig, 0, timeout)
+def _pipelined(call, a2, b, pg, info, chosen, timeout):
     W, r, m = info.world_size, info.rank, a2.shape[0]
     full = a2.new_empty((W * m, a2.shape[1]))
     out = a2.new_empty((W * m, b.shape[1]))
@@ -199,11 +211,10 @@ def _pull(call: symm.Call, peer: int, lo: int, hi: int, dst: torch.Tensor, m: in
     dst.copy_(src[lo:hi])
 
 
-def _symm(a2, b, pg, info, chosen, timeout, sig):
+def _symm(call, a2, b, pg, info, chosen, timeout):
     if info.device.type == "cuda":
-        return _symm_cuda(a2, b, pg, info, chosen, timeout, sig)
+        return _symm_cuda(call, a2, b, pg, info, chosen, timeout)
     W, r, (m, k) = info.world_size, info.rank, a2.shape
-    call = C.begin_call(OP, pg, info, sig, a2.numel() * a2.element_size(), timeout)
     futures = []
     try:
         call.wait_slot_free()
@@ -227,39 +238,44 @@ def _symm(a2, b, pg, info, chosen, timeout, sig):
         call.finish()
 
 
-def _symm_cuda(a2, b, pg, info, chosen, timeout, sig):
+def _symm_cuda(call, a2, b, pg, info, chosen, timeout):
     """GPU: copy-engine pulls on a side stream, stream-ordered flags and bounded waits.
 
     Not yet run on a GPU. A wait that passes its deadline is reported by the next call on the group.
     """
     W, r, (m, k) = info.world_size, info.rank, a2.shape
-    call = C.begin_call(OP, pg, info, sig, a2.numel() * a2.element_size(), timeout)
     main = torch.cuda.current_stream()
     side = _side_stream(a2.device)
-    call.wait_slot_free(main)
-    call.buffer(r, a2.dtype, (m, k)).copy_(a2)
-    call.signal_ready(stream=main)
-    full = a2.new_empty((W * m, k))
-    out = a2.new_empty((W * m, b.shape[1]))
-    side.wait_stream(main)
-    events = []
-    with torch.cuda.stream(side):
-        for i in range(1, W):
-            p = (r + i) % W
-            call.wait_ready(p, stream=side)
-            src = call.buffer(p, a2.dtype, (m, k))
-            for lo, hi in C.chunk_bounds(m, chosen.chunks_for(info.link_class(p))):
-                full[p * m + lo : p * m + hi].copy_(src[lo:hi], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(side)
-                events.append((p, lo, hi, ev))
-        call.finish(stream=side)
-    full.record_stream(side)
-    torch.mm(a2, b, out=out[r * m : (r + 1) * m])
-    for p, lo, hi, ev in events:
-        main.wait_event(ev)
-        torch.mm(full[p * m + lo : p * m + hi], b, out=out[p * m + lo : p * m + hi])
-    return out
+    finished = False
+    try:
+        call.wait_slot_free(main)
+        call.buffer(r, a2.dtype, (m, k)).copy_(a2)
+        call.signal_ready(stream=main)
+        full = a2.new_empty((W * m, k))
+        out = a2.new_empty((W * m, b.shape[1]))
+        side.wait_stream(main)
+        events = []
+        with torch.cuda.stream(side):
+            for i in range(1, W):
+                p = (r + i) % W
+                call.wait_ready(p, stream=side)
+                src = call.buffer(p, a2.dtype, (m, k))
+                for lo, hi in C.chunk_bounds(m, chosen.chunks_for(info.link_class(p))):
+                    full[p * m + lo : p * m + hi].copy_(src[lo:hi], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(side)
+                    events.append((p, lo, hi, ev))
+            call.finish(stream=side)
+            finished = True
+        full.record_stream(side)
+        torch.mm(a2, b, out=out[r * m : (r + 1) * m])
+        for p, lo, hi, ev in events:
+            main.wait_event(ev)
+            torch.mm(full[p * m + lo : p * m + hi], b, out=out[p * m + lo : p * m + hi])
+        return out
+    finally:
+        if not finished:  # keep the slot protocol whole so peers do not wait on us four calls later
+            call.finish(stream=main)
 
 
 _SIDE: dict[int, torch.cuda.Stream] = {}
@@ -280,12 +296,11 @@ def _fused_tiles(chosen: Plan, interpreted: bool, dtype: torch.dtype) -> tuple[i
     return (128, 128, 64) if dtype != torch.float32 else (128, 64, 32)
 
 
-def _fused(a2, b, pg, info, chosen, timeout, sig):
+def _fused(call, a2, b, pg, info, chosen, timeout):
     kernel = C.kernels().all_gather_matmul_kernel
     interpreted = C.interpreted()
     W, r, (m, k), n = info.world_size, info.rank, a2.shape, b.shape[1]
-    call = C.begin_call(OP, pg, info, sig, a2.numel() * a2.element_size(), timeout)
-    heap = symm.heap_for(pg)
+    heap = call.heap
     try:
         call.wait_slot_free()
         call.buffer(r, a2.dtype, (m, k)).copy_(a2)
@@ -302,7 +317,7 @@ def _fused(a2, b, pg, info, chosen, timeout, sig):
             kernel[grid](
                 out, b,
                 heap.ptr_table(call.slot), heap.flag_table(call.slot, 0),
-                call.epoch, r, W, abort, err, int(timeout * 1e9),
+                call.word, r, W, abort, err, int(timeout * 1e9),
                 m, n, k,
                 k,
                 b.stride(0), b.stride(1),

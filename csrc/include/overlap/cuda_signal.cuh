@@ -33,7 +33,8 @@ __device__ __forceinline__ void flag_store_release(int32_t* addr, int32_t value)
   asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(addr), "r"(value) : "memory");
 }
 
-// Spins until *flag >= value (signed compare). Returns true once it holds. If timeout_ns
+// Spins until *flag >= value, compared modulo 2^32 as the host side and
+// CU_STREAM_WAIT_VALUE_GEQ do. Returns true once it holds. If timeout_ns
 // pass first, records `code` into *err unless an earlier error is already there (the
 // first error wins, so the host sees the root cause), and returns false: a spinning
 // kernel never hangs its stream, the host checks *err after the stream.
@@ -41,7 +42,8 @@ __device__ __forceinline__ bool wait_flag_geq_bounded(const int32_t* flag, int32
                                                       uint64_t timeout_ns, int32_t* err,
                                                       int32_t code = kErrWaitTimeout) {
   const uint64_t start = globaltimer_ns();
-  while (flag_load_acquire(flag) < value) {
+  while (static_cast<int32_t>(static_cast<uint32_t>(flag_load_acquire(flag)) -
+                              static_cast<uint32_t>(value)) < 0) {
     if (globaltimer_ns() - start > timeout_ns) {
       atomicCAS_system(err, kErrNone, code);
       __threadfence_system();

@@ -71,14 +71,22 @@ class Backoff {
   long sleep_ns_ = 1'000;
 };
 
-// Waits until *addr >= value (signed int32 compare). Returns true as soon as it holds,
-// false once `deadline` has passed with it still false. The flag is read once more after
-// the deadline, so a store that lands while we sleep past the deadline is not missed.
+// "flag has reached value" for epochs that wrap around 2^32: the difference, taken modulo
+// 2^32, is non-negative as a signed number. Equal to a plain signed >= while the two are
+// within 2^31 of each other, which the protocol guarantees (ranks are a few epochs apart),
+// and still right after the epoch counter wraps. CU_STREAM_WAIT_VALUE_GEQ compares the same way.
+inline bool flag_reached(int32_t flag, int32_t value) {
+  return static_cast<int32_t>(static_cast<uint32_t>(flag) - static_cast<uint32_t>(value)) >= 0;
+}
+
+// Waits until flag_reached(*addr, value). Returns true as soon as it holds, false once
+// `deadline` has passed with it still false. The flag is read once more after the
+// deadline, so a store that lands while we sleep past the deadline is not missed.
 inline bool flag_wait_geq(const int32_t* addr, int32_t value, Clock::time_point deadline) {
   Backoff backoff;
   for (;;) {
-    if (flag_load_acquire(addr) >= value) return true;
-    if (Clock::now() >= deadline) return flag_load_acquire(addr) >= value;
+    if (flag_reached(flag_load_acquire(addr), value)) return true;
+    if (Clock::now() >= deadline) return flag_reached(flag_load_acquire(addr), value);
     backoff.pause();
   }
 }
