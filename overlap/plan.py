@@ -11,13 +11,16 @@ Default heuristic (until plan files and the cost model exist):
 * a group that spans nodes: ``pipelined``, 2 chunks per network transfer;
 * CPU ranks of one node: ``symm`` (shared-memory copies beat gloo's loopback TCP); interpreted
   ``fused`` is never chosen;
-* GPU ranks of one node: ``fused`` for fp16/bf16 with at least 128 rows per rank, else ``symm``.
+* GPU ranks of one node: ``fused`` for fp16/bf16 with at least 128 rows per rank, else ``symm``;
+  ``pipelined`` (with a warning, once) where GPU symmetric memory is unavailable (``overlap._C``
+  built without CUDA, or a torch without ``_symmetric_memory``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from collections.abc import Mapping
 
 from .world import LINK_CLASSES, GroupInfo
@@ -100,6 +103,10 @@ def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int, d
         plan = Plan("reference")
     elif not info.single_node:
         plan = Plan("pipelined")
+    elif info.device.type == "cuda" and not gpu_symmetric_memory():
+        plan = Plan("pipelined")
+        _warn_once("overlap: GPU symmetric memory is unavailable (overlap._C built without CUDA, or torch "
+                   "lacks _symmetric_memory); 'auto' falls back to 'pipelined'")
     elif info.device.type == "cuda" and dtype_name in ("float16", "bfloat16") and rows_per_rank >= 128:
         plan = Plan("fused")
     else:
@@ -109,6 +116,27 @@ def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int, d
         _LOGGED.add(key)
         log.info("overlap.%s: auto chose %s for %s (default heuristic)", op, plan.describe(), signature)
     return plan
+
+
+def gpu_symmetric_memory() -> bool:
+    """Whether `symm`/`fused` can run on GPUs here: `_C`'s CUDA half and torch's symmetric memory."""
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+
+        from . import _C
+    except ImportError:
+        return False
+    return bool(_C.has_cuda)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
+        log.warning(message)
 
 
 def check_plan_fits(op: str, plan: Plan, info: GroupInfo) -> None:

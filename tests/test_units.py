@@ -49,13 +49,18 @@ def test_link_classes():
     assert g.link_classes() == {1: "nvlink", 2: "pcie"}
 
 
-def test_auto_heuristic_is_documented_and_never_fused_on_cpu():
+def test_auto_heuristic_is_documented_and_never_fused_on_cpu(monkeypatch):
     sig = "a=(8, 16):float32, b=(16, 4)"
     assert plan.resolve_auto("op", sig, info(["a"]), 8, "float32").strategy == "reference"
     assert plan.resolve_auto("op", sig, info(["a", "a"]), 4096, "bfloat16").strategy == "symm"
     assert plan.resolve_auto("op", sig, info(["a", "b"]), 8, "float32").strategy == "pipelined"
     gpu = info(["a", "a"], device="cuda", peer_access=[True, True])
+    monkeypatch.setattr(plan, "gpu_symmetric_memory", lambda: True)
     assert plan.resolve_auto("op", sig, gpu, 4096, "bfloat16").strategy == "fused"
+    assert plan.resolve_auto("op", sig, gpu, 64, "bfloat16").strategy == "symm"
+    monkeypatch.setattr(plan, "gpu_symmetric_memory", lambda: False)
+    with pytest.warns(UserWarning, match="falls back to 'pipelined'"):
+        assert plan.resolve_auto("op", sig + "x", gpu, 4096, "bfloat16").strategy == "pipelined"
     with pytest.raises(ValueError, match="spans nodes"):
         plan.check_plan_fits("op", overlap.Plan("fused"), info(["a", "b"]))
 

@@ -103,7 +103,7 @@ def _collective_handshake(op: str, pg, info: world.GroupInfo, signature: str, ti
     mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(info.device)
     every = torch.empty(info.world_size * _HEADER_BYTES, dtype=torch.uint8, device=info.device)
     work = all_gather_async(every, mine, pg)
-    wait_work(work, op, info.rank, "any", "signature", timeout)
+    wait_work(work, op, info.rank, "any", "signature", timeout)  # host-side check: needs the data
     if post_only:
         return _CollectiveCall(epoch)
     rows = every.view(info.world_size, _HEADER_BYTES).cpu()
@@ -154,9 +154,18 @@ def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, pg):
 # ----------------------------------------------------------------------------------------------
 
 
-def wait_work(work, op: str, rank: int, peer: int | str, chunk: int | str, timeout: float) -> None:
-    """``work.wait`` with a deadline; timeouts and dead peers become overlap errors."""
+def wait_work(work, op: str, rank: int, peer: int | str, chunk: int | str, timeout: float,
+              device: torch.device | None = None) -> None:
+    """``work.wait`` with a deadline; timeouts and dead peers become overlap errors.
+
+    On GPUs the wait is stream-ordered (the current stream waits for the transfer, the host does
+    not): NCCL's ``wait(timeout=...)`` would block the host. The deadline there is the process
+    group's own timeout, enforced by NCCL's watchdog.
+    """
     try:
+        if device is not None and device.type == "cuda":
+            work.wait()
+            return
         ok = work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as exc:
         text = str(exc)

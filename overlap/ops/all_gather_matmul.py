@@ -143,10 +143,10 @@ class _AllGatherMatmul(torch.autograd.Function):
                     grad_a2 = a2.new_empty(a2.shape)
                     rs = C.reduce_scatter_async(grad_a2, partial, pg)
                 if need_b:
-                    C.wait_work(work, op, info.rank, "any", "all_gather of a", timeout)
+                    C.wait_work(work, op, info.rank, "any", "all_gather of a", timeout, info.device)
                     grad_b = torch.mm(full.t(), g2)
                 if need_a:
-                    C.wait_work(rs, op, info.rank, "any", "reduce_scatter of grad_a", timeout)
+                    C.wait_work(rs, op, info.rank, "any", "reduce_scatter of grad_a", timeout, info.device)
                     grad_a = grad_a2.view(a.shape)
             finally:
                 call.finish()
@@ -162,7 +162,7 @@ def _reference(call, a2, b, pg, info, chosen, timeout):
     try:
         full = a2.new_empty((info.world_size * a2.shape[0], a2.shape[1]))
         work = C.all_gather_async(full, a2, pg)
-        C.wait_work(work, OP, info.rank, "any", "all_gather", timeout)
+        C.wait_work(work, OP, info.rank, "any", "all_gather", timeout, info.device)
         return torch.mm(full, b)
     finally:
         call.finish()
@@ -195,7 +195,7 @@ def _pipelined(call, a2, b, pg, info, chosen, timeout):
         torch.mm(a2, b, out=out[r * m : (r + 1) * m])
         for src, j, bounds, works in steps:
             for work in works:
-                C.wait_work(work, OP, r, src, j, timeout)
+                C.wait_work(work, OP, r, src, j, timeout, info.device)
             if bounds is not None:
                 lo, hi = bounds
                 torch.mm(full[src * m + lo : src * m + hi], b, out=out[src * m + lo : src * m + hi])
