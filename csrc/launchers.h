@@ -5,11 +5,21 @@
 #pragma once
 
 #include <cstdint>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "overlap/signal.h"
 
 namespace overlap {
+
+// Error-message builder: cat("addr=", addr, " ...") streams every argument.
+template <class... Args>
+std::string cat(const Args&... args) {
+  std::ostringstream out;
+  (out << ... << args);
+  return out.str();
+}
 
 // csrc/signal.cpp: host flags.
 int32_t check_int32(int64_t value, const char* what);

@@ -11,13 +11,6 @@ namespace overlap {
 
 namespace {
 
-template <class... Args>
-std::string cat(const Args&... args) {
-  std::ostringstream out;
-  (out << ... << args);
-  return out.str();
-}
-
 // Longest accepted timeout (~31 years): keeps now() + timeout inside steady_clock's range.
 constexpr double kMaxTimeoutS = 1e9;
 

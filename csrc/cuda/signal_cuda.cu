@@ -19,13 +19,6 @@
 namespace overlap {
 namespace {
 
-template <class... Args>
-std::string cat(const Args&... args) {
-  std::ostringstream out;
-  (out << ... << args);
-  return out.str();
-}
-
 // Throws unless this process can use a CUDA device. With no driver or no GPU the static
 // runtime returns an error here (no crash), which becomes the RuntimeError's message.
 void require_device() {
