@@ -481,3 +481,9 @@ def overlap_call(a, b, group, strategy):
 
 def test_epochs_rebase(pools, seed):
     assert pools(3).run(across_epoch_rebase, seed) == [24, 24, 24]
+
+
+@pytest.mark.parametrize("strategy", ["reference", "pipelined", "symm", "fused", "auto"])
+def test_single_rank_group(pools, seed, strategy):
+    cases = [(5, (), 24, 19, "weight.t()"), (3, (2,), 16, 8, "contiguous")]
+    assert len(pools(1).run(check_strategy, strategy, torch.float32, seed, cases)[0]) == len(cases)
