@@ -66,6 +66,7 @@ _W_GEN_READY = 1  # heap generation this rank has created
 _W_GEN_MAPPED = 2  # heap generation this rank has mapped from every peer
 _W_REBASE_QUIET = 3  # re-base rounds in which this rank has stopped touching flags
 _W_REBASE_DONE = 4  # re-base rounds in which this rank has cleared its own flags
+_W_GEN_FAILED = 5  # heap generation this rank failed to create (it still arrives at the barrier)
 
 #: Epochs stay below this: the call that reaches it re-bases every flag of the group to zero, so
 #: flags and epochs are always int32 values far apart from wrapping (see `SymmHeap._rebase`).
@@ -266,6 +267,15 @@ class SymmHeap:
         c = _c()
         self.epoch += 1
         epoch = self.epoch
+        peers = [p for p in range(self.world_size) if p != self.rank]
+        if epoch > _HS_RING - 1 and post_only:
+            # Only a rank that skips waiting (post_only) can run ahead: do not overwrite a ring
+            # entry a slower peer has yet to read.
+            oldest = epoch - _HS_RING + 1
+            missing = c.signal_wait_all([self.ctrl_addr(p, _W_HS_EPOCH) for p in peers], oldest, timeout)
+            if missing >= 0:
+                raise OverlapTimeout(op, self.rank, peers[missing], "handshake", timeout,
+                                     f"the peer is more than {_HS_RING - 1} calls behind")
         entry = _HS_BASE + (epoch % _HS_RING) * _HS_STRIDE
         lo, hi = signature_hash(signature)
         text = signature.encode()[:_SIG_TEXT_BYTES].ljust(_SIG_TEXT_BYTES, b"\0")
@@ -276,7 +286,6 @@ class SymmHeap:
         c.signal_store(self.ctrl_addr(self.rank, _W_HS_EPOCH), epoch)
         if post_only:
             return None
-        peers = [p for p in range(self.world_size) if p != self.rank]
         missing = c.signal_wait_all([self.ctrl_addr(p, _W_HS_EPOCH) for p in peers], epoch, timeout)
         if missing >= 0:
             raise OverlapTimeout(op, self.rank, peers[missing], "handshake", timeout,
@@ -384,12 +393,25 @@ class SymmHeap:
         else:
             path = self._path(f"g{gen}", self.rank)
             _CREATED.add(path)
-            own = _create_segment(path, NUM_SLOTS * slot_bytes)
-            barrier(_W_GEN_READY, "peer did not create its segment")
-            self.data = [own if p == self.rank else _attach_segment(self._path(f"g{gen}", p), NUM_SLOTS * slot_bytes)
-                         for p in range(self.world_size)]
-            barrier(_W_GEN_MAPPED, "peer did not map the segments")
-            _unlink(path)
+            try:
+                own = _create_segment(path, NUM_SLOTS * slot_bytes)
+            except OSError:
+                # Arrive anyway, marked failed, so the peers raise at once too (not at their deadline).
+                c.signal_store(self.ctrl_addr(self.rank, _W_GEN_FAILED), gen)
+                barrier(_W_GEN_READY, "peer did not create its segment")
+                raise
+            try:
+                barrier(_W_GEN_READY, "peer did not create its segment")
+                failed = [p for p in peers if int(self._ctrl_np[p][_W_GEN_FAILED]) == gen]
+                if failed:
+                    raise OSError(f"overlap.{op}: rank(s) {failed} could not allocate {NUM_SLOTS * slot_bytes} bytes "
+                                  f"of shared memory in {envs.shm_dir()}; the heap keeps its old size")
+                self.data = [own if p == self.rank else
+                             _attach_segment(self._path(f"g{gen}", p), NUM_SLOTS * slot_bytes)
+                             for p in range(self.world_size)]
+                barrier(_W_GEN_MAPPED, "peer did not map the segments")
+            finally:
+                _unlink(path)
         self.slot_bytes = slot_bytes
         self._ptr_tables.clear()
 
@@ -544,7 +566,8 @@ class _CudaFlags:
     def __init__(self, group: dist.ProcessGroup, world_size: int):
         self.tensors = _cuda_data(group, _CTRL_WORDS * 4, world.group_device(group))
         self.tensors[dist.get_rank(group)].zero_()
-        dist.barrier(group=group)
+        torch.cuda.synchronize()
+        world.store_exchange(group, "cuda-flags", b"", envs.timeout_s())
 
     def addrs(self, word: int) -> list[int]:
         return [t.data_ptr() + 4 * word for t in self.tensors]
@@ -570,11 +593,21 @@ def heap_for(group: Any = None, timeout: float | None = None) -> SymmHeap:
 
 
 def reserve(group: Any = None, nbytes: int = 0, timeout: float | None = None) -> None:
-    """Grow `group`'s symmetric heap so every slot holds at least `nbytes` (collective)."""
-    if not isinstance(nbytes, int) or nbytes < 0:
-        raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
-    timeout = envs.timeout_s() if timeout is None else timeout
-    heap_for(group, timeout).reserve(nbytes, timeout)
+    """Grow `group`'s symmetric heap so every slot holds at least `nbytes` (every rank calls it)."""
+    from .ops import _common
+
+    error = None
+    try:
+        timeout = _common.resolve_timeout(timeout)
+    except ValueError as exc:
+        error, timeout = exc, envs.timeout_s()
+    if error is None and (not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0):
+        error = ValueError(f"overlap.reserve: nbytes must be a non-negative int, got {nbytes!r}")
+    heap = heap_for(group, timeout)
+    if error is not None:  # tell the peers at once, then raise here
+        heap.begin("reserve", f"<invalid input on rank {heap.rank}: {error}>", 0, timeout, post_only=True)
+        raise error
+    heap.reserve(nbytes, timeout)
 
 
 def release(group: Any = None) -> None:

@@ -19,6 +19,7 @@ TOL = {
     torch.float32: dict(rtol=1e-5, atol=1e-5),
     torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
     torch.float16: dict(rtol=1.6e-2, atol=1e-2),
+    torch.float64: dict(rtol=1e-12, atol=1e-12),
 }
 
 # (rows per rank, middle dims, k, n, b layout): odd sizes, one row, 3-D inputs, transposed weight views.
@@ -88,7 +89,7 @@ def check_strategy(rank, world_size, strategy, dtype, seed, cases, timeout=30.0)
         name = strategy.describe() if isinstance(strategy, overlap.Plan) else strategy
         ctx = f"rank {rank}/{world_size} {name} {dtype} a={tuple(a.shape)} n={n} {layout} seed={seed}"
         want = (outs[rank], grad_as[rank].reshape(a.shape), grad_bs[rank])
-        if dtype == torch.float32:
+        if dtype in (torch.float32, torch.float64):
             compare(ctx, got, want, dtype)
         else:
             # bf16: each strategy rounds like `reference` does (DESIGN's tolerance against it);
@@ -487,3 +488,62 @@ def test_epochs_rebase(pools, seed):
 def test_single_rank_group(pools, seed, strategy):
     cases = [(5, (), 24, 19, "weight.t()"), (3, (2,), 16, 8, "contiguous")]
     assert len(pools(1).run(check_strategy, strategy, torch.float32, seed, cases)[0]) == len(cases)
+
+
+# ----------------------------------------------------------------------------------------------
+# Local failures on one rank after the first call: every rank fails fast, the group stays usable
+# ----------------------------------------------------------------------------------------------
+
+
+def one_rank_fails_locally(rank, world_size):
+    import overlap
+    from overlap import symm
+    from overlap.ops import _common
+
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    overlap.all_gather_matmul(a, b, strategy="symm")  # the heap exists
+    results = {}
+    # Heap growth fails on rank 1 only (as when its /dev/shm is full).
+    create = symm._create_segment
+    if rank == 1:
+        def no_space(path, nbytes):
+            raise OSError(28, "No space left on device")
+
+        symm._create_segment = no_space
+    results["growth"] = expect_error(overlap.all_gather_matmul, torch.randn(400, 8), b, strategy="symm", timeout=20)
+    symm._create_segment = create
+    # Triton cannot be imported on rank 1 only.
+    kernels = _common.kernels
+    if rank == 1:
+        def broken():
+            raise RuntimeError("the 'fused' strategy needs Triton, which failed to import: (test)")
+
+        _common.kernels = broken
+    results["fused_unavailable"] = expect_error(overlap.all_gather_matmul, a, b, strategy="fused", timeout=20)
+    _common.kernels = kernels
+    # reserve() with a bad size on rank 1 only.
+    results["reserve"] = expect_error(overlap.reserve, None, -5 if rank == 1 else 1024, timeout=20)
+    # The group still works, on every strategy, for more calls than the slot ring holds.
+    for strategy in ["symm", "fused", "reference", "pipelined"] * 2:
+        y = overlap.all_gather_matmul(a, b, strategy=strategy, timeout=20)
+        assert y.shape == (4 * world_size, 3)
+    results["then_ok"] = True
+    return results
+
+
+def test_one_rank_local_failures_fail_fast_everywhere(pools):
+    for rank, res in enumerate(pools(2).run(one_rank_fails_locally, timeout=120)):
+        kind, msg, secs = res["growth"]
+        assert kind == "OSError" and secs < 5, (rank, res["growth"])
+        kind, msg, secs = res["fused_unavailable"]
+        assert kind == ("ValueError" if rank == 1 else "OverlapMismatchError") and secs < 5, (rank, msg)
+        kind, msg, secs = res["reserve"]
+        assert kind == ("ValueError" if rank == 1 else "OverlapMismatchError") and secs < 5, (rank, msg)
+        assert res["then_ok"]
+
+
+@pytest.mark.parametrize("strategy", ["reference", "pipelined", "symm", "auto"])
+def test_float64(pools, seed, strategy):
+    cases = [(5, (), 24, 19, "weight.t()"), (3, (2,), 40, 8, "contiguous")]
+    reports = pools(2).run(check_strategy, strategy, torch.float64, seed, cases)
+    assert all(len(r) == len(cases) for r in reports)

@@ -127,14 +127,18 @@ def begin_call(op: str, pg, info: world.GroupInfo, signature: str, need_bytes: i
     """
     if error is not None:
         signature = f"<invalid input on rank {info.rank}: {error.exc}>"
-    if info.single_node:
-        heap = symm.heap_for(pg, timeout)
-        call = heap.begin(op, signature, 0 if error else need_bytes, timeout, post_only=error is not None)
-    else:
-        call = _collective_handshake(op, pg, info, signature, timeout, post_only=error is not None)
     if error is not None:
+        try:
+            if info.single_node:
+                symm.heap_for(pg, timeout).begin(op, signature, 0, timeout, post_only=True)
+            else:
+                _collective_handshake(op, pg, info, signature, timeout, post_only=True)
+        except OverlapTimeout:
+            pass  # the peers are stuck elsewhere; the user's own mistake is still the error to see
         raise error.exc
-    return call
+    if info.single_node:
+        return symm.heap_for(pg, timeout).begin(op, signature, need_bytes, timeout)
+    return _collective_handshake(op, pg, info, signature, timeout, post_only=False)
 
 
 def all_gather_async(out: torch.Tensor, inp: torch.Tensor, pg):

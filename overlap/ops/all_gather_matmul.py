@@ -94,8 +94,13 @@ def all_gather_matmul(
         if chosen is None:
             chosen = plan_mod.resolve_auto(OP, shape_sig, info, rows, str(a.dtype).removeprefix("torch."))
         plan_mod.check_plan_fits(OP, chosen, info)
-        if chosen.strategy == "fused" and a.dtype not in C.FUSED_DTYPES:
-            raise TypeError(f"overlap.{OP}: the fused kernel supports {C.FUSED_DTYPES}, got {a.dtype}")
+        if chosen.strategy == "fused":
+            if a.dtype not in C.FUSED_DTYPES:
+                raise TypeError(f"overlap.{OP}: the fused kernel supports {C.FUSED_DTYPES}, got {a.dtype}")
+            try:
+                C.kernels()  # import (and define) the Triton kernels before the handshake
+            except RuntimeError as exc:
+                raise ValueError(f"overlap.{OP}: strategy 'fused' is unavailable here: {exc}") from exc
         sig = f"{OP}({shape_sig}, plan={chosen.describe()})"
     except (TypeError, ValueError) as exc:
         error = C.InputError(exc)
@@ -115,8 +120,12 @@ class _AllGatherMatmul(torch.autograd.Function):
     def forward(ctx, a, b, pg, info, chosen: Plan, timeout: float, sig: str):
         # The handshake comes first: nothing that can fail locally runs between it and the data.
         call = C.begin_call(OP, pg, info, sig, _heap_bytes(chosen, a), timeout)
-        a2 = a.reshape(-1, a.shape[-1]).contiguous()
-        out2 = STRATEGIES[chosen.strategy](call, a2, b, pg, info, chosen, timeout)
+        try:
+            a2 = a.reshape(-1, a.shape[-1]).contiguous()
+            out2 = STRATEGIES[chosen.strategy](call, a2, b, pg, info, chosen, timeout)
+        except BaseException:
+            call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
+            raise
         ctx.save_for_backward(a, b)
         ctx.pg, ctx.info, ctx.timeout = pg, info, timeout
         return out2.view(info.world_size * a.shape[0], *a.shape[1:-1], b.shape[1])
