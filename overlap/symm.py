@@ -1,13 +1,14 @@
 """Symmetric memory: equal buffers on every rank of a node, addressable by every rank, and flags.
 
-Per group (created lazily by the first call that needs it, one collective rendezvous):
+Per group (created lazily by the first call, through a bounded rendezvous on the process group's
+store):
 
 * a **control pad** per rank in host POSIX shared memory (CPU and GPU alike): the per-call
   handshake words (epoch, signature, bytes needed, a readable copy of the signature) and, on CPU
   ranks, the data flags;
 * a **data heap** per rank, split into a ring of `NUM_SLOTS` equal slots. CPU: a POSIX shared
-  memory segment mapped by every local rank. CUDA: torch's ``_symmetric_memory``, whose
-  allocation is a separate device flag array (flags never move when the heap grows);
+  memory segment (`overlap.shm`) mapped by every local rank. CUDA: torch's ``_symmetric_memory``,
+  with the data flags in a separate symmetric allocation (flags never move when the heap grows);
 * a per-process table of peer addresses (`SymmHeap.ptr_table`), which Triton kernels take.
 
 The buffer protocol (DESIGN.md) as implemented here:
@@ -16,24 +17,29 @@ The buffer protocol (DESIGN.md) as implemented here:
   the group's epoch advances by one, each rank posts ``(signature, bytes needed)`` under the
   new epoch and waits until every peer has posted the same epoch. Each rank then compares every
   peer's signature with its own, so a disagreement raises `OverlapMismatchError` on every rank,
-  on every call, with both signatures in the message; nothing else has been exchanged yet, so
-  the group stays usable. Ranks can be at most one epoch apart, so a ring of four entries per
-  rank is never overwritten before it is read.
+  on every call, with every signature in the message; nothing else has been exchanged, so the
+  group stays usable. A rank whose own arguments are wrong posts a poisoned signature without
+  waiting (``post_only``) and raises; its peers raise at once. Waiting ranks are at most one
+  epoch apart and a post-only rank first waits until its peers are within the ring, so a ring of
+  four entries per rank is never overwritten before it is read.
 * **Growth.** All ranks now know the same ``need``; if a slot is smaller, every rank grows
-  together (a shared-memory rendezvous on the control pad, no collective): new segments are
-  created, mapped by every peer, then unlinked at once, so ``/dev/shm`` holds nothing after the
-  rendezvous even if a rank is later killed. `overlap.reserve` grows ahead of time.
-* **Flags carry epochs and are never reset.** A consumer waits for ``flag >= epoch``.
-  ``ready[slot][i]`` lives in the producer's pad; ``done[slot][q]`` lives in every rank's pad and
-  is written by rank ``q`` when it has finished everything it does with slot ``slot`` in that
-  epoch (reading peers' buffers and its own). Before a rank writes into slot ``s`` (its own
-  buffer or a peer's) at epoch ``E``, it waits until ``done[s][q] >= E - NUM_SLOTS`` for every
-  ``q``: the previous user of the slot is finished everywhere. Every rank signals ``done`` to
-  every peer at the end of every call, whether it read from that peer or not.
+  together (a shared-memory rendezvous on the control pad): new segments are created, mapped by
+  every peer, then unlinked at once, so ``/dev/shm`` holds nothing even if a rank is later killed.
+  A rank that cannot allocate says so in its pad and every rank raises, keeping the old heap.
+  `overlap.reserve` grows ahead of time.
+* **Flags carry epochs and are never reset** (except by the re-base below). A consumer waits for
+  ``flag >= epoch``. ``ready[slot][i]`` lives in the producer's pad; ``done[slot][q]`` lives in
+  every rank's pad and is written by rank ``q`` when it has finished everything it does with slot
+  ``slot`` in that call (reading peers' buffers and its own). Only calls that use heap data
+  (``symm``, ``fused``) touch flags. Before such a call at epoch ``E`` writes into slot ``s``, it
+  waits until ``done[s][q]`` has reached the epoch of the previous data call on ``s`` for every
+  ``q``; that epoch is the same on every rank, since every rank makes the same calls.
+* **Re-base.** Flags are int32: the call that reaches `REBASE_EPOCH` (2^30) clears every flag
+  of the group and restarts from epoch 1, all ranks together (`SymmHeap._rebase`).
 
 Memory ordering: a producer writes its data with ordinary stores, then publishes the flag with
 a release store; a consumer reads the flag with an acquire load before it reads the data
-(``overlap._C`` on CPU, ``st.release``/``ld.acquire`` semantics in Triton and CUDA).
+(``overlap._C`` on CPU, system-scope acquire in Triton, ``st.release``-like stream writes in CUDA).
 """
 
 from __future__ import annotations
@@ -42,14 +48,13 @@ import atexit
 import hashlib
 import logging
 import os
-import re
 import secrets
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import envs, world
+from . import envs, shm, world
 from .errors import OverlapMismatchError, OverlapTimeout
 
 log = logging.getLogger("overlap")
@@ -78,101 +83,12 @@ _SLOT_STRIDE = MAX_FLAGS + MAX_PEERS  # ready[MAX_FLAGS], done[MAX_PEERS]
 _CTRL_WORDS = _SLOT_BASE + NUM_SLOTS * _SLOT_STRIDE
 _ALIGN = 4096
 
-_NAME_RE = re.compile(r"^overlap-[0-9a-f]+-(\d+)-")
 
 
 def _c():
     from . import _C
 
     return _C
-
-
-# ----------------------------------------------------------------------------------------------
-# POSIX shared memory segments
-# ----------------------------------------------------------------------------------------------
-
-
-def _create_segment(path: str, nbytes: int) -> torch.Tensor:
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        # Reserve the pages now: on tmpfs a sparse file "succeeds" and the first write past the
-        # free space kills the process with SIGBUS instead.
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as exc:
-        os.close(fd)
-        _unlink(path)
-        raise OSError(exc.errno, f"overlap: cannot reserve {nbytes} bytes of shared memory in "
-                      f"{os.path.dirname(path)} ({exc.strerror}); free space there, point OVERLAP_SHM_DIR "
-                      "at a larger tmpfs, or give the container a larger /dev/shm") from None
-    else:
-        os.close(fd)
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-
-
-def _attach_segment(path: str, nbytes: int) -> torch.Tensor:
-    if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"overlap: shared memory segment {path} of a peer is missing; ranks of one group must share "
-            f"{envs.shm_dir()} (set OVERLAP_NODE_ID per node if two nodes share a hostname)"
-        )
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_segments(directory: str | None = None, min_age_s: float = 60.0) -> list[str]:
-    """Remove segments left by processes that are provably dead (their creator pid is gone).
-
-    Segments are normally unlinked right after every rank has mapped them; one survives only if a
-    rank died inside that window. Called at every heap creation; returns the removed names. Only
-    segments older than `min_age_s` go: a job in another pid namespace sharing this directory
-    (``--ipc=host``) may hold a live segment whose pid means nothing here, for a moment.
-    """
-    import time
-
-    directory = directory or envs.shm_dir()
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        m = _NAME_RE.match(name)
-        path = os.path.join(directory, name)
-        if m and not _pid_alive(int(m.group(1))):
-            try:
-                if time.time() - os.stat(path).st_mtime < min_age_s:
-                    continue
-                os.unlink(path)
-                removed.append(name)
-            except OSError:
-                pass
-    return removed
-
-
-_CREATED: set[str] = set()  # paths this process created and has not unlinked yet
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    _CREATED.discard(path)
-
-
-@atexit.register
-def _unlink_created() -> None:
-    for path in list(_CREATED):
-        _unlink(path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,20 +125,20 @@ class SymmHeap:
         # Epoch of the last call that used each slot's data (identical on every rank: every rank
         # makes the same calls, and whether a call uses the heap is part of its signature).
         self.last_data_epoch = [0] * NUM_SLOTS
-        remove_stale_segments()
+        shm.remove_stale_segments()
         # Bounded rendezvous through the store: agree on a run id so segment names are
         # predictable from (pid, rank), create, map every peer's pad, then unlink our own.
         token = f"{os.getpid():x}{secrets.token_hex(4)}".encode()
         self._uid = world.store_exchange(group, "heap-uid", token, timeout)[0].decode()
         path = self._path("ctrl", self.rank)
-        _CREATED.add(path)
-        own = _create_segment(path, _CTRL_WORDS * 4)
+        shm.CREATED.add(path)
+        own = shm.create_segment(path, _CTRL_WORDS * 4)
         world.store_exchange(group, "ctrl-created", b"", timeout)
         self.ctrl = [own.view(torch.int32) if p == self.rank else
-                     _attach_segment(self._path("ctrl", p), _CTRL_WORDS * 4).view(torch.int32)
+                     shm.attach_segment(self._path("ctrl", p), _CTRL_WORDS * 4).view(torch.int32)
                      for p in range(self.world_size)]
         world.store_exchange(group, "ctrl-mapped", b"", timeout)
-        _unlink(path)
+        shm.unlink(path)
         self._ctrl_np = [t.numpy() for t in self.ctrl]
         self._ctrl_addr = [t.data_ptr() for t in self.ctrl]
         self.data: list[torch.Tensor] = []
@@ -392,9 +308,9 @@ class SymmHeap:
             self.data = _cuda_data(self.group, NUM_SLOTS * slot_bytes, self.device)
         else:
             path = self._path(f"g{gen}", self.rank)
-            _CREATED.add(path)
+            shm.CREATED.add(path)
             try:
-                own = _create_segment(path, NUM_SLOTS * slot_bytes)
+                own = shm.create_segment(path, NUM_SLOTS * slot_bytes)
             except OSError:
                 # Arrive anyway, marked failed, so the peers raise at once too (not at their deadline).
                 c.signal_store(self.ctrl_addr(self.rank, _W_GEN_FAILED), gen)
@@ -407,11 +323,11 @@ class SymmHeap:
                     raise OSError(f"overlap.{op}: rank(s) {failed} could not allocate {NUM_SLOTS * slot_bytes} bytes "
                                   f"of shared memory in {envs.shm_dir()}; the heap keeps its old size")
                 self.data = [own if p == self.rank else
-                             _attach_segment(self._path(f"g{gen}", p), NUM_SLOTS * slot_bytes)
+                             shm.attach_segment(self._path(f"g{gen}", p), NUM_SLOTS * slot_bytes)
                              for p in range(self.world_size)]
                 barrier(_W_GEN_MAPPED, "peer did not map the segments")
             finally:
-                _unlink(path)
+                shm.unlink(path)
         self.slot_bytes = slot_bytes
         self._ptr_tables.clear()
 

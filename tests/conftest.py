@@ -53,7 +53,7 @@ def shm_left_clean(pools):
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
-    from overlap.symm import remove_stale_segments
+    from overlap.shm import remove_stale_segments
 
     remove_stale_segments(min_age_s=0)
     left = sorted(set(_our_segments()) - before)

@@ -497,21 +497,21 @@ def test_single_rank_group(pools, seed, strategy):
 
 def one_rank_fails_locally(rank, world_size):
     import overlap
-    from overlap import symm
+    from overlap import shm
     from overlap.ops import _common
 
     a, b = torch.randn(4, 8), torch.randn(8, 3)
     overlap.all_gather_matmul(a, b, strategy="symm")  # the heap exists
     results = {}
     # Heap growth fails on rank 1 only (as when its /dev/shm is full).
-    create = symm._create_segment
+    create = shm.create_segment
     if rank == 1:
         def no_space(path, nbytes):
             raise OSError(28, "No space left on device")
 
-        symm._create_segment = no_space
+        shm.create_segment = no_space
     results["growth"] = expect_error(overlap.all_gather_matmul, torch.randn(400, 8), b, strategy="symm", timeout=20)
-    symm._create_segment = create
+    shm.create_segment = create
     # Triton cannot be imported on rank 1 only.
     kernels = _common.kernels
     if rank == 1:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import overlap
-from overlap import envs, plan, symm, world
+from overlap import envs, plan, shm, symm, world
 from overlap.ops import _common
 
 
@@ -123,9 +123,9 @@ def test_stale_segments_of_dead_processes_are_removed(tmp_path):
     old = time.time() - 3600
     os.utime(stale, (old, old))
     os.utime(live, (old, old))
-    assert symm.remove_stale_segments(str(tmp_path)) == [stale.name]
+    assert shm.remove_stale_segments(str(tmp_path)) == [stale.name]
     assert live.exists() and fresh.exists() and not stale.exists()
-    assert symm.remove_stale_segments(str(tmp_path), min_age_s=0) == [fresh.name]
+    assert shm.remove_stale_segments(str(tmp_path), min_age_s=0) == [fresh.name]
 
 
 def test_shared_memory_shortage_is_a_clear_error(tmp_path, monkeypatch):
@@ -138,7 +138,7 @@ def test_shared_memory_shortage_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "posix_fallocate", no_space)
     path = str(tmp_path / "overlap-seg")
     with pytest.raises(OSError, match="OVERLAP_SHM_DIR"):
-        symm._create_segment(path, 1 << 20)
+        shm.create_segment(path, 1 << 20)
     assert not os.path.exists(path)
 
 
