@@ -27,3 +27,10 @@ class OverlapTimeout(OverlapError):
 
 class OverlapMismatchError(ValueError):
     """Ranks of one group made different calls (op, shapes, dtype or plan). Raised on every rank."""
+
+    @classmethod
+    def of(cls, op: str, call: int, rank: int, signature: str, others: dict[int, str]) -> OverlapMismatchError:
+        """The error for this rank, listing its signature and those of the ranks that differ."""
+        lines = [f"  rank {rank}: {signature}"] + [f"  rank {p}: {sig}" for p, sig in sorted(others.items())]
+        return cls(f"overlap.{op}: ranks disagree on call {call} of this group:\n" + "\n".join(lines) + "\n"
+                   "every rank of a group must make the same calls with the same shapes, dtypes and plans")

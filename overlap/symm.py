@@ -207,20 +207,15 @@ class SymmHeap:
             raise OverlapTimeout(op, self.rank, peers[missing], "handshake", timeout,
                                  "the peer never started this call")
         need = need_bytes
-        differ = []
+        differ = {}
         for p in peers:
             words = self._ctrl_np[p][entry : entry + 4].copy()
             if (int(words[0]), int(words[1])) != (lo, hi):
                 raw = bytes(self._ctrl_np[p][entry + 4 : entry + _HS_STRIDE].view("u1"))
-                differ.append(f"  rank {p}: {raw.rstrip(bytes(1)).decode(errors='replace')}")
+                differ[p] = raw.rstrip(bytes(1)).decode(errors="replace")
             need = max(need, int(words[2]) | (int(words[3]) << 31))
-        if differ:
-            # Nothing was exchanged and no slot was used: the group stays usable.
-            raise OverlapMismatchError(
-                f"overlap.{op}: ranks disagree on call {epoch} of this group:\n"
-                f"  rank {self.rank}: {signature}\n" + "\n".join(differ) + "\n"
-                "every rank of a group must make the same calls with the same shapes, dtypes and plans"
-            )
+        if differ:  # nothing was exchanged and no slot was used: the group stays usable
+            raise OverlapMismatchError.of(op, epoch, self.rank, signature, differ)
         if epoch >= REBASE_EPOCH:
             epoch = self._rebase(op, timeout)
         if need > self.slot_bytes:

@@ -95,28 +95,33 @@ int cuda_device_count() {
   return count;
 }
 
+// Checks the arguments, then enqueues one stream memory operation (write or wait) on `stream`.
+// `op` names the driver entry point; it is looked up only after the device check.
+template <class StreamOp>
+void stream_value_op(StreamOp DriverApi::*op, const char* name, uint64_t addr, int64_t value, uint64_t stream,
+                     unsigned int flags) {
+  require_device();
+  check_flag_address(addr, "addr");
+  const int32_t v = check_int32(value, "value");
+  check_cu((driver().*op)(reinterpret_cast<CUstream>(stream), static_cast<CUdeviceptr>(addr),
+                          static_cast<cuuint32_t>(v), flags),
+           name, addr, v, stream);
+}
+
 // The write is stream-ordered and, with the default flags, preceded by a memory fence
 // scoped to the stream: work enqueued before it is visible to whoever sees the value
 // (a release). `addr` must be device memory or host memory mapped for the device.
 void cuda_stream_write_value32(uint64_t addr, int64_t value, uint64_t stream) {
-  require_device();
-  check_flag_address(addr, "addr");
-  const int32_t v = check_int32(value, "value");
-  check_cu(driver().write_value32(reinterpret_cast<CUstream>(stream), static_cast<CUdeviceptr>(addr),
-                                  static_cast<cuuint32_t>(v), CU_STREAM_WRITE_VALUE_DEFAULT),
-           "cuStreamWriteValue32", addr, v, stream);
+  stream_value_op(&DriverApi::write_value32, "cuStreamWriteValue32", addr, value, stream,
+                  CU_STREAM_WRITE_VALUE_DEFAULT);
 }
 
 // Work enqueued after the wait starts once (int32_t)(*addr - value) >= 0: the driver's
 // GEQ is a cyclic compare, equal to a signed >= while flags (epochs) stay within 2^31 of
-// each other. The wait itself has no limit: a host watchdog writes the flag to release it.
+// each other. This wait has no limit of its own: where a deadline is needed, overlap
+// enqueues cuda_wait_flag_bounded instead.
 void cuda_stream_wait_value32(uint64_t addr, int64_t value, uint64_t stream) {
-  require_device();
-  check_flag_address(addr, "addr");
-  const int32_t v = check_int32(value, "value");
-  check_cu(driver().wait_value32(reinterpret_cast<CUstream>(stream), static_cast<CUdeviceptr>(addr),
-                                 static_cast<cuuint32_t>(v), CU_STREAM_WAIT_VALUE_GEQ),
-           "cuStreamWaitValue32", addr, v, stream);
+  stream_value_op(&DriverApi::wait_value32, "cuStreamWaitValue32", addr, value, stream, CU_STREAM_WAIT_VALUE_GEQ);
 }
 
 // One thread spins until *addr >= value or timeout_ns pass; on timeout it sets *err_addr

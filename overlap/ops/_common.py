@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .. import envs, symm, world
-from ..errors import OverlapError, OverlapTimeout
+from ..errors import OverlapError, OverlapMismatchError, OverlapTimeout
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -106,14 +106,10 @@ def _collective_handshake(op: str, pg, info: world.GroupInfo, signature: str, ti
     wait_work(work, op, info.rank, "any", "signature", timeout)  # host-side check: needs the data
     if post_only:
         return _CollectiveCall(epoch)
-    rows = every.view(info.world_size, _HEADER_BYTES).cpu()
-    for p in range(info.world_size):
-        if bytes(rows[p].tolist()) != raw:
-            from ..errors import OverlapMismatchError
-
-            theirs = bytes(rows[p].tolist()).rstrip(b"\0").decode(errors="replace")
-            raise OverlapMismatchError(f"overlap.{op}: ranks disagree on call {epoch} of this group:\n"
-                                       f"  rank {info.rank}: {signature}\n  rank {p}: {theirs}")
+    rows = [bytes(row) for row in every.view(info.world_size, _HEADER_BYTES).cpu().numpy()]
+    differ = {p: row.rstrip(b"\0").decode(errors="replace") for p, row in enumerate(rows) if row != raw}
+    if differ:
+        raise OverlapMismatchError.of(op, epoch, info.rank, signature, differ)
     return _CollectiveCall(epoch)
 
 
