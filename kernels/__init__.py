@@ -6,5 +6,6 @@ over POSIX shared memory.
 """
 
 from .ag_matmul import all_gather_matmul_kernel
+from .mm_rs import matmul_scatter_kernel, reduce_chunks_kernel
 
-__all__ = ["all_gather_matmul_kernel"]
+__all__ = ["all_gather_matmul_kernel", "matmul_scatter_kernel", "reduce_chunks_kernel"]

@@ -20,25 +20,7 @@ in ``err_ptr`` (atomic max) and the host raises `OverlapTimeout` naming that pee
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _wait_flag(flag_ptr, epoch, abort_ptr, err_ptr, src, timeout_ns, INTERPRETED: tl.constexpr):
-    # Epochs wrap modulo 2^32, so "reached" is a non-negative int32 difference (as in overlap._C).
-    # System scope: the producer may be another GPU (or the host) writing through a peer mapping.
-    ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    if INTERPRETED:
-        aborted = tl.load(abort_ptr, volatile=True)
-        while ((ready - epoch) < 0) & (aborted == 0):
-            ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-            aborted = tl.load(abort_ptr, volatile=True)
-    else:
-        start = tl.extra.cuda.globaltimer()
-        now = start
-        while ((ready - epoch) < 0) & (now - start < timeout_ns):
-            ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-            now = tl.extra.cuda.globaltimer()
-    if (ready - epoch) < 0:
-        tl.atomic_max(err_ptr, src + 1)
+from .flags import wait_flag
 
 
 @triton.jit
@@ -77,7 +59,7 @@ def all_gather_matmul_kernel(
 
     # ---- wait for the chunk this tile reads ---------------------------------------------------
     flag_ptr = tl.load(flag_table + src).to(tl.pointer_type(tl.int32))
-    _wait_flag(flag_ptr, epoch, abort_ptr, err_ptr, src, timeout_ns, INTERPRETED)
+    wait_flag(flag_ptr, epoch, abort_ptr, err_ptr, src, timeout_ns, INTERPRETED)
 
     # ---- GEMM tile, loading A straight from the producer's buffer -----------------------------
     # Buffers are 16-byte aligned (symm.py asserts it); saying so lets the compiler use wide,

@@ -1,7 +1,8 @@
 """overlap: communication/compute overlap for tensor- and expert-parallel training.
 
-Public API (DESIGN.md): `all_gather_matmul`, `Plan`, `reserve`, `release`, `OverlapTimeout`,
-`OverlapMismatchError`. No init call: a group's symmetric heap is created by its first call.
+Public API (DESIGN.md): `all_gather_matmul`, `matmul_reduce_scatter`, `matmul_all_reduce`, `Plan`,
+`reserve`, `release`, `OverlapTimeout`, `OverlapMismatchError`. No init call: a
+group's symmetric heap is created by its first call.
 
 Where no GPU exists and the user has not set ``TRITON_INTERPRET``, importing `overlap` sets it to
 1 so that the ``fused`` strategy's Triton kernels run interpreted on CPU ranks. Triton reads the
@@ -39,6 +40,8 @@ _log.setLevel(getattr(_logging, _envs.log_level(), _logging.WARNING))
 
 from .errors import OverlapError, OverlapMismatchError, OverlapTimeout  # noqa: E402
 from .ops.all_gather_matmul import all_gather_matmul  # noqa: E402
+from .ops.matmul_all_reduce import matmul_all_reduce  # noqa: E402
+from .ops.matmul_reduce_scatter import matmul_reduce_scatter  # noqa: E402
 from .plan import STRATEGIES, Plan  # noqa: E402
 from .symm import release, reserve  # noqa: E402
 
@@ -49,6 +52,8 @@ __all__ = [
     "OverlapTimeout",
     "Plan",
     "all_gather_matmul",
+    "matmul_all_reduce",
+    "matmul_reduce_scatter",
     "release",
     "reserve",
 ]

@@ -13,7 +13,10 @@ Default heuristic (until plan files and the cost model exist):
   ``fused`` is never chosen;
 * GPU ranks of one node: ``fused`` for fp16/bf16 with at least 128 rows per rank, else ``symm``;
   ``pipelined`` (with a warning, once) where GPU symmetric memory is unavailable (``overlap._C``
-  built without CUDA, or a torch without ``_symmetric_memory``).
+  built without CUDA, or a torch without ``_symmetric_memory``);
+* ``matmul_all_reduce``: the one-shot variant (every rank sums every rank's whole partial) for
+  outputs up to `ONE_SHOT_MAX_BYTES` or fewer than ``2 * world_size`` rows, else two-shot
+  (reduce-scatter, then all-gather).
 """
 
 from __future__ import annotations
@@ -97,7 +100,12 @@ def as_plan(strategy: str, plan: Plan | Mapping | None) -> Plan | None:
 _LOGGED: set[str] = set()
 
 
-def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int, dtype_name: str) -> Plan:
+#: ``matmul_all_reduce`` outputs up to this size take the one-shot variant under ``auto``
+ONE_SHOT_MAX_BYTES = 256 * 1024
+
+
+def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int, dtype_name: str,
+                 out_bytes: int = 0) -> Plan:
     """The default heuristic of this module's docstring; identical on every rank by construction."""
     if info.world_size == 1:
         plan = Plan("reference")
@@ -111,6 +119,9 @@ def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int, d
         plan = Plan("fused")
     else:
         plan = Plan("symm")
+    if op == "matmul_all_reduce" and plan.strategy != "reference":
+        one_shot = out_bytes <= ONE_SHOT_MAX_BYTES or rows_per_rank < 2 * info.world_size
+        plan = dataclasses.replace(plan, one_shot=one_shot)
     key = f"{op}|{signature}"
     if key not in _LOGGED:
         _LOGGED.add(key)
@@ -140,7 +151,9 @@ def _warn_once(message: str) -> None:
 
 
 def check_plan_fits(op: str, plan: Plan, info: GroupInfo) -> None:
-    """Raise ValueError where a forced strategy cannot run on this group."""
+    """Raise ValueError where a forced strategy cannot run on this group, or a flag does not apply."""
+    if plan.one_shot and op != "matmul_all_reduce":
+        raise ValueError(f"overlap.{op}: plan.one_shot applies only to matmul_all_reduce, got {plan.describe()}")
     if plan.strategy in ("symm", "fused") and not info.single_node:
         raise ValueError(
             f"overlap.{op}: strategy {plan.strategy!r} needs the ranks of one node, but this group spans "

@@ -125,6 +125,7 @@ class SymmHeap:
         # Epoch of the last call that used each slot's data (identical on every rank: every rank
         # makes the same calls, and whether a call uses the heap is part of its signature).
         self.last_data_epoch = [0] * NUM_SLOTS
+        self.in_flight = 0  # calls of this process that use heap data and have not finished
         shm.remove_stale_segments()
         # Bounded rendezvous through the store: agree on a run id so segment names are
         # predictable from (pid, rank), create, map every peer's pad, then unlink our own.
@@ -142,7 +143,7 @@ class SymmHeap:
         self._ctrl_np = [t.numpy() for t in self.ctrl]
         self._ctrl_addr = [t.data_ptr() for t in self.ctrl]
         self.data: list[torch.Tensor] = []
-        self._ptr_tables: dict[tuple[int, str], torch.Tensor] = {}
+        self._ptr_tables: dict[tuple[int, Any], torch.Tensor] = {}
         # Where asynchronous (stream-ordered, in-kernel) waits report a missed deadline: word p
         # is set when a wait on peer p gave up. Pinned host memory on GPUs, so the host reads it
         # without synchronizing; `begin` checks it at the next call.
@@ -216,14 +217,18 @@ class SymmHeap:
             need = max(need, int(words[2]) | (int(words[3]) << 31))
         if differ:  # nothing was exchanged and no slot was used: the group stays usable
             raise OverlapMismatchError.of(op, epoch, self.rank, signature, differ)
-        if epoch >= REBASE_EPOCH:
+        if epoch >= REBASE_EPOCH and self.in_flight == 0:  # (same on every rank: same calls in flight)
             epoch = self._rebase(op, timeout)
         if need > self.slot_bytes:
+            # Growth replaces every buffer: no call of this process may still have data in the heap
+            # (an op that nests calls, like an overlapped backward, sizes its first call for both).
+            assert self.in_flight == 0, f"overlap.{op}: heap growth with {self.in_flight} call(s) in flight"
             self._grow(need, op, timeout)
         slot = epoch % NUM_SLOTS
         prev = self.last_data_epoch[slot]
         if need > 0:
             self.last_data_epoch[slot] = epoch
+            self.in_flight += 1
         return Call(self, op, epoch, timeout, uses_heap=need > 0, prev_data_epoch=prev)
 
     def err_addr(self, peer: int) -> int:
@@ -350,6 +355,18 @@ class SymmHeap:
             self._ptr_tables[key] = table
         return table
 
+    def region_table(self, slot: int, peer: int, region_bytes: int, count: int) -> torch.Tensor:
+        """int64 ``[count]`` tensor of the addresses of `count` consecutive regions of `peer`'s slot."""
+        assert region_bytes % 16 == 0 and count * region_bytes <= self.slot_bytes, (region_bytes, count)
+        key = (slot, f"regions{peer},{region_bytes},{count}")
+        table = self._ptr_tables.get(key)
+        if table is None:
+            base = self.data[peer].data_ptr() + slot * self.slot_bytes
+            table = torch.tensor([base + i * region_bytes for i in range(count)], dtype=torch.int64,
+                                 device=self.device)
+            self._ptr_tables[key] = table
+        return table
+
     def flag_table(self, slot: int, index: int) -> torch.Tensor:
         """int64 ``[world]`` tensor of the address of ``ready[slot][index]`` in every peer's pad."""
         key = (slot, f"ready{index}")
@@ -385,6 +402,7 @@ class Call:
         self.slot = epoch % NUM_SLOTS
         self.rank, self.world_size = heap.rank, heap.world_size
         self.uses_heap, self.prev_data_epoch = uses_heap, prev_data_epoch
+        self._counted = uses_heap  # still counted in heap.in_flight
 
     def buffer(self, peer: int, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
         return self.heap.slot_tensor(peer, self.slot, dtype, shape, offset)
@@ -439,6 +457,9 @@ class Call:
 
     def finish(self, stream: Any = None) -> None:
         """Tell every rank (this one included) that this rank is done with the slot."""
+        if self._counted:
+            self._counted = False
+            self.heap.in_flight -= 1
         if not self.uses_heap:
             return
         h = self.heap

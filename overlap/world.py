@@ -83,6 +83,17 @@ class GroupInfo:
             return "shm"
         return "nvlink" if self.peer_access[peer] else "pcie"
 
+    @property
+    def slowest_link(self) -> str:
+        """The slowest link class of the group as this rank sees it (rings and uniform chunking use it).
+
+        Ranks of one node could in principle see different classes (PCIe islands): every op puts
+        this value in its call signature, so a disagreement raises instead of mismatching chunks.
+        """
+        if self.world_size == 1:
+            return "shm" if self.device.type != "cuda" else "nvlink"
+        return max((self.link_class(p) for p in range(self.world_size) if p != self.rank), key=LINK_CLASSES.index)
+
     def link_classes(self) -> dict[int, str]:
         return {p: self.link_class(p) for p in range(self.world_size) if p != self.rank}
 

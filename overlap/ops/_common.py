@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import math
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -14,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import envs, symm, world
+from .. import plan as plan_mod
 from ..errors import OverlapError, OverlapMismatchError, OverlapTimeout
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -74,6 +77,45 @@ def check_matmul_operands(op: str, a: Any, b: Any, device: torch.device) -> None
         raise ValueError(f"overlap.{op}: a is on {a.device}, b on {b.device}")
     if a.device.type != device.type or (device.type == "cuda" and a.device.index != device.index):
         raise ValueError(f"overlap.{op}: this rank's group computes on {device} but the inputs are on {a.device}")
+
+
+def prepare(op: str, a: Any, b: Any, group, strategy: str, plan, timeout: float | None,
+            check: Callable[[torch.Tensor, torch.Tensor, world.GroupInfo], None] | None = None):
+    """An op's local preamble: checks, autocast, plan and signature, identical for every TP op.
+
+    Returns ``(a, b, pg, info, chosen_plan, timeout, signature)``. A local mistake is posted to the
+    peers through the handshake (`begin_call` with `error`), so that no rank is left waiting in a
+    call another rank left, and then raised here (ValueError / TypeError).
+    """
+    pg = world.resolve_group(group)
+    error, chosen, sig = None, None, ""
+    try:
+        timeout = resolve_timeout(timeout)
+    except ValueError as exc:
+        error, timeout = InputError(exc), resolve_timeout(None)
+    info = world.group_info(pg, timeout)
+    try:
+        if error is not None:
+            raise error.exc
+        a, b = autocast_inputs(a, b)
+        check_matmul_operands(op, a, b, info.device)
+        if check is not None:
+            check(a, b, info)
+        chosen = plan_mod.as_plan(strategy, plan)
+        shape_sig = f"a={describe(a)}, b={tuple(b.shape)}"
+        if chosen is None:
+            rows = math.prod(a.shape[:-1])
+            chosen = plan_mod.resolve_auto(op, shape_sig, info, rows, str(a.dtype).removeprefix("torch."),
+                                           out_bytes=rows * b.shape[1] * a.element_size())
+        plan_mod.check_plan_fits(op, chosen, info)
+        if chosen.strategy == "fused":
+            check_fused_available(op, a.dtype)
+        sig = f"{op}({shape_sig}, plan={chosen.describe()}, ring={info.slowest_link})"
+    except (TypeError, ValueError) as exc:
+        error = InputError(exc)
+    if error is not None:
+        begin_call(op, pg, info, sig, 0, timeout, error=error)  # raises error.exc
+    return a, b, pg, info, chosen, timeout, sig
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,3 +299,38 @@ def chunk_bounds(rows: int, num_chunks: int) -> list[tuple[int, int]]:
         start += size
     return bounds
 
+
+
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device):
+    """This process's copy-engine stream on `device` (high priority, so copies are not starved)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE:
+        _SIDE[index] = torch.cuda.Stream(device=index, priority=-1)
+    return _SIDE[index]
+
+
+def fused_tiles(block_m: int, block_n: int, block_k: int, interpreted: bool,
+                dtype: torch.dtype) -> tuple[int, int, int]:
+    """Tile shape of a fused GEMM kernel: the plan's, else a default per dtype (small when interpreted)."""
+    if block_m:
+        return block_m, block_n or block_m, block_k or 32
+    if interpreted:
+        return 32, 32, 32
+    return (128, 128, 64) if dtype != torch.float32 else (128, 64, 32)
+
+
+def cdiv(x: int, y: int) -> int:
+    return (x + y - 1) // y
+
+
+def check_fused_available(op: str, dtype: torch.dtype) -> None:
+    """Raise (before the handshake) where the fused strategy cannot run: dtype, or Triton missing."""
+    if dtype not in FUSED_DTYPES:
+        raise TypeError(f"overlap.{op}: the fused kernel supports {FUSED_DTYPES}, got {dtype}")
+    try:
+        kernels()  # import (and define) the Triton kernels before the handshake
+    except RuntimeError as exc:
+        raise ValueError(f"overlap.{op}: strategy 'fused' is unavailable here: {exc}") from exc

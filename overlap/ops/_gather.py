@@ -1,0 +1,190 @@
+"""The all-gather half shared by the ops: every rank's rows of one tensor, arriving chunk by chunk.
+
+`start` posts the whole gather at once and returns a `Gather`; `Gather.chunks` then yields the
+gathered rows in a fixed order (this rank's own rows first, then ``rank+1``, ``rank+2``, ... and
+each peer's chunks in order), each only once it has arrived. A consumer runs a GEMM per chunk while
+the rest is in flight: ``all_gather_matmul``'s forward (one output row block per chunk), the weight
+gradients of ``all_gather_matmul`` and ``matmul_reduce_scatter`` (one partial ``rows.T @ g`` per
+chunk, summed in that fixed order, so the result is bitwise reproducible).
+
+A consumer that needs every row at once (a weight gradient, which must round like one GEMM over
+all rows) takes `Gather.gathered` after the chunks; the gather itself was still hidden behind the
+GEMMs that ran while it was in flight.
+
+Kinds (a strategy's transport):
+
+* ``reference``: one ``all_gather_into_tensor``; a single chunk holding every row.
+* ``pipelined``: a pairwise exchange (step i: receive from ``rank+i``, send to ``rank-i``, a shift,
+  so every send meets its receive at the same step even where a backend serializes steps, as NCCL
+  does), each step cut into ``num_chunks[link]`` pieces, all posted at once.
+* ``symm``: this rank's rows are copied into its heap slot and flagged; a copy engine (a worker
+  thread on CPU ranks, a side stream on GPUs) pulls every peer's chunks into a local buffer.
+
+Row coordinates are those of the gathered tensor ``[W*m, k]``: rank ``p``'s rows are
+``p*m ... (p+1)*m``. The caller has made the call's handshake (``begin_call``) with
+`heap_bytes` bytes; `Gather.close` ends the call (always, also on error paths).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from .. import symm
+from ..plan import Plan
+from . import _common as C
+
+
+def heap_bytes(kind: str, x2: torch.Tensor) -> int:
+    """Bytes of a heap slot a gather of `x2` needs."""
+    return x2.numel() * x2.element_size() if kind == "symm" else 0
+
+
+class Gather:
+    """A gather in flight. `chunks` yields ``(row_lo, row_hi, rows)``; `close` ends the call."""
+
+    own_rows_in_full = False  # the transport leaves this rank's rows in x2 only
+
+    def __init__(self, call, x2: torch.Tensor, info, timeout: float, op: str):
+        self.call, self.x2, self.info, self.timeout, self.op = call, x2, info, timeout, op
+        self.m = x2.shape[0]
+        self.full: torch.Tensor | None = None
+        self.pending: list = []  # what chunks() waits on, in yield order
+        self.futures: list = []  # CPU copy-engine futures (drained by close)
+        self.finished = False
+
+    def chunks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        raise NotImplementedError
+
+    def gathered(self) -> torch.Tensor:
+        """The whole gathered tensor ``[W*m, k]``, once `chunks` has been consumed."""
+        r, m = self.info.rank, self.m
+        if not self.own_rows_in_full:
+            self.full[r * m : (r + 1) * m].copy_(self.x2)
+        return self.full
+
+    def close(self) -> None:
+        C.drain(self.futures)
+        if not self.finished:
+            self.finished = True
+            self.call.finish()
+
+
+class _Reference(Gather):
+    own_rows_in_full = True
+    def post(self, pg) -> None:
+        W = self.info.world_size
+        self.full = self.x2.new_empty((W * self.m, self.x2.shape[1]))
+        self.work = C.all_gather_async(self.full, self.x2, pg)
+
+    def chunks(self):
+        C.wait_work(self.work, self.op, self.info.rank, "any", "all_gather", self.timeout, self.info.device)
+        yield 0, self.full.shape[0], self.full
+
+
+class _Pipelined(Gather):
+    def post(self, pg, chosen: Plan) -> None:
+        info, x2, m = self.info, self.x2, self.m
+        W, r = info.world_size, info.rank
+        self.full = full = x2.new_empty((W * m, x2.shape[1]))
+        for i in range(1, W):
+            src, dst = (r + i) % W, (r - i) % W
+            recv_bounds = C.chunk_bounds(m, chosen.chunks_for(info.link_class(src)))
+            send_bounds = C.chunk_bounds(m, chosen.chunks_for(info.link_class(dst)))
+            for j in range(max(len(recv_bounds), len(send_bounds))):
+                ops = []
+                if j < len(recv_bounds):
+                    lo, hi = recv_bounds[j]
+                    ops.append(dist.P2POp(dist.irecv, full[src * m + lo : src * m + hi], info.global_ranks[src], pg))
+                if j < len(send_bounds):
+                    lo, hi = send_bounds[j]
+                    ops.append(dist.P2POp(dist.isend, x2[lo:hi], info.global_ranks[dst], pg))
+                works = dist.batch_isend_irecv(ops)
+                self.pending.append((src, j, recv_bounds[j] if j < len(recv_bounds) else None, works))
+
+    def chunks(self):
+        r, m = self.info.rank, self.m
+        yield r * m, (r + 1) * m, self.x2
+        for src, j, bounds, works in self.pending:
+            for work in works:  # the send of the same step too: its buffer is the caller's
+                C.wait_work(work, self.op, r, src, j, self.timeout, self.info.device)
+            if bounds is not None:
+                lo, hi = bounds
+                yield src * m + lo, src * m + hi, self.full[src * m + lo : src * m + hi]
+
+
+def _pull(call: symm.Call, peer: int, lo: int, hi: int, dst: torch.Tensor, m: int, first: bool) -> None:
+    if first:
+        call.wait_ready(peer)
+    src = call.buffer(peer, dst.dtype, (m, dst.shape[1]))
+    dst.copy_(src[lo:hi])
+
+
+class _Symm(Gather):
+    def post(self, chosen: Plan) -> None:
+        call, info, x2, m = self.call, self.info, self.x2, self.m
+        W, r, k = info.world_size, info.rank, x2.shape[1]
+        cuda = x2.is_cuda
+        main = torch.cuda.current_stream() if cuda else None
+        call.wait_slot_free(main)
+        call.buffer(r, x2.dtype, (m, k)).copy_(x2)
+        call.signal_ready(stream=main)
+        self.full = full = x2.new_empty((W * m, k))
+        if not cuda:
+            engine = C.copy_engine()
+            for i in range(1, W):
+                p = (r + i) % W
+                for j, (lo, hi) in enumerate(C.chunk_bounds(m, chosen.chunks_for(info.link_class(p)))):
+                    fut = engine.submit(_pull, call, p, lo, hi, full[p * m + lo : p * m + hi], m, j == 0)
+                    self.futures.append(fut)
+                    self.pending.append((p * m + lo, p * m + hi, fut))
+            return
+        # GPU: copy-engine pulls on a side stream behind stream-ordered, bounded flag waits; the side
+        # stream also ends the call (done flags) once every pull has been issued.
+        side = C.side_stream(x2.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for i in range(1, W):
+                p = (r + i) % W
+                call.wait_ready(p, stream=side)
+                src = call.buffer(p, x2.dtype, (m, k))
+                for lo, hi in C.chunk_bounds(m, chosen.chunks_for(info.link_class(p))):
+                    full[p * m + lo : p * m + hi].copy_(src[lo:hi], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(side)
+                    self.pending.append((p * m + lo, p * m + hi, ev))
+            call.finish(stream=side)
+            self.finished = True
+        full.record_stream(side)
+
+    def chunks(self):
+        r, m = self.info.rank, self.m
+        yield r * m, (r + 1) * m, self.x2
+        for lo, hi, handle in self.pending:
+            if self.x2.is_cuda:
+                torch.cuda.current_stream().wait_event(handle)
+            else:
+                C.result(handle, self.timeout)
+            yield lo, hi, self.full[lo:hi]
+
+
+def start(kind: str, call, x2: torch.Tensor, pg, info, chosen: Plan, timeout: float, op: str) -> Gather:
+    """Post the gather of `x2` (``[m, k]`` contiguous) over the group; see the module docstring."""
+    if kind == "reference":
+        g = _Reference(call, x2, info, timeout, op)
+        g.post(pg)
+    elif kind == "pipelined":
+        g = _Pipelined(call, x2, info, timeout, op)
+        g.post(pg, chosen)
+    elif kind == "symm":
+        g = _Symm(call, x2, info, timeout, op)
+        try:
+            g.post(chosen)
+        except BaseException:
+            g.close()
+            raise
+    else:
+        raise AssertionError(kind)
+    return g

@@ -1,0 +1,346 @@
+"""matmul_reduce_scatter: ``reduce_scatter(a @ b, dim=0)`` (sum), with the scatter hidden behind the GEMM.
+
+Problem. In a row-parallel layer with sequence parallelism every rank holds ``a_[W*m]K`` (all rows,
+its slice ``K`` of the inner dim) and the matching row shard ``b_KN`` of the weight; rank ``d``
+needs rows ``d*m ... (d+1)*m`` of ``sum_r a_r @ b_r``. Multiplying first and reduce-scattering after
+leaves the links idle during the GEMM and the GEMM idle during the transfer. Each destination's
+block of rows is its own GEMM, so the partial for one destination can travel while the next is
+computed.
+
+Strategies (same results up to rounding; `reference` is the oracle). Every one sums in a fixed
+order, so the same inputs and plan give bitwise the same result run after run:
+
+* ``reference``: one GEMM, then ``reduce_scatter_tensor``.
+* ``pipelined``: pairwise steps. At step ``i`` rank ``r`` computes its partial for block ``r + i``
+  and sends it to that block's owner while receiving rank ``r - i``'s partial for its own block
+  (a shift: every send meets its receive at the same step), each transfer cut into
+  ``num_chunks[link]`` pieces; the next step's GEMM runs while the partial travels, this rank's own
+  block last. The owner then sums the ``W`` partials in rank order. (A ring would add at every hop
+  and round a 16-bit sum ``W - 1`` times; here every 16-bit partial is rounded once and summed in
+  fp32, as ``symm`` and ``fused`` do.) Any backend.
+* ``symm``: each destination's GEMM goes into this rank's region of the destination's symmetric
+  buffer (destinations from ``rank + 1``), flagged per chunk; every rank sums its regions in rank
+  order, chunk by chunk as the flags arrive. CPU ranks write the GEMM straight into the peer's
+  shared memory; GPUs compute into a local buffer and a side stream copies it (copy engine).
+* ``fused``: one Triton GEMM (`overlap.kernels.mm_rs`) whose tiles store straight into the owner's
+  buffer and signal per chunk, then a reduction kernel that waits per chunk and sums in rank order.
+
+Buffer layout (symm, fused): a slot holds ``W`` regions of ``[m, n]`` (each padded to 16 bytes),
+region ``s`` written by rank ``s``; ready flag ``d * F + j`` in producer ``s``'s pad says "chunk ``j``
+of my partial for ``d`` is in ``d``'s buffer", ``F = MAX_FLAGS // W``.
+
+Autograd (Megatron's convention): the scatter's backward is an all-gather of the output gradient:
+``grad_a = all_gather(g) @ b.T`` is computed by `all_gather_matmul` with the forward's plan (the
+gather hidden behind its chunk GEMMs), and ``grad_b = a.T @ all_gather(g)`` takes the same gathered
+rows, in one GEMM so that it rounds exactly like the unfused weight gradient (``a`` is saved, as
+Megatron saves the layer input).
+
+Concurrency and aliasing: calls on one group are issued by one thread, in the same order on every
+rank; ``a`` and ``b`` are only read; the output is a new tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from .. import symm
+from ..errors import OverlapTimeout
+from ..plan import Plan
+from . import _common as C
+
+OP = "matmul_reduce_scatter"
+
+
+def matmul_reduce_scatter(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    strategy: str = "auto",
+    plan: Plan | dict | None = None,
+    timeout: float | None = None,
+) -> torch.Tensor:
+    """``reduce_scatter(a @ b, dim=0)`` (sum) over `group`, overlapping the scatter with the GEMM.
+
+    Args:
+        a: ``[M, ..., k]``: every row, this rank's slice ``k`` of the inner dim (a row-parallel
+            layer's input). ``M`` (dim 0, the sequence of ``[s, b, h]``) must divide by the world size.
+        b: ``[k, n]``, this rank's rows of the weight, any strides (``w[n, k]`` is passed as ``w.t()``).
+        group, strategy, plan, timeout: as for `overlap.all_gather_matmul`.
+
+    Returns:
+        ``[M / world_size, ..., n]``: rows ``r*M/W ... (r+1)*M/W - 1`` of ``sum over ranks of a @ b``.
+
+    Raises:
+        TypeError / ValueError: bad arguments (dims, dtypes, devices, ``M`` not divisible by the world
+            size, plan), on this rank before any data moves; peers raise `OverlapMismatchError` at once.
+        OverlapMismatchError: ranks made different calls (shapes, dtype, plan), on every rank.
+        ValueError: ``symm``/``fused`` forced on a group that spans nodes.
+        OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
+    """
+    a, b, pg, info, chosen, timeout, sig = C.prepare(OP, a, b, group, strategy, plan, timeout, check=_check_rows)
+    with C.record(OP), torch.autocast(info.device.type, enabled=False):
+        return _MatmulReduceScatter.apply(a, b, pg, info, chosen, timeout, sig)
+
+
+def _check_rows(a: torch.Tensor, b: torch.Tensor, info) -> None:
+    if a.shape[0] % info.world_size:
+        raise ValueError(f"overlap.{OP}: dim 0 of a ({a.shape[0]}, from a={C.describe(a)}) must divide by the "
+                         f"world size {info.world_size}; pad the sequence (overlap does not pad silently)")
+
+
+def region_bytes(m: int, n: int, dtype: torch.dtype) -> int:
+    """Bytes of one ``[m, n]`` region of a slot, padded so every region starts 16-byte aligned."""
+    nbytes = m * n * torch.empty((), dtype=dtype).element_size()
+    return (nbytes + 15) // 16 * 16
+
+
+def heap_bytes(chosen: Plan, a2: torch.Tensor, n: int, world_size: int) -> int:
+    if chosen.strategy not in ("symm", "fused"):
+        return 0
+    return world_size * region_bytes(a2.shape[0] // world_size, n, a2.dtype)
+
+
+def run(a2: torch.Tensor, b: torch.Tensor, pg, info, chosen: Plan, timeout: float, sig: str,
+        op: str = OP) -> torch.Tensor:
+    """One call on every rank: the handshake, then the strategy; returns ``[M / W, n]``."""
+    call = C.begin_call(op, pg, info, sig, heap_bytes(chosen, a2, b.shape[1], info.world_size), timeout)
+    try:
+        return STRATEGIES[chosen.strategy](call, a2, b, pg, info, chosen, timeout, op)
+    finally:
+        call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, pg, info, chosen: Plan, timeout: float, sig: str):
+        a2 = a.reshape(-1, a.shape[-1]).contiguous()
+        out2 = run(a2, b, pg, info, chosen, timeout, sig)
+        ctx.save_for_backward(a, b)
+        ctx.pg, ctx.info, ctx.timeout, ctx.chosen = pg, info, timeout, chosen
+        return out2.view(a.shape[0] // info.world_size, *a.shape[1:-1], b.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from . import all_gather_matmul as agm
+
+        a, b = ctx.saved_tensors
+        pg, info, timeout, chosen = ctx.pg, ctx.info, ctx.timeout, ctx.chosen
+        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        k, n = b.shape
+        op = f"{OP}.backward"
+        g2 = grad_out.reshape(-1, n).contiguous()
+        a2 = a.reshape(-1, k)
+        sig = f"{op}(g={C.describe(g2)}, a={C.describe(a)}, b={tuple(b.shape)}, grads={int(need_a)}{int(need_b)}, " \
+              f"plan={chosen.describe()})"
+        with C.record(op):
+            out2, gathered = agm.run(g2, b.t() if need_a else None, pg, info, chosen, timeout, sig, op,
+                                     keep_gathered=need_b)
+            # One GEMM over every gathered row: it rounds exactly as the unfused weight gradient does.
+            grad_b = torch.mm(a2.t(), gathered) if need_b else None
+        grad_a = out2.view(a.shape) if need_a else None
+        return grad_a, grad_b, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward strategies: (a2 [W*m, k] contiguous, b [k, n]) -> out [m, n]
+# ----------------------------------------------------------------------------------------------
+
+
+def _reference(call, a2, b, pg, info, chosen, timeout, op):
+    partial = torch.mm(a2, b)
+    out = a2.new_empty((a2.shape[0] // info.world_size, b.shape[1]))
+    work = C.reduce_scatter_async(out, partial, pg)
+    C.wait_work(work, op, info.rank, "any", "reduce_scatter", timeout, info.device)
+    return out
+
+
+def _pipelined(call, a2, b, pg, info, chosen, timeout, op):
+    W, r, n = info.world_size, info.rank, b.shape[1]
+    m = a2.shape[0] // W
+    # Pairwise shift: at step i this rank sends its partial for block r+i to rank r+i and receives
+    # rank r-i's partial for its own block (every send meets its receive at the same step, also
+    # where a backend serializes steps). Each transfer is cut into chunks for its link.
+    received = a2.new_empty((W, m, n))  # received[s]: rank s's partial for our block
+    posted = []
+    for i in range(1, W):
+        d, src = (r + i) % W, (r - i) % W
+        part = torch.mm(a2[d * m : (d + 1) * m], b)  # the next GEMM runs while this partial travels
+        send_bounds = C.chunk_bounds(m, chosen.chunks_for(info.link_class(d)))
+        recv_bounds = C.chunk_bounds(m, chosen.chunks_for(info.link_class(src)))
+        for j in range(max(len(send_bounds), len(recv_bounds))):
+            ops = []
+            if j < len(send_bounds):
+                lo, hi = send_bounds[j]
+                ops.append(dist.P2POp(dist.isend, part[lo:hi], info.global_ranks[d], pg))
+            if j < len(recv_bounds):
+                lo, hi = recv_bounds[j]
+                ops.append(dist.P2POp(dist.irecv, received[src, lo:hi], info.global_ranks[src], pg))
+            posted.append((src, j, part, dist.batch_isend_irecv(ops)))
+    torch.mm(a2[r * m : (r + 1) * m], b, out=received[r])
+    for src, j, _part, works in posted:
+        for work in works:
+            C.wait_work(work, op, r, src, j, timeout, info.device)
+    out = a2.new_empty((m, n))
+    _reduce_regions(list(received.unbind(0)), out, 0, m)  # rank order, one rounding
+    return out
+
+
+def _flag_chunks(chosen: Plan, info, m: int) -> tuple[list[tuple[int, int]], int]:
+    """Chunk bounds of one block (uniform over peers: the slowest link's count) and the flag stride."""
+    stride = symm.MAX_FLAGS // info.world_size
+    return C.chunk_bounds(m, min(chosen.chunks_for(info.slowest_link), stride)), stride
+
+
+def _reduce_regions(mine: list[torch.Tensor], out: torch.Tensor, lo: int, hi: int) -> None:
+    """``out[lo:hi] = sum_s mine[s][lo:hi]`` in rank order (fp32 for 16-bit dtypes)."""
+    if out.dtype in (torch.float16, torch.bfloat16):
+        acc = mine[0][lo:hi].float()
+        for region in mine[1:]:
+            acc += region[lo:hi]
+        out[lo:hi].copy_(acc)
+        return
+    out[lo:hi].copy_(mine[0][lo:hi])
+    for region in mine[1:]:
+        out[lo:hi] += region[lo:hi]
+
+
+def _symm(call, a2, b, pg, info, chosen, timeout, op):
+    W, r, n, dtype = info.world_size, info.rank, b.shape[1], a2.dtype
+    m = a2.shape[0] // W
+    rb = region_bytes(m, n, dtype)
+    bounds, stride = _flag_chunks(chosen, info, m)
+
+    def region(owner: int, writer: int) -> torch.Tensor:
+        return call.buffer(owner, dtype, (m, n), offset=writer * rb)
+
+    if a2.is_cuda:
+        return _symm_cuda(call, a2, b, info, region, bounds, stride)
+    call.wait_slot_free()
+    # Produce: the partial of each destination straight into our region of its buffer, peers first
+    # (from rank + 1, so the owners are not all written by everyone at once), our own block last.
+    for i in range(1, W + 1):
+        d = (r + i) % W
+        dst = region(d, r)
+        for j, (lo, hi) in enumerate(bounds):
+            torch.mm(a2[d * m + lo : d * m + hi], b, out=dst[lo:hi])
+            if d != r:
+                call.signal_ready(d * stride + j)
+    # Consume: chunk by chunk, once every source has flagged it, sum the regions in rank order.
+    mine = [region(r, s) for s in range(W)]
+    out = a2.new_empty((m, n))
+    for j, (lo, hi) in enumerate(bounds):
+        for s in range(W):
+            if s != r:
+                call.wait_ready(s, r * stride + j)
+        _reduce_regions(mine, out, lo, hi)
+    return out
+
+
+def _symm_cuda(call, a2, b, info, region, bounds, stride):
+    """GPU: GEMMs on the current stream into local buffers, copies to the owners on a side stream.
+
+    Not yet run on a GPU. A wait that passes its deadline is reported by the next call on the group.
+    """
+    W, r, n = info.world_size, info.rank, b.shape[1]
+    m = a2.shape[0] // W
+    main = torch.cuda.current_stream()
+    side = C.side_stream(a2.device)
+    call.wait_slot_free(main)
+    for i in range(1, W):
+        d = (r + i) % W
+        part = torch.mm(a2[d * m : (d + 1) * m], b)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            dst = region(d, r)
+            for j, (lo, hi) in enumerate(bounds):
+                dst[lo:hi].copy_(part[lo:hi], non_blocking=True)
+                call.signal_ready(d * stride + j, stream=side)
+        part.record_stream(side)
+    torch.mm(a2[r * m : (r + 1) * m], b, out=region(r, r))
+    mine = [region(r, s) for s in range(W)]
+    out = a2.new_empty((m, n))
+    for j, (lo, hi) in enumerate(bounds):
+        for s in range(W):
+            if s != r:
+                call.wait_ready(s, r * stride + j, stream=main)
+        _reduce_regions(mine, out, lo, hi)
+    main.wait_stream(side)  # our copies into peers' buffers are part of this call too
+    call.finish(stream=main)
+    return out
+
+
+def _fused(call, a2, b, pg, info, chosen, timeout, op):
+    W, r, n = info.world_size, info.rank, b.shape[1]
+    m = a2.shape[0] // W
+    heap = call.heap
+    rb = region_bytes(m, n, a2.dtype)
+    stride = symm.MAX_FLAGS // W
+    out = a2.new_empty((m, n))
+    # Block d goes to our region (r) of d's buffer; we sum the W regions of our own buffer.
+    scatter_and_reduce(call, a2, b, info, chosen, timeout, op, out, block_rows=m, num_dest=W,
+                       dst_table=heap.ptr_table(call.slot, r * rb), flag_index=r * stride,
+                       src_table=heap.region_table(call.slot, r, rb, W), max_chunks=stride, flag_stride=stride)
+    return out
+
+
+def scatter_and_reduce(call, a2, b, info, chosen, timeout, op, out, *, block_rows: int, num_dest: int,
+                       dst_table: torch.Tensor, flag_index: int, src_table: torch.Tensor, max_chunks: int,
+                       flag_stride: int = 0) -> None:
+    """The two fused kernels (`overlap.kernels.mm_rs`).
+
+    Producer: ``a2 @ b`` cut into `num_dest` blocks of `block_rows` rows, block ``d`` stored at
+    ``dst_table[d]`` and flagged per chunk in this rank's ready flags ``d * flag_stride + chunk``.
+    Consumer: ``out = sum_s src_table[s]`` (``out.shape[0]`` rows), rank order, each chunk once every
+    rank's flag ``flag_index + chunk`` has this call's epoch. Used by the reduce-scatter (one block
+    per rank) and by ``matmul_all_reduce`` (one-shot: one block, summed over every rank's buffer).
+    """
+    k = C.kernels()
+    interpreted = C.interpreted()
+    n = b.shape[1]
+    heap = call.heap
+    bm, bn, bk = C.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, interpreted, a2.dtype)
+    tiles_m = C.cdiv(block_rows, bm)
+    nch = max(1, min(chosen.chunks_for(info.slowest_link), max_chunks, tiles_m))
+    call.wait_slot_free()
+    counters = torch.zeros(num_dest * nch, dtype=torch.int32, device=a2.device)
+    k.matmul_scatter_kernel[(num_dest * tiles_m * C.cdiv(n, bn),)](
+        a2, b,
+        dst_table, counters, heap.flag_table(call.slot, 0), flag_stride,
+        call.word, info.rank,
+        a2.shape[0], n, a2.shape[1], block_rows, num_dest, nch,
+        a2.stride(0),
+        b.stride(0), b.stride(1),
+        n,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+        UPCAST=interpreted and a2.dtype == torch.bfloat16,
+    )
+    reduce_sources(call, info, timeout, op, out, src_table, heap.flag_table(call.slot, flag_index), block_rows,
+                   nch, bm, bn)
+
+
+def reduce_sources(call, info, timeout, op, out, src_table, flag_table, block_rows, nch, bm, bn) -> None:
+    """The reduction kernel: ``out = sum_s src_s`` in rank order, each chunk once its flags are set."""
+    k = C.kernels()
+    interpreted = C.interpreted()
+    rows, n = out.shape
+    err = call.heap.kernel_err() if out.is_cuda else torch.zeros(1, dtype=torch.int32)
+    abort = torch.zeros(1, dtype=torch.int32, device=out.device)
+    guard = C.Watchdog(abort, timeout) if interpreted else contextlib.nullcontext()
+    with guard:
+        k.reduce_chunks_kernel[(C.cdiv(block_rows, bm) * C.cdiv(n, bn),)](
+            out, src_table, flag_table,
+            call.word, abort, err, int(timeout * 1e9),
+            rows, n, block_rows, info.world_size, nch,
+            n,
+            out.stride(0), out.stride(1),
+            BLOCK_M=bm, BLOCK_N=bn, INTERPRETED=interpreted,
+        )
+    bad = 0 if out.is_cuda else int(err.item())
+    if bad:
+        raise OverlapTimeout(op, info.rank, bad - 1, "a reduced chunk", timeout, "fused reduction wait")
+
+
+STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused}
