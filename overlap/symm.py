@@ -402,7 +402,7 @@ class Call:
         self.slot = epoch % NUM_SLOTS
         self.rank, self.world_size = heap.rank, heap.world_size
         self.uses_heap, self.prev_data_epoch = uses_heap, prev_data_epoch
-        self._counted = uses_heap  # still counted in heap.in_flight
+        self._finished = False
 
     def buffer(self, peer: int, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
         return self.heap.slot_tensor(peer, self.slot, dtype, shape, offset)
@@ -456,12 +456,15 @@ class Call:
             raise OverlapTimeout(self.op, self.rank, peer, index, self.timeout, "data never signalled ready")
 
     def finish(self, stream: Any = None) -> None:
-        """Tell every rank (this one included) that this rank is done with the slot."""
-        if self._counted:
-            self._counted = False
-            self.heap.in_flight -= 1
-        if not self.uses_heap:
+        """Tell every rank (this one included) that this rank is done with the slot.
+
+        Once per call: later calls are no-ops (a strategy that ends the call on a side stream, after
+        its last read of a peer's buffer, must not be followed by an earlier-ordered write).
+        """
+        if self._finished or not self.uses_heap:
             return
+        self._finished = True
+        self.heap.in_flight -= 1
         h = self.heap
         for q in range(self.world_size):
             addr = self._flag_addr(q, h.done_word(self.slot, self.rank))
