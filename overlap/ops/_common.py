@@ -60,7 +60,7 @@ def check_matmul_operands(op: str, a: Any, b: Any, device: torch.device) -> None
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise TypeError(f"overlap.{op}: a and b must be tensors, got {type(a).__name__} and {type(b).__name__}")
     if a.dim() < 2:
-        raise ValueError(f"overlap.{op}: a must be [..., k] with at least 2 dims (dim 0 is gathered), "
+        raise ValueError(f"overlap.{op}: a must be [..., k] with at least 2 dims (dim 0 is gathered or scattered), "
                          f"got {describe(a)}")
     if b.dim() != 2:
         raise ValueError(f"overlap.{op}: b must be [k, n] (pass a weight w[n, k] as w.t()), got {describe(b)}")
