@@ -125,6 +125,7 @@ class SymmHeap:
         # Epoch of the last call that used each slot's data (identical on every rank: every rank
         # makes the same calls, and whether a call uses the heap is part of its signature).
         self.last_data_epoch = [0] * NUM_SLOTS
+        self._counters: dict[int, torch.Tensor] = {}
         self.in_flight = 0  # calls of this process that use heap data and have not finished
         shm.remove_stale_segments()
         # Bounded rendezvous through the store: agree on a run id so segment names are
@@ -365,6 +366,14 @@ class SymmHeap:
             table = torch.tensor([base + i * region_bytes for i in range(count)], dtype=torch.int64,
                                  device=self.device)
             self._ptr_tables[key] = table
+        return table
+
+    def counters(self, slot: int) -> torch.Tensor:
+        """This rank's `MAX_FLAGS` int32 chunk counters of `slot` (zero between calls: kernels reset them)."""
+        table = self._counters.get(slot)
+        if table is None:
+            table = torch.zeros(MAX_FLAGS, dtype=torch.int32, device=self.device)
+            self._counters[slot] = table
         return table
 
     def flag_table(self, slot: int, index: int) -> torch.Tensor:

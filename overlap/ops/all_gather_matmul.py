@@ -223,7 +223,7 @@ def _fused(call, a2, b, pg, info, chosen, timeout, op, keep_gathered):
     # GPU: the kernel's error word is pinned host memory, checked by the next call without a
     # sync. CPU (interpreted): checked right after the kernel.
     err = heap.kernel_err() if a2.is_cuda else torch.zeros(1, dtype=torch.int32)
-    abort = torch.zeros(1, dtype=torch.int32, device=a2.device)
+    abort = torch.zeros(1, dtype=torch.int32) if interpreted else err  # read only when interpreted
     bm, bn, bk = C.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, interpreted, a2.dtype)
     grid = (W * C.cdiv(m, bm) * C.cdiv(n, bn),)
     guard = C.Watchdog(abort, timeout) if interpreted else contextlib.nullcontext()

@@ -305,7 +305,9 @@ def scatter_and_reduce(call, a2, b, info, chosen, timeout, op, out, *, block_row
     tiles_m = C.cdiv(block_rows, bm)
     nch = max(1, min(chosen.chunks_for(info.slowest_link), max_chunks, tiles_m))
     call.wait_slot_free()
-    counters = torch.zeros(num_dest * nch, dtype=torch.int32, device=a2.device)
+    counters = heap.counters(call.slot)  # num_dest * nch <= MAX_FLAGS; the kernel leaves them at zero
+    if not a2.is_cuda:
+        counters.zero_()  # (an interpreted kernel can stop half-way on an exception; a memset is free here)
     k.matmul_scatter_kernel[(num_dest * tiles_m * C.cdiv(n, bn),)](
         a2, b,
         dst_table, counters, heap.flag_table(call.slot, 0), flag_stride,
@@ -326,8 +328,10 @@ def reduce_sources(call, info, timeout, op, out, src_table, flag_table, block_ro
     k = C.kernels()
     interpreted = C.interpreted()
     rows, n = out.shape
+    # GPU: the error word is pinned host memory, checked by the next call without a sync; the abort
+    # word is only read when interpreted. CPU (interpreted): both checked right after the kernel.
     err = call.heap.kernel_err() if out.is_cuda else torch.zeros(1, dtype=torch.int32)
-    abort = torch.zeros(1, dtype=torch.int32, device=out.device)
+    abort = torch.zeros(1, dtype=torch.int32) if interpreted else err
     guard = C.Watchdog(abort, timeout) if interpreted else contextlib.nullcontext()
     with guard:
         k.reduce_chunks_kernel[(C.cdiv(block_rows, bm) * C.cdiv(n, bn),)](
