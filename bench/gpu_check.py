@@ -21,10 +21,17 @@ bounded wait fires), d. ``overlap._C``'s bounded flag-wait kernel and stream-ord
 e. the ``symm`` pipeline (side-stream waits and copies, per-chunk events, per-chunk GEMMs). Then
 timings: the fused kernel against cuBLAS on the gathered tensor (8192^3 and Llama-3-70B TP=8
 shapes), the cost of a stream-ordered signal, and device-to-device copy bandwidth.
+Then (``gpu_check_tp.py``) f. the fused reduce-scatter kernels (``kernels/mm_rs.py``: a GEMM whose
+tiles store into the owners' buffers and count per chunk, a reduction that waits per chunk) in the
+layouts of ``matmul_reduce_scatter``, two-shot and one-shot ``matmul_all_reduce``, against float64
+sums: ordered (two calls back to back), racing (reductions spin first), a source that never signals
+(the reduction's bounded wait fires); timings of rank 0's scatter + reduction against ``torch.mm``
+plus ``torch.sum`` (Llama-3-70B TP=8 row-parallel shapes, W=8 virtual ranks).
 
-Several GPUs (torchrun, WORLD_SIZE > 1): every strategy of every op in `build_ops` against
-``reference``, forward and backward, then timings of each strategy and of torch's own
-``symm_mem.fused_all_gather_matmul`` where it exists.
+Several GPUs (torchrun, WORLD_SIZE > 1): every strategy of every op in `build_ops`
+(``all_gather_matmul``, ``matmul_reduce_scatter``, ``matmul_all_reduce`` two-shot and one-shot)
+against ``reference`` and float64, forward and backward, then timings of each strategy and of
+torch's own ``symm_mem.fused_all_gather_matmul`` where it exists.
 
 Nothing waits unbounded: kernels spin with a timeout, stream-ordered waits are polled from the host
 with a deadline and released by a watchdog write, and ``--time-limit`` is checked between sections.
@@ -134,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ensure_installed(args)  # may re-exec this script
     # overlap, and the sibling modules that import it, only now: after the self-install, with TRITON_INTERPRET set
     from gpu_check_dist import run_distributed
+    from gpu_check_tp import run_tp_virtual
     from gpu_check_virtual import Device, run_virtual
 
     from overlap import _C
@@ -150,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     if distributed:
         d = run_distributed(rep, args.cpu_smoke)
     elif args.cpu_smoke:
-        run_virtual(rep, Device(torch.device("cpu"), rep))
+        dev = Device(torch.device("cpu"), rep)
+        run_virtual(rep, dev)
+        run_tp_virtual(rep, dev)
     elif not torch.cuda.is_available():
         rep.add("gpu", "FAIL", "no CUDA device (use --cpu-smoke for the CPU checks)")
     else:
@@ -158,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
             rep.add("gpu", "FAIL", "TRITON_INTERPRET is set: the kernels would run interpreted, unset it")
         else:
-            run_virtual(rep, Device(torch.device("cuda", torch.cuda.current_device()), rep))
+            dev = Device(torch.device("cuda", torch.cuda.current_device()), rep)
+            run_virtual(rep, dev)
+            run_tp_virtual(rep, dev)
     if rep.rank == 0:
         out_dir = os.environ.get("OUT")
         path = args.json or (os.path.join(out_dir, "gpu_check.json") if out_dir else "gpu_check.json")

@@ -167,6 +167,53 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float, float]:
     return ok, float(diff.max()), float(diff.norm() / ref.norm().clamp_min(1e-30))
 
 
+# Checks of sums of rounded terms (reductions across ranks, and every output against a float64 exact
+# result): the unit roundoff of a stored value, a float32 accumulation's per-term roundoff, and the
+# worst relative error (by norm) a 64x64 block of the output may have. TF32 (a fp32 tl.dot on Hopper)
+# keeps 10 mantissa bits of each input; the tensor cores truncate, so an input is off by up to 2^-10.
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float64: 2.0**-53}
+TF32_ROUNDOFF = 2.0**-10
+TF32_BLOCK_RTOL = 1e-2
+FP32_ACCUMULATE = 2.0**-24
+BLOCK_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+BLOCK = 64
+
+
+def block_rel_err(err: torch.Tensor, exact: torch.Tensor, block: int = BLOCK) -> float:
+    """Worst ``||err|| / ||exact||`` over the ``block x block`` blocks of a matrix (``[..., n]`` flattened
+    to 2-D). A whole-tensor norm would hide one wrong tile of a large output; a block cannot."""
+    e2, x2 = err.reshape(-1, err.shape[-1]).double() ** 2, exact.reshape(-1, exact.shape[-1]).double() ** 2
+    rows, cols = e2.shape
+    if rows == 0 or cols == 0:
+        return 0.0
+    pad = (0, (-cols) % block, 0, (-rows) % block)
+    e2, x2 = torch.nn.functional.pad(e2, pad), torch.nn.functional.pad(x2, pad)
+    r, c = e2.shape[0] // block, e2.shape[1] // block
+    num = e2.view(r, block, c, block).sum(dim=(1, 3))
+    den = x2.view(r, block, c, block).sum(dim=(1, 3))
+    return float((num / den.clamp_min(1e-300)).sqrt().max())
+
+
+def compare_bound(out: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor,
+                  block_rtol: float) -> tuple[bool, float, float]:
+    """(every element finite and within `bound` of `exact`, and every 64x64 block within `block_rtol`
+    of it by norm; max |out - exact|; the worst block's relative error).
+
+    `bound` is a rigorous rounding bound (e.g. ``u * sum of the rounded terms' magnitudes``): it lets a
+    sum that rounds at a different place pass wherever terms cancel, where a tolerance relative to the
+    result would not, and it alone is loose where many terms add up; the block norm then catches a
+    missing, stale or doubled partial, which is off by a whole term on every element of its tile."""
+    got = out.double()
+    if got.shape != exact.shape:
+        return False, math.inf, math.inf
+    if not bool(torch.isfinite(got).all()):
+        return False, math.nan, math.nan
+    err = (got - exact).abs()
+    rel = block_rel_err(err, exact)
+    ok = bool((err <= bound).all()) and rel <= block_rtol
+    return ok, float(err.max()) if err.numel() else 0.0, rel
+
+
 def fmt_rate(tflops: float) -> str:
     return f"{tflops:.0f}" if tflops >= 10 else f"{tflops:.2g}"
 
@@ -219,3 +266,23 @@ def bench_shapes(tp: int) -> list[tuple[str, dict[str, int]]]:
         (f"llama3-70b-tp{tp} qkv", {"m": m, "k": hidden, "n": (q_heads + 2 * kv_heads) * head_dim // tp}),
         (f"llama3-70b-tp{tp} gate+up", {"m": m, "k": hidden, "n": 2 * ffn // tp}),
     ]
+
+
+def row_parallel_shapes(tp: int) -> list[tuple[str, dict[str, int]]]:
+    """GEMM + reduce-scatter shapes over `tp` ranks, 8192 tokens: Llama-3-70B's row-parallel
+    projections (o_proj: k = 64 heads * 128 / tp, down_proj: k = ffn / tp; n = hidden). ``m`` is the
+    rows of one rank's output block (every rank's ``a`` holds ``tp * m`` rows)."""
+    tokens, hidden, ffn, q_heads, head_dim = 8192, 8192, 28672, 64, 128
+    return [
+        (f"llama3-70b-tp{tp} o_proj", {"m": tokens // tp, "k": q_heads * head_dim // tp, "n": hidden}),
+        (f"llama3-70b-tp{tp} down", {"m": tokens // tp, "k": ffn // tp, "n": hidden}),
+    ]
+
+
+def all_reduce_shapes(tp: int, one_shot: bool) -> list[tuple[str, dict[str, int]]]:
+    """GEMM + all-reduce shapes (Llama-3-70B's down_proj over `tp` ranks, no sequence parallelism):
+    a decode-sized batch for the one-shot variant, 8192 tokens for the two-shot one. ``m`` is the rows."""
+    hidden, ffn = 8192, 28672
+    if one_shot:
+        return [(f"llama3-70b-tp{tp} down decode", {"m": 128, "k": ffn // tp, "n": hidden})]
+    return [(f"llama3-70b-tp{tp} down prefill", {"m": 8192, "k": ffn // tp, "n": hidden})]

@@ -1,7 +1,15 @@
-"""Several GPUs under torchrun (WORLD_SIZE > 1): every strategy of every op in `build_ops` against
+"""Several GPUs under torchrun (WORLD_SIZE > 1): every strategy of every op in `build_ops`
+(`all_gather_matmul`, `matmul_reduce_scatter`, `matmul_all_reduce` two-shot and one-shot) against
 ``reference``, forward and backward, then timings of each strategy and of torch's own
 ``symm_mem.fused_all_gather_matmul`` where it exists. With ``--cpu-smoke`` the same runs over gloo on the
 CPU at tiny sizes.
+
+A check runs the op with `reference` once more in float64, and once in float64 on the inputs' absolute
+values: the exact result and, for every output element, the sum of the magnitudes of the terms it adds
+up. Both the strategy's and `reference`'s results must lie within the rounding bound that sum gives
+(`gpu_check_common.compare_bound`): reductions round at different places in different strategies (NCCL
+and gloo add 16-bit partials in 16 bits, the overlapped strategies in fp32), so a tolerance relative to
+`reference` alone would fail where terms cancel.
 
 Imports overlap: the entry point imports this module only after its self-install.
 """
@@ -16,7 +24,20 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from gpu_check_common import Report, bench_shapes, compare, dtype_name, fmt_shape, poll
+from gpu_check_common import (
+    BLOCK_RTOL,
+    FP32_ACCUMULATE,
+    UNIT_ROUNDOFF,
+    Report,
+    all_reduce_shapes,
+    bench_shapes,
+    compare,
+    compare_bound,
+    dtype_name,
+    fmt_shape,
+    poll,
+    row_parallel_shapes,
+)
 
 import overlap
 from overlap.ops import _common as common
@@ -31,7 +52,7 @@ class OpCase:
     """One fused op as the distributed checks see it. A new op is one more entry in `build_ops`."""
 
     fn: Callable[..., torch.Tensor]  # overlap.<op>(*inputs, strategy=..., timeout=...)
-    inputs: Callable[[dict[str, int], torch.dtype, torch.device], tuple[torch.Tensor, ...]]
+    inputs: Callable[[dict[str, int], torch.dtype, torch.device, int], tuple[torch.Tensor, ...]]  # + world size
     flops: Callable[[dict[str, int], int], float]  # (shape, world size) -> flops per rank
     check_shapes: tuple[dict[str, int], ...]
     smoke_shapes: tuple[dict[str, int], ...]  # CPU (gloo, interpreted fused): tiny
@@ -39,10 +60,23 @@ class OpCase:
     native: Callable[[tuple[torch.Tensor, ...], Any], Callable[[], torch.Tensor] | str] | None = None
 
 
-def _ag_inputs(shape: dict[str, int], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+def _ag_inputs(shape: dict[str, int], dtype: torch.dtype, device: torch.device,
+               world_size: int) -> tuple[torch.Tensor, ...]:
+    """all_gather_matmul and matmul_all_reduce: ``a`` is ``[m, k]``."""
     m, k, n = shape["m"], shape["k"], shape["n"]
     a = torch.randn(m, k, device=device, dtype=dtype) / math.sqrt(k)
     return a, torch.randn(n, k, device=device, dtype=dtype).t()  # b = w.t(), as a Megatron weight
+
+
+def _rs_inputs(shape: dict[str, int], dtype: torch.dtype, device: torch.device,
+               world_size: int) -> tuple[torch.Tensor, ...]:
+    """matmul_reduce_scatter: ``m`` is the rows of one rank's output, so ``a`` is ``[world_size * m, k]``."""
+    return _ag_inputs({**shape, "m": world_size * shape["m"]}, dtype, device, world_size)
+
+
+def _one_shot_all_reduce(a: torch.Tensor, b: torch.Tensor, strategy: str, timeout: float) -> torch.Tensor:
+    """matmul_all_reduce's one-shot variant under `strategy` (``reference`` ignores the flag)."""
+    return overlap.matmul_all_reduce(a, b, plan=overlap.Plan(strategy, one_shot=True), timeout=timeout)
 
 
 def _torch_fused_all_gather_matmul(inputs: tuple[torch.Tensor, ...], group: Any) -> Callable[[], torch.Tensor] | str:
@@ -93,6 +127,30 @@ def build_ops() -> dict[str, OpCase]:
             smoke_shapes=({"m": 8, "k": 32, "n": 24},),
             bench_shapes=bench_shapes,
             native=_torch_fused_all_gather_matmul,
+        ),
+        "matmul_reduce_scatter": OpCase(
+            fn=overlap.matmul_reduce_scatter,
+            inputs=_rs_inputs,
+            flops=lambda s, w: 2.0 * w * s["m"] * s["k"] * s["n"],
+            check_shapes=({"m": 256, "k": 1024, "n": 768}, {"m": 100, "k": 1000, "n": 300}),
+            smoke_shapes=({"m": 8, "k": 32, "n": 24},),
+            bench_shapes=row_parallel_shapes,
+        ),
+        "matmul_all_reduce": OpCase(  # two-shot; rows that do not divide by the world size
+            fn=overlap.matmul_all_reduce,
+            inputs=_ag_inputs,
+            flops=lambda s, w: 2.0 * s["m"] * s["k"] * s["n"],
+            check_shapes=({"m": 1000, "k": 1024, "n": 768}, {"m": 100, "k": 1000, "n": 300}),
+            smoke_shapes=({"m": 9, "k": 32, "n": 24},),
+            bench_shapes=lambda tp: all_reduce_shapes(tp, one_shot=False),
+        ),
+        "matmul_all_reduce[one_shot]": OpCase(
+            fn=_one_shot_all_reduce,
+            inputs=_ag_inputs,
+            flops=lambda s, w: 2.0 * s["m"] * s["k"] * s["n"],
+            check_shapes=({"m": 128, "k": 1024, "n": 768}, {"m": 9, "k": 1000, "n": 300}),
+            smoke_shapes=({"m": 9, "k": 32, "n": 24},),
+            bench_shapes=lambda tp: all_reduce_shapes(tp, one_shot=True),
         ),
     }
 
@@ -169,31 +227,50 @@ class Dist:
 
 
 def dist_check(d: Dist, name: str, case: OpCase, shape: dict[str, int], strategy: str, dtype: torch.dtype) -> None:
-    """`strategy` against `reference` on fresh inputs: the output and the gradients of every input."""
-    inputs = case.inputs(shape, dtype, d.device)
+    """`strategy` and `reference` against the float64 result on fresh inputs: the output and the gradients
+    of every input, each within its rounding bound (see the module docstring)."""
+    inputs = case.inputs(shape, dtype, d.device, d.world_size)
 
-    def forward_backward(strat: str, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    def forward_backward(strat: str, xs: tuple[torch.Tensor, ...], grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        leaves = [t.detach().clone().requires_grad_(True) for t in xs]
         y = case.fn(*leaves, strategy=strat, timeout=d.timeout)
         y.backward(grad)
         return (y.detach(), *[t.grad for t in leaves])
 
     with torch.no_grad():
         grad = torch.randn_like(case.fn(*inputs, strategy="reference", timeout=d.timeout))
-    want = forward_backward("reference", grad)
-    got = forward_backward(strategy, grad)
-    ok, worst, parts = True, 0.0, []
-    for label, g, w in zip(("out", *[f"grad{i}" for i in range(len(inputs))]), got, want, strict=True):
-        good, max_err, rel = compare(g, w.double())
-        ok, worst = ok and good, max(worst, max_err if math.isfinite(max_err) else math.inf)
-        parts.append(f"{label} {max_err:.1e}")
+    got = forward_backward(strategy, inputs, grad)
+    ref = forward_backward("reference", inputs, grad)
+    # The op is bilinear in (inputs, grad): in float64 on the absolute values it sums every term's magnitude.
+    exact = forward_backward("reference", tuple(t.double() for t in inputs), grad.double())
+    terms = forward_backward("reference", tuple(t.double().abs() for t in inputs), grad.double().abs())
+    # Each result is a sum of products over an inner dim of at most `depth` terms (fp32 accumulation) and
+    # rounds at most world_size + 1 times across ranks (a partial stored, each reduction step, the result).
+    depth = max(max(t.shape) for t in inputs) * d.world_size
+    per_term = (d.world_size + 2) * UNIT_ROUNDOFF[dtype] + 2 * (depth + 2) * FP32_ACCUMULATE
+    ok, worst, worst_ref, parts = True, 0.0, 0.0, []
+    for label, g, r, x, s in zip(("out", *[f"grad{i}" for i in range(len(inputs))]), got, ref, exact, terms,
+                                 strict=True):
+        bound = per_term * s * 1.01 + 1e-30
+        good, max_err, rel = compare_bound(g, x, bound, BLOCK_RTOL[dtype])
+        good_ref, max_ref, _ = compare_bound(r, x, bound, BLOCK_RTOL[dtype])
+        if not good_ref:
+            parts.append(f"{label}: reference itself off ({max_ref:.1e})")
+        vs_ref = compare(g, r.double())[1]
+        ok = ok and good and good_ref
+        worst = max(worst, max_err if math.isfinite(max_err) else math.inf)
+        worst_ref = max(worst_ref, vs_ref if math.isfinite(vs_ref) else math.inf)
+        parts.append(f"{label} {max_err:.1e} (block rel {rel:.1e})")
     ok, worst = d.agree(ok, worst)
-    d.rep.add(name, "PASS" if ok else "FAIL", f"max {worst:.1e} over ranks ({', '.join(parts)} here)", max_err=worst)
+    worst_ref = d.slowest(worst_ref)
+    d.rep.add(name, "PASS" if ok else "FAIL",
+              f"max {worst:.1e} from float64, {worst_ref:.1e} from reference, over ranks ({', '.join(parts)} here)",
+              max_err=worst, max_diff_reference=worst_ref)
 
 
 def dist_time(d: Dist, label: str, case: OpCase, shape: dict[str, int], dtype: torch.dtype, iters: int) -> None:
     """Each strategy vs `reference` on one shape, then torch's own fused op where it exists."""
-    inputs = case.inputs(shape, dtype, d.device)
+    inputs = case.inputs(shape, dtype, d.device, d.world_size)
     flops = case.flops(shape, d.world_size)
     times: dict[str, float] = {}
     for strategy in overlap.STRATEGIES:

@@ -1,6 +1,7 @@
 """Tests of bench/gpu_check.py without a GPU: its --help, and its --cpu-smoke mode, which runs the
-virtual-rank checks under the Triton interpreter (one process) and every op x strategy over gloo
-(two ranks under torchrun). Every run is a subprocess with a timeout: no test hangs.
+virtual-rank checks under the Triton interpreter (one process: the all-gather kernel, checks a-c, and
+the reduce-scatter kernels, checks f) and every op x strategy over gloo (two ranks under torchrun).
+Every run is a subprocess with a timeout: no test hangs.
 """
 
 import json
@@ -53,8 +54,17 @@ def test_cpu_smoke_virtual_ranks(tmp_path):
         assert [s for n, s in status.items() if n.startswith(prefix)] == ["PASS"], status
     timeout = next(r for r in doc["results"] if r["name"].startswith("c.timeout"))
     assert "bounded wait fired" in timeout["value"] and "err=2" in timeout["value"]
+    # the fused reduce-scatter kernels: reduce-scatter, two-shot and one-shot all-reduce layouts
+    fused = {n: s for n, s in status.items() if n.startswith("f.")}
+    for prefix, count in (("f.rs ordered", 2), ("f.ar2 ordered", 1), ("f.ar1 ordered", 1), ("f.rs racing", 1),
+                          ("f.ar1 racing", 1), ("f.rs timeout", 1)):
+        assert [s for n, s in fused.items() if n.startswith(prefix)] == ["PASS"] * count, fused
+    timeout = next(r for r in doc["results"] if r["name"].startswith("f.rs timeout"))
+    assert "bounded wait fired" in timeout["value"] and "err=2" in timeout["value"]
     gpu_only = [n for n in status if n.startswith(("d.", "e.", "time "))]
     assert gpu_only and all(status[n] == "SKIP" for n in gpu_only), status
+    for timing in ("time fused rs", "time fused ar1"):
+        assert any(n.startswith(timing) for n in gpu_only), status
     assert "FAIL" not in status.values()
 
 
@@ -67,7 +77,12 @@ def test_cpu_smoke_torchrun_two_ranks(tmp_path):
     doc = _check_table_and_json(proc, path)
     assert doc["mode"] == "cpu-smoke-distributed"
     checks = {r["name"]: r["status"] for r in doc["results"] if "fwd+bwd" in r["name"]}
-    for strategy in ("reference", "pipelined", "symm", "fused"):
-        assert [s for n, s in checks.items() if f" {strategy} " in n] == ["PASS"], checks
+    ops = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_reduce[one_shot]")
+    for op in ops:
+        for strategy in ("reference", "pipelined", "symm", "fused"):
+            assert [s for n, s in checks.items() if n.startswith(f"{op} {strategy} ")] == ["PASS"], checks
+    assert len(checks) == 4 * len(ops), checks
     timed = [r for r in doc["results"] if r["name"].startswith("time ") and r["status"] == "PASS"]
-    assert len(timed) == 4 and all(r["data"]["ms"] > 0 for r in timed), doc["results"]
+    for op in ops:
+        assert len([r for r in timed if r["name"].startswith(f"time {op} ")]) == 4, doc["results"]
+    assert len(timed) == 4 * len(ops) and all(r["data"]["ms"] > 0 for r in timed), doc["results"]

@@ -1,4 +1,5 @@
-"""Tier 3: the Triton kernels compile ahead of time for Hopper (sm_90) with no GPU, GEMMs on wgmma."""
+"""Tier 3: the Triton kernels compile ahead of time for Hopper (sm_90) with no GPU, GEMMs on wgmma,
+flags with system-scope acquire/release, waits bounded by %globaltimer."""
 
 from __future__ import annotations
 
@@ -13,15 +14,48 @@ import pytest
 pytest.importorskip("triton")
 
 
-def test_ag_matmul_compiles_for_sm90_with_wgmma():
+@pytest.fixture(scope="module")
+def report() -> list[dict]:
+    """One compile run (a subprocess: TRITON_INTERPRET=0 before the kernels are defined) for every test."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("aot_compile.py"))], env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout)
-    assert {r["dtype"] for r in report} == {"bf16", "fp16", "fp32"}
-    for r in report:
+    return json.loads(proc.stdout)
+
+
+def _of(report: list[dict], kernel: str) -> list[dict]:
+    rows = [r for r in report if r["kernel"] == kernel]
+    assert rows, f"{kernel} missing from the AOT report: {[r['kernel'] for r in report]}"
+    return rows
+
+
+def test_ag_matmul_compiles_for_sm90_with_wgmma(report):
+    rows = _of(report, "all_gather_matmul_kernel")
+    assert {r["dtype"] for r in rows} == {"bf16", "fp16", "fp32"}
+    for r in rows:
         assert r["wgmma"], f"no wgmma in the PTX of {r}"
         assert r["globaltimer"], f"the bounded wait does not read %globaltimer: {r}"
         assert r["acquire"] and r["sys_scope"], f"the flag load is not a system-scope acquire: {r}"
+        assert r["cubin_bytes"] > 0, r
+
+
+def test_matmul_scatter_compiles_for_sm90_with_wgmma_and_release_flags(report):
+    rows = _of(report, "matmul_scatter_kernel")
+    assert {r["dtype"] for r in rows} == {"bf16", "fp16", "fp32"}
+    wgmma_type = {"bf16": "bf16", "fp16": "f16", "fp32": "tf32"}  # fp32 tl.dot runs as TF32 (DESIGN.md)
+    for r in rows:
+        assert r["wgmma"] and r["wgmma_types"] == [wgmma_type[r["dtype"]]], f"GEMM not on wgmma {r['dtype']}: {r}"
+        assert r["count_acq_rel_sys"], f"the chunk count is not a system-scope acq_rel atomic: {r}"
+        assert r["flag_release_sys"], f"the ready flag is not published by a system-scope release: {r}"
+        assert r["bar_sync"] and r["debug_barrier"], f"no CTA barrier (tl.debug_barrier) before the count: {r}"
+        assert r["cubin_bytes"] > 0, r
+
+
+def test_reduce_chunks_compiles_for_sm90_with_bounded_acquire_wait(report):
+    rows = _of(report, "reduce_chunks_kernel")
+    assert {r["dtype"] for r in rows} == {"bf16", "fp32"}
+    for r in rows:
+        assert r["flag_acquire_sys"], f"the flag wait is not a system-scope acquire: {r}"
+        assert r["globaltimer"], f"the bounded wait does not read %globaltimer: {r}"
         assert r["cubin_bytes"] > 0, r

@@ -1,0 +1,580 @@
+"""One GPU, virtual ranks: checks f and timings of the fused reduce-scatter kernels
+(`overlap.kernels.mm_rs`: `matmul_scatter_kernel`, then `reduce_chunks_kernel`), as
+`matmul_reduce_scatter` and `matmul_all_reduce` launch them (`scatter_and_reduce`, `reduce_sources`).
+
+As in gpu_check_virtual: W virtual ranks in one process, each with its own stream, its own symmetric
+slot (a plain device tensor, NaN until written), its own flag pad (int32 ``[MAX_FLAGS]`` starting at the
+previous call's epoch) and its own chunk counters; the address tables are int64 tensors laid out as the
+op lays out its heap. Layouts (`Layout.kind`):
+
+* ``rs``: `matmul_reduce_scatter`'s fused strategy. ``a`` has ``W * m`` rows; rank ``r`` stores block
+  ``d`` of its partial into region ``r`` of ``d``'s slot and flags ``d * F + chunk`` in its own pad
+  (``F = MAX_FLAGS // W``); rank ``d`` sums its ``W`` regions in rank order.
+* ``ar2``: the reduce-scatter half of `matmul_all_reduce`'s two-shot fused strategy: any row count,
+  blocks of ``ceil(M / W)`` rows (the last ones short or empty), ``F = MAX_FLAGS // (W + 1)``.
+* ``ar1``: the one-shot all-reduce: one destination (the rank's own slot), flags ``0 .. nch-1``; every
+  rank sums every rank's slot.
+
+Checks, against float64 sums with a rounding bound (`gpu_check_common.compare_bound`):
+f. ordered: every scatter has finished before any reduction starts; then a second call on the same
+   slots (fresh inputs, next epoch: the counters the first call reset, flags left at its epoch and its
+   partials still in the slots must not pass for this call's). Also: counters back at 0, flags at the epoch.
+f. racing: the reductions launch first and spin; the scatters run later on another stream, rank 0's
+   last (on the CPU a thread plays the producers chunk by chunk: copy the rows, then publish the flag).
+f. timeout: rank 1 never scatters; rank 0's reduction gives up after its timeout with ``err == 2``.
+Timings (GPU): rank 0's scatter + reduction (peers' partials already delivered) against ``torch.mm``
+plus ``torch.sum`` of the received blocks, for the reduce-scatter and the one-shot all-reduce.
+
+Imports overlap: the entry point imports this module only after its self-install.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import threading
+import time
+
+import torch
+from gpu_check_common import (
+    BLOCK_RTOL,
+    FP32_ACCUMULATE,
+    TF32_BLOCK_RTOL,
+    TF32_ROUNDOFF,
+    UNIT_ROUNDOFF,
+    Report,
+    all_reduce_shapes,
+    compare_bound,
+    do_bench,
+    dtype_name,
+    matmul_tflops,
+    row_parallel_shapes,
+)
+from gpu_check_virtual import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device
+from overlap.kernels.mm_rs import matmul_scatter_kernel, reduce_chunks_kernel
+
+from overlap import _C, symm
+from overlap.ops import _common as common
+from overlap.ops.matmul_reduce_scatter import region_bytes
+
+KINDS = {"rs": "reduce-scatter", "ar2": "all-reduce two-shot (its reduce-scatter)", "ar1": "all-reduce one-shot"}
+
+
+# ==============================================================================================
+# Virtual ranks with the heap layout of the fused strategies
+# ==============================================================================================
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a call's partials go: see the module docstring. ``rows`` is dim 0 of every rank's ``a``."""
+
+    kind: str
+    world_size: int
+    rows: int
+
+    @property
+    def num_dest(self) -> int:
+        return 1 if self.kind == "ar1" else self.world_size
+
+    @property
+    def block_rows(self) -> int:
+        return self.rows if self.kind == "ar1" else common.cdiv(self.rows, self.world_size)
+
+    @property
+    def flag_stride(self) -> int:
+        """Flags per destination in a producer's pad (0: one destination)."""
+        return {"rs": symm.MAX_FLAGS // self.world_size, "ar2": symm.MAX_FLAGS // (self.world_size + 1),
+                "ar1": 0}[self.kind]
+
+    @property
+    def max_chunks(self) -> int:
+        return symm.MAX_FLAGS if self.kind == "ar1" else self.flag_stride
+
+    def flag_index(self, rank: int) -> int:
+        """First ready flag (in every producer's pad) that rank `rank`'s reduction waits on."""
+        return rank * self.flag_stride
+
+    def block(self, rank: int) -> tuple[int, int]:
+        """Rows of the result rank `rank` reduces."""
+        if self.kind == "ar1":
+            return 0, self.rows
+        mb = self.block_rows
+        return min(rank * mb, self.rows), min((rank + 1) * mb, self.rows)
+
+
+@dataclasses.dataclass
+class TPGroup:
+    """W virtual ranks: inputs, slots, flag pads, counters, address tables, outputs, one stream each.
+
+    Shape legend: every rank's ``a`` is ``[rows, k]``, its ``b`` ``[k, n]``; a slot holds `regions` regions
+    of ``[block_rows, n]``, each `rb` bytes (16-byte aligned, `region_bytes`)."""
+
+    dev: Device
+    lay: Layout
+    dtype: torch.dtype
+    b_layout: str
+    a: list[torch.Tensor]
+    b: list[torch.Tensor]
+    slots: list[torch.Tensor]  # uint8 [regions * rb]
+    flags: list[torch.Tensor]  # int32 [MAX_FLAGS]
+    counters: list[torch.Tensor]  # int32 [num_dest * nch]
+    outs: list[torch.Tensor]  # [rows of block r, n], NaN-poisoned
+    errs: list[torch.Tensor]  # int32 [1]: src + 1 of a wait that timed out
+    aborts: list[torch.Tensor]  # int32 [1]: the interpreter's abort word
+    dst_tables: list[torch.Tensor]  # int64 [num_dest]: where rank r's block d goes
+    src_tables: list[torch.Tensor]  # int64 [W]: what rank r's reduction sums
+    flag_base: torch.Tensor  # int64 [W]: every rank's pad (the producers' flag table)
+    reduce_flags: list[torch.Tensor]  # int64 [W]: every pad + rank r's first flag
+    streams: list[torch.cuda.Stream | None]
+    tile: tuple[int, int, int]
+    nch: int
+    rb: int
+
+    @classmethod
+    def create(cls, dev: Device, lay: Layout, k: int, n: int, dtype: torch.dtype, num_chunks: int, stale: int,
+               b_layout: str = "w.t()") -> TPGroup:
+        d, W = dev.device, lay.world_size
+        interpreted = not dev.cuda
+        tile = common.fused_tiles(0, 0, 0, interpreted, dtype)  # the op's default tiles
+        # The chunk count of `scatter_and_reduce`: the plan's, at most the flags and the row tiles.
+        nch = max(1, min(num_chunks, lay.max_chunks, common.cdiv(lay.block_rows, tile[0])))
+        rb = region_bytes(lay.block_rows, n, dtype)
+        regions = 1 if lay.kind == "ar1" else W
+        slots = [torch.empty(regions * rb, dtype=torch.uint8, device=d) for _ in range(W)]
+        for s in slots:
+            assert s.data_ptr() % 16 == 0, "the kernels assume 16-byte aligned slots"
+            s.view(dtype).fill_(math.nan)
+        flags = [torch.full((symm.MAX_FLAGS,), stale, dtype=torch.int32, device=d) for _ in range(W)]
+        addr = [s.data_ptr() for s in slots]
+        if lay.kind == "ar1":
+            dst = [[addr[r]] for r in range(W)]
+            src = [addr for _ in range(W)]
+        else:
+            dst = [[addr[q] + r * rb for q in range(W)] for r in range(W)]
+            src = [[addr[r] + s * rb for s in range(W)] for r in range(W)]
+
+        def table(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=d)
+
+        g = cls(
+            dev=dev, lay=lay, dtype=dtype, b_layout=b_layout, a=[], b=[], slots=slots, flags=flags,
+            counters=[torch.zeros(lay.num_dest * nch, dtype=torch.int32, device=d) for _ in range(W)],
+            outs=[], errs=[torch.zeros(1, dtype=torch.int32, device=d) for _ in range(W)],
+            aborts=[torch.zeros(1, dtype=torch.int32, device=d) for _ in range(W)],
+            dst_tables=[table(x) for x in dst], src_tables=[table(x) for x in src],
+            flag_base=table([f.data_ptr() for f in flags]),
+            reduce_flags=[table([f.data_ptr() + 4 * lay.flag_index(r) for f in flags]) for r in range(W)],
+            streams=[dev.stream() for _ in range(W)], tile=tile, nch=nch, rb=rb,
+        )
+        g.new_inputs(k, n)
+        return g
+
+    def new_inputs(self, k: int, n: int) -> None:
+        """Fresh random ``a``, ``b`` on every rank, poisoned outputs, cleared error words."""
+        d, dtype = self.dev.device, self.dtype
+        self.a = [torch.randn(self.lay.rows, k, device=d, dtype=dtype) / math.sqrt(k)
+                  for _ in range(self.lay.world_size)]
+        self.b = [torch.randn(n, k, device=d, dtype=dtype).t() if self.b_layout == "w.t()"
+                  else torch.randn(k, n, device=d, dtype=dtype) for _ in range(self.lay.world_size)]
+        self.outs = []
+        for r in range(self.lay.world_size):
+            lo, hi = self.lay.block(r)
+            self.outs.append(torch.full((hi - lo, n), math.nan, device=d, dtype=dtype))
+        for e in self.errs:
+            e.zero_()
+        self.dev.idle("new inputs")  # the streams below must see these writes
+
+    @property
+    def world_size(self) -> int:
+        return self.lay.world_size
+
+    @property
+    def n(self) -> int:
+        return self.b[0].shape[1]
+
+    def region(self, owner: int, writer: int) -> torch.Tensor:
+        """The ``[block_rows, n]`` region of `owner`'s slot that `writer`'s partial goes to."""
+        start = 0 if self.lay.kind == "ar1" else writer * self.rb
+        nbytes = self.lay.block_rows * self.n * self.a[0].element_size()
+        return self.slots[owner][start : start + nbytes].view(self.dtype).view(self.lay.block_rows, self.n)
+
+    def flag_words(self, producer: int) -> list[int]:
+        """Indices of the ready flags in `producer`'s pad that this call's reductions wait on."""
+        per_dest = range(self.nch)
+        if self.lay.kind == "ar1":
+            return list(per_dest)
+        return [self.lay.flag_index(q) + c for q in range(self.world_size) for c in per_dest]
+
+    def all_flag_words(self) -> list[torch.Tensor]:
+        """One-word views of every awaited flag (what a settle watchdog writes to release waits)."""
+        return [self.flags[p][i : i + 1] for p in range(self.world_size) for i in self.flag_words(p)]
+
+    def exact(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank `rank`'s result in float64 and its rounding bound: every partial rounded once when stored,
+        added in float32 (``W`` roundings at most) and rounded once more when the sum is stored, each GEMM
+        accumulated in float32 (twice the textbook bound: tensor cores may truncate), TF32 inputs where a
+        GPU runs a fp32 dot. A partial that is missing, stale or added twice is off by a whole term."""
+        lo, hi = self.lay.block(rank)
+        parts = [a[lo:hi].double() @ b.double() for a, b in zip(self.a, self.b, strict=True)]
+        total = sum(parts)
+        terms = sum(a[lo:hi].double().abs() @ b.double().abs() for a, b in zip(self.a, self.b, strict=True))
+        u = UNIT_ROUNDOFF[self.dtype]
+        if not self.dev.cuda and self.dtype == torch.bfloat16:
+            u *= 2  # Triton 3.9's interpreter truncates fp32 -> bf16 (`.to`): up to one ulp, not half
+        k = self.a[0].shape[1]
+        per_term = 2 * (k + 2) * FP32_ACCUMULATE + (2.5 * TF32_ROUNDOFF if self.tf32 else 0.0)
+        partials = sum(p.abs() for p in parts)
+        bound = (u + self.world_size * FP32_ACCUMULATE) * partials + u * total.abs() + per_term * terms
+        return total, bound * 1.01 + 1e-30
+
+    @property
+    def tf32(self) -> bool:
+        return self.dev.cuda and self.dtype == torch.float32
+
+    def block_rtol(self) -> float:
+        return TF32_BLOCK_RTOL if self.tf32 else BLOCK_RTOL[self.dtype]
+
+
+def scatter_grid(g: TPGroup) -> int:
+    bm, bn, _ = g.tile
+    return g.lay.num_dest * common.cdiv(g.lay.block_rows, bm) * common.cdiv(g.n, bn)
+
+
+def reduce_grid(g: TPGroup) -> int:
+    bm, bn, _ = g.tile
+    return common.cdiv(g.lay.block_rows, bm) * common.cdiv(g.n, bn)
+
+
+def launch_scatter(g: TPGroup, rank: int, epoch: int) -> None:
+    """Rank `rank`'s producer kernel on the current stream, with the arguments `scatter_and_reduce` passes."""
+    a2, b, lay = g.a[rank], g.b[rank], g.lay
+    bm, bn, bk = g.tile
+    matmul_scatter_kernel[(scatter_grid(g),)](
+        a2, b,
+        g.dst_tables[rank], g.counters[rank], g.flag_base, lay.flag_stride,
+        epoch, rank,
+        a2.shape[0], g.n, a2.shape[1], lay.block_rows, lay.num_dest, g.nch,
+        a2.stride(0),
+        b.stride(0), b.stride(1),
+        g.n,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+        UPCAST=not g.dev.cuda and a2.dtype == torch.bfloat16,
+    )
+
+
+def launch_reduce(g: TPGroup, rank: int, epoch: int, timeout_ns: int, watchdog: bool = True) -> None:
+    """Rank `rank`'s reduction kernel on the current stream, with the arguments `reduce_sources` passes.
+
+    Interpreted, its spins end when the abort word is set: a watchdog sets it after `timeout_ns` (as
+    `reduce_sources` does), unless the caller bounds the launch itself (`watchdog=False`)."""
+    out = g.outs[rank]
+    bm, bn, _ = g.tile
+    guard = common.Watchdog(g.aborts[rank], timeout_ns / 1e9) if watchdog and not g.dev.cuda \
+        else contextlib.nullcontext()
+    with guard:
+        reduce_chunks_kernel[(reduce_grid(g),)](
+            out, g.src_tables[rank], g.reduce_flags[rank],
+            epoch, g.aborts[rank], g.errs[rank], timeout_ns,
+            out.shape[0], g.n, g.lay.block_rows, g.world_size, g.nch,
+            g.n,
+            out.stride(0), out.stride(1),
+            BLOCK_M=bm, BLOCK_N=bn, INTERPRETED=not g.dev.cuda,
+        )
+
+
+def judge_outputs(g: TPGroup, problems: list[str]) -> tuple[float, float]:
+    """Every rank's output against its float64 sum, and its error word (0); (worst error, worst block)."""
+    worst_err, worst_rel = 0.0, 0.0
+    for r, out in enumerate(g.outs):
+        exact, bound = g.exact(r)
+        ok, max_err, rel = compare_bound(out, exact, bound, g.block_rtol())
+        if not math.isfinite(max_err):
+            max_err, rel = math.inf, math.inf  # NaN left in the output: a tile was never written
+        worst_err, worst_rel = max(worst_err, max_err), max(worst_rel, rel)
+        if not ok:
+            over = "" if not math.isfinite(max_err) else f", {int((out.double() - exact).abs().gt(bound).sum())} " \
+                                                          "elements past the rounding bound"
+            problems.append(f"rank {r}: output off (max {max_err:.1e}, worst 64x64 block rel {rel:.1e}{over})")
+        if int(g.errs[r].item()) != 0:
+            problems.append(f"rank {r}: err word {int(g.errs[r].item())}, expected 0")
+    return worst_err, worst_rel
+
+
+def check_protocol_state(g: TPGroup, epoch: int, problems: list[str]) -> None:
+    """After a call: every chunk counter back at 0 (the next call reuses them), every awaited flag at `epoch`."""
+    for r in range(g.world_size):
+        if int(g.counters[r].abs().sum()):
+            problems.append(f"rank {r}: chunk counters not reset: {g.counters[r].tolist()}")
+        got = g.flags[r][g.flag_words(r)]
+        if not bool((got == epoch).all()):
+            problems.append(f"rank {r}: ready flags {got.tolist()}, expected all {epoch}")
+
+
+# ==============================================================================================
+# Checks f
+# ==============================================================================================
+
+
+def check_ordered(rep: Report, dev: Device, kind: str, world_size: int, shape: tuple[int, int, int],
+                  dtype: torch.dtype, b_layout: str = "w.t()", num_chunks: int = 2) -> None:
+    """f. ordered: scatters, settle, reductions; twice (epochs 7 and 8) on the same slots and counters."""
+    rows, k, n = shape
+    lay = Layout(kind, world_size, rows)
+    g = TPGroup.create(dev, lay, k, n, dtype, num_chunks, stale=6, b_layout=b_layout)
+    tf32 = " tf32" if g.tf32 else ""
+    name = f"f.{kind} ordered W={world_size} {dtype_name(dtype)}{tf32} {rows}x{k}x{n} b={b_layout} chunks={g.nch}"
+    problems: list[str] = []
+    worst_err = worst_rel = 0.0
+    for call, epoch in enumerate((7, 8)):
+        if call:
+            g.new_inputs(k, n)  # the slots keep the first call's partials: stale data must not be read
+        for r in range(world_size):
+            with dev.on(g.streams[r]):
+                launch_scatter(g, r, epoch)
+        dev.settle(g.streams, g.all_flag_words(), name)  # every partial and flag in place before any reduction
+        for r in range(world_size):
+            with dev.on(g.streams[r]):
+                launch_reduce(g, r, epoch, KERNEL_TIMEOUT_NS)
+        dev.settle(g.streams, g.all_flag_words(), name)
+        here: list[str] = []
+        err, rel = judge_outputs(g, here)
+        check_protocol_state(g, epoch, here)
+        problems += [f"call {call + 1}: {p}" for p in here]
+        worst_err, worst_rel = max(worst_err, err), max(worst_rel, rel)
+    value = f"max {worst_err:.1e}, worst block rel {worst_rel:.1e}; 2 calls, {KINDS[kind]}"
+    rep.add(name, "FAIL" if problems else "PASS", "; ".join(problems) or value, max_err=worst_err, rel=worst_rel)
+
+
+def check_racing(rep: Report, dev: Device, kind: str, world_size: int, shape: tuple[int, int, int],
+                 dtype: torch.dtype) -> None:
+    """f. racing: the reductions launch first and spin; the producers come later, rank 0's last.
+
+    GPU: one publisher stream holds for 20 ms (a one-thread delay kernel), then runs every rank's
+    scatter kernel (rank W-1 first); every reduction needs rank 0's flags, so none may end before
+    rank 0's scatter starts. The spinning reductions must co-reside and leave SMs for the scatters.
+    CPU: see `racing_on_cpu`."""
+    rows, k, n = shape
+    name = f"f.{kind} racing W={world_size} {dtype_name(dtype)} {rows}x{k}x{n}"
+    epoch = 9
+    g = TPGroup.create(dev, Layout(kind, world_size, rows), k, n, dtype, num_chunks=2, stale=epoch - 1)
+    first_delay_s, gap_s = 0.02, 0.002
+    if not dev.cuda:
+        racing_on_cpu(rep, g, name, epoch, first_delay_s, gap_s)
+        return
+    cells = world_size * reduce_grid(g) + 1  # + the publisher's delay kernel
+    if cells >= dev.sm_count:
+        rep.add(name, "SKIP", f"{cells} spinning CTAs would leave no SM for the scatters ({dev.sm_count} SMs)")
+        return
+    connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if connections is not None and int(connections) < world_size + 2:
+        rep.add(name, "SKIP", f"CUDA_DEVICE_MAX_CONNECTIONS={connections}: streams share hardware queues, "
+                              "so a spinning reduction would block the scatters")
+        return
+    pub = dev.stream()
+    dev.distinct([*g.streams, pub])  # a reduction sharing the publisher's stream would wait for itself
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(world_size)]
+    for r in range(world_size):
+        with dev.on(g.streams[r]):
+            launch_reduce(g, r, epoch, KERNEL_TIMEOUT_NS)
+            ends[r].record()
+    last_due = torch.cuda.Event(enable_timing=True)  # just before rank 0's scatter: every reduction needs it
+    dev.delay(pub, int(first_delay_s * 1e9))
+    with dev.on(pub):
+        for i, p in enumerate(reversed(range(world_size))):
+            if i:
+                dev.delay(pub, int(gap_s * 1e9))
+            if p == 0:
+                last_due.record(pub)
+            launch_scatter(g, p, epoch)
+    dev.settle([*g.streams, pub], g.all_flag_words(), name)
+    after_ms = [last_due.elapsed_time(e) for e in ends]  # > 0 unless a tile ignored a flag
+    problems = [f"rank {r} finished {-t:.3f} ms before rank 0's scatter" for r, t in enumerate(after_ms) if t <= 0]
+    err, rel = judge_outputs(g, problems)
+    check_protocol_state(g, epoch, problems)
+    value = (f"max {err:.1e}, worst block rel {rel:.1e}; ended {min(after_ms):.3f}-{max(after_ms):.3f} ms "
+             "after rank 0's scatter started")
+    rep.add(name, "FAIL" if problems else "PASS", "; ".join(problems) or value, max_err=err, rel=rel)
+
+
+def chunk_rows(g: TPGroup, chunk: int) -> tuple[int, int]:
+    """Rows of a block that chunk `chunk` covers: row tile t is in chunk ``t * nch // tiles_m``."""
+    bm = g.tile[0]
+    tiles_m = common.cdiv(g.lay.block_rows, bm)
+    first = common.cdiv(chunk * tiles_m, g.nch)
+    last = common.cdiv((chunk + 1) * tiles_m, g.nch)
+    return min(first * bm, g.lay.block_rows), min(last * bm, g.lay.block_rows)
+
+
+def racing_on_cpu(rep: Report, g: TPGroup, name: str, epoch: int, first_delay_s: float, gap_s: float) -> None:
+    """f. racing, interpreted: the scatters run first (the interpreter runs one kernel at a time), their
+    partials are staged aside and the slots poisoned again; then a thread plays the producers, chunk by
+    chunk, rank W-1 first: it copies a chunk's rows into each owner's slot, then publishes that chunk's flag,
+    while the reductions spin. Rank 0's last chunk comes 50 ms after its others, so a tile that reads a
+    chunk before its own flag reads NaN, and a reduction that ends before that flag is reported."""
+    W = g.world_size
+    for r in range(W):
+        launch_scatter(g, r, epoch)
+    staged = [s.clone() for s in g.slots]
+    for s in g.slots:
+        s.view(g.dtype).fill_(math.nan)
+    for f in g.flags:
+        f.fill_(epoch - 1)
+    owners = [0] if g.lay.kind == "ar1" else list(range(W))
+    last_due: dict[int, float] = {}  # owner rank whose reduction needs it -> when rank 0's last chunk was flagged
+
+    def publisher() -> None:
+        time.sleep(first_delay_s)
+        for p in reversed(range(W)):
+            for c in range(g.nch):
+                time.sleep(0.05 if (p, c) == (0, g.nch - 1) and g.nch > 1 else gap_s)
+                lo, hi = chunk_rows(g, c)
+                for q in owners:
+                    owner, dest = (p, 0) if g.lay.kind == "ar1" else (q, q)
+                    region = g.region(owner, p)
+                    start = region.data_ptr() - g.slots[owner].data_ptr()
+                    saved = staged[owner][start : start + region.numel() * region.element_size()]
+                    region[lo:hi].copy_(saved.view(g.dtype).view(region.shape)[lo:hi])
+                    if (p, c) == (0, g.nch - 1):
+                        last_due[dest] = time.perf_counter()
+                    _C.signal_store(g.flags[p][g.lay.flag_index(dest) + c :].data_ptr(), epoch)
+
+    thread = threading.Thread(target=publisher, daemon=True)
+    abort = g.aborts[0]  # one abort word: the watchdog bounds every interpreted spin
+    ends = []
+    with common.Watchdog(abort, 10.0):
+        thread.start()
+        for r in range(W):
+            g.aborts[r] = abort
+            launch_reduce(g, r, epoch, KERNEL_TIMEOUT_NS, watchdog=False)
+            ends.append(time.perf_counter())
+    thread.join(timeout=5.0)
+    # ar1: every rank sums the chunks flagged for destination 0; rs/ar2: rank r sums those for r.
+    due = [last_due.get(0 if g.lay.kind == "ar1" else r, math.inf) for r in range(W)]
+    problems = [f"rank {r} finished before rank 0's last chunk for it was published" for r, t in enumerate(ends)
+                if t <= due[r]]
+    err, rel = judge_outputs(g, problems)
+    value = f"max {err:.1e}, worst block rel {rel:.1e}; thread publisher, {g.nch} chunks"
+    rep.add(name, "FAIL" if problems else "PASS", "; ".join(problems) or value, max_err=err, rel=rel)
+
+
+def check_timeout(rep: Report, dev: Device, dtype: torch.dtype) -> None:
+    """f. timeout: rank 1 never scatters (its flags stay at the previous epoch); rank 0's reduction returns
+    after about its timeout with ``err == src + 1 == 2``."""
+    m, k, n = (128, 256, 256) if dev.cuda else (16, 32, 32)
+    name = f"f.rs timeout W=2 {dtype_name(dtype)} {2 * m}x{k}x{n}"
+    epoch = 5
+    g = TPGroup.create(dev, Layout("rs", 2, 2 * m), k, n, dtype, num_chunks=1, stale=epoch - 1)
+    timeout_s = SHORT_TIMEOUT_NS / 1e9
+    if dev.cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with dev.on(g.streams[0]):
+            launch_scatter(g, 0, epoch)
+            start.record()
+            launch_reduce(g, 0, epoch, SHORT_TIMEOUT_NS)
+            end.record()
+        dev.settle(g.streams, g.all_flag_words(), name)  # the kernel's own limit must end it long before this
+        waited = start.elapsed_time(end) / 1e3
+    else:
+        launch_scatter(g, 0, epoch)
+        t0 = time.perf_counter()
+        with common.Watchdog(g.aborts[0], timeout_s):  # the interpreter's abort word stands in for %globaltimer
+            launch_reduce(g, 0, epoch, SHORT_TIMEOUT_NS, watchdog=False)
+        waited = time.perf_counter() - t0
+    problems = []
+    got = int(g.errs[0].item())
+    if got != 2:
+        problems.append(f"err word {got}, expected 2 (src 1 + 1)")
+    if not 0.5 * timeout_s <= waited <= 10 * timeout_s:
+        problems.append(f"returned after {waited:.3f} s, expected about {timeout_s} s")
+    if not bool((g.flags[0][g.flag_words(0)] == epoch).all()):
+        problems.append(f"rank 0's own flags {g.flags[0][g.flag_words(0)].tolist()}, expected {epoch}")
+    value = f"bounded wait fired after {waited:.3f} s, err={got}"
+    rep.add(name, "FAIL" if problems else "PASS", "; ".join(problems) or value, waited_s=waited)
+
+
+# ==============================================================================================
+# Timings (one GPU): rank 0's call with every peer's partial already delivered
+# ==============================================================================================
+
+
+def time_fused_vs_torch(rep: Report, dev: Device, kind: str, label: str, world_size: int, rows: int, k: int,
+                        n: int) -> None:
+    """Rank 0's scatter + reduction (bf16, the op's default tiles, one chunk as on NVLink) against
+    ``torch.mm`` of the same partial plus ``torch.sum`` of the ``W`` blocks it reduces."""
+    dtype, epoch = torch.bfloat16, 3
+    g = TPGroup.create(dev, Layout(kind, world_size, rows), k, n, dtype, num_chunks=1, stale=epoch - 1)
+    lo, hi = g.lay.block(0)
+    for p in range(1, world_size):  # the peers have delivered their partials for rank 0, and flagged them
+        region = g.region(p, 0) if kind == "ar1" else g.region(0, p)
+        torch.mm(g.a[p][lo:hi], g.b[p], out=region[: hi - lo])
+        g.flags[p][g.lay.flag_index(0) : g.lay.flag_index(0) + g.nch] = epoch
+    dev.idle("timing setup")
+
+    def fused() -> None:
+        launch_scatter(g, 0, epoch)
+        launch_reduce(g, 0, epoch, KERNEL_TIMEOUT_NS)
+
+    fused()
+    dev.idle(f"time {kind} {label}")
+    exact, bound = g.exact(0)
+    ok, max_err, rel = compare_bound(g.outs[0], exact, bound, g.block_rtol())
+    if not ok or int(g.errs[0].item()):
+        rep.add(f"time fused {kind} {label}", "FAIL",
+                f"wrong: max {max_err:.1e}, worst block rel {rel:.1e}, err={int(g.errs[0].item())}")
+        return
+    t_fused = do_bench(fused)
+    t_scatter = do_bench(lambda: launch_scatter(g, 0, epoch))
+    partial = torch.empty(rows, n, device=dev.device, dtype=dtype)
+    received = torch.stack([g.region(p, 0) if kind == "ar1" else g.region(0, p) for p in range(world_size)])
+    reduced = torch.empty(received.shape[1:], device=dev.device, dtype=dtype)
+
+    def baseline() -> None:
+        torch.mm(g.a[0], g.b[0], out=partial)
+        torch.sum(received, dim=0, out=reduced)
+
+    t_torch = do_bench(baseline)
+    t_mm = do_bench(lambda: torch.mm(g.a[0], g.b[0], out=partial))
+    rep.add(f"time fused {kind} {label} W={world_size} {rows}x{k}x{n}", "PASS",
+            f"{t_fused:.3f} ms (scatter {t_scatter:.3f}) vs torch mm+sum {t_torch:.3f} ms (mm {t_mm:.3f})",
+            tflops=matmul_tflops(rows, n, k, t_fused), ratio=t_torch / t_fused, ms=t_fused, scatter_ms=t_scatter,
+            torch_ms=t_torch, mm_ms=t_mm, max_err=max_err)
+
+
+# ==============================================================================================
+# Entry: after the all-gather checks of gpu_check_virtual.run_virtual
+# ==============================================================================================
+
+
+def run_tp_virtual(rep: Report, dev: Device) -> None:
+    gpu_only = None if dev.cuda else "GPU only"
+    bf16 = torch.bfloat16
+    if dev.cuda:
+        ordered = [("rs", w, (w * 256, 512, 384), bf16, "w.t()") for w in (2, 3, 4)]
+        ordered += [("rs", 4, (400, 1000, 300), bf16, "row-major"), ("rs", 2, (512, 512, 384), torch.float16, "w.t()"),
+                    ("rs", 2, (512, 512, 384), torch.float32, "w.t()"),
+                    ("ar2", 3, (1000, 512, 384), bf16, "w.t()"), ("ar2", 4, (130, 256, 200), bf16, "row-major"),
+                    ("ar1", 2, (256, 512, 384), bf16, "w.t()"), ("ar1", 4, (100, 1000, 300), bf16, "row-major")]
+        racing = [("rs", 2, (512, 512, 256)), ("rs", 4, (1024, 512, 256)), ("ar1", 4, (256, 512, 256))]
+    else:  # interpreted, 32x32x32 tiles: two row tiles per block, so two chunks
+        ordered = [("rs", 2, (80, 32, 24), torch.float32, "w.t()"), ("rs", 3, (72, 40, 40), bf16, "row-major"),
+                   ("ar2", 3, (100, 32, 24), torch.float32, "w.t()"), ("ar1", 2, (40, 32, 24), bf16, "w.t()")]
+        racing = [("rs", 2, (128, 32, 32)), ("ar1", 2, (64, 32, 32))]
+    for kind, w, shape, dtype, layout in ordered:
+        rep.run(f"f.{kind} ordered W={w} {dtype_name(dtype)} {shape}",
+                lambda a=(kind, w, shape, dtype, layout): check_ordered(rep, dev, *a))
+    for kind, w, shape in racing:
+        rep.run(f"f.{kind} racing W={w}", lambda a=(kind, w, shape): check_racing(rep, dev, *a, bf16 if dev.cuda
+                                                                                  else torch.float32))
+    rep.run("f.rs timeout", lambda: check_timeout(rep, dev, bf16 if dev.cuda else torch.float32))
+    for label, s in row_parallel_shapes(8):  # W=8 virtual ranks
+        rows = 8 * s["m"]
+        rep.run(f"time fused rs {label}",
+                lambda a=(label, rows, s["k"], s["n"]): time_fused_vs_torch(rep, dev, "rs", a[0], 8, *a[1:]),
+                skip=gpu_only)
+    for label, s in all_reduce_shapes(8, one_shot=True):
+        rep.run(f"time fused ar1 {label}",
+                lambda a=(label, s["m"], s["k"], s["n"]): time_fused_vs_torch(rep, dev, "ar1", a[0], 8, *a[1:]),
+                skip=gpu_only)
