@@ -22,8 +22,7 @@ from typing import Any
 import overlap
 
 from . import envs, world
-from .benchmarks.cases import DTYPES, OPS, Case, parse_shape
-from .plan import STRATEGIES
+from .benchmarks.cases import DTYPES, MODES, OPS, Case, all_strategy_labels, parse_shape
 
 _DESCRIPTION = "overlap: hide tensor- and expert-parallel communication behind the GEMMs around it."
 
@@ -34,6 +33,7 @@ start --nproc local ranks (default: one per GPU, else 2 CPU ranks on gloo).
 examples:
   overlap info
   overlap bench
+  overlap bench --op matmul_all_reduce --mode fwd
   overlap bench --nproc 4 --shape 1024x1024x1024 --dtype bfloat16 --json results.json
   torchrun --nproc-per-node 8 -m overlap.cli bench --strategies reference,symm,fused
 """
@@ -78,12 +78,29 @@ def _shape(text: str) -> tuple[int, int, int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _strategies(text: str) -> tuple[str, ...]:
-    names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [s for s in names if s not in STRATEGIES]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(STRATEGIES)}, got {text!r}")
-    return names
+def _names(known: tuple[str, ...], what: str):
+    """A parser of one comma-separated selection of `known` names."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(s.strip() for s in text.split(",") if s.strip())
+        unknown = [s for s in names if s not in known]
+        if not names or unknown:
+            raise argparse.ArgumentTypeError(
+                f"expected a comma-separated list of {what} {', '.join(known)}; got {text!r}"
+            )
+        return names
+
+    return parse
+
+
+_strategies = _names(all_strategy_labels(), "strategies among")
+_ops = _names(OPS, "ops among")
+_modes = _names(MODES, "modes among")
+
+
+def _selection(values: list[tuple[str, ...]] | None, known: tuple[str, ...]) -> tuple[str, ...]:
+    """The union of a repeatable comma-separated option's values, in the order of `known` (None: all)."""
+    return tuple(k for k in known if any(k in group for group in values)) if values else known
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,24 +126,44 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="check and time every strategy against reference",
-        description="Benchmark an op on the ranks: for each case, check every strategy against "
-        "'reference' (a mismatch fails the command), warm up, then time interleaved repeats between "
-        "barriers. Prints one line per strategy and case (median ms, p25..p75, TFLOP/s, speedup over "
-        "reference, overlap efficiency = (T_ref - T) / min(T_comm, T_compute)), the transfer and the "
-        "GEMM alone for context, and the geometric-mean speedup per strategy. Interpreted 'fused' "
-        "(CPU ranks) runs only where every dim <= 128 and is left out of the summary.",
+        help="check and time every strategy of the ops against reference",
+        description="Benchmark the ops on the ranks: for each case (op, shape, dtype, mode), check every "
+        "strategy against 'reference' (the output, and in fwd+bwd the gradients of a and b; a mismatch "
+        "fails the command), warm up, then time interleaved repeats between barriers. Prints one line per "
+        "strategy and case (median ms, p25..p75, TFLOP/s, speedup over reference, overlap efficiency = "
+        "(T_ref - T) / min(T_comm, T_compute)), the plain collectives and the GEMMs alone for context, and "
+        "the geometric-mean speedup per strategy and mode. matmul_all_reduce also runs each strategy's "
+        "one-shot variant (label '+one_shot'). Interpreted 'fused' (CPU ranks) runs only where every dim "
+        "<= 128 and is left out of the summary.",
     )
     bench.add_argument("--nproc", type=_positive_int, default=None, metavar="N", help=nproc_help)
-    bench.add_argument("--op", choices=OPS, default=OPS[0], help="op to benchmark (default: %(default)s)")
+    bench.add_argument(
+        "--op",
+        type=_ops,
+        action="append",
+        default=None,
+        metavar="LIST",
+        help=f"comma-separated ops, or the option repeated (default: all: {','.join(OPS)})",
+    )
+    bench.add_argument(
+        "--mode",
+        type=_modes,
+        action="append",
+        default=None,
+        metavar="LIST",
+        help="comma-separated modes, or the option repeated: fwd (forward), fwd+bwd (forward, then backward "
+        "of the fresh output) (default: fwd,fwd+bwd)",
+    )
     bench.add_argument(
         "--shape",
         type=_shape,
         nargs="+",
         default=None,
         metavar="MxKxN",
-        help="cases: each rank's a is [M, K] (M rows of the gathered dim per rank), b is [K, N] "
-        "(default: the built-in cases of the op for the ranks' device)",
+        help="cases, for every op and mode selected: the GEMM of each rank is [W*M, K] @ [K, N] (W ranks); "
+        "all_gather_matmul's a is [M, K] per rank, matmul_reduce_scatter's and matmul_all_reduce's a is "
+        "[W*M, K] (K: this rank's slice) and their outputs [M, N] and [W*M, N] "
+        "(default: the built-in cases of the ops for the ranks' device)",
     )
     bench.add_argument(
         "--dtype",
@@ -137,9 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--strategies",
         type=_strategies,
-        default=STRATEGIES,
+        default=all_strategy_labels(),
         metavar="LIST",
-        help=f"comma-separated strategies (default: {','.join(STRATEGIES)}); reference, the baseline, always runs",
+        help=f"comma-separated strategies (default: {','.join(all_strategy_labels())}), each run for the ops "
+        "it applies to (the +one_shot ones: matmul_all_reduce); reference, the baseline, always runs",
     )
     bench.add_argument(
         "--warmup",
@@ -311,20 +349,32 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         folder = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(folder):
             parser.error(f"--json: folder {folder} does not exist")
+    ops, modes = _selection(args.op, OPS), _selection(args.mode, MODES)
     cases: tuple[Case, ...] = ()
     if args.shape:
-        cases = tuple(dict.fromkeys(Case(args.op, m, k, n, args.dtype or "float32") for m, k, n in args.shape))
-    config = BenchConfig(
-        op=args.op,
-        cases=cases,
-        dtype=args.dtype,
-        strategies=args.strategies,
-        warmup=args.warmup,
-        iters=args.iters,
-        timeout=args.timeout,
-        json_path=args.json,
-        seed=args.seed,
-    )
+        cases = tuple(
+            dict.fromkeys(
+                Case(op, m, k, n, args.dtype or "float32", backward=mode == "fwd+bwd")
+                for op in ops
+                for m, k, n in args.shape
+                for mode in modes
+            )
+        )
+    try:
+        config = BenchConfig(
+            ops=ops,
+            modes=modes,
+            cases=cases,
+            dtype=args.dtype,
+            strategies=args.strategies,
+            warmup=args.warmup,
+            iters=args.iters,
+            timeout=args.timeout,
+            json_path=args.json,
+            seed=args.seed,
+        )
+    except ValueError as exc:  # e.g. --strategies symm+one_shot for an op that has no such variant
+        parser.error(str(exc))
     with tempfile.TemporaryDirectory(prefix="overlap-bench-") as tmp:
         status_path = os.path.join(tmp, "status.json")
         code, in_place = _on_ranks("bench", _self()._bench_rank, (config, status_path), args.nproc)

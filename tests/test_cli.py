@@ -13,7 +13,20 @@ import pytest
 
 from overlap import world
 
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+MODES = ("fwd", "fwd+bwd")
 STRATEGY_LABELS = ("reference", "pipelined", "symm", "fused (interpreted)")
+ONE_SHOT_LABELS = ("pipelined+one_shot", "symm+one_shot", "fused+one_shot (interpreted)")
+
+
+def labels_of(op: str) -> tuple[str, ...]:
+    """The strategy labels a default ``--strategies`` runs for `op` at a tiny shape on CPU ranks."""
+    return STRATEGY_LABELS + (ONE_SHOT_LABELS if op == "matmul_all_reduce" else ())
+
+
+def result_lines(stdout: str, case: str, label: str) -> list[str]:
+    """The table lines of `case` (``"op MxKxN dtype mode"``) and strategy `label` that carry a time."""
+    return [ln for ln in stdout.splitlines() if re.match(rf"{re.escape(case)}\s+{re.escape(label)}\s+\d", ln)]
 
 
 def overlap_cmd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -46,7 +59,8 @@ def test_console_script_next_to_interpreter():
         pytest.skip(f"no console script at {script} (overlap not installed in this environment)")
     proc = subprocess.run([script, "bench", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    for option in ("--nproc", "--shape", "--dtype", "--strategies", "--warmup", "--iters", "--json", "--timeout"):
+    options = ("--nproc", "--op", "--mode", "--shape", "--dtype", "--strategies", "--warmup", "--iters", "--json")
+    for option in (*options, "--timeout", "fwd+bwd", "symm+one_shot", *OPS):
         assert option in proc.stdout, f"{option} missing from bench --help:\n{proc.stdout}"
 
 
@@ -62,6 +76,11 @@ def test_bad_shape_exits_2():
         ("bench", "--shape", "0x4x4"),
         ("bench", "--shape", "8x8x8", "3x4x"),
         ("bench", "--strategies", "reference,warp"),
+        ("bench", "--op", "all_gather_matmul,matmul_transpose"),
+        ("bench", "--op", ","),
+        ("bench", "--mode", "bwd"),
+        ("bench", "--op", "all_gather_matmul", "--mode", "fwd", "--mode", "fwd+bwd+fwd"),
+        ("bench", "--op", "all_gather_matmul", "--op", "matmul_reduce_scatter", "--strategies", "symm+one_shot"),
         ("bench", "--dtype", "float64"),
         ("bench", "--iters", "0"),
         ("bench", "--timeout", "-1"),
@@ -93,42 +112,104 @@ def test_info_two_ranks():
     assert matrix == [["0", "-", "shm"], ["1", "shm", "-"]], out
 
 
-def test_bench_small_case_with_json(tmp_path):
+def test_bench_every_op_and_mode_with_json(tmp_path):
+    """The defaults at a tiny shape: every op, forward and forward+backward, every strategy label."""
     path = tmp_path / "bench.json"
+    args = ("--shape", "16x24x8", "--iters", "3", "--warmup", "1", "--json", str(path), "--timeout", "60")
+    proc = overlap_cmd("bench", "--nproc", "2", *args, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for op in OPS:
+        for mode in MODES:
+            for label in labels_of(op):
+                lines = result_lines(proc.stdout, f"{op} 16x24x8 float32 {mode}", label)
+                assert len(lines) == 1, f"want one line for {op} {mode} {label}:\n{proc.stdout}"
+    assert "symm+one_shot" not in proc.stdout.split("matmul_all_reduce")[0], proc.stdout  # not for other ops
+    for scope in ("fwd", "fwd+bwd", "all"):
+        assert f"geomean speedup over reference, {scope}: " in proc.stdout, proc.stdout
+    assert "machine: CPU" in proc.stdout and "note: fwd+bwd:" in proc.stdout, proc.stdout
+    assert "[1/6] all_gather_matmul 16x24x8 float32 fwd:" in proc.stderr, proc.stderr
+    assert "[6/6] matmul_all_reduce 16x24x8 float32 fwd+bwd:" in proc.stderr, proc.stderr
+
+    data = json.loads(path.read_text())
+    assert data["machine"]["world_size"] == 2 and data["machine"]["backend"] == "gloo"
+    assert data["config"]["ops"] == list(OPS) and data["config"]["modes"] == list(MODES)
+    rows = {(r["op"], r["mode"], r["strategy"]): r for r in data["results"]}
+    assert len(rows) == len(data["results"]), "one row per op, mode and strategy"
+    for op in OPS:
+        for mode in MODES:
+            strategies = [label.removesuffix(" (interpreted)") for label in labels_of(op)]
+            for s in strategies:
+                r = rows[(op, mode, s)]
+                assert r["status"] == "ok", r
+                assert r["speedup"] > 0 and r["median_ms"] > 0 and len(r["times_ms"]) == 3, r
+                assert (r["m"], r["k"], r["n"], r["backward"]) == (16, 24, 8, mode == "fwd+bwd"), r
+                want = {"out", "grad_a", "grad_b"} if mode == "fwd+bwd" else {"out"}
+                assert set(r["tolerance"]) == want, r  # the gradients are checked too
+            assert rows[(op, mode, "reference")]["speedup"] == 1.0
+            fused = rows[(op, mode, "fused")]
+            assert fused["interpreted"] and not fused["in_summary"], fused
+            assert rows[(op, mode, "symm")]["in_summary"]
+            here = [r for r in data["results"] if (r["op"], r["mode"]) == (op, mode)]
+            context = {r["context"]: r for r in here if "context" in r}
+            assert set(context) == {"comm", "compute"}, context
+            assert context["comm"]["median_ms"] > 0 and context["compute"]["median_ms"] > 0
+    assert rows[("matmul_all_reduce", "fwd", "symm+one_shot")]["plan_fields"] == {"one_shot": True}
+    assert rows[("all_gather_matmul", "fwd", "(all_gather alone)")]["context"] == "comm"
+    assert rows[("matmul_reduce_scatter", "fwd", "(reduce_scatter alone)")]["context"] == "comm"
+    assert rows[("matmul_all_reduce", "fwd", "(all_reduce alone)")]["context"] == "comm"
+    assert rows[("all_gather_matmul", "fwd+bwd", "(comm alone)")]["context"] == "comm"
+    assert rows[("matmul_reduce_scatter", "fwd+bwd", "(GEMMs alone)")]["context"] == "compute"
+
+    summary = data["summary"]  # interpreted fused is left out
+    assert set(summary) == {"pipelined", "symm", "pipelined+one_shot", "symm+one_shot"}, summary
+    assert summary["symm"]["cases"] == 6 and summary["symm"]["by_mode"]["fwd+bwd"]["cases"] == 3, summary
+    assert summary["symm+one_shot"]["cases"] == 2, summary
+
+
+def test_bench_op_mode_strategy_selection():
+    """--op repeated and comma-separated, one --mode, a variant label that applies to one op only."""
     proc = overlap_cmd(
         "bench",
         "--nproc",
         "2",
+        "--op",
+        "matmul_all_reduce",
+        "--op",
+        "all_gather_matmul,matmul_all_reduce",
+        "--mode",
+        "fwd+bwd",
         "--shape",
-        "64x48x40",
+        "8x16x8",
+        "12x8x16",
+        "--dtype",
+        "bfloat16",
+        "--strategies",
+        "symm+one_shot,pipelined",
         "--iters",
-        "3",
-        "--warmup",
         "1",
-        "--json",
-        str(path),
-        "--timeout",
-        "60",
+        "--warmup",
+        "0",
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for label in STRATEGY_LABELS:
-        lines = [ln for ln in proc.stdout.splitlines() if re.search(rf"64x48x40 float32\s+{re.escape(label)}\s+\d", ln)]
-        assert len(lines) == 1, f"want one line for {label}:\n{proc.stdout}"
-    assert "geomean speedup" in proc.stdout and "machine: CPU" in proc.stdout, proc.stdout
-    assert "[1/1] all_gather_matmul 64x48x40" in proc.stderr, proc.stderr
-
-    data = json.loads(path.read_text())
-    assert data["machine"]["world_size"] == 2 and data["machine"]["backend"] == "gloo"
-    rows = {r["strategy"]: r for r in data["results"]}
-    for s in ("reference", "pipelined", "symm", "fused"):
-        assert rows[s]["status"] == "ok", rows[s]
-        assert rows[s]["speedup"] > 0 and rows[s]["median_ms"] > 0, rows[s]
-        assert len(rows[s]["times_ms"]) == 3, rows[s]
-        assert (rows[s]["m"], rows[s]["k"], rows[s]["n"]) == (64, 48, 40)
-    assert rows["reference"]["speedup"] == 1.0
-    assert rows["fused"]["interpreted"] and not rows["fused"]["in_summary"]
-    assert set(data["summary"]) == {"pipelined", "symm"}  # interpreted fused is left out
-    assert rows["(all_gather alone)"]["median_ms"] > 0 and rows["(GEMM alone)"]["median_ms"] > 0
+    progress = re.findall(r"^\[\d+/(\d+)\] (.*):", proc.stderr, re.M)
+    assert [case for _, case in progress] == [
+        "all_gather_matmul 8x16x8 bfloat16 fwd+bwd",
+        "all_gather_matmul 12x8x16 bfloat16 fwd+bwd",
+        "matmul_all_reduce 8x16x8 bfloat16 fwd+bwd",
+        "matmul_all_reduce 12x8x16 bfloat16 fwd+bwd",
+    ], proc.stderr
+    for shape in ("8x16x8", "12x8x16"):
+        for op, labels in (
+            ("all_gather_matmul", ("reference", "pipelined")),
+            ("matmul_all_reduce", ("reference", "pipelined", "symm+one_shot")),
+        ):
+            case = f"{op} {shape} bfloat16 fwd+bwd"
+            for label in labels:
+                assert len(result_lines(proc.stdout, case, label)) == 1, f"{case} {label}:\n{proc.stdout}"
+            assert not result_lines(proc.stdout, case, "symm"), proc.stdout  # not asked for
+    assert "matmul_reduce_scatter" not in proc.stdout and " fwd " not in proc.stdout, proc.stdout
+    assert re.search(r"geomean speedup over reference, fwd\+bwd: .*symm\+one_shot \S+x \(2\)", proc.stdout)
+    assert "over reference, all:" not in proc.stdout, proc.stdout  # one mode: no overall line
 
 
 def test_bench_rank_error_exits_1():
@@ -154,29 +235,34 @@ def test_bench_json_folder_missing_exits_2(tmp_path):
 
 _WRONG_SYMM = """
     import sys
-    import importlib
+    import torch.distributed as dist
+    import overlap
     from overlap.cli import main
 
-    agm = importlib.import_module("overlap.ops.all_gather_matmul")  # the package attribute is the function
+    right = overlap.all_gather_matmul
 
-    right = agm.STRATEGIES["symm"]
-
-    def wrong(call, a2, b, pg, info, *rest):
-        out = right(call, a2, b, pg, info, *rest)
-        if info.rank == 1:  # wrong on one rank only: every rank must still agree not to time it
+    def wrong(a, b, *args, strategy="auto", **kwargs):
+        out = right(a, b, *args, strategy=strategy, **kwargs)
+        # Wrong on one rank only: every rank must still agree not to time it.
+        if strategy == "symm" and dist.get_rank() == 1:
             out[0, 0] += 1.0
         return out
 
-    agm.STRATEGIES["symm"] = wrong
-    sys.exit(main(["bench", "--shape", "16x8x8", "--strategies", "reference,symm,pipelined",
-                   "--warmup", "0", "--iters", "2", "--timeout", "30"]))
+    overlap.all_gather_matmul = wrong  # the runner looks the op up on the package
+    sys.exit(main(["bench", "--op", "all_gather_matmul", "--mode", "fwd", "--shape", "16x8x8",
+                   "--strategies", "reference,symm,pipelined", "--warmup", "0", "--iters", "2", "--timeout", "30"]))
 """
 
 
-def test_bench_mismatch_under_torchrun_fails(tmp_path):
-    """A wrong strategy is reported FAILED and the command exits 1 (ranks started by torchrun, in place)."""
+# The output is right, the gradient of a is not: (a - a.detach()).sum() is 0 with gradient 1.
+_WRONG_GRAD = _WRONG_SYMM.replace("out[0, 0] += 1.0", "out = out + (a - a.detach()).sum()").replace(
+    '"--mode", "fwd"', '"--mode", "fwd+bwd"'
+)
+
+
+def _run_torchrun(tmp_path, source: str) -> subprocess.CompletedProcess:
     script = tmp_path / "wrong_symm.py"
-    script.write_text(textwrap.dedent(_WRONG_SYMM))
+    script.write_text(textwrap.dedent(source))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     port = str(world.free_port())  # torchrun's --master-port 0 hangs its workers' rendezvous
     proc = subprocess.run(
@@ -186,7 +272,25 @@ def test_bench_mismatch_under_torchrun_fails(tmp_path):
         timeout=90,
         env=env,
     )
+    return proc
+
+
+def test_bench_mismatch_under_torchrun_fails(tmp_path):
+    """A wrong strategy is reported FAILED and the command exits 1 (ranks started by torchrun, in place)."""
+    proc = _run_torchrun(tmp_path, _WRONG_SYMM)
     assert proc.returncode != 0, proc.stdout + proc.stderr
-    assert re.search(r"16x8x8 float32\s+symm\s+FAILED\s+rank 1: symm vs reference", proc.stdout), proc.stdout
-    assert re.search(r"16x8x8 float32\s+pipelined\s+\d", proc.stdout), proc.stdout
+    assert re.search(r"16x8x8 float32 fwd\s+symm\s+FAILED\s+rank 1: symm vs reference \(out\)", proc.stdout), (
+        proc.stdout
+    )
+    assert re.search(r"16x8x8 float32 fwd\s+pipelined\s+\d", proc.stdout), proc.stdout
     assert "did not match reference" in proc.stderr, proc.stderr
+
+
+def test_bench_gradient_mismatch_fails(tmp_path):
+    """fwd+bwd checks the gradients too: a right output with a wrong grad_a fails the strategy."""
+    proc = _run_torchrun(tmp_path, _WRONG_GRAD)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert re.search(r"16x8x8 float32 fwd\+bwd\s+symm\s+FAILED\s+rank 1: symm vs reference \(grad_a\)", proc.stdout), (
+        proc.stdout
+    )
+    assert re.search(r"16x8x8 float32 fwd\+bwd\s+pipelined\s+\d", proc.stdout), proc.stdout

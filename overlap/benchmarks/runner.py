@@ -1,30 +1,35 @@
 """The benchmark runner: correctness first, then interleaved timed repeats, then one table.
 
 `run` executes on every rank of the default group (all ranks call it; rank 0 prints). For each
-`Case`:
+`Case` (an op, a shape, a dtype, a mode; see `cases`):
 
 1. Fresh random inputs, seeded per rank and case (rank 0 draws the run's seed unless one is given
-   and broadcasts it; the seed is printed so a run can be repeated). ``a`` is standard normal,
-   ``b`` standard normal scaled by ``1/sqrt(k)`` like an initialized weight, so outputs are of
-   order 1 whatever ``k`` is and absolute tolerances keep their meaning. Never zeros.
-2. Correctness: ``reference`` against the same gather and GEMM computed locally (every rank can
-   regenerate every rank's ``a`` from the seed), then every strategy against ``reference`` with
-   `torch.testing.assert_close` at `tolerance`. The verdicts of all ranks are gathered, so every
-   rank agrees on which strategies to time. A mismatch marks the strategy (and so its case)
-   FAILED; it is not timed.
-3. Warm-up, then `iters` interleaved repeats: the transfer alone (``all_gather`` of ``a``), the
-   compute alone (the full ``[W*m, k] @ [k, n]`` GEMM on every rank), ``reference``, then each
-   strategy, and again, so that drift (clocks, other load) hits every label alike. Each timing
-   sits between ``dist.barrier()`` calls, measured on the host with `time.perf_counter` (after
-   ``torch.cuda.synchronize()`` on GPUs). One ``all_gather_object`` per case collects the timings;
-   the time of a repeat is the maximum over ranks (a collective op is as slow as its slowest
-   rank), and a label's time is the median over repeats, with p25..p75 as the spread.
+   and broadcasts it; the seed is printed so a run can be repeated); `workloads` says how they are
+   drawn and scaled. Never zeros.
+2. Correctness: ``reference`` against the op's result computed locally (every rank can regenerate
+   every rank's inputs from the seed), then every strategy against ``reference``, with
+   `torch.testing.assert_close` at `tolerance`: the forward output, and in ``fwd+bwd`` also
+   ``grad_a`` and ``grad_b``. The verdicts of all ranks are gathered, so every rank agrees on which
+   strategies to time. A mismatch marks the strategy (and so its case) FAILED; it is not timed.
+3. Warm-up, then `iters` interleaved repeats: the plain collectives alone, the GEMMs alone,
+   ``reference``, then each strategy, and again, so that drift (clocks, other load) hits every
+   label alike. A ``fwd`` call is the op's forward; a ``fwd+bwd`` call is the forward, then the
+   backward of that fresh output with a fixed random ``grad_out`` (``torch.autograd.grad``, so
+   nothing accumulates). Each timing sits between ``dist.barrier()`` calls, measured on the host
+   with `time.perf_counter` (after ``torch.cuda.synchronize()`` on GPUs). One
+   ``all_gather_object`` per case collects the timings; the time of a repeat is the maximum over
+   ranks (a collective op is as slow as its slowest rank), and a label's time is the median over
+   repeats, with p25..p75 as the spread.
 
-Reported per strategy (DESIGN.md "Measuring"): TFLOP/s ``= 2*W*m*k*n / t``, speedup
-``= T_ref / T_strategy`` and overlap efficiency ``= (T_ref - T_strategy) / min(T_comm, T_compute)``,
-the share of the smaller of the two costs that was hidden (1.0 is the limit). Interpreted
-``fused`` runs only where every dim is at most `cases.INTERPRETED_FUSED_MAX_DIM`, is labelled
-``fused (interpreted)`` and is left out of the geometric means.
+Reported per strategy (DESIGN.md "Measuring"): TFLOP/s (`Case.flops`: 1 GEMM forward, 3 in
+``fwd+bwd``), speedup ``= T_ref / T_strategy`` and overlap efficiency
+``= (T_ref - T_strategy) / min(T_comm, T_compute)``, the share of the smaller of the two costs that
+was hidden (1.0 is the limit). ``T_comm`` and ``T_compute`` are the plain collectives alone and the
+GEMMs alone of the same mode (`workloads`): in ``fwd+bwd`` every collective and every GEMM of the
+unfused forward and backward, so the efficiency there is that of the whole training step of the
+op. Interpreted ``fused`` runs only where every dim is at most `cases.INTERPRETED_FUSED_MAX_DIM`, is
+labelled ``(interpreted)`` and is left out of the geometric means. ``matmul_all_reduce`` also runs
+the ``+one_shot`` variant of each strategy (`cases.VARIANTS`), a label of its own.
 """
 
 from __future__ import annotations
@@ -38,7 +43,6 @@ import random
 import socket
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,21 +52,36 @@ import overlap
 
 from .. import world
 from ..ops import _common
-from ..plan import STRATEGIES
-from .cases import DTYPES, INTERPRETED_FUSED_MAX_DIM, OPS, Case, default_cases
-
-COMM_LABEL = "(all_gather alone)"
-COMPUTE_LABEL = "(GEMM alone)"
+from .cases import (
+    DTYPES,
+    INTERPRETED_FUSED_MAX_DIM,
+    MODES,
+    OPS,
+    VARIANTS,
+    Case,
+    all_strategy_labels,
+    default_cases,
+    label_plan,
+    strategy_labels,
+)
+from .workloads import Expected, build, strategy_fn
 
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
-    """What `run` measures. `strategies` always gets ``reference`` (the baseline) put first."""
+    """What `run` measures. `strategies` always gets ``reference`` (the baseline) put first.
 
-    op: str = "all_gather_matmul"
-    cases: tuple[Case, ...] = ()  # empty: `cases.default_cases` of `op` for the ranks' device type
+    Without `cases`, the default cases (`cases.default_cases`) of `ops` in `modes` run; given
+    cases must be of those ops and modes. Each strategy label runs for the ops it applies to
+    (``symm+one_shot``: ``matmul_all_reduce`` only) and must apply to at least one of them.
+    Raises ValueError for anything unknown or inconsistent.
+    """
+
+    ops: tuple[str, ...] = OPS
+    modes: tuple[str, ...] = MODES
+    cases: tuple[Case, ...] = ()  # empty: the default cases of `ops` x `modes` for the ranks' device type
     dtype: str | None = None  # overrides the dtype of the default cases
-    strategies: tuple[str, ...] = STRATEGIES
+    strategies: tuple[str, ...] = all_strategy_labels()
     warmup: int = 3
     iters: int = 10
     timeout: float | None = None  # per-call deadline of the ops (None: OVERLAP_TIMEOUT_S)
@@ -71,16 +90,25 @@ class BenchConfig:
     progress: bool = True  # progress lines on rank 0's stderr
 
     def __post_init__(self) -> None:
-        if self.op not in OPS:
-            raise ValueError(f"unknown op {self.op!r}; known: {OPS}")
+        for name, known in (("ops", OPS), ("modes", MODES)):
+            values = tuple(dict.fromkeys(getattr(self, name)))
+            unknown = [v for v in values if v not in known]
+            if not values or unknown:
+                raise ValueError(f"{name} must be a non-empty selection of {known}, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, values)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)} or None, got {self.dtype!r}")
-        wrong = [c.name for c in self.cases if c.op != self.op]
+        wrong = [c.name for c in self.cases if c.op not in self.ops or c.mode not in self.modes]
         if wrong:
-            raise ValueError(f"cases {wrong} are not of op {self.op!r}")
-        unknown = [s for s in self.strategies if s not in STRATEGIES]
+            raise ValueError(f"cases {wrong} are not of ops {self.ops} in modes {self.modes}")
+        ops = {c.op for c in self.cases} or set(self.ops)
+        known = all_strategy_labels()
+        unknown = [s for s in self.strategies if s not in known]
         if unknown:
-            raise ValueError(f"unknown strategies {unknown}; known: {STRATEGIES}")
+            raise ValueError(f"unknown strategies {unknown}; known: {known}")
+        idle = [s for s in self.strategies if not any(s in strategy_labels(op) for op in ops)]
+        if idle:
+            raise ValueError(f"strategies {idle} apply to none of the ops benchmarked ({', '.join(sorted(ops))})")
         strategies = ("reference", *dict.fromkeys(s for s in self.strategies if s != "reference"))
         object.__setattr__(self, "strategies", strategies)
         object.__setattr__(self, "cases", tuple(self.cases))
@@ -88,21 +116,23 @@ class BenchConfig:
             raise ValueError(f"need warmup >= 0 and iters >= 1, got warmup={self.warmup}, iters={self.iters}")
 
 
-def tolerance(dtype: torch.dtype, k: int, strategy: str, device_type: str) -> dict[str, float]:
-    """``assert_close`` tolerances of `strategy` against ``reference``.
+def tolerance(dtype: torch.dtype, reduction: int, strategy: str, device_type: str) -> dict[str, float]:
+    """``assert_close`` tolerances of `strategy` against ``reference`` for a tensor of order 1 whose
+    entries are dot products of length `reduction`.
 
     bf16/fp16: ``rtol=1.6e-2, atol=1e-2`` (DESIGN.md). fp32: ``rtol=1e-5`` and
-    ``atol=1e-5 * max(1, sqrt(k/256))``: outputs are of order 1 (see the module docstring) and the
-    rounding error of a length-``k`` fp32 dot product grows like ``sqrt(k)``, so DESIGN.md's
-    ``1e-5`` holds as is up to ``k = 256`` and is widened with the same margin beyond (2.8e-5 at
-    ``k = 2048``). On CPU the strategies are in fact bitwise equal to ``reference`` today.
-    ``fused`` fp32 on a GPU runs its ``tl.dot`` as TF32 (DESIGN.md) and gets ``rtol=atol=1e-2``.
+    ``atol=1e-5 * max(1, sqrt(reduction/256))``: the rounding error of a length-``L`` fp32 dot
+    product grows like ``sqrt(L)``, so DESIGN.md's ``1e-5`` holds as is up to ``L = 256`` and is
+    widened with the same margin beyond (2.8e-5 at ``L = 2048``). ``fused`` fp32 on a GPU runs its
+    ``tl.dot`` as TF32 (DESIGN.md) and gets ``rtol=atol=1e-2``. Forward outputs are of order 1 by
+    the inputs' scaling (`workloads`); gradients can be larger (``grad_b`` sums ``W*m`` products of
+    order 1), and `_tolerances` multiplies ``atol`` by a tensor's RMS where that exceeds 1.
     """
     if dtype in (torch.bfloat16, torch.float16):
         return {"rtol": 1.6e-2, "atol": 1e-2}
     if strategy == "fused" and device_type == "cuda":
         return {"rtol": 1e-2, "atol": 1e-2}
-    return {"rtol": 1e-5, "atol": 1e-5 * max(1.0, math.sqrt(k / 256))}
+    return {"rtol": 1e-5, "atol": 1e-5 * max(1.0, math.sqrt(reduction / 256))}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,38 +228,62 @@ def geomean(values: list[float]) -> float:
 # ----------------------------------------------------------------------------------------------
 
 
-def _generator(device: torch.device, seed: int, case_index: int, tensor_id: int) -> torch.Generator:
-    gen = torch.Generator(device=device)
-    gen.manual_seed((seed * 1_000_003 + case_index * 10_007 + tensor_id) % (2**63))
-    return gen
+def _tolerances(
+    case: Case, expected: list[Expected], device_type: str, strategies: list[str]
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Per strategy label, per tensor (``out``, ``grad_a``, ``grad_b``): `tolerance`, with ``atol``
+    multiplied by the tensor's RMS where that exceeds 1."""
+    scales = {e.what: (e.reduction, max(1.0, float(e.value.double().pow(2).mean().sqrt()))) for e in expected}
+    tols: dict[str, dict[str, dict[str, float]]] = {}
+    for label in strategies:
+        s = _base_strategy(case.op, label)
+        tols[label] = {}
+        for what, (reduction, scale) in scales.items():
+            tol = tolerance(case.torch_dtype, reduction, s, device_type)
+            tols[label][what] = dict(tol, atol=tol["atol"] * scale)
+    return tols
 
 
-def _check(actual: torch.Tensor, expected: torch.Tensor, tol: dict[str, float], what: str) -> str | None:
-    """None if close, else a one-line description of the mismatch."""
-    try:
-        torch.testing.assert_close(actual, expected, **tol)
-    except AssertionError as exc:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        return f"{what}: " + "; ".join(lines[1:] or lines) + f" (rtol={tol['rtol']:.3g}, atol={tol['atol']:.3g})"
+def _compare(
+    actual: list[torch.Tensor], expected: list[torch.Tensor], tols: dict[str, dict[str, float]], what: str
+) -> str | None:
+    """None if every tensor is close, else a one-line description of the first mismatch."""
+    for (name, tol), x, e in zip(tols.items(), actual, expected, strict=True):
+        try:
+            torch.testing.assert_close(x, e, **tol)
+        except AssertionError as exc:
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            return (
+                f"{what} ({name}): "
+                + "; ".join(lines[1:] or lines)
+                + f" (rtol={tol['rtol']:.3g}, atol={tol['atol']:.3g})"
+            )
     return None
 
 
+def _base_strategy(op: str, label: str) -> str:
+    return label_plan(op, label)[0]
+
+
 def _strategies_for(case: Case, config: BenchConfig, info: world.GroupInfo) -> tuple[list[str], list[str]]:
-    """(strategies to run for `case`, notes on the ones left out)."""
+    """(strategy labels to run for `case`, notes on the ones left out)."""
     run, notes = [], []
     interpreted = fused_interpreted(info.device)
-    for s in config.strategies:
+    for label in config.strategies:
+        if label not in strategy_labels(case.op):
+            continue  # a variant of another op
+        s = _base_strategy(case.op, label)
         if s in ("symm", "fused") and not info.single_node:
-            notes.append(f"{s} skipped: the group spans nodes {info.node_names}")
+            notes.append(f"{label} skipped: the group spans nodes {info.node_names}")
         elif s == "fused" and interpreted and not case.fits_interpreted_fused:
             continue  # the footnote of the table says why
         else:
-            run.append(s)
+            run.append(label)
     return run, notes
 
 
-def _label(strategy: str, interpreted: bool) -> str:
-    return f"{strategy} (interpreted)" if strategy == "fused" and interpreted else strategy
+def _display(op: str, label: str, interpreted: bool) -> str:
+    return f"{label} (interpreted)" if interpreted and _base_strategy(op, label) == "fused" else label
 
 
 def run_case(
@@ -240,52 +294,28 @@ def run_case(
     Every rank returns the same rows. Raises whatever the ops raise (timeouts, dead peers):
     only numerical mismatches are recorded as FAILED rows.
     """
-    if case.op != "all_gather_matmul":
-        raise ValueError(f"the runner has no benchmark for op {case.op!r}")
     W, rank, device = info.world_size, info.rank, info.device
-    dtype, interpreted = case.torch_dtype, fused_interpreted(device)
-    strategies, notes = _strategies_for(case, config, info)
+    interpreted = fused_interpreted(device)
+    labels, notes = _strategies_for(case, config, info)
     timeout = _common.resolve_timeout(config.timeout)
-
-    # Inputs: every rank's a (to recompute the gathered GEMM locally) and this rank's b.
-    a_all = [
-        torch.randn(case.m, case.k, generator=_generator(device, seed, case_index, r), device=device).to(dtype)
-        for r in range(W)
-    ]
-    gen_b = _generator(device, seed, case_index, W + rank)
-    b = (torch.randn(case.k, case.n, generator=gen_b, device=device) / math.sqrt(case.k)).to(dtype)
-    a, full_local = a_all[rank], torch.cat(a_all)
-    del a_all
-    gathered = torch.empty_like(full_local)
-
-    def comm_alone() -> None:
-        work = _common.all_gather_async(gathered, a, pg)
-        _common.wait_work(work, "bench all_gather", rank, "any", "all", timeout)
-
-    def compute_alone() -> torch.Tensor:
-        return torch.mm(full_local, b)
-
-    def strategy_fn(s: str) -> Callable[[], torch.Tensor]:
-        return lambda: overlap.all_gather_matmul(a, b, strategy=s, timeout=config.timeout)
+    work = build(case, seed, case_index, info, pg, timeout)
+    calls = {label: strategy_fn(work, case, label, config.timeout) for label in labels}
+    tols = _tolerances(case, work.expected, device.type, labels)
 
     # ---- correctness, before any timing -------------------------------------------------------
     errors: dict[str, str] = {}
-    expected = compute_alone()
-    y_ref = strategy_fn("reference")()
-    err = _check(
-        y_ref,
-        expected,
-        tolerance(dtype, case.k, "reference", device.type),
-        f"rank {rank}: reference vs local all_gather + GEMM",
+    y_ref = calls["reference"]()
+    err = _compare(
+        y_ref, [e.value for e in work.expected], tols["reference"], f"rank {rank}: reference vs the local {case.op}"
     )
     if err:
         errors["reference"] = err
-    for s in strategies[1:]:
-        tol = tolerance(dtype, case.k, s, device.type)
-        err = _check(strategy_fn(s)(), y_ref, tol, f"rank {rank}: {s} vs reference")
+    work.expected.clear()
+    for label in labels[1:]:
+        err = _compare(calls[label](), y_ref, tols[label], f"rank {rank}: {label} vs reference")
         if err:
-            errors[s] = err
-    del expected, y_ref
+            errors[label] = err
+    del y_ref
     every: list[Any] = [None] * W
     dist.all_gather_object(every, errors, group=pg)
     failed: dict[str, str] = {}
@@ -294,9 +324,10 @@ def run_case(
             failed.setdefault(s, text)  # the lowest failing rank's message
 
     # ---- warm-up, then interleaved repeats ----------------------------------------------------
-    fns: dict[str, Callable[[], Any]] = {COMM_LABEL: comm_alone, COMPUTE_LABEL: compute_alone}
+    comm_label, compute_label = work.comm_label, work.compute_label
+    fns: dict[str, Any] = {comm_label: work.comm, compute_label: work.compute}
     # A wrong reference is still the baseline of the others; a wrong strategy is not timed.
-    fns.update({s: strategy_fn(s) for s in strategies if s == "reference" or s not in failed})
+    fns.update({s: calls[s] for s in labels if s == "reference" or s not in failed})
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(config.warmup):
         for fn in fns.values():
@@ -314,10 +345,12 @@ def run_case(
     dist.all_gather_object(every, times, group=pg)
     stats = {label: summarize([max(r[label][i] for r in every) for i in range(config.iters)]) for label in fns}
 
-    t_comm, t_compute = stats[COMM_LABEL]["median_ms"], stats[COMPUTE_LABEL]["median_ms"]
+    t_comm, t_compute = stats[comm_label]["median_ms"], stats[compute_label]["median_ms"]
     t_ref = stats["reference"]["median_ms"]
     base = {
         "op": case.op,
+        "mode": case.mode,
+        "backward": case.backward,
         "case": case.name,
         "m": case.m,
         "k": case.k,
@@ -326,20 +359,21 @@ def run_case(
         "world_size": W,
         "t_comm_ms": t_comm,
         "t_compute_ms": t_compute,
-        "comm_gbps": case.gathered_bytes(W) / (t_comm * 1e-3) / 1e9,
+        "comm_gbps": case.comm_bytes(W) / (t_comm * 1e-3) / 1e9,
         "compute_tflops": case.flops(W) / (t_compute * 1e-3) / 1e12,
     }
     rows = []
-    for s in strategies:
-        is_interp = s == "fused" and interpreted
+    for s in labels:
+        is_interp = interpreted and _base_strategy(case.op, s) == "fused"
         row = dict(
             base,
             strategy=s,
-            label=_label(s, interpreted),
+            plan_fields=label_plan(case.op, s)[1],
+            label=_display(case.op, s, interpreted),
             interpreted=is_interp,
             status="FAILED" if s in failed else "ok",
             error=failed.get(s),
-            tolerance=tolerance(dtype, case.k, s, device.type),
+            tolerance=tols[s],
             in_summary=s not in failed and not is_interp,
         )
         if s in stats:
@@ -351,8 +385,8 @@ def run_case(
                 efficiency=(t_ref - t) / min(t_comm, t_compute),
             )
         rows.append(row)
-    rows.append(dict(base, strategy=COMM_LABEL, **stats[COMM_LABEL]))
-    rows.append(dict(base, strategy=COMPUTE_LABEL, **stats[COMPUTE_LABEL]))
+    rows.append(dict(base, strategy=comm_label, context="comm", **stats[comm_label]))
+    rows.append(dict(base, strategy=compute_label, context="compute", **stats[compute_label]))
     return rows, notes
 
 
@@ -362,13 +396,14 @@ def run_case(
 
 
 class _Table:
-    """Aligned text table printed row by row (widths fixed up front from the case names)."""
+    """Aligned text table printed row by row (widths fixed up front from the cases and labels)."""
 
     HEADS = ("case", "strategy", "median ms", "p25..p75 ms", "TFLOP/s", "GB/s", "speedup", "overlap eff")
 
-    def __init__(self, cases: tuple[Case, ...]):
+    def __init__(self, cases: tuple[Case, ...], strategies: tuple[str, ...], interpreted: bool):
         self.w_case = max(len(self.HEADS[0]), *(len(c.name) for c in cases))
-        self.w_strategy = max(len(self.HEADS[1]), len("fused (interpreted)"), len(COMM_LABEL))
+        labels = [_display(c.op, s, interpreted) for c in cases for s in strategies if s in strategy_labels(c.op)]
+        self.w_strategy = max(len(self.HEADS[1]), len("(reduce_scatter alone)"), *map(len, labels))
 
     def line(self, case: str, strategy: str, *cols: str) -> str:
         widths = (10, 15, 8, 7, 8, 11)
@@ -384,9 +419,9 @@ class _Table:
             return f"{r['case']:<{self.w_case}}  {name:<{self.w_strategy}} FAILED  {r['error']}"
         spread = f"{r['p25_ms']:.2f}..{r['p75_ms']:.2f}"
         dash = "-"
-        if r["strategy"] == COMM_LABEL:
+        if r.get("context") == "comm":
             cols = (f"{r['median_ms']:.3f}", spread, dash, f"{r['comm_gbps']:.3g}", dash, dash)
-        elif r["strategy"] == COMPUTE_LABEL:
+        elif r.get("context") == "compute":
             cols = (f"{r['median_ms']:.3f}", spread, f"{r['compute_tflops']:.3g}", dash, dash, dash)
         else:
             cols = (
@@ -406,34 +441,82 @@ def _agree_seed(seed: int | None, pg: dist.ProcessGroup) -> int:
     return int(box[0])
 
 
-def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Geometric-mean speedup per strategy over the cases where it passed (interpreted fused left out)."""
-    per: dict[str, list[float]] = {}
+def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Geometric-mean speedup per strategy label over the cases where it passed (interpreted fused
+    left out): over all cases, and per mode (``by_mode``)."""
+    per: dict[str, dict[str, list[float]]] = {}
     for r in rows:
         if r.get("in_summary") and r["strategy"] != "reference" and "speedup" in r:
-            per.setdefault(r["strategy"], []).append(r["speedup"])
-    return {s: {"geomean_speedup": geomean(v), "cases": len(v)} for s, v in per.items()}
+            per.setdefault(r["strategy"], {}).setdefault(r["mode"], []).append(r["speedup"])
+    out = {}
+    for s, by_mode in per.items():
+        every = [v for mode in MODES for v in by_mode.get(mode, [])]
+        out[s] = {
+            "geomean_speedup": geomean(every),
+            "cases": len(every),
+            "by_mode": {m: {"geomean_speedup": geomean(v), "cases": len(v)} for m, v in by_mode.items()},
+        }
+    return out
+
+
+def _summary_lines(results: dict[str, dict[str, Any]], modes: tuple[str, ...]) -> list[str]:
+    lines = []
+    scopes = [(m, lambda s, m=m: results[s]["by_mode"].get(m)) for m in modes]
+    if len(modes) > 1:
+        scopes.append(("all", lambda s: results[s]))
+    for scope, get in scopes:
+        parts = [f"{s} {v['geomean_speedup']:.2f}x ({v['cases']})" for s in results if (v := get(s))]
+        if parts:
+            lines.append(f"geomean speedup over reference, {scope}: " + ", ".join(parts))
+    return lines
+
+
+def _notes(config: BenchConfig, info: world.GroupInfo) -> list[str]:
+    """The footnotes that apply to this run."""
+    notes = []
+    ops = {c.op for c in config.cases}
+    if any(c.backward for c in config.cases):
+        notes.append(
+            "fwd+bwd: forward, then backward of the fresh output with a fixed random grad_out; "
+            "(comm alone) = the plain collectives of the unfused forward and backward back to back, "
+            "(GEMMs alone) = its 3 GEMMs"
+        )
+    if "fused" in config.strategies and fused_interpreted(info.device):
+        notes.append(
+            f"fused runs under the Triton interpreter, only for cases with every dim <= "
+            f"{INTERPRETED_FUSED_MAX_DIM}; its timings are not in the summary"
+        )
+    for op, variants in VARIANTS.items():
+        if op in ops and any(v in config.strategies for v in variants):
+            notes.append(
+                f"{op}: +one_shot = the one-shot all-reduce (every rank sums every rank's whole "
+                "partial); the plain labels are two-shot (reduce-scatter, then all-gather)"
+            )
+    return notes
 
 
 def run(config: BenchConfig, group: dist.ProcessGroup | None = None) -> list[dict[str, Any]]:
     """Benchmark `config.cases` on every rank of `group` (collective); rank 0 prints the table.
 
-    Without cases in `config`, the default cases of `config.op` for the group's device type run.
+    Without cases in `config`, the default cases of `config.ops` in `config.modes` for the
+    group's device type run.
 
-    Returns, on every rank, one dict per (case, strategy) with ``status`` ``"ok"`` or
+    Returns, on every rank, one dict per (case, strategy label) with ``status`` ``"ok"`` or
     ``"FAILED"``, timings in ms, ``tflops``, ``speedup``, ``efficiency`` and context, followed per
-    case by two context rows (the transfer alone, the GEMM alone). Rank 0 writes
-    ``{"machine", "config", "seed", "results", "summary"}`` to `config.json_path` if set.
-    Raises RuntimeError if torch.distributed is not initialized, and whatever the ops raise.
+    case by two context rows (``context``: ``"comm"``, the collectives alone; ``"compute"``, the
+    GEMMs alone). Rank 0 writes ``{"machine", "config", "seed", "results", "summary"}`` to
+    `config.json_path` if set. Raises RuntimeError if torch.distributed is not initialized, and
+    whatever the ops raise.
     """
     pg = world.resolve_group(group)
     info = world.group_info(pg)
     lead = info.rank == 0
     if not config.cases:
-        config = dataclasses.replace(config, cases=tuple(default_cases(config.op, info.device.type, config.dtype)))
+        cases = default_cases(config.ops, info.device.type, config.dtype, config.modes)
+        config = dataclasses.replace(config, cases=tuple(cases))
     seed = _agree_seed(config.seed, pg)
     machine = machine_info(info)
-    table = _Table(config.cases)
+    table = _Table(config.cases, config.strategies, fused_interpreted(info.device))
     start = time.perf_counter()
 
     def out(text: str = "") -> None:
@@ -465,20 +548,12 @@ def run(config: BenchConfig, group: dist.ProcessGroup | None = None) -> list[dic
 
     results = summary(rows)
     out()
-    if results:
-        out(
-            "geomean speedup over reference: "
-            + ", ".join(f"{s} {v['geomean_speedup']:.2f}x ({v['cases']} case(s))" for s, v in results.items())
-        )
+    for line in _summary_lines(results, tuple(m for m in MODES if any(c.mode == m for c in config.cases))):
+        out(line)
     failed = [r for r in rows if r.get("status") == "FAILED"]
     if failed:
         out(f"FAILED: {len(failed)} strategy/case pair(s) did not match reference")
-    if "fused" in config.strategies and fused_interpreted(info.device):
-        out(
-            f"note: fused runs under the Triton interpreter, only for cases with every dim <= "
-            f"{INTERPRETED_FUSED_MAX_DIM}; its timings are not in the summary"
-        )
-    for note in all_notes:
+    for note in _notes(config, info) + all_notes:
         out(f"note: {note}")
     if lead and config.progress:
         print(f"done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
