@@ -304,6 +304,29 @@ def chunk_bounds(rows: int, num_chunks: int) -> list[tuple[int, int]]:
 _SIDE: dict[int, torch.cuda.Stream] = {}
 
 
+def exchange_chunked(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, chosen: plan_mod.Plan,
+                     info: world.GroupInfo, pg) -> list[tuple[int, tuple[int, int] | None, list]]:
+    """Post one pairwise step, `send` to group rank `dst` and `recv` from `src`, each cut along dim 0
+    into its link's `Plan.chunks_for` pieces and posted in pairs (chunk j of both in one batch).
+
+    Returns ``(j, rows of recv's chunk j or None, works)`` per pair, in order; the caller waits each
+    pair's works (the send too: its buffer must outlive it).
+    """
+    send_bounds = chunk_bounds(send.shape[0], chosen.chunks_for(info.link_class(dst)))
+    recv_bounds = chunk_bounds(recv.shape[0], chosen.chunks_for(info.link_class(src)))
+    posted = []
+    for j in range(max(len(send_bounds), len(recv_bounds))):
+        ops = []
+        got = recv_bounds[j] if j < len(recv_bounds) else None
+        if got is not None:
+            ops.append(dist.P2POp(dist.irecv, recv[got[0] : got[1]], info.global_ranks[src], pg))
+        if j < len(send_bounds):
+            lo, hi = send_bounds[j]
+            ops.append(dist.P2POp(dist.isend, send[lo:hi], info.global_ranks[dst], pg))
+        posted.append((j, got, dist.batch_isend_irecv(ops)))
+    return posted
+
+
 def side_stream(device: torch.device):
     """This process's copy-engine stream on `device` (high priority, so copies are not starved)."""
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -30,7 +30,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 
 from .. import symm
 from ..plan import Plan
@@ -91,18 +90,8 @@ class _Pipelined(Gather):
         self.full = full = x2.new_empty((W * m, x2.shape[1]))
         for i in range(1, W):
             src, dst = (r + i) % W, (r - i) % W
-            recv_bounds = C.chunk_bounds(m, chosen.chunks_for(info.link_class(src)))
-            send_bounds = C.chunk_bounds(m, chosen.chunks_for(info.link_class(dst)))
-            for j in range(max(len(recv_bounds), len(send_bounds))):
-                ops = []
-                if j < len(recv_bounds):
-                    lo, hi = recv_bounds[j]
-                    ops.append(dist.P2POp(dist.irecv, full[src * m + lo : src * m + hi], info.global_ranks[src], pg))
-                if j < len(send_bounds):
-                    lo, hi = send_bounds[j]
-                    ops.append(dist.P2POp(dist.isend, x2[lo:hi], info.global_ranks[dst], pg))
-                works = dist.batch_isend_irecv(ops)
-                self.pending.append((src, j, recv_bounds[j] if j < len(recv_bounds) else None, works))
+            posted = C.exchange_chunked(x2, dst, full[src * m : (src + 1) * m], src, chosen, info, pg)
+            self.pending.extend((src, j, got, works) for j, got, works in posted)
 
     def chunks(self):
         r, m = self.info.rank, self.m

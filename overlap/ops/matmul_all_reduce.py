@@ -36,6 +36,8 @@ rank; ``a`` and ``b`` are only read; the output is a new tensor.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -255,22 +257,15 @@ def _symm_two_shot(call, a2, b, info, chosen):
 
 
 def _pull_parts(call, info, out, parts, reduced_at, stride, nch, main, side) -> None:
-    """Copy every peer's reduced part (flags ``W*stride + j``) into `out`, then end the call."""
+    """Copy every peer's reduced part (flags ``W*stride + j``) into `out`, then end the call.
+
+    CPU (`side` None): copied in place by this thread. GPU: by the copy engine on `side`, each copy
+    behind a stream-ordered wait on its chunk's flag.
+    """
     W, r, n, dtype = info.world_size, info.rank, out.shape[1], out.dtype
-    if side is None:
-        for i in range(1, W):
-            p = (r + i) % W
-            lo_p, hi_p = parts[p]
-            if hi_p == lo_p:
-                continue
-            src = call.buffer(p, dtype, (hi_p - lo_p, n), offset=reduced_at)
-            for j, (lo, hi) in enumerate(C.chunk_bounds(hi_p - lo_p, nch)):
-                call.wait_ready(p, W * stride + j)
-                out[lo_p + lo : lo_p + hi].copy_(src[lo:hi])
-        call.finish()
-        return
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
+    if side is not None:
+        side.wait_stream(main)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         for i in range(1, W):
             p = (r + i) % W
             lo_p, hi_p = parts[p]
@@ -279,7 +274,10 @@ def _pull_parts(call, info, out, parts, reduced_at, stride, nch, main, side) -> 
             src = call.buffer(p, dtype, (hi_p - lo_p, n), offset=reduced_at)
             for j, (lo, hi) in enumerate(C.chunk_bounds(hi_p - lo_p, nch)):
                 call.wait_ready(p, W * stride + j, stream=side)
-                out[lo_p + lo : lo_p + hi].copy_(src[lo:hi], non_blocking=True)
+                out[lo_p + lo : lo_p + hi].copy_(src[lo:hi], non_blocking=side is not None)
+    if side is None:
+        call.finish()
+        return
     out.record_stream(side)
     main.wait_stream(side)
     call.finish(stream=main)

@@ -168,17 +168,8 @@ def _pipelined(call, a2, b, pg, info, chosen, timeout, op):
     for i in range(1, W):
         d, src = (r + i) % W, (r - i) % W
         part = torch.mm(a2[d * m : (d + 1) * m], b)  # the next GEMM runs while this partial travels
-        send_bounds = C.chunk_bounds(m, chosen.chunks_for(info.link_class(d)))
-        recv_bounds = C.chunk_bounds(m, chosen.chunks_for(info.link_class(src)))
-        for j in range(max(len(send_bounds), len(recv_bounds))):
-            ops = []
-            if j < len(send_bounds):
-                lo, hi = send_bounds[j]
-                ops.append(dist.P2POp(dist.isend, part[lo:hi], info.global_ranks[d], pg))
-            if j < len(recv_bounds):
-                lo, hi = recv_bounds[j]
-                ops.append(dist.P2POp(dist.irecv, received[src, lo:hi], info.global_ranks[src], pg))
-            posted.append((src, j, part, dist.batch_isend_irecv(ops)))
+        pairs = C.exchange_chunked(part, d, received[src], src, chosen, info, pg)
+        posted.extend((src, j, part, works) for j, _, works in pairs)  # part: kept alive until sent
     torch.mm(a2[r * m : (r + 1) * m], b, out=received[r])
     for src, j, _part, works in posted:
         for work in works:
