@@ -1,0 +1,135 @@
+"""Megatron-core integration: patch a built model, or build new ones with `overlap.nn`'s layers.
+
+``patch(model)`` replaces, in place, every Megatron-core ``ColumnParallelLinear`` and
+``RowParallelLinear`` of `model` by `overlap.nn`'s, sharing the very same parameter tensors (so the
+optimizer, the distributed-data-parallel buffers and checkpoints keep working), and returns what it
+replaced; ``unpatch(model, replaced)`` puts the originals back. Only those two exact classes are
+replaced: subclasses and Transformer Engine's layers may do more than their base, so they are left
+alone and named in a warning. Hooks registered on a replaced module do not carry over.
+
+For new models, `OverlapSpecProvider` is Megatron-core's local backend with `overlap.nn`'s layers,
+and `replace_in_spec` rewrites any ``ModuleSpec`` tree (e.g. ``get_gpt_layer_local_spec()``)::
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from overlap.hooks.megatron import replace_in_spec
+    spec = replace_in_spec(get_gpt_layer_local_spec())
+
+Requires megatron-core (tested with 0.16.1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import torch
+
+from ..nn import ColumnParallelLinear, RowParallelLinear
+from ..plan import Plan
+
+try:
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.tensor_parallel import layers as _mcore_layers
+    from megatron.core.transformer.spec_utils import ModuleSpec
+except ImportError as exc:  # pragma: no cover - exercised only without megatron-core
+    raise ImportError("overlap.hooks.megatron needs megatron-core (pip install megatron-core)") from exc
+
+#: Megatron-core class -> overlap's replacement
+REPLACEMENTS: dict[type, type] = {
+    _mcore_layers.ColumnParallelLinear: ColumnParallelLinear,
+    _mcore_layers.RowParallelLinear: RowParallelLinear,
+}
+
+
+@dataclasses.dataclass
+class Replaced:
+    """One replacement made by `patch`: the module's dotted name, Megatron's module and overlap's."""
+
+    name: str
+    original: torch.nn.Module
+    replacement: torch.nn.Module
+
+
+def _parent(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    path, _, leaf = name.rpartition(".")
+    return (model.get_submodule(path) if path else model), leaf
+
+
+def patch(model: torch.nn.Module, plan: Plan | dict | None = None, strategy: str = "auto",
+          timeout: float | None = None) -> list[Replaced]:
+    """Replace every Megatron-core ``ColumnParallelLinear``/``RowParallelLinear`` in `model` in place.
+
+    Args:
+        model: a built Megatron-core model (or any module containing those layers).
+        plan, strategy, timeout: passed to every replaced layer's ops (``plan`` wins over
+            ``strategy``, as for the ops).
+
+    Returns:
+        What was replaced, in module order; pass it to `unpatch` to undo.
+
+    Expert layers (``is_expert=True``) are left alone (overlap's MoE ops cover them), as are
+    subclasses of the two classes; both are named in a warning.
+    """
+    if isinstance(model, tuple(REPLACEMENTS)):
+        raise ValueError("overlap.hooks.megatron.patch: pass the model that contains the layer, not the layer")
+    done: list[Replaced] = []
+    skipped: list[str] = []
+    for name, module in list(model.named_modules()):
+        target = REPLACEMENTS.get(type(module))
+        if target is None:
+            if isinstance(module, tuple(REPLACEMENTS)):
+                skipped.append(f"{name} ({type(module).__name__}: a subclass)")
+            continue
+        if getattr(module, "is_expert", False):
+            skipped.append(f"{name} (is_expert=True)")
+            continue
+        new = target.from_megatron(module, strategy=strategy, plan=plan, timeout=timeout)
+        new.train(module.training)
+        parent, leaf = _parent(model, name)
+        setattr(parent, leaf, new)
+        done.append(Replaced(name, module, new))
+    if skipped:
+        warnings.warn("overlap.hooks.megatron.patch left these layers as they are: " + ", ".join(skipped),
+                      stacklevel=2)
+    return done
+
+
+def unpatch(model: torch.nn.Module, replaced: list[Replaced]) -> None:
+    """Put back the modules `patch` replaced (they share the parameters, so training carries over)."""
+    for r in reversed(replaced):
+        parent, leaf = _parent(model, r.name)
+        current = getattr(parent, leaf)
+        if current is not r.replacement:
+            raise ValueError(f"overlap.hooks.megatron.unpatch: {r.name} is no longer the module patch put there")
+        r.original.train(current.training)
+        setattr(parent, leaf, r.original)
+
+
+def replace_in_spec(spec: Any) -> Any:
+    """A copy of a Megatron-core ``ModuleSpec`` tree with overlap's layers in place of Megatron's.
+
+    Walks ``ModuleSpec.module`` and ``.submodules`` (a dataclass of specs or classes), recursively.
+    """
+    if isinstance(spec, type):
+        return REPLACEMENTS.get(spec, spec)
+    if isinstance(spec, ModuleSpec):
+        subs = spec.submodules
+        return dataclasses.replace(spec, module=replace_in_spec(spec.module),
+                                   submodules=None if subs is None else replace_in_spec(subs))
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {f.name: replace_in_spec(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
+        return dataclasses.replace(spec, **changes)
+    if isinstance(spec, (list, tuple)):
+        return type(spec)(replace_in_spec(s) for s in spec)
+    return spec
+
+
+class OverlapSpecProvider(LocalSpecProvider):
+    """Megatron-core's local (non-Transformer-Engine) backend, with overlap's parallel linear layers."""
+
+    def column_parallel_linear(self) -> type:
+        return ColumnParallelLinear
+
+    def row_parallel_linear(self) -> type:
+        return RowParallelLinear
