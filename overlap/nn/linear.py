@@ -312,6 +312,18 @@ class _ParallelLinear(torch.nn.Module):
         return C.resolve_timeout(self.timeout)
 
     @classmethod
+    def from_megatron(cls, original: torch.nn.Module, strategy: str = "auto", plan=None,
+                      timeout: float | None = None) -> _ParallelLinear:
+        """This module in place of Megatron's `original`, sharing its very parameters (no copy, no init)."""
+        if getattr(original, "is_expert", False):
+            raise NotImplementedError(f"overlap.nn.{cls.__name__}: is_expert=True layers are not replaced")
+        return cls._adopt(original, strategy, plan, timeout)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.input_size}, out_features={self.output_size}, bias={self.bias is not None}, "
+                f"TP={self.world_size}, sequence_parallel={self.sequence_parallel}, strategy={self.strategy!r}")
+
+    @classmethod
     def _adopt(cls, original: torch.nn.Module, strategy: str, plan, timeout) -> _ParallelLinear:
         """A new module of this class sharing `original`'s parameters (no copy, no initialization)."""
         new = cls.__new__(cls)
@@ -411,18 +423,6 @@ class ColumnParallelLinear(_ParallelLinear):
         """Megatron's: weight and bias sharded along axis 0."""
         return self._sharded_state_dict(prefix, {"weight": 0, "bias": 0}, sharded_offsets, metadata)
 
-    @classmethod
-    def from_megatron(cls, original: torch.nn.Module, strategy: str = "auto", plan=None,
-                      timeout: float | None = None) -> ColumnParallelLinear:
-        """This module in place of Megatron's `original`, sharing its very parameters."""
-        if getattr(original, "is_expert", False):
-            raise NotImplementedError("overlap.nn.ColumnParallelLinear: is_expert=True layers are not replaced")
-        return cls._adopt(original, strategy, plan, timeout)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.input_size}, out_features={self.output_size}, bias={self.bias is not None}, "
-                f"TP={self.world_size}, sequence_parallel={self.sequence_parallel}, strategy={self.strategy!r}")
-
 
 class RowParallelLinear(_ParallelLinear):
     """Megatron-core's ``RowParallelLinear`` (``Y = X A + b``, ``A`` split along its rows), its
@@ -479,16 +479,4 @@ class RowParallelLinear(_ParallelLinear):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """Megatron's: weight sharded along axis 1, bias replicated."""
         return self._sharded_state_dict(prefix, {"weight": 1}, sharded_offsets, metadata)
-
-    @classmethod
-    def from_megatron(cls, original: torch.nn.Module, strategy: str = "auto", plan=None,
-                      timeout: float | None = None) -> RowParallelLinear:
-        """This module in place of Megatron's `original`, sharing its very parameters."""
-        if getattr(original, "is_expert", False):
-            raise NotImplementedError("overlap.nn.RowParallelLinear: is_expert=True layers are not replaced")
-        return cls._adopt(original, strategy, plan, timeout)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.input_size}, out_features={self.output_size}, bias={self.bias is not None}, "
-                f"TP={self.world_size}, sequence_parallel={self.sequence_parallel}, strategy={self.strategy!r}")
 
