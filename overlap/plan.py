@@ -124,6 +124,8 @@ def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int, d
         plan = dataclasses.replace(plan, one_shot=one_shot)
     key = f"{op}|{signature}"
     if key not in _LOGGED:
+        if len(_LOGGED) >= 4096:  # bounded: every distinct shape is a new signature
+            _LOGGED.clear()
         _LOGGED.add(key)
         log.info("overlap.%s: auto chose %s for %s (default heuristic)", op, plan.describe(), signature)
     return plan

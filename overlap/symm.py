@@ -60,6 +60,7 @@ from .errors import OverlapMismatchError, OverlapTimeout
 log = logging.getLogger("overlap")
 
 NUM_SLOTS = 4
+_MAX_TABLES = 256  # cached address tables per heap (see SymmHeap._table)
 MAX_PEERS = 128
 MAX_FLAGS = 256  # ready flags per slot (chunks a producer can publish in one call)
 _HS_RING = 4
@@ -348,25 +349,29 @@ class SymmHeap:
 
     def ptr_table(self, slot: int, offset: int = 0) -> torch.Tensor:
         """int64 ``[world]`` tensor of every peer's slot address (+offset) in this process."""
-        key = (slot, offset)
+        return self._table((slot, offset), lambda: [t.data_ptr() + slot * self.slot_bytes + offset for t in self.data])
+
+    def _table(self, key: Any, addresses: Any) -> torch.Tensor:
+        """The cached int64 device tensor of `key`, made from ``addresses()`` on first use.
+
+        Bounded: keys depend on shapes (region sizes, offsets), so a run of ever-changing shapes
+        would grow the cache without end; past `_MAX_TABLES` it starts over (tables are tiny and
+        cheap to rebuild; a dropped one still in use by a queued kernel stays alive through the
+        allocator's stream semantics)."""
         table = self._ptr_tables.get(key)
         if table is None:
-            addrs = [t.data_ptr() + slot * self.slot_bytes + offset for t in self.data]
-            table = torch.tensor(addrs, dtype=torch.int64, device=self.device)
+            if len(self._ptr_tables) >= _MAX_TABLES:
+                self._ptr_tables.clear()
+            table = torch.tensor(addresses(), dtype=torch.int64, device=self.device)
             self._ptr_tables[key] = table
         return table
 
     def region_table(self, slot: int, peer: int, region_bytes: int, count: int) -> torch.Tensor:
         """int64 ``[count]`` tensor of the addresses of `count` consecutive regions of `peer`'s slot."""
         assert region_bytes % 16 == 0 and count * region_bytes <= self.slot_bytes, (region_bytes, count)
-        key = (slot, f"regions{peer},{region_bytes},{count}")
-        table = self._ptr_tables.get(key)
-        if table is None:
-            base = self.data[peer].data_ptr() + slot * self.slot_bytes
-            table = torch.tensor([base + i * region_bytes for i in range(count)], dtype=torch.int64,
-                                 device=self.device)
-            self._ptr_tables[key] = table
-        return table
+        base = self.data[peer].data_ptr() + slot * self.slot_bytes
+        return self._table((slot, f"regions{peer},{region_bytes},{count}"),
+                           lambda: [base + i * region_bytes for i in range(count)])
 
     def counters(self, slot: int) -> torch.Tensor:
         """This rank's `MAX_FLAGS` int32 chunk counters of `slot` (zero between calls: kernels reset them)."""
@@ -378,17 +383,14 @@ class SymmHeap:
 
     def flag_table(self, slot: int, index: int) -> torch.Tensor:
         """int64 ``[world]`` tensor of the address of ``ready[slot][index]`` in every peer's pad."""
-        key = (slot, f"ready{index}")
-        table = self._ptr_tables.get(key)
-        if table is None:
-            word = self.ready_word(slot, index)
+        word = self.ready_word(slot, index)
+
+        def addresses() -> list[int]:
             if self.device.type == "cuda":
-                addrs = self._cuda_flags.addrs(word)
-            else:
-                addrs = [self.ctrl_addr(p, word) for p in range(self.world_size)]
-            table = torch.tensor(addrs, dtype=torch.int64, device=self.device)
-            self._ptr_tables[key] = table
-        return table
+                return self._cuda_flags.addrs(word)
+            return [self.ctrl_addr(p, word) for p in range(self.world_size)]
+
+        return self._table((slot, f"ready{index}"), addresses)
 
     def close(self) -> None:
         self.closed = True
