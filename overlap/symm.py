@@ -136,12 +136,14 @@ class SymmHeap:
         path = self._path("ctrl", self.rank)
         shm.CREATED.add(path)
         own = shm.create_segment(path, _CTRL_WORDS * 4)
-        world.store_exchange(group, "ctrl-created", b"", timeout)
-        self.ctrl = [own.view(torch.int32) if p == self.rank else
-                     shm.attach_segment(self._path("ctrl", p), _CTRL_WORDS * 4).view(torch.int32)
-                     for p in range(self.world_size)]
-        world.store_exchange(group, "ctrl-mapped", b"", timeout)
-        shm.unlink(path)
+        try:
+            world.store_exchange(group, "ctrl-created", b"", timeout)
+            self.ctrl = [own.view(torch.int32) if p == self.rank else
+                         shm.attach_segment(self._path("ctrl", p), _CTRL_WORDS * 4).view(torch.int32)
+                         for p in range(self.world_size)]
+            world.store_exchange(group, "ctrl-mapped", b"", timeout)
+        finally:  # mapped by every peer, or the set-up failed (a peer died or timed out): never left behind
+            shm.unlink(path)
         self._ctrl_np = [t.numpy() for t in self.ctrl]
         self._ctrl_addr = [t.data_ptr() for t in self.ctrl]
         self.data: list[torch.Tensor] = []

@@ -14,6 +14,7 @@ NCCL with one rank per GPU where GPUs exist.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import datetime
 import os
@@ -94,6 +95,29 @@ class GroupInfo:
             return "shm" if self.device.type != "cuda" else "nvlink"
         return max((self.link_class(p) for p in range(self.world_size) if p != self.rank), key=LINK_CLASSES.index)
 
+    def gone(self, peer: int) -> bool:
+        """Whether group rank `peer` runs on this node and its process has exited (or is a zombie).
+
+        Only a hint for error messages: False whenever it cannot tell (another node, no /proc)."""
+        if peer == self.rank or self.nodes[peer] != self.nodes[self.rank]:
+            return False
+        pid = self.pids[peer]
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except (OSError, IndexError):
+            return False
+
+    def gone_peers(self) -> list[int]:
+        """Group ranks of this node whose processes have exited (see `gone`)."""
+        return [p for p in range(self.world_size) if self.gone(p)]
+
     def link_classes(self) -> dict[int, str]:
         return {p: self.link_class(p) for p in range(self.world_size) if p != self.rank}
 
@@ -153,6 +177,10 @@ def _group_key(pg: dist.ProcessGroup) -> str:
     return name if name else "g" + "-".join(str(dist.get_global_rank(pg, r)) for r in range(dist.get_world_size(pg)))
 
 
+#: the op on whose behalf set-up rendezvous run (named by their timeouts); set by the ops' preamble
+CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("overlap_caller", default="setup")
+
+
 def store_exchange(pg: dist.ProcessGroup, tag: str, value: bytes, timeout: float) -> list[bytes]:
     """Every rank of `pg` publishes `value` under `tag`; returns every rank's value, in rank order.
 
@@ -175,8 +203,8 @@ def store_exchange(pg: dist.ProcessGroup, tag: str, value: bytes, timeout: float
         store.wait(keys, datetime.timedelta(seconds=timeout))
     except Exception as exc:  # noqa: BLE001 - the store raises its own error types on timeout
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        raise OverlapTimeout("setup", rank, missing[0] if missing else "unknown", f"rendezvous '{tag}'", timeout,
-                             f"{type(exc).__name__}") from exc
+        raise OverlapTimeout(CALLER.get(), rank, missing[0] if missing else "unknown", f"rendezvous '{tag}'",
+                             timeout, f"{type(exc).__name__}") from exc
     return [store.get(k) for k in keys]
 
 

@@ -88,6 +88,7 @@ def prepare(op: str, a: Any, b: Any, group, strategy: str, plan, timeout: float 
     call another rank left, and then raised here (ValueError / TypeError).
     """
     pg = world.resolve_group(group)
+    world.CALLER.set(op)  # set-up rendezvous of this call (group facts, heap) name the op on timeout
     error, chosen, sig = None, None, ""
     try:
         timeout = resolve_timeout(timeout)
@@ -145,7 +146,7 @@ def _collective_handshake(op: str, pg, info: world.GroupInfo, signature: str, ti
     mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(info.device)
     every = torch.empty(info.world_size * _HEADER_BYTES, dtype=torch.uint8, device=info.device)
     work = all_gather_async(every, mine, pg)
-    wait_work(work, op, info.rank, "any", "signature", timeout)  # host-side check: needs the data
+    wait_work(work, op, info.rank, "any", "signature", timeout, info)  # host-side check: needs the data
     if post_only:
         return _CollectiveCall(epoch)
     rows = [bytes(row) for row in every.view(info.world_size, _HEADER_BYTES).cpu().numpy()]
@@ -163,6 +164,7 @@ def begin_call(op: str, pg, info: world.GroupInfo, signature: str, need_bytes: i
     peers already waiting in this call raise at once instead of at their deadline, and then
     raises the error itself without waiting for anyone.
     """
+    world.CALLER.set(op)
     if error is not None:
         signature = f"<invalid input on rank {info.rank}: {error.exc}>"
     if error is not None:
@@ -186,9 +188,53 @@ def all_gather_async(out: torch.Tensor, inp: torch.Tensor, pg):
 
 
 def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, pg):
-    """``reduce_scatter_tensor`` (sum) under the name of the installed torch."""
+    """``reduce_scatter_tensor`` (sum) under the name of the installed torch.
+
+    On CPU (gloo) the work's ``wait(timeout=...)`` ignores its timeout (torch 2.13: the collective
+    runs inside ``wait()``), so it comes back as a `PolledWork`, which `wait_work` bounds."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, inp, group=pg, async_op=True)
+    work = fn(out, inp, group=pg, async_op=True)
+    return work if out.is_cuda else PolledWork(work)
+
+
+class PolledWork:
+    """A torch.distributed work whose ``wait(timeout=...)`` does not bound the wait (gloo's
+    reduce-scatter runs the collective inside ``wait()``): `wait_work` calls ``wait()`` on a helper
+    thread and waits for that thread within the deadline. The caller issues no other collective on
+    the group meanwhile (it is blocked in the wait), so the order of collectives stays the same on
+    every rank. Past the deadline the helper thread stays blocked until the process group's own
+    timeout; the group is unusable by then anyway."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        return _wait_polled(self, None if timeout is None else timeout.total_seconds())
+
+
+def _wait_polled(work: PolledWork, timeout: float | None) -> bool:
+    """``work.wait()`` on a helper thread; True once it returned, False if `timeout` seconds passed.
+    An error raised by the wait is raised here."""
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work.work.wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            failure.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="overlap-wait", daemon=True).start()
+    if not done.wait(timeout):
+        return False
+    if failure:
+        raise failure[0]
+    return True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,26 +243,42 @@ def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, pg):
 
 
 def wait_work(work, op: str, rank: int, peer: int | str, chunk: int | str, timeout: float,
-              device: torch.device | None = None) -> None:
+              device: torch.device | world.GroupInfo | None = None) -> None:
     """``work.wait`` with a deadline; timeouts and dead peers become overlap errors.
+
+    Given the group's `GroupInfo` (as `device`), a failure names a peer of this node whose process is
+    gone instead of `peer` (collectives have no single peer: "any").
 
     On GPUs the wait is stream-ordered (the current stream waits for the transfer, the host does
     not): NCCL's ``wait(timeout=...)`` would block the host. The deadline there is the process
     group's own timeout, enforced by NCCL's watchdog.
     """
+    info = device if isinstance(device, world.GroupInfo) else None
+    if info is not None:
+        device = info.device
     try:
         if device is not None and device.type == "cuda":
             work.wait()
             return
-        ok = work.wait(timeout=datetime.timedelta(seconds=timeout))
+        ok = _wait_polled(work, timeout) if isinstance(work, PolledWork) else work.wait(
+            timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as exc:
         text = str(exc)
+        peer = _blame(info, peer)
         if "timed out" in text.lower() or "timeout" in text.lower():
             raise OverlapTimeout(op, rank, peer, chunk, timeout, "torch.distributed transfer") from exc
         raise OverlapError(f"overlap.{op}: rank {rank}: transfer with peer {peer} (chunk {chunk}) failed: {text}. "
                            "The peer probably died; destroy and re-create the group.") from exc
     if ok is False:
-        raise OverlapTimeout(op, rank, peer, chunk, timeout, "torch.distributed transfer")
+        raise OverlapTimeout(op, rank, _blame(info, peer), chunk, timeout, "torch.distributed transfer")
+
+
+def _blame(info: world.GroupInfo | None, peer: int | str) -> int | str:
+    """`peer`, or where it is not one rank ("any") the first peer of this node whose process is gone."""
+    if info is None or isinstance(peer, int):
+        return peer
+    gone = info.gone_peers()
+    return gone[0] if gone else peer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,25 +367,35 @@ _SIDE: dict[int, torch.cuda.Stream] = {}
 
 
 def exchange_chunked(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, chosen: plan_mod.Plan,
-                     info: world.GroupInfo, pg) -> list[tuple[int, tuple[int, int] | None, list]]:
+                     info: world.GroupInfo, pg, op: str) -> list[tuple[int, tuple[int, int] | None, list]]:
     """Post one pairwise step, `send` to group rank `dst` and `recv` from `src`, each cut along dim 0
     into its link's `Plan.chunks_for` pieces and posted in pairs (chunk j of both in one batch).
 
-    Returns ``(j, rows of recv's chunk j or None, works)`` per pair, in order; the caller waits each
-    pair's works (the send too: its buffer must outlive it).
+    Returns ``(j, rows of recv's chunk j or None, [(work, peer), ...])`` per pair, in order; the caller
+    waits each work (the send too: its buffer must outlive it) naming its own peer. A backend error
+    while posting (a peer already gone) becomes an `OverlapError` naming the op, this rank and both peers.
     """
     send_bounds = chunk_bounds(send.shape[0], chosen.chunks_for(info.link_class(dst)))
     recv_bounds = chunk_bounds(recv.shape[0], chosen.chunks_for(info.link_class(src)))
     posted = []
     for j in range(max(len(send_bounds), len(recv_bounds))):
-        ops = []
+        ops, peers = [], []
         got = recv_bounds[j] if j < len(recv_bounds) else None
         if got is not None:
             ops.append(dist.P2POp(dist.irecv, recv[got[0] : got[1]], info.global_ranks[src], pg))
+            peers.append(src)
         if j < len(send_bounds):
             lo, hi = send_bounds[j]
             ops.append(dist.P2POp(dist.isend, send[lo:hi], info.global_ranks[dst], pg))
-        posted.append((j, got, dist.batch_isend_irecv(ops)))
+            peers.append(dst)
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as exc:
+            gone = [p for p in (src, dst) if info.gone(p)]
+            who = f"peer {gone[0]} (its process is gone)" if gone else f"peers {src} (receive) and {dst} (send)"
+            raise OverlapError(f"overlap.{op}: rank {info.rank}: posting chunk {j} of the step with {who} "
+                               f"failed: {exc}. A peer probably died; destroy and re-create the group.") from exc
+        posted.append((j, got, list(zip(works, peers, strict=True))))
     return posted
 
 

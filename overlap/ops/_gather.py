@@ -79,7 +79,7 @@ class _Reference(Gather):
         self.work = C.all_gather_async(self.full, self.x2, pg)
 
     def chunks(self):
-        C.wait_work(self.work, self.op, self.info.rank, "any", "all_gather", self.timeout, self.info.device)
+        C.wait_work(self.work, self.op, self.info.rank, "any", "all_gather", self.timeout, self.info)
         yield 0, self.full.shape[0], self.full
 
 
@@ -90,15 +90,15 @@ class _Pipelined(Gather):
         self.full = full = x2.new_empty((W * m, x2.shape[1]))
         for i in range(1, W):
             src, dst = (r + i) % W, (r - i) % W
-            posted = C.exchange_chunked(x2, dst, full[src * m : (src + 1) * m], src, chosen, info, pg)
+            posted = C.exchange_chunked(x2, dst, full[src * m : (src + 1) * m], src, chosen, info, pg, self.op)
             self.pending.extend((src, j, got, works) for j, got, works in posted)
 
     def chunks(self):
         r, m = self.info.rank, self.m
         yield r * m, (r + 1) * m, self.x2
         for src, j, bounds, works in self.pending:
-            for work in works:  # the send of the same step too: its buffer is the caller's
-                C.wait_work(work, self.op, r, src, j, self.timeout, self.info.device)
+            for work, peer in works:  # the send of the same step too: its buffer is the caller's
+                C.wait_work(work, self.op, r, peer, j, self.timeout, self.info)
             if bounds is not None:
                 lo, hi = bounds
                 yield src * m + lo, src * m + hi, self.full[src * m + lo : src * m + hi]

@@ -144,10 +144,10 @@ def _reference_backward(ctx, a, b, grad_out, need_a, need_b):
                 grad_a2 = a2.new_empty(a2.shape)
                 rs = C.reduce_scatter_async(grad_a2, partial, pg)
             if need_b:
-                C.wait_work(work, op, info.rank, "any", "all_gather of a", timeout, info.device)
+                C.wait_work(work, op, info.rank, "any", "all_gather of a", timeout, info)
                 grad_b = torch.mm(full.t(), g2)
             if need_a:
-                C.wait_work(rs, op, info.rank, "any", "reduce_scatter of grad_a", timeout, info.device)
+                C.wait_work(rs, op, info.rank, "any", "reduce_scatter of grad_a", timeout, info)
                 grad_a = grad_a2.view(a.shape)
         finally:
             call.finish()

@@ -132,7 +132,7 @@ class _MatmulAllReduce(torch.autograd.Function):
 def _reference(call, a2, b, pg, info, chosen, timeout, op):
     out = torch.mm(a2, b)
     work = dist.all_reduce(out, group=pg, async_op=True)
-    C.wait_work(work, op, info.rank, "any", "all_reduce", timeout, info.device)
+    C.wait_work(work, op, info.rank, "any", "all_reduce", timeout, info)
     return out
 
 
@@ -162,7 +162,7 @@ def _pipelined(call, a2, b, pg, info, chosen, timeout, op):
         else:
             posted.append((lo, hi, None, dist.all_reduce(out[lo:hi], group=pg, async_op=True)))
     for i, (lo, hi, every, work) in enumerate(posted):
-        C.wait_work(work, op, r, "any", f"piece {i}", timeout, info.device)
+        C.wait_work(work, op, r, "any", f"piece {i}", timeout, info)
         if every is not None:
             _sum_in_rank_order(list(every.view(W, hi - lo, n).unbind(0)), out[lo:hi])
     return out

@@ -153,7 +153,7 @@ def _reference(call, a2, b, pg, info, chosen, timeout, op):
     partial = torch.mm(a2, b)
     out = a2.new_empty((a2.shape[0] // info.world_size, b.shape[1]))
     work = C.reduce_scatter_async(out, partial, pg)
-    C.wait_work(work, op, info.rank, "any", "reduce_scatter", timeout, info.device)
+    C.wait_work(work, op, info.rank, "any", "reduce_scatter", timeout, info)
     return out
 
 
@@ -168,12 +168,12 @@ def _pipelined(call, a2, b, pg, info, chosen, timeout, op):
     for i in range(1, W):
         d, src = (r + i) % W, (r - i) % W
         part = torch.mm(a2[d * m : (d + 1) * m], b)  # the next GEMM runs while this partial travels
-        pairs = C.exchange_chunked(part, d, received[src], src, chosen, info, pg)
+        pairs = C.exchange_chunked(part, d, received[src], src, chosen, info, pg, op)
         posted.extend((src, j, part, works) for j, _, works in pairs)  # part: kept alive until sent
     torch.mm(a2[r * m : (r + 1) * m], b, out=received[r])
-    for src, j, _part, works in posted:
-        for work in works:
-            C.wait_work(work, op, r, src, j, timeout, info.device)
+    for _src, j, _part, works in posted:
+        for work, peer in works:
+            C.wait_work(work, op, r, peer, j, timeout, info)
     out = a2.new_empty((m, n))
     _reduce_regions(list(received.unbind(0)), out, 0, m)  # rank order, one rounding
     return out
