@@ -460,13 +460,15 @@ class Call:
         else:
             _c().signal_store(addr, self.word)
 
-    def wait_ready(self, peer: int, index: int = 0, stream: Any = None) -> None:
+    def wait_ready(self, peer: int, index: int = 0, stream: Any = None, chunk: int | None = None) -> None:
+        """Wait for `peer`'s ready flag `index` of this call; a timeout names `chunk` (default: `index`)."""
         h = self.heap
         addr = self._flag_addr(peer, h.ready_word(self.slot, index))
         if self._cuda():
             self._bounded_wait(addr, self.word, peer, stream)
         elif not _c().signal_wait(addr, self.word, self.timeout):
-            raise OverlapTimeout(self.op, self.rank, peer, index, self.timeout, "data never signalled ready")
+            raise OverlapTimeout(self.op, self.rank, peer, index if chunk is None else chunk, self.timeout,
+                                 "data never signalled ready")
 
     def finish(self, stream: Any = None) -> None:
         """Tell every rank (this one included) that this rank is done with the slot.

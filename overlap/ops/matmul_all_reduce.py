@@ -247,7 +247,7 @@ def _symm_two_shot(call, a2, b, info, chosen):
         for j, (lo, hi) in enumerate(C.chunk_bounds(own, nch)):
             for s in range(W):
                 if s != r:
-                    call.wait_ready(s, r * stride + j, stream=main)
+                    call.wait_ready(s, r * stride + j, stream=main, chunk=j)
             _sum_in_rank_order([x[lo:hi] for x in mine], reduced[lo:hi])
             call.signal_ready(W * stride + j, stream=main)
         out[lo_r:hi_r].copy_(reduced)
@@ -273,7 +273,7 @@ def _pull_parts(call, info, out, parts, reduced_at, stride, nch, main, side) -> 
                 continue
             src = call.buffer(p, dtype, (hi_p - lo_p, n), offset=reduced_at)
             for j, (lo, hi) in enumerate(C.chunk_bounds(hi_p - lo_p, nch)):
-                call.wait_ready(p, W * stride + j, stream=side)
+                call.wait_ready(p, W * stride + j, stream=side, chunk=j)
                 out[lo_p + lo : lo_p + hi].copy_(src[lo:hi], non_blocking=side is not None)
     if side is None:
         call.finish()

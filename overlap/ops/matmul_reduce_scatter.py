@@ -225,7 +225,7 @@ def _symm(call, a2, b, pg, info, chosen, timeout, op):
     for j, (lo, hi) in enumerate(bounds):
         for s in range(W):
             if s != r:
-                call.wait_ready(s, r * stride + j)
+                call.wait_ready(s, r * stride + j, chunk=j)
         _reduce_regions(mine, out, lo, hi)
     return out
 
@@ -256,7 +256,7 @@ def _symm_cuda(call, a2, b, info, region, bounds, stride):
     for j, (lo, hi) in enumerate(bounds):
         for s in range(W):
             if s != r:
-                call.wait_ready(s, r * stride + j, stream=main)
+                call.wait_ready(s, r * stride + j, stream=main, chunk=j)
         _reduce_regions(mine, out, lo, hi)
     main.wait_stream(side)  # our copies into peers' buffers are part of this call too
     call.finish(stream=main)
