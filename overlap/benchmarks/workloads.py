@@ -98,6 +98,21 @@ def _leaf(x: torch.Tensor, backward: bool) -> torch.Tensor:
     return x.requires_grad_(True) if backward else x
 
 
+def _workload(case: Case, fn, a: torch.Tensor, b: torch.Tensor, grad_out, expected: list[Expected],
+              comm: Callable[[], None], comm_label: str, x: torch.Tensor, g) -> Workload:
+    """The `Workload` of one op: its GEMMs alone are ``x @ b`` and, in fwd+bwd, the backward's
+    ``g @ b.T`` and ``x.T @ g`` (``x``: the full input rows, ``g``: the output gradient they meet)."""
+
+    def compute() -> None:
+        torch.mm(x, b)
+        if case.backward:
+            torch.mm(g, b.t())
+            torch.mm(x.t(), g)
+
+    return Workload(fn, _leaf(a, case.backward), _leaf(b, case.backward), grad_out, expected, comm, compute,
+                    comm_label, "(GEMMs alone)" if case.backward else "(GEMM alone)")
+
+
 def _wait(work, what: str, info: world.GroupInfo, timeout: float) -> None:
     _common.wait_work(work, f"bench {what}", info.rank, "any", "all", timeout, info.device)
 
@@ -146,23 +161,8 @@ def _all_gather_matmul(case: Case, draw: _Draw, info: world.GroupInfo, pg, timeo
             _all_gather(gathered, a_MK, pg, info, timeout)
             _reduce_scatter(grad_a_MK, partial_MK, pg, info, timeout)
 
-    def compute() -> None:
-        torch.mm(full_MK, b_KN)
-        if case.backward:
-            torch.mm(grad_out, b_KN.t())
-            torch.mm(full_MK.t(), grad_out)
-
-    return Workload(
-        overlap.all_gather_matmul,
-        _leaf(a_MK, case.backward),
-        _leaf(b_KN, case.backward),
-        grad_out,
-        expected,
-        comm,
-        compute,
-        "(comm alone)" if case.backward else "(all_gather alone)",
-        "(GEMMs alone)" if case.backward else "(GEMM alone)",
-    )
+    label = "(comm alone)" if case.backward else "(all_gather alone)"
+    return _workload(case, overlap.all_gather_matmul, a_MK, b_KN, grad_out, expected, comm, label, full_MK, grad_out)
 
 
 def _matmul_reduce_scatter(case: Case, draw: _Draw, info: world.GroupInfo, pg, timeout: float) -> Workload:
@@ -186,23 +186,9 @@ def _matmul_reduce_scatter(case: Case, draw: _Draw, info: world.GroupInfo, pg, t
         if case.backward:
             _all_gather(partial, out, pg, info, timeout)
 
-    def compute() -> None:
-        torch.mm(a_MK, b_KN)
-        if case.backward:
-            torch.mm(full_grad, b_KN.t())
-            torch.mm(a_MK.t(), full_grad)
-
-    return Workload(
-        overlap.matmul_reduce_scatter,
-        _leaf(a_MK, case.backward),
-        _leaf(b_KN, case.backward),
-        grad_out,
-        expected,
-        comm,
-        compute,
-        "(comm alone)" if case.backward else "(reduce_scatter alone)",
-        "(GEMMs alone)" if case.backward else "(GEMM alone)",
-    )
+    label = "(comm alone)" if case.backward else "(reduce_scatter alone)"
+    return _workload(case, overlap.matmul_reduce_scatter, a_MK, b_KN, grad_out, expected, comm, label, a_MK,
+                     full_grad)
 
 
 def _matmul_all_reduce(case: Case, draw: _Draw, info: world.GroupInfo, pg, timeout: float) -> Workload:
@@ -221,23 +207,8 @@ def _matmul_all_reduce(case: Case, draw: _Draw, info: world.GroupInfo, pg, timeo
     def comm() -> None:  # the backward passes the gradient through: nothing more in fwd+bwd
         _wait(dist.all_reduce(partial, group=pg, async_op=True), "all_reduce", info, timeout)
 
-    def compute() -> None:
-        torch.mm(a_MK, b_KN)
-        if case.backward:
-            torch.mm(grad_out, b_KN.t())
-            torch.mm(a_MK.t(), grad_out)
-
-    return Workload(
-        overlap.matmul_all_reduce,
-        _leaf(a_MK, case.backward),
-        _leaf(b_KN, case.backward),
-        grad_out,
-        expected,
-        comm,
-        compute,
-        "(all_reduce alone)",
-        "(GEMMs alone)" if case.backward else "(GEMM alone)",
-    )
+    return _workload(case, overlap.matmul_all_reduce, a_MK, b_KN, grad_out, expected, comm, "(all_reduce alone)",
+                     a_MK, grad_out)
 
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {

@@ -242,17 +242,25 @@ class _ParallelLinear(torch.nn.Module):
             warnings.warn(f"overlap.nn.{name}: sequence_parallel is set with a tensor-parallel size of 1; "
                           "disabling sequence parallelism", stacklevel=3)
             self.sequence_parallel = False
-        # Megatron's modules give checkpoints an empty _extra_state (Transformer Engine compatibility).
+        self._default_extra_state()
+
+    def _default_extra_state(self) -> None:
+        """Megatron's modules give checkpoints an empty ``_extra_state`` (Transformer Engine
+        compatibility): a checkpoint without the key loads too."""
         self._register_load_state_dict_pre_hook(
             lambda state_dict, prefix, *args, **kwargs: state_dict.setdefault(f"{prefix}_extra_state")
         )
 
+    def _placement(self) -> tuple[torch.dtype, torch.device, bool]:
+        """``(dtype, device, cpu_init)`` of new parameters, as Megatron's config asks (CPU without a GPU)."""
+        cpu_init = _cfg(self.config, "use_cpu_initialization", False) or not torch.cuda.is_available()
+        device = torch.device("cpu") if cpu_init else torch.device("cuda", torch.cuda.current_device())
+        return _cfg(self.config, "params_dtype", torch.float32), device, cpu_init
+
     def _make_weight(self, shape: tuple[int, int], full_shape: tuple[int, int], init_method: Callable,
                      stride: int, keep_master_weight_for_test: bool) -> Parameter:
         config = self.config
-        dtype = _cfg(config, "params_dtype", torch.float32)
-        cpu_init = _cfg(config, "use_cpu_initialization", False) or not torch.cuda.is_available()
-        device = torch.device("cpu") if cpu_init else torch.device("cuda", torch.cuda.current_device())
+        dtype, device, cpu_init = self._placement()
         weight = Parameter(torch.empty(shape, dtype=dtype, device=device))
         _set_tp_attributes(weight, True, self._partition_dim, stride)
         if _cfg(config, "perform_initialization", True):
@@ -267,12 +275,9 @@ class _ParallelLinear(torch.nn.Module):
         return weight
 
     def _make_bias(self, size: int) -> Parameter:
-        config = self.config
-        dtype = _cfg(config, "params_dtype", torch.float32)
-        cpu_init = _cfg(config, "use_cpu_initialization", False) or not torch.cuda.is_available()
-        device = torch.device("cpu") if cpu_init else torch.device("cuda", torch.cuda.current_device())
+        dtype, device, _ = self._placement()
         bias = Parameter(torch.empty(size, dtype=dtype, device=device))
-        if _cfg(config, "perform_initialization", True):
+        if _cfg(self.config, "perform_initialization", True):
             with torch.no_grad():
                 bias.zero_()  # Megatron always starts biases at zero
         bias.allreduce = not (self.is_expert and self.expert_parallel)
@@ -341,9 +346,7 @@ class _ParallelLinear(torch.nn.Module):
         new.rank = dist.get_rank(new.tp_group)
         new.strategy, new.plan, new.timeout = strategy, plan, timeout
         new.gradient_accumulation_fusion = bool(_cfg(new.config, "gradient_accumulation_fusion", False))
-        new._register_load_state_dict_pre_hook(
-            lambda state_dict, prefix, *args, **kwargs: state_dict.setdefault(f"{prefix}_extra_state")
-        )
+        new._default_extra_state()
         return new
 
 

@@ -243,19 +243,18 @@ def _wait_polled(work: PolledWork, timeout: float | None) -> bool:
 
 
 def wait_work(work, op: str, rank: int, peer: int | str, chunk: int | str, timeout: float,
-              device: torch.device | world.GroupInfo | None = None) -> None:
+              where: torch.device | world.GroupInfo | None = None) -> None:
     """``work.wait`` with a deadline; timeouts and dead peers become overlap errors.
 
-    Given the group's `GroupInfo` (as `device`), a failure names a peer of this node whose process is
-    gone instead of `peer` (collectives have no single peer: "any").
+    `where` is the tensors' device, or the group's `GroupInfo` (the ops pass it): then a failure names
+    a peer of this node whose process is gone instead of `peer` (collectives have no single peer: "any").
 
     On GPUs the wait is stream-ordered (the current stream waits for the transfer, the host does
     not): NCCL's ``wait(timeout=...)`` would block the host. The deadline there is the process
     group's own timeout, enforced by NCCL's watchdog.
     """
-    info = device if isinstance(device, world.GroupInfo) else None
-    if info is not None:
-        device = info.device
+    info = where if isinstance(where, world.GroupInfo) else None
+    device = info.device if info is not None else where
     try:
         if device is not None and device.type == "cuda":
             work.wait()
