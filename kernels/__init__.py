@@ -7,5 +7,12 @@ over POSIX shared memory.
 
 from .ag_matmul import all_gather_matmul_kernel
 from .mm_rs import matmul_scatter_kernel, reduce_chunks_kernel
+from .moe import grouped_matmul_scatter_kernel, grouped_matmul_wait_kernel
 
-__all__ = ["all_gather_matmul_kernel", "matmul_scatter_kernel", "reduce_chunks_kernel"]
+__all__ = [
+    "all_gather_matmul_kernel",
+    "grouped_matmul_scatter_kernel",
+    "grouped_matmul_wait_kernel",
+    "matmul_scatter_kernel",
+    "reduce_chunks_kernel",
+]

@@ -1,7 +1,8 @@
 """overlap: communication/compute overlap for tensor- and expert-parallel training.
 
 Public API (DESIGN.md): `all_gather_matmul`, `matmul_reduce_scatter`, `matmul_all_reduce`, `Plan`,
-`reserve`, `release`, `OverlapTimeout`, `OverlapMismatchError`. No init call: a
+`reserve`, `release`, `OverlapTimeout`, `OverlapMismatchError`; `overlap.moe` (`dispatch`, `combine`,
+`dispatch_grouped_matmul`, `grouped_matmul_combine`) for expert parallelism. No init call: a
 group's symmetric heap is created by its first call.
 
 Where no GPU exists and the user has not set ``TRITON_INTERPRET``, importing `overlap` sets it to
@@ -38,6 +39,7 @@ if not _log.handlers:
     _log.addHandler(_handler)
 _log.setLevel(getattr(_logging, _envs.log_level(), _logging.WARNING))
 
+from . import moe  # noqa: E402  (overlap.moe: the MoE ops)
 from .errors import OverlapError, OverlapMismatchError, OverlapTimeout  # noqa: E402
 from .ops.all_gather_matmul import all_gather_matmul  # noqa: E402
 from .ops.matmul_all_reduce import matmul_all_reduce  # noqa: E402
@@ -54,6 +56,7 @@ __all__ = [
     "all_gather_matmul",
     "matmul_all_reduce",
     "matmul_reduce_scatter",
+    "moe",
     "release",
     "reserve",
 ]

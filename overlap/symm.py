@@ -233,7 +233,7 @@ class SymmHeap:
         if need > 0:
             self.last_data_epoch[slot] = epoch
             self.in_flight += 1
-        return Call(self, op, epoch, timeout, uses_heap=need > 0, prev_data_epoch=prev)
+        return Call(self, op, epoch, timeout, uses_heap=need > 0, prev_data_epoch=prev, need=need)
 
     def err_addr(self, peer: int) -> int:
         """Address of the error word of waits on `peer` (device-visible on GPUs)."""
@@ -368,11 +368,12 @@ class SymmHeap:
             self._ptr_tables[key] = table
         return table
 
-    def region_table(self, slot: int, peer: int, region_bytes: int, count: int) -> torch.Tensor:
-        """int64 ``[count]`` tensor of the addresses of `count` consecutive regions of `peer`'s slot."""
-        assert region_bytes % 16 == 0 and count * region_bytes <= self.slot_bytes, (region_bytes, count)
-        base = self.data[peer].data_ptr() + slot * self.slot_bytes
-        return self._table((slot, f"regions{peer},{region_bytes},{count}"),
+    def region_table(self, slot: int, peer: int, region_bytes: int, count: int, offset: int = 0) -> torch.Tensor:
+        """int64 ``[count]`` tensor of the addresses of `count` consecutive regions of `peer`'s slot,
+        the first `offset` bytes in."""
+        assert region_bytes % 16 == 0 and offset + count * region_bytes <= self.slot_bytes, (region_bytes, count)
+        base = self.data[peer].data_ptr() + slot * self.slot_bytes + offset
+        return self._table((slot, f"regions{peer},{region_bytes},{count},{offset}"),
                            lambda: [base + i * region_bytes for i in range(count)])
 
     def counters(self, slot: int) -> torch.Tensor:
@@ -409,8 +410,11 @@ class Call:
     """
 
     def __init__(self, heap: SymmHeap, op: str, epoch: int, timeout: float, uses_heap: bool = True,
-                 prev_data_epoch: int = 0):
+                 prev_data_epoch: int = 0, need: int = 0):
         self.heap, self.op, self.epoch, self.timeout = heap, op, epoch, timeout
+        # The largest slot size any rank asked for in this call (the same on every rank): ops whose
+        # ranks need different amounts (MoE: token counts differ) lay the slot out from it.
+        self.need = need
         self.word = epoch  # the int32 flag value of this call (< REBASE_EPOCH)
         self.slot = epoch % NUM_SLOTS
         self.rank, self.world_size = heap.rank, heap.world_size

@@ -1,0 +1,432 @@
+"""MoE dispatch: tokens to the ranks of their experts, optionally fused with the experts' first GEMM.
+
+Problem. With expert parallelism every rank routes each of its ``T`` tokens to ``K`` experts spread
+over the ``W`` ranks; an all-to-all sends each (token, expert) pair's row to the rank of its expert,
+which then runs one GEMM per local expert. Sending everything first leaves the GEMMs idle during the
+all-to-all. Each (source rank, expert) block of rows is its own GEMM, so a block can be multiplied as
+soon as it has arrived while the others are still in flight. Layouts and the handle: `overlap.ops._moe`.
+
+Strategies (same rows, same order; `reference` is the oracle):
+
+* ``reference``: counts exchanged with ``all_to_all_single``, rows with another, then one GEMM per
+  local expert over all of its rows.
+* ``pipelined``: counts first, then every peer's rows posted at once as point-to-point pieces
+  (``num_chunks[link]`` per peer, pairwise shift: send to ``r+i``, receive from ``r-i``); the GEMM of
+  block ``(s, e)`` runs as soon as the pieces holding it are in, this rank's own rows first. Any backend.
+* ``symm``: every sender writes its counts and then its rows straight into the receiver's symmetric
+  buffer (region of the sender), flagging the counts and each (expert group) block; the receiver
+  multiplies each block once its flag is set. On CPU ranks a copy-engine thread writes while the
+  GEMMs run. Ranks of one node.
+* ``fused`` (grouped-matmul form only): rows written as in ``symm``; one Triton grouped GEMM
+  (`overlap.kernels.moe`) whose tiles wait on the flag of the (source, expert group) block they read.
+
+Autograd (DESIGN.md): the backward of the transfer sends each row's gradient back to its token and
+sums a token's ``K`` copies (in fp32, ``k`` in order); it is the combine direction
+(`overlap.ops.moe_combine`), fused there with the input-gradient GEMM ``grad_h_e @ w1[e].T``. The
+weight gradient ``x_recv_e.T @ grad_h_e`` is one GEMM per expert, run while those rows travel.
+
+Concurrency and aliasing: calls on one group are issued by one thread, in the same order on every
+rank; inputs are only read; outputs are new tensors (the heap is reused by the next call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import world
+from ..errors import OverlapTimeout
+from . import _common as C
+from . import _moe as M
+
+OP_DISPATCH = "dispatch"
+OP_DISPATCH_MM = "dispatch_grouped_matmul"
+
+
+def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | None = None,
+             strategy: str = "auto", plan=None, timeout: float | None = None) -> tuple[torch.Tensor, M.MoEHandle]:
+    """Send every (token, expert) pair's row to the rank that holds the expert.
+
+    Args:
+        x: ``[T, H]``, this rank's tokens (``T`` may differ between ranks, and may be 0).
+        topk_idx: ``[T, K]`` int64/int32 global expert ids; experts ``r*L ... (r+1)*L - 1`` live on rank
+            ``r`` (``L = num_experts / W``). Any routing: repeated and unused experts are fine.
+        num_experts: ``E``, divisible by the group's size.
+        group, strategy, plan, timeout: as for `overlap.all_gather_matmul`; strategies ``reference``,
+            ``pipelined``, ``symm`` (``auto`` picks one).
+
+    Returns:
+        ``(x_recv, handle)``: ``x_recv`` ``[R, H]`` holds the rows of this rank's experts grouped by local
+        expert, then source rank, then token order (``handle.expert_offsets``, ``handle.tokens_per_expert``);
+        ``handle`` is what `combine` and the backward need.
+
+    Raises:
+        TypeError / ValueError: bad arguments (shapes, dtypes, expert ids out of range, ``num_experts``
+            not divisible by the world size), on this rank before any data moves; peers raise at once.
+        OverlapMismatchError: ranks made different calls (hidden size, experts, top-k, dtype, plan).
+        OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
+    """
+    x, w, handle, sig = _prepare(OP_DISPATCH, x, topk_idx, num_experts, None, group, strategy, plan, timeout)
+    with C.record(f"moe.{OP_DISPATCH}"):
+        x_recv = _Dispatch.apply(x, handle, sig)
+    return x_recv, handle
+
+
+def dispatch_grouped_matmul(x: torch.Tensor, topk_idx: torch.Tensor, w1, num_experts: int,
+                            group: dist.ProcessGroup | None = None, strategy: str = "auto", plan=None,
+                            timeout: float | None = None) -> tuple[torch.Tensor, M.MoEHandle]:
+    """`dispatch`, then ``h_e = x_recv_e @ w1[e]`` for every local expert, each block multiplied on arrival.
+
+    Args:
+        x, topk_idx, num_experts, group, strategy, plan, timeout: as for `dispatch`; ``fused`` is available.
+        w1: ``[L, H, F]`` (any strides) or a list of ``L`` tensors ``[H, F]``: this rank's experts, in order.
+
+    Returns:
+        ``(h, handle)``: ``h`` ``[R, F]`` in `dispatch`'s row order (no activation applied).
+
+    Raises: as `dispatch`; also for a `w1` of the wrong shape, dtype or device.
+    """
+    x, w1, handle, sig = _prepare(OP_DISPATCH_MM, x, topk_idx, num_experts, w1, group, strategy, plan, timeout)
+    with C.record(f"moe.{OP_DISPATCH_MM}"), torch.autocast(handle.info.device.type, enabled=False):
+        h = _DispatchGroupedMatmul.apply(x, w1, handle, sig)
+    return h, handle
+
+
+def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout):
+    """Local checks, autocast, plan, routing and signature; a local mistake raises on every rank."""
+    pg = world.resolve_group(group)
+    world.CALLER.set(f"moe.{op}")
+    error = None
+    try:
+        timeout = C.resolve_timeout(timeout)
+    except ValueError as exc:
+        error, timeout = exc, C.resolve_timeout(None)
+    info = world.group_info(pg, timeout)
+    try:
+        if error is not None:
+            raise error
+        L = M.check_experts(op, num_experts, info.world_size)
+        M.check_tokens(op, x, info.device)
+        if w is not None:
+            if isinstance(w, (list, tuple)):
+                w = M.check_weights(op, w, L, x.shape[1], w[0].dtype if w else x.dtype, x.device, "w1")
+            x, w = C.autocast_inputs(x, w)
+            w = M.check_weights(op, w, L, x.shape[1], x.dtype, x.device, "w1")
+        M.check_topk_idx(op, topk_idx, x.shape[0], x.device)
+        chosen = M.resolve_plan(op, strategy, plan, info, x.shape[0], x.dtype, allow_fused=w is not None)
+        order, send_counts = M.route(op, topk_idx, num_experts, info.world_size)
+        sig = M.signature(f"moe.{op}", x.shape[1], None if w is None else w.shape[2], num_experts, topk_idx.shape[1],
+                          x.dtype, chosen, info)
+    except (TypeError, ValueError) as exc:
+        M.fail_fast(f"moe.{op}", pg, info, exc, timeout)
+    handle = M.MoEHandle(pg, info, num_experts, L, topk_idx.shape[1], x.shape[0], send_counts, order, chosen,
+                         timeout)
+    return x, w, handle, sig
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, handle, sig):
+        recv, _ = run(handle, x, handle.token_of, None, handle.plan, sig, f"moe.{OP_DISPATCH}", counts=True)
+        ctx.handle = handle
+        return recv
+
+    @staticmethod
+    def backward(ctx, grad_recv):
+        from . import moe_combine
+
+        h = ctx.handle
+        op = f"moe.{OP_DISPATCH}.backward"
+        grad_recv = grad_recv.contiguous()
+        back = moe_combine.run(h, grad_recv, None, h.plan, M.call_signature(op, h, grad_recv, None, h.plan), op)
+        return _sum_copies(back, h), None, None
+
+
+class _DispatchGroupedMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, handle, sig):
+        recv, h = run(handle, x, handle.token_of, w1, handle.plan, sig, f"moe.{OP_DISPATCH_MM}", counts=True,
+                      keep_rows=True)
+        ctx.save_for_backward(recv, w1)
+        ctx.handle = handle
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        from . import moe_combine
+
+        recv, w1 = ctx.saved_tensors
+        h = ctx.handle
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = grad_h.contiguous()
+        grad_w: list[torch.Tensor] = []
+
+        def weight_grad() -> None:  # runs while the input-gradient rows travel
+            if need_w:
+                grad_w.append(M.grouped_weight_grad(recv, grad_h, h, w1))
+
+        grad_x = None
+        if need_x:
+            w_t = w1.transpose(1, 2)
+            op = f"moe.{OP_DISPATCH_MM}.backward"
+            back = moe_combine.run(h, grad_h, w_t, h.plan, M.call_signature(op, h, grad_h, w_t, h.plan), op,
+                                   between=weight_grad)
+            grad_x = _sum_copies(back, h)
+        else:
+            weight_grad()
+        return grad_x, grad_w[0] if need_w else None, None, None
+
+
+def _sum_copies(back: torch.Tensor, h: M.MoEHandle) -> torch.Tensor:
+    """``grad_x[t] = sum_k back[t*K + k]`` (fp32 for 16-bit rows, ``k`` in order)."""
+    T, K = h.num_tokens, h.top_k
+    acc = torch.float32 if back.dtype in (torch.float16, torch.bfloat16) else back.dtype
+    return back.view(T, K, back.shape[-1]).to(acc).sum(dim=1).to(back.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# One transfer towards the experts (dispatch forward; combine backward)
+# ----------------------------------------------------------------------------------------------
+
+
+def run(h: M.MoEHandle, rows: torch.Tensor, row_of_send: torch.Tensor, w: torch.Tensor | None, chosen, sig: str,
+        op: str, counts: bool = False, keep_rows: bool = False,
+        between: Callable[[], None] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Send ``rows[row_of_send[i]]`` (send position ``i``) to its expert's rank; one call on every rank.
+
+    `counts`: this call also exchanges the counts (a dispatch), filling ``h.recv_counts``. With `w`
+    (``[L, H, N]``, any strides) every block is multiplied by its expert's weight on arrival.
+    `between` runs while the transfers are in flight (after this rank's sends are issued). `chosen`
+    is the plan of this call (a combine's backward runs with the combine's plan, not the dispatch's).
+
+    Returns ``(recv, out)``: ``recv`` ``[R, H]`` in expert order (None when `w` is given and not
+    `keep_rows`), ``out`` ``[R, N]`` (None without `w`).
+    """
+    info = h.info
+    need = M.heap_need(chosen.strategy, h.num_tokens, h.top_k, h.num_local_experts, h.send_splits,
+                       rows.shape[1] * rows.element_size(), info.world_size)
+    call = C.begin_call(op, h.group, info, sig, need, h.timeout)
+    try:
+        recv, out = STRATEGIES[chosen.strategy](call, h, chosen, rows, row_of_send, w, counts, op, between)
+    finally:
+        call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
+    return (recv if w is None or keep_rows else None), out
+
+
+def _reference(call, h, chosen, rows, row_of_send, w, counts, op, between):
+    if counts:
+        M.exchange_counts(h, h.group, op)
+    send = rows.index_select(0, row_of_send)
+    stage = rows.new_empty((h.num_recv, rows.shape[1]))
+    work = dist.all_to_all_single(stage, send, h.recv_splits, h.send_splits, group=h.group, async_op=True)
+    C.wait_work(work, op, h.info.rank, "any", "all_to_all", h.timeout, h.info)
+    recv = stage.index_select(0, h.staging_of_expert_row)
+    out = M.grouped_mm(recv, w, h) if w is not None else None
+    if between is not None:
+        between()
+    return recv, out
+
+
+def _pipelined(call, h, chosen, rows, row_of_send, w, counts, op, between):
+    if counts:
+        M.exchange_counts(h, h.group, op)
+    info, W, r, L = h.info, h.info.world_size, h.info.rank, h.num_local_experts
+    stage = rows.new_empty((h.num_recv, rows.shape[1]))
+
+    def to_dest(d: int) -> torch.Tensor:
+        lo = h.send_offsets[d]
+        return rows.index_select(0, row_of_send[lo : lo + h.send_splits[d]])
+
+    def from_source(s: int) -> torch.Tensor:
+        return stage[h.stage_offsets[s] : h.stage_offsets[s] + h.recv_splits[s]]
+
+    # Post every peer's pieces at once (pairwise shift), then copy our own rows.
+    pending: dict[int, list] = {s: [] for s in range(W)}
+    sent = []
+    for i in range(1, W):
+        d, s = (r + i) % W, (r - i) % W
+        buf = to_dest(d)
+        sent.append(buf)  # kept alive until its sends complete
+        for j, got, works in C.exchange_chunked(buf, d, from_source(s), s, chosen, info, h.group, op):
+            pending[s].append((got, j, works))
+    from_source(r).copy_(to_dest(r))
+    out = rows.new_empty((h.num_recv, w.shape[2])) if w is not None else None
+    # Multiply block (s, e) once the pieces holding it are in: our own rows first, then in step order.
+    for i in range(W):
+        s = (r - i) % W
+        queue = pending[s]
+        for e in range(L):
+            c = h.recv_counts[s][e]
+            if not c:
+                continue
+            lo = h.within_source(s, e)
+            while queue and queue[0][0] is not None and queue[0][0][0] < lo + c:
+                _got, j, works = queue.pop(0)
+                for work, peer in works:
+                    C.wait_work(work, op, r, peer, j, h.timeout, info)
+            if out is not None:
+                at = h.expert_offsets[e][s]
+                torch.mm(from_source(s)[lo : lo + c], w[e], out=out[at : at + c])
+    if between is not None:
+        between()
+    for queue in pending.values():
+        for _got, j, works in queue:
+            for work, peer in works:
+                C.wait_work(work, op, r, peer, j, h.timeout, info)
+    del sent
+    return stage.index_select(0, h.staging_of_expert_row), out
+
+
+def _symm(call, h, chosen, rows, row_of_send, w, counts, op, between):
+    with _produced(call, h, rows, row_of_send, counts):
+        if counts:
+            _read_counts(call, h)
+        recv, out = _consume(call, h, rows.dtype, rows.shape[1], w)
+        if between is not None:
+            between()
+    return recv, out
+
+
+def _fused(call, h, chosen, rows, row_of_send, w, counts, op, between):
+    with _produced(call, h, rows, row_of_send, counts):
+        if counts:
+            _read_counts(call, h)
+        recv, out = _consume_fused(call, h, chosen, rows.dtype, rows.shape[1], w, op)
+        if between is not None:
+            between()
+    return recv, out
+
+
+# ---- symm / fused: producer side ----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _produced(call, h: M.MoEHandle, rows, row_of_send, counts: bool):
+    """Write this rank's counts (a dispatch) and rows into every destination's region of this rank,
+    flagging each; the body runs meanwhile (CPU ranks: the rows are written by the copy engine)."""
+    W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
+    F, G = M.flags_per_peer(W), M.expert_groups(L, W)
+    call.wait_slot_free()
+    if counts:
+        mine = torch.tensor(h.send_counts, dtype=torch.int32, device=rows.device)
+        for i in range(W):
+            d = (r + i) % W
+            call.buffer(d, torch.int32, (W, L))[r].copy_(mine[d])
+            call.signal_ready(d * F)
+
+    def write(d: int) -> None:
+        region = M.region(call, h, d, r, rows.dtype, rows.shape[1])
+        base = h.send_offsets[d]
+        for g in range(G):
+            experts = M.group_experts(g, L, G)
+            lo, hi = h.within_dest(d, experts.start), h.within_dest(d, experts.stop)
+            if hi > lo:
+                torch.index_select(rows, 0, row_of_send[base + lo : base + hi], out=region[lo:hi])
+                call.signal_ready(d * F + 1 + g)
+
+    def write_peers() -> None:
+        with torch.no_grad():  # (grad mode is per thread; the rows may require grad)
+            for i in range(1, W):  # from rank + 1, so the destinations are not all written by everyone at once
+                write((r + i) % W)
+
+    with torch.no_grad():
+        write(r)  # our own rows first (we multiply them first), on this thread: a failure raises here
+    if rows.is_cuda:  # stream-ordered on the current stream (not yet run on a GPU)
+        write_peers()
+        yield
+        return
+    future = C.copy_engine().submit(write_peers)
+    try:
+        yield
+        C.result(future, h.timeout)
+    finally:
+        C.drain([future])
+
+
+def _read_counts(call, h: M.MoEHandle) -> None:
+    W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
+    F = M.flags_per_peer(W)
+    for s in range(W):
+        call.wait_ready(s, r * F, chunk="counts")
+    h.recv_counts = call.buffer(r, torch.int32, (W, L)).tolist()
+
+
+# ---- symm: consumer side (host loop) -------------------------------------------------------------
+
+
+def _consume(call, h: M.MoEHandle, dtype, cols: int, w):
+    W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
+    F, G = M.flags_per_peer(W), M.expert_groups(L, W)
+    device = h.info.device
+    recv = torch.empty((h.num_recv, cols), dtype=dtype, device=device)
+    out = torch.empty((h.num_recv, w.shape[2]), dtype=dtype, device=device) if w is not None else None
+    for i in range(W):  # our own rows first, then in the order the senders write us
+        s = (r - i) % W
+        region = M.region(call, h, r, s, dtype, cols)
+        for g in range(G):
+            experts = M.group_experts(g, L, G)
+            if not sum(h.recv_counts[s][e] for e in experts):
+                continue
+            call.wait_ready(s, r * F + 1 + g, chunk=f"experts {experts.start}-{experts.stop - 1}")
+            for e in experts:
+                c = h.recv_counts[s][e]
+                if not c:
+                    continue
+                lo, at = h.within_source(s, e), h.expert_offsets[e][s]
+                recv[at : at + c].copy_(region[lo : lo + c])
+                if out is not None:
+                    torch.mm(recv[at : at + c], w[e], out=out[at : at + c])
+    return recv, out
+
+
+# ---- fused: consumer side (Triton grouped GEMM waiting per block) -------------------------------
+
+
+def _consume_fused(call, h: M.MoEHandle, chosen, dtype, cols: int, w, op: str):
+    k = C.kernels()
+    interpreted = C.interpreted()
+    W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
+    F, G = M.flags_per_peer(W), M.expert_groups(L, W)
+    device = h.info.device
+    n = w.shape[2]
+    recv = torch.empty((h.num_recv, cols), dtype=dtype, device=device)
+    out = torch.empty((h.num_recv, n), dtype=dtype, device=device)
+    bm, bn, bk = C.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, interpreted, dtype)
+    tiles = []  # (source, expert, row in the source's region, row in out, rows, flag index)
+    for i in range(W):
+        s = (r - i) % W
+        for e in range(L):
+            c = h.recv_counts[s][e]
+            lo, at = h.within_source(s, e), h.expert_offsets[e][s]
+            for t in range(0, c, bm):
+                tiles.append((s, e, lo + t, at + t, min(bm, c - t), r * F + 1 + M.group_of(e, L, G)))
+    if not tiles:
+        return recv, out
+    table = torch.tensor(tiles, dtype=torch.int32, device=device)
+    heap = call.heap
+    stride = M.region_stride(call, W, L)
+    src_table = heap.region_table(call.slot, r, stride, W, M.header_bytes(W, L))
+    err = heap.kernel_err() if out.is_cuda else torch.zeros(1, dtype=torch.int32)
+    abort = torch.zeros(1, dtype=torch.int32) if interpreted else err
+    guard = C.Watchdog(abort, h.timeout) if interpreted else contextlib.nullcontext()
+    with guard:
+        k.grouped_matmul_wait_kernel[(len(tiles) * C.cdiv(n, bn),)](
+            src_table, heap.flag_table(call.slot, 0), table,
+            w, out, recv,
+            call.word, abort, err, int(h.timeout * 1e9),
+            n, cols,
+            w.stride(0), w.stride(1), w.stride(2),
+            out.stride(0), recv.stride(0),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INTERPRETED=interpreted,
+            UPCAST=interpreted and dtype == torch.bfloat16,
+        )
+    bad = 0 if out.is_cuda else int(err.item())
+    if bad:
+        raise OverlapTimeout(op, r, bad - 1, "an expert block", h.timeout, "fused grouped GEMM wait")
+    return recv, out
+
+
+STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused}

@@ -1,0 +1,177 @@
+"""A dense float64 oracle for the MoE ops, and rank tasks that check every strategy against it.
+
+Every rank rebuilds every rank's inputs from one seed (tokens, routing, weights), so each can run the
+dense computation of the whole group on its own: all experts in one process, float64, plain autograd.
+The ops are checked forward (``x_recv``/``h`` rows, outputs) and backward (tokens, routing weights,
+expert weights); in bf16 the oracle takes the same routing (there are no routers here: routing is an input).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+ROUTINGS = ("balanced", "random", "skewed", "empty", "one")
+
+
+@dataclasses.dataclass
+class Case:
+    tokens: tuple[int, ...]  # tokens per rank
+    hidden: int
+    ffn: int
+    experts: int
+    top_k: int
+    routing: str
+
+
+def routing_for(kind: str, T: int, E: int, K: int, gen: torch.Generator) -> torch.Tensor:
+    """``[T, K]`` expert ids: distinct per token except for "one" (every pair on one expert)."""
+    if T == 0:
+        return torch.empty(0, K, dtype=torch.int64)
+    if kind == "balanced":
+        base = torch.arange(T).unsqueeze(1) * K + torch.arange(K).unsqueeze(0)
+        return base % E if K <= E else base % E
+    if kind == "one":
+        e = int(torch.randint(0, E, (1,), generator=gen))
+        return torch.full((T, K), e, dtype=torch.int64)
+    logits = torch.randn(T, E, generator=gen)
+    if kind == "skewed":  # most tokens pick the first experts
+        logits += torch.linspace(6.0, 0.0, E)
+    if kind == "empty":  # half of the experts (every other one) never chosen
+        logits[:, 1::2] = -1e9 if E >= 2 * K else logits[:, 1::2]
+    return torch.topk(logits, K, dim=1).indices
+
+
+def make_inputs(case: Case, seed: int, world_size: int, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(seed)
+    E, K, H, F = case.experts, case.top_k, case.hidden, case.ffn
+    xs, idxs, weights, grads = [], [], [], []
+    for r in range(world_size):
+        T = case.tokens[r % len(case.tokens)]
+        xs.append(torch.randn(T, H, generator=gen).to(dtype))
+        idxs.append(routing_for(case.routing, T, E, K, gen))
+        w = torch.rand(T, K, generator=gen) + 0.1
+        weights.append(w / w.sum(1, keepdim=True))
+        grads.append(torch.randn(T, H, generator=gen).to(dtype))
+    w1 = (torch.randn(E, H, F, generator=gen) / H**0.5).to(dtype)
+    w2 = (torch.randn(E, F, H, generator=gen) / F**0.5).to(dtype)
+    return xs, idxs, weights, grads, w1, w2
+
+
+def expert_fn(rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    """A row-wise stand-in for an expert (plain dispatch/combine): depends on the expert id."""
+    return rows * (1.0 + 0.25 * expert.to(rows.dtype)).unsqueeze(1) + 0.125 * expert.to(rows.dtype).unsqueeze(1)
+
+
+def dense(xs, idxs, weights, w1, w2, act):
+    """Float64 oracle of ``sum_k w[t,k] * act(x[t] @ w1[e]) @ w2[e]`` for every rank's tokens (autograd-able)."""
+    outs = []
+    for x, idx, wt in zip(xs, idxs, weights, strict=True):
+        T, K = idx.shape
+        y = torch.zeros(T, w2.shape[2], dtype=torch.float64)
+        for k in range(K):
+            e = idx[:, k]
+            hk = torch.bmm(x.unsqueeze(1), w1[e]).squeeze(1)
+            y = y + wt[:, k : k + 1] * torch.bmm(act(hk).unsqueeze(1), w2[e]).squeeze(1)
+        outs.append(y)
+    return outs
+
+
+def expected_rows(xs, idxs, rank: int, L: int) -> tuple[torch.Tensor, list[int]]:
+    """Rows of this rank's experts in expert order (expert, source, token, k) and their global expert ids."""
+    rows, ids = [], []
+    for e in range(rank * L, (rank + 1) * L):
+        for x, idx in zip(xs, idxs, strict=True):
+            for t, k in (idx == e).nonzero().tolist():
+                rows.append(x[t])
+                ids.append(e)
+    H = xs[0].shape[1]
+    return (torch.stack(rows) if rows else torch.empty(0, H, dtype=xs[0].dtype)), ids
+
+
+def tolerances(dtype: torch.dtype) -> dict:
+    # fp32: two chained GEMMs with inner dims <= 64 against float64; bf16: DESIGN.md's 16-bit bound,
+    # scaled by the size of the values (|y| ~ 1 here).
+    return {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 3e-2}
+
+
+def close(what: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, ctx: str) -> None:
+    tol = tolerances(dtype)
+    got64, want64 = got.detach().to(torch.float64), want.detach().to(torch.float64)
+    scale = max(1.0, float(want64.abs().max())) if want64.numel() else 1.0
+    try:
+        torch.testing.assert_close(got64, want64, rtol=tol["rtol"], atol=tol["atol"] * scale)
+    except AssertionError as exc:
+        err = float((got64 - want64).abs().max()) if got64.shape == want64.shape else float("nan")
+        raise AssertionError(f"{ctx}: {what} differs (max error {err:.3g}, shape {tuple(got.shape)}): {exc}") from None
+
+
+def check_moe(rank: int, world_size: int, strategy, dtype: torch.dtype, seed: int, cases: list[Case],
+              forms: tuple[str, ...] = ("plain", "grouped"), act: str = "gelu") -> list[str]:
+    """Every case through the plain ops (dispatch, expert_fn, combine) and the grouped-GEMM ops, forward
+    and backward, against the dense oracle. Returns what was checked."""
+    import overlap
+
+    done = []
+    activation = {"gelu": torch.nn.functional.gelu, "relu": torch.relu}[act]
+    for i, case in enumerate(cases):
+        xs, idxs, weights, grads, w1, w2 = make_inputs(case, seed + i, world_size, dtype)
+        E, K = case.experts, case.top_k
+        L = E // world_size
+        ctx = f"rank {rank}/{world_size} strategy={strategy} dtype={dtype} case={case}"
+        x = xs[rank].clone().requires_grad_(True)
+        wt = weights[rank].clone().requires_grad_(True)
+        want_rows, ids = expected_rows(xs, idxs, rank, L)
+        # Oracle in float64: the loss is sum over ranks of <out_r, g_r>.
+        x64 = [t.to(torch.float64).requires_grad_(True) for t in xs]
+        wt64 = [t.to(torch.float64).requires_grad_(True) for t in weights]
+        w1_64 = w1.to(torch.float64).requires_grad_(True)
+        w2_64 = w2.to(torch.float64).requires_grad_(True)
+        if "plain" in forms:
+            x_recv, handle = overlap.moe.dispatch(x, idxs[rank], E, strategy=_plain(strategy))
+            close("x_recv", x_recv, want_rows, dtype, ctx)
+            assert handle.tokens_per_expert == [ids.count(e) for e in range(rank * L, (rank + 1) * L)], ctx
+            local_ids = torch.tensor(ids, dtype=torch.int64) - 0
+            y = overlap.moe.combine(expert_fn(x_recv, local_ids), wt, handle, strategy=_plain(strategy))
+            # oracle: sum_k w * expert_fn(x, e)
+            outs = []
+            for xr, idx, w in zip(x64, idxs, wt64, strict=True):
+                outs.append(sum(w[:, k : k + 1] * expert_fn(xr, idx[:, k]) for k in range(K)) if K else xr)
+            close("combine output", y, outs[rank], dtype, ctx)
+            y.backward(grads[rank])
+            sum((o * g.to(torch.float64)).sum() for o, g in zip(outs, grads, strict=True)).backward()
+            close("grad x (plain)", x.grad, x64[rank].grad, dtype, ctx)
+            close("grad topk_weights (plain)", wt.grad, wt64[rank].grad, dtype, ctx)
+            done.append(f"plain {case}")
+            x.grad = wt.grad = None
+            for t in (*x64, *wt64):
+                t.grad = None
+        if "grouped" in forms:
+            w1_local = w1[rank * L : (rank + 1) * L].clone().requires_grad_(True)
+            w2_local = w2[rank * L : (rank + 1) * L].clone().requires_grad_(True)
+            h, handle = overlap.moe.dispatch_grouped_matmul(x, idxs[rank], w1_local, E, strategy=strategy)
+            want_h = torch.stack([r.to(torch.float64) @ w1[e].to(torch.float64) for r, e in zip(want_rows, ids,
+                                                                                                strict=True)]) \
+                if ids else torch.empty(0, case.ffn, dtype=torch.float64)
+            close("h", h, want_h, dtype, ctx)
+            y = overlap.moe.grouped_matmul_combine(activation(h), w2_local, wt, handle, strategy=strategy)
+            outs = dense(x64, idxs, wt64, w1_64, w2_64, activation)
+            close("grouped output", y, outs[rank], dtype, ctx)
+            y.backward(grads[rank])
+            sum((o * g.to(torch.float64)).sum() for o, g in zip(outs, grads, strict=True)).backward()
+            close("grad x", x.grad, x64[rank].grad, dtype, ctx)
+            close("grad topk_weights", wt.grad, wt64[rank].grad, dtype, ctx)
+            close("grad w1", w1_local.grad, w1_64.grad[rank * L : (rank + 1) * L], dtype, ctx)
+            close("grad w2", w2_local.grad, w2_64.grad[rank * L : (rank + 1) * L], dtype, ctx)
+            done.append(f"grouped {case}")
+    return done
+
+
+def _plain(strategy):
+    """Plain dispatch/combine have no fused form: a fused run checks them with symm."""
+    import overlap
+
+    if isinstance(strategy, overlap.Plan) and strategy.strategy == "fused":
+        return dataclasses.replace(strategy, strategy="symm")
+    return "symm" if strategy == "fused" else strategy
