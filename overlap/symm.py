@@ -19,9 +19,10 @@ The buffer protocol (DESIGN.md) as implemented here:
   peer's signature with its own, so a disagreement raises `OverlapMismatchError` on every rank,
   on every call, with every signature in the message; nothing else has been exchanged, so the
   group stays usable. A rank whose own arguments are wrong posts a poisoned signature without
-  waiting (``post_only``) and raises; its peers raise at once. Waiting ranks are at most one
-  epoch apart and a post-only rank first waits until its peers are within the ring, so a ring of
-  four entries per rank is never overwritten before it is read.
+  waiting (``post_only``) and raises; its peers raise at once. Such a rank can run several calls
+  ahead, so every call first waits until its peers are within the ring (a peer that posted epoch
+  ``E - 3`` has read every entry of ``E - 4``): a ring of four entries per rank is never
+  overwritten before it is read.
 * **Growth.** All ranks now know the same ``need``; if a slot is smaller, every rank grows
   together (a shared-memory rendezvous on the control pad): new segments are created, mapped by
   every peer, then unlinked at once, so ``/dev/shm`` holds nothing even if a rank is later killed.
@@ -189,9 +190,10 @@ class SymmHeap:
         self.epoch += 1
         epoch = self.epoch
         peers = [p for p in range(self.world_size) if p != self.rank]
-        if epoch > _HS_RING - 1 and post_only:
-            # Only a rank that skips waiting (post_only) can run ahead: do not overwrite a ring
-            # entry a slower peer has yet to read.
+        if epoch > _HS_RING - 1:
+            # A rank that skipped waiting (post_only: its own input was bad) in earlier calls can be
+            # several calls ahead, also in the valid call that follows: never overwrite a ring entry a
+            # slower peer has yet to read (a peer that posted `oldest` has read every entry before it).
             oldest = epoch - _HS_RING + 1
             missing = c.signal_wait_all([self.ctrl_addr(p, _W_HS_EPOCH) for p in peers], oldest, timeout)
             if missing >= 0:

@@ -17,7 +17,7 @@ import time
 
 os.environ["TRITON_INTERPRET"] = "0"
 
-from overlap.kernels import ag_matmul, mm_rs  # noqa: E402
+from overlap.kernels import ag_matmul, mm_rs, moe  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
 
@@ -152,11 +152,62 @@ def compile_reduce_chunks(dtype: str, block: tuple[int, int]) -> dict:
     }
 
 
+def compile_moe_wait(dtype: str, block: tuple[int, int, int]) -> dict:
+    """The dispatch-direction grouped GEMM (`kernels/moe.py`), launched with Triton's defaults."""
+    t0 = time.time()
+    bm, bn, bk = block
+    signature = {
+        "src_table": "*i64", "flag_table": "*i64", "tile_table": "*i32",
+        "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "rows_ptr": f"*{dtype}",
+        "epoch": "i32", "abort_ptr": "*i32", "err_ptr": "*i32", "timeout_ns": "i64",
+        "N": "i32", "K": "i32",
+        "stride_we": "i32", "stride_wk": "i32", "stride_wn": "i32", "stride_om": "i32", "stride_rm": "i32",
+        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "INTERPRETED": "constexpr",
+        "UPCAST": "constexpr",
+    }
+    constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "INTERPRETED": False, "UPCAST": False}
+    ptx, cubin = _compile(moe.grouped_matmul_wait_kernel, signature, constexprs, DEFAULT_OPTIONS)
+    return {
+        "kernel": "grouped_matmul_wait_kernel", "dtype": dtype, "block": list(block),
+        "wgmma": "wgmma.mma_async" in ptx, "wgmma_types": _wgmma_types(ptx),
+        "flag_acquire_sys": _scoped(ptx, "ld", ("acquire",)) or _scoped(ptx, "atom", ("acquire", "acq_rel")),
+        "globaltimer": "%globaltimer" in ptx,
+        "cubin_bytes": cubin, "seconds": round(time.time() - t0, 2),
+    }
+
+
+def compile_moe_scatter(dtype: str, block: tuple[int, int, int]) -> dict:
+    """The combine-direction grouped GEMM (`kernels/moe.py`), launched with Triton's defaults."""
+    t0 = time.time()
+    bm, bn, bk = block
+    fn = moe.grouped_matmul_scatter_kernel
+    signature = {
+        "y_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "tile_table": "*i32",
+        "dst_table": "*i64", "counters_ptr": "*i32", "flag_table": "*i64",
+        "epoch": "i32", "rank": "i32", "N": "i32", "K": "i32",
+        "stride_ym": "i32", "stride_we": "i32", "stride_wk": "i32", "stride_wn": "i32", "stride_dm": "i32",
+        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "UPCAST": "constexpr",
+    }
+    constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST": False}
+    ptx, cubin = _compile(fn, signature, constexprs, DEFAULT_OPTIONS)
+    return {
+        "kernel": "grouped_matmul_scatter_kernel", "dtype": dtype, "block": list(block),
+        "wgmma": "wgmma.mma_async" in ptx, "wgmma_types": _wgmma_types(ptx),
+        "count_acq_rel_sys": _scoped(ptx, "atom", ("acq_rel",)),
+        "flag_release_sys": _scoped(ptx, "atom", ("release",)),
+        "bar_sync": "bar.sync" in ptx or "barrier.sync" in ptx,
+        "debug_barrier": _barrier_at_line(ptx, "moe.py", _source_line(fn, "tl.debug_barrier()")),
+        "cubin_bytes": cubin, "seconds": round(time.time() - t0, 2),
+    }
+
+
 if __name__ == "__main__":
     # fused_tiles' defaults: 128x128x64 for 16-bit types, 128x64x32 for fp32 (TF32 on Hopper)
     report = [compile_ag_matmul("bf16", (128, 128, 64)), compile_ag_matmul("fp16", (128, 128, 64)),
               compile_ag_matmul("fp32", (128, 64, 32)),
               compile_matmul_scatter("bf16", (128, 128, 64)), compile_matmul_scatter("fp16", (128, 128, 64)),
               compile_matmul_scatter("fp32", (128, 64, 32)),
-              compile_reduce_chunks("bf16", (128, 128)), compile_reduce_chunks("fp32", (128, 64))]
+              compile_reduce_chunks("bf16", (128, 128)), compile_reduce_chunks("fp32", (128, 64)),
+              compile_moe_wait("bf16", (128, 128, 64)), compile_moe_wait("fp32", (128, 64, 32)),
+              compile_moe_scatter("bf16", (128, 128, 64)), compile_moe_scatter("fp32", (128, 64, 32))]
     json.dump(report, sys.stdout)

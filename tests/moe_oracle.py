@@ -83,7 +83,7 @@ def expected_rows(xs, idxs, rank: int, L: int) -> tuple[torch.Tensor, list[int]]
     rows, ids = [], []
     for e in range(rank * L, (rank + 1) * L):
         for x, idx in zip(xs, idxs, strict=True):
-            for t, k in (idx == e).nonzero().tolist():
+            for t, _k in (idx == e).nonzero().tolist():
                 rows.append(x[t])
                 ids.append(e)
     H = xs[0].shape[1]
@@ -129,11 +129,11 @@ def check_moe(rank: int, world_size: int, strategy, dtype: torch.dtype, seed: in
         w1_64 = w1.to(torch.float64).requires_grad_(True)
         w2_64 = w2.to(torch.float64).requires_grad_(True)
         if "plain" in forms:
-            x_recv, handle = overlap.moe.dispatch(x, idxs[rank], E, strategy=_plain(strategy))
+            x_recv, handle = overlap.moe.dispatch(x, idxs[rank], E, **_how(_plain(strategy)))
             close("x_recv", x_recv, want_rows, dtype, ctx)
             assert handle.tokens_per_expert == [ids.count(e) for e in range(rank * L, (rank + 1) * L)], ctx
             local_ids = torch.tensor(ids, dtype=torch.int64) - 0
-            y = overlap.moe.combine(expert_fn(x_recv, local_ids), wt, handle, strategy=_plain(strategy))
+            y = overlap.moe.combine(expert_fn(x_recv, local_ids), wt, handle, **_how(_plain(strategy)))
             # oracle: sum_k w * expert_fn(x, e)
             outs = []
             for xr, idx, w in zip(x64, idxs, wt64, strict=True):
@@ -150,12 +150,12 @@ def check_moe(rank: int, world_size: int, strategy, dtype: torch.dtype, seed: in
         if "grouped" in forms:
             w1_local = w1[rank * L : (rank + 1) * L].clone().requires_grad_(True)
             w2_local = w2[rank * L : (rank + 1) * L].clone().requires_grad_(True)
-            h, handle = overlap.moe.dispatch_grouped_matmul(x, idxs[rank], w1_local, E, strategy=strategy)
+            h, handle = overlap.moe.dispatch_grouped_matmul(x, idxs[rank], w1_local, E, **_how(strategy))
             want_h = torch.stack([r.to(torch.float64) @ w1[e].to(torch.float64) for r, e in zip(want_rows, ids,
                                                                                                 strict=True)]) \
                 if ids else torch.empty(0, case.ffn, dtype=torch.float64)
             close("h", h, want_h, dtype, ctx)
-            y = overlap.moe.grouped_matmul_combine(activation(h), w2_local, wt, handle, strategy=strategy)
+            y = overlap.moe.grouped_matmul_combine(activation(h), w2_local, wt, handle, **_how(strategy))
             outs = dense(x64, idxs, wt64, w1_64, w2_64, activation)
             close("grouped output", y, outs[rank], dtype, ctx)
             y.backward(grads[rank])
@@ -175,3 +175,8 @@ def _plain(strategy):
     if isinstance(strategy, overlap.Plan) and strategy.strategy == "fused":
         return dataclasses.replace(strategy, strategy="symm")
     return "symm" if strategy == "fused" else strategy
+
+
+def _how(strategy) -> dict:
+    """``strategy=`` for a name, ``plan=`` for an `overlap.Plan`."""
+    return {"strategy": strategy} if isinstance(strategy, str) else {"plan": strategy}

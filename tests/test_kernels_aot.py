@@ -59,3 +59,26 @@ def test_reduce_chunks_compiles_for_sm90_with_bounded_acquire_wait(report):
         assert r["flag_acquire_sys"], f"the flag wait is not a system-scope acquire: {r}"
         assert r["globaltimer"], f"the bounded wait does not read %globaltimer: {r}"
         assert r["cubin_bytes"] > 0, r
+
+
+def test_moe_wait_kernel_compiles_for_sm90_with_wgmma_and_bounded_acquire_wait(report):
+    rows = _of(report, "grouped_matmul_wait_kernel")
+    assert {r["dtype"] for r in rows} == {"bf16", "fp32"}
+    wgmma_type = {"bf16": "bf16", "fp32": "tf32"}
+    for r in rows:
+        assert r["wgmma"] and r["wgmma_types"] == [wgmma_type[r["dtype"]]], f"GEMM not on wgmma {r['dtype']}: {r}"
+        assert r["flag_acquire_sys"], f"the block's flag wait is not a system-scope acquire: {r}"
+        assert r["globaltimer"], f"the bounded wait does not read %globaltimer: {r}"
+        assert r["cubin_bytes"] > 0, r
+
+
+def test_moe_scatter_kernel_compiles_for_sm90_with_wgmma_and_release_flags(report):
+    rows = _of(report, "grouped_matmul_scatter_kernel")
+    assert {r["dtype"] for r in rows} == {"bf16", "fp32"}
+    wgmma_type = {"bf16": "bf16", "fp32": "tf32"}
+    for r in rows:
+        assert r["wgmma"] and r["wgmma_types"] == [wgmma_type[r["dtype"]]], f"GEMM not on wgmma {r['dtype']}: {r}"
+        assert r["count_acq_rel_sys"], f"the tile count is not a system-scope acq_rel atomic: {r}"
+        assert r["flag_release_sys"], f"the flag is not published by a system-scope release: {r}"
+        assert r["bar_sync"] and r["debug_barrier"], f"no CTA barrier (tl.debug_barrier) before the count: {r}"
+        assert r["cubin_bytes"] > 0, r

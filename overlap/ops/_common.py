@@ -8,6 +8,7 @@ import functools
 import math
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -273,11 +274,19 @@ def wait_work(work, op: str, rank: int, peer: int | str, chunk: int | str, timeo
 
 
 def _blame(info: world.GroupInfo | None, peer: int | str) -> int | str:
-    """`peer`, or where it is not one rank ("any") the first peer of this node whose process is gone."""
+    """`peer`, or where it is not one rank ("any") the first peer of this node whose process is gone.
+
+    A killed peer's sockets close while its process is still being torn down, so the backend can
+    report the closed connection a moment before the process shows as gone: look again for up to a
+    second (this runs on an error path only)."""
     if info is None or isinstance(peer, int):
         return peer
-    gone = info.gone_peers()
-    return gone[0] if gone else peer
+    deadline = time.monotonic() + 1.0
+    while True:
+        gone = info.gone_peers()
+        if gone or time.monotonic() > deadline:
+            return gone[0] if gone else peer
+        time.sleep(0.05)
 
 
 # ----------------------------------------------------------------------------------------------

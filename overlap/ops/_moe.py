@@ -304,17 +304,24 @@ def group_experts(g: int, num_local_experts: int, num_groups: int) -> range:
 
 
 def signature(op: str, hidden: int, out: int | None, num_experts: int, top_k: int, dtype: torch.dtype,
-              chosen: Plan, info: world.GroupInfo) -> str:
-    """The call signature: everything ranks must agree on (token counts may differ, so they are not in it)."""
+              chosen: Plan, info: world.GroupInfo, grads: tuple[Any, ...] = ()) -> str:
+    """The call signature: everything ranks must agree on (token counts may differ, so they are not in it).
+
+    `grads`: the tensors whose gradients the backward computes; whether each requires grad is part of the
+    signature, since the backward communicates only where autograd calls it (ranks that disagree would
+    leave each other waiting in the backward: they raise in the forward instead)."""
     cols = f"h={hidden}" + (f"->{out}" if out is not None else "")
+    flags = "".join(str(int(torch.is_grad_enabled() and isinstance(t, torch.Tensor) and t.requires_grad))
+                    for t in grads)
     return (f"{op}({cols}, experts={num_experts}, top_k={top_k}, {str(dtype).removeprefix('torch.')}, "
-            f"plan={chosen.describe()}, ring={info.slowest_link})")
+            f"plan={chosen.describe()}, ring={info.slowest_link}{', grads=' + flags if grads else ''})")
 
 
-def call_signature(op: str, h: MoEHandle, rows: torch.Tensor, w: torch.Tensor | None, chosen: Plan) -> str:
+def call_signature(op: str, h: MoEHandle, rows: torch.Tensor, w: torch.Tensor | None, chosen: Plan,
+                   grads: tuple[Any, ...] = ()) -> str:
     """`signature` of a call that follows a dispatch (a combine, a backward)."""
     return signature(op, rows.shape[1], None if w is None else w.shape[2], h.num_experts, h.top_k, rows.dtype,
-                     chosen, h.info)
+                     chosen, h.info, grads)
 
 
 def exchange_counts(handle: MoEHandle, pg, op: str) -> None:

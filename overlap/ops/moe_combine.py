@@ -31,6 +31,7 @@ Concurrency and aliasing: as `overlap.ops.moe_dispatch`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -63,7 +64,7 @@ def combine(y_recv: torch.Tensor, topk_weights: torch.Tensor, handle: M.MoEHandl
         TypeError / ValueError: shapes that do not match the handle, dtypes, devices, plan; on this rank
             before any data moves, peers raise at once. OverlapMismatchError, OverlapTimeout: as elsewhere.
     """
-    y, w, chosen, sig = _prepare(OP_COMBINE, y_recv, None, topk_weights, handle, strategy, plan, timeout)
+    y, _, handle, chosen, sig = _prepare(OP_COMBINE, y_recv, None, topk_weights, handle, strategy, plan, timeout)
     with C.record(f"moe.{OP_COMBINE}"):
         back = _ToSources.apply(y, handle, chosen, sig)
         return M.weighted_sum(back, topk_weights, y.dtype)
@@ -83,7 +84,7 @@ def grouped_matmul_combine(h: torch.Tensor, w2, topk_weights: torch.Tensor, hand
 
     Raises: as `combine`; also for a `w2` of the wrong shape, dtype or device.
     """
-    y, w2, chosen, sig = _prepare(OP_MM_COMBINE, h, w2, topk_weights, handle, strategy, plan, timeout)
+    y, w2, handle, chosen, sig = _prepare(OP_MM_COMBINE, h, w2, topk_weights, handle, strategy, plan, timeout)
     with C.record(f"moe.{OP_MM_COMBINE}"), torch.autocast(handle.info.device.type, enabled=False):
         back = _ToSourcesMM.apply(y, w2, handle, chosen, sig)
     return M.weighted_sum(back, topk_weights, y.dtype)
@@ -115,12 +116,12 @@ def _prepare(op, y, w, topk_weights, handle, strategy, plan, timeout):
             w = M.check_weights(op, w, L, y.shape[1], y.dtype, y.device, "w2")
         _check_weights_of_topk(op, topk_weights, handle, info.device)
         chosen = M.resolve_plan(op, strategy, plan, info, handle.num_tokens, y.dtype, allow_fused=w is not None)
-        sig = M.call_signature(f"moe.{op}", handle, y, w, chosen)
+        sig = M.call_signature(f"moe.{op}", handle, y, w, chosen, grads=(y, w))
     except (TypeError, ValueError) as exc:
         M.fail_fast(f"moe.{op}", pg, info, exc, timeout)
-    if timeout != handle.timeout:
-        handle = _with_timeout(handle, timeout)
-    return y, w, chosen, sig
+    if timeout != handle.timeout:  # this call's deadline (and its backward's); the dispatch keeps its own
+        handle = dataclasses.replace(handle, timeout=timeout)
+    return y, w, handle, chosen, sig
 
 
 def _check_weights_of_topk(op: str, topk_weights: Any, handle: M.MoEHandle, device: torch.device) -> None:
@@ -133,11 +134,6 @@ def _check_weights_of_topk(op: str, topk_weights: Any, handle: M.MoEHandle, devi
                          f"top_k={handle.top_k}] as in the dispatch, got {C.describe(topk_weights)}")
     if topk_weights.device != device:
         raise ValueError(f"overlap.moe.{op}: topk_weights is on {topk_weights.device}, the group computes on {device}")
-
-
-def _with_timeout(handle: M.MoEHandle, timeout: float) -> M.MoEHandle:
-    handle.timeout = timeout  # this call's deadline; the backward of this combine keeps it too
-    return handle
 
 
 class _ToSources(torch.autograd.Function):

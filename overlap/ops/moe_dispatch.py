@@ -119,7 +119,7 @@ def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout):
         chosen = M.resolve_plan(op, strategy, plan, info, x.shape[0], x.dtype, allow_fused=w is not None)
         order, send_counts = M.route(op, topk_idx, num_experts, info.world_size)
         sig = M.signature(f"moe.{op}", x.shape[1], None if w is None else w.shape[2], num_experts, topk_idx.shape[1],
-                          x.dtype, chosen, info)
+                          x.dtype, chosen, info, grads=(x, w))
     except (TypeError, ValueError) as exc:
         M.fail_fast(f"moe.{op}", pg, info, exc, timeout)
     handle = M.MoEHandle(pg, info, num_experts, L, topk_idx.shape[1], x.shape[0], send_counts, order, chosen,
