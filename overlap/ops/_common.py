@@ -383,8 +383,9 @@ def exchange_chunked(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
     waits each work (the send too: its buffer must outlive it) naming its own peer. A backend error
     while posting (a peer already gone) becomes an `OverlapError` naming the op, this rank and both peers.
     """
-    send_bounds = chunk_bounds(send.shape[0], chosen.chunks_for(info.link_class(dst)))
-    recv_bounds = chunk_bounds(recv.shape[0], chosen.chunks_for(info.link_class(src)))
+    # An empty transfer posts nothing (both ends know it is empty: NCCL need not see zero-size messages).
+    send_bounds = chunk_bounds(send.shape[0], chosen.chunks_for(info.link_class(dst))) if send.shape[0] else []
+    recv_bounds = chunk_bounds(recv.shape[0], chosen.chunks_for(info.link_class(src))) if recv.shape[0] else []
     posted = []
     for j in range(max(len(send_bounds), len(recv_bounds))):
         ops, peers = [], []
