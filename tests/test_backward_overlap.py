@@ -18,7 +18,19 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from tp_oracle import AGM, MAR, MRS, assert_bitwise, b_of, call, compare, forward_backward, name_of, oracle
+from tp_oracle import (
+    AGM,
+    MAR,
+    MRS,
+    assert_bitwise,
+    b_of,
+    call,
+    check_fp32,
+    compare,
+    forward_backward,
+    name_of,
+    oracle,
+)
 
 # ----------------------------------------------------------------------------------------------
 # (a) Bitwise determinism: same inputs and plan, same bits, also after other calls on the group
@@ -187,9 +199,10 @@ def mixed_back_to_back(rank, world_size, seed, calls):
     done = 0
 
     def finish(entry):
-        ctx, y, a, param, layout, g, want = entry
+        ctx, y, a, param, layout, g, want, scale = entry
         y.backward(g)
-        compare(ctx, [y.detach(), a.grad, b_of(param.grad, layout)], want, torch.float32)
+        # against float64 with the rounding bound of long sums (k=100 on 4 ranks rounds past 1e-5)
+        check_fp32(ctx, [y.detach(), a.grad, b_of(param.grad, layout)], want, scale, world_size)
 
     for i in range(calls):
         op = [AGM, MRS, MAR][i % 3]
@@ -199,11 +212,12 @@ def mixed_back_to_back(rank, world_size, seed, calls):
         k = rng.choice([8, 24] if fused else [8, 24, 100])
         case = (rows, rng.choice([(), (2,)]), k, rng.choice([5, 32]), rng.choice(["contiguous", "weight.t()"]))
         inputs, want = oracle(op, seed + i, world_size, case, torch.float32)
+        _, scale = oracle(op, seed + i, world_size, case, torch.float32, magnitudes=True)
         a, param, g = inputs[rank]
         a, param = a.clone().requires_grad_(), param.clone().requires_grad_()
         y = call(op, a, b_of(param, case[-1]), plan)
         ctx = f"call {i}: {op} rank {rank}/{world_size} {name_of(plan)} a={tuple(a.shape)} case={case} seed={seed + i}"
-        pending.append((ctx, y, a, param, case[-1], g, want[rank]))
+        pending.append((ctx, y, a, param, case[-1], g, want[rank], scale[rank]))
         # Backwards run late and out of order: a later call's forward comes before this call's backward.
         while pending and rng.random() < 0.5:
             finish(pending.pop(rng.randrange(len(pending))))

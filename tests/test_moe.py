@@ -175,6 +175,30 @@ def test_bitwise_repeatable(pools, seed):
     pools(2).run(determinism, seed, timeout=120)
 
 
+def strided_task(rank, world_size, seed):
+    """Views with any strides (transposed tokens, rows, weights) give what contiguous inputs give."""
+    import overlap
+
+    case = Case((7, 4), 16, 24, 2 * world_size, 2, "random")
+    xs, idxs, weights, _, w1, w2 = make_inputs(case, seed, world_size, torch.float32)
+    L = case.experts // world_size
+    a, b = w1[rank * L : (rank + 1) * L], w2[rank * L : (rank + 1) * L]
+    a_t, b_t = a.transpose(1, 2).contiguous().transpose(1, 2), b.transpose(1, 2).contiguous().transpose(1, 2)
+    x_t = xs[rank].t().contiguous().t()
+    h, handle = overlap.moe.dispatch_grouped_matmul(xs[rank], idxs[rank], a, case.experts, strategy="reference")
+    want = overlap.moe.grouped_matmul_combine(h, b, weights[rank], handle, strategy="reference")
+    for strategy in ("pipelined", "symm", "fused"):
+        h2, handle2 = overlap.moe.dispatch_grouped_matmul(x_t, idxs[rank], a_t, case.experts, strategy=strategy)
+        torch.testing.assert_close(h2, h, rtol=1e-5, atol=1e-5)
+        y = overlap.moe.grouped_matmul_combine(h2.t().contiguous().t(), b_t, weights[rank], handle2, strategy=strategy)
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5, msg=lambda m, s=strategy: f"{s}: {m}")
+    return True
+
+
+def test_strided_inputs(pools, seed):
+    pools(2).run(strided_task, seed, timeout=120)
+
+
 # ----------------------------------------------------------------------------------------------
 # Bad input, disagreement
 # ----------------------------------------------------------------------------------------------

@@ -281,6 +281,7 @@ def _symm(call, h, chosen, y, w, op, between):
 def _fused(call, h, chosen, y, w, op, between):
     k = C.kernels()
     interpreted = C.interpreted()
+    y = y.contiguous()  # the kernel reads rows with unit column stride
     cols = w.shape[2]
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
     F, G = M.flags_per_peer(W), M.expert_groups(L, W)
