@@ -27,9 +27,19 @@ layouts of ``matmul_reduce_scatter``, two-shot and one-shot ``matmul_all_reduce`
 sums: ordered (two calls back to back), racing (reductions spin first), a source that never signals
 (the reduction's bounded wait fires); timings of rank 0's scatter + reduction against ``torch.mm``
 plus ``torch.sum`` (Llama-3-70B TP=8 row-parallel shapes, W=8 virtual ranks).
+Then (``gpu_check_moe.py``) g. the fused MoE kernels (``kernels/moe.py``) with the MoE ops' slot layout
+(a header of counts, one region per source, a flag per (peer, expert group)) and a host-built routing
+(uneven top-k loads and token counts, an expert nobody picks, expert groups of two experts): the
+dispatch direction's grouped GEMM that waits per block (ordered, racing copies flagged later from
+another stream, a block never flagged) and the combine direction's grouped GEMM that stores into the
+sources' regions and releases a flag per block (ordered twice on the same slots, racing against the
+sources' bounded waits; flags at the epoch, counters back at 0); rows bitwise, GEMMs against float64.
+Timings: both kernels against one ``torch.mm`` per expert (and ``torch._grouped_mm``) on Mixtral-8x7B
+and DeepSeek-V3 EP=8 shapes, 4096 tokens per rank.
 
 Several GPUs (torchrun, WORLD_SIZE > 1): every strategy of every op in `build_ops`
-(``all_gather_matmul``, ``matmul_reduce_scatter``, ``matmul_all_reduce`` two-shot and one-shot)
+(``all_gather_matmul``, ``matmul_reduce_scatter``, ``matmul_all_reduce`` two-shot and one-shot, the MoE
+``dispatch``, ``dispatch`` + ``combine``, ``dispatch_grouped_matmul`` and it + ``grouped_matmul_combine``)
 against ``reference`` and float64, forward and backward, then timings of each strategy and of
 torch's own ``symm_mem.fused_all_gather_matmul`` where it exists.
 
@@ -141,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ensure_installed(args)  # may re-exec this script
     # overlap, and the sibling modules that import it, only now: after the self-install, with TRITON_INTERPRET set
     from gpu_check_dist import run_distributed
+    from gpu_check_moe import run_moe_virtual
     from gpu_check_tp import run_tp_virtual
     from gpu_check_virtual import Device, run_virtual
 
@@ -161,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         dev = Device(torch.device("cpu"), rep)
         run_virtual(rep, dev)
         run_tp_virtual(rep, dev)
+        run_moe_virtual(rep, dev)
     elif not torch.cuda.is_available():
         rep.add("gpu", "FAIL", "no CUDA device (use --cpu-smoke for the CPU checks)")
     else:
@@ -171,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             dev = Device(torch.device("cuda", torch.cuda.current_device()), rep)
             run_virtual(rep, dev)
             run_tp_virtual(rep, dev)
+            run_moe_virtual(rep, dev)
     if rep.rank == 0:
         out_dir = os.environ.get("OUT")
         path = args.json or (os.path.join(out_dir, "gpu_check.json") if out_dir else "gpu_check.json")

@@ -286,3 +286,12 @@ def all_reduce_shapes(tp: int, one_shot: bool) -> list[tuple[str, dict[str, int]
     if one_shot:
         return [(f"llama3-70b-tp{tp} down decode", {"m": 128, "k": ffn // tp, "n": hidden})]
     return [(f"llama3-70b-tp{tp} down prefill", {"m": 8192, "k": ffn // tp, "n": hidden})]
+
+
+def moe_shapes(ep: int) -> list[tuple[str, dict[str, int]]]:
+    """Expert-parallel MoE shapes over `ep` ranks, 4096 tokens per rank (``t``): Mixtral-8x7B (hidden 4096,
+    ffn 14336, 8 experts, top-2) and DeepSeek-V3 (hidden 7168, expert ffn 2048, 256 routed experts, top-8).
+    ``h`` hidden, ``f`` the expert ffn, ``e`` the experts, ``k`` top-k; only shapes whose experts divide by `ep`."""
+    shapes = [(f"mixtral-8x7b-ep{ep}", {"t": 4096, "h": 4096, "f": 14336, "e": 8, "k": 2}),
+              (f"deepseek-v3-ep{ep}", {"t": 4096, "h": 7168, "f": 2048, "e": 256, "k": 8})]
+    return [(label, s) for label, s in shapes if s["e"] % ep == 0]

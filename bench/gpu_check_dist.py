@@ -1,15 +1,17 @@
 """Several GPUs under torchrun (WORLD_SIZE > 1): every strategy of every op in `build_ops`
-(`all_gather_matmul`, `matmul_reduce_scatter`, `matmul_all_reduce` two-shot and one-shot) against
-``reference``, forward and backward, then timings of each strategy and of torch's own
-``symm_mem.fused_all_gather_matmul`` where it exists. With ``--cpu-smoke`` the same runs over gloo on the
-CPU at tiny sizes.
+(`all_gather_matmul`, `matmul_reduce_scatter`, `matmul_all_reduce` two-shot and one-shot; the MoE ops:
+``dispatch`` alone, ``dispatch`` + ``combine``, ``dispatch_grouped_matmul`` alone and followed by
+``grouped_matmul_combine``, each MoE pair with one strategy) against ``reference``, forward and backward,
+then timings of each strategy and of torch's own ``symm_mem.fused_all_gather_matmul`` where it exists.
+With ``--cpu-smoke`` the same runs over gloo on the CPU at tiny sizes.
 
 A check runs the op with `reference` once more in float64, and once in float64 on the inputs' absolute
 values: the exact result and, for every output element, the sum of the magnitudes of the terms it adds
 up. Both the strategy's and `reference`'s results must lie within the rounding bound that sum gives
 (`gpu_check_common.compare_bound`): reductions round at different places in different strategies (NCCL
 and gloo add 16-bit partials in 16 bits, the overlapped strategies in fp32), so a tolerance relative to
-`reference` alone would fail where terms cancel.
+`reference` alone would fail where terms cancel. Every op is multilinear in its floating inputs (the MoE
+cases apply no activation); integer inputs (``topk_idx``) are passed through as they are.
 
 Imports overlap: the entry point imports this module only after its self-install.
 """
@@ -35,6 +37,7 @@ from gpu_check_common import (
     compare_bound,
     dtype_name,
     fmt_shape,
+    moe_shapes,
     poll,
     row_parallel_shapes,
 )
@@ -58,6 +61,7 @@ class OpCase:
     smoke_shapes: tuple[dict[str, int], ...]  # CPU (gloo, interpreted fused): tiny
     bench_shapes: Callable[[int], list[tuple[str, dict[str, int]]]]  # world size -> labelled shapes
     native: Callable[[tuple[torch.Tensor, ...], Any], Callable[[], torch.Tensor] | str] | None = None
+    strategies: tuple[str, ...] = overlap.STRATEGIES  # the plain MoE ops have no fused form
 
 
 def _ag_inputs(shape: dict[str, int], dtype: torch.dtype, device: torch.device,
@@ -117,6 +121,84 @@ def _torch_fused_all_gather_matmul(inputs: tuple[torch.Tensor, ...], group: Any)
     return lambda: op(*args, **kwargs)[1][0]
 
 
+def _moe_inputs(shape: dict[str, int], dtype: torch.dtype, device: torch.device,
+                world_size: int) -> dict[str, torch.Tensor]:
+    """The MoE ops' inputs: ``x [T, H], topk_idx [T, K], scale [L], w1 [L, H, F], w2 [L, F, H],
+    topk_weights [T, K]``.
+
+    ``t`` tokens plus ``5 * (rank % 3)`` (uneven between ranks), ``h`` hidden, ``f`` the expert ffn, ``e``
+    experts (rounded up to a multiple of the world size), top-``k``. With ``skew``: a ramp on the routing
+    logits (uneven loads) and expert 1 never picked; else uniform random routing. ``w2`` is a transposed view
+    (any strides are allowed); ``scale`` is a per-expert factor standing in for the plain ops' experts."""
+    import torch.distributed as dist
+
+    T, H, F, K = shape["t"] + 5 * (dist.get_rank() % 3), shape["h"], shape["f"], shape["k"]
+    E = -(-shape["e"] // world_size) * world_size
+    L = E // world_size
+    logits = torch.randn(T, E, device=device)
+    if shape.get("skew"):
+        logits += torch.linspace(2.0, 0.0, E, device=device)
+        logits[:, 1] = -math.inf
+    topk_idx = torch.topk(logits, K, dim=1).indices
+    x = torch.randn(T, H, device=device, dtype=dtype)
+    scale = (torch.rand(L, device=device) + 0.5).to(dtype)
+    w1 = (torch.randn(L, H, F, device=device) / math.sqrt(H)).to(dtype)
+    w2 = (torch.randn(L, H, F, device=device) / math.sqrt(F)).to(dtype).transpose(1, 2)
+    topk_weights = torch.softmax(torch.randn(T, K, device=device), dim=1).to(dtype)
+    return {"x": x, "topk_idx": topk_idx, "scale": scale, "w1": w1, "w2": w2, "topk_weights": topk_weights}
+
+
+def _num_experts(local: torch.Tensor) -> int:
+    import torch.distributed as dist
+
+    return local.shape[0] * dist.get_world_size()
+
+
+def _per_row(scale: torch.Tensor, handle: Any) -> torch.Tensor:
+    """``scale[e]`` for every row of local expert ``e`` (expert order), as a column."""
+    counts = torch.tensor(handle.tokens_per_expert, device=scale.device)
+    return scale.repeat_interleave(counts).unsqueeze(1)
+
+
+def _moe_dispatch(x, topk_idx, scale, strategy: str, timeout: float) -> torch.Tensor:
+    x_recv, handle = overlap.moe.dispatch(x, topk_idx, _num_experts(scale), strategy=strategy, timeout=timeout)
+    return x_recv * _per_row(scale, handle)
+
+
+def _moe_combine(x, topk_idx, scale, topk_weights, strategy: str, timeout: float) -> torch.Tensor:
+    """dispatch, a per-expert scale, combine: both with `strategy`."""
+    x_recv, handle = overlap.moe.dispatch(x, topk_idx, _num_experts(scale), strategy=strategy, timeout=timeout)
+    return overlap.moe.combine(x_recv * _per_row(scale, handle), topk_weights, handle, strategy=strategy,
+                               timeout=timeout)
+
+
+def _moe_dispatch_mm(x, topk_idx, w1, strategy: str, timeout: float) -> torch.Tensor:
+    return overlap.moe.dispatch_grouped_matmul(x, topk_idx, w1, _num_experts(w1), strategy=strategy,
+                                               timeout=timeout)[0]
+
+
+def _moe_mlp(x, topk_idx, w1, w2, topk_weights, strategy: str, timeout: float) -> torch.Tensor:
+    """dispatch_grouped_matmul, then grouped_matmul_combine (no activation): both with `strategy`."""
+    h, handle = overlap.moe.dispatch_grouped_matmul(x, topk_idx, w1, _num_experts(w1), strategy=strategy,
+                                                    timeout=timeout)
+    return overlap.moe.grouped_matmul_combine(h, w2, topk_weights, handle, strategy=strategy, timeout=timeout)
+
+
+def _moe_case(fn: Callable[..., torch.Tensor], names: tuple[str, ...], gemms: int, fused: bool) -> OpCase:
+    """A MoE op of the inputs `names` (of `_moe_inputs`); `gemms` expert GEMMs per routed pair (flops:
+    ``2 * t * k * h * f`` each)."""
+    return OpCase(
+        fn=fn,
+        inputs=lambda *args: tuple(_moe_inputs(*args)[n] for n in names),
+        flops=lambda s, w: 2.0 * gemms * s["t"] * s["k"] * s["h"] * s["f"],
+        check_shapes=({"t": 512, "h": 1024, "f": 768, "e": 16, "k": 2, "skew": 1},
+                      {"t": 300, "h": 1000, "f": 300, "e": 8, "k": 3, "skew": 1}),
+        smoke_shapes=({"t": 8, "h": 32, "f": 24, "e": 4, "k": 2, "skew": 1},),
+        bench_shapes=moe_shapes,
+        strategies=overlap.STRATEGIES if fused else tuple(s for s in overlap.STRATEGIES if s != "fused"),
+    )
+
+
 def build_ops() -> dict[str, OpCase]:
     return {
         "all_gather_matmul": OpCase(
@@ -152,6 +234,12 @@ def build_ops() -> dict[str, OpCase]:
             smoke_shapes=({"m": 9, "k": 32, "n": 24},),
             bench_shapes=lambda tp: all_reduce_shapes(tp, one_shot=True),
         ),
+        "moe.dispatch": _moe_case(_moe_dispatch, ("x", "topk_idx", "scale"), gemms=0, fused=False),
+        "moe.dispatch+combine": _moe_case(_moe_combine, ("x", "topk_idx", "scale", "topk_weights"), gemms=0,
+                                          fused=False),
+        "moe.dispatch_grouped_matmul": _moe_case(_moe_dispatch_mm, ("x", "topk_idx", "w1"), gemms=1, fused=True),
+        "moe.dispatch_grouped_matmul+grouped_matmul_combine": _moe_case(
+            _moe_mlp, ("x", "topk_idx", "w1", "w2", "topk_weights"), gemms=2, fused=True),
     }
 
 
@@ -230,33 +318,36 @@ def dist_check(d: Dist, name: str, case: OpCase, shape: dict[str, int], strategy
     """`strategy` and `reference` against the float64 result on fresh inputs: the output and the gradients
     of every input, each within its rounding bound (see the module docstring)."""
     inputs = case.inputs(shape, dtype, d.device, d.world_size)
+    floating = [i for i, t in enumerate(inputs) if t.is_floating_point()]  # topk_idx is passed as it is
 
     def forward_backward(strat: str, xs: tuple[torch.Tensor, ...], grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        leaves = [t.detach().clone().requires_grad_(True) for t in xs]
+        leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in xs]
         y = case.fn(*leaves, strategy=strat, timeout=d.timeout)
         y.backward(grad)
-        return (y.detach(), *[t.grad for t in leaves])
+        return (y.detach(), *[leaves[i].grad for i in floating])
+
+    def as_double(xs: tuple[torch.Tensor, ...], magnitude: bool) -> tuple[torch.Tensor, ...]:
+        return tuple((t.double().abs() if magnitude else t.double()) if t.is_floating_point() else t for t in xs)
 
     with torch.no_grad():
         grad = torch.randn_like(case.fn(*inputs, strategy="reference", timeout=d.timeout))
     got = forward_backward(strategy, inputs, grad)
     ref = forward_backward("reference", inputs, grad)
-    # The op is bilinear in (inputs, grad): in float64 on the absolute values it sums every term's magnitude.
-    exact = forward_backward("reference", tuple(t.double() for t in inputs), grad.double())
-    terms = forward_backward("reference", tuple(t.double().abs() for t in inputs), grad.double().abs())
+    # The op is multilinear in (inputs, grad): in float64 on the absolute values it sums every term's magnitude.
+    exact = forward_backward("reference", as_double(inputs, False), grad.double())
+    terms = forward_backward("reference", as_double(inputs, True), grad.double().abs())
     # Each result is a sum of products over an inner dim of at most `depth` terms (fp32 accumulation) and
     # rounds at most world_size + 1 times across ranks (a partial stored, each reduction step, the result).
     depth = max(max(t.shape) for t in inputs) * d.world_size
     per_term = (d.world_size + 2) * UNIT_ROUNDOFF[dtype] + 2 * (depth + 2) * FP32_ACCUMULATE
     ok, worst, worst_ref, parts = True, 0.0, 0.0, []
-    for label, g, r, x, s in zip(("out", *[f"grad{i}" for i in range(len(inputs))]), got, ref, exact, terms,
-                                 strict=True):
+    for label, g, r, x, s in zip(("out", *[f"grad{i}" for i in floating]), got, ref, exact, terms, strict=True):
         bound = per_term * s * 1.01 + 1e-30
         good, max_err, rel = compare_bound(g, x, bound, BLOCK_RTOL[dtype])
         good_ref, max_ref, _ = compare_bound(r, x, bound, BLOCK_RTOL[dtype])
         if not good_ref:
             parts.append(f"{label}: reference itself off ({max_ref:.1e})")
-        vs_ref = compare(g, r.double())[1]
+        vs_ref = compare(g, r.double())[1] if g.numel() else 0.0  # (a rank whose experts got no rows)
         ok = ok and good and good_ref
         worst = max(worst, max_err if math.isfinite(max_err) else math.inf)
         worst_ref = max(worst_ref, vs_ref if math.isfinite(vs_ref) else math.inf)
@@ -273,7 +364,7 @@ def dist_time(d: Dist, label: str, case: OpCase, shape: dict[str, int], dtype: t
     inputs = case.inputs(shape, dtype, d.device, d.world_size)
     flops = case.flops(shape, d.world_size)
     times: dict[str, float] = {}
-    for strategy in overlap.STRATEGIES:
+    for strategy in case.strategies:
         with torch.no_grad():
             t = d.time_calls(lambda s=strategy: case.fn(*inputs, strategy=s, timeout=d.timeout), iters)
         t = max(d.slowest(t), 1e-9)  # the slowest rank's median
@@ -305,7 +396,7 @@ def run_distributed(rep: Report, cpu_smoke: bool) -> Dist:
     rep.log(f"{d.world_size} ranks on {d.device.type}, {dtype_name(dtype)}")
     for op_name, case in build_ops().items():
         for shape in case.smoke_shapes if cpu_smoke else case.check_shapes:
-            for strategy in overlap.STRATEGIES:
+            for strategy in case.strategies:
                 name = f"{op_name} {strategy} fwd+bwd W={d.world_size} {fmt_shape(shape)}"
                 d.run(name, lambda n=name, c=case, s=shape, st=strategy: dist_check(d, n, c, s, st, dtype))
         bench = [("tiny", case.smoke_shapes[0])] if cpu_smoke else case.bench_shapes(d.world_size)

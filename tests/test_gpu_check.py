@@ -1,6 +1,7 @@
 """Tests of bench/gpu_check.py without a GPU: its --help, and its --cpu-smoke mode, which runs the
-virtual-rank checks under the Triton interpreter (one process: the all-gather kernel, checks a-c, and
-the reduce-scatter kernels, checks f) and every op x strategy over gloo (two ranks under torchrun).
+virtual-rank checks under the Triton interpreter (one process: the all-gather kernel, checks a-c, the
+reduce-scatter kernels, checks f, and the MoE grouped-GEMM kernels, checks g) and every op x strategy over
+gloo (two ranks under torchrun).
 Every run is a subprocess with a timeout: no test hangs.
 """
 
@@ -61,9 +62,17 @@ def test_cpu_smoke_virtual_ranks(tmp_path):
         assert [s for n, s in fused.items() if n.startswith(prefix)] == ["PASS"] * count, fused
     timeout = next(r for r in doc["results"] if r["name"].startswith("f.rs timeout"))
     assert "bounded wait fired" in timeout["value"] and "err=2" in timeout["value"]
+    # the MoE kernels: dispatch (wait kernel) and combine (scatter kernel) directions
+    moe = {n: s for n, s in status.items() if n.startswith("g.moe ")}
+    for prefix, count in (("g.moe dispatch ordered", 3), ("g.moe dispatch racing", 1), ("g.moe dispatch timeout", 1),
+                          ("g.moe combine ordered", 3), ("g.moe combine racing", 1)):
+        assert [s for n, s in moe.items() if n.startswith(prefix)] == ["PASS"] * count, moe
+    assert len(moe) == 9, moe
+    timeout = next(r for r in doc["results"] if r["name"].startswith("g.moe dispatch timeout"))
+    assert "bounded wait fired" in timeout["value"] and "err=2" in timeout["value"]
     gpu_only = [n for n in status if n.startswith(("d.", "e.", "time "))]
     assert gpu_only and all(status[n] == "SKIP" for n in gpu_only), status
-    for timing in ("time fused rs", "time fused ar1"):
+    for timing in ("time fused rs", "time fused ar1", "time moe fused dispatch", "time moe fused combine"):
         assert any(n.startswith(timing) for n in gpu_only), status
     assert "FAIL" not in status.values()
 
@@ -77,12 +86,16 @@ def test_cpu_smoke_torchrun_two_ranks(tmp_path):
     doc = _check_table_and_json(proc, path)
     assert doc["mode"] == "cpu-smoke-distributed"
     checks = {r["name"]: r["status"] for r in doc["results"] if "fwd+bwd" in r["name"]}
-    ops = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_reduce[one_shot]")
-    for op in ops:
-        for strategy in ("reference", "pipelined", "symm", "fused"):
+    everything = ("reference", "pipelined", "symm", "fused")
+    ops = {op: everything for op in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
+                                     "matmul_all_reduce[one_shot]", "moe.dispatch_grouped_matmul",
+                                     "moe.dispatch_grouped_matmul+grouped_matmul_combine")}
+    ops.update({op: everything[:3] for op in ("moe.dispatch", "moe.dispatch+combine")})  # no fused form
+    for op, strategies in ops.items():
+        for strategy in strategies:
             assert [s for n, s in checks.items() if n.startswith(f"{op} {strategy} ")] == ["PASS"], checks
-    assert len(checks) == 4 * len(ops), checks
+    assert len(checks) == sum(map(len, ops.values())), checks
     timed = [r for r in doc["results"] if r["name"].startswith("time ") and r["status"] == "PASS"]
-    for op in ops:
-        assert len([r for r in timed if r["name"].startswith(f"time {op} ")]) == 4, doc["results"]
-    assert len(timed) == 4 * len(ops) and all(r["data"]["ms"] > 0 for r in timed), doc["results"]
+    for op, strategies in ops.items():
+        assert len([r for r in timed if r["name"].startswith(f"time {op} ")]) == len(strategies), doc["results"]
+    assert len(timed) == len(checks) and all(r["data"]["ms"] > 0 for r in timed), doc["results"]

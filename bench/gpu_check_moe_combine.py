@@ -1,0 +1,252 @@
+"""The combine direction of the MoE GPU check (`gpu_check_moe`): the scatter kernel
+(`grouped_matmul_scatter_kernel`, launched as `moe_combine._fused` does) and the sources' collection of
+their rows, ordered (two calls on the same buffers: flags at the epoch, counters back at 0) and racing
+(the sources' bounded waits first, the scatter kernels later).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+
+import torch
+from gpu_check_common import Report, compare, err_text
+from gpu_check_moe import Config, MoEGroup, expert_weights, op_tile, shared_queues
+from gpu_check_virtual import KERNEL_TIMEOUT_NS, Device
+from overlap.kernels.moe import grouped_matmul_scatter_kernel
+
+from overlap import _C
+from overlap.ops import _common as common
+from overlap.ops import _moe as M
+
+# ==============================================================================================
+# The combine direction: the scatter kernel (`moe_combine._fused`), the sources' collection
+# ==============================================================================================
+
+
+@dataclasses.dataclass
+class ScatterCall:
+    """One expert rank's scatter kernel: its rows (expert order), weights and tables."""
+
+    rank: int
+    y: torch.Tensor  # [R, F]
+    w: torch.Tensor  # [L, F, H], any strides
+    table: torch.Tensor | None  # int32 [tiles, 7]
+    grid: int
+    dst_table: torch.Tensor  # int64 [W]: this rank's region in every rank's slot, as `heap.ptr_table`
+
+
+def scatter_call(g: MoEGroup, r: int, y: torch.Tensor, w: torch.Tensor, dst: list[int] | None = None) -> ScatterCall:
+    """Rank `r`'s tile table exactly as `moe_combine._fused` builds it (peers from r + 1, own rows last)."""
+    W, L, G, F = g.world_size, g.cfg.num_local_experts, g.num_groups, g.flags_per_peer
+    h = g.handles[r]
+    bm, bn, _ = op_tile(g.dev, g.cfg.dtype)
+    tiles_n = common.cdiv(w.shape[2], bn)
+    tiles, per_flag = [], {}
+    for i in range(1, W + 1):
+        s = (r + i) % W
+        for e in range(L):
+            c = h.recv_counts[s][e]
+            lo, at = h.within_source(s, e), h.expert_offsets[e][s]
+            flag = s * F + 1 + M.group_of(e, L, G)
+            for t in range(0, c, bm):
+                tiles.append([s, e, at + t, lo + t, min(bm, c - t), flag, 0])
+                per_flag[flag] = per_flag.get(flag, 0) + tiles_n
+    for tile in tiles:
+        tile[6] = per_flag[tile[5]]
+    if dst is None:
+        hb = M.header_bytes(W, L)
+        dst = [g.bufs[p].data_ptr() + hb + r * g.stride for p in range(W)]
+    d = g.dev.device
+    return ScatterCall(r, y, w, torch.tensor(tiles, dtype=torch.int32, device=d) if tiles else None,
+                       len(tiles) * tiles_n, torch.tensor(dst, dtype=torch.int64, device=d))
+
+
+def launch_scatter(g: MoEGroup, c: ScatterCall, epoch: int) -> None:
+    """The scatter kernel on the current stream with `moe_combine._fused`'s arguments."""
+    if c.table is None:
+        return
+    bm, bn, bk = op_tile(g.dev, g.cfg.dtype)
+    y, w, cols = c.y, c.w, c.w.shape[2]
+    grouped_matmul_scatter_kernel[(c.grid,)](
+        y, w, c.table,
+        c.dst_table, g.counters[c.rank], g.flag_table,
+        epoch, c.rank,
+        cols, y.shape[1],
+        y.stride(0),
+        w.stride(0), w.stride(1), w.stride(2),
+        cols,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        UPCAST=not g.dev.cuda and y.dtype == torch.bfloat16,
+    )
+
+
+@dataclasses.dataclass
+class CombineInputs:
+    y_pairs: list[torch.Tensor]  # [P_s, F]: what each source's pair p comes back as, before w2
+    w2: list[torch.Tensor]  # [L, F, H] each expert rank's weights
+    calls: list[ScatterCall]
+
+
+def combine_inputs(g: MoEGroup) -> CombineInputs:
+    """Fresh rows and weights; each expert rank's rows in expert order straight from ``topk_idx``."""
+    d, cfg = g.dev.device, g.cfg
+    y_pairs = [torch.randn(t.numel(), cfg.ffn, device=d).to(cfg.dtype) for t in g.topk]
+    w2 = [expert_weights(cfg, cfg.ffn, cfg.hidden, d) for _ in range(g.world_size)]
+    calls = []
+    for r in range(g.world_size):
+        src, pair, _ = g.expert_rows(r)
+        y = g.gather(y_pairs, src, pair, by_token=False)
+        calls.append(scatter_call(g, r, y, w2[r]))
+    return CombineInputs(y_pairs, w2, calls)
+
+
+def collect(g: MoEGroup, s: int, into: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
+    """`_collect`'s copies at source `s`: rank d's results for our rows, region d of our slot, in send order."""
+    h = g.handles[s]
+    with g.dev.on(stream):
+        for i in range(g.world_size):
+            d = (s - i) % g.world_size
+            n = h.send_splits[d]
+            if n:
+                into[h.send_offsets[d] : h.send_offsets[d] + n].copy_(g.region(s, d)[:n])
+
+
+def judge_combine(g: MoEGroup, ci: CombineInputs, backs: list[torch.Tensor], problems: list[str]) -> tuple[float,
+                                                                                                            float]:
+    """Each source's rows (back in pair order with the op's ``inv_order``) against float64
+    ``y_pair @ w2[expert of the pair]``; every rank's counters at 0."""
+    worst_err = worst_rel = 0.0
+    L = g.cfg.num_local_experts
+    for s, back in enumerate(backs):
+        if not back.shape[0]:
+            continue
+        flat = g.topk[s].flatten()
+        got = back.index_select(0, g.handles[s].inv_order)
+        want = torch.empty((back.shape[0], g.cfg.hidden), dtype=torch.float64, device=back.device)
+        for ex in flat.unique().tolist():
+            mask = flat == ex
+            want[mask] = ci.y_pairs[s][mask].double() @ ci.w2[ex // L][ex % L].double()
+        ok, max_err, rel = compare(got, want)
+        if not ok:
+            max_err, rel = (max_err, rel) if math.isfinite(max_err) else (math.inf, math.inf)
+            problems.append(f"source {s}: rows off ({err_text(max_err, rel)})")
+        worst_err, worst_rel = max(worst_err, max_err), max(worst_rel, rel)
+    for r in range(g.world_size):
+        if int(g.counters[r].abs().sum()):
+            problems.append(f"rank {r}: flag counters not reset: {g.counters[r].nonzero().flatten().tolist()}")
+    return worst_err, worst_rel
+
+
+def check_combine_flags(g: MoEGroup, epoch: int, stale: int, problems: list[str]) -> None:
+    """Every flag of an expert group with rows at `epoch` in its expert rank's pad; every other word `stale`."""
+    F = g.flags_per_peer
+    for d in range(g.world_size):
+        want = torch.full_like(g.pads[d], stale)
+        for s in range(g.world_size):
+            want[g.group_flags(s, d, s * F)] = epoch  # d's results for source s
+        if not torch.equal(g.pads[d], want):
+            bad = (g.pads[d] != want).nonzero().flatten()
+            first = bad[:6].tolist()
+            problems.append(f"rank {d}: {bad.numel()} flags off, e.g. {first} are {g.pads[d][first].tolist()}, "
+                            f"expected {want[first].tolist()}")
+
+
+def check_combine_ordered(rep: Report, dev: Device, cfg: Config) -> None:
+    """g. Every expert rank's scatter kernel, then every source collects its rows; twice on the same slots."""
+    name = f"g.moe combine ordered {cfg.describe()}"
+    g = MoEGroup.create(dev, cfg, stale=6)
+    problems: list[str] = []
+    worst_err = worst_rel = 0.0
+    for call, epoch in enumerate((7, 8)):
+        ci = combine_inputs(g)  # call 2: fresh inputs; the regions keep call 1's results
+        dev.idle(name)
+        for c in ci.calls:
+            with dev.on(g.streams[c.rank]):
+                launch_scatter(g, c, epoch)
+        dev.settle(g.streams, g.combine_flags(), name)
+        backs = [torch.full((t.numel(), cfg.hidden), math.nan, device=dev.device, dtype=cfg.dtype) for t in g.topk]
+        for s in range(cfg.world_size):
+            collect(g, s, backs[s])
+        here: list[str] = []
+        err, rel = judge_combine(g, ci, backs, here)
+        check_combine_flags(g, epoch, 6, here)
+        problems += [f"call {call + 1}: {p}" for p in here]
+        worst_err, worst_rel = max(worst_err, err), max(worst_rel, rel)
+    value = f"{err_text(worst_err, worst_rel)}; 2 calls, flags at the epoch, counters at 0"
+    rep.add(name, "FAIL" if problems else "PASS", "; ".join(problems) or value)
+
+
+def check_combine_racing(rep: Report, dev: Device, cfg: Config) -> None:
+    """g. The sources' waits and copies first; the scatter kernels 20 ms later, rank W-1 first, rank 0 last."""
+    name = f"g.moe combine racing {cfg.describe()}"
+    epoch, stale, W, F = 9, 8, cfg.world_size, M.flags_per_peer(cfg.world_size)
+    g = MoEGroup.create(dev, cfg, stale=stale)
+    ci = combine_inputs(g)
+    backs = [torch.full((t.numel(), cfg.hidden), math.nan, device=dev.device, dtype=cfg.dtype) for t in g.topk]
+    errs = torch.zeros(W, dtype=torch.int32, device=dev.device)
+    dev.idle(name)
+    first_delay_s, gap_s = 0.02, 0.002
+    needs0 = [bool(g.handles[s].send_splits[0]) for s in range(W)]
+    problems: list[str] = []
+    if not dev.cuda:
+        ends, failed, last_due = [math.inf] * W, [], math.inf
+
+        def source(s: int) -> None:  # `_collect` on a CPU rank: host waits, then the copies
+            for i in range(W):
+                d = (s - i) % W
+                for index in g.group_flags(s, d, s * F):
+                    if not _C.signal_wait(g.flag(d, index).data_ptr(), epoch, 10.0):
+                        failed.append(f"source {s}: flag {index} of rank {d} never reached {epoch}")
+            collect(g, s, backs[s])
+            ends[s] = time.perf_counter()
+
+        threads = [threading.Thread(target=source, args=(s,), daemon=True) for s in range(W)]
+        for t in threads:
+            t.start()
+        time.sleep(first_delay_s)
+        for d in reversed(range(W)):
+            time.sleep(gap_s)
+            if d == 0:
+                last_due = time.perf_counter()
+            launch_scatter(g, ci.calls[d], epoch)
+        for t in threads:
+            t.join(timeout=15.0)
+        problems += failed + [f"source {s} finished before rank 0's scatter started" for s in range(W)
+                              if needs0[s] and ends[s] <= last_due]
+        note = "host waits in threads"
+    else:
+        if shared_queues(rep, name, W):
+            return
+        pub = dev.stream()
+        dev.distinct([*g.streams, pub])
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(W)]
+        for s in range(W):  # `_collect` on a GPU rank: stream-ordered bounded waits, then the copies
+            stream = g.streams[s]
+            for i in range(W):
+                d = (s - i) % W
+                for index in g.group_flags(s, d, s * F):
+                    _C.cuda_wait_flag_bounded(g.flag(d, index).data_ptr(), epoch, KERNEL_TIMEOUT_NS,
+                                              errs[s].data_ptr(), stream.cuda_stream)
+            collect(g, s, backs[s], stream)
+            ends[s].record(stream)
+        last_due = torch.cuda.Event(enable_timing=True)
+        dev.delay(pub, int(first_delay_s * 1e9))
+        with dev.on(pub):
+            for i, d in enumerate(reversed(range(W))):
+                if i:
+                    dev.delay(pub, int(gap_s * 1e9))
+                if d == 0:
+                    last_due.record(pub)
+                launch_scatter(g, ci.calls[d], epoch)
+        dev.settle([*g.streams, pub], g.combine_flags(), name)
+        after = [last_due.elapsed_time(ends[s]) for s in range(W) if needs0[s]]
+        problems += [f"a source finished {-t:.3f} ms before rank 0's scatter started" for t in after if t <= 0]
+        if int(errs.abs().sum()):
+            problems.append(f"bounded waits timed out: {errs.tolist()}")
+        note = f"sources ended {min(after):.3f}-{max(after):.3f} ms after rank 0's scatter started" if after else ""
+    err, rel = judge_combine(g, ci, backs, problems)
+    check_combine_flags(g, epoch, stale, problems)
+    rep.add(name, "FAIL" if problems else "PASS", "; ".join(problems) or f"{err_text(err, rel)}; {note}")
