@@ -5,7 +5,11 @@ a pure function of the call signature (op, shapes, dtype) and of the group's top
 every rank computes the same plan without communicating; the plan's text is part of the
 call signature, so ranks that somehow disagree raise on every rank instead of hanging.
 
-Default heuristic (until plan files and the cost model exist):
+The cost model (`overlap.costmodel`, re-exported here: `predict`, `candidates`, `rank_candidates`;
+machine constants in `Profile`, `default_profile`) scores every plan that can run on a `Topology` for a
+`Problem`; `overlap tune` searches with it and writes plan files (`overlap.planfile`).
+
+Default heuristic (`resolve_auto`, where no plan file covers a call):
 
 * one rank: ``reference`` (there is nothing to communicate);
 * a group that spans nodes: ``pipelined``, 2 chunks per network transfer;
@@ -23,9 +27,30 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import os
 import warnings
 from collections.abc import Mapping
 
+from . import envs
+from .costmodel import (  # noqa: F401  (re-exported: the cost model is part of the plans layer)
+    CHUNK_CHOICES,
+    ITEMSIZE,
+    MODEL_OPS,
+    PROFILE_VERSION,
+    GemmFit,
+    LinkFit,
+    Prediction,
+    Problem,
+    Profile,
+    Topology,
+    _makespan,
+    candidates,
+    default_profile,
+    predict,
+    rank_candidates,
+    topology_of,
+)
 from .world import LINK_CLASSES, GroupInfo
 
 log = logging.getLogger("overlap")
@@ -80,21 +105,34 @@ class Plan:
         return f"{self.strategy}[{chunks}{tiles}{',one_shot' if self.one_shot else ''}]"
 
 
-def as_plan(strategy: str, plan: Plan | Mapping | None) -> Plan | None:
-    """Normalize the ``strategy=``/``plan=`` arguments of an op; None means 'resolve auto'."""
-    if plan is not None:
+def as_plan(strategy: str, plan) -> Plan | None:
+    """Normalize the ``strategy=``/``plan=`` arguments of an op; None means 'resolve auto' (with
+    ``plan=`` a plan file, see `plan_source`)."""
+    if plan is not None and plan_source(plan) is None:
         if isinstance(plan, Mapping):
             plan = Plan(**plan)
         if not isinstance(plan, Plan):
-            raise TypeError(f"plan must be an overlap.Plan, a dict of its fields or None, got {type(plan).__name__}")
+            raise TypeError("plan must be an overlap.Plan, a dict of its fields, a plan file (path or "
+                            f"overlap.planfile.PlanFile) or None, got {type(plan).__name__}")
         if strategy not in ("auto", plan.strategy):
             raise ValueError(f"strategy={strategy!r} contradicts plan.strategy={plan.strategy!r}")
         return plan
     if not isinstance(strategy, str):
         raise TypeError(f"strategy must be a str, got {type(strategy).__name__}")
+    if plan is not None and strategy != "auto":
+        raise ValueError(f"strategy={strategy!r} contradicts plan= a plan file (which is for strategy='auto')")
     if strategy == "auto":
         return None
     return Plan(strategy)
+
+
+def plan_source(plan):
+    """The plan file named by an op's ``plan=`` argument (a path or a `PlanFile`), else None."""
+    from .planfile import PlanFile
+
+    if isinstance(plan, (str, os.PathLike, PlanFile)):
+        return plan
+    return None
 
 
 _LOGGED: set[str] = set()
@@ -105,8 +143,23 @@ ONE_SHOT_MAX_BYTES = 256 * 1024
 
 
 def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int, dtype_name: str,
-                 out_bytes: int = 0) -> Plan:
-    """The default heuristic of this module's docstring; identical on every rank by construction."""
+                 out_bytes: int = 0, problem: Problem | None = None, plan_file=None) -> Plan:
+    """The plan of an ``auto`` call, identical on every rank by construction (the same file and the same
+    call give the same plan; ranks that load different files raise `OverlapMismatchError` in the
+    call's handshake, as the plan is part of its signature):
+
+    1. a plan file (`plan_file`, an op's ``plan=`` path or `PlanFile`, else ``OVERLAP_PLAN``): its entry
+       for `problem` (``reference`` where the tuned plan was measured slower than reference), else the
+       cost model's best plan with the file's machine profile. A file tuned on another topology raises
+       ValueError;
+    2. the default heuristic of this module's docstring.
+    """
+    source = plan_file if plan_file is not None else envs.plan_path()
+    if source is not None and problem is not None and info.world_size > 1:
+        plan, how = _from_plan_file(source, problem, info)
+        if plan is not None:
+            _log_once(op, signature, plan, how)
+            return plan
     if info.world_size == 1:
         plan = Plan("reference")
     elif not info.single_node:
@@ -122,13 +175,40 @@ def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int, d
     if op == "matmul_all_reduce" and plan.strategy != "reference":
         one_shot = out_bytes <= ONE_SHOT_MAX_BYTES or rows_per_rank < 2 * info.world_size
         plan = dataclasses.replace(plan, one_shot=one_shot)
+    _log_once(op, signature, plan, "default heuristic")
+    return plan
+
+
+def _from_plan_file(source, problem: Problem, info: GroupInfo) -> tuple[Plan | None, str]:
+    from .planfile import PlanFile, load_cached
+
+    pf = source if isinstance(source, PlanFile) else load_cached(source)
+    topology = topology_of(info)
+    pf.check_topology(topology)
+    plan = pf.lookup(problem)
+    if plan is None and problem.op == "moe":
+        # Token counts differ between ranks, so every rank must pick by what they share: the entry of
+        # the same layer (hidden, ffn, experts, top-k, dtype, mode) tuned at the most tokens.
+        same = [e for e in pf.entries.values() if dataclasses.replace(e.problem, m=problem.m) == problem]
+        if same:
+            plan = pf.lookup(max(same, key=lambda e: e.problem.m).problem)
+    if plan is not None:
+        return plan, f"plan file {pf.path or ''}".rstrip()
+    if pf.profile is not None:
+        ranked = rank_candidates(problem, topology, pf.profile)
+        best = next((p for p, pred in ranked if math.isfinite(pred.total_s)), None)
+        if best is not None:
+            return best, "cost model with the plan file's profile"
+    return None, ""
+
+
+def _log_once(op: str, signature: str, plan: Plan, how: str) -> None:
     key = f"{op}|{signature}"
     if key not in _LOGGED:
         if len(_LOGGED) >= 4096:  # bounded: every distinct shape is a new signature
             _LOGGED.clear()
         _LOGGED.add(key)
-        log.info("overlap.%s: auto chose %s for %s (default heuristic)", op, plan.describe(), signature)
-    return plan
+        log.info("overlap.%s: auto chose %s for %s (%s)", op, plan.describe(), signature, how)
 
 
 def gpu_symmetric_memory() -> bool:

@@ -107,8 +107,11 @@ def prepare(op: str, a: Any, b: Any, group, strategy: str, plan, timeout: float 
         shape_sig = f"a={describe(a)}, b={tuple(b.shape)}"
         if chosen is None:
             rows = math.prod(a.shape[:-1])
-            chosen = plan_mod.resolve_auto(op, shape_sig, info, rows, str(a.dtype).removeprefix("torch."),
-                                           out_bytes=rows * b.shape[1] * a.element_size())
+            dtype = str(a.dtype).removeprefix("torch.")
+            chosen = plan_mod.resolve_auto(op, shape_sig, info, rows, dtype,
+                                           out_bytes=rows * b.shape[1] * a.element_size(),
+                                           problem=tp_problem(op, rows, a, b, info.world_size),
+                                           plan_file=plan_mod.plan_source(plan))
         plan_mod.check_plan_fits(op, chosen, info)
         if chosen.strategy == "fused":
             check_fused_available(op, a.dtype)
@@ -118,6 +121,18 @@ def prepare(op: str, a: Any, b: Any, group, strategy: str, plan, timeout: float 
     if error is not None:
         begin_call(op, pg, info, sig, 0, timeout, error=error)  # raises error.exc
     return a, b, pg, info, chosen, timeout, sig
+
+
+def tp_problem(op: str, rows: int, a: torch.Tensor, b: torch.Tensor, world_size: int) -> plan_mod.Problem | None:
+    """The `overlap.plan.Problem` of a TP call (plan files are keyed by it), None where it has none."""
+    m = rows if op == "all_gather_matmul" else rows // world_size
+    if m < 1 or (op != "all_gather_matmul" and rows % world_size):
+        return None
+    backward = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+    try:
+        return plan_mod.Problem(op, m, a.shape[-1], b.shape[1], str(a.dtype).removeprefix("torch."), backward)
+    except ValueError:  # a call the model does not describe: no plan file entry can match it
+        return None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -237,10 +237,12 @@ def route(op: str, topk_idx: torch.Tensor, num_experts: int, world_size: int) ->
 
 
 def resolve_plan(op: str, strategy: str, plan, info: world.GroupInfo, rows: int, dtype: torch.dtype,
-                 allow_fused: bool) -> Plan:
+                 allow_fused: bool, problem: plan_mod.Problem | None = None) -> Plan:
+    """The call's plan: forced, else ``auto`` (a plan file's entry for `problem`, the model, the heuristic)."""
     chosen = plan_mod.as_plan(strategy, plan)
     if chosen is None:
-        chosen = plan_mod.resolve_auto(op, f"moe rows={rows}", info, rows, str(dtype).removeprefix("torch."))
+        chosen = plan_mod.resolve_auto(op, f"moe rows={rows}", info, rows, str(dtype).removeprefix("torch."),
+                                       problem=problem, plan_file=plan_mod.plan_source(plan))
         if chosen.strategy == "fused" and not allow_fused:
             chosen = dataclasses.replace(chosen, strategy="symm")
     if chosen.strategy == "fused" and not allow_fused:
@@ -250,6 +252,17 @@ def resolve_plan(op: str, strategy: str, plan, info: world.GroupInfo, rows: int,
     if chosen.strategy == "fused":
         C.check_fused_available(op, dtype)
     return chosen
+
+
+def moe_problem(tokens: int, hidden: int, ffn: int, num_experts: int, top_k: int, dtype: torch.dtype,
+                grads: tuple[Any, ...]) -> plan_mod.Problem | None:
+    """The `overlap.plan.Problem` of a grouped-GEMM MoE call (plan files are keyed by it)."""
+    backward = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in grads)
+    try:
+        return plan_mod.Problem("moe", max(tokens, 1), hidden, ffn, str(dtype).removeprefix("torch."), backward,
+                                num_experts, top_k)
+    except ValueError:  # a call the model does not describe: no plan file entry can match it
+        return None
 
 
 def fail_fast(op: str, pg, info: world.GroupInfo, exc: Exception, timeout: float) -> None:

@@ -115,7 +115,10 @@ def _prepare(op, y, w, topk_weights, handle, strategy, plan, timeout):
             y, w = C.autocast_inputs(y, w)
             w = M.check_weights(op, w, L, y.shape[1], y.dtype, y.device, "w2")
         _check_weights_of_topk(op, topk_weights, handle, info.device)
-        chosen = M.resolve_plan(op, strategy, plan, info, handle.num_tokens, y.dtype, allow_fused=w is not None)
+        problem = None if w is None else M.moe_problem(handle.num_tokens, w.shape[2], y.shape[1],
+                                                        handle.num_experts, handle.top_k, y.dtype, (y, w))
+        chosen = M.resolve_plan(op, strategy, plan, info, handle.num_tokens, y.dtype, allow_fused=w is not None,
+                                problem=problem)
         sig = M.call_signature(f"moe.{op}", handle, y, w, chosen, grads=(y, w))
     except (TypeError, ValueError) as exc:
         M.fail_fast(f"moe.{op}", pg, info, exc, timeout)

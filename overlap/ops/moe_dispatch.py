@@ -116,7 +116,10 @@ def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout):
             x, w = C.autocast_inputs(x, w)
             w = M.check_weights(op, w, L, x.shape[1], x.dtype, x.device, "w1")
         M.check_topk_idx(op, topk_idx, x.shape[0], x.device)
-        chosen = M.resolve_plan(op, strategy, plan, info, x.shape[0], x.dtype, allow_fused=w is not None)
+        problem = None if w is None else M.moe_problem(x.shape[0], x.shape[1], w.shape[2], num_experts,
+                                                        topk_idx.shape[1], x.dtype, (x, w))
+        chosen = M.resolve_plan(op, strategy, plan, info, x.shape[0], x.dtype, allow_fused=w is not None,
+                                problem=problem)
         order, send_counts = M.route(op, topk_idx, num_experts, info.world_size)
         sig = M.signature(f"moe.{op}", x.shape[1], None if w is None else w.shape[2], num_experts, topk_idx.shape[1],
                           x.dtype, chosen, info, grads=(x, w))

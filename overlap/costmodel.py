@@ -1,0 +1,492 @@
+"""The cost model (plans layer, with `overlap.plan`): what a call costs on a topology, per plan.
+
+`Profile` holds what the model knows of a machine (link fits per link class and transport, GEMM fits
+per dtype, interference, per-chunk cost; measured by `overlap.tune.probe`, or `default_profile`).
+`predict` scores one plan of one `Problem` on a `Topology`; `candidates` lists the plans worth trying
+and `rank_candidates` sorts them by prediction. `overlap tune` measures the best few and writes plan
+files (`overlap.planfile`); `overlap.plan.resolve_auto` uses a plan file's choice, else this model's
+with the file's profile, else its default heuristic. `overlap.plan` re-exports these names.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from .symm import MAX_FLAGS
+from .world import LINK_CLASSES, GroupInfo
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+# ----------------------------------------------------------------------------------------------
+# Machine profile: what the cost model knows about a machine (measured by `overlap.tune.probe`)
+# ----------------------------------------------------------------------------------------------
+
+PROFILE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkFit:
+    """Time of one transfer of ``n`` bytes over a link: ``latency_s + n / bandwidth_Bps``."""
+
+    latency_s: float
+    bandwidth_Bps: float
+
+    def time(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth_Bps
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmFit:
+    """GEMM rate for one dtype: ``flops / (flops / peak_flops + overhead_s)`` (a launch or call overhead
+    plus the peak rate), so small GEMMs run below peak."""
+
+    peak_flops: float
+    overhead_s: float
+
+    def time(self, flops: float) -> float:
+        return self.overhead_s + flops / self.peak_flops
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """What the cost model knows about a machine; JSON round-trip with `to_json`/`from_json`.
+
+    links: per link class (`world.LINK_CLASSES`), per transport: ``"p2p"`` (torch.distributed
+        point-to-point: gloo/NCCL) and ``"copy"`` (one-sided copies into/out of a peer's symmetric
+        buffer: shared memory or copy engine; ranks of one node only).
+    gemm: per dtype name (``"float32"``, ``"bfloat16"``, ...).
+    gemm_slowdown: factor (>= 1) on a GEMM's time while a transfer runs beside it; comm_slowdown the
+        reverse (CPU ranks share cores with gloo's threads; GPUs share memory bandwidth).
+    per_chunk_s: fixed cost of one more chunk (a message, a flag, a kernel launch).
+    device: ``"cpu"`` or the GPU's name; machine: where it was measured (informative).
+    """
+
+    links: dict[str, dict[str, LinkFit]]
+    gemm: dict[str, GemmFit]
+    gemm_slowdown: float = 1.0
+    comm_slowdown: float = 1.0
+    per_chunk_s: float = 0.0
+    device: str = "cpu"
+    machine: str = ""
+
+    def to_json(self) -> dict:
+        return {
+            "version": PROFILE_VERSION, "device": self.device, "machine": self.machine,
+            "links": {c: {t: dataclasses.asdict(f) for t, f in ts.items()} for c, ts in self.links.items()},
+            "gemm": {d: dataclasses.asdict(f) for d, f in self.gemm.items()},
+            "gemm_slowdown": self.gemm_slowdown, "comm_slowdown": self.comm_slowdown, "per_chunk_s": self.per_chunk_s,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> Profile:
+        if data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"machine profile version {data.get('version')!r} is not {PROFILE_VERSION}: probe again "
+                             "(overlap info --probe)")
+        return cls(
+            links={c: {t: LinkFit(**f) for t, f in ts.items()} for c, ts in data["links"].items()},
+            gemm={d: GemmFit(**f) for d, f in data["gemm"].items()},
+            gemm_slowdown=float(data.get("gemm_slowdown", 1.0)), comm_slowdown=float(data.get("comm_slowdown", 1.0)),
+            per_chunk_s=float(data.get("per_chunk_s", 0.0)), device=data.get("device", "cpu"),
+            machine=data.get("machine", ""),
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Cost model: what a call costs on a topology, per plan (`predict`), and the plans worth trying
+# ----------------------------------------------------------------------------------------------
+
+#: the ops the cost model knows (``moe``: dispatch + grouped GEMMs + combine, as `benchmarks.cases`)
+MODEL_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "moe")
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+#: chunk counts per link class that `candidates` tries
+CHUNK_CHOICES = (1, 2, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """A group as one rank sees it (`topology_of`); identical on every rank of a symmetric topology.
+
+    device: ``"cpu"`` or ``"cuda"``; ranks_per_node: the rank count of every node, largest first (an
+    int means that many on each node); links: ``(link class, number of this rank's peers over it)``,
+    in `LINK_CLASSES` order (a dict is accepted). Raises ValueError where the counts do not add up.
+    """
+
+    device: str
+    world_size: int
+    num_nodes: int
+    ranks_per_node: tuple[int, ...] | int
+    links: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        per_node, links = self.ranks_per_node, dict(self.links)
+        per_node = (per_node,) * self.num_nodes if isinstance(per_node, int) else tuple(sorted(per_node, reverse=True))
+        object.__setattr__(self, "ranks_per_node", per_node)
+        object.__setattr__(self, "links", tuple((c, links[c]) for c in LINK_CLASSES if c in links))
+        adds_up = sum(links.values()) == self.world_size - 1 == sum(per_node) - 1 and len(per_node) == self.num_nodes
+        if self.device not in ("cpu", "cuda") or not set(links) <= set(LINK_CLASSES) \
+                or min(links.values(), default=1) < 1 or not adds_up:
+            raise ValueError(f"Topology: device {self.device!r} (cpu or cuda), {self.world_size} ranks on {per_node}, "
+                             f"peers {links} (link classes {LINK_CLASSES}) do not add up")
+
+    @property
+    def signature(self) -> str:
+        """Canonical text, e.g. ``cpu:nodes=2:ranks=4:links=network*2,shm*1`` (plan files record it)."""
+        uneven = len(set(self.ranks_per_node)) > 1
+        per_node = ":per_node=" + ",".join(map(str, self.ranks_per_node)) if uneven else ""
+        links = ",".join(f"{c}*{n}" for c, n in sorted(self.links))
+        return f"{self.device}:nodes={self.num_nodes}:ranks={self.world_size}{per_node}:links={links}"
+
+    @property
+    def slowest_link(self) -> str:
+        """The class a ring is chunked for (as `GroupInfo.slowest_link`)."""
+        return self.links[-1][0] if self.links else ("shm" if self.device == "cpu" else "nvlink")
+
+
+def topology_of(info: GroupInfo) -> Topology:
+    """The `Topology` of a group from this rank's `GroupInfo` (no communication)."""
+    peers = collections.Counter(info.link_class(p) for p in range(info.world_size) if p != info.rank)
+    per_node = collections.Counter(info.nodes)
+    return Topology(device="cuda" if info.device.type == "cuda" else "cpu", world_size=info.world_size,
+                    num_nodes=len(per_node), ranks_per_node=tuple(per_node.values()), links=tuple(peers.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One call's problem. Tensor-parallel ops: the per-rank ``m x k x n`` of `overlap.benchmarks.cases`
+    (every rank's GEMM is ``[W*m, k] @ [k, n]``). ``moe``: ``m`` tokens per rank, hidden ``k``, expert
+    FFN ``n``, `experts` in all, `top_k` per token (0 for the other ops). `backward`: forward plus
+    backward. Raises ValueError for an unknown op or dtype or a count out of range."""
+
+    op: str
+    m: int
+    k: int
+    n: int
+    dtype: str = "float32"
+    backward: bool = False
+    experts: int = 0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        dims, moe = {f: getattr(self, f) for f in ("m", "k", "n", "experts", "top_k")}, self.op == "moe"
+        if self.op not in MODEL_OPS or self.dtype not in ITEMSIZE or not isinstance(self.backward, bool) \
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in dims.values()) \
+                or min(self.m, self.k, self.n) < 1 \
+                or (not 1 <= self.top_k <= self.experts if moe else self.top_k or self.experts):
+            raise ValueError(f"Problem: op in {MODEL_OPS}, dtype in {tuple(ITEMSIZE)}, m, k, n ints >= 1, backward "
+                             f"a bool, experts >= top_k >= 1 for moe: got {self}")
+
+    @property
+    def key(self) -> str:
+        """Canonical text, e.g. ``matmul_all_reduce:64x1024x512:bfloat16:fwd`` (plan files' entry key)."""
+        moe = f":experts={self.experts}:top_k={self.top_k}" if self.op == "moe" else ""
+        return f"{self.op}:{self.m}x{self.k}x{self.n}:{self.dtype}:{'fwd+bwd' if self.backward else 'fwd'}{moe}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """Predicted seconds of one call: `total_s`, the transfers alone (`comm_s`), the GEMMs alone (`compute_s`)."""
+
+    total_s: float
+    comm_s: float
+    compute_s: float
+    detail: str = ""
+
+
+def _makespan(stages: list[tuple[int, float, float]], fa: float, fb: float) -> float:
+    """Two resources in a row: stage i's ``b`` (second resource) starts once its ``a`` and the previous ``b``
+    are done. ``stages``: ``(count, a, b)``, count equal stages each.
+
+    Without interference the makespan is the flow shop's ``max_i (sum_{j<=i} a_j + sum_{j>=i} b_j)`` (a
+    fill, stages of max(a, b), a drain). Interference: on the path through stage i, the first resource's
+    part overlaps at most the second's work queued before it and is slowed by `fa` over that overlap,
+    and the reverse for the second's part (`fb`). Within ``count`` equal stages the path is concave in
+    the position, so its maximum is at an end or where one of the two ``min`` switches sides.
+    """
+    total_a = sum(c * a for c, a, _ in stages)
+    total_b = sum(c * b for c, _, b in stages)
+
+    def path(a_le: float, b_lt: float) -> float:
+        b_ge, a_gt = total_b - b_lt, total_a - a_le
+        return a_le + (fa - 1) * min(a_le, b_lt) + b_ge + (fb - 1) * min(b_ge, a_gt)
+
+    best, a0, b0 = 0.0, 0.0, 0.0
+    for c, a, b in stages:
+        if c < 1:
+            continue
+        at = {0, c - 1}
+        if a != b:
+            for x in ((b0 - a0 - a) / (a - b), (total_a - a0 - a - total_b + b0) / (a - b)):
+                at.update(min(c - 1, max(0, math.floor(x) + d)) for d in (0, 1) if math.isfinite(x))
+        best = max(best, *(path(a0 + (j + 1) * a, b0 + j * b) for j in at))
+        a0, b0 = a0 + c * a, b0 + c * b
+    return best
+
+
+class _Model:
+    """Costs of one (problem, plan, topology, profile) and the schedule they add up to."""
+
+    def __init__(self, problem: Problem, plan: Plan, topo: Topology, profile: Profile):
+        self.W, self.peers, self.plan, self.profile = topo.world_size, topo.links, plan, profile
+        self.slowest, self.size = topo.slowest_link, ITEMSIZE[problem.dtype]
+        self.fused = plan.strategy == "fused"
+        self.transport = "p2p" if plan.strategy in ("reference", "pipelined") else "copy"
+        self.gfit = profile.gemm.get(problem.dtype) or profile.gemm.get("float32")
+        if self.gfit is None:
+            raise ValueError(f"machine profile has no GEMM fit for {problem.dtype} (nor float32): probe again")
+        self.launch = self.gfit.overhead_s if self.fused else 0.0  # a fused kernel's one launch
+        self.cs, self.gs = max(1.0, profile.comm_slowdown), max(1.0, profile.gemm_slowdown)
+        self.total = self.comm = self.compute = 0.0
+
+    # ---- costs ---------------------------------------------------------------------------------
+    def msgs(self, link: str, nbytes: float, count: float = 1) -> float:
+        """`nbytes` in `count` messages (chunks) over `link`: latency and per-chunk cost each."""
+        fits = self.profile.links.get(link, {})
+        fit = fits.get(self.transport) or fits.get("p2p")
+        if fit is None:
+            raise ValueError(f"machine profile has no fit for link class {link!r}: probe on this topology")
+        return count * (fit.latency_s + self.profile.per_chunk_s) + nbytes / fit.bandwidth_Bps
+
+    def ring(self, steps: int, nbytes: float) -> float:
+        """A ring's steps: each crosses the slowest link of the ring (the slowest fit, whatever its class)."""
+        return steps * max((self.msgs(link, nbytes) for link, _ in self.peers), default=0.0)
+
+    def each_peer(self, nbytes: float) -> float:
+        return sum(count * self.msgs(link, nbytes) for link, count in self.peers)
+
+    def gemm(self, flops: float, calls: float = 1) -> float:
+        """GEMM calls (one launch each); inside a fused kernel only the flops (the kernel adds `launch`)."""
+        return (0 if self.fused else calls * self.gfit.overhead_s) + flops / self.gfit.peak_flops
+
+    # ---- schedule ------------------------------------------------------------------------------
+    def serial(self, comm: float = 0.0, gemm: float = 0.0) -> None:
+        self.total, self.comm, self.compute = self.total + comm + gemm, self.comm + comm, self.compute + gemm
+
+    def consume(self, stages: list[tuple[int, float, float]]) -> None:
+        """``(count, transfer, gemm)``: each stage's GEMM needs its transfer (a gather, a dispatch)."""
+        self.total += _makespan(stages, self.cs, self.gs)
+        self.comm += sum(c * t for c, t, _ in stages)
+        self.compute += sum(c * g for c, _, g in stages)
+
+    def produce(self, stages: list[tuple[int, float, float]]) -> None:
+        """``(count, gemm, transfer)``: each stage's transfer sends its GEMM's output (a scatter, a combine)."""
+        self.total += _makespan(stages, self.gs, self.cs)
+        self.comm += sum(c * t for c, _, t in stages)
+        self.compute += sum(c * g for c, g, _ in stages)
+
+    # ---- ops -----------------------------------------------------------------------------------
+    def ag_mm(self, m: int, k: int, n: int) -> None:
+        """``all_gather(a) @ b``: pairwise pulls per peer link, chunked for it; our own block first."""
+        if self.plan.strategy == "reference":
+            return self.serial(self.ring(self.W - 1, m * k * self.size), self.gemm(2 * self.W * m * k * n))
+        stages = [(1, 0.0, self.gemm(2 * m * k * n) + self.launch)]
+        for link, count in self.peers:
+            ch = 1 if self.fused else min(self.plan.chunks_for(link), m)  # fused: one flag per rank
+            stages.append((count * ch, self.msgs(link, m * k * self.size / ch), self.gemm(2 * m * k * n / ch)))
+        self.consume(stages)
+
+    def mm_rs(self, m: int, k: int, n: int, lead: float = 0.0, max_chunks: int = 0) -> None:
+        """``reduce_scatter(a @ b)``; `lead`: link work posted first (the backward's re-gather)."""
+        W, part = self.W, m * n * self.size
+        if self.plan.strategy == "reference":
+            return self.serial(lead + self.ring(W - 1, part), self.gemm(2 * W * m * k * n))
+        stages = [(1, 0.0, lead)] if lead else []
+        if self.plan.strategy == "pipelined":  # one GEMM per destination, its partial sent in chunks
+            stages += [(c, self.gemm(2 * m * k * n), self.msgs(link, part, min(self.plan.chunks_for(link), m)))
+                       for link, c in self.peers]
+            return self.produce([*stages, (1, self.gemm(2 * m * k * n), 0.0)])
+        ch = min(self.plan.chunks_for(self.slowest), m, max_chunks or MAX_FLAGS // W)  # flagged per chunk
+        piece = self.gemm(2 * m * k * n / ch)
+        stages += [(c * ch, piece, self.msgs(link, part / ch)) for link, c in self.peers]
+        self.produce([(1, 2 * self.launch, 0.0), *stages, (ch, piece, 0.0)])  # GEMM + reduction kernels
+
+    def mm_ar(self, m: int, k: int, n: int) -> None:
+        """``all_reduce(a @ b)`` over ``M = W*m`` rows: ring (two-shot) or every partial to every rank."""
+        W, M, plan, size = self.W, self.W * m, self.plan, self.size
+        if plan.strategy == "reference":
+            return self.serial(self.ring(2 * (W - 1), m * n * size), self.gemm(2 * M * k * n))
+        ch = plan.chunks_for(self.slowest)
+        if plan.strategy == "pipelined":  # W*ch pieces, each piece's collective behind the next GEMM
+            p = min(W * ch, M)
+            coll = self.ring(W - 1, M / p * n * size) if plan.one_shot else self.ring(2 * (W - 1), m / p * n * size)
+            return self.produce([(p, self.gemm(2 * M / p * k * n), coll)])
+        if plan.one_shot:
+            ch = min(ch, M, MAX_FLAGS)
+            return self.produce([(1, 2 * self.launch, 0.0),
+                                 (ch, self.gemm(2 * M / ch * k * n), self.each_peer(M / ch * n * size))])
+        ch = min(ch, m, MAX_FLAGS // (W + 1))
+        self.mm_rs(m, k, n, max_chunks=ch)  # then every rank pulls every reduced part (exposed)
+        pulls = 1 if self.fused else ch
+        self.serial(sum(c * self.msgs(link, m * n * size, pulls) for link, c in self.peers))
+
+    def moe(self, p: Problem) -> None:
+        """Dispatch + grouped GEMM, combine; uniform routing: ``T*K/W`` rows to and from every peer."""
+        W, L, H, F, plan = self.W, p.experts // self.W, p.k, p.n, self.plan
+        rows = p.m * p.top_k / W
+        nbytes = rows * H * self.size
+        block = self.gemm(2 * rows * H * F, calls=L)  # one source's rows through our L experts
+        every = self.gemm(2 * p.m * p.top_k * H * F, calls=L)  # every row through L experts (a weight gradient)
+        self.serial(self.each_peer(4 * L))  # the counts
+        if plan.strategy == "reference":
+            return self.serial(2 * (1 + p.backward) * self.each_peer(nbytes), (2 + 4 * p.backward) * every)
+        groups = max(1, min(L, MAX_FLAGS // W - 1))  # symm, fused: flagged per expert group
+
+        def chunks(link: str) -> int:
+            return min(plan.chunks_for(link), max(1, int(rows))) if plan.strategy == "pipelined" else groups
+
+        def dispatch() -> None:  # a peer's chunks as they arrive, no finer than a GEMM per expert block
+            stages = [(1, 0.0, block + self.launch)]
+            for link, c in self.peers:
+                ch = chunks(link)
+                s = min(ch, L) if plan.strategy == "pipelined" else groups
+                stages.append((c * s, self.msgs(link, nbytes / s, ch / s), block / s))
+            self.consume(stages)
+
+        def combine(tail: float = 0.0) -> None:  # pipelined: a source's GEMMs, then its rows in chunks
+            s = 1 if plan.strategy == "pipelined" else groups
+            peers = [(c * s, block / s, self.msgs(link, nbytes / s, chunks(link) / s)) for link, c in self.peers]
+            self.produce([(1, self.launch, 0.0), *peers, (s, block / s, 0.0), (1, tail, 0.0)])
+
+        dispatch()
+        combine()
+        if p.backward:  # combine's backward (a dispatch), w2's weight gradient; then dispatch's backward
+            dispatch()  # (a combine) with w1's weight gradient run while those rows travel
+            self.serial(gemm=every)
+            combine(tail=every)
+
+
+def predict(problem: Problem, plan: Plan, topology: Topology, profile: Profile) -> Prediction:
+    """Predicted seconds of one call of `problem` run with `plan` on `topology`, from `profile`.
+
+    A transfer of ``b`` bytes in ``c`` chunks over a link costs ``c * (latency + per_chunk_s) + b / bandwidth``
+    (``p2p`` fits for reference and pipelined, ``copy`` fits for symm and fused, else ``p2p``); a GEMM of
+    ``f`` flops in ``c`` calls ``c * overhead + f / peak`` (a fused kernel pays one overhead).
+
+    * ``reference``: the collective, then the GEMMs (or the reverse), in sequence: total = comm + compute.
+      Its collectives are rings, ``W - 1`` steps (all-reduce ``2 * (W - 1)``) over the slowest link;
+      all-to-all is pairwise.
+    * overlapped strategies: a pipeline of stages, each a transfer and the GEMM that consumes (gather,
+      dispatch) or produces (scatter, combine) it: fill (the first transfer before its GEMM, unless a
+      local GEMM hides it), stages of max(transfer, GEMM) with interference (`_makespan`: a GEMM beside a
+      transfer is ``gemm_slowdown`` x slower, a transfer ``comm_slowdown`` x), drain (the last GEMM's
+      transfer). Pairwise transfers are chunked per peer link, rings and flagged reductions for the
+      slowest link, as the ops do; backward follows the ops' docstrings (each backward GEMM behind the
+      transfers its op overlaps it with). Not modelled: reductions and permutations (memory-bound),
+      uneven MoE routing, contention beyond sharing this rank's link time, the little overlap inside
+      reference's backward (a plain collective in flight during a GEMM): reference is modelled serial.
+
+    `symm`/`fused` across nodes and `fused` on CPU ranks (interpreted) predict ``inf``. Raises ValueError
+    where `profile` lacks a link class of `topology` or the dtype's GEMM fit (and float32's), where
+    ``one_shot`` is set for another op than matmul_all_reduce, or the experts do not divide by the ranks.
+    """
+    W, op = topology.world_size, problem.op
+    if plan.one_shot and op != "matmul_all_reduce":
+        raise ValueError(f"predict: plan.one_shot applies only to matmul_all_reduce, got {op}")
+    if op == "moe" and problem.experts % W:
+        raise ValueError(f"predict: {problem.experts} experts do not divide over {W} ranks")
+    if plan.strategy in ("symm", "fused") and topology.num_nodes > 1:
+        return Prediction(math.inf, math.inf, math.inf, f"{plan.describe()}: needs the ranks of one node")
+    if plan.strategy == "fused" and topology.device == "cpu":
+        return Prediction(math.inf, math.inf, math.inf, f"{plan.describe()}: interpreted on CPU ranks")
+    x = _Model(problem, plan, topology, profile)
+    m, k, n, size = problem.m, problem.k, problem.n, x.size
+    wgrad = x.gemm(2 * W * m * k * n) + x.launch  # a weight gradient: one GEMM over every row
+    if op == "all_gather_matmul":
+        x.ag_mm(m, k, n)
+        if problem.backward:  # re-gather a (posted first) beside grad_a = matmul_reduce_scatter, then grad_b
+            lead = x.ring(W - 1, m * k * size) if plan.strategy == "reference" else \
+                sum(c * x.msgs(link, m * k * size, min(plan.chunks_for(link), m)) for link, c in x.peers)
+            x.mm_rs(m, n, k, lead=lead)
+            x.serial(gemm=wgrad)
+    elif op == "matmul_reduce_scatter":
+        x.mm_rs(m, k, n)
+        if problem.backward:  # grad_a = all_gather_matmul(grad_out, b.T), then grad_b over the same rows
+            x.ag_mm(m, n, k)
+            x.serial(gemm=wgrad)
+    elif op == "matmul_all_reduce":
+        x.mm_ar(m, k, n)
+        if problem.backward:  # the gradient passes through: two local GEMMs
+            x.serial(gemm=2 * wgrad)
+    else:
+        x.moe(problem)
+    return Prediction(x.total, x.comm, x.compute, f"{plan.describe()}: comm {x.comm * 1e3:.4g} ms, GEMMs "
+                      f"{x.compute * 1e3:.4g} ms, total {x.total * 1e3:.4g} ms")
+
+
+def _chunked_links(problem: Problem, strategy: str, topology: Topology) -> tuple[str, ...]:
+    """The link classes whose chunk counts `strategy` reads for `problem` (forward and backward)."""
+    op, bwd = problem.op, problem.backward
+    if strategy == "reference" or (op == "moe" and strategy != "pipelined"):
+        return ()  # moe symm/fused: one chunk per expert group
+    if (strategy == "pipelined" and op != "matmul_all_reduce") or (op == "all_gather_matmul" and (
+            strategy == "symm" or bwd)) or (op == "matmul_reduce_scatter" and strategy == "symm" and bwd):
+        return tuple(c for c, _ in topology.links)  # pairwise: each peer's link
+    return () if op == "all_gather_matmul" else (topology.slowest_link,)  # fused gather: one flag per rank
+
+
+def candidates(problem: Problem, topology: Topology, device_type: str | None = None) -> list[Plan]:
+    """Every plan worth predicting for `problem` on `topology` (``device_type`` defaults to its device).
+
+    ``reference`` always; ``pipelined``; ``symm`` on one node; ``fused`` on one node of GPUs. Each with
+    `CHUNK_CHOICES` per link class it chunks for (beyond two classes: the slowest link's count times
+    one count shared by the others, so the list stays under ~60), and for ``matmul_all_reduce`` both
+    variants (two-shot, one-shot). One rank: ``reference`` alone.
+    """
+    from .plan import Plan  # (plan imports this module)
+
+    device = (device_type or topology.device).split(":")[0]
+    if topology.world_size == 1:
+        return [Plan("reference")]
+    strategies = ["pipelined"] + (["symm"] + (["fused"] if device != "cpu" else []) if topology.num_nodes == 1 else [])
+    plans = [Plan("reference")]
+    for strategy in strategies:
+        links = _chunked_links(problem, strategy, topology)
+        if len(links) > 2:
+            counts = [(o,) * (len(links) - 1) + (s,) for o in CHUNK_CHOICES for s in CHUNK_CHOICES]
+        else:
+            counts = list(itertools.product(CHUNK_CHOICES, repeat=len(links)))
+        for one_shot in (False, True) if problem.op == "matmul_all_reduce" else (False,):
+            plans += [Plan(strategy, tuple(zip(links, c)), one_shot=one_shot) for c in counts]
+    return plans
+
+
+def rank_candidates(problem: Problem, topology: Topology, profile: Profile) -> list[tuple[Plan, Prediction]]:
+    """`candidates` with their predictions, fastest first (ties by `Plan.describe`, so every rank agrees)."""
+    scored = [(plan, predict(problem, plan, topology, profile)) for plan in candidates(problem, topology)]
+    return sorted(scored, key=lambda pp: (pp[1].total_s, pp[0].describe()))
+
+
+def default_profile(device: str) -> Profile:
+    """Rough defaults, not measurements: the model works before any probe (``overlap tune`` measures).
+
+    ``"cpu"``, a 2-core VM with gloo ranks of one torch thread: gloo point-to-point ~100 us + 0.3 GB/s (the
+    benchmarks' all-to-alls see ~0.1-0.7 GB/s), shared-memory copies ~20 us + 3 GB/s, a 1 Gb/s network;
+    fp32 GEMMs ~70 GFLOP/s (bf16 ~200 with AMX, fp16 ~30), 20 us a call; interference 1.3 both ways (two
+    cores shared with gloo's and the copy engine's threads), 30 us a chunk (Python-level messages, flags).
+    ``"cuda"``, an H100/H200-class node: NVLink ~350 GB/s per direction effective (copy engine; NCCL ~300),
+    PCIe ~25 GB/s, network ~40 GB/s (400 Gb/s InfiniBand), 5-20 us latencies; bf16/fp16 GEMMs ~650 TFLOP/s
+    effective, fp32 ~50, 8 us a launch; interference 1.1 on GEMMs, 1.05 on transfers; 5 us a chunk.
+    Raises ValueError for another device.
+    """
+    kind = device.split(":")[0]
+    if kind == "cpu":
+        return Profile(
+            links={"shm": {"p2p": LinkFit(100e-6, 0.3e9), "copy": LinkFit(20e-6, 3e9)},
+                   "network": {"p2p": LinkFit(150e-6, 0.125e9)}},
+            gemm={"float32": GemmFit(7e10, 20e-6), "bfloat16": GemmFit(2e11, 20e-6), "float16": GemmFit(3e10, 20e-6)},
+            gemm_slowdown=1.3, comm_slowdown=1.3, per_chunk_s=30e-6, device="cpu",
+            machine="default: 2-core VM, gloo (rough constants, not measured here)")
+    if kind == "cuda":
+        return Profile(
+            links={"nvlink": {"p2p": LinkFit(10e-6, 3.0e11), "copy": LinkFit(5e-6, 3.5e11)},
+                   "pcie": {"p2p": LinkFit(15e-6, 2.2e10), "copy": LinkFit(8e-6, 2.5e10)},
+                   "network": {"p2p": LinkFit(20e-6, 4.0e10)}},
+            gemm={"bfloat16": GemmFit(6.5e14, 8e-6), "float16": GemmFit(6.5e14, 8e-6), "float32": GemmFit(5e13, 8e-6)},
+            gemm_slowdown=1.1, comm_slowdown=1.05, per_chunk_s=5e-6, device="cuda",
+            machine="default: H100/H200-class node (rough constants, not measured here)")
+    raise ValueError(f"default_profile: device must be 'cpu' or 'cuda', got {device!r}")
