@@ -14,6 +14,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "OVERLAP_LOG": ("warning", "log level of the `overlap` logger: debug, info (plans and fallbacks), warning"),
     "OVERLAP_NODE_ID": ("", "node identity of this rank; overrides torchrun's GROUP_RANK and the hostname"),
     "OVERLAP_PLAN": ("", "path of a plan file written by `overlap tune`; `auto` looks calls up in it"),
+    "OVERLAP_CACHE_DIR": ("~/.cache/overlap", "where `overlap info --probe` / `overlap tune` cache machine profiles"),
     "OVERLAP_SHM_DIR": ("/dev/shm", "where CPU symmetric memory segments are created (then unlinked at once)"),
     "OVERLAP_BUILD_CUDA": ("1", "build time: 0 skips the CUDA half of overlap._C even where nvcc exists"),
     "TRITON_INTERPRET": ("", "set to 1 by overlap before its kernels are imported when no GPU exists"),
@@ -48,6 +49,11 @@ def plan_path() -> str | None:
     """The plan file `auto` reads (OVERLAP_PLAN, ``~`` expanded), or None when unset."""
     value = os.environ.get("OVERLAP_PLAN", "").strip()
     return os.path.expanduser(value) if value else None
+
+
+def cache_dir() -> str:
+    """Where machine profiles are cached (OVERLAP_CACHE_DIR, ``~`` expanded)."""
+    return os.path.expanduser(_get("OVERLAP_CACHE_DIR"))
 
 
 def shm_dir() -> str:
