@@ -98,6 +98,19 @@ def tune(problems: list[Problem], group=None, *, profile=None, measure: int = ME
     return pf, outcomes
 
 
+def measure(problem: Problem, plans: list[Plan], group=None, *, repeats: int = 5, warmup: int = 2,
+            timeout: float | None = None, progress: Callable[[str], None] | None = None) -> list[Trial]:
+    """Measure `plans` (the first should be ``reference``: the others are checked against it) for
+    `problem` on every rank, interleaved, the slowest rank's medians: the exhaustive grid of a
+    comparison uses it with every candidate."""
+    pg = world.resolve_group(group)
+    timeout = C.resolve_timeout(timeout)
+    info = world.group_info(pg, timeout)
+    trials = [Trial(p, math.nan) for p in plans]
+    _measure(problem, trials, pg, info, repeats, warmup, timeout, progress or (lambda text: None))
+    return trials
+
+
 def _agreed_candidates(problem: Problem, topology, profile, measure: int, pg, info) -> list[Trial]:
     """Rank 0's model ranking, broadcast: reference first, then the `measure` best-predicted others."""
     ranked = plan_mod.rank_candidates(problem, topology, profile)
