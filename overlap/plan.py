@@ -203,7 +203,7 @@ def _from_plan_file(source, problem: Problem, info: GroupInfo) -> tuple[Plan | N
 
 
 def _log_once(op: str, signature: str, plan: Plan, how: str) -> None:
-    key = f"{op}|{signature}"
+    key = f"{op}|{signature}|{plan.describe()}|{how}"  # once per call signature and choice
     if key not in _LOGGED:
         if len(_LOGGED) >= 4096:  # bounded: every distinct shape is a new signature
             _LOGGED.clear()

@@ -1,0 +1,164 @@
+"""The agreed search and plan files on CPU ranks: `tune` end to end, `auto` following a plan file, ranks
+holding different plans, files of another topology, plans measured slower than reference.
+
+Cost-model properties and plan-file round trips are in `test_plan_model`; probes in `test_probe`;
+the emulated two-node cluster in `test_emulated_cluster`; the `overlap tune` command in `test_cli`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _capture():
+    log = logging.getLogger("overlap")
+    handler = _Capture()
+    log.addHandler(handler)
+    old = log.level
+    log.setLevel(logging.INFO)
+    return handler, lambda: (log.removeHandler(handler), log.setLevel(old))
+
+
+def tune_task(rank, world_size, tmp):
+    """`tune` on every rank: the same file on every rank, a plan per problem, never slower than reference
+    as measured; `auto` then runs the tuned plans (the log says so) and gives reference's numbers."""
+    import overlap
+    from overlap import plan as plan_mod
+    from overlap import planfile
+    from overlap.tune.search import tune
+
+    problems = [plan_mod.Problem("all_gather_matmul", 32, 128, 96, "float32"),
+                plan_mod.Problem("matmul_reduce_scatter", 16, 64, 128, "float32", backward=True),
+                plan_mod.Problem("moe", 24, 32, 48, "float32", experts=2 * world_size, top_k=2)]
+    seen = []
+    pf, outcomes = tune(problems, measure=2, repeats=3, warmup=1,
+                        progress=lambda text, done, total: seen.append((done, total, text)))
+    assert seen and seen[-1][0] == seen[-1][1], seen[-3:]
+    assert any("measuring" in t for _, _, t in seen), seen[:5]
+    for o in outcomes:
+        assert o.chosen.measured_s <= o.reference.measured_s, (o.problem.key, o.chosen, o.reference)
+        assert all(not t.error for t in o.trials), [t.error for t in o.trials]
+        assert [t.plan for t in o.trials][0] == overlap.Plan("reference")
+    path = os.path.join(tmp, "plans.json")
+    if rank == 0:
+        pf.save(path)
+    torch.distributed.barrier()
+    loaded = planfile.PlanFile.load(path)
+    assert loaded.entries.keys() == {p.key for p in problems}
+    # auto follows the file (plan= and OVERLAP_PLAN alike), and the results are right.
+    handler, restore = _capture()
+    try:
+        a = torch.randn(32, 128)
+        b = torch.randn(128, 96)
+        want = overlap.all_gather_matmul(a, b, strategy="reference")
+        got = overlap.all_gather_matmul(a, b, plan=path)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        os.environ["OVERLAP_PLAN"] = path
+        try:
+            got = overlap.all_gather_matmul(a, b)
+        finally:
+            del os.environ["OVERLAP_PLAN"]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        restore()
+    chosen = loaded.lookup(problems[0]).describe()
+    assert any(f"auto chose {chosen}" in line and "plan file" in line for line in handler.lines), handler.lines
+    return [(o.problem.key, o.chosen.plan.describe(), o.chosen.measured_s, o.reference.measured_s) for o in outcomes]
+
+
+def test_tune_end_to_end(pools, tmp_path):
+    results = pools(2).run(tune_task, str(tmp_path), timeout=300)
+    assert results[0] == results[1], "ranks ended on different plans or times"
+
+
+def _file(world_size, entries, topology=None, profile=None):
+    from overlap import plan as plan_mod
+    from overlap import planfile
+
+    topo = topology or plan_mod.Topology("cpu", world_size, 1, world_size, (("shm", world_size - 1),))
+    pf = planfile.PlanFile.new(topo, topo.world_size, profile)
+    for problem, plan, measured, reference in entries:
+        pf.add(planfile.Entry(problem, plan, measured, reference, None))
+    return pf
+
+
+def plans_task(rank, world_size):
+    import overlap
+    from overlap import OverlapMismatchError
+    from overlap import plan as plan_mod
+
+    a, b = torch.randn(8, 16), torch.randn(16, 12)
+    problem = plan_mod.Problem("all_gather_matmul", 8, 16, 12, "float32")
+    want = overlap.all_gather_matmul(a, b, strategy="reference")
+    outcome = {}
+    # A plan measured slower than reference: auto runs reference.
+    slow = _file(world_size, [(problem, overlap.Plan("pipelined", num_chunks={"shm": 3}), 2.0, 1.0)])
+    handler, restore = _capture()
+    try:
+        torch.testing.assert_close(overlap.all_gather_matmul(a, b, plan=slow), want, rtol=1e-5, atol=1e-5)
+    finally:
+        restore()
+    outcome["slower"] = [line for line in handler.lines if "auto chose" in line]
+    # Ranks holding different plans: OverlapMismatchError on every rank, naming both plans, no hang.
+    mine = overlap.Plan("pipelined", num_chunks={"shm": 1 + rank})
+    differ = _file(world_size, [(problem, mine, 1.0, 2.0)])
+    try:
+        overlap.all_gather_matmul(a, b, plan=differ, timeout=20)
+        outcome["differ"] = "no error"
+    except OverlapMismatchError as exc:
+        outcome["differ"] = str(exc)
+    # A file of another topology: ValueError on every rank before any data moves; the group goes on.
+    other = plan_mod.Topology("cpu", 2 * world_size, 2, world_size, (("shm", world_size - 1), ("network", world_size)))
+    foreign = _file(world_size, [(problem, mine, 1.0, 2.0)], topology=other)
+    try:
+        overlap.all_gather_matmul(a, b, plan=foreign)
+        outcome["foreign"] = "no error"
+    except ValueError as exc:
+        outcome["foreign"] = str(exc)
+    torch.testing.assert_close(overlap.all_gather_matmul(a, b), want, rtol=1e-5, atol=1e-5)
+    # A shape the file lacks: the cost model's choice with the file's profile.
+    modelled = _file(world_size, [], profile=plan_mod.default_profile("cpu"))
+    handler, restore = _capture()
+    try:
+        torch.testing.assert_close(overlap.all_gather_matmul(a, b, plan=modelled), want, rtol=1e-5, atol=1e-5)
+    finally:
+        restore()
+    outcome["model"] = [line for line in handler.lines if "auto chose" in line]
+    return outcome
+
+
+def test_plan_files_drive_auto_and_disagreement_is_an_error(pools):
+    for rank, out in enumerate(pools(2).run(plans_task, timeout=120)):
+        assert out["slower"] and "auto chose reference[]" in out["slower"][0], (rank, out["slower"])
+        assert "shm=1" in out["differ"] and "shm=2" in out["differ"], (rank, out["differ"])
+        assert "re-tune on this topology" in out["foreign"], (rank, out["foreign"])
+        assert out["model"] and "cost model" in out["model"][0], (rank, out["model"])
+
+
+@pytest.mark.parametrize("op", ["matmul_reduce_scatter", "moe"])
+def test_problem_keys_of_calls_match_the_tuner(op):
+    """The key a call looks up is the key `tune` writes for the same shape (so tuned entries are found)."""
+    from overlap import plan as plan_mod
+    from overlap.ops import _common, _moe
+
+    if op == "moe":
+        p = _moe.moe_problem(24, 32, 48, 8, 2, torch.float32, (torch.zeros(1, requires_grad=True),))
+        want = plan_mod.Problem("moe", 24, 32, 48, "float32", True, 8, 2)
+    else:
+        a, b = torch.zeros(3 * 16, 64), torch.zeros(64, 128)
+        p = _common.tp_problem(op, a.shape[0], a, b, 3)
+        want = plan_mod.Problem(op, 16, 64, 128, "float32", False)
+    assert p == want and p.key == want.key
