@@ -1,0 +1,213 @@
+"""What ``overlap tune`` and ``overlap info --probe`` run on every rank (the command line, `overlap.cli`,
+parses arguments and starts the ranks).
+
+Problems come from the command line (``--shape``) or from a model description (``--model``):
+
+* ``--shape OP:MxKxN[:DTYPE][:fwd|fwd+bwd]`` with OP ``all_gather_matmul``, ``matmul_reduce_scatter`` or
+  ``matmul_all_reduce`` (``m x k x n`` as in ``overlap bench``: the per-rank GEMM is ``[W*m, k] @ [k, n]``),
+  or ``moe:TxHxF:EXPERTS:TOPK[:DTYPE][:fwd|fwd+bwd]`` (``T`` tokens per rank, hidden ``H``, expert ffn ``F``).
+* ``--model hidden=H,ffn=F,tokens=S[,experts=E,topk=K][,gated=1][,dtype=D]``: one transformer layer with
+  tensor parallelism over the ranks (TP = world size) and sequence parallelism, ``S`` tokens per
+  micro-batch: the QKV projection (``all_gather_matmul``, ``S/TP x H x 3H/TP``), the attention output
+  (``matmul_reduce_scatter``, ``S/TP x H/TP x H``), and the MLP: up (``all_gather_matmul``,
+  ``S/TP x H x F/TP``, twice the columns when gated) and down (``matmul_reduce_scatter``,
+  ``S/TP x F/TP x H``), or with ``experts`` an MoE layer over the same ranks (``moe``, ``S/TP`` tokens
+  per rank). Tuned forward and backward (training) unless ``--forward-only``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+from ..plan import Problem
+
+TP_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def parse_shape(text: str, backward_default: bool) -> Problem:
+    """One ``--shape`` value (see the module docstring) -> a `Problem`; ValueError with the reason."""
+    parts = text.split(":")
+    op = parts[0]
+    try:
+        if op == "moe":
+            if len(parts) < 4:
+                raise ValueError("moe needs moe:TxHxF:EXPERTS:TOPK")
+            t, h, f = (int(v) for v in parts[1].lower().split("x"))
+            experts, top_k = int(parts[2]), int(parts[3])
+            rest = parts[4:]
+        elif op in TP_OPS:
+            if len(parts) < 2:
+                raise ValueError(f"{op} needs {op}:MxKxN")
+            t, h, f = (int(v) for v in parts[1].lower().split("x"))
+            experts = top_k = 0
+            rest = parts[2:]
+        else:
+            raise ValueError(f"unknown op {op!r}; known: {(*TP_OPS, 'moe')}")
+        dtype, backward = "float32", backward_default
+        for word in rest:
+            if word in DTYPES:
+                dtype = word
+            elif word in ("fwd", "fwd+bwd"):
+                backward = word == "fwd+bwd"
+            else:
+                raise ValueError(f"{word!r} is neither a dtype {DTYPES} nor fwd / fwd+bwd")
+        return Problem(op, t, h, f, dtype, backward, experts, top_k)
+    except ValueError as exc:
+        raise ValueError(f"--shape {text!r}: {exc}") from None
+
+
+def parse_model(text: str, tp: int, backward: bool) -> list[Problem]:
+    """``--model`` (see the module docstring) at tensor-parallel size `tp` -> the layer's problems."""
+    fields: dict[str, str] = {}
+    for item in text.split(","):
+        if "=" not in item:
+            raise ValueError(f"--model {text!r}: {item!r} is not name=value")
+        key, value = item.split("=", 1)
+        fields[key.strip()] = value.strip()
+    known = {"hidden", "ffn", "tokens", "experts", "topk", "gated", "dtype"}
+    if set(fields) - known:
+        raise ValueError(f"--model: unknown fields {sorted(set(fields) - known)}; known: {sorted(known)}")
+    try:
+        h, ffn, tokens = int(fields["hidden"]), int(fields["ffn"]), int(fields["tokens"])
+        experts, top_k = int(fields.get("experts", 0)), int(fields.get("topk", 0))
+        gated = fields.get("gated", "0") not in ("0", "false", "no")
+    except KeyError as exc:
+        raise ValueError(f"--model {text!r}: {exc.args[0]}= is required (hidden, ffn, tokens)") from None
+    except ValueError:
+        raise ValueError(f"--model {text!r}: sizes must be integers") from None
+    dtype = fields.get("dtype", "float32")
+    if dtype not in DTYPES:
+        raise ValueError(f"--model: dtype must be one of {DTYPES}, got {dtype!r}")
+    if experts and not top_k:
+        raise ValueError("--model: experts= needs topk=")
+    for what, value in (("tokens", tokens), ("hidden", h), ("3*hidden", 3 * h)) + (() if experts else (("ffn", ffn),)):
+        if value % tp:
+            raise ValueError(f"--model: {what} ({value}) must divide by the tensor-parallel size {tp} (the ranks)")
+    m = tokens // tp
+    problems = [Problem("all_gather_matmul", m, h, 3 * h // tp, dtype, backward),
+                Problem("matmul_reduce_scatter", m, h // tp, h, dtype, backward)]
+    if experts:
+        if experts % tp:
+            raise ValueError(f"--model: experts ({experts}) must divide by the expert-parallel size {tp}")
+        problems.append(Problem("moe", m, h, ffn, dtype, backward, experts, top_k))
+    else:
+        problems += [Problem("all_gather_matmul", m, h, (2 if gated else 1) * ffn // tp, dtype, backward),
+                     Problem("matmul_reduce_scatter", m, ffn // tp, h, dtype, backward)]
+    return list(dict.fromkeys(problems))  # a layer may repeat a shape: tune it once
+
+
+@dataclasses.dataclass
+class TuneConfig:
+    shapes: list[str]
+    model: str | None
+    out: str
+    forward_only: bool = False
+    measure: int = 3
+    repeats: int = 5
+    warmup: int = 2
+    probe: str = "cached"  # "cached", "refresh", "quick", "none" (the default profile)
+    timeout: float | None = None
+
+
+def problems_of(config: TuneConfig, world_size: int) -> list[Problem]:
+    problems = [parse_shape(s, not config.forward_only) for s in config.shapes]
+    if config.model:
+        problems += parse_model(config.model, world_size, not config.forward_only)
+    if not problems:
+        raise ValueError("nothing to tune: give --shape (one or more) or --model")
+    return problems
+
+
+class Progress:
+    """A one-line progress bar on rank 0 (stderr): the fraction done and the candidate being measured."""
+
+    def __init__(self, enabled: bool, width: int = 28):
+        self.enabled, self.width = enabled, width
+        self.tty = sys.stderr.isatty()
+        self.last = 0.0
+
+    def __call__(self, text: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if not self.tty and now - self.last < 2.0 and done < total:
+            return  # a log, not a terminal: a line every 2 s
+        self.last = now
+        filled = self.width * done // max(total, 1)
+        line = f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} {text}"
+        if self.tty:
+            sys.stderr.write("\r\033[K" + line[:200] + ("\n" if done >= total else ""))
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def tune_rank(config: TuneConfig) -> list[str]:
+    """On every rank: the profile, the search, the file (rank 0 writes it); returns rank 0's report."""
+    import torch.distributed as dist
+
+    from .. import world
+    from .search import tune
+
+    info = world.group_info()
+    problems = problems_of(config, info.world_size)
+    profile = _profile(config.probe, info.rank == 0)
+    pf, outcomes = tune(problems, profile=profile, measure=config.measure, repeats=config.repeats,
+                        warmup=config.warmup, timeout=config.timeout, progress=Progress(info.rank == 0))
+    lines = report(outcomes, info, profile)
+    if info.rank == 0:
+        pf.save(config.out)
+        lines.append(f"wrote {config.out} ({len(pf.entries)} entries, topology {pf.topology}); use it with "
+                     f"OVERLAP_PLAN={config.out} or plan=\"{config.out}\"")
+    dist.barrier()
+    return lines
+
+
+def _profile(how: str, verbose: bool):
+    from .probe import probe, probe_cached
+
+    if how == "none":
+        return None  # the search then uses the default profile
+    progress = (lambda text: print(f"probe: {text}", file=sys.stderr, flush=True)) if verbose else None
+    if how == "quick":
+        return probe(quick=True, progress=progress)
+    return probe_cached(refresh=how == "refresh", progress=progress)
+
+
+def report(outcomes, info, profile) -> list[str]:
+    """The table of chosen plans: predicted against measured time, speedup over reference."""
+    lines = [f"tuned on {info.world_size} ranks, {len({*info.nodes})} node(s); times are the slowest rank's "
+             "medians; prediction = the cost model with "
+             + ("the probed profile" if profile is not None else "the default profile")]
+    head = f"{'problem':<52} {'chosen plan':<24} {'predicted':>10} {'measured':>10} {'reference':>10} {'speedup':>8}"
+    lines += [head, "-" * len(head)]
+    for o in outcomes:
+        c, r = o.chosen, o.reference
+        speedup = r.measured_s / c.measured_s if c.measured_s > 0 else float("nan")
+        lines.append(f"{o.problem.key:<52} {c.plan.describe():<24} {c.predicted_s * 1e3:>8.3f}ms "
+                     f"{c.measured_s * 1e3:>8.3f}ms {r.measured_s * 1e3:>8.3f}ms {speedup:>7.2f}x")
+        for t in o.trials:
+            if t.error:
+                lines.append(f"  {t.plan.describe()}: dropped ({t.error})")
+    errors = [abs(t.predicted_s / t.measured_s - 1) for o in outcomes for t in o.trials
+              if t.measured_s > 0 and t.predicted_s == t.predicted_s and not t.error]
+    if errors:
+        errors.sort()
+        lines.append(f"model error over {len(errors)} measured plans: median {errors[len(errors) // 2]:.0%}, "
+                     f"max {errors[-1]:.0%} (|predicted / measured - 1|)")
+    return lines
+
+
+def probe_rank(refresh: bool, quick: bool) -> list[str]:
+    """``overlap info --probe`` on every rank: the cached (or new) profile, formatted on rank 0."""
+    from .fits import format_profile
+    from .probe import cache_path, probe, probe_cached
+
+    profile = probe(quick=True) if quick else probe_cached(refresh=refresh)
+    return [format_profile(profile), "" if quick else f"cached in {cache_path()}"]
+
+
+__all__ = ["TuneConfig", "parse_model", "parse_shape", "probe_rank", "tune_rank"]
