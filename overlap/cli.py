@@ -22,7 +22,21 @@ from typing import Any
 import overlap
 
 from . import envs, world
-from .benchmarks.cases import DTYPES, MODES, OPS, Case, all_strategy_labels, parse_shape
+from .benchmarks.cases import (
+    BENCH_OPS,
+    DTYPES,
+    MODES,
+    MOE_OPS,
+    MOE_PRESETS,
+    AnyCase,
+    Case,
+    MoECase,
+    MoEShape,
+    all_strategy_labels,
+    parse_moe_shape,
+    parse_shape,
+    strategy_labels,
+)
 
 _DESCRIPTION = "overlap: hide tensor- and expert-parallel communication behind the GEMMs around it."
 
@@ -35,6 +49,8 @@ examples:
   overlap bench
   overlap bench --op matmul_all_reduce --mode fwd
   overlap bench --nproc 4 --shape 1024x1024x1024 --dtype bfloat16 --json results.json
+  overlap bench --op moe
+  overlap bench --shape mixtral 256,128,256,8,2 --mode fwd+bwd
   torchrun --nproc-per-node 8 -m overlap.cli bench --strategies reference,symm,fused
 """
 
@@ -71,11 +87,24 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _shape(text: str) -> tuple[int, int, int]:
+def _shape(text: str) -> tuple[int, int, int] | tuple[MoEShape, str]:
+    """``MxKxN`` (the tensor-parallel ops) -> ``(m, k, n)``; ``T,H,F,E,K`` or a preset name (moe) ->
+    ``(MoEShape, preset name or "")``."""
+    if "," in text or text.strip().lower() in MOE_PRESETS:
+        try:
+            return parse_moe_shape(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
     try:
         return parse_shape(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise argparse.ArgumentTypeError(
+            f"{exc}; for moe: T,H,F,E,K or a preset among {', '.join(MOE_PRESETS)}"
+        ) from None
+
+
+def _is_moe_shape(shape: tuple) -> bool:
+    return isinstance(shape[0], MoEShape)
 
 
 def _names(known: tuple[str, ...], what: str):
@@ -94,7 +123,7 @@ def _names(known: tuple[str, ...], what: str):
 
 
 _strategies = _names(all_strategy_labels(), "strategies among")
-_ops = _names(OPS, "ops among")
+_ops = _names(BENCH_OPS, "ops among")
 _modes = _names(MODES, "modes among")
 
 
@@ -128,13 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="check and time every strategy of the ops against reference",
         description="Benchmark the ops on the ranks: for each case (op, shape, dtype, mode), check every "
-        "strategy against 'reference' (the output, and in fwd+bwd the gradients of a and b; a mismatch "
+        "strategy against 'reference' (the output, and in fwd+bwd the gradients of every input; a mismatch "
         "fails the command), warm up, then time interleaved repeats between barriers. Prints one line per "
         "strategy and case (median ms, p25..p75, TFLOP/s, speedup over reference, overlap efficiency = "
         "(T_ref - T) / min(T_comm, T_compute)), the plain collectives and the GEMMs alone for context, and "
         "the geometric-mean speedup per strategy and mode. matmul_all_reduce also runs each strategy's "
-        "one-shot variant (label '+one_shot'). Interpreted 'fused' (CPU ranks) runs only where every dim "
-        "<= 128 and is left out of the summary.",
+        "one-shot variant (label '+one_shot'). Op 'moe' is one MoE layer's experts on the expert-parallel "
+        "group (overlap.moe.dispatch_grouped_matmul, gelu, overlap.moe.grouped_matmul_combine) with a fixed, "
+        "uneven routing; its gradients of x, w1, w2 and topk_weights are checked. Interpreted 'fused' (CPU "
+        "ranks) runs only where every dim <= 128 and is left out of the summary.",
     )
     bench.add_argument("--nproc", type=_positive_int, default=None, metavar="N", help=nproc_help)
     bench.add_argument(
@@ -143,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         metavar="LIST",
-        help=f"comma-separated ops, or the option repeated (default: all: {','.join(OPS)})",
+        help=f"comma-separated ops, or the option repeated (default: all: {','.join(BENCH_OPS)}; with --shape, "
+        "the ops its shapes are for)",
     )
     bench.add_argument(
         "--mode",
@@ -159,25 +191,29 @@ def build_parser() -> argparse.ArgumentParser:
         type=_shape,
         nargs="+",
         default=None,
-        metavar="MxKxN",
-        help="cases, for every op and mode selected: the GEMM of each rank is [W*M, K] @ [K, N] (W ranks); "
+        metavar="SHAPE",
+        help="cases, for every mode selected (default: the built-in cases of the ops for the ranks' device). "
+        "MxKxN, for every tensor-parallel op selected: the GEMM of each rank is [W*M, K] @ [K, N] (W ranks); "
         "all_gather_matmul's a is [M, K] per rank, matmul_reduce_scatter's and matmul_all_reduce's a is "
-        "[W*M, K] (K: this rank's slice) and their outputs [M, N] and [W*M, N] "
-        "(default: the built-in cases of the ops for the ranks' device)",
+        "[W*M, K] (K: this rank's slice) and their outputs [M, N] and [W*M, N]. "
+        "T,H,F,E,K or a preset name, for moe: T tokens per rank, hidden H, expert FFN width F, E experts "
+        "(E must divide by the number of ranks), top-K; presets: "
+        + "; ".join(f"{name} = {shape.spec} ({about})" for name, (shape, about) in MOE_PRESETS.items()),
     )
     bench.add_argument(
         "--dtype",
         choices=tuple(DTYPES),
         default=None,
-        help="dtype of the cases (default: float32 for --shape, else each built-in case's own)",
+        help="dtype of the cases (default: float32 for --shape, presets included, else each built-in case's own)",
     )
     bench.add_argument(
         "--strategies",
         type=_strategies,
-        default=all_strategy_labels(),
+        default=None,
         metavar="LIST",
-        help=f"comma-separated strategies (default: {','.join(all_strategy_labels())}), each run for the ops "
-        "it applies to (the +one_shot ones: matmul_all_reduce); reference, the baseline, always runs",
+        help=f"comma-separated strategies (default: those of {','.join(all_strategy_labels())} that apply to the "
+        "ops selected), each run for the ops it applies to (the +one_shot ones: matmul_all_reduce); reference, "
+        "the baseline, always runs",
     )
     bench.add_argument(
         "--warmup",
@@ -349,14 +385,29 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         folder = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(folder):
             parser.error(f"--json: folder {folder} does not exist")
-    ops, modes = _selection(args.op, OPS), _selection(args.mode, MODES)
-    cases: tuple[Case, ...] = ()
+    modes = _selection(args.mode, MODES)
+    shapes = {
+        True: [s for s in args.shape or () if _is_moe_shape(s)],
+        False: [s for s in args.shape or () if not _is_moe_shape(s)],
+    }
+    if args.op or not args.shape:
+        ops = _selection(args.op, BENCH_OPS)
+    else:  # the ops the shapes are for
+        ops = tuple(op for op in BENCH_OPS if shapes[op in MOE_OPS])
+    cases: tuple[AnyCase, ...] = ()
     if args.shape:
+        missing = [op for op in ops if not shapes[op in MOE_OPS]]
+        if missing:
+            kinds = " or ".join(dict.fromkeys("T,H,F,E,K or a preset" if op in MOE_OPS else "MxKxN" for op in missing))
+            parser.error(f"--shape gives no shape for {', '.join(missing)} ({kinds})")
+        dtype = args.dtype or "float32"
         cases = tuple(
             dict.fromkeys(
-                Case(op, m, k, n, args.dtype or "float32", backward=mode == "fwd+bwd")
+                MoECase(shape[0], dtype, backward=mode == "fwd+bwd", preset=shape[1])
+                if op in MOE_OPS
+                else Case(op, *shape, dtype, backward=mode == "fwd+bwd")
                 for op in ops
-                for m, k, n in args.shape
+                for shape in shapes[op in MOE_OPS]
                 for mode in modes
             )
         )
@@ -366,7 +417,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             modes=modes,
             cases=cases,
             dtype=args.dtype,
-            strategies=args.strategies,
+            strategies=args.strategies
+            or tuple(s for s in all_strategy_labels() if any(s in strategy_labels(op) for op in ops)),
             warmup=args.warmup,
             iters=args.iters,
             timeout=args.timeout,

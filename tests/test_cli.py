@@ -15,6 +15,7 @@ from overlap import world
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 MODES = ("fwd", "fwd+bwd")
+MOE_GRADS = ("grad_x", "grad_w1", "grad_w2", "grad_topk_weights")
 STRATEGY_LABELS = ("reference", "pipelined", "symm", "fused (interpreted)")
 ONE_SHOT_LABELS = ("pipelined+one_shot", "symm+one_shot", "fused+one_shot (interpreted)")
 
@@ -60,7 +61,8 @@ def test_console_script_next_to_interpreter():
     proc = subprocess.run([script, "bench", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     options = ("--nproc", "--op", "--mode", "--shape", "--dtype", "--strategies", "--warmup", "--iters", "--json")
-    for option in (*options, "--timeout", "fwd+bwd", "symm+one_shot", *OPS):
+    moe = ("moe", "T,H,F,E,K", "mixtral = 512,128,448,8,2", "deepseek-v3 = 512,224,64,32,8", "tiny")
+    for option in (*options, "--timeout", "fwd+bwd", "symm+one_shot", *OPS, *moe):
         assert option in proc.stdout, f"{option} missing from bench --help:\n{proc.stdout}"
 
 
@@ -82,6 +84,13 @@ def test_bad_shape_exits_2():
         ("bench", "--op", "all_gather_matmul", "--mode", "fwd", "--mode", "fwd+bwd+fwd"),
         ("bench", "--op", "all_gather_matmul", "--op", "matmul_reduce_scatter", "--strategies", "symm+one_shot"),
         ("bench", "--dtype", "float64"),
+        ("bench", "--shape", "8,8,8,4"),
+        ("bench", "--shape", "8,8,8,4,5"),  # top-k beyond the experts
+        ("bench", "--shape", "8,8,8,0,1"),
+        ("bench", "--shape", "mixtral-8x7b"),  # not a preset
+        ("bench", "--op", "moe", "--shape", "8x8x8"),  # no MoE shape for moe
+        ("bench", "--op", "moe,all_gather_matmul", "--shape", "mixtral"),  # no MxKxN for all_gather_matmul
+        ("bench", "--op", "moe", "--strategies", "symm+one_shot"),
         ("bench", "--iters", "0"),
         ("bench", "--timeout", "-1"),
         ("info", "--nproc", "0"),
@@ -294,3 +303,117 @@ def test_bench_gradient_mismatch_fails(tmp_path):
         proc.stdout
     )
     assert re.search(r"16x8x8 float32 fwd\+bwd\s+pipelined\s+\d", proc.stdout), proc.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# The MoE layer (op "moe")
+# ----------------------------------------------------------------------------------------------
+
+
+def test_moe_presets_keep_real_proportions():
+    """The CPU presets are the real models at 1/32 width, top-k kept (DeepSeek-V3's experts cut to 32),
+    the GPU ones the real widths; the defaults for CPU ranks are those presets plus one tiny enough
+    for interpreted fused, in both modes."""
+    from overlap.benchmarks.cases import MOE_PRESETS, MoEShape, default_cases
+
+    mixtral, deepseek = MOE_PRESETS["mixtral"][0], MOE_PRESETS["deepseek-v3"][0]
+    assert (mixtral.hidden * 32, mixtral.ffn * 32, mixtral.experts, mixtral.top_k) == (4096, 14336, 8, 2)
+    assert (deepseek.hidden * 32, deepseek.ffn * 32, deepseek.experts, deepseek.top_k) == (7168, 2048, 32, 8)
+    assert MOE_PRESETS["mixtral-full"][0] == MoEShape(4096, 4096, 14336, 8, 2)
+    assert MOE_PRESETS["deepseek-v3-full"][0] == MoEShape(4096, 7168, 2048, 256, 8)
+    cases = default_cases("moe", "cpu")
+    assert [(c.preset, c.mode) for c in cases] == [(p, m) for p in ("mixtral", "deepseek-v3", "tiny") for m in MODES], (
+        cases
+    )
+    assert [c.fits_interpreted_fused for c in cases] == [False] * 4 + [True] * 2
+    assert {c.dims.experts % 2 for c in cases} == {0}  # every default runs on 2 ranks
+    assert all(c.preset.endswith("-full") for c in default_cases("moe", "cuda"))
+
+
+def test_moe_shape_arguments():
+    """--shape takes MxKxN for the tensor-parallel ops and T,H,F,E,K or a preset for moe, in one list."""
+    from overlap.benchmarks.cases import MoEShape
+    from overlap.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--shape", "Mixtral", "16x8x8", "24,16,40,4,2"])
+    assert args.shape == [(MoEShape(512, 128, 448, 8, 2), "mixtral"), (16, 8, 8), (MoEShape(24, 16, 40, 4, 2), "")]
+
+
+def test_bench_moe_every_strategy_with_json(tmp_path):
+    """The MoE layer end to end on 2 CPU ranks at a tiny shape: both modes, every strategy (fused
+    interpreted), gradients of all four inputs checked, the transfers and GEMMs alone for context."""
+    path = tmp_path / "moe.json"
+    args = ("--op", "moe", "--shape", "24,16,40,4,2", "--iters", "2", "--warmup", "1", "--json", str(path))
+    proc = overlap_cmd("bench", "--nproc", "2", *args, "--timeout", "60", timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for mode in MODES:
+        case = f"moe 24,16,40,4,2 float32 {mode}"
+        for label in STRATEGY_LABELS:
+            assert len(result_lines(proc.stdout, case, label)) == 1, f"want one line for {case} {label}:\n{proc.stdout}"
+        alone = "(all_to_alls alone)" if mode == "fwd" else "(comm alone)"
+        for label in (alone, "(GEMMs alone)"):
+            assert len(result_lines(proc.stdout, case, label)) == 1, f"{case} {label}:\n{proc.stdout}"
+        assert re.search(rf"note: {re.escape(case)}: routed rows per rank max/mean \d", proc.stdout), proc.stdout
+    assert "all_gather_matmul" not in proc.stdout and "one_shot" not in proc.stdout, proc.stdout
+    assert "note: moe: one MoE layer's experts" in proc.stdout, proc.stdout
+    assert "[2/2] moe 24,16,40,4,2 float32 fwd+bwd: reference, pipelined, symm, fused" in proc.stderr, proc.stderr
+
+    data = json.loads(path.read_text())
+    assert data["config"]["ops"] == ["moe"] and data["config"]["cases"][0]["dims"]["experts"] == 4
+    rows = {(r["mode"], r["strategy"]): r for r in data["results"]}
+    for mode in MODES:
+        for s in ("reference", "pipelined", "symm", "fused"):
+            r = rows[(mode, s)]
+            assert r["status"] == "ok" and r["speedup"] > 0 and r["median_ms"] > 0, r
+            assert (r["tokens"], r["hidden"], r["ffn"], r["experts"], r["top_k"]) == (24, 16, 40, 4, 2), r
+            want = {"out", *MOE_GRADS} if mode == "fwd+bwd" else {"out"}
+            assert set(r["tolerance"]) == want, r  # the gradients of x, w1, w2 and topk_weights are checked
+        assert rows[(mode, "fused")]["interpreted"] and not rows[(mode, "fused")]["in_summary"]
+        context = {r["context"]: r for r in data["results"] if r["mode"] == mode and "context" in r}
+        assert context["comm"]["comm_gbps"] > 0 and context["compute"]["compute_tflops"] > 0, context
+    assert set(data["summary"]) == {"pipelined", "symm"}, data["summary"]
+    assert data["summary"]["symm"]["by_family"]["moe"]["cases"] == 2, data["summary"]
+
+
+def test_bench_moe_experts_must_split_over_ranks():
+    """Given MoE cases whose experts do not split evenly over the ranks fail on the ranks, with the reason."""
+    proc = overlap_cmd("bench", "--nproc", "3", "--op", "moe", "--shape", "8,8,8,4,2", "--iters", "1", timeout=90)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "4 experts do not split evenly over 3 ranks" in proc.stderr, proc.stderr
+
+
+_WRONG_MOE = """
+    import sys
+    import torch.distributed as dist
+    import overlap
+    from overlap.cli import main
+
+    right_dispatch, right_combine = overlap.moe.dispatch_grouped_matmul, overlap.moe.grouped_matmul_combine
+
+    def wrong_dispatch(x, topk_idx, w1, *args, strategy="auto", **kwargs):
+        h, handle = right_dispatch(x, topk_idx, w1, *args, strategy=strategy, **kwargs)
+        if strategy == "symm" and dist.get_rank() == 1:
+            h = h + (w1 - w1.detach()).sum()  # the same h, a wrong gradient of w1
+        return h, handle
+
+    def wrong_combine(h, w2, topk_weights, handle, *args, strategy="auto", **kwargs):
+        y = right_combine(h, w2, topk_weights, handle, *args, strategy=strategy, **kwargs)
+        if strategy == "pipelined" and dist.get_rank() == 1:
+            y = y + 1e-3  # a wrong output, on one rank only: every rank must still agree not to time it
+        return y
+
+    overlap.moe.dispatch_grouped_matmul, overlap.moe.grouped_matmul_combine = wrong_dispatch, wrong_combine
+    sys.exit(main(["bench", "--op", "moe", "--mode", "fwd+bwd", "--shape", "16,8,12,4,2",
+                   "--strategies", "reference,pipelined,symm", "--warmup", "0", "--iters", "2", "--timeout", "30"]))
+"""
+
+
+def test_bench_moe_mismatch_fails(tmp_path):
+    """A wrong MoE output or a wrong expert-weight gradient fails its strategy; reference is still timed."""
+    proc = _run_torchrun(tmp_path, _WRONG_MOE)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    case = re.escape("moe 16,8,12,4,2 float32 fwd+bwd")
+    assert re.search(rf"{case}\s+pipelined\s+FAILED\s+rank 1: pipelined vs reference \(out\)", proc.stdout), proc.stdout
+    assert re.search(rf"{case}\s+symm\s+FAILED\s+rank 1: symm vs reference \(grad_w1\)", proc.stdout), proc.stdout
+    assert re.search(rf"{case}\s+reference\s+\d", proc.stdout), proc.stdout
+    assert "did not match reference" in proc.stderr, proc.stderr

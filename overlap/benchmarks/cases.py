@@ -33,14 +33,66 @@ Strategy labels: the four strategies, and for ``matmul_all_reduce`` their ``+one
 two-shot reduce-scatter + all-gather).
 
 Default CPU cases (2 gloo ranks on a 2-core machine, one torch thread per rank): the same three
-shapes for every op, each forward and forward+backward, 18 cases. The GEMMs are large enough that
-a call takes milliseconds to tens of milliseconds, far above timer and barrier noise (~0.1 ms).
-There are fewer and smaller shapes per op than the single-op benchmark had (five, up to
-1024x1024x2048 in fp32), with the same 3 warm-up calls and 10 repeats, so that the whole default
-``overlap bench`` stays within about a minute including rank start-up.
-The last shape is small enough (every dim <= `INTERPRETED_FUSED_MAX_DIM`) for the interpreted
-``fused`` kernels, whose timings are labelled and left out of the summaries; it is 32x64x64, as an
-interpreted call costs ~0.1 s even there.
+shapes for every tensor-parallel op and the three MoE presets below, each forward and
+forward+backward, 24 cases. The GEMMs are large enough that a call takes milliseconds to tens of
+milliseconds, far above timer and barrier noise (~0.1 ms). There are fewer and smaller shapes per
+op than the single-op benchmark had (five, up to 1024x1024x2048 in fp32), with the same 3 warm-up
+calls and 10 repeats, so that the whole default ``overlap bench`` stays within about a minute
+including rank start-up. The last shape of each op is small enough (every dim <=
+`INTERPRETED_FUSED_MAX_DIM`) for the interpreted ``fused`` kernels, whose timings are labelled and
+left out of the summaries; it is 32x64x64 (moe: ``tiny``), as an interpreted call costs ~0.1 s even
+there (moe: ~0.3-0.6 s), and the runner times it in at most 3 repeats (`runner.INTERPRETED_ITERS`).
+
+MoE (op ``moe``, `MoECase`): one MoE layer's expert part on the expert-parallel group,
+``h, handle = overlap.moe.dispatch_grouped_matmul(x, topk_idx, w1)``, ``a = gelu(h)``,
+``y = overlap.moe.grouped_matmul_combine(a, w2, topk_weights, handle)``. Its shape is
+``T,H,F,E,K``: ``T`` tokens per rank, hidden ``H``, expert FFN width ``F``, ``E`` experts (split
+evenly over the ``W`` ranks, ``L = E/W`` each; ``E`` must divide by ``W``), ``K`` experts per token.
+The routing is fixed per case and drawn like a trained router's (`workloads`): loads are uneven, so
+``R``, the rows a rank's experts receive, varies between ranks and experts; it averages ``T*K``.
+
+* FLOPs per rank (`MoECase.flops`): the mean over ranks of ``2*R*H*F`` per grouped GEMM, i.e.
+  ``4*T*K*H*F`` forward (``h = x_e @ w1[e]``, ``y_e = a_e @ w2[e]``) and ``12*T*K*H*F`` in
+  ``fwd+bwd`` (each GEMM's input and weight gradients too). The gelu, the permutations and the
+  weighted sum are not counted.
+* Bytes (GB/s of the transfers alone): the mean over ranks of the rows it receives from other ranks,
+  times ``H`` elements: dispatch (the rows of its experts' pairs from peers) plus combine (its own
+  pairs' results from peers), and in ``fwd+bwd`` the two backward transfers again (the output
+  gradient's rows to the experts, the input gradient's rows back; all four carry ``H`` columns).
+  This depends on the routing, so the workload computes it (`workloads.Workload.comm_bytes`); with
+  uniform routing it is about ``2*T*K*(W-1)/W*H*itemsize`` forward.
+
+MoE presets (`MOE_PRESETS`): the proportions of real models, scaled down so that a case runs in
+milliseconds to tens of milliseconds on 2 CPU ranks (one torch thread each):
+
+* ``mixtral``: Mixtral-8x7B (hidden 4096, expert FFN 14336, 8 experts, top-2) with hidden and FFN
+  at 1/32 (128, 448) and the 8 experts, top-2 kept: ``512,128,448,8,2``.
+* ``deepseek-v3``: DeepSeek-V3 (hidden 7168, routed-expert FFN 2048, 256 routed experts, top-8; its
+  one shared expert is not expert-parallel and is left out) with hidden and FFN at 1/32 (224, 64), top-8
+  kept and the experts cut to 32 (1/8): 256 experts on 2 ranks would be 128 GEMMs of ~16 rows per
+  rank and pass, a benchmark of the host loop rather than of overlap (DeepSeek-V3 trains with 64-way
+  expert parallelism, 4 experts per rank). ``512,224,64,32,8``. What makes it differ from Mixtral is
+  kept: each token goes to 8 experts with a narrow FFN, so a layer moves 4x Mixtral's rows per token
+  for a quarter of the FLOPs per row.
+* ``tiny``: ``32,32,64,4,2``, every dim <= `INTERPRETED_FUSED_MAX_DIM`, for interpreted ``fused``
+  (a call costs ~0.2-0.3 s forward, ~0.4-1 s forward and backward even there).
+* ``mixtral-full``, ``deepseek-v3-full``: the real widths (DeepSeek-V3 with its 256 experts), 4096
+  tokens per rank, the GPU defaults (not yet measured on a GPU).
+
+The balance of compute and communication: per token the layer does ``4*K*H*F`` FLOPs and moves
+``2*K*H`` elements (dispatch and combine), ``2*F/itemsize`` FLOPs per byte whatever ``H``, ``K``
+and ``E``: 14336 for Mixtral-8x7B in bf16 and 2048 for DeepSeek-V3. A GPU of ~800 bf16 TFLOP/s
+does ~2000 FLOPs per byte of NVLink (~400 GB/s) and ~16000 per byte of a 400 Gb/s network link:
+Mixtral-8x7B is compute-bound within a node, DeepSeek-V3 about balanced there and
+communication-bound across nodes. Scaling ``F`` by 1/32 and running in fp32 divides the ratio by
+64 (224 and 32), which is what 2 CPU ranks need for the transfers to matter against their
+~40-100 GFLOP/s GEMMs and gloo's latency-bound all-to-alls of ~0.1-0.7 GB/s. Measured on the build
+machine (2 ranks, forward), the transfers alone and the GEMMs alone take ~1.5-2.5 and ~3-3.5 ms
+for ``mixtral`` and ~5-6.5 and ~4-5 ms for ``deepseek-v3`` (whose narrow GEMMs also run slower):
+the scaled Mixtral is the compute-heavier, the scaled DeepSeek-V3 the communication-heavier,
+as the real models are, and each has enough of both for overlap to matter. The CPU presets run
+in fp32: bf16 GEMMs use AMX on the build machine, several times faster, and would take a
+negligible share of the layer at these widths.
 """
 
 from __future__ import annotations
@@ -55,8 +107,15 @@ from ..plan import STRATEGIES
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-#: ops the runner knows how to benchmark
+#: the tensor-parallel ops, each benchmarked as ``overlap.<op>`` at a shape ``m x k x n`` (`Case`)
+#: (bench/soak.py runs these too, by that name)
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+
+#: the MoE layer (`MoECase`): ``overlap.moe.dispatch_grouped_matmul``, gelu, ``grouped_matmul_combine``
+MOE_OPS = ("moe",)
+
+#: every op the runner knows how to benchmark
+BENCH_OPS = OPS + MOE_OPS
 
 #: ``fwd``: the forward alone; ``fwd+bwd``: forward, then backward of the fresh output
 MODES = ("fwd", "fwd+bwd")
@@ -80,7 +139,11 @@ def all_strategy_labels() -> tuple[str, ...]:
     """Every label of every op, in `plan.STRATEGIES` order, each variant after its strategy."""
     return tuple(
         dict.fromkeys(
-            label for s in STRATEGIES for op in OPS for label in strategy_labels(op) if label_plan(op, label)[0] == s
+            label
+            for s in STRATEGIES
+            for op in BENCH_OPS
+            for label in strategy_labels(op)
+            if label_plan(op, label)[0] == s
         )
     )
 
@@ -153,6 +216,120 @@ class Case:
     def fits_interpreted_fused(self) -> bool:
         return max(self.m, self.k, self.n) <= INTERPRETED_FUSED_MAX_DIM
 
+    def shape_fields(self) -> dict[str, Any]:
+        """The shape as fields of a result row."""
+        return {"m": self.m, "k": self.k, "n": self.n}
+
+    def world_problem(self, world_size: int) -> str | None:
+        """Why the case cannot run on `world_size` ranks, or None (every shape runs on any number)."""
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEShape:
+    """An MoE layer's shape: `tokens` per rank, `hidden`, expert FFN width `ffn`, `experts` in all,
+    `top_k` experts per token (``T,H,F,E,K`` in the module docstring)."""
+
+    tokens: int
+    hidden: int
+    ffn: int
+    experts: int
+    top_k: int
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f.name} must be an int >= 1, got {v!r}")
+        if self.top_k > self.experts:
+            raise ValueError(
+                f"top_k ({self.top_k}) must be at most experts ({self.experts}): a token's experts are distinct"
+            )
+
+    @property
+    def spec(self) -> str:
+        """``"T,H,F,E,K"``, as `parse_moe_shape` reads it."""
+        return ",".join(str(v) for v in dataclasses.astuple(self))
+
+
+#: name -> (shape, what it is); the scaling is explained in the module docstring
+MOE_PRESETS: dict[str, tuple[MoEShape, str]] = {
+    "mixtral": (MoEShape(512, 128, 448, 8, 2), "Mixtral-8x7B (4096, 14336, 8 experts, top-2), hidden and FFN at 1/32"),
+    "deepseek-v3": (
+        MoEShape(512, 224, 64, 32, 8),
+        "DeepSeek-V3 (7168, 2048, 256 routed experts, top-8), hidden and FFN at 1/32, 32 experts",
+    ),
+    "tiny": (MoEShape(32, 32, 64, 4, 2), f"every dim <= {INTERPRETED_FUSED_MAX_DIM}, for interpreted fused"),
+    "mixtral-full": (MoEShape(4096, 4096, 14336, 8, 2), "Mixtral-8x7B at full width, 4096 tokens per rank"),
+    "deepseek-v3-full": (
+        MoEShape(4096, 7168, 2048, 256, 8),
+        "DeepSeek-V3 at full width with its 256 routed experts, 4096 tokens per rank",
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MoECase:
+    """One MoE benchmark case: the layer of op ``moe`` at `dims` in `dtype` (a name of `DTYPES`),
+    forward only or, with `backward`, forward plus backward. `preset` names a `MOE_PRESETS` entry
+    (empty for a custom shape); it only labels the case."""
+
+    dims: MoEShape
+    dtype: str = "float32"
+    backward: bool = False
+    preset: str = ""
+    op: str = dataclasses.field(default="moe", init=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dims, MoEShape):
+            raise ValueError(f"dims must be an MoEShape, got {self.dims!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.backward, bool):
+            raise ValueError(f"backward must be a bool, got {self.backward!r}")
+        if self.preset and self.preset not in MOE_PRESETS:
+            raise ValueError(f"unknown MoE preset {self.preset!r}; known: {tuple(MOE_PRESETS)}")
+
+    @property
+    def mode(self) -> str:
+        return MODES[int(self.backward)]
+
+    @property
+    def shape(self) -> str:
+        return f"{self.preset}:{self.dims.spec}" if self.preset else self.dims.spec
+
+    @property
+    def name(self) -> str:
+        return f"{self.op} {self.shape} {self.dtype} {self.mode}"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def flops(self, world_size: int) -> int:
+        """Mean floating-point operations of one call per rank (the module docstring): ``4*T*K*H*F``
+        forward, three times that in fwd+bwd; the mean does not depend on the routing."""
+        m = self.dims
+        return (3 if self.backward else 1) * 4 * m.tokens * m.top_k * m.hidden * m.ffn
+
+    @property
+    def fits_interpreted_fused(self) -> bool:
+        m = self.dims
+        return max(m.tokens, m.hidden, m.ffn) <= INTERPRETED_FUSED_MAX_DIM
+
+    def shape_fields(self) -> dict[str, Any]:
+        """The shape as fields of a result row."""
+        return {"preset": self.preset or None, **dataclasses.asdict(self.dims)}
+
+    def world_problem(self, world_size: int) -> str | None:
+        """Why the case cannot run on `world_size` ranks (experts that do not split evenly), or None."""
+        if self.dims.experts % world_size:
+            return f"{self.name}: {self.dims.experts} experts do not split evenly over {world_size} ranks"
+        return None
+
+
+AnyCase = Case | MoECase
+
 
 # (m, k, n, dtype, modes) per device type, for every op (one shape costs every op the same GEMMs)
 _DEFAULTS: dict[str, list[tuple[int, int, int, str, tuple[str, ...]]]] = {
@@ -172,35 +349,51 @@ _DEFAULTS: dict[str, list[tuple[int, int, int, str, tuple[str, ...]]]] = {
     ],
 }
 
+# (preset, dtype, modes) per device type for op "moe"
+_MOE_DEFAULTS: dict[str, list[tuple[str, str, tuple[str, ...]]]] = {
+    "cpu": [("mixtral", "float32", MODES), ("deepseek-v3", "float32", MODES), ("tiny", "float32", MODES)],
+    # Not yet measured on a GPU.
+    "cuda": [("mixtral-full", "bfloat16", MODES), ("deepseek-v3-full", "bfloat16", MODES)],
+}
+
 
 def default_cases(
-    op: str | Sequence[str] = OPS,
+    op: str | Sequence[str] = BENCH_OPS,
     device_type: str = "cpu",
     dtype: str | None = None,
     modes: Sequence[str] = MODES,
-) -> list[Case]:
-    """The default cases of `op` (one name or several) for ranks on `device_type` (``"cpu"`` or
-    ``"cuda"``), in the given `modes` (see `MODES`), grouped by op, then shape, then mode.
+) -> list[AnyCase]:
+    """The default cases of `op` (one name or several, of `BENCH_OPS`) for ranks on `device_type`
+    (``"cpu"`` or ``"cuda"``), in the given `modes` (see `MODES`), grouped by op, then shape, then mode.
 
     `dtype` (a name of `DTYPES`) replaces every case's own dtype when given.
     Raises ValueError for an unknown op, device type, dtype or mode.
     """
     ops = (op,) if isinstance(op, str) else tuple(op)
-    unknown = [o for o in ops if o not in OPS]
+    unknown = [o for o in ops if o not in BENCH_OPS]
     if unknown:
-        raise ValueError(f"unknown ops {unknown}; known: {OPS}")
+        raise ValueError(f"unknown ops {unknown}; known: {BENCH_OPS}")
     bad_modes = [m for m in modes if m not in MODES]
     if bad_modes:
         raise ValueError(f"unknown modes {bad_modes}; known: {MODES}")
     if device_type not in _DEFAULTS:
         raise ValueError(f"no default cases for device type {device_type!r}; known: {tuple(_DEFAULTS)}")
-    cases = [
-        Case(o, m, k, n, dtype or dt, backward=mode == "fwd+bwd")
-        for o in ops
-        for m, k, n, dt, case_modes in _DEFAULTS[device_type]
-        for mode in MODES
-        if mode in case_modes and mode in modes
-    ]
+    cases: list[AnyCase] = []
+    for o in ops:
+        if o in MOE_OPS:
+            cases += [
+                MoECase(MOE_PRESETS[preset][0], dtype or dt, backward=mode == "fwd+bwd", preset=preset)
+                for preset, dt, case_modes in _MOE_DEFAULTS[device_type]
+                for mode in MODES
+                if mode in case_modes and mode in modes
+            ]
+        else:
+            cases += [
+                Case(o, m, k, n, dtype or dt, backward=mode == "fwd+bwd")
+                for m, k, n, dt, case_modes in _DEFAULTS[device_type]
+                for mode in MODES
+                if mode in case_modes and mode in modes
+            ]
     return list(dict.fromkeys(cases))  # a dtype override can make two cases equal
 
 
@@ -216,3 +409,25 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     if min(m, k, n) < 1:
         raise ValueError(f"every dim of the shape must be >= 1, got {text!r}")
     return m, k, n
+
+
+def parse_moe_shape(text: str) -> tuple[MoEShape, str]:
+    """A preset name of `MOE_PRESETS` or ``"T,H,F,E,K"`` -> ``(shape, preset name or "")``.
+    Raises ValueError otherwise."""
+    name = text.strip().lower()
+    if name in MOE_PRESETS:
+        return MOE_PRESETS[name][0], name
+    parts = name.split(",")
+    what = (
+        f"an MoE shape must be T,H,F,E,K (tokens per rank, hidden, expert FFN, experts, top-k: five positive "
+        f"ints joined by ',') or a preset among {', '.join(MOE_PRESETS)}, got {text!r}"
+    )
+    if len(parts) != 5:
+        raise ValueError(what)
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise ValueError(what) from None
+    if min(values) < 1:
+        raise ValueError(f"every dim of the MoE shape must be >= 1, got {text!r}")
+    return MoEShape(*values), ""

@@ -1,15 +1,17 @@
 """The benchmark runner: correctness first, then interleaved timed repeats, then one table.
 
 `run` executes on every rank of the default group (all ranks call it; rank 0 prints). For each
-`Case` (an op, a shape, a dtype, a mode; see `cases`):
+case (`cases.Case`: a tensor-parallel op, a shape, a dtype, a mode; `cases.MoECase`: the MoE
+layer, ``T,H,F,E,K``, a dtype, a mode):
 
 1. Fresh random inputs, seeded per rank and case (rank 0 draws the run's seed unless one is given
    and broadcasts it; the seed is printed so a run can be repeated); `workloads` says how they are
    drawn and scaled. Never zeros.
 2. Correctness: ``reference`` against the op's result computed locally (every rank can regenerate
    every rank's inputs from the seed), then every strategy against ``reference``, with
-   `torch.testing.assert_close` at `tolerance`: the forward output, and in ``fwd+bwd`` also
-   ``grad_a`` and ``grad_b``. The verdicts of all ranks are gathered, so every rank agrees on which
+   `torch.testing.assert_close` at `tolerance`: the forward output, and in ``fwd+bwd`` also the
+   gradient of every input (``grad_a`` and ``grad_b``; moe: ``grad_x``, ``grad_w1``, ``grad_w2``,
+   ``grad_topk_weights``). The verdicts of all ranks are gathered, so every rank agrees on which
    strategies to time. A mismatch marks the strategy (and so its case) FAILED; it is not timed.
 3. Warm-up, then `iters` interleaved repeats: the plain collectives alone, the GEMMs alone,
    ``reference``, then each strategy, and again, so that drift (clocks, other load) hits every
@@ -22,14 +24,18 @@
    repeats, with p25..p75 as the spread.
 
 Reported per strategy (DESIGN.md "Measuring"): TFLOP/s (`Case.flops`: 1 GEMM forward, 3 in
-``fwd+bwd``), speedup ``= T_ref / T_strategy`` and overlap efficiency
-``= (T_ref - T_strategy) / min(T_comm, T_compute)``, the share of the smaller of the two costs that
-was hidden (1.0 is the limit). ``T_comm`` and ``T_compute`` are the plain collectives alone and the
-GEMMs alone of the same mode (`workloads`): in ``fwd+bwd`` every collective and every GEMM of the
-unfused forward and backward, so the efficiency there is that of the whole training step of the
-op. Interpreted ``fused`` runs only where every dim is at most `cases.INTERPRETED_FUSED_MAX_DIM`, is
-labelled ``(interpreted)`` and is left out of the geometric means. ``matmul_all_reduce`` also runs
-the ``+one_shot`` variant of each strategy (`cases.VARIANTS`), a label of its own.
+``fwd+bwd``; `MoECase.flops`: the mean over ranks of the grouped GEMMs), speedup
+``= T_ref / T_strategy`` and overlap efficiency ``= (T_ref - T_strategy) / min(T_comm, T_compute)``,
+the share of the smaller of the two costs that was hidden (1.0 is the limit). ``T_comm`` and
+``T_compute`` are the plain collectives alone and the GEMMs alone of the same mode (`workloads`): in
+``fwd+bwd`` every collective and every GEMM of the unfused forward and backward, so the efficiency
+there is that of the whole training step of the op. Interpreted ``fused`` runs only where every dim
+is at most `cases.INTERPRETED_FUSED_MAX_DIM`, is labelled ``(interpreted)``, is timed without warm-up
+in at most `INTERPRETED_ITERS` of the repeats (a call costs 0.1-1 s) and is left out of the
+geometric means. ``matmul_all_reduce`` also runs the ``+one_shot`` variant of each strategy
+(`cases.VARIANTS`), a label of its own. The geometric means are per mode over every op, and per op
+family (tensor-parallel, moe) where a run has both. Default MoE cases whose experts do not split
+evenly over the ranks are left out with a note; given ones raise ValueError.
 """
 
 from __future__ import annotations
@@ -53,18 +59,22 @@ import overlap
 from .. import world
 from ..ops import _common
 from .cases import (
+    BENCH_OPS,
     DTYPES,
     INTERPRETED_FUSED_MAX_DIM,
     MODES,
-    OPS,
+    MOE_OPS,
     VARIANTS,
-    Case,
+    AnyCase,
     all_strategy_labels,
     default_cases,
     label_plan,
     strategy_labels,
 )
 from .workloads import Expected, build, strategy_fn
+
+#: timed repeats of interpreted fused at most (no warm-up): ~0.1-1 s a call, and out of the summaries
+INTERPRETED_ITERS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +87,9 @@ class BenchConfig:
     Raises ValueError for anything unknown or inconsistent.
     """
 
-    ops: tuple[str, ...] = OPS
+    ops: tuple[str, ...] = BENCH_OPS
     modes: tuple[str, ...] = MODES
-    cases: tuple[Case, ...] = ()  # empty: the default cases of `ops` x `modes` for the ranks' device type
+    cases: tuple[AnyCase, ...] = ()  # empty: the default cases of `ops` x `modes` for the ranks' device type
     dtype: str | None = None  # overrides the dtype of the default cases
     strategies: tuple[str, ...] = all_strategy_labels()
     warmup: int = 3
@@ -90,7 +100,7 @@ class BenchConfig:
     progress: bool = True  # progress lines on rank 0's stderr
 
     def __post_init__(self) -> None:
-        for name, known in (("ops", OPS), ("modes", MODES)):
+        for name, known in (("ops", BENCH_OPS), ("modes", MODES)):
             values = tuple(dict.fromkeys(getattr(self, name)))
             unknown = [v for v in values if v not in known]
             if not values or unknown:
@@ -229,10 +239,10 @@ def geomean(values: list[float]) -> float:
 
 
 def _tolerances(
-    case: Case, expected: list[Expected], device_type: str, strategies: list[str]
+    case: AnyCase, expected: list[Expected], device_type: str, strategies: list[str]
 ) -> dict[str, dict[str, dict[str, float]]]:
-    """Per strategy label, per tensor (``out``, ``grad_a``, ``grad_b``): `tolerance`, with ``atol``
-    multiplied by the tensor's RMS where that exceeds 1."""
+    """Per strategy label, per tensor (``out``, then the gradients; `workloads.Expected`): `tolerance`,
+    with ``atol`` multiplied by the tensor's RMS where that exceeds 1."""
     scales = {e.what: (e.reduction, max(1.0, float(e.value.double().pow(2).mean().sqrt()))) for e in expected}
     tols: dict[str, dict[str, dict[str, float]]] = {}
     for label in strategies:
@@ -265,7 +275,7 @@ def _base_strategy(op: str, label: str) -> str:
     return label_plan(op, label)[0]
 
 
-def _strategies_for(case: Case, config: BenchConfig, info: world.GroupInfo) -> tuple[list[str], list[str]]:
+def _strategies_for(case: AnyCase, config: BenchConfig, info: world.GroupInfo) -> tuple[list[str], list[str]]:
     """(strategy labels to run for `case`, notes on the ones left out)."""
     run, notes = [], []
     interpreted = fused_interpreted(info.device)
@@ -282,12 +292,17 @@ def _strategies_for(case: Case, config: BenchConfig, info: world.GroupInfo) -> t
     return run, notes
 
 
+def _is_interpreted(op: str, label: str, interpreted: bool) -> bool:
+    """Whether `label` of `op` runs under the Triton interpreter (`interpreted`: `fused_interpreted`)."""
+    return interpreted and _base_strategy(op, label) == "fused"
+
+
 def _display(op: str, label: str, interpreted: bool) -> str:
-    return f"{label} (interpreted)" if interpreted and _base_strategy(op, label) == "fused" else label
+    return f"{label} (interpreted)" if _is_interpreted(op, label, interpreted) else label
 
 
 def run_case(
-    case: Case, case_index: int, config: BenchConfig, seed: int, info: world.GroupInfo, pg: dist.ProcessGroup
+    case: AnyCase, case_index: int, config: BenchConfig, seed: int, info: world.GroupInfo, pg: dist.ProcessGroup
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Check and time one case on every rank; returns (one row per strategy, notes).
 
@@ -329,12 +344,19 @@ def run_case(
     # A wrong reference is still the baseline of the others; a wrong strategy is not timed.
     fns.update({s: calls[s] for s in labels if s == "reference" or s not in failed})
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    # Interpreted fused: no warm-up (its correctness call was the first) and at most
+    # INTERPRETED_ITERS repeats; its timings are labelled and left out of the summaries anyway.
+    slow = {label for label in fns if label in labels and _is_interpreted(case.op, label, interpreted)}
+    repeats = {label: min(config.iters, INTERPRETED_ITERS) if label in slow else config.iters for label in fns}
     for _ in range(config.warmup):
-        for fn in fns.values():
-            fn()
-    times: dict[str, list[float]] = {label: [] for label in fns}
-    for _ in range(config.iters):
         for label, fn in fns.items():
+            if label not in slow:
+                fn()
+    times: dict[str, list[float]] = {label: [] for label in fns}
+    for i in range(config.iters):
+        for label, fn in fns.items():
+            if i >= repeats[label]:
+                continue
             dist.barrier(group=pg)  # start together: each timing is of one collective call
             sync()
             t0 = time.perf_counter()
@@ -343,7 +365,7 @@ def run_case(
             times[label].append(time.perf_counter() - t0)
     every = [None] * W
     dist.all_gather_object(every, times, group=pg)
-    stats = {label: summarize([max(r[label][i] for r in every) for i in range(config.iters)]) for label in fns}
+    stats = {label: summarize([max(r[label][i] for r in every) for i in range(repeats[label])]) for label in fns}
 
     t_comm, t_compute = stats[comm_label]["median_ms"], stats[compute_label]["median_ms"]
     t_ref = stats["reference"]["median_ms"]
@@ -352,19 +374,17 @@ def run_case(
         "mode": case.mode,
         "backward": case.backward,
         "case": case.name,
-        "m": case.m,
-        "k": case.k,
-        "n": case.n,
+        **case.shape_fields(),
         "dtype": case.dtype,
         "world_size": W,
         "t_comm_ms": t_comm,
         "t_compute_ms": t_compute,
-        "comm_gbps": case.comm_bytes(W) / (t_comm * 1e-3) / 1e9,
+        "comm_gbps": work.comm_bytes / (t_comm * 1e-3) / 1e9,
         "compute_tflops": case.flops(W) / (t_compute * 1e-3) / 1e12,
     }
     rows = []
     for s in labels:
-        is_interp = interpreted and _base_strategy(case.op, s) == "fused"
+        is_interp = _is_interpreted(case.op, s, interpreted)
         row = dict(
             base,
             strategy=s,
@@ -387,7 +407,7 @@ def run_case(
         rows.append(row)
     rows.append(dict(base, strategy=comm_label, context="comm", **stats[comm_label]))
     rows.append(dict(base, strategy=compute_label, context="compute", **stats[compute_label]))
-    return rows, notes
+    return rows, notes + work.notes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -400,7 +420,7 @@ class _Table:
 
     HEADS = ("case", "strategy", "median ms", "p25..p75 ms", "TFLOP/s", "GB/s", "speedup", "overlap eff")
 
-    def __init__(self, cases: tuple[Case, ...], strategies: tuple[str, ...], interpreted: bool):
+    def __init__(self, cases: tuple[AnyCase, ...], strategies: tuple[str, ...], interpreted: bool):
         self.w_case = max(len(self.HEADS[0]), *(len(c.name) for c in cases))
         labels = [_display(c.op, s, interpreted) for c in cases for s in strategies if s in strategy_labels(c.op)]
         self.w_strategy = max(len(self.HEADS[1]), len("(reduce_scatter alone)"), *map(len, labels))
@@ -441,13 +461,20 @@ def _agree_seed(seed: int | None, pg: dist.ProcessGroup) -> int:
     return int(box[0])
 
 
+def family(op: str) -> str:
+    """``"moe"`` or ``"tensor-parallel"``: the op families the summary also reports apart."""
+    return "moe" if op in MOE_OPS else "tensor-parallel"
+
+
 def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Geometric-mean speedup per strategy label over the cases where it passed (interpreted fused
-    left out): over all cases, and per mode (``by_mode``)."""
+    left out): over all cases, per mode (``by_mode``) and per op family (``by_family``, `family`)."""
     per: dict[str, dict[str, list[float]]] = {}
+    per_family: dict[str, dict[str, list[float]]] = {}
     for r in rows:
         if r.get("in_summary") and r["strategy"] != "reference" and "speedup" in r:
             per.setdefault(r["strategy"], {}).setdefault(r["mode"], []).append(r["speedup"])
+            per_family.setdefault(r["strategy"], {}).setdefault(family(r["op"]), []).append(r["speedup"])
     out = {}
     for s, by_mode in per.items():
         every = [v for mode in MODES for v in by_mode.get(mode, [])]
@@ -455,15 +482,18 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "geomean_speedup": geomean(every),
             "cases": len(every),
             "by_mode": {m: {"geomean_speedup": geomean(v), "cases": len(v)} for m, v in by_mode.items()},
+            "by_family": {f: {"geomean_speedup": geomean(v), "cases": len(v)} for f, v in per_family[s].items()},
         }
     return out
 
 
-def _summary_lines(results: dict[str, dict[str, Any]], modes: tuple[str, ...]) -> list[str]:
+def _summary_lines(results: dict[str, dict[str, Any]], modes: tuple[str, ...], families: tuple[str, ...]) -> list[str]:
     lines = []
     scopes = [(m, lambda s, m=m: results[s]["by_mode"].get(m)) for m in modes]
     if len(modes) > 1:
         scopes.append(("all", lambda s: results[s]))
+    if len(families) > 1:
+        scopes += [(f"{f}, all modes", lambda s, f=f: results[s]["by_family"].get(f)) for f in families]
     for scope, get in scopes:
         parts = [f"{s} {v['geomean_speedup']:.2f}x ({v['cases']})" for s in results if (v := get(s))]
         if parts:
@@ -479,12 +509,20 @@ def _notes(config: BenchConfig, info: world.GroupInfo) -> list[str]:
         notes.append(
             "fwd+bwd: forward, then backward of the fresh output with a fixed random grad_out; "
             "(comm alone) = the plain collectives of the unfused forward and backward back to back, "
-            "(GEMMs alone) = its 3 GEMMs"
+            "(GEMMs alone) = its 3 GEMMs (moe: 6 grouped GEMMs)"
+        )
+    if ops & set(MOE_OPS):
+        notes.append(
+            "moe: one MoE layer's experts, dispatch_grouped_matmul -> gelu -> grouped_matmul_combine, with a "
+            "fixed uneven routing per case (shape T,H,F,E,K: tokens per rank, hidden, expert FFN, experts, top-k); "
+            "(all_to_alls alone) = all_to_all_single of the counts and of the rows both ways; (GEMMs alone) = the "
+            "grouped GEMMs on this rank's received rows; TFLOP/s and GB/s count the mean rows per rank"
         )
     if "fused" in config.strategies and fused_interpreted(info.device):
         notes.append(
             f"fused runs under the Triton interpreter, only for cases with every dim <= "
-            f"{INTERPRETED_FUSED_MAX_DIM}; its timings are not in the summary"
+            f"{INTERPRETED_FUSED_MAX_DIM}, timed in at most {min(config.iters, INTERPRETED_ITERS)} repeats without "
+            "warm-up; its timings are not in the summary"
         )
     for op, variants in VARIANTS.items():
         if op in ops and any(v in config.strategies for v in variants):
@@ -505,14 +543,23 @@ def run(config: BenchConfig, group: dist.ProcessGroup | None = None) -> list[dic
     ``"FAILED"``, timings in ms, ``tflops``, ``speedup``, ``efficiency`` and context, followed per
     case by two context rows (``context``: ``"comm"``, the collectives alone; ``"compute"``, the
     GEMMs alone). Rank 0 writes ``{"machine", "config", "seed", "results", "summary"}`` to
-    `config.json_path` if set. Raises RuntimeError if torch.distributed is not initialized, and
-    whatever the ops raise.
+    `config.json_path` if set. Raises RuntimeError if torch.distributed is not initialized,
+    ValueError for a given MoE case whose experts do not split evenly over the ranks, and whatever
+    the ops raise.
     """
     pg = world.resolve_group(group)
     info = world.group_info(pg)
     lead = info.rank == 0
+    problems = [p for c in config.cases if (p := c.world_problem(info.world_size))]
+    if problems:
+        raise ValueError(f"cases that cannot run on {info.world_size} ranks: {'; '.join(problems)}")
+    left_out = []
     if not config.cases:
         cases = default_cases(config.ops, info.device.type, config.dtype, config.modes)
+        left_out = [p for c in cases if (p := c.world_problem(info.world_size))]
+        cases = [c for c in cases if not c.world_problem(info.world_size)]
+        if not cases:
+            raise ValueError(f"no default case of {config.ops} runs on {info.world_size} ranks: {'; '.join(left_out)}")
         config = dataclasses.replace(config, cases=tuple(cases))
     seed = _agree_seed(config.seed, pg)
     machine = machine_info(info)
@@ -531,7 +578,7 @@ def run(config: BenchConfig, group: dist.ProcessGroup | None = None) -> list[dic
     out()
     out(table.header())
     rows: list[dict[str, Any]] = []
-    all_notes: list[str] = []
+    all_notes = [f"left out: {p}" for p in left_out]
     for i, case in enumerate(config.cases):
         if lead and config.progress:
             running = ", ".join(_strategies_for(case, config, info)[0])
@@ -548,7 +595,9 @@ def run(config: BenchConfig, group: dist.ProcessGroup | None = None) -> list[dic
 
     results = summary(rows)
     out()
-    for line in _summary_lines(results, tuple(m for m in MODES if any(c.mode == m for c in config.cases))):
+    modes = tuple(m for m in MODES if any(c.mode == m for c in config.cases))
+    families = tuple(dict.fromkeys(family(c.op) for c in config.cases))
+    for line in _summary_lines(results, modes, families):
         out(line)
     failed = [r for r in rows if r.get("status") == "FAILED"]
     if failed:
