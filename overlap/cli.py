@@ -1,11 +1,11 @@
-"""The ``overlap`` command: ``overlap info``, ``overlap bench``, ``overlap --version``.
+"""The ``overlap`` command: ``overlap info``, ``overlap bench``, ``overlap tune``, ``overlap --version``.
 
-Both commands need ranks. Started by torchrun (``torchrun --nproc-per-node 4 -m overlap.cli
+The commands need ranks. Started by torchrun (``torchrun --nproc-per-node 4 -m overlap.cli
 bench``) they run in place on the ranks torchrun made; started plainly they start ``--nproc``
 local ranks with `overlap.world.launch` (default: every GPU, else 2 CPU ranks on gloo).
 
-Exit codes: 0 success; 1 a rank failed (its traceback goes to stderr) or a benchmark result did
-not match ``reference``; 2 bad command-line arguments.
+Exit codes: 0 success; 1 a rank failed (its traceback goes to stderr), a benchmark result did
+not match ``reference``, or tuning failed (the reason on stderr); 2 bad command-line arguments.
 """
 
 from __future__ import annotations
@@ -46,12 +46,16 @@ start --nproc local ranks (default: one per GPU, else 2 CPU ranks on gloo).
 
 examples:
   overlap info
+  overlap info --probe
   overlap bench
   overlap bench --op matmul_all_reduce --mode fwd
   overlap bench --nproc 4 --shape 1024x1024x1024 --dtype bfloat16 --json results.json
   overlap bench --op moe
   overlap bench --shape mixtral 256,128,256,8,2 --mode fwd+bwd
   torchrun --nproc-per-node 8 -m overlap.cli bench --strategies reference,symm,fused
+  overlap tune --shape all_gather_matmul:256x1024x1024 --shape moe:512x128x448:8:2 --out plans.json
+  overlap tune --model hidden=4096,ffn=14336,tokens=4096,dtype=bfloat16 --out plans.json
+  OVERLAP_PLAN=plans.json python train.py
 """
 
 
@@ -152,6 +156,43 @@ def build_parser() -> argparse.ArgumentParser:
         "(pid, node, device) and the link class (shm, nvlink, pcie, network) of every pair of ranks.",
     )
     info.add_argument("--nproc", type=_positive_int, default=None, metavar="N", help=nproc_help)
+    info.add_argument("--probe", action="store_true",
+                      help="also print the machine profile the cost model uses (link latency and bandwidth per "
+                      "link class, GEMM rates, interference, per-chunk cost), measured once and cached in "
+                      "OVERLAP_CACHE_DIR")
+    info.add_argument("--refresh", action="store_true", help="with --probe: measure again instead of the cache")
+    info.add_argument("--quick", action="store_true", help="with --probe: a short, rougher probe (not cached)")
+
+    tune = sub.add_parser(
+        "tune",
+        help="measure the best plans for given shapes or a model, and write a plan file",
+        description="Tune the plans of 'auto' for the given problems on these ranks: probe the machine (cached), "
+        "rank every candidate plan (strategy x chunks per link class) with the cost model, measure reference and "
+        "the best-predicted few on every rank (interleaved, the slowest rank's medians), let rank 0 pick the "
+        "fastest (never one slower than reference) and write a plan file. Use it with OVERLAP_PLAN=FILE or "
+        "plan='FILE'. Shapes: OP:MxKxN[:DTYPE][:fwd|fwd+bwd] (OP all_gather_matmul, matmul_reduce_scatter, "
+        "matmul_all_reduce; the per-rank GEMM is [W*m, k] @ [k, n] as in overlap bench) or "
+        "moe:TxHxF:EXPERTS:TOPK[:DTYPE][:fwd|fwd+bwd]. A model: hidden=H,ffn=F,tokens=S[,experts=E,topk=K]"
+        "[,gated=1][,dtype=D], one transformer layer with TP = the number of ranks and sequence parallelism.",
+    )
+    tune.add_argument("--nproc", type=_positive_int, default=None, metavar="N", help=nproc_help)
+    tune.add_argument("--shape", action="append", default=[], metavar="SPEC", help="a problem (repeatable)")
+    tune.add_argument("--model", default=None, metavar="DESC", help="a model description (see above)")
+    tune.add_argument("--out", default="overlap-plan.json", metavar="PATH",
+                      help="the plan file to write (default: %(default)s)")
+    tune.add_argument("--forward-only", action="store_true", help="tune the forward alone (default: fwd+bwd)")
+    tune.add_argument("--measure", type=_positive_int, default=3, metavar="N",
+                      help="plans measured besides reference, the model's best (default: %(default)s)")
+    tune.add_argument("--repeats", type=_positive_int, default=5, metavar="R",
+                      help="timed calls per plan, interleaved (default: %(default)s)")
+    tune.add_argument("--warmup", type=_non_negative_int, default=2, metavar="W",
+                      help="untimed calls per plan first (default: %(default)s)")
+    tune.add_argument("--probe", choices=("cached", "refresh", "quick", "none"), default="cached",
+                      help="machine profile for the model: the cached probe (measured if absent), a new one, a "
+                      "quick uncached one, or the built-in defaults (default: %(default)s)")
+    tune.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
+                      help="deadline in seconds of each wait on a peer (default: OVERLAP_TIMEOUT_S, 300)")
+    tune.set_defaults(subparser=tune)
 
     bench = sub.add_parser(
         "bench",
@@ -443,6 +484,72 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 1 if failed else 0
 
 
+# ----------------------------------------------------------------------------------------------
+# overlap tune, overlap info --probe
+# ----------------------------------------------------------------------------------------------
+
+
+def _tune_rank(config: Any, status_path: str) -> None:
+    """Tune on this rank (every rank); rank 0 prints the report, or the reason and writes it to `status_path`."""
+    import torch.distributed as dist
+
+    from .tune.command import tune_rank
+
+    try:
+        lines = tune_rank(config)
+    except ValueError as exc:  # a problem that does not fit these ranks (the same on every rank)
+        if dist.get_rank() == 0:
+            with open(status_path, "w") as f:
+                f.write(str(exc))
+        return
+    if dist.get_rank() == 0:
+        print("\n".join(lines), flush=True)
+
+
+def _tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .tune.command import TuneConfig, parse_shape
+
+    if not args.shape and not args.model:
+        parser.error("give --shape (one or more) or --model")
+    for spec in args.shape:
+        try:
+            parse_shape(spec, True)
+        except ValueError as exc:
+            parser.error(str(exc))
+    folder = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(folder):
+        parser.error(f"--out: folder {folder} does not exist")
+    config = TuneConfig(args.shape, args.model, args.out, args.forward_only, args.measure, args.repeats,
+                        args.warmup, args.probe, args.timeout)
+    with tempfile.TemporaryDirectory(prefix="overlap-tune-") as tmp:
+        status_path = os.path.join(tmp, "status.txt")
+        code, _ = _on_ranks("tune", _self()._tune_rank, (config, status_path), args.nproc)
+        if code == 0 and os.path.exists(status_path):
+            with open(status_path) as f:
+                print(f"overlap tune: {f.read()}", file=sys.stderr)
+            return 1
+    return code
+
+
+def _probe_rank(refresh: bool, quick: bool) -> None:
+    import torch.distributed as dist
+
+    from .tune.command import probe_rank
+
+    lines = probe_rank(refresh, quick)
+    if dist.get_rank() == 0:
+        print("\n".join(line for line in lines if line), flush=True)
+
+
+def _info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if (args.refresh or args.quick) and not args.probe:
+        parser.error("--refresh and --quick go with --probe")
+    code = _on_ranks("info", _self()._info_rank, (), args.nproc)[0]
+    if code == 0 and args.probe:
+        code = _on_ranks("info --probe", _self()._probe_rank, (args.refresh, args.quick), args.nproc)[0]
+    return code
+
+
 def _self():
     """This module under its importable name, so that spawned ranks can unpickle its functions.
 
@@ -463,7 +570,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.command == "info":
-            return _on_ranks("info", _self()._info_rank, (), args.nproc)[0]
+            return _info(args, args.subparser)
+        if args.command == "tune":
+            return _tune(args, args.subparser)
         if args.command == "bench":
             return _bench(args, args.subparser)
     except KeyboardInterrupt:

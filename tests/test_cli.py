@@ -51,7 +51,7 @@ def test_help_lists_commands():
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"^\s+info\s", proc.stdout, re.M), proc.stdout
     assert re.search(r"^\s+bench\s", proc.stdout, re.M), proc.stdout
-    assert "tune" not in proc.stdout  # not implemented yet: not advertised
+    assert re.search(r"^\s+tune\s", proc.stdout, re.M), proc.stdout
 
 
 def test_console_script_next_to_interpreter():
@@ -417,3 +417,77 @@ def test_bench_moe_mismatch_fails(tmp_path):
     assert re.search(rf"{case}\s+symm\s+FAILED\s+rank 1: symm vs reference \(grad_w1\)", proc.stdout), proc.stdout
     assert re.search(rf"{case}\s+reference\s+\d", proc.stdout), proc.stdout
     assert "did not match reference" in proc.stderr, proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# overlap tune, overlap info --probe
+# ----------------------------------------------------------------------------------------------
+
+
+def test_tune_two_ranks_end_to_end(tmp_path):
+    """``overlap tune`` on 2 CPU ranks: progress, predicted against measured, a plan file that `auto` reads."""
+    out = tmp_path / "plans.json"
+    env_cache = dict(OVERLAP_CACHE_DIR=str(tmp_path / "cache"))
+    os.environ.update(env_cache)
+    try:
+        proc = overlap_cmd("tune", "--nproc", "2", "--shape", "all_gather_matmul:64x128x128",
+                           "--model", "hidden=64,ffn=128,tokens=64,experts=4,topk=2", "--probe", "quick",
+                           "--repeats", "2", "--measure", "2", "--out", str(out), timeout=240)
+    finally:
+        for k in env_cache:
+            os.environ.pop(k, None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"\[#+\] \d+/\d+ done", proc.stderr), proc.stderr[-2000:]  # the progress bar ends full
+    assert "checking reference[]" in proc.stderr, proc.stderr[-2000:]  # names the candidate at hand
+    rows = [ln for ln in proc.stdout.splitlines() if re.match(r"^(all_gather_matmul|matmul_reduce_scatter|moe):", ln)]
+    keys = [r.split()[0] for r in rows]
+    assert len(keys) == len(set(keys)) == 4, proc.stdout  # the model's 3 problems + 1 shape, none twice
+    for r in rows:
+        assert re.search(r"\d+\.\d+ms\s+\d+\.\d+ms\s+\d+\.\d+ms\s+\d+\.\d+x$", r), r  # predicted measured ref
+    assert "model error" in proc.stdout and f"wrote {out}" in proc.stdout, proc.stdout
+
+    from overlap.planfile import PlanFile
+
+    pf = PlanFile.load(out)
+    assert set(pf.entries) == set(keys) and pf.profile is not None
+    assert pf.topology == "cpu:nodes=1:ranks=2:links=shm*1", pf.topology
+    for e in pf.entries.values():
+        assert e.measured_s is not None and e.reference_s is not None and e.measured_s <= e.reference_s
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--shape", "all_gather_matmul:64x128"), "needs"),
+        (("--shape", "conv2d:1x2x3"), "unknown op"),
+        (("--shape", "moe:8x8x8:4:2:int8"), "neither a dtype"),
+        (("--nproc", "2"), "give --shape"),
+    ],
+)
+def test_tune_bad_arguments_exit_2(args, message, capsys):
+    from overlap.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["tune", *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tune_model_that_does_not_fit_the_ranks_exits_1(tmp_path):
+    proc = overlap_cmd("tune", "--nproc", "2", "--model", "hidden=63,ffn=128,tokens=64", "--probe", "none",
+                       "--out", str(tmp_path / "p.json"), timeout=120)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr[-2000:])
+    assert "must divide by the tensor-parallel size 2" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_info_probe_prints_the_profile(tmp_path):
+    os.environ["OVERLAP_CACHE_DIR"] = str(tmp_path)
+    try:
+        proc = overlap_cmd("info", "--nproc", "2", "--probe", "--quick", timeout=180)
+    finally:
+        os.environ.pop("OVERLAP_CACHE_DIR", None)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(r"^shm\s+p2p\s+[\d.]+\s+[\d.]+", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^shm\s+copy\s+[\d.]+\s+[\d.]+", proc.stdout, re.M), proc.stdout
+    assert "interference" in proc.stdout and "float32" in proc.stdout, proc.stdout

@@ -27,6 +27,13 @@ TP_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def _dims(text: str) -> tuple[int, int, int]:
+    dims = text.lower().split("x")
+    if len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
+        raise ValueError(f"{text!r} needs three positive sizes, AxBxC")
+    return int(dims[0]), int(dims[1]), int(dims[2])
+
+
 def parse_shape(text: str, backward_default: bool) -> Problem:
     """One ``--shape`` value (see the module docstring) -> a `Problem`; ValueError with the reason."""
     parts = text.split(":")
@@ -35,13 +42,13 @@ def parse_shape(text: str, backward_default: bool) -> Problem:
         if op == "moe":
             if len(parts) < 4:
                 raise ValueError("moe needs moe:TxHxF:EXPERTS:TOPK")
-            t, h, f = (int(v) for v in parts[1].lower().split("x"))
+            t, h, f = _dims(parts[1])
             experts, top_k = int(parts[2]), int(parts[3])
             rest = parts[4:]
         elif op in TP_OPS:
             if len(parts) < 2:
                 raise ValueError(f"{op} needs {op}:MxKxN")
-            t, h, f = (int(v) for v in parts[1].lower().split("x"))
+            t, h, f = _dims(parts[1])
             experts = top_k = 0
             rest = parts[2:]
         else:
@@ -118,7 +125,7 @@ def problems_of(config: TuneConfig, world_size: int) -> list[Problem]:
         problems += parse_model(config.model, world_size, not config.forward_only)
     if not problems:
         raise ValueError("nothing to tune: give --shape (one or more) or --model")
-    return problems
+    return list(dict.fromkeys(problems))  # a shape given twice (or by the model too) is tuned once
 
 
 class Progress:
