@@ -96,4 +96,23 @@ PYBIND11_MODULE(_C, m) {
         py::arg("value"), py::arg("timeout_ns"), py::arg("err_addr"), py::arg("stream"),
         "Enqueue on `stream` a one-thread kernel that waits until *(int32*)addr >= value; "
         "if `timeout_ns` pass first it sets *(int32*)err_addr to 1 (when 0) and exits.");
+
+  // ---- CUDA: MoE all-to-all within a node (overlap/ops/_moe_cuda.py builds the tables) ----
+  m.def("moe_dispatch_rows", &overlap::moe_dispatch_rows, py::arg("src_rows"), py::arg("row_index"),
+        py::arg("num_sends"), py::arg("row_bytes"), py::arg("dst_table"), py::arg("block_offsets"),
+        py::arg("chunk_offsets"), py::arg("num_blocks"), py::arg("groups_per_dest"), py::arg("num_chunks"),
+        py::arg("rows_per_chunk"), py::arg("counters"), py::arg("flag_addrs"), py::arg("epoch"),
+        py::arg("stream"),
+        "Enqueue on `stream` the copy of send position p's row (source row row_index[p], row_bytes "
+        "bytes, a multiple of 16) into region dst_table[d] at row p - block_offsets[d*G] for each of "
+        "`num_sends` positions, one CTA per chunk of rows_per_chunk rows of a (destination, expert "
+        "group) block; the block's last CTA stores `epoch` into *(int32*)flag_addrs[block] with a "
+        "system-scope release. `counters` (int32 [num_blocks]) must be zero and is left at zero.");
+  m.def("moe_combine_rows", &overlap::moe_combine_rows, py::arg("back_table"), py::arg("send_offsets"),
+        py::arg("world_size"), py::arg("pos"), py::arg("weights"), py::arg("out"), py::arg("num_tokens"),
+        py::arg("top_k"), py::arg("hidden"), py::arg("dtype"), py::arg("stream"),
+        "Enqueue on `stream` out[t] = sum_k weights[t, k] * row(t, k) (fp32, k in order, one cast), "
+        "row(t, k) being row pos[t*K+k] - send_offsets[d] of region back_table[d] (d: the destination "
+        "whose send positions hold pos[t*K+k]). dtype: 0 float32, 1 bfloat16, 2 float16 (rows and "
+        "out); weights float32 [T, K]. Does not wait on flags: the caller's stream has waited.");
 }

@@ -42,4 +42,14 @@ void cuda_stream_wait_value32(uint64_t addr, int64_t value, uint64_t stream);
 void cuda_wait_flag_bounded(uint64_t addr, int64_t value, int64_t timeout_ns,
                             uint64_t err_addr, uint64_t stream);
 
+// csrc/cuda/moe_a2a.cu: the MoE all-to-all within a node (stubs in csrc/moe_a2a_stubs.cpp
+// throw when built without CUDA). Tables are int64 device arrays; see overlap/moe_a2a.cuh.
+void moe_dispatch_rows(uint64_t src_rows, uint64_t row_index, int64_t num_sends, int64_t row_bytes,
+                       uint64_t dst_table, uint64_t block_offsets, uint64_t chunk_offsets, int64_t num_blocks,
+                       int64_t groups_per_dest, int64_t num_chunks, int64_t rows_per_chunk, uint64_t counters,
+                       uint64_t flag_addrs, int64_t epoch, uint64_t stream);
+void moe_combine_rows(uint64_t back_table, uint64_t send_offsets, int64_t world_size, uint64_t pos,
+                      uint64_t weights, uint64_t out, int64_t num_tokens, int64_t top_k, int64_t hidden,
+                      int64_t dtype, uint64_t stream);
+
 }  // namespace overlap

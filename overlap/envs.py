@@ -18,6 +18,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "OVERLAP_SHM_DIR": ("/dev/shm", "where CPU symmetric memory segments are created (then unlinked at once)"),
     "OVERLAP_BUILD_CUDA": ("1", "build time: 0 skips the CUDA half of overlap._C even where nvcc exists"),
     "TRITON_INTERPRET": ("", "set to 1 by overlap before its kernels are imported when no GPU exists"),
+    "CUDA_DEVICE_MAX_CONNECTIONS": ("", "read, never set, by overlap: GPU ranks warn once where it is not 1"),
 }
 
 
@@ -67,6 +68,15 @@ def triton_interpret_set_by_user() -> bool:
 def triton_interpret() -> bool:
     """Whether Triton kernels defined from now on run in the interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false", "no")
+
+
+def cuda_device_max_connections() -> int | None:
+    """CUDA_DEVICE_MAX_CONNECTIONS as an int; None when unset or not an integer (the driver's default then)."""
+    raw = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip()
+    try:
+        return int(raw)
+    except ValueError:
+        return None
 
 
 #: True when `import overlap` set TRITON_INTERPRET itself (no GPU, not set by the user).

@@ -9,6 +9,7 @@ import math
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -193,8 +194,40 @@ def begin_call(op: str, pg, info: world.GroupInfo, signature: str, need_bytes: i
             pass  # the peers are stuck elsewhere; the user's own mistake is still the error to see
         raise error.exc
     if info.single_node:
+        if need_bytes > 0 and info.device.type == "cuda":
+            warn_device_connections(op)
         return symm.heap_for(pg, timeout).begin(op, signature, need_bytes, timeout)
     return _collective_handshake(op, pg, info, signature, timeout, post_only=False)
+
+
+_WARNED_CONNECTIONS = False
+
+
+def warn_device_connections(op: str) -> None:
+    """Warn once per process, at the first GPU call that uses the symmetric heap (``symm``, ``fused``),
+    where CUDA_DEVICE_MAX_CONNECTIONS is not 1. overlap reads it and never sets it: it must be set before
+    CUDA initializes, and it changes every stream of the process, the user's own included."""
+    global _WARNED_CONNECTIONS
+    if _WARNED_CONNECTIONS:
+        return
+    _WARNED_CONNECTIONS = True
+    value = envs.cuda_device_max_connections()
+    if value == 1:
+        return
+    now = "unset (the driver's default: several hardware queues)" if value is None else f"{value}"
+    warnings.warn(
+        f"overlap.{op}: CUDA_DEVICE_MAX_CONNECTIONS is {now}. overlap's GPU symm/fused paths issue copies and "
+        "stream-ordered flag waits on a high-priority side stream while GEMMs run on the current stream, and "
+        "rely on the GPU starting them in the order they were issued "
+        "so that a transfer (which peers wait for) is not queued behind a GEMM that took every SM. Only "
+        "CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue) makes the GPU start kernels of different streams in "
+        "issue order; with more queues the transfers may start late (less overlap; results are the same). Set it "
+        "to 1 in the launch environment, before CUDA is initialized, as Megatron-core requires for its own "
+        "tensor-parallel overlap; note that one queue also makes unrelated streams of the process wait for each "
+        "other. overlap never sets it itself. (Shown once per process.)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def all_gather_async(out: torch.Tensor, inp: torch.Tensor, pg):

@@ -16,7 +16,8 @@ all of them (fp32, ``k`` in order), so the strategies differ only by the GEMMs' 
   rank's own rows last. Any backend.
 * ``symm``: the results for source ``s`` are written (GEMM output stored) straight into this rank's
   region of ``s``'s symmetric buffer, flagged per expert group, peers first from ``r+1``; each rank then
-  waits for the flags of its own rows and sums. Ranks of one node.
+  waits for the flags of its own rows and sums (on GPUs, where no gradient is needed, one CUDA kernel
+  gathers and sums straight from the regions: `overlap.ops._moe_cuda`). Ranks of one node.
 * ``fused`` (grouped-matmul form only): one Triton grouped GEMM (`overlap.kernels.moe`) whose tiles
   store into the source's buffer and count per (source, expert group); the group's last tile releases
   its flag.
@@ -42,6 +43,7 @@ from .. import world
 from ..plan import Plan
 from . import _common as C
 from . import _moe as M
+from . import _moe_cuda
 
 OP_COMBINE = "combine"
 OP_MM_COMBINE = "grouped_matmul_combine"
@@ -66,6 +68,8 @@ def combine(y_recv: torch.Tensor, topk_weights: torch.Tensor, handle: M.MoEHandl
     """
     y, _, handle, chosen, sig = _prepare(OP_COMBINE, y_recv, None, topk_weights, handle, strategy, plan, timeout)
     with C.record(f"moe.{OP_COMBINE}"):
+        if _moe_cuda.sums_on_device(y, topk_weights, chosen, y):
+            return run(handle, y, None, chosen, sig, f"moe.{OP_COMBINE}", weights=topk_weights)
         back = _ToSources.apply(y, handle, chosen, sig)
         return M.weighted_sum(back, topk_weights, y.dtype)
 
@@ -86,6 +90,8 @@ def grouped_matmul_combine(h: torch.Tensor, w2, topk_weights: torch.Tensor, hand
     """
     y, w2, handle, chosen, sig = _prepare(OP_MM_COMBINE, h, w2, topk_weights, handle, strategy, plan, timeout)
     with C.record(f"moe.{OP_MM_COMBINE}"), torch.autocast(handle.info.device.type, enabled=False):
+        if _moe_cuda.sums_on_device(y, topk_weights, chosen, y, w2):
+            return run(handle, y, w2, chosen, sig, f"moe.{OP_MM_COMBINE}", weights=topk_weights)
         back = _ToSourcesMM.apply(y, w2, handle, chosen, sig)
     return M.weighted_sum(back, topk_weights, y.dtype)
 
@@ -188,22 +194,25 @@ class _ToSourcesMM(torch.autograd.Function):
 
 
 def run(h: M.MoEHandle, y: torch.Tensor, w: torch.Tensor | None, chosen: Plan, sig: str, op: str,
-        between: Callable[[], None] | None = None) -> torch.Tensor:
+        between: Callable[[], None] | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Return each expert-order row of `y` (times its expert's ``w[e]`` where `w` is given, ``[L, H, N]``
     any strides) to the rank of its token; one call on every rank. `between` runs while the rows travel.
 
-    Returns ``[P, N]`` in pair order (pair ``t*K + k``), on the rank of the tokens.
+    Returns ``[P, N]`` in pair order (pair ``t*K + k``), on the rank of the tokens. With `weights`
+    (``[T, K]``; ``symm``/``fused`` on GPUs, see `_moe_cuda.sums_on_device`) returns the weighted sum
+    ``[T, N]`` instead, summed by the combine kernel straight from the regions (no autograd).
     """
     info = h.info
     cols = y.shape[1] if w is None else w.shape[2]
     need = M.heap_need(chosen.strategy, h.num_tokens, h.top_k, h.num_local_experts, h.send_splits,
                        cols * y.element_size(), info.world_size)
     call = C.begin_call(op, h.group, info, sig, need, h.timeout)
+    extra = {} if weights is None else {"weights": weights}  # (symm and fused only)
     try:
-        back = STRATEGIES[chosen.strategy](call, h, chosen, y, w, op, between)
+        back = STRATEGIES[chosen.strategy](call, h, chosen, y, w, op, between, **extra)
     finally:
         call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
-    return back.index_select(0, h.inv_order)
+    return back if weights is not None else back.index_select(0, h.inv_order)
 
 
 def _rows_for(h: M.MoEHandle, y: torch.Tensor, w: torch.Tensor | None, s: int, into: torch.Tensor) -> None:
@@ -255,7 +264,7 @@ def _pipelined(call, h, chosen, y, w, op, between):
     return back
 
 
-def _symm(call, h, chosen, y, w, op, between):
+def _symm(call, h, chosen, y, w, op, between, weights=None):
     cols = y.shape[1] if w is None else w.shape[2]
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
     F, G = M.flags_per_peer(W), M.expert_groups(L, W)
@@ -278,10 +287,10 @@ def _symm(call, h, chosen, y, w, op, between):
             call.signal_ready(s * F + 1 + g)
     if between is not None:
         between()
-    return _collect(call, h, y.dtype, cols)
+    return _collect(call, h, y.dtype, cols, weights)
 
 
-def _fused(call, h, chosen, y, w, op, between):
+def _fused(call, h, chosen, y, w, op, between, weights=None):
     k = C.kernels()
     interpreted = C.interpreted()
     y = y.contiguous()  # the kernel reads rows with unit column stride
@@ -323,14 +332,16 @@ def _fused(call, h, chosen, y, w, op, between):
         )
     if between is not None:
         between()
-    return _collect(call, h, y.dtype, cols)
+    return _collect(call, h, y.dtype, cols, weights)
 
 
-def _collect(call, h: M.MoEHandle, dtype: torch.dtype, cols: int) -> torch.Tensor:
-    """Wait for every rank's results for our rows (flag by flag) and copy them out, in send order."""
+def _collect(call, h: M.MoEHandle, dtype: torch.dtype, cols: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Wait for every rank's results for our rows (flag by flag) and copy them out, in send order.
+    With `weights` (GPUs): after the same waits, the combine kernel sums them into ``[T, cols]``."""
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
     F, G = M.flags_per_peer(W), M.expert_groups(L, W)
-    back = torch.empty((h.num_tokens * h.top_k, cols), dtype=dtype, device=h.info.device)
+    back = None if weights is not None else torch.empty((h.num_tokens * h.top_k, cols), dtype=dtype,
+                                                         device=h.info.device)
     for i in range(W):
         d = (r - i) % W  # in the order the ranks write us (rank r - 1 first)
         for g in range(G):
@@ -338,8 +349,10 @@ def _collect(call, h: M.MoEHandle, dtype: torch.dtype, cols: int) -> torch.Tenso
             if sum(h.send_counts[d][e] for e in experts):
                 call.wait_ready(d, r * F + 1 + g, chunk=f"experts {experts.start}-{experts.stop - 1} of rank {d}")
         n = h.send_splits[d]
-        if n:
+        if n and back is not None:
             back[h.send_offsets[d] : h.send_offsets[d] + n].copy_(M.region(call, h, r, d, dtype, cols)[:n])
+    if weights is not None:  # the waits above are stream-ordered: the kernel reads after every flag
+        return _moe_cuda.combine_rows(call, h, dtype, cols, weights)
     return back
 
 

@@ -16,7 +16,8 @@ Strategies (same rows, same order; `reference` is the oracle):
 * ``symm``: every sender writes its counts and then its rows straight into the receiver's symmetric
   buffer (region of the sender), flagging the counts and each (expert group) block; the receiver
   multiplies each block once its flag is set. On CPU ranks a copy-engine thread writes while the
-  GEMMs run. Ranks of one node.
+  GEMMs run; on GPUs one CUDA kernel writes every destination's rows and releases each block's flag
+  (`overlap.ops._moe_cuda`). Ranks of one node.
 * ``fused`` (grouped-matmul form only): rows written as in ``symm``; one Triton grouped GEMM
   (`overlap.kernels.moe`) whose tiles wait on the flag of the (source, expert group) block they read.
 
@@ -41,6 +42,7 @@ from .. import world
 from ..errors import OverlapTimeout
 from . import _common as C
 from . import _moe as M
+from . import _moe_cuda
 
 OP_DISPATCH = "dispatch"
 OP_DISPATCH_MM = "dispatch_grouped_matmul"
@@ -335,6 +337,9 @@ def _produced(call, h: M.MoEHandle, rows, row_of_send, counts: bool):
             for i in range(1, W):  # from rank + 1, so the destinations are not all written by everyone at once
                 write((r + i) % W)
 
+    if rows.is_cuda and _moe_cuda.dispatch_rows(call, h, rows, row_of_send):
+        yield  # one kernel wrote every destination's rows and released their flags (not yet run on a GPU)
+        return
     with torch.no_grad():
         write(r)  # our own rows first (we multiply them first), on this thread: a failure raises here
     if rows.is_cuda:  # stream-ordered on the current stream (not yet run on a GPU)
