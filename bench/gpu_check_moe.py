@@ -558,7 +558,11 @@ def run_moe_virtual(rep: Report, dev: Device) -> None:
         rep.run(f"g.moe dispatch ordered {cfg.describe()}", lambda c=cfg: check_dispatch_ordered(rep, dev, c))
     rep.run(f"g.moe dispatch racing {racing.describe()}", lambda: check_dispatch_racing(rep, dev, racing))
     rep.run(f"g.moe dispatch timeout {timeout.describe()}", lambda: check_dispatch_timeout(rep, dev, timeout))
+    from gpu_check_moe_a2a import check_a2a_kernels
     from gpu_check_moe_combine import check_combine_ordered, check_combine_racing
+
+    for cfg in ordered:
+        rep.run(f"h.moe a2a kernels {cfg.describe()}", lambda c=cfg: check_a2a_kernels(rep, dev, c), skip=gpu_only)
 
     for cfg in ordered:
         rep.run(f"g.moe combine ordered {cfg.describe()}", lambda c=cfg: check_combine_ordered(rep, dev, c))

@@ -1,0 +1,99 @@
+"""h. overlap._C's MoE all-to-all kernels (csrc/cuda/moe_a2a.cu) on virtual ranks, with the ops' slot layout
+(`gpu_check_moe.MoEGroup`); run by `gpu_check_moe.run_moe_virtual` on GPUs only (the kernels need one)."""
+
+from __future__ import annotations
+
+import torch
+from gpu_check_common import Report
+from gpu_check_moe import Config, MoEGroup, staged_rows
+from gpu_check_virtual import KERNEL_TIMEOUT_NS, Device
+
+from overlap import _C
+from overlap.ops import _moe as M
+from overlap.ops import _moe_cuda as MC
+
+
+def check_a2a_kernels(rep: Report, dev: Device, cfg: Config) -> None:
+    """Racing: every receiver's bounded waits (Call.wait_ready on GPUs) are issued first; then each source's
+    one dispatch launch on its own stream with `_moe_cuda`'s tables. Regions bitwise against index_select,
+    each flag at the epoch exactly where its block has rows, counters back at 0, no wait timed out. Then
+    each rank's combine launch over its regions against `M.weighted_sum` of the same rows."""
+    name = f"h.moe a2a kernels {cfg.describe()}"
+    epoch = 9
+    g = MoEGroup.create(dev, cfg, stale=epoch - 1)
+    W, F, H, d = cfg.world_size, g.flags_per_peer, cfg.hidden, dev.device
+    row_bytes = H * g.xs[0].element_size()
+    # ---- tables (made on the current stream, before any launch on the ranks' streams) ----
+    launches = []
+    for s in range(W):
+        h = g.handles[s]
+        blocks = MC.dispatch_blocks(h)
+        if blocks[-1] == 0:
+            continue
+        per_chunk = MC.rows_per_chunk(row_bytes)
+        chunks = MC.chunk_offsets(blocks, per_chunk)
+        flags = [g.flag(s, i).data_ptr() for i in MC.block_flags(h)]
+        table = torch.tensor(blocks + chunks + flags, dtype=torch.int64, device=d)
+        dst = torch.tensor([g.region(r, s).data_ptr() for r in range(W)], dtype=torch.int64, device=d)
+        launches.append((s, h, table, dst, len(blocks), blocks[-1], chunks[-1], per_chunk))
+    err = torch.zeros(W, dtype=torch.int32, device=d)
+    waiters = [dev.stream() for _ in range(W)]
+    dev.idle(name)
+    if dev.cuda:
+        for r in range(W):
+            for s in range(W):
+                for i in g.group_flags(s, r, r * F):
+                    _C.cuda_wait_flag_bounded(g.flag(s, i).data_ptr(), epoch, KERNEL_TIMEOUT_NS,
+                                              err[r : r + 1].data_ptr(), waiters[r].cuda_stream)
+    for s, h, table, dst, n, num_sends, num_chunks, per_chunk in launches:
+        G = M.expert_groups(cfg.num_local_experts, W)
+        stream = g.streams[s].cuda_stream if dev.cuda else 0
+        _C.moe_dispatch_rows(g.xs[s].data_ptr(), h.token_of.data_ptr(), num_sends, row_bytes,
+                             dst.data_ptr(), table.data_ptr(), table.data_ptr() + 8 * n, W * G, G, num_chunks,
+                             per_chunk, g.counters[s].data_ptr(), table.data_ptr() + 16 * n, epoch, stream)
+    dev.settle([*g.streams, *waiters], g.dispatch_flags(), name)
+    problems = []
+    if err.any():
+        problems.append(f"bounded waits timed out on ranks {err.nonzero().flatten().tolist()}")
+    for s in range(W):
+        due = {i for r in range(W) for i in g.group_flags(s, r, r * F)}
+        pad = g.pads[s].tolist()
+        wrong = [(i, v) for i, v in enumerate(pad) if v != (epoch if i in due else epoch - 1)]
+        if wrong:
+            problems.append(f"source {s}: flags (index, value) {wrong[:6]} (epoch {epoch})")
+        if g.counters[s].any():
+            problems.append(f"source {s}: counters not back at 0: {g.counters[s].nonzero().flatten().tolist()}")
+        for r in range(W):
+            n = g.handles[s].send_splits[r]
+            if not torch.equal(g.region(r, s)[:n], staged_rows(g, s, r)):
+                problems.append(f"rows {s}->{r} differ")
+    # ---- combine: each rank sums its K rows per token from its regions ----
+    worst, exact = 0.0, True
+    for r in range(W):
+        h = g.handles[r]
+        T, K = h.num_tokens, h.top_k
+        for s in range(W):  # what rank s "computed" for r's rows, in r's send order
+            n = h.send_splits[s]
+            g.region(r, s)[:n].copy_(torch.randn(n, H, device=d).to(cfg.dtype))
+        weights = torch.rand(T, K, device=d)
+        out = torch.full((T, H), float("nan"), device=d).to(cfg.dtype)
+        back_table = torch.tensor([g.region(r, s).data_ptr() for s in range(W)], dtype=torch.int64, device=d)
+        offsets = torch.tensor([*h.send_offsets, T * K], dtype=torch.int64, device=d)
+        pos = h.inv_order
+        dev.idle(name)
+        if T:
+            _C.moe_combine_rows(back_table.data_ptr(), offsets.data_ptr(), W, pos.data_ptr(), weights.data_ptr(),
+                                out.data_ptr(), T, K, H, MC.DTYPE_CODES[cfg.dtype],
+                                g.streams[r].cuda_stream if dev.cuda else 0)
+        dev.settle(g.streams, [], name)
+        back = torch.cat([g.region(r, s)[: h.send_splits[s]] for s in range(W)])
+        ref = M.weighted_sum(back.index_select(0, h.inv_order), weights, cfg.dtype)
+        exact = exact and torch.equal(out, ref)
+        if T:
+            diff = (out.float() - ref.float()).abs().max().item()
+            worst = max(worst, diff)
+            tol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 1e-3}[cfg.dtype]
+            if not torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol):
+                problems.append(f"combine rank {r}: max |out - weighted_sum| = {diff:.3g}")
+    value = f"dispatch bitwise, flags and counters right; combine {'bitwise' if exact else f'max diff {worst:.3g}'}"
+    rep.add(name, "FAIL" if problems else "PASS", "; ".join(problems) or value)
