@@ -26,17 +26,14 @@ from .benchmarks.cases import (
     BENCH_OPS,
     DTYPES,
     MODES,
-    MOE_OPS,
     MOE_PRESETS,
-    AnyCase,
-    Case,
-    MoECase,
     MoEShape,
     all_strategy_labels,
     parse_moe_shape,
     parse_shape,
     strategy_labels,
 )
+from .benchmarks.models import TP_PRESETS, parse_tp_preset
 
 _DESCRIPTION = "overlap: hide tensor- and expert-parallel communication behind the GEMMs around it."
 
@@ -52,6 +49,7 @@ examples:
   overlap bench --nproc 4 --shape 1024x1024x1024 --dtype bfloat16 --json results.json
   overlap bench --op moe
   overlap bench --shape mixtral 256,128,256,8,2 --mode fwd+bwd
+  overlap bench --shape llama3-8b --json now.json --plot now.png --compare before.json
   torchrun --nproc-per-node 8 -m overlap.cli bench --strategies reference,symm,fused
   overlap tune --shape all_gather_matmul:256x1024x1024 --shape moe:512x128x448:8:2 --out plans.json
   overlap tune --model hidden=4096,ffn=14336,tokens=4096,dtype=bfloat16 --out plans.json
@@ -91,24 +89,35 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _shape(text: str) -> tuple[int, int, int] | tuple[MoEShape, str]:
-    """``MxKxN`` (the tensor-parallel ops) -> ``(m, k, n)``; ``T,H,F,E,K`` or a preset name (moe) ->
-    ``(MoEShape, preset name or "")``."""
+def _shape(text: str) -> tuple[int, int, int] | tuple[MoEShape, str] | tuple[str, str]:
+    """``MxKxN`` (the tensor-parallel ops) -> ``(m, k, n)``; a tensor-parallel preset name ->
+    ``("preset", name)``; ``T,H,F,E,K`` or a preset name (moe) -> ``(MoEShape, preset name or "")``."""
     if "," in text or text.strip().lower() in MOE_PRESETS:
         try:
             return parse_moe_shape(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
+    preset = parse_tp_preset(text)
+    if preset:
+        return ("preset", preset)
     try:
         return parse_shape(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(
-            f"{exc}; for moe: T,H,F,E,K or a preset among {', '.join(MOE_PRESETS)}"
+            f"{exc}; or a preset among {', '.join(TP_PRESETS)}; for moe: T,H,F,E,K or a preset among "
+            f"{', '.join(MOE_PRESETS)}"
         ) from None
 
 
-def _is_moe_shape(shape: tuple) -> bool:
-    return isinstance(shape[0], MoEShape)
+def _world_size(nproc: int | None) -> int:
+    """The number of ranks the command will run on (see `_on_ranks`): torchrun's, else `nproc`, else the default."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return nproc if nproc is not None else world.default_nproc()
 
 
 def _names(known: tuple[str, ...], what: str):
@@ -202,7 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
         "fails the command), warm up, then time interleaved repeats between barriers. Prints one line per "
         "strategy and case (median ms, p25..p75, TFLOP/s, speedup over reference, overlap efficiency = "
         "(T_ref - T) / min(T_comm, T_compute)), the plain collectives and the GEMMs alone for context, and "
-        "the geometric-mean speedup per strategy and mode. matmul_all_reduce also runs each strategy's "
+        "the geometric-mean speedup per strategy and mode, then per op. A progress bar on stderr names the case "
+        "and strategy being checked or timed. --plot draws the results, --compare sets them against an earlier "
+        "--json file. matmul_all_reduce also runs each strategy's "
         "one-shot variant (label '+one_shot'). Op 'moe' is one MoE layer's experts on the expert-parallel "
         "group (overlap.moe.dispatch_grouped_matmul, gelu, overlap.moe.grouped_matmul_combine) with a fixed, "
         "uneven routing; its gradients of x, w1, w2 and topk_weights are checked. Interpreted 'fused' (CPU "
@@ -239,7 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
         "[W*M, K] (K: this rank's slice) and their outputs [M, N] and [W*M, N]. "
         "T,H,F,E,K or a preset name, for moe: T tokens per rank, hidden H, expert FFN width F, E experts "
         "(E must divide by the number of ranks), top-K; presets: "
-        + "; ".join(f"{name} = {shape.spec} ({about})" for name, (shape, about) in MOE_PRESETS.items()),
+        + "; ".join(f"{name} = {shape.spec} ({about})" for name, (shape, about) in MOE_PRESETS.items())
+        + ". A model preset, for the tensor-parallel ops: one layer's projections at tensor-parallel size W with "
+        "sequence parallelism (qkv and mlp-up for all_gather_matmul, attn-out and mlp-down for "
+        "matmul_reduce_scatter and matmul_all_reduce); presets: "
+        + "; ".join(f"{name} ({about})" for name, (_, about) in TP_PRESETS.items()),
     )
     bench.add_argument(
         "--dtype",
@@ -267,6 +282,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--iters", type=_positive_int, default=10, metavar="I", help="timed repeats per label (default: %(default)s)"
     )
     bench.add_argument("--json", default=None, metavar="PATH", help="rank 0 writes the results there as JSON")
+    bench.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="write a figure of the results there (format from the suffix: .png, .svg, .pdf): time per strategy "
+        "per case and overlap efficiency per strategy; needs matplotlib",
+    )
+    bench.add_argument(
+        "--compare",
+        default=None,
+        metavar="EARLIER.json",
+        help="after the table, compare every case and strategy timed in both runs with an earlier --json file: "
+        "both medians and the change, marked faster/slower where the p25..p75 spreads do not overlap; warns "
+        "about cases in one run only",
+    )
     bench.add_argument(
         "--timeout",
         type=_positive_float,
@@ -420,55 +450,35 @@ def _bench_rank(config: Any, status_path: str) -> tuple[int, list[str]]:
 
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .benchmarks import command
     from .benchmarks.runner import BenchConfig
 
-    if args.json is not None:
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(folder):
-            parser.error(f"--json: folder {folder} does not exist")
     modes = _selection(args.mode, MODES)
-    shapes = {
-        True: [s for s in args.shape or () if _is_moe_shape(s)],
-        False: [s for s in args.shape or () if not _is_moe_shape(s)],
-    }
-    if args.op or not args.shape:
-        ops = _selection(args.op, BENCH_OPS)
-    else:  # the ops the shapes are for
-        ops = tuple(op for op in BENCH_OPS if shapes[op in MOE_OPS])
-    cases: tuple[AnyCase, ...] = ()
-    if args.shape:
-        missing = [op for op in ops if not shapes[op in MOE_OPS]]
-        if missing:
-            kinds = " or ".join(dict.fromkeys("T,H,F,E,K or a preset" if op in MOE_OPS else "MxKxN" for op in missing))
-            parser.error(f"--shape gives no shape for {', '.join(missing)} ({kinds})")
-        dtype = args.dtype or "float32"
-        cases = tuple(
-            dict.fromkeys(
-                MoECase(shape[0], dtype, backward=mode == "fwd+bwd", preset=shape[1])
-                if op in MOE_OPS
-                else Case(op, *shape, dtype, backward=mode == "fwd+bwd")
-                for op in ops
-                for shape in shapes[op in MOE_OPS]
-                for mode in modes
-            )
-        )
     try:
-        config = BenchConfig(
-            ops=ops,
-            modes=modes,
-            cases=cases,
-            dtype=args.dtype,
-            strategies=args.strategies
-            or tuple(s for s in all_strategy_labels() if any(s in strategy_labels(op) for op in ops)),
-            warmup=args.warmup,
-            iters=args.iters,
-            timeout=args.timeout,
-            json_path=args.json,
-            seed=args.seed,
-        )
-    except ValueError as exc:  # e.g. --strategies symm+one_shot for an op that has no such variant
+        earlier = command.check_outputs(args.json, args.plot, args.compare)
+        ops, cases = command.cases_of(_selection(args.op, BENCH_OPS) if args.op else None, modes, args.shape,
+                                      args.dtype, _world_size(args.nproc))
+    except ValueError as exc:
         parser.error(str(exc))
     with tempfile.TemporaryDirectory(prefix="overlap-bench-") as tmp:
+        # --plot and --compare read rank 0's results back from a JSON file (--json's, or one of ours)
+        json_path = args.json or (os.path.join(tmp, "results.json") if args.plot or args.compare else None)
+        try:
+            config = BenchConfig(
+                ops=ops,
+                modes=modes,
+                cases=cases,
+                dtype=args.dtype,
+                strategies=args.strategies
+                or tuple(s for s in all_strategy_labels() if any(s in strategy_labels(op) for op in ops)),
+                warmup=args.warmup,
+                iters=args.iters,
+                timeout=args.timeout,
+                json_path=json_path,
+                seed=args.seed,
+            )
+        except ValueError as exc:  # e.g. --strategies symm+one_shot for an op that has no such variant
+            parser.error(str(exc))
         status_path = os.path.join(tmp, "status.json")
         code, in_place = _on_ranks("bench", _self()._bench_rank, (config, status_path), args.nproc)
         if code != 0:
@@ -479,9 +489,16 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 failed = json.load(f)["failed"]
         else:
             rank, failed = in_place
+        if rank == 0 and json_path and (args.plot or args.compare):
+            lines, error = command.after_run(json_path, earlier, args.compare, args.plot)
+            if lines:
+                print("\n".join(lines), flush=True)
+            if error:
+                print(f"overlap bench: {error}", file=sys.stderr)
+                code = 1
     if failed and rank == 0:
         print(f"overlap bench: {len(failed)} result(s) did not match reference: {', '.join(failed)}", file=sys.stderr)
-    return 1 if failed else 0
+    return 1 if failed else code
 
 
 # ----------------------------------------------------------------------------------------------

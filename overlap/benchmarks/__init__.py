@@ -1,9 +1,12 @@
 """Benchmarks of the fused ops: one definition of the cases (`cases`: the tensor-parallel ops at
-``m x k x n``, the MoE layer at ``T,H,F,E,K`` with presets of real models' proportions), what each
-op's benchmark computes (`workloads`), one runner (`runner`).
+``m x k x n`` or a real model's layer, `models`: the Llama-3 presets; the MoE layer at ``T,H,F,E,K``
+with presets of real models' proportions), what each op's benchmark computes (`workloads`), one
+runner (`runner`), and its outputs: a progress bar (`progress`), ``--compare`` (`compare`) and
+``--plot`` (`plot`, matplotlib).
 
 ``overlap bench`` runs them on locally started ranks (or in place under torchrun); the
-top-level ``bench/`` scripts reuse the same cases.
+pytest-benchmark wrappers in the top-level ``bench/`` run the same cases on a standing pool of
+ranks (`session`), and the other ``bench/`` scripts reuse them too.
 """
 
 from .cases import (
@@ -12,13 +15,17 @@ from .cases import (
     MOE_OPS,
     MOE_PRESETS,
     OPS,
+    SUITES,
     Case,
     MoECase,
     MoEShape,
     default_cases,
     parse_moe_shape,
     parse_shape,
+    preset_cases,
+    suite_cases,
 )
+from .models import TP_PRESETS, DenseModel, tp_problems
 
 __all__ = [
     "BENCH_OPS",
@@ -26,10 +33,16 @@ __all__ = [
     "MOE_OPS",
     "MOE_PRESETS",
     "OPS",
+    "SUITES",
+    "TP_PRESETS",
     "Case",
+    "DenseModel",
     "MoECase",
     "MoEShape",
     "default_cases",
     "parse_moe_shape",
     "parse_shape",
+    "preset_cases",
+    "suite_cases",
+    "tp_problems",
 ]

@@ -32,16 +32,30 @@ Strategy labels: the four strategies, and for ``matmul_all_reduce`` their ``+one
 (`VARIANTS`: every rank sums every rank's whole partial in one step; the plain labels are the
 two-shot reduce-scatter + all-gather).
 
-Default CPU cases (2 gloo ranks on a 2-core machine, one torch thread per rank): the same three
-shapes for every tensor-parallel op and the three MoE presets below, each forward and
-forward+backward, 24 cases. The GEMMs are large enough that a call takes milliseconds to tens of
-milliseconds, far above timer and barrier noise (~0.1 ms). There are fewer and smaller shapes per
-op than the single-op benchmark had (five, up to 1024x1024x2048 in fp32), with the same 3 warm-up
-calls and 10 repeats, so that the whole default ``overlap bench`` stays within about a minute
-including rank start-up. The last shape of each op is small enough (every dim <=
-`INTERPRETED_FUSED_MAX_DIM`) for the interpreted ``fused`` kernels, whose timings are labelled and
-left out of the summaries; it is 32x64x64 (moe: ``tiny``), as an interpreted call costs ~0.1 s even
-there (moe: ~0.3-0.6 s), and the runner times it in at most 3 repeats (`runner.INTERPRETED_ITERS`).
+Presets from real models (`models`): ``llama3-8b`` and ``llama3-70b`` (scaled for CPU ranks; the
+real sizes with ``-full``) expand, for ``W`` ranks, to the four projections of one Llama-3 layer at
+tensor-parallel size ``W`` with sequence parallelism: ``qkv`` and ``mlp-up`` for
+``all_gather_matmul``, ``attn-out`` and ``mlp-down`` for ``matmul_reduce_scatter`` and
+``matmul_all_reduce`` (`preset_cases`). Such a case carries its preset, layer and ``tp``, shown in
+its name (``all_gather_matmul llama3-8b/mlp-up:512x256x896 float32 fwd``); it runs only on ``tp``
+ranks.
+
+Default CPU cases (2 gloo ranks on a 2-core machine, one torch thread per rank): for each
+tensor-parallel op the ``llama3-8b`` projections it has (two per op) and one tiny shape, and the
+three MoE presets below, each forward and forward+backward, 24 cases. The Llama-3 8B projections
+at 1/16 width in fp32 keep the real layer's balance of compute and communication per projection
+(`models` explains the scale): attention's are communication-heavy, ``mlp-up`` compute-heavy,
+``mlp-down`` in between, as on GPUs; a call takes milliseconds to tens of milliseconds, far above
+timer and barrier noise (~0.1 ms). The same 3 warm-up calls and 10 repeats as always, so that the
+whole default ``overlap bench`` stays within about a minute including rank start-up. The tiny
+shape of each op, 32x64x64 (moe: ``tiny``), has every dim <= `INTERPRETED_FUSED_MAX_DIM`, for the
+interpreted ``fused`` kernels, whose timings are labelled and left out of the summaries: an
+interpreted call costs ~0.1 s even there (moe: ~0.3-0.6 s), and the runner times it in at most 3
+repeats (`runner.INTERPRETED_ITERS`). On other numbers of ranks the Llama-3 preset applies where
+its heads, FFN width and tokens divide by the ranks (2, 4, 8); elsewhere it is left out with a
+note. GPU defaults: ``llama3-8b-full`` and ``llama3-70b-full`` in bf16, and one generic shape.
+Suites (`SUITES`, `suite_cases`) name subsets of the defaults for the pytest-benchmark wrappers
+in ``bench/``.
 
 MoE (op ``moe``, `MoECase`): one MoE layer's expert part on the expert-parallel group,
 ``h, handle = overlap.moe.dispatch_grouped_matmul(x, topk_idx, w1)``, ``a = gelu(h)``,
@@ -104,6 +118,7 @@ from typing import Any
 import torch
 
 from ..plan import STRATEGIES
+from .models import LAYERS, TP_PRESETS, tp_problem, tp_problems
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -168,10 +183,20 @@ class Case:
     n: int
     dtype: str = "float32"
     backward: bool = False
+    preset: str = ""  # a `models.TP_PRESETS` name, with `layer` and `tp`: the problem of that model's layer
+    layer: str = ""  # ... at tensor-parallel size `tp` (`preset_cases`); they only label the case
+    tp: int = 0
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
             raise ValueError(f"unknown op {self.op!r}; known: {OPS}")
+        if self.preset or self.layer or self.tp:
+            layers = [name for name, ops in LAYERS if self.op in ops]
+            if self.preset not in TP_PRESETS or self.layer not in layers or not isinstance(self.tp, int) or self.tp < 1:
+                raise ValueError(
+                    f"a preset case needs preset in {tuple(TP_PRESETS)}, a layer of {self.op} in {layers} and tp >= 1, "
+                    f"got preset={self.preset!r}, layer={self.layer!r}, tp={self.tp!r}"
+                )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         for name in ("m", "k", "n"):
@@ -187,7 +212,8 @@ class Case:
 
     @property
     def shape(self) -> str:
-        return f"{self.m}x{self.k}x{self.n}"
+        dims = f"{self.m}x{self.k}x{self.n}"
+        return f"{self.preset}/{self.layer}:{dims}" if self.preset else dims
 
     @property
     def name(self) -> str:
@@ -218,10 +244,13 @@ class Case:
 
     def shape_fields(self) -> dict[str, Any]:
         """The shape as fields of a result row."""
-        return {"m": self.m, "k": self.k, "n": self.n}
+        return {"m": self.m, "k": self.k, "n": self.n, "preset": self.preset or None, "layer": self.layer or None}
 
     def world_problem(self, world_size: int) -> str | None:
-        """Why the case cannot run on `world_size` ranks, or None (every shape runs on any number)."""
+        """Why the case cannot run on `world_size` ranks, or None: any shape runs on any number of ranks,
+        but a preset's shapes are its layer's at one tensor-parallel size."""
+        if self.tp and self.tp != world_size:
+            return f"{self.name}: the {self.preset} shapes were cut for {self.tp} ranks, not {world_size}"
         return None
 
 
@@ -331,21 +360,18 @@ class MoECase:
 AnyCase = Case | MoECase
 
 
-# (m, k, n, dtype, modes) per device type, for every op (one shape costs every op the same GEMMs)
-_DEFAULTS: dict[str, list[tuple[int, int, int, str, tuple[str, ...]]]] = {
+# Per device type, for every tensor-parallel op: (a `models.TP_PRESETS` name or ``(m, k, n)``, dtype, modes).
+_DEFAULTS: dict[str, list[tuple[str | tuple[int, int, int], str, tuple[str, ...]]]] = {
     "cpu": [
-        # fp32 GEMMs run ~5x slower than bf16 on the 2-core machine: a quarter of the rows
-        (256, 1024, 1024, "float32", MODES),
-        (1024, 1024, 1024, "bfloat16", MODES),
-        (32, 64, 64, "float32", MODES),  # small enough for interpreted fused
+        ("llama3-8b", "float32", MODES),  # Llama-3 8B's four projections, scaled for CPU ranks (`models`)
+        ((32, 64, 64), "float32", MODES),  # small enough for interpreted fused
     ],
-    # Projections of 8k-hidden models (per-rank sequence slice x hidden or shard x shard or hidden).
-    # Not yet measured on a GPU.
+    # Not yet measured on a GPU. The generic shape runs on any number of GPUs, the presets where
+    # heads, FFN and tokens divide by it.
     "cuda": [
-        (1024, 8192, 8192, "bfloat16", MODES),
-        (2048, 8192, 3584, "bfloat16", ("fwd",)),
-        (4096, 8192, 8192, "bfloat16", MODES),
-        (4096, 8192, 8192, "float16", ("fwd",)),
+        ("llama3-8b-full", "bfloat16", MODES),
+        ("llama3-70b-full", "bfloat16", MODES),
+        ((1024, 8192, 8192), "bfloat16", ("fwd",)),
     ],
 }
 
@@ -357,27 +383,62 @@ _MOE_DEFAULTS: dict[str, list[tuple[str, str, tuple[str, ...]]]] = {
 }
 
 
-def default_cases(
-    op: str | Sequence[str] = BENCH_OPS,
-    device_type: str = "cpu",
-    dtype: str | None = None,
-    modes: Sequence[str] = MODES,
-) -> list[AnyCase]:
-    """The default cases of `op` (one name or several, of `BENCH_OPS`) for ranks on `device_type`
-    (``"cpu"`` or ``"cuda"``), in the given `modes` (see `MODES`), grouped by op, then shape, then mode.
-
-    `dtype` (a name of `DTYPES`) replaces every case's own dtype when given.
-    Raises ValueError for an unknown op, device type, dtype or mode.
-    """
-    ops = (op,) if isinstance(op, str) else tuple(op)
+def _check_selection(ops: tuple[str, ...], modes: Sequence[str]) -> None:
     unknown = [o for o in ops if o not in BENCH_OPS]
     if unknown:
         raise ValueError(f"unknown ops {unknown}; known: {BENCH_OPS}")
     bad_modes = [m for m in modes if m not in MODES]
     if bad_modes:
         raise ValueError(f"unknown modes {bad_modes}; known: {MODES}")
+
+
+def preset_cases(
+    preset: str,
+    op: str | Sequence[str] = OPS,
+    world_size: int = 2,
+    dtype: str = "float32",
+    modes: Sequence[str] = MODES,
+) -> list[Case]:
+    """The cases of the `models.TP_PRESETS` layer `preset` at tensor-parallel size `world_size`, for
+    the tensor-parallel ops among `op` (others are ignored), grouped by op, then layer (`models.LAYERS`
+    order), then mode. Raises ValueError for an unknown preset, op or mode, or a layer that does not
+    split over `world_size` ranks (`models.tp_problem`)."""
+    ops = (op,) if isinstance(op, str) else tuple(op)
+    _check_selection(ops, modes)
+    if preset not in TP_PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; known: {tuple(TP_PRESETS)}")
+    problems = tp_problems(TP_PRESETS[preset][0], world_size)
+    return [
+        Case(o, *dims, dtype, backward=mode == "fwd+bwd", preset=preset, layer=layer, tp=world_size)
+        for o in ops
+        for layer, layer_op, dims in problems
+        if layer_op == o
+        for mode in MODES
+        if mode in modes
+    ]
+
+
+def default_cases(
+    op: str | Sequence[str] = BENCH_OPS,
+    device_type: str = "cpu",
+    dtype: str | None = None,
+    modes: Sequence[str] = MODES,
+    world_size: int = 2,
+    left_out: list[str] | None = None,
+) -> list[AnyCase]:
+    """The default cases of `op` (one name or several, of `BENCH_OPS`) for `world_size` ranks on
+    `device_type` (``"cpu"`` or ``"cuda"``), in the given `modes` (see `MODES`), grouped by op, then
+    shape (a preset's layers in order), then mode.
+
+    `dtype` (a name of `DTYPES`) replaces every case's own dtype when given. A preset whose layer
+    does not split over `world_size` ranks is left out, and the reason appended to `left_out`
+    (MoE presets whose experts do not split are returned: `MoECase.world_problem` says why).
+    Raises ValueError for an unknown op, device type, dtype or mode.
+    """
+    ops = (op,) if isinstance(op, str) else tuple(op)
+    _check_selection(ops, modes)
     if device_type not in _DEFAULTS:
-        raise ValueError(f"no default cases for device type {device_type!r}; known: {tuple(_DEFAULTS)}")
+        raise ValueError(f"no default case for device type {device_type!r}; known: {tuple(_DEFAULTS)}")
     cases: list[AnyCase] = []
     for o in ops:
         if o in MOE_OPS:
@@ -387,14 +448,41 @@ def default_cases(
                 for mode in MODES
                 if mode in case_modes and mode in modes
             ]
-        else:
-            cases += [
-                Case(o, m, k, n, dtype or dt, backward=mode == "fwd+bwd")
-                for m, k, n, dt, case_modes in _DEFAULTS[device_type]
-                for mode in MODES
-                if mode in case_modes and mode in modes
-            ]
+            continue
+        for shape, dt, case_modes in _DEFAULTS[device_type]:
+            selected = [mode for mode in MODES if mode in case_modes and mode in modes]
+            if not isinstance(shape, str):
+                cases += [Case(o, *shape, dtype or dt, backward=mode == "fwd+bwd") for mode in selected]
+            elif why := tp_problem(TP_PRESETS[shape][0], world_size):
+                if left_out is not None and f"{shape}: {why}" not in left_out:
+                    left_out.append(f"{shape}: {why}")
+            else:
+                cases += preset_cases(shape, o, world_size, dtype or dt, selected)
     return list(dict.fromkeys(cases))  # a dtype override can make two cases equal
+
+
+#: named selections of the default cases (`suite_cases`), for the pytest-benchmark wrappers in bench/
+SUITES: dict[str, str] = {
+    "quick": "the default cases, forward only, without those sized for interpreted fused",
+    "default": "the default cases, as overlap bench runs them",
+    "tiny": "the default cases sized for interpreted fused, forward only (seconds: a smoke test)",
+}
+
+
+def suite_cases(
+    name: str, device_type: str = "cpu", world_size: int = 2, left_out: list[str] | None = None
+) -> list[AnyCase]:
+    """The cases of suite `name` (`SUITES`) of every op in `BENCH_OPS` (see `default_cases`).
+    Raises ValueError for an unknown suite."""
+    if name not in SUITES:
+        raise ValueError(f"unknown suite {name!r}; known: {tuple(SUITES)}")
+    modes = MODES if name == "default" else ("fwd",)
+    cases = default_cases(BENCH_OPS, device_type, None, modes, world_size, left_out)
+    if name == "quick":
+        return [c for c in cases if not c.fits_interpreted_fused]
+    if name == "tiny":
+        return [c for c in cases if c.fits_interpreted_fused]
+    return cases
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:

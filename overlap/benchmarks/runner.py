@@ -33,22 +33,28 @@ there is that of the whole training step of the op. Interpreted ``fused`` runs o
 is at most `cases.INTERPRETED_FUSED_MAX_DIM`, is labelled ``(interpreted)``, is timed without warm-up
 in at most `INTERPRETED_ITERS` of the repeats (a call costs 0.1-1 s) and is left out of the
 geometric means. ``matmul_all_reduce`` also runs the ``+one_shot`` variant of each strategy
-(`cases.VARIANTS`), a label of its own. The geometric means are per mode over every op, and per op
-family (tensor-parallel, moe) where a run has both. Default MoE cases whose experts do not split
-evenly over the ranks are left out with a note; given ones raise ValueError.
+(`cases.VARIANTS`), a label of its own. The geometric means are per mode over every op, per op
+family (tensor-parallel, moe) where a run has both, and per op, last. Default cases that do not
+fit the ranks (MoE experts that do not split evenly, a Llama-3 layer whose heads do not) are left
+out with a note; given ones raise ValueError.
+
+The table, the geometric means, the footnotes and the JSON file are `report`'s. The pieces of a
+case (`check_case`, `time_case`, `case_rows`; `timed_call` for one call) are also
+what `session` runs one call at a time for the pytest-benchmark wrappers. Rank 0 shows a progress
+bar on stderr (`progress.ProgressBar`): a line per case, and the case and strategy being checked,
+warmed up or timed, redrawn on a terminal and a line every few seconds in a log.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import platform
 import random
 import socket
-import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,20 +64,19 @@ import overlap
 
 from .. import world
 from ..ops import _common
+from . import report
 from .cases import (
     BENCH_OPS,
     DTYPES,
-    INTERPRETED_FUSED_MAX_DIM,
     MODES,
-    MOE_OPS,
-    VARIANTS,
     AnyCase,
     all_strategy_labels,
     default_cases,
     label_plan,
     strategy_labels,
 )
-from .workloads import Expected, build, strategy_fn
+from .progress import ProgressBar
+from .workloads import Expected, Workload, build, strategy_fn
 
 #: timed repeats of interpreted fused at most (no warm-up): ~0.1-1 s a call, and out of the summaries
 INTERPRETED_ITERS = 3
@@ -229,10 +234,6 @@ def summarize(times_s: list[float]) -> dict[str, Any]:
     }
 
 
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
 # ----------------------------------------------------------------------------------------------
 # One case
 # ----------------------------------------------------------------------------------------------
@@ -246,7 +247,7 @@ def _tolerances(
     scales = {e.what: (e.reduction, max(1.0, float(e.value.double().pow(2).mean().sqrt()))) for e in expected}
     tols: dict[str, dict[str, dict[str, float]]] = {}
     for label in strategies:
-        s = _base_strategy(case.op, label)
+        s = report.base_strategy(case.op, label)
         tols[label] = {}
         for what, (reduction, scale) in scales.items():
             tol = tolerance(case.torch_dtype, reduction, s, device_type)
@@ -271,10 +272,6 @@ def _compare(
     return None
 
 
-def _base_strategy(op: str, label: str) -> str:
-    return label_plan(op, label)[0]
-
-
 def _strategies_for(case: AnyCase, config: BenchConfig, info: world.GroupInfo) -> tuple[list[str], list[str]]:
     """(strategy labels to run for `case`, notes on the ones left out)."""
     run, notes = [], []
@@ -282,7 +279,7 @@ def _strategies_for(case: AnyCase, config: BenchConfig, info: world.GroupInfo) -
     for label in config.strategies:
         if label not in strategy_labels(case.op):
             continue  # a variant of another op
-        s = _base_strategy(case.op, label)
+        s = report.base_strategy(case.op, label)
         if s in ("symm", "fused") and not info.single_node:
             notes.append(f"{label} skipped: the group spans nodes {info.node_names}")
         elif s == "fused" and interpreted and not case.fits_interpreted_fused:
@@ -292,33 +289,56 @@ def _strategies_for(case: AnyCase, config: BenchConfig, info: world.GroupInfo) -
     return run, notes
 
 
-def _is_interpreted(op: str, label: str, interpreted: bool) -> bool:
-    """Whether `label` of `op` runs under the Triton interpreter (`interpreted`: `fused_interpreted`)."""
-    return interpreted and _base_strategy(op, label) == "fused"
+#: progress(fraction of the case done, what runs now): rank 0's view of a case (`ProgressBar`)
+Progress = Callable[[float, str], None]
 
 
-def _display(op: str, label: str, interpreted: bool) -> str:
-    return f"{label} (interpreted)" if _is_interpreted(op, label, interpreted) else label
+def _quiet(fraction: float, text: str) -> None:
+    pass
 
 
-def run_case(
-    case: AnyCase, case_index: int, config: BenchConfig, seed: int, info: world.GroupInfo, pg: dist.ProcessGroup
-) -> tuple[list[dict[str, Any]], list[str]]:
-    """Check and time one case on every rank; returns (one row per strategy, notes).
+@dataclasses.dataclass
+class Checked:
+    """One case on this rank after its correctness check (`check_case`): what there is to time."""
 
-    Every rank returns the same rows. Raises whatever the ops raise (timeouts, dead peers):
-    only numerical mismatches are recorded as FAILED rows.
-    """
-    W, rank, device = info.world_size, info.rank, info.device
+    case: AnyCase
+    labels: list[str]  # the strategy labels run for the case, reference first
+    failed: dict[str, str]  # label -> the lowest failing rank's message (the same on every rank)
+    notes: list[str]
+    work: Workload
+    tols: dict[str, dict[str, dict[str, float]]]
+    fns: dict[str, Callable[[], Any]]  # what is timed: the collectives alone, the GEMMs alone, the labels that passed
+    slow: set[str]  # labels under the Triton interpreter: no warm-up, at most INTERPRETED_ITERS repeats
+    interpreted: bool  # whether fused runs under the interpreter on these ranks
+
+    def units(self, config: BenchConfig) -> int:
+        """Steps of the case for a progress bar: one per label checked, per warm-up round, per repeat."""
+        return len(self.labels) + config.warmup + config.iters
+
+
+def check_case(
+    case: AnyCase,
+    case_index: int,
+    config: BenchConfig,
+    seed: int,
+    info: world.GroupInfo,
+    pg: dist.ProcessGroup,
+    progress: Progress = _quiet,
+) -> Checked:
+    """Build one case's inputs on every rank and check every strategy against ``reference`` (and
+    ``reference`` against the local oracle); every rank returns the same verdicts (one
+    ``all_gather_object``). Raises whatever the ops raise: only mismatches are recorded."""
+    rank, device = info.rank, info.device
     interpreted = fused_interpreted(device)
     labels, notes = _strategies_for(case, config, info)
+    units = len(labels) + config.warmup + config.iters
     timeout = _common.resolve_timeout(config.timeout)
     work = build(case, seed, case_index, info, pg, timeout)
     calls = {label: strategy_fn(work, case, label, config.timeout) for label in labels}
     tols = _tolerances(case, work.expected, device.type, labels)
 
-    # ---- correctness, before any timing -------------------------------------------------------
     errors: dict[str, str] = {}
+    progress(0.0, f"{case.name}: checking reference")
     y_ref = calls["reference"]()
     err = _compare(
         y_ref, [e.value for e in work.expected], tols["reference"], f"rank {rank}: reference vs the local {case.op}"
@@ -326,47 +346,74 @@ def run_case(
     if err:
         errors["reference"] = err
     work.expected.clear()
-    for label in labels[1:]:
+    for i, label in enumerate(labels[1:], 1):
+        progress(i / units, f"{case.name}: checking {report.display_label(case.op, label, interpreted)}")
         err = _compare(calls[label](), y_ref, tols[label], f"rank {rank}: {label} vs reference")
         if err:
             errors[label] = err
     del y_ref
-    every: list[Any] = [None] * W
+    every: list[Any] = [None] * info.world_size
     dist.all_gather_object(every, errors, group=pg)
     failed: dict[str, str] = {}
     for rank_errors in every:
         for s, text in rank_errors.items():
             failed.setdefault(s, text)  # the lowest failing rank's message
 
-    # ---- warm-up, then interleaved repeats ----------------------------------------------------
-    comm_label, compute_label = work.comm_label, work.compute_label
-    fns: dict[str, Any] = {comm_label: work.comm, compute_label: work.compute}
+    fns: dict[str, Callable[[], Any]] = {work.comm_label: work.comm, work.compute_label: work.compute}
     # A wrong reference is still the baseline of the others; a wrong strategy is not timed.
     fns.update({s: calls[s] for s in labels if s == "reference" or s not in failed})
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    slow = {label for label in fns if label in labels and report.is_interpreted(case.op, label, interpreted)}
+    return Checked(case, labels, failed, notes + work.notes, work, tols, fns, slow, interpreted)
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def timed_call(fn: Callable[[], Any], device: torch.device, pg: dist.ProcessGroup) -> float:
+    """Seconds of one call of `fn` on this rank, started together with the other ranks (a barrier)."""
+    sync = _sync(device)
+    dist.barrier(group=pg)  # start together: each timing is of one collective call
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def time_case(
+    checked: Checked, config: BenchConfig, info: world.GroupInfo, pg: dist.ProcessGroup, progress: Progress = _quiet
+) -> dict[str, dict[str, Any]]:
+    """Warm up, then time `config.iters` interleaved repeats of every label of `checked.fns`; returns
+    per label `summarize` of the per-repeat maxima over ranks (one ``all_gather_object``)."""
+    fns, slow, name, op = checked.fns, checked.slow, checked.case.name, checked.case.op
+    done, units = len(checked.labels), checked.units(config)
     # Interpreted fused: no warm-up (its correctness call was the first) and at most
     # INTERPRETED_ITERS repeats; its timings are labelled and left out of the summaries anyway.
-    slow = {label for label in fns if label in labels and _is_interpreted(case.op, label, interpreted)}
     repeats = {label: min(config.iters, INTERPRETED_ITERS) if label in slow else config.iters for label in fns}
-    for _ in range(config.warmup):
+    for w in range(config.warmup):
+        progress((done + w) / units, f"{name}: warming up ({w + 1}/{config.warmup})")
         for label, fn in fns.items():
             if label not in slow:
                 fn()
+    done += config.warmup
     times: dict[str, list[float]] = {label: [] for label in fns}
     for i in range(config.iters):
         for label, fn in fns.items():
             if i >= repeats[label]:
                 continue
-            dist.barrier(group=pg)  # start together: each timing is of one collective call
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times[label].append(time.perf_counter() - t0)
-    every = [None] * W
+            shown = report.display_label(op, label, checked.interpreted) if label in checked.labels else label
+            progress((done + i) / units, f"{name}: timing {shown} ({i + 1}/{config.iters})")
+            times[label].append(timed_call(fn, info.device, pg))
+    every: list[Any] = [None] * info.world_size
     dist.all_gather_object(every, times, group=pg)
-    stats = {label: summarize([max(r[label][i] for r in every) for i in range(repeats[label])]) for label in fns}
+    return {label: summarize([max(r[label][i] for r in every) for i in range(repeats[label])]) for label in fns}
 
+
+def case_rows(checked: Checked, stats: dict[str, dict[str, Any]], world_size: int) -> list[dict[str, Any]]:
+    """One row per strategy label of the case, then its two context rows (see `run`)."""
+    case, work, W = checked.case, checked.work, world_size
+    comm_label, compute_label = work.comm_label, work.compute_label
     t_comm, t_compute = stats[comm_label]["median_ms"], stats[compute_label]["median_ms"]
     t_ref = stats["reference"]["median_ms"]
     base = {
@@ -383,18 +430,18 @@ def run_case(
         "compute_tflops": case.flops(W) / (t_compute * 1e-3) / 1e12,
     }
     rows = []
-    for s in labels:
-        is_interp = _is_interpreted(case.op, s, interpreted)
+    for s in checked.labels:
+        is_interp = report.is_interpreted(case.op, s, checked.interpreted)
         row = dict(
             base,
             strategy=s,
             plan_fields=label_plan(case.op, s)[1],
-            label=_display(case.op, s, interpreted),
+            label=report.display_label(case.op, s, checked.interpreted),
             interpreted=is_interp,
-            status="FAILED" if s in failed else "ok",
-            error=failed.get(s),
-            tolerance=tols[s],
-            in_summary=s not in failed and not is_interp,
+            status="FAILED" if s in checked.failed else "ok",
+            error=checked.failed.get(s),
+            tolerance=checked.tols[s],
+            in_summary=s not in checked.failed and not is_interp,
         )
         if s in stats:
             t = stats[s]["median_ms"]
@@ -407,7 +454,26 @@ def run_case(
         rows.append(row)
     rows.append(dict(base, strategy=comm_label, context="comm", **stats[comm_label]))
     rows.append(dict(base, strategy=compute_label, context="compute", **stats[compute_label]))
-    return rows, notes + work.notes
+    return rows
+
+
+def run_case(
+    case: AnyCase,
+    case_index: int,
+    config: BenchConfig,
+    seed: int,
+    info: world.GroupInfo,
+    pg: dist.ProcessGroup,
+    progress: Progress = _quiet,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Check and time one case on every rank; returns (one row per strategy, notes).
+
+    Every rank returns the same rows. Raises whatever the ops raise (timeouts, dead peers):
+    only numerical mismatches are recorded as FAILED rows.
+    """
+    checked = check_case(case, case_index, config, seed, info, pg, progress)
+    stats = time_case(checked, config, info, pg, progress)
+    return case_rows(checked, stats, info.world_size), checked.notes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -415,122 +481,10 @@ def run_case(
 # ----------------------------------------------------------------------------------------------
 
 
-class _Table:
-    """Aligned text table printed row by row (widths fixed up front from the cases and labels)."""
-
-    HEADS = ("case", "strategy", "median ms", "p25..p75 ms", "TFLOP/s", "GB/s", "speedup", "overlap eff")
-
-    def __init__(self, cases: tuple[AnyCase, ...], strategies: tuple[str, ...], interpreted: bool):
-        self.w_case = max(len(self.HEADS[0]), *(len(c.name) for c in cases))
-        labels = [_display(c.op, s, interpreted) for c in cases for s in strategies if s in strategy_labels(c.op)]
-        self.w_strategy = max(len(self.HEADS[1]), len("(reduce_scatter alone)"), *map(len, labels))
-
-    def line(self, case: str, strategy: str, *cols: str) -> str:
-        widths = (10, 15, 8, 7, 8, 11)
-        tail = " ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))
-        return f"{case:<{self.w_case}}  {strategy:<{self.w_strategy}} {tail}".rstrip()
-
-    def header(self) -> str:
-        return self.line(*self.HEADS)
-
-    def row(self, r: dict[str, Any]) -> str:
-        name = r.get("label", r["strategy"])
-        if r.get("status") == "FAILED":
-            return f"{r['case']:<{self.w_case}}  {name:<{self.w_strategy}} FAILED  {r['error']}"
-        spread = f"{r['p25_ms']:.2f}..{r['p75_ms']:.2f}"
-        dash = "-"
-        if r.get("context") == "comm":
-            cols = (f"{r['median_ms']:.3f}", spread, dash, f"{r['comm_gbps']:.3g}", dash, dash)
-        elif r.get("context") == "compute":
-            cols = (f"{r['median_ms']:.3f}", spread, f"{r['compute_tflops']:.3g}", dash, dash, dash)
-        else:
-            cols = (
-                f"{r['median_ms']:.3f}",
-                spread,
-                f"{r['tflops']:.3g}",
-                dash,
-                f"{r['speedup']:.2f}x",
-                f"{r['efficiency']:+.2f}",
-            )
-        return self.line(r["case"], name, *cols)
-
-
 def _agree_seed(seed: int | None, pg: dist.ProcessGroup) -> int:
     box = [seed if seed is not None else random.SystemRandom().randrange(2**31)]
     dist.broadcast_object_list(box, src=world.group_info(pg).global_ranks[0], group=pg)
     return int(box[0])
-
-
-def family(op: str) -> str:
-    """``"moe"`` or ``"tensor-parallel"``: the op families the summary also reports apart."""
-    return "moe" if op in MOE_OPS else "tensor-parallel"
-
-
-def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Geometric-mean speedup per strategy label over the cases where it passed (interpreted fused
-    left out): over all cases, per mode (``by_mode``) and per op family (``by_family``, `family`)."""
-    per: dict[str, dict[str, list[float]]] = {}
-    per_family: dict[str, dict[str, list[float]]] = {}
-    for r in rows:
-        if r.get("in_summary") and r["strategy"] != "reference" and "speedup" in r:
-            per.setdefault(r["strategy"], {}).setdefault(r["mode"], []).append(r["speedup"])
-            per_family.setdefault(r["strategy"], {}).setdefault(family(r["op"]), []).append(r["speedup"])
-    out = {}
-    for s, by_mode in per.items():
-        every = [v for mode in MODES for v in by_mode.get(mode, [])]
-        out[s] = {
-            "geomean_speedup": geomean(every),
-            "cases": len(every),
-            "by_mode": {m: {"geomean_speedup": geomean(v), "cases": len(v)} for m, v in by_mode.items()},
-            "by_family": {f: {"geomean_speedup": geomean(v), "cases": len(v)} for f, v in per_family[s].items()},
-        }
-    return out
-
-
-def _summary_lines(results: dict[str, dict[str, Any]], modes: tuple[str, ...], families: tuple[str, ...]) -> list[str]:
-    lines = []
-    scopes = [(m, lambda s, m=m: results[s]["by_mode"].get(m)) for m in modes]
-    if len(modes) > 1:
-        scopes.append(("all", lambda s: results[s]))
-    if len(families) > 1:
-        scopes += [(f"{f}, all modes", lambda s, f=f: results[s]["by_family"].get(f)) for f in families]
-    for scope, get in scopes:
-        parts = [f"{s} {v['geomean_speedup']:.2f}x ({v['cases']})" for s in results if (v := get(s))]
-        if parts:
-            lines.append(f"geomean speedup over reference, {scope}: " + ", ".join(parts))
-    return lines
-
-
-def _notes(config: BenchConfig, info: world.GroupInfo) -> list[str]:
-    """The footnotes that apply to this run."""
-    notes = []
-    ops = {c.op for c in config.cases}
-    if any(c.backward for c in config.cases):
-        notes.append(
-            "fwd+bwd: forward, then backward of the fresh output with a fixed random grad_out; "
-            "(comm alone) = the plain collectives of the unfused forward and backward back to back, "
-            "(GEMMs alone) = its 3 GEMMs (moe: 6 grouped GEMMs)"
-        )
-    if ops & set(MOE_OPS):
-        notes.append(
-            "moe: one MoE layer's experts, dispatch_grouped_matmul -> gelu -> grouped_matmul_combine, with a "
-            "fixed uneven routing per case (shape T,H,F,E,K: tokens per rank, hidden, expert FFN, experts, top-k); "
-            "(all_to_alls alone) = all_to_all_single of the counts and of the rows both ways; (GEMMs alone) = the "
-            "grouped GEMMs on this rank's received rows; TFLOP/s and GB/s count the mean rows per rank"
-        )
-    if "fused" in config.strategies and fused_interpreted(info.device):
-        notes.append(
-            f"fused runs under the Triton interpreter, only for cases with every dim <= "
-            f"{INTERPRETED_FUSED_MAX_DIM}, timed in at most {min(config.iters, INTERPRETED_ITERS)} repeats without "
-            "warm-up; its timings are not in the summary"
-        )
-    for op, variants in VARIANTS.items():
-        if op in ops and any(v in config.strategies for v in variants):
-            notes.append(
-                f"{op}: +one_shot = the one-shot all-reduce (every rank sums every rank's whole "
-                "partial); the plain labels are two-shot (reduce-scatter, then all-gather)"
-            )
-    return notes
 
 
 def run(config: BenchConfig, group: dist.ProcessGroup | None = None) -> list[dict[str, Any]]:
@@ -553,21 +507,22 @@ def run(config: BenchConfig, group: dist.ProcessGroup | None = None) -> list[dic
     problems = [p for c in config.cases if (p := c.world_problem(info.world_size))]
     if problems:
         raise ValueError(f"cases that cannot run on {info.world_size} ranks: {'; '.join(problems)}")
-    left_out = []
+    left_out: list[str] = []
     if not config.cases:
-        cases = default_cases(config.ops, info.device.type, config.dtype, config.modes)
-        left_out = [p for c in cases if (p := c.world_problem(info.world_size))]
+        cases = default_cases(config.ops, info.device.type, config.dtype, config.modes, info.world_size, left_out)
+        left_out += [p for c in cases if (p := c.world_problem(info.world_size))]
         cases = [c for c in cases if not c.world_problem(info.world_size)]
         if not cases:
             raise ValueError(f"no default case of {config.ops} runs on {info.world_size} ranks: {'; '.join(left_out)}")
         config = dataclasses.replace(config, cases=tuple(cases))
     seed = _agree_seed(config.seed, pg)
     machine = machine_info(info)
-    table = _Table(config.cases, config.strategies, fused_interpreted(info.device))
-    start = time.perf_counter()
+    table = report.Table(config.cases, config.strategies, fused_interpreted(info.device))
+    bar = ProgressBar(lead and config.progress, total=len(config.cases))
 
     def out(text: str = "") -> None:
         if lead:
+            bar.clear()  # a terminal's bar line is not the table's
             print(text, flush=True)
 
     out(f"machine: {machine['description']}")
@@ -580,34 +535,33 @@ def run(config: BenchConfig, group: dist.ProcessGroup | None = None) -> list[dic
     rows: list[dict[str, Any]] = []
     all_notes = [f"left out: {p}" for p in left_out]
     for i, case in enumerate(config.cases):
-        if lead and config.progress:
-            running = ", ".join(_strategies_for(case, config, info)[0])
-            print(
-                f"[{i + 1}/{len(config.cases)}] {case.name}: {running} ({time.perf_counter() - start:.1f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
-        case_rows, notes = run_case(case, i, config, seed, info, pg)
-        rows.extend(case_rows)
+        running = ", ".join(_strategies_for(case, config, info)[0])
+        bar.line(f"[{i + 1}/{len(config.cases)}] {case.name}: {running} ({bar.elapsed():.1f} s)")
+
+        def progress(fraction: float, text: str, i: int = i) -> None:
+            bar.update((i + fraction) / len(config.cases), text)
+
+        rows_i, notes = run_case(case, i, config, seed, info, pg, progress if lead else _quiet)
+        rows.extend(rows_i)
         all_notes.extend(n for n in notes if n not in all_notes)
-        for r in case_rows:
+        for r in rows_i:
             out(table.row(r))
 
-    results = summary(rows)
+    results = report.summary(rows)
     out()
     modes = tuple(m for m in MODES if any(c.mode == m for c in config.cases))
-    families = tuple(dict.fromkeys(family(c.op) for c in config.cases))
-    for line in _summary_lines(results, modes, families):
+    families = tuple(dict.fromkeys(report.family(c.op) for c in config.cases))
+    ops = tuple(dict.fromkeys(c.op for c in config.cases))
+    for line in report.summary_lines(results, modes, families, ops):
         out(line)
     failed = [r for r in rows if r.get("status") == "FAILED"]
     if failed:
         out(f"FAILED: {len(failed)} strategy/case pair(s) did not match reference")
-    for note in _notes(config, info) + all_notes:
+    for note in report.notes(config, fused_interpreted(info.device), min(config.iters, INTERPRETED_ITERS)) + all_notes:
         out(f"note: {note}")
-    if lead and config.progress:
-        print(f"done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    bar.finish(f"done in {bar.elapsed():.1f} s")
     if lead and config.json_path:
-        write_json(
+        report.write_json(
             config.json_path,
             {
                 "machine": machine,
@@ -618,12 +572,3 @@ def run(config: BenchConfig, group: dist.ProcessGroup | None = None) -> list[dic
             },
         )
     return rows
-
-
-def write_json(path: str, payload: dict[str, Any]) -> None:
-    """Write `payload` to `path` atomically (a temporary file renamed over it)."""
-    tmp = f"{path}.{os.getpid()}.json.tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)

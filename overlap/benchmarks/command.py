@@ -1,0 +1,106 @@
+"""What ``overlap bench`` does around the ranks (`overlap.cli` parses the arguments and starts them):
+the cases of the command line's shapes, the checks of ``--json``, ``--plot`` and ``--compare``
+before any rank starts, and ``--compare``'s lines and ``--plot``'s figure after the run.
+
+Shapes (``--shape``, parsed by `overlap.cli`): ``(m, k, n)`` for every tensor-parallel op,
+``("preset", name)`` for a `models.TP_PRESETS` layer (expanded here for the number of ranks the
+command will run on, so a layer that does not split over them is a usage error before any rank
+starts), ``(MoEShape, preset name or "")`` for ``moe``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from . import compare
+from .cases import BENCH_OPS, MOE_OPS, AnyCase, Case, MoECase, MoEShape, preset_cases
+from .models import TP_PRESETS, tp_problem
+
+
+def is_moe_shape(shape: tuple) -> bool:
+    """Whether a parsed ``--shape`` is an MoE one (`MoEShape`, preset name)."""
+    return isinstance(shape[0], MoEShape)
+
+
+def cases_of(
+    ops: Sequence[str] | None, modes: Sequence[str], shapes: Sequence[tuple] | None, dtype: str | None,
+    world_size: int,
+) -> tuple[tuple[str, ...], tuple[AnyCase, ...]]:
+    """``(ops, cases)`` of the command line: `ops` as selected (None: every op, or with `shapes` the
+    ops they are for); the cases of `shapes` in `dtype` (default float32) for `world_size` ranks,
+    grouped by op, then shape (a preset's layers in order), then mode; no cases without shapes (the
+    defaults are chosen on the ranks). Raises ValueError for an op without a shape, or a preset
+    that does not split over `world_size` ranks."""
+    by_kind = {
+        True: [s for s in shapes or () if is_moe_shape(s)],
+        False: [s for s in shapes or () if not is_moe_shape(s)],
+    }
+    if ops is None:
+        ops = tuple(op for op in BENCH_OPS if by_kind[op in MOE_OPS]) if shapes else BENCH_OPS
+    ops = tuple(ops)
+    if not shapes:
+        return ops, ()
+    missing = [op for op in ops if not by_kind[op in MOE_OPS]]
+    if missing:
+        kinds = " or ".join(dict.fromkeys("T,H,F,E,K or a preset" if op in MOE_OPS else "MxKxN or a preset"
+                                          for op in missing))
+        raise ValueError(f"--shape gives no shape for {', '.join(missing)} ({kinds})")
+    dtype = dtype or "float32"
+    cases: list[AnyCase] = []
+    for op in ops:
+        for shape in by_kind[op in MOE_OPS]:
+            if op in MOE_OPS:
+                cases += [MoECase(shape[0], dtype, backward=mode == "fwd+bwd", preset=shape[1]) for mode in modes]
+            elif shape[0] == "preset":
+                why = tp_problem(TP_PRESETS[shape[1]][0], world_size)
+                if why:
+                    raise ValueError(f"--shape {shape[1]} does not apply to {world_size} ranks: {why}")
+                cases += preset_cases(shape[1], op, world_size, dtype, modes)
+            else:
+                cases += [Case(op, *shape, dtype, backward=mode == "fwd+bwd") for mode in modes]
+    return ops, tuple(dict.fromkeys(cases))
+
+
+def check_outputs(json_path: str | None, plot_path: str | None, compare_path: str | None) -> dict[str, Any] | None:
+    """Check ``--json``, ``--plot`` and ``--compare`` before any rank starts; returns the payload of
+    `compare_path` (None without). Raises ValueError naming the option: a missing folder, no
+    matplotlib for ``--plot``, an earlier file that is not ``overlap bench --json``'s."""
+    for option, path in (("--json", json_path), ("--plot", plot_path)):
+        if path is not None:
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder):
+                raise ValueError(f"{option}: folder {folder} does not exist")
+    if plot_path is not None:
+        from .plot import require_matplotlib
+
+        try:
+            require_matplotlib()
+        except ImportError as exc:
+            raise ValueError(str(exc)) from None
+    if compare_path is None:
+        return None
+    try:
+        return compare.load(compare_path)
+    except ValueError as exc:
+        raise ValueError(f"--compare: {exc}") from None
+
+
+def after_run(json_path: str, earlier: dict[str, Any] | None, compare_path: str | None,
+              plot_path: str | None) -> tuple[list[str], str | None]:
+    """After the run, from rank 0's results in `json_path`: (lines to print: ``--compare``'s, then
+    what ``--plot`` wrote; an error of ``--plot``, or None)."""
+    current = compare.load(json_path)
+    lines: list[str] = []
+    if earlier is not None:
+        lines += ["", *compare.compare(earlier, current, compare_path or "earlier")]
+    if plot_path is not None:
+        from .plot import plot
+
+        try:
+            plot(current, plot_path)
+        except (ValueError, OSError) as exc:
+            return lines, f"--plot: {exc}"
+        lines.append(f"wrote {plot_path}")
+    return lines, None

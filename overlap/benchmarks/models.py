@@ -1,0 +1,153 @@
+"""Tensor-parallel problems of real dense models: the Llama-3 presets of ``overlap bench --shape``.
+
+A preset is one transformer layer of a model, cut for tensor parallelism over the ranks (TP = the
+world size ``W``) with Megatron's sequence parallelism, ``S`` tokens per micro-batch. Its four
+projections are the problems of the three tensor-parallel ops, in the ``m x k x n`` convention of
+`cases` (``m = S/W``, this rank's slice of the sequence):
+
+==========  =====================================  ========================  ====================
+layer       op                                     m x k x n (per rank)      what
+==========  =====================================  ========================  ====================
+qkv         all_gather_matmul                      S/W x H x (Q+2KV)/W       fused Q, K, V
+attn-out    matmul_reduce_scatter, _all_reduce     S/W x H/W x H             attention output
+mlp-up      all_gather_matmul                      S/W x H x 2F/W            gate and up, fused
+mlp-down    matmul_reduce_scatter, _all_reduce     S/W x F/W x H             down
+==========  =====================================  ========================  ====================
+
+``H`` hidden, ``F`` FFN width, ``Q = heads * head_dim = H`` and ``KV = kv_heads * head_dim``
+(grouped-query attention: Llama-3 has 8 KV heads). ``matmul_all_reduce`` is tensor parallelism
+without sequence parallelism: the same GEMMs, the output all-reduced over the whole sequence
+``S = W*m``. Heads, KV heads, ``F`` and ``S`` must divide by ``W`` (Megatron's rule: whole heads
+per rank); otherwise the preset does not apply to that many ranks (`tp_problems` says why).
+
+The real models (`LLAMA3_8B`, `LLAMA3_70B`):
+
+* Llama-3 8B: hidden 4096, FFN 14336 (gated SiLU), 32 heads and 8 KV heads of 128; 4096 tokens
+  per micro-batch.
+* Llama-3 70B: hidden 8192, FFN 28672, 64 heads and 8 KV heads of 128; 8192 tokens per
+  micro-batch (its training sequence length).
+
+Presets (`TP_PRESETS`): ``llama3-8b-full`` and ``llama3-70b-full`` are those (the GPU defaults);
+``llama3-8b`` and ``llama3-70b`` are the CPU versions, every width (hidden, FFN, head dim) at
+1/16 and the tokens at 1/4, heads kept (`CPU_WIDTH_SCALE`, `CPU_TOKEN_SCALE`).
+
+Why that scale. Per byte it receives, a projection does ``2*W/(W-1) * n / itemsize`` FLOPs
+(all-gather: ``n`` the output columns per rank) or ``2*W/(W-1) * k / itemsize`` (reduce-scatter:
+``k`` the reduction per rank); the tokens cancel. For Llama-3 8B at TP=8 in bf16 that is ~880
+(qkv), ~590 (attn-out), ~4100 (mlp-up) and ~2050 (mlp-down) FLOPs per byte, against ~2000 for an
+H100 over NVLink (~800 TFLOP/s, ~400 GB/s): attention's projections are communication-bound,
+mlp-up compute-bound, mlp-down balanced. 2 CPU ranks (one torch thread each: ~50-120 GFLOP/s fp32
+GEMMs, gloo's collectives ~0.1-0.5 GB/s) balance at a few hundred FLOPs per byte; the widths at
+1/16 in fp32 on 2 ranks give 192 (qkv), 128 (attn-out), 896 (mlp-up) and 448 (mlp-down): the same
+order and the same roles. Measured on the build machine (2 ranks, forward, the plain collective
+alone against the GEMM alone, medians of three runs on a machine shared with other jobs, hence the
+ranges): qkv 1.2-3.1 against 0.9-1.2 ms, attn-out 3.3-5.9 against 0.8-2.9 ms (all-reduce: 2.6-3.6
+against 0.8-1.5), mlp-up 1.9-3.6 against 5-12 ms, mlp-down 2.5-5.8 against 2.3-5.3 ms (all-reduce:
+1.4-2.1 against 2.1-3.3): the roles of the GPU, each projection with enough of both costs for
+overlap to matter. The tokens set only the duration: at 1/4 a call takes milliseconds to tens of
+milliseconds. The 70B versions (twice the tokens, twice the widths) cost ~7-8x the 8B's GEMMs: on
+request, not in the defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+#: the CPU presets' widths (hidden, FFN, head dim) are the real ones divided by this
+CPU_WIDTH_SCALE = 16
+#: ... and their tokens per micro-batch divided by this
+CPU_TOKEN_SCALE = 4
+
+#: (layer, ops it is a problem of), in the order a layer runs them
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("qkv", ("all_gather_matmul",)),
+    ("attn-out", ("matmul_reduce_scatter", "matmul_all_reduce")),
+    ("mlp-up", ("all_gather_matmul",)),
+    ("mlp-down", ("matmul_reduce_scatter", "matmul_all_reduce")),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseModel:
+    """One dense transformer layer: `hidden`, `ffn` width (`gated`: gate and up projections fused, as
+    in SwiGLU), `heads` query heads and `kv_heads` key/value heads of `head_dim`, `tokens` per micro-batch."""
+
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tokens: int
+    gated: bool = True
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name != "gated" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{f.name} must be an int >= 1, got {v!r}")
+        if self.heads * self.head_dim != self.hidden:
+            raise ValueError(f"heads x head_dim ({self.heads} x {self.head_dim}) must equal hidden ({self.hidden})")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must divide by kv_heads ({self.kv_heads})")
+
+    def scaled(self, width: int, tokens: int) -> DenseModel:
+        """The same layer with hidden, FFN and head dim divided by `width`, tokens by `tokens` (heads kept)."""
+        for name, value, by in (("hidden", self.hidden, width), ("ffn", self.ffn, width),
+                                ("head_dim", self.head_dim, width), ("tokens", self.tokens, tokens)):
+            if value % by:
+                raise ValueError(f"{name} ({value}) does not divide by {by}")
+        return dataclasses.replace(self, hidden=self.hidden // width, ffn=self.ffn // width,
+                                   head_dim=self.head_dim // width, tokens=self.tokens // tokens)
+
+    @property
+    def spec(self) -> str:
+        return (f"hidden {self.hidden}, ffn {self.ffn}{' (gated)' if self.gated else ''}, "
+                f"{self.heads} heads / {self.kv_heads} KV heads of {self.head_dim}, {self.tokens} tokens")
+
+
+LLAMA3_8B = DenseModel(hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128, tokens=4096)
+LLAMA3_70B = DenseModel(hidden=8192, ffn=28672, heads=64, kv_heads=8, head_dim=128, tokens=8192)
+
+_CPU = f"widths at 1/{CPU_WIDTH_SCALE}, tokens at 1/{CPU_TOKEN_SCALE}"
+
+#: name -> (layer, what it is); the scaling is explained in the module docstring
+TP_PRESETS: dict[str, tuple[DenseModel, str]] = {
+    "llama3-8b": (LLAMA3_8B.scaled(CPU_WIDTH_SCALE, CPU_TOKEN_SCALE), f"Llama-3 8B ({LLAMA3_8B.spec}), {_CPU}"),
+    "llama3-70b": (LLAMA3_70B.scaled(CPU_WIDTH_SCALE, CPU_TOKEN_SCALE), f"Llama-3 70B ({LLAMA3_70B.spec}), {_CPU}"),
+    "llama3-8b-full": (LLAMA3_8B, "Llama-3 8B at full size"),
+    "llama3-70b-full": (LLAMA3_70B, "Llama-3 70B at full size"),
+}
+
+
+def tp_problem(model: DenseModel, world_size: int) -> str | None:
+    """Why `model` cannot be cut for tensor parallelism over `world_size` ranks, or None."""
+    W = world_size
+    bad = [f"{what} ({v})" for what, v in (("heads", model.heads), ("kv_heads", model.kv_heads),
+                                           ("ffn", model.ffn), ("tokens", model.tokens)) if v % W]
+    if bad:
+        return f"{', '.join(bad)} do not divide by the tensor-parallel size {W} (the ranks)"
+    return None
+
+
+def tp_problems(model: DenseModel, world_size: int) -> list[tuple[str, str, tuple[int, int, int]]]:
+    """``[(layer, op, (m, k, n)), ...]`` of `model` at TP = `world_size`, in `LAYERS` order, per op
+    in the order the layer lists them (see the module docstring). Raises ValueError where
+    `tp_problem` gives a reason."""
+    why = tp_problem(model, world_size)
+    if why:
+        raise ValueError(why)
+    W, H, hd = world_size, model.hidden, model.head_dim
+    m = model.tokens // W
+    dims = {
+        "qkv": (m, H, (model.heads + 2 * model.kv_heads) * hd // W),
+        "attn-out": (m, H // W, H),
+        "mlp-up": (m, H, (2 if model.gated else 1) * model.ffn // W),
+        "mlp-down": (m, model.ffn // W, H),
+    }
+    return [(layer, op, dims[layer]) for layer, ops in LAYERS for op in ops]
+
+
+def parse_tp_preset(text: str) -> str | None:
+    """The `TP_PRESETS` name `text` spells (case and surrounding blanks ignored), or None."""
+    name = text.strip().lower()
+    return name if name in TP_PRESETS else None

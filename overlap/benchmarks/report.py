@@ -1,0 +1,162 @@
+"""What ``overlap bench`` prints and writes besides the timings: the table, the geometric means, the
+footnotes, the JSON file (`runner` measures; this module says what the measurements are).
+
+Strategy labels are shown as the runner ran them: interpreted ``fused`` gets ``(interpreted)``
+(`display_label`) and stays out of the geometric means (rows with ``in_summary`` false). The
+geometric-mean speedups over ``reference`` (`summary`, `summary_lines`) are per mode, over all
+modes, per op family (tensor-parallel, moe) where a run has both, and per op, last.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from .cases import INTERPRETED_FUSED_MAX_DIM, MODES, MOE_OPS, VARIANTS, AnyCase, label_plan, strategy_labels
+
+
+def base_strategy(op: str, label: str) -> str:
+    """The strategy of a label (``symm+one_shot`` -> ``symm``)."""
+    return label_plan(op, label)[0]
+
+
+def is_interpreted(op: str, label: str, interpreted: bool) -> bool:
+    """Whether `label` of `op` runs under the Triton interpreter (`interpreted`: `runner.fused_interpreted`)."""
+    return interpreted and base_strategy(op, label) == "fused"
+
+
+def display_label(op: str, label: str, interpreted: bool) -> str:
+    """The label as the table shows it: ``(interpreted)`` after interpreted fused ones."""
+    return f"{label} (interpreted)" if is_interpreted(op, label, interpreted) else label
+
+
+def geomean(values: list[float]) -> float:
+    """The geometric mean of positive `values` (at least one)."""
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+class Table:
+    """Aligned text table printed row by row (widths fixed up front from the cases and labels)."""
+
+    HEADS = ("case", "strategy", "median ms", "p25..p75 ms", "TFLOP/s", "GB/s", "speedup", "overlap eff")
+
+    def __init__(self, cases: tuple[AnyCase, ...], strategies: tuple[str, ...], interpreted: bool):
+        self.w_case = max(len(self.HEADS[0]), *(len(c.name) for c in cases))
+        labels = [display_label(c.op, s, interpreted) for c in cases for s in strategies if s in strategy_labels(c.op)]
+        self.w_strategy = max(len(self.HEADS[1]), len("(reduce_scatter alone)"), *map(len, labels))
+
+    def line(self, case: str, strategy: str, *cols: str) -> str:
+        widths = (10, 15, 8, 7, 8, 11)
+        tail = " ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))
+        return f"{case:<{self.w_case}}  {strategy:<{self.w_strategy}} {tail}".rstrip()
+
+    def header(self) -> str:
+        return self.line(*self.HEADS)
+
+    def row(self, r: dict[str, Any]) -> str:
+        name = r.get("label", r["strategy"])
+        if r.get("status") == "FAILED":
+            return f"{r['case']:<{self.w_case}}  {name:<{self.w_strategy}} FAILED  {r['error']}"
+        spread = f"{r['p25_ms']:.2f}..{r['p75_ms']:.2f}"
+        dash = "-"
+        if r.get("context") == "comm":
+            cols = (f"{r['median_ms']:.3f}", spread, dash, f"{r['comm_gbps']:.3g}", dash, dash)
+        elif r.get("context") == "compute":
+            cols = (f"{r['median_ms']:.3f}", spread, f"{r['compute_tflops']:.3g}", dash, dash, dash)
+        else:
+            cols = (
+                f"{r['median_ms']:.3f}",
+                spread,
+                f"{r['tflops']:.3g}",
+                dash,
+                f"{r['speedup']:.2f}x",
+                f"{r['efficiency']:+.2f}",
+            )
+        return self.line(r["case"], name, *cols)
+
+
+def family(op: str) -> str:
+    """``"moe"`` or ``"tensor-parallel"``: the op families the summary also reports apart."""
+    return "moe" if op in MOE_OPS else "tensor-parallel"
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Geometric-mean speedup per strategy label over the cases where it passed (interpreted fused
+    left out): over all cases, per mode (``by_mode``), per op family (``by_family``, `family`) and
+    per op (``by_op``)."""
+    per: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for r in rows:
+        if r.get("in_summary") and r["strategy"] != "reference" and "speedup" in r:
+            scopes = per.setdefault(r["strategy"], {"by_mode": {}, "by_family": {}, "by_op": {}})
+            for scope, key in (("by_mode", r["mode"]), ("by_family", family(r["op"])), ("by_op", r["op"])):
+                scopes[scope].setdefault(key, []).append(r["speedup"])
+    out = {}
+    for s, scopes in per.items():
+        every = [v for mode in MODES for v in scopes["by_mode"].get(mode, [])]
+        out[s] = {"geomean_speedup": geomean(every), "cases": len(every)}
+        for scope, groups in scopes.items():
+            out[s][scope] = {key: {"geomean_speedup": geomean(v), "cases": len(v)} for key, v in groups.items()}
+    return out
+
+
+def summary_lines(
+    results: dict[str, dict[str, Any]], modes: tuple[str, ...], families: tuple[str, ...], ops: tuple[str, ...]
+) -> list[str]:
+    """The geometric means: per mode, over all modes, per op family where a run has both, per op last."""
+    lines = []
+    scopes = [(m, lambda s, m=m: results[s]["by_mode"].get(m)) for m in modes]
+    if len(modes) > 1:
+        scopes.append(("all", lambda s: results[s]))
+    if len(families) > 1:
+        scopes += [(f"{f}, all modes", lambda s, f=f: results[s]["by_family"].get(f)) for f in families]
+    every_mode = "all modes" if len(modes) > 1 else modes[0] if modes else ""
+    scopes += [(f"op {op}, {every_mode}", lambda s, op=op: results[s]["by_op"].get(op)) for op in ops]
+    for scope, get in scopes:
+        parts = [f"{s} {v['geomean_speedup']:.2f}x ({v['cases']})" for s in results if (v := get(s))]
+        if parts:
+            lines.append(f"geomean speedup over reference, {scope}: " + ", ".join(parts))
+    return lines
+
+
+def notes(config: Any, interpreted: bool, interpreted_iters: int) -> list[str]:
+    """The footnotes that apply to a run of `config` (a `runner.BenchConfig`; `interpreted`: whether
+    fused runs under the Triton interpreter there, timed in at most `interpreted_iters` repeats)."""
+    lines = []
+    ops = {c.op for c in config.cases}
+    if any(c.backward for c in config.cases):
+        lines.append(
+            "fwd+bwd: forward, then backward of the fresh output with a fixed random grad_out; "
+            "(comm alone) = the plain collectives of the unfused forward and backward back to back, "
+            "(GEMMs alone) = its 3 GEMMs (moe: 6 grouped GEMMs)"
+        )
+    if ops & set(MOE_OPS):
+        lines.append(
+            "moe: one MoE layer's experts, dispatch_grouped_matmul -> gelu -> grouped_matmul_combine, with a "
+            "fixed uneven routing per case (shape T,H,F,E,K: tokens per rank, hidden, expert FFN, experts, top-k); "
+            "(all_to_alls alone) = all_to_all_single of the counts and of the rows both ways; (GEMMs alone) = the "
+            "grouped GEMMs on this rank's received rows; TFLOP/s and GB/s count the mean rows per rank"
+        )
+    if "fused" in config.strategies and interpreted:
+        lines.append(
+            f"fused runs under the Triton interpreter, only for cases with every dim <= "
+            f"{INTERPRETED_FUSED_MAX_DIM}, timed in at most {interpreted_iters} repeats without "
+            "warm-up; its timings are not in the summary"
+        )
+    for op, variants in VARIANTS.items():
+        if op in ops and any(v in config.strategies for v in variants):
+            lines.append(
+                f"{op}: +one_shot = the one-shot all-reduce (every rank sums every rank's whole "
+                "partial); the plain labels are two-shot (reduce-scatter, then all-gather)"
+            )
+    return lines
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    """Write `payload` to `path` atomically (a temporary file renamed over it)."""
+    tmp = f"{path}.{os.getpid()}.json.tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
