@@ -109,24 +109,9 @@ class PlanFile:
                 "entries": {key: e.to_json() for key, e in sorted(self.entries.items())}}
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write atomically: a temporary file beside `path`, then a rename (readers see old or new, never half)."""
+        """Write atomically (`write_atomic`): readers see the old file or the new one, never half."""
         path = os.fspath(path)
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_json(), f, indent=1)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_atomic(path, json.dumps(self.to_json(), indent=1) + "\n")
         self.path = path
 
     @classmethod
@@ -170,6 +155,26 @@ class PlanFile:
 
 
 _CACHE: dict[str, tuple[int, PlanFile]] = {}
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, flush it to disk, then rename it over `path`."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # readers see the old file or the whole new one, never a part
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def load_cached(path: str | os.PathLike) -> PlanFile:

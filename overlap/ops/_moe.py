@@ -265,6 +265,15 @@ def moe_problem(tokens: int, hidden: int, ffn: int, num_experts: int, top_k: int
         return None
 
 
+def resolve_timeout(timeout) -> tuple[float, Exception | None]:
+    """``(deadline, error)``: a bad `timeout` is a local mistake to raise on every rank (with the
+    default deadline for the handshake that tells the peers)."""
+    try:
+        return C.resolve_timeout(timeout), None
+    except ValueError as exc:
+        return C.resolve_timeout(None), exc
+
+
 def fail_fast(op: str, pg, info: world.GroupInfo, exc: Exception, timeout: float) -> None:
     """Post a poisoned signature so the peers raise at once, then raise `exc` (a local mistake)."""
     C.begin_call(op, pg, info, "", 0, timeout, error=C.InputError(exc))

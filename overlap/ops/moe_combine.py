@@ -101,11 +101,7 @@ def _prepare(op, y, w, topk_weights, handle, strategy, plan, timeout):
         raise TypeError(f"overlap.moe.{op}: handle must come from overlap.moe.dispatch, got {type(handle).__name__}")
     pg, info = handle.group, handle.info
     world.CALLER.set(f"moe.{op}")
-    error = None
-    try:
-        timeout = C.resolve_timeout(timeout)
-    except ValueError as exc:
-        error, timeout = exc, C.resolve_timeout(None)
+    timeout, error = M.resolve_timeout(timeout)
     chosen, sig = None, ""
     try:
         if error is not None:

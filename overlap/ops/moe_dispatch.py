@@ -101,11 +101,7 @@ def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout):
     """Local checks, autocast, plan, routing and signature; a local mistake raises on every rank."""
     pg = world.resolve_group(group)
     world.CALLER.set(f"moe.{op}")
-    error = None
-    try:
-        timeout = C.resolve_timeout(timeout)
-    except ValueError as exc:
-        error, timeout = exc, C.resolve_timeout(None)
+    timeout, error = M.resolve_timeout(timeout)
     info = world.group_info(pg, timeout)
     try:
         if error is not None:

@@ -50,11 +50,9 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import re
 import socket
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -68,6 +66,7 @@ from .. import envs, symm, world
 from ..errors import OverlapError, OverlapTimeout
 from ..ops import _common as C
 from ..plan import LinkFit, Plan, Profile, gpu_symmetric_memory
+from ..planfile import write_atomic
 from ..world import LINK_CLASSES, GroupInfo
 from .fits import TRANSPORTS, fit_gemm, fit_line, fit_link, format_profile
 
@@ -553,20 +552,7 @@ def _read(path: Path) -> Profile | None:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # readers see the old file or the whole new one, never a part
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_atomic(path, text)
 
 
 def load_cached(group: GroupInfo | dist.ProcessGroup | None = None, *, quick: bool = False) -> Profile | None:
