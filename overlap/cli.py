@@ -52,7 +52,7 @@ examples:
   overlap bench --shape llama3-8b --json now.json --plot now.png --compare before.json
   torchrun --nproc-per-node 8 -m overlap.cli bench --strategies reference,symm,fused
   overlap tune --shape all_gather_matmul:256x1024x1024 --shape moe:512x128x448:8:2 --out plans.json
-  overlap tune --model hidden=4096,ffn=14336,tokens=4096,dtype=bfloat16 --out plans.json
+  overlap tune --model hidden=4096,ffn=14336,tokens=4096,heads=32,kv_heads=8,gated=1,dtype=bfloat16 --out plans.json
   OVERLAP_PLAN=plans.json python train.py
 """
 
@@ -181,8 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
         "fastest (never one slower than reference) and write a plan file. Use it with OVERLAP_PLAN=FILE or "
         "plan='FILE'. Shapes: OP:MxKxN[:DTYPE][:fwd|fwd+bwd] (OP all_gather_matmul, matmul_reduce_scatter, "
         "matmul_all_reduce; the per-rank GEMM is [W*m, k] @ [k, n] as in overlap bench) or "
-        "moe:TxHxF:EXPERTS:TOPK[:DTYPE][:fwd|fwd+bwd]. A model: hidden=H,ffn=F,tokens=S[,experts=E,topk=K]"
-        "[,gated=1][,dtype=D], one transformer layer with TP = the number of ranks and sequence parallelism.",
+        "moe:TxHxF:EXPERTS:TOPK[:DTYPE][:fwd|fwd+bwd]. A model: hidden=H,ffn=F,tokens=S[,heads=A,kv_heads=B]"
+        "[,experts=E,topk=K][,gated=1][,dtype=D], one transformer layer with TP = the number of ranks and "
+        "sequence parallelism.",
     )
     tune.add_argument("--nproc", type=_positive_int, default=None, metavar="N", help=nproc_help)
     tune.add_argument("--shape", action="append", default=[], metavar="SPEC", help="a problem (repeatable)")

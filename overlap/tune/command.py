@@ -6,9 +6,10 @@ Problems come from the command line (``--shape``) or from a model description (`
 * ``--shape OP:MxKxN[:DTYPE][:fwd|fwd+bwd]`` with OP ``all_gather_matmul``, ``matmul_reduce_scatter`` or
   ``matmul_all_reduce`` (``m x k x n`` as in ``overlap bench``: the per-rank GEMM is ``[W*m, k] @ [k, n]``),
   or ``moe:TxHxF:EXPERTS:TOPK[:DTYPE][:fwd|fwd+bwd]`` (``T`` tokens per rank, hidden ``H``, expert ffn ``F``).
-* ``--model hidden=H,ffn=F,tokens=S[,experts=E,topk=K][,gated=1][,dtype=D]``: one transformer layer with
-  tensor parallelism over the ranks (TP = world size) and sequence parallelism, ``S`` tokens per
-  micro-batch: the QKV projection (``all_gather_matmul``, ``S/TP x H x 3H/TP``), the attention output
+* ``--model hidden=H,ffn=F,tokens=S[,heads=A,kv_heads=B][,experts=E,topk=K][,gated=1][,dtype=D]``: one
+  transformer layer with tensor parallelism over the ranks (TP = world size) and sequence parallelism,
+  ``S`` tokens per micro-batch: the QKV projection (``all_gather_matmul``, ``S/TP x H x 3H/TP``, or
+  ``(A + 2B) H/A / TP`` columns with grouped-query attention), the attention output
   (``matmul_reduce_scatter``, ``S/TP x H/TP x H``), and the MLP: up (``all_gather_matmul``,
   ``S/TP x H x F/TP``, twice the columns when gated) and down (``matmul_reduce_scatter``,
   ``S/TP x F/TP x H``), or with ``experts`` an MoE layer over the same ranks (``moe``, ``S/TP`` tokens
@@ -74,13 +75,15 @@ def parse_model(text: str, tp: int, backward: bool) -> list[Problem]:
             raise ValueError(f"--model {text!r}: {item!r} is not name=value")
         key, value = item.split("=", 1)
         fields[key.strip()] = value.strip()
-    known = {"hidden", "ffn", "tokens", "experts", "topk", "gated", "dtype"}
+    known = {"hidden", "ffn", "tokens", "experts", "topk", "gated", "dtype", "heads", "kv_heads"}
     if set(fields) - known:
         raise ValueError(f"--model: unknown fields {sorted(set(fields) - known)}; known: {sorted(known)}")
     try:
         h, ffn, tokens = int(fields["hidden"]), int(fields["ffn"]), int(fields["tokens"])
         experts, top_k = int(fields.get("experts", 0)), int(fields.get("topk", 0))
         gated = fields.get("gated", "0") not in ("0", "false", "no")
+        heads = int(fields.get("heads", 0))
+        kv_heads = int(fields.get("kv_heads", heads))
     except KeyError as exc:
         raise ValueError(f"--model {text!r}: {exc.args[0]}= is required (hidden, ffn, tokens)") from None
     except ValueError:
@@ -90,11 +93,16 @@ def parse_model(text: str, tp: int, backward: bool) -> list[Problem]:
         raise ValueError(f"--model: dtype must be one of {DTYPES}, got {dtype!r}")
     if experts and not top_k:
         raise ValueError("--model: experts= needs topk=")
-    for what, value in (("tokens", tokens), ("hidden", h), ("3*hidden", 3 * h)) + (() if experts else (("ffn", ffn),)):
+    if heads and (h % heads or kv_heads < 1 or heads % kv_heads):
+        raise ValueError(f"--model: heads ({heads}) must divide hidden ({h}) and be a multiple of "
+                         f"kv_heads ({kv_heads})")
+    qkv = (heads + 2 * kv_heads) * (h // heads) if heads else 3 * h  # grouped-query attention where given
+    sizes = (("tokens", tokens), ("hidden", h), ("the QKV width", qkv)) + (() if experts else (("ffn", ffn),))
+    for what, value in sizes:
         if value % tp:
             raise ValueError(f"--model: {what} ({value}) must divide by the tensor-parallel size {tp} (the ranks)")
     m = tokens // tp
-    problems = [Problem("all_gather_matmul", m, h, 3 * h // tp, dtype, backward),
+    problems = [Problem("all_gather_matmul", m, h, qkv // tp, dtype, backward),
                 Problem("matmul_reduce_scatter", m, h // tp, h, dtype, backward)]
     if experts:
         if experts % tp:
