@@ -24,5 +24,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="timed calls per case and strategy (default: 10; interpreted fused: at most 3)")
     group.addoption("--overlap-warmup", type=int, default=3, metavar="W",
                     help="untimed calls first (default: 3; interpreted fused: none)")
+    group.addoption("--overlap-emulated", default=None, metavar="RATES",
+                    help="also run the emulated two-node cluster (bench/emulated_cluster.py; root) at these "
+                    "comma-separated link rates, e.g. 100mbit,2gbit: tuner against the exhaustive grid")
     group.addoption("--overlap-seed", type=int, default=None, metavar="S",
                     help="seed of the inputs (default: a fresh one, in every result's extra_info)")
