@@ -29,7 +29,7 @@ own buffer) and a reduction over every rank's buffer.
 import triton
 import triton.language as tl
 
-from .flags import wait_flag
+from .flags import count_and_release, matmul_tile, wait_flag
 
 
 @triton.jit
@@ -74,17 +74,7 @@ def matmul_scatter_kernel(
     a_rows = d.to(tl.int64) * MB + offs_m  # 64-bit: D*MB*K can pass 2^31 elements
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - kk * BLOCK_K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
-        if UPCAST:  # the interpreter's bf16 dot is wrong (DESIGN.md): compute in fp32 there
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_bk
+    acc = matmul_tile(a_ptrs, b_ptrs, row_ok, offs_k, offs_n, N, K, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
 
     # ---- store into the owner's buffer ------------------------------------------------------
     dst = tl.multiple_of(tl.load(dst_table + d).to(tl.pointer_type(a_ptr.dtype.element_ty)), 16)
@@ -92,17 +82,10 @@ def matmul_scatter_kernel(
     tl.store(out_ptrs, acc.to(a_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))
 
     # ---- count the tile; the chunk's last tile publishes the flag ----------------------------
-    # Every thread's stores are issued before the barrier; the acq_rel count (system scope: the
-    # stores went to a peer) orders them before the last tile's release of the flag.
-    tl.debug_barrier()
     chunk = tile_m * NCH // tiles_m
-    counter = counters_ptr + d * NCH + chunk
-    seen = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys")
     target = (tl.cdiv((chunk + 1) * tiles_m, NCH) - tl.cdiv(chunk * tiles_m, NCH)) * tiles_n
-    if seen == target - 1:
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-        own_flags = tl.load(flag_table + rank).to(tl.pointer_type(tl.int32))
-        tl.atomic_xchg(own_flags + d * FLAG_STRIDE + chunk, epoch, sem="release", scope="sys")
+    own_flags = tl.load(flag_table + rank).to(tl.pointer_type(tl.int32))
+    count_and_release(counters_ptr + d * NCH + chunk, target, own_flags + d * FLAG_STRIDE + chunk, epoch)
 
 
 @triton.jit

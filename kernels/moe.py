@@ -23,7 +23,7 @@ scope, release store: the same pattern as `overlap.kernels.mm_rs`) and resets th
 import triton
 import triton.language as tl
 
-from .flags import wait_flag
+from .flags import count_and_release, matmul_tile, wait_flag
 
 
 @triton.jit
@@ -127,17 +127,7 @@ def grouped_matmul_scatter_kernel(
     row_ok = offs_m < rows
     a_ptrs = y_ptr + (y_row + offs_m)[:, None].to(tl.int64) * stride_ym + offs_k[None, :]
     b_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - kk * BLOCK_K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
-        if UPCAST:  # the interpreter's bf16 dot is wrong (DESIGN.md): compute in fp32 there
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_wk
+    acc = matmul_tile(a_ptrs, b_ptrs, row_ok, offs_k, offs_n, N, K, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
 
     # ---- store into the source rank's buffer ---------------------------------------------------
     dst = tl.multiple_of(tl.load(dst_table + s).to(tl.pointer_type(y_ptr.dtype.element_ty)), 16)
@@ -145,12 +135,5 @@ def grouped_matmul_scatter_kernel(
     tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))
 
     # ---- count the tile; the flag's last tile publishes it ---------------------------------------
-    # Every thread's stores are issued before the barrier; the acq_rel count (system scope: the
-    # stores went to a peer) orders them before the last tile's release of the flag.
-    tl.debug_barrier()
-    counter = counters_ptr + flag
-    seen = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys")
-    if seen == target - 1:
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-        own_flags = tl.load(flag_table + rank).to(tl.pointer_type(tl.int32))
-        tl.atomic_xchg(own_flags + flag, epoch, sem="release", scope="sys")
+    own_flags = tl.load(flag_table + rank).to(tl.pointer_type(tl.int32))
+    count_and_release(counters_ptr + flag, target, own_flags + flag, epoch)

@@ -17,7 +17,7 @@ import time
 
 os.environ["TRITON_INTERPRET"] = "0"
 
-from overlap.kernels import ag_matmul, mm_rs, moe  # noqa: E402
+from overlap.kernels import ag_matmul, flags, mm_rs, moe  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
 
@@ -118,7 +118,7 @@ def compile_matmul_scatter(dtype: str, block: tuple[int, int, int]) -> dict:
     }
     constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "UPCAST": False}
     ptx, cubin = _compile(fn, signature, constexprs, DEFAULT_OPTIONS)
-    barrier_line = _source_line(fn, "tl.debug_barrier()")
+    barrier_line = _source_line(flags.count_and_release, "tl.debug_barrier()")
     return {
         "kernel": "matmul_scatter_kernel", "dtype": dtype, "block": list(block),
         "wgmma": "wgmma.mma_async" in ptx, "wgmma_types": _wgmma_types(ptx),
@@ -126,7 +126,7 @@ def compile_matmul_scatter(dtype: str, block: tuple[int, int, int]) -> dict:
         "count_acq_rel_sys": _scoped(ptx, "atom", ("acq_rel",)),
         "flag_release_sys": _scoped(ptx, "atom", ("release",)),
         "bar_sync": "bar.sync" in ptx or "barrier.sync" in ptx,
-        "debug_barrier": _barrier_at_line(ptx, "mm_rs.py", barrier_line),
+        "debug_barrier": _barrier_at_line(ptx, "flags.py", barrier_line),
         "cubin_bytes": cubin, "seconds": round(time.time() - t0, 2),
     }
 
@@ -196,7 +196,8 @@ def compile_moe_scatter(dtype: str, block: tuple[int, int, int]) -> dict:
         "count_acq_rel_sys": _scoped(ptx, "atom", ("acq_rel",)),
         "flag_release_sys": _scoped(ptx, "atom", ("release",)),
         "bar_sync": "bar.sync" in ptx or "barrier.sync" in ptx,
-        "debug_barrier": _barrier_at_line(ptx, "moe.py", _source_line(fn, "tl.debug_barrier()")),
+        "debug_barrier": _barrier_at_line(ptx, "flags.py", _source_line(flags.count_and_release,
+                                                                          "tl.debug_barrier()")),
         "cubin_bytes": cubin, "seconds": round(time.time() - t0, 2),
     }
 
