@@ -2,8 +2,9 @@
 ``pytest bench/ --benchmark-only --overlap-emulated 100mbit,2gbit`` (root; skipped otherwise).
 
 One benchmark per rate and problem: its time is the tuner's measured pick (the slowest rank's
-median), and ``extra_info`` carries what the script reports: the exhaustive grid's best, the regret,
-the tuning time against the grid's, the chunks chosen per link class and the model's error.
+median), and ``extra_info`` carries what the script reports: the exhaustive grid's best, the regret
+(duel and grid), the tuning time against the grid's, the chunks chosen per link class and the model's
+error.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def test_tuner_against_grid_on_the_emulated_cluster(benchmark, emulated):
     benchmark.pedantic(one_round, rounds=len(times), iterations=1)
     benchmark.extra_info["problems"] = [
         {"rate": rate, "problem": p["key"], "pick": p["pick"], "grid_best": p["best"], "regret": p["regret"],
+         "regret_grid": p["regret_grid"],
          "tune_share": p["tune_share"], "chunks": p["pick_chunks"], "model_error_pick": p["model_error_pick"]}
         for rate, p in rows
     ]

@@ -230,8 +230,8 @@ def test_config_rejects_bad_values():
         ec.Config(rates=())
 
 
-def _repeat(pick: str, chunks: dict, tune_s: float, grid_s: float, grid: dict[str, float]) -> dict:
-    return {"tune_s": tune_s, "grid_s": grid_s,
+def _repeat(pick: str, chunks: dict, tune_s: float, grid_s: float, grid: dict[str, float], duel=None) -> dict:
+    return {"tune_s": tune_s, "grid_s": grid_s, "best": min(grid, key=grid.get), "duel": duel or {},
             "pick": {"text": pick, "strategy": pick.split("[")[0], "chunks": chunks},
             "pick_measured_s": grid[pick] * 1.1, "pick_predicted_s": grid[pick] * 0.55, "reference_measured_s": 0.0,
             "tuner_trials": [], "grid": {k: {"measured_s": v, "spread_s": 0.0, "error": ""} for k, v in grid.items()}}
@@ -245,14 +245,17 @@ def test_summarize_regret_share_and_error():
            "problems": [{"key": "k", "grid_size": 3, "model_pick": {"text": p4, "chunks": {"network": 4}},
                          "predicted": predicted, "repeats": [
                              _repeat(p4, {"network": 4}, 1.0, 4.0, {ref: 0.040, p1: 0.030, p4: 0.020}),
-                             _repeat(p1, {"network": 1}, 2.0, 4.0, {ref: 0.044, p1: 0.024, p4: 0.020}),
+                             _repeat(p1, {"network": 1}, 2.0, 4.0, {ref: 0.044, p1: 0.024, p4: 0.020},
+                                     duel={ref: 0.043, p1: 0.021, p4: 0.020}),
                              _repeat(p4, {"network": 4}, 1.0, 5.0, {ref: 0.042, p1: 0.032, p4: 0.022}),
                          ]}]}
     s = ec.summarize(raw)
     p = s["problems"][0]
     assert (p["pick"], p["pick_chunks"], p["picks"]) == (p4, {"network": 4}, {p4: 2, p1: 1})
     assert p["best"] == p4 and p["best_s"] == 0.020
-    assert p["regret"]["median"] == 0.0 and math.isclose(p["regret"]["max"], 0.2)  # 0.024 / 0.020 - 1
+    # the duel re-timed p1 against p4 where the tuner missed the grid's best: 0.021 / 0.020 - 1
+    assert p["regret"]["median"] == 0.0 and math.isclose(p["regret"]["max"], 0.05)
+    assert p["regret_grid"]["median"] == 0.0 and math.isclose(p["regret_grid"]["max"], 0.2)  # 0.024 / 0.020 - 1
     assert p["regret_pooled"] == 0.0
     assert p["regret_noise"] == {"median": 0.0, "min": 0.0, "max": 0.0}  # the grid's best is p4 in every repeat
     assert math.isclose(p["tune_share"]["median"], 0.25) and math.isclose(p["tune_share"]["max"], 0.5)
