@@ -20,7 +20,7 @@ in ``err_ptr`` (atomic max) and the host raises `OverlapTimeout` naming that pee
 import triton
 import triton.language as tl
 
-from .flags import wait_flag
+from .flags import matmul_tile, wait_flag
 
 
 @triton.jit
@@ -71,17 +71,7 @@ def all_gather_matmul_kernel(
     # 64-bit row offsets: W*M*N and M*K can pass 2^31 elements at long sequences.
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - kk * BLOCK_K
-        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
-        if UPCAST:  # the interpreter's bf16 dot is wrong (DESIGN.md): compute in fp32 there
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_bk
+    acc = matmul_tile(a_ptrs, b_ptrs, offs_m < M, offs_k, offs_n, N, K, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
 
     # ---- store into this source rank's rows of the output ------------------------------------
     rows = src.to(tl.int64) * M + offs_m

@@ -15,7 +15,6 @@ What this cannot prove: the kernels on a GPU (ordering across GPUs, speed). `ben
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cuda_tools import cuobjdump
 
 from overlap import _C, envs, symm
 from overlap.ops import _common as C
@@ -36,18 +36,6 @@ SOURCE = ROOT / "csrc" / "cuda" / "moe_a2a.cu"
 
 
 # ---- compiled for sm_80 and sm_90a ----------------------------------------------------------------
-
-
-def _cuobjdump() -> str | None:
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    spec = importlib.util.find_spec("triton")  # Triton's wheel carries one
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(location) / "backends" / "nvidia" / "bin" / "cuobjdump"
-        if candidate.exists():
-            return str(candidate)
-    return None
 
 
 def _entries(ptx: str) -> dict[str, str]:
@@ -89,10 +77,10 @@ def test_moe_kernels_compile(tmp_path, arch):
         assert "fma" not in text, f"{name}: a fused multiply-add rounds differently from weighted_sum"
         assert "mul.rn.f32" in text and "add.rn.f32" in text, name
 
-    cuobjdump = _cuobjdump()
-    if cuobjdump is None:
+    tool = cuobjdump()
+    if tool is None:
         return
-    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], check=False, capture_output=True, text=True,
+    sass = subprocess.run([tool, "-sass", str(cubin)], check=False, capture_output=True, text=True,
                           timeout=120)
     assert sass.returncode == 0, sass.stderr
     functions = re.split(r"\n\s*Function : ", sass.stdout)

@@ -5,7 +5,6 @@ Every wait has a short deadline and every child process a join timeout: no test 
 """
 
 import ctypes
-import importlib.util
 import mmap
 import multiprocessing as mp
 import os
@@ -19,6 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from cuda_tools import cuobjdump
 
 from overlap import _C
 
@@ -268,18 +268,6 @@ def test_cuda_calls_fail_clearly_without_a_gpu(shm, name):
         assert _C.cuda_device_count() == 0
 
 
-def _cuobjdump() -> str | None:
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    spec = importlib.util.find_spec("triton")  # Triton's wheel carries one
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(location) / "backends" / "nvidia" / "bin" / "cuobjdump"
-        if candidate.exists():
-            return str(candidate)
-    return None
-
-
 def test_cuda_half_compiles_for_sm90a(tmp_path):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -308,11 +296,11 @@ def test_cuda_half_compiles_for_sm90a(tmp_path):
     )
     assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stderr}"
     assert cubin.stat().st_size > 0
-    cuobjdump = _cuobjdump()
-    if cuobjdump is None:
+    tool = cuobjdump()
+    if tool is None:
         return
     sass = subprocess.run(
-        [cuobjdump, "-sass", str(cubin)],
+        [tool, "-sass", str(cubin)],
         check=False,
         capture_output=True,
         text=True,

@@ -172,8 +172,24 @@ def label_plan(op: str, label: str) -> tuple[str, dict[str, Any]]:
     raise ValueError(f"{op} has no strategy label {label!r}; known: {strategy_labels(op)}")
 
 
+class _CaseNames:
+    """What both kinds of case derive from ``op``, ``shape``, ``dtype`` and ``backward``."""
+
+    @property
+    def mode(self) -> str:
+        return MODES[int(self.backward)]
+
+    @property
+    def name(self) -> str:
+        return f"{self.op} {self.shape} {self.dtype} {self.mode}"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
 @dataclasses.dataclass(frozen=True)
-class Case:
+class Case(_CaseNames):
     """One benchmark case: `op` at per-rank shape ``m x k x n`` (see the module docstring) in
     `dtype` (a name of `DTYPES`), forward only or, with `backward`, forward plus backward."""
 
@@ -207,21 +223,9 @@ class Case:
             raise ValueError(f"backward must be a bool, got {self.backward!r}")
 
     @property
-    def mode(self) -> str:
-        return MODES[int(self.backward)]
-
-    @property
     def shape(self) -> str:
         dims = f"{self.m}x{self.k}x{self.n}"
         return f"{self.preset}/{self.layer}:{dims}" if self.preset else dims
-
-    @property
-    def name(self) -> str:
-        return f"{self.op} {self.shape} {self.dtype} {self.mode}"
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
 
     def flops(self, world_size: int) -> int:
         """Floating-point operations of one call on one rank: ``2*W*m*k*n`` per GEMM, 3 GEMMs in fwd+bwd."""
@@ -298,7 +302,7 @@ MOE_PRESETS: dict[str, tuple[MoEShape, str]] = {
 
 
 @dataclasses.dataclass(frozen=True)
-class MoECase:
+class MoECase(_CaseNames):
     """One MoE benchmark case: the layer of op ``moe`` at `dims` in `dtype` (a name of `DTYPES`),
     forward only or, with `backward`, forward plus backward. `preset` names a `MOE_PRESETS` entry
     (empty for a custom shape); it only labels the case."""
@@ -320,20 +324,8 @@ class MoECase:
             raise ValueError(f"unknown MoE preset {self.preset!r}; known: {tuple(MOE_PRESETS)}")
 
     @property
-    def mode(self) -> str:
-        return MODES[int(self.backward)]
-
-    @property
     def shape(self) -> str:
         return f"{self.preset}:{self.dims.spec}" if self.preset else self.dims.spec
-
-    @property
-    def name(self) -> str:
-        return f"{self.op} {self.shape} {self.dtype} {self.mode}"
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
 
     def flops(self, world_size: int) -> int:
         """Mean floating-point operations of one call per rank (the module docstring): ``4*T*K*H*F``

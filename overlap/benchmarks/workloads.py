@@ -54,6 +54,7 @@ import overlap
 
 from .. import world
 from ..ops import _common
+from ..ops._moe import _prefix
 from ..plan import Plan
 from .cases import AnyCase, Case, MoECase, label_plan
 
@@ -341,14 +342,6 @@ def _moe(case: MoECase, draw: _Draw, info: world.GroupInfo, pg, timeout: float) 
             f"{E * int(per_expert.max()) / mean:.2f} (busiest of {E}), {off_rank / mean:.0%} to other ranks")
     return Workload(layer, inputs, grads[r] if case.backward else None, expected, comm, compute,
                     "(comm alone)" if case.backward else "(all_to_alls alone)", "(GEMMs alone)", comm_bytes, [note])
-
-
-def _prefix(values: list[int]) -> list[int]:
-    out, at = [], 0
-    for v in values:
-        out.append(at)
-        at += v
-    return out
 
 
 def _dense_moe(x: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
