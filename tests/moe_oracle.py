@@ -79,11 +79,17 @@ def dense(xs, idxs, weights, w1, w2, act):
     return outs
 
 
-def expert_terms(x: torch.Tensor, e: torch.Tensor, w1, w2, act) -> torch.Tensor:
+def pointwise_terms(act):
+    """The rounding scale of ``act(h)`` for an elementwise activation of slope <= 1.13 (gelu, relu, silu):
+    its own rounding plus that carried in from ``h``."""
+    return lambda h: act(h).abs() + 1.13 * h.abs()
+
+
+def expert_terms(x: torch.Tensor, e: torch.Tensor, w1, w2, act_terms) -> torch.Tensor:
     """Rounding scale of each element of ``act(x @ w1[e]) @ w2[e]``: the root-sum-square of its terms,
-    counting the rounding carried in from ``h = x @ w1[e]`` (activations here have slope <= 1.13)."""
+    ``act_terms(h)`` giving the rounding scale of each activation (see `pointwise_terms`)."""
     h = torch.bmm(x.unsqueeze(1), w1[e].to(torch.float64)).squeeze(1)
-    a = act(h).abs() + 1.13 * h.abs()
+    a = act_terms(h)
     return torch.bmm((a * a).unsqueeze(1), w2[e].to(torch.float64).square()).squeeze(1).sqrt()
 
 
@@ -144,6 +150,21 @@ def weight_grad_spread(x: torch.Tensor, idx: torch.Tensor, grad: torch.Tensor, t
     return out
 
 
+def router_grad_spread(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, weight_spread: torch.Tensor,
+                       experts: int) -> torch.Tensor:
+    """``[E, H]`` (float64): the rounding spread of the gradient of a router ``logits = x @ router.T`` whose
+    routing weights are the softmax renormalized over each token's chosen experts, given the spread of the
+    routing weights' gradients (`weight_grad_spread`). Over the chosen experts ``w = softmax(logits)``, so
+    ``d w_k / d logit_j = w_k (delta_kj - w_j)``: a token's logit gradient carries ``sum_k |w_k (delta_kj -
+    w_j)| spread_k``, and the router gradient sums those over tokens times ``x`` (a random walk again)."""
+    w = weights.detach().to(torch.float64)
+    T, K = idx.shape
+    jac = (w.unsqueeze(2) * (torch.eye(K, dtype=torch.float64) - w.unsqueeze(1))).abs()  # [T, k, j]
+    per_chosen = (jac * weight_spread.unsqueeze(2)).sum(1)  # [T, j]
+    logit = torch.zeros(T, experts, dtype=torch.float64).scatter_add_(1, idx, per_chosen)
+    return (logit.square().t() @ x.detach().to(torch.float64).square()).sqrt()
+
+
 def check_moe(rank: int, world_size: int, strategy, dtype: torch.dtype, seed: int, cases: list[Case],
               forms: tuple[str, ...] = ("plain", "grouped"), act: str = "gelu") -> list[str]:
     """Every case through the plain ops (dispatch, expert_fn, combine) and the grouped-GEMM ops, forward
@@ -199,8 +220,8 @@ def check_moe(rank: int, world_size: int, strategy, dtype: torch.dtype, seed: in
             y.backward(grads[rank])
             sum((o * g.to(torch.float64)).sum() for o, g in zip(outs, grads, strict=True)).backward()
             close("grad x", x.grad, x64[rank].grad, dtype, ctx)
-            spread = weight_grad_spread(xs[rank], idxs[rank], grads[rank],
-                                        functools.partial(expert_terms, w1=w1, w2=w2, act=activation))
+            terms = functools.partial(expert_terms, w1=w1, w2=w2, act_terms=pointwise_terms(activation))
+            spread = weight_grad_spread(xs[rank], idxs[rank], grads[rank], terms)
             close("grad topk_weights", wt.grad, wt64[rank].grad, dtype, ctx, spread)
             close("grad w1", w1_local.grad, w1_64.grad[rank * L : (rank + 1) * L], dtype, ctx)
             close("grad w2", w2_local.grad, w2_64.grad[rank * L : (rank + 1) * L], dtype, ctx)
