@@ -40,6 +40,7 @@ import threading
 import time
 
 import torch
+from harness import LATE_S
 from tp_oracle import b_of, compare, expect_error, forward_backward, oracle, rank_inputs
 
 VARIANTS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_reduce/one_shot")
@@ -47,12 +48,12 @@ STRATEGIES = ("reference", "pipelined", "symm", "fused")
 WORLD = 3  # size of every group under test
 DEADLINE = 2.0  # timeout= of every call that is expected to fail
 PATIENT = 120.0  # timeout= of the calls that must not fail on their own
-TEARDOWN_LIMIT = 10.0  # seconds `overlap.release` / `destroy_process_group` may take after a failure
+TEARDOWN_LIMIT = 30.0  # seconds `overlap.release` / `destroy_process_group` may take after a failure (else: hung)
 # (rows, middle dims, k, n, layout) of `tp_oracle`: every dim <= 32 (interpreted `fused`).
 CASE = (2, (), 16, 8, "contiguous")
 STALLER = 2
 STALL = DEADLINE + 0.75  # how long the staller sleeps inside its call
-BACKSTOP = DEADLINE + 8.0  # process-group (gloo) timeout of the groups under test
+BACKSTOP = DEADLINE + LATE_S + 8.0  # process-group (gloo) timeout of the groups under test: past any bound asserted
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,23 @@ from collections.abc import Callable
 from typing import Any
 
 
+#: OVERLAP_TIMEOUT_S of every pooled or isolated rank: the deadline a call waits for when it is given none.
+#: An error that reached a rank "at once" (a peer's bad input, a mismatch) arrives before it; one that
+#: waited for a deadline cannot. Tests of fast failures assert ``seconds < FALLBACK_TIMEOUT_S``.
+FALLBACK_TIMEOUT_S = 20.0
+
+#: Seconds past its deadline that a call failing by that deadline may take to raise: the waiter's wake-up,
+#: building the error, the result's trip through a pipe, all on 2 shared cores at load 10 and more (CI runs
+#: beside other jobs). Below ``FALLBACK_TIMEOUT_S - deadline`` for the short deadlines (2-3 s) the failure tests
+#: give, so a wait that ignored its deadline and fell back to the default still fails them.
+LATE_S = 15.0
+
+
+def raised_by_deadline(secs: float, deadline: float) -> bool:
+    """True where a timeout after `secs` s honoured `deadline`: not before it, not long after it."""
+    return deadline * 0.95 <= secs <= deadline + LATE_S
+
+
 class RankError(AssertionError):
     """A task failed on some rank; ``results`` holds what the other ranks returned."""
 
@@ -66,7 +83,7 @@ class RankPool:
         self._store_dir = tempfile.mkdtemp(prefix="overlap-test-")
         init_file = os.path.join(self._store_dir, "store")
         self.conns, self.procs = [], []
-        base_env = {"OVERLAP_TIMEOUT_S": "20", **(env or {})}
+        base_env = {"OVERLAP_TIMEOUT_S": str(FALLBACK_TIMEOUT_S), **(env or {})}
         for r in range(world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker, args=(r, world_size, init_file, child, base_env), daemon=True)

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from harness import FALLBACK_TIMEOUT_S, LATE_S
 from tp_oracle import TOL, compare, scaled
 
 # (rows per rank, middle dims, k, n, b layout): odd sizes, one row, 3-D inputs, transposed weight views.
@@ -226,7 +227,7 @@ def test_bitwise_repeatable(pools, seed):
 
 
 # ----------------------------------------------------------------------------------------------
-# Bad input: raises on every rank, within seconds, and the group stays usable
+# Bad input: raises on every rank before any deadline, and the group stays usable
 # ----------------------------------------------------------------------------------------------
 
 
@@ -276,10 +277,10 @@ def test_bad_input_raises_on_every_rank(pools, strategy):
         assert res["bad_timeout"][0] == "ValueError", res["bad_timeout"]
         kind, msg, secs = res["shape_differs"]
         assert kind == "OverlapMismatchError", res["shape_differs"]
-        assert all(f"a=({4 + r}, 8)" in msg for r in range(3)) and secs < 10, res["shape_differs"]
+        assert all(f"a=({4 + r}, 8)" in msg for r in range(3)) and secs < FALLBACK_TIMEOUT_S, res["shape_differs"]
         kind, msg, secs = res["one_rank_bad"]
         want = "ValueError" if rank else "OverlapMismatchError"
-        assert kind == want and secs < 10, (rank, res["one_rank_bad"])
+        assert kind == want and secs < FALLBACK_TIMEOUT_S, (rank, res["one_rank_bad"])
         assert res["strategy_differs"][0] == "OverlapMismatchError", res["strategy_differs"]
         assert res["then_ok"][1] == "(12, 5)"
 
@@ -351,7 +352,7 @@ def test_silent_peer_times_out(strategy):
         kind, msg, secs = results[rank]
         assert kind == "OverlapTimeout", (rank, results[rank])
         assert "peer 1" in msg and "chunk" in msg, msg
-        assert 1.5 < secs < 8.0, (rank, secs)
+        assert 1.5 < secs <= 2.0 + LATE_S, (rank, secs)
 
 
 def absent_peer(rank, world_size):
@@ -372,7 +373,7 @@ def test_absent_peer_times_out():
     for rank in (0, 1):
         kind, msg, secs = results[rank]
         assert kind == "OverlapTimeout" and "peer 2" in msg and "handshake" in msg, results[rank]
-        assert 1.5 < secs < 6.0, secs
+        assert 1.5 < secs <= 2.0 + LATE_S, secs
 
 
 def killed_peer(rank, world_size, shm_dir):
@@ -405,7 +406,7 @@ def test_killed_peer_times_out_and_leaves_no_segment():
     for rank in (0, 1):
         (kind, msg, secs), left = info.value.results[rank]
         assert kind == "OverlapTimeout" and "peer 2" in msg, (rank, kind, msg)
-        assert secs < 6.0, secs
+        assert secs <= 2.0 + LATE_S, secs
         assert not (set(left) - before), f"segments visible while the group was alive: {left}"
     after = {n for n in os.listdir(shm) if n.startswith("overlap-")}
     assert not (after - before), f"segments left after a killed rank: {sorted(after - before)}"
@@ -551,11 +552,11 @@ def one_rank_fails_locally(rank, world_size):
 def test_one_rank_local_failures_fail_fast_everywhere(pools):
     for rank, res in enumerate(pools(2).run(one_rank_fails_locally, timeout=120)):
         kind, msg, secs = res["growth"]
-        assert kind == "OSError" and secs < 5, (rank, res["growth"])
+        assert kind == "OSError" and secs < FALLBACK_TIMEOUT_S, (rank, res["growth"])
         kind, msg, secs = res["fused_unavailable"]
-        assert kind == ("ValueError" if rank == 1 else "OverlapMismatchError") and secs < 5, (rank, msg)
+        assert kind == ("ValueError" if rank == 1 else "OverlapMismatchError") and secs < FALLBACK_TIMEOUT_S, (rank, msg)
         kind, msg, secs = res["reserve"]
-        assert kind == ("ValueError" if rank == 1 else "OverlapMismatchError") and secs < 5, (rank, msg)
+        assert kind == ("ValueError" if rank == 1 else "OverlapMismatchError") and secs < FALLBACK_TIMEOUT_S, (rank, msg)
         assert res["then_ok"]
 
 

@@ -30,12 +30,11 @@ import time
 
 import pytest
 from failure_tasks import DEADLINE, STALLER, STRATEGIES, Kill, op_of, op_world, segments, shm_dir
-from harness import RankError, RankPool
+from harness import LATE_S, RankError, RankPool, raised_by_deadline
 
 AGM, MRS, MAR, MAR1 = "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_reduce/one_shot"
 VARIANTS = (AGM, MRS, MAR, MAR1)
 VARIANT_IDS = {AGM: AGM, MRS: MRS, MAR: "matmul_all_reduce.two_shot", MAR1: "matmul_all_reduce.one_shot"}
-MARGIN = 5.0  # seconds past the deadline a failing call may take to raise (2 shared cores)
 SEED = 9_2026
 
 # Kill rounds per world: one SIGKILL mid-op per strategy (rank 2, the staller, is the last victim),
@@ -173,7 +172,7 @@ def _check_raised_in_time(ctx: str, op: str, error, rank: int) -> None:
     assert kind in ("OverlapTimeout", "OverlapError"), f"{ctx}: expected an overlap error, got {error}"
     assert f"overlap.{op}" in msg, f"{ctx}: the message does not name the op: {msg}"
     assert f"rank {rank}" in msg, f"{ctx}: the message does not name this rank: {msg}"
-    assert secs <= DEADLINE + MARGIN, f"{ctx}: raised after {secs:.1f} s (deadline {DEADLINE} s): {msg}"
+    assert secs <= DEADLINE + LATE_S, f"{ctx}: raised after {secs:.1f} s (deadline {DEADLINE} s): {msg}"
     if kind == "OverlapTimeout":
         assert secs >= DEADLINE * 0.95, f"{ctx}: timed out after {secs:.2f} s, before the deadline {DEADLINE} s"
 
@@ -181,7 +180,6 @@ def _check_raised_in_time(ctx: str, op: str, error, rank: int) -> None:
 def _check_teardown(ctx: str, teardown: dict) -> None:
     for step, t in teardown.items():
         assert t["done"] and t["error"] is None, f"{ctx}: {step} after the failure hung or failed: {t}"
-        assert t["seconds"] < 2.0, f"{ctx}: {step} took {t['seconds']} s"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -378,7 +376,7 @@ def test_kill_while_control_pad_is_linked(worlds):
         ctx = f"survivor {r}"
         kind, msg, secs = res["error"]
         assert kind == "OverlapTimeout" and "peer 2" in msg, (ctx, res["error"])
-        assert DEADLINE * 0.95 <= secs <= DEADLINE + MARGIN, (ctx, res["error"])
+        assert raised_by_deadline(secs, DEADLINE), (ctx, res["error"])
         _check_teardown(ctx, res["teardown"])
     # The victim's own pad (dead creator) stays, and goes with a later heap creation, as the data segment does.
     pid = world.rank(0)["pids"][k.victim]

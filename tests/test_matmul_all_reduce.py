@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from harness import FALLBACK_TIMEOUT_S, LATE_S
 from tp_oracle import AGM, MAR, MRS, check_op, expect_error, silence
 
 # (M, middle dims, k_local, n, b layout): M not divisible by 2, 3 or 4, M below the world size,
@@ -231,24 +232,24 @@ def test_bad_input_raises_on_every_rank(pools, strategy):
     results = pools(world_size).run(bad_inputs, strategy, timeout=120)
     for rank, res in enumerate(results):
         ctx = f"rank {rank} {strategy}"
-        slow = {key: secs for key, (_, _, secs) in res.items() if secs > 10}
-        assert not slow, f"{ctx}: errors took longer than seconds: {slow}"
+        slow = {key: secs for key, (_, _, secs) in res.items() if secs >= FALLBACK_TIMEOUT_S}
+        assert not slow, f"{ctx}: errors waited for a deadline: {slow}"
         assert res["k_mismatch"][0] == "ValueError" and "k=7" in res["k_mismatch"][1], (ctx, res["k_mismatch"])
         assert res["dtype_mismatch"][0] == "TypeError", (ctx, res["dtype_mismatch"])
         assert res["one_dim"][0] == "ValueError", (ctx, res["one_dim"])
         assert res["bad_timeout"][0] == "ValueError", (ctx, res["bad_timeout"])
         assert res["strategy_contradicts_plan"][0] == "ValueError", (ctx, res["strategy_contradicts_plan"])
         kind, msg, secs = res["shape_differs"]
-        assert kind == "OverlapMismatchError" and secs < 10, (ctx, res["shape_differs"])
+        assert kind == "OverlapMismatchError" and secs < FALLBACK_TIMEOUT_S, (ctx, res["shape_differs"])
         assert all(f"({5 + r}, 8)" in msg for r in range(world_size)), (ctx, msg)
         kind, msg, secs = res["one_shot_differs"]
         if strategy == "reference":  # reference ignores the flag: either agreement or a clear mismatch
-            assert kind in (None, "OverlapMismatchError") and secs < 10, (ctx, res["one_shot_differs"])
+            assert kind in (None, "OverlapMismatchError") and secs < FALLBACK_TIMEOUT_S, (ctx, res["one_shot_differs"])
         else:
-            assert kind == "OverlapMismatchError" and "one_shot" in msg and secs < 10, (ctx, res["one_shot_differs"])
+            assert kind == "OverlapMismatchError" and "one_shot" in msg and secs < FALLBACK_TIMEOUT_S, (ctx, res["one_shot_differs"])
         kind, msg, secs = res["one_rank_bad"]
         want = "ValueError" if rank == 0 else "OverlapMismatchError"
-        assert kind == want and secs < 10, (ctx, res["one_rank_bad"])
+        assert kind == want and secs < FALLBACK_TIMEOUT_S, (ctx, res["one_rank_bad"])
         assert res["then_ok"][1] == "(5, 3)", (ctx, res["then_ok"])
 
 
@@ -272,7 +273,7 @@ def one_shot_elsewhere(rank, world_size):
 def test_one_shot_refused_by_other_ops(pools):
     for rank, res in enumerate(pools(2).run(one_shot_elsewhere)):
         for (op, strategy), (kind, msg, secs) in res.items():
-            assert kind == "ValueError" and "one_shot" in msg and secs < 5, (rank, op, strategy, kind, msg)
+            assert kind == "ValueError" and "one_shot" in msg and secs < FALLBACK_TIMEOUT_S, (rank, op, strategy, kind, msg)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -306,6 +307,6 @@ def test_silent_peer_times_out(plan_kwargs):
         kind, msg, secs = results[rank]
         assert kind == "OverlapTimeout", (rank, plan_kwargs, results[rank])
         assert "matmul_all_reduce" in msg and "chunk" in msg, (rank, plan_kwargs, msg)
-        assert 1.5 < secs < 8.0, (rank, plan_kwargs, secs)
+        assert 1.5 < secs <= 2.0 + LATE_S, (rank, plan_kwargs, secs)
         if plan_kwargs["strategy"] == "symm":  # flags name their producer (a collective cannot)
             assert "peer 1" in msg, (rank, plan_kwargs, msg)

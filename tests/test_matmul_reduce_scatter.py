@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from harness import FALLBACK_TIMEOUT_S, LATE_S
 from tp_oracle import MRS, check_op, expect_error, silence
 
 # (rows per rank of the output, middle dims, k_local, n, b layout): odd sizes, one row per rank,
@@ -156,11 +157,11 @@ def test_bad_input_raises_on_every_rank(pools, strategy):
     results = pools(world_size).run(bad_inputs, strategy, timeout=120)
     for rank, res in enumerate(results):
         ctx = f"rank {rank} {strategy}"
-        slow = {key: secs for key, (_, _, secs) in res.items() if secs > 10}
-        assert not slow, f"{ctx}: errors took longer than seconds: {slow}"
+        slow = {key: secs for key, (_, _, secs) in res.items() if secs >= FALLBACK_TIMEOUT_S}
+        assert not slow, f"{ctx}: errors waited for a deadline: {slow}"
         for key in ("rows_not_divisible", "rows_less_than_world"):
             kind, msg, secs = res[key]
-            assert kind == "ValueError" and secs < 5, (ctx, key, res[key])
+            assert kind == "ValueError" and secs < FALLBACK_TIMEOUT_S, (ctx, key, res[key])
         assert "7" in res["rows_not_divisible"][1], (ctx, res["rows_not_divisible"])  # names the rows
         assert res["k_mismatch"][0] == "ValueError" and "k=7" in res["k_mismatch"][1], (ctx, res["k_mismatch"])
         assert res["dtype_mismatch"][0] == "TypeError", (ctx, res["dtype_mismatch"])
@@ -168,11 +169,11 @@ def test_bad_input_raises_on_every_rank(pools, strategy):
         assert res["one_shot"][0] == "ValueError" and "one_shot" in res["one_shot"][1], (ctx, res["one_shot"])
         assert res["bad_timeout"][0] == "ValueError", (ctx, res["bad_timeout"])
         kind, msg, secs = res["shape_differs"]
-        assert kind == "OverlapMismatchError" and secs < 10, (ctx, res["shape_differs"])
+        assert kind == "OverlapMismatchError" and secs < FALLBACK_TIMEOUT_S, (ctx, res["shape_differs"])
         assert all(f"({8}, {5 + r})" in msg for r in range(world_size)), (ctx, msg)
         kind, msg, secs = res["one_rank_bad"]
         want = "ValueError" if rank == 0 else "OverlapMismatchError"
-        assert kind == want and secs < 10, (ctx, res["one_rank_bad"])
+        assert kind == want and secs < FALLBACK_TIMEOUT_S, (ctx, res["one_rank_bad"])
         assert res["then_ok"][1] == "(2, 5)", (ctx, res["then_ok"])
 
 
@@ -203,7 +204,7 @@ def test_silent_peer_times_out(strategy):
         kind, msg, secs = results[rank]
         assert kind == "OverlapTimeout", (rank, strategy, results[rank])
         assert "matmul_reduce_scatter" in msg and "chunk" in msg, (rank, strategy, msg)
-        assert 1.5 < secs < 8.0, (rank, strategy, secs)
+        assert 1.5 < secs <= 2.0 + LATE_S, (rank, strategy, secs)
     # symm waits on every producer's flags, so every rank names the silent one; in the ring
     # (pipelined) rank 2 receives from rank 1 and names it, rank 0 names the neighbour it waits on.
     for rank in (0, 2) if strategy == "symm" else (2,):
@@ -237,4 +238,4 @@ def test_killed_peer_times_out():
     for rank in (0, 1):
         kind, msg, secs = info.value.results[rank]
         assert kind == "OverlapTimeout" and "peer 2" in msg, (rank, kind, msg)
-        assert secs < 6.0, (rank, secs)
+        assert secs <= 2.0 + LATE_S, (rank, secs)

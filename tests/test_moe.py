@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from harness import RankError, run_isolated
+from harness import FALLBACK_TIMEOUT_S, LATE_S, RankError, run_isolated
 from moe_oracle import Case, check_moe, make_inputs
 
 # (tokens per rank, cycled over ranks), hidden, ffn, experts per rank, top_k, routing
@@ -241,7 +241,7 @@ def bad_input_task(rank, world_size):
             expect(exc_type, fn, text)
         else:
             expect(OverlapMismatchError, fn, "invalid input on rank 1")
-        assert time.monotonic() - start < 10, "a local mistake must fail its peers at once"
+        assert time.monotonic() - start < FALLBACK_TIMEOUT_S, "a local mistake must fail its peers at once"
     # combine: rows or weights that do not match the handle
     x_recv, handle = overlap.moe.dispatch(x, idx, E, strategy="symm")
     wts = torch.rand(5, 2)
@@ -323,7 +323,7 @@ def test_stalled_rank_times_out_naming_it(strategy):
     for rank, res in enumerate(results[:2]):
         name, text, elapsed = res
         assert name == "OverlapTimeout", (rank, res)
-        assert elapsed < DEADLINE + 5, f"rank {rank} took {elapsed:.1f} s past a {DEADLINE} s deadline"
+        assert elapsed <= DEADLINE + LATE_S, f"rank {rank} took {elapsed:.1f} s past a {DEADLINE} s deadline"
         assert "moe.dispatch_grouped_matmul" in text and ("peer 2" in text or "peer any" in text), text
 
 
@@ -336,5 +336,5 @@ def test_killed_rank_fails_survivors_fast(strategy):
         results = exc.results
     for rank in (0, 1):
         name, text, elapsed = results[rank]
-        assert elapsed < DEADLINE + 5, f"rank {rank} took {elapsed:.1f} s after its peer died"
+        assert elapsed <= DEADLINE + LATE_S, f"rank {rank} took {elapsed:.1f} s after its peer died"
         assert "peer 2" in text, text

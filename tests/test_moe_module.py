@@ -23,6 +23,7 @@ import time
 
 import pytest
 import torch
+from harness import FALLBACK_TIMEOUT_S
 from moe_oracle import close, dense, expert_terms, pointwise_terms, router_grad_spread, weight_grad_spread
 from tp_oracle import expect_error
 
@@ -343,14 +344,14 @@ def test_bad_arguments_raise(pools):
     for rank, res in enumerate(results):
         ctx = f"rank {rank}"
         for key in ("experts_not_divisible", "top_k_zero", "top_k_too_big", "activation", "strategy", "hidden"):
-            assert res[key][0] == "ValueError" and res[key][2] < 1, (ctx, key, res[key])
+            assert res[key][0] == "ValueError" and res[key][2] < FALLBACK_TIMEOUT_S, (ctx, key, res[key])
         msg = res["experts_not_divisible"][1]
         assert "num_experts (4)" in msg and "world size (3)" in msg, (ctx, msg)
         assert "gelu" in res["activation"][1] and "silu_glu" in res["activation"][1], (ctx, res["activation"])
         for key in ("x_hidden_on_rank_0", "x_one_dim_on_rank_0"):
             kind, msg, secs = res[key]
             want = "ValueError" if rank == 0 else "OverlapMismatchError"
-            assert kind == want and secs < 10, (ctx, key, res[key])
+            assert kind == want and secs < FALLBACK_TIMEOUT_S, (ctx, key, res[key])
             if rank == 0:
                 assert "[tokens, 8]" in msg, (ctx, key, msg)
         assert res["then_ok"][1] == "(3, 8)", (ctx, res["then_ok"])
