@@ -1,4 +1,4 @@
-"""Shared fixtures: rank pools per world size, and a check that /dev/shm is left clean."""
+"""Shared fixtures: rank pools per world size, a check that /dev/shm is left clean, the hypothesis profile."""
 
 from __future__ import annotations
 
@@ -7,6 +7,13 @@ import random
 
 import pytest
 from harness import RankPool
+from hypothesis import HealthCheck, settings
+
+# No property test depends on the machine's speed: hypothesis's per-example deadline and its "too slow"
+# health check are timings taken during the test, so they are off for every test (a test's own settings
+# inherit this profile).
+settings.register_profile("overlap", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("overlap")
 
 _POOLS: dict[int, RankPool] = {}
 
