@@ -16,7 +16,8 @@ Every wait is bounded: ``OVERLAP_TIMEOUT_S`` and the process group's timeout (``
 ranks, ``--deadline`` per rate in the parent, which kills every rank on any failure.
 
 On the ranks, per rate: a probe (`overlap.tune.probe_cached`, quick unless ``--probe full``, cached
-in a fresh temporary ``OVERLAP_CACHE_DIR`` so no rate reuses another's), a check that the node-local
+in a fresh temporary ``OVERLAP_CACHE_DIR`` so no rate reuses another's; ``--profiles FILE`` gives a
+recorded profile per rate instead, and the model's ranking is then fixed by the inputs), a check that the node-local
 subgroups see ``shm`` links and that a ``symm`` call over shared memory matches ``reference``, then
 per problem and repeat, interleaved: (1) the tuner, `overlap.tune.search.tune` with the probed
 profile (the model's ``--measure`` best plans and ``reference`` measured); (2) the exhaustive grid,
@@ -126,6 +127,9 @@ class Config:
     deadline_s: float = 900.0  # per rate: the ranks are killed past it
     symm_check: bool = True
     verbose: bool = True  # rank 0's progress lines on stderr
+    #: rate -> a recorded `overlap.plan.Profile` (its JSON): that rate's ranks take it instead of probing, so
+    #: the model's ranking, and so the plans the tuner measures, are a function of the inputs alone
+    profiles: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.rates = tuple(self.rates)
@@ -148,6 +152,9 @@ class Config:
         if not self.timeout_s:
             # A full probe ping-pongs 16 MiB messages: at 100 Mbit/s the other ranks wait ~90 s for a pair.
             self.timeout_s = 300.0 if self.probe == "full" else 60.0
+        self.profiles = {rate: dict(profile) for rate, profile in self.profiles.items()}
+        if set(self.profiles) - set(self.rates):
+            raise ValueError(f"profiles for rates {sorted(set(self.profiles) - set(self.rates))} that are not run")
         if self.timeout_s < 0 or self.deadline_s <= 0:
             raise ValueError(f"timeout_s and deadline_s must be > 0, got {self.timeout_s}, {self.deadline_s}")
 
@@ -457,7 +464,7 @@ def _compare(cfg: Config, spec: dict, rank: int, world_size: int) -> dict[str, A
     import torch.distributed as dist
 
     from overlap import world
-    from overlap.plan import Plan, Problem, candidates, predict, rank_candidates, topology_of
+    from overlap.plan import Plan, Problem, Profile, candidates, predict, rank_candidates, topology_of
     from overlap.tune import probe_cached
     from overlap.tune.search import measure, tune
 
@@ -467,8 +474,12 @@ def _compare(cfg: Config, spec: dict, rank: int, world_size: int) -> dict[str, A
     node = _node_check(cfg, info, rank)
     _say(rank, f"node check: {node['symm']} within each node")
     t0 = time.perf_counter()
-    profile = probe_cached(refresh=True, quick=cfg.probe == "quick",
-                           progress=(lambda text: _say(rank, f"probe: {text}")))
+    if spec["rate"] in cfg.profiles:
+        profile = Profile.from_json(cfg.profiles[spec["rate"]])
+        _say(rank, "probe: none, the profile was given")
+    else:
+        profile = probe_cached(refresh=True, quick=cfg.probe == "quick",
+                               progress=(lambda text: _say(rank, f"probe: {text}")))
     probe_s = time.perf_counter() - t0
     net = profile.links.get("network", {}).get("p2p")
     _say(rank, f"probe: {probe_s:.1f} s; network {net.bandwidth_Bps / 1e6:.1f} MB/s, "
@@ -693,6 +704,8 @@ def _parse(argv: list[str] | None) -> tuple[Config, str | None, str | None]:
     ap.add_argument("--timeout", type=float, default=0.0,
                     help="OVERLAP_TIMEOUT_S and the process group timeout (default 60 s, 300 s with --probe full)")
     ap.add_argument("--deadline", type=float, default=900.0, help="seconds per rate before the ranks are killed")
+    ap.add_argument("--profiles", help="a JSON file {rate: profile} (as --json records them under raw.profile): "
+                                       "those rates use it instead of probing")
     ap.add_argument("--json", help="write the raw results and summaries here")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     ap.add_argument("--rank-entry", help=argparse.SUPPRESS)
@@ -700,12 +713,13 @@ def _parse(argv: list[str] | None) -> tuple[Config, str | None, str | None]:
     if args.rank_entry:
         return Config(), None, args.rank_entry
     try:
-        cfg = Config(rates=tuple(args.rate or Config.rates), ranks_per_node=args.ranks_per_node,
+        profiles = json.loads(Path(args.profiles).read_text()) if args.profiles else {}
+        cfg = Config(rates=tuple(args.rate or Config.rates), profiles=profiles, ranks_per_node=args.ranks_per_node,
                      repeats=2 if args.quick and args.repeats == 3 else args.repeats, measure=args.measure,
                      tune_repeats=args.tune_repeats, warmup=args.warmup, probe=args.probe,
                      problems=QUICK_PROBLEMS if args.quick else DEFAULT_PROBLEMS, timeout_s=args.timeout,
                      deadline_s=args.deadline, verbose=not args.quiet)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # json.JSONDecodeError is a ValueError
         ap.error(str(exc))
     return cfg, args.json, None
 
