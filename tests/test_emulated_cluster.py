@@ -50,7 +50,7 @@ SLOW, FAST = "100mbit", "2gbit"
 #: chunking it lets the peer block's GEMM start before the last byte is in, and overlap pays. On the fast
 #: link the local GEMM hides the whole transfer: an extra chunk only adds a message and a GEMM call.
 PROBLEM = {"op": "all_gather_matmul", "m": 512, "k": 512, "n": 3072}
-#: The quick probe's profile of the emulated link at each rate (2 nodes x 1 rank on the 2-core CI VM, quiet),
+#: The quick probe's profile of the emulated link at each rate (2 nodes x 1 rank on the 2-core CI VM, at load 9-15),
 #: recorded with ``sudo .venv/bin/python bench/emulated_cluster.py --quick --ranks-per-node 1 --json out.json``
 #: (each rate's ``raw.profile``). The tests take these instead of probing: a probe taken during a test on a
 #: busy machine measured fp32 GEMMs at 139 then 81 GFLOP/s, and the model's choice followed that noise.
