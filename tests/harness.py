@@ -19,7 +19,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-
 #: OVERLAP_TIMEOUT_S of every pooled or isolated rank: the deadline a call waits for when it is given none.
 #: An error that reached a rank "at once" (a peer's bad input, a mismatch) arrives before it; one that
 #: waited for a deadline cannot. Tests of fast failures assert ``seconds < FALLBACK_TIMEOUT_S``.

@@ -90,11 +90,13 @@ def _our_namespaces(pid: int) -> list[str]:
 @pytest.fixture(scope="module")
 def two_rates(emulation):
     """One run at both rates (2 nodes x 1 rank, 1 repeat, the recorded profiles); the link is gone afterwards."""
-    cfg = ec.Config(rates=(SLOW, FAST), ranks_per_node=1, repeats=1, measure=MEASURE, tune_repeats=2, problems=(PROBLEM,),
-                    symm_check=False, verbose=False, timeout_s=60, deadline_s=240, profiles=PROFILES)
+    cfg = ec.Config(rates=(SLOW, FAST), ranks_per_node=1, repeats=1, measure=MEASURE, tune_repeats=2,
+                    problems=(PROBLEM,), symm_check=False, verbose=False, timeout_s=60, deadline_s=240,
+                    profiles=PROFILES)
     start = time.monotonic()
     results = ec.run(cfg)
-    print(f"\n[emulated cluster] {time.monotonic() - start:.0f} s\n" + ec.format_table([r["summary"] for r in results]))
+    table = ec.format_table([r["summary"] for r in results])
+    print(f"\n[emulated cluster] {time.monotonic() - start:.0f} s\n{table}")
     assert _our_namespaces(os.getpid()) == [], "the run left its namespaces behind"
     return {r["summary"]["rate"]: r for r in results}
 

@@ -244,9 +244,11 @@ def test_bad_input_raises_on_every_rank(pools, strategy):
         assert all(f"({5 + r}, 8)" in msg for r in range(world_size)), (ctx, msg)
         kind, msg, secs = res["one_shot_differs"]
         if strategy == "reference":  # reference ignores the flag: either agreement or a clear mismatch
-            assert kind in (None, "OverlapMismatchError") and secs < FALLBACK_TIMEOUT_S, (ctx, res["one_shot_differs"])
+            assert kind in (None, "OverlapMismatchError") and secs < FALLBACK_TIMEOUT_S, \
+                (ctx, res["one_shot_differs"])
         else:
-            assert kind == "OverlapMismatchError" and "one_shot" in msg and secs < FALLBACK_TIMEOUT_S, (ctx, res["one_shot_differs"])
+            assert kind == "OverlapMismatchError" and "one_shot" in msg and secs < FALLBACK_TIMEOUT_S, \
+                (ctx, res["one_shot_differs"])
         kind, msg, secs = res["one_rank_bad"]
         want = "ValueError" if rank == 0 else "OverlapMismatchError"
         assert kind == want and secs < FALLBACK_TIMEOUT_S, (ctx, res["one_rank_bad"])
@@ -273,7 +275,8 @@ def one_shot_elsewhere(rank, world_size):
 def test_one_shot_refused_by_other_ops(pools):
     for rank, res in enumerate(pools(2).run(one_shot_elsewhere)):
         for (op, strategy), (kind, msg, secs) in res.items():
-            assert kind == "ValueError" and "one_shot" in msg and secs < FALLBACK_TIMEOUT_S, (rank, op, strategy, kind, msg)
+            assert kind == "ValueError" and "one_shot" in msg and secs < FALLBACK_TIMEOUT_S, \
+                (rank, op, strategy, kind, msg)
 
 
 # ----------------------------------------------------------------------------------------------

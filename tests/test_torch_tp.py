@@ -261,7 +261,8 @@ def test_api_and_bad_input(pools, seed):
         ctx = f"rank {rank}"
         assert res["plan_passed"][0] == "ValueError" and "one_shot" in res["plan_passed"][1], (ctx, res)
         kind, msg, secs = res["dtensor_wrong_placement"]
-        assert kind == "ValueError" and "Replicate" in msg and "Shard(dim=0)" in msg and secs < FALLBACK_TIMEOUT_S, (ctx, kind, msg)
+        assert kind == "ValueError" and "Replicate" in msg and "Shard(dim=0)" in msg and secs < FALLBACK_TIMEOUT_S, \
+            (ctx, kind, msg)
         assert res["two_args"][0] == "TypeError", (ctx, res["two_args"])
         assert res["embedding"][0] == "TypeError" and "nn.Linear" in res["embedding"][1], (ctx, res["embedding"])
         assert res["uneven"][0] == "ValueError" and "5 features" in res["uneven"][1], (ctx, res["uneven"])
