@@ -150,10 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before overlap imports its kernels
     ensure_installed(args)  # may re-exec this script
     # overlap, and the sibling modules that import it, only now: after the self-install, with TRITON_INTERPRET set
+    from gpu_check_device import Device
     from gpu_check_dist import run_distributed
     from gpu_check_moe import run_moe_virtual
     from gpu_check_tp import run_tp_virtual
-    from gpu_check_virtual import Device, run_virtual
+    from gpu_check_virtual import run_virtual
 
     from overlap import _C
 

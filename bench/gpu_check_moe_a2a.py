@@ -1,12 +1,12 @@
 """h. overlap._C's MoE all-to-all kernels (csrc/cuda/moe_a2a.cu) on virtual ranks, with the ops' slot layout
-(`gpu_check_moe.MoEGroup`); run by `gpu_check_moe.run_moe_virtual` on GPUs only (the kernels need one)."""
+(`gpu_check_moe_group.MoEGroup`); run by `gpu_check_moe.run_moe_virtual` on GPUs only (the kernels need one)."""
 
 from __future__ import annotations
 
 import torch
 from gpu_check_common import Report
-from gpu_check_moe import Config, MoEGroup, staged_rows
-from gpu_check_virtual import KERNEL_TIMEOUT_NS, Device
+from gpu_check_device import KERNEL_TIMEOUT_NS, Device
+from gpu_check_moe_group import Config, MoEGroup, staged_rows
 
 from overlap import _C
 from overlap.ops import _moe as M

@@ -1,7 +1,9 @@
 """The combine direction of the MoE GPU check (`gpu_check_moe`): the scatter kernel
 (`grouped_matmul_scatter_kernel`, launched as `moe_combine._fused` does) and the sources' collection of
 their rows, ordered (two calls on the same buffers: flags at the epoch, counters back at 0) and racing
-(the sources' bounded waits first, the scatter kernels later).
+(the sources' bounded waits first, the scatter kernels later). The virtual ranks are `gpu_check_moe_group`'s.
+
+Imports overlap: the entry point imports this module only after its self-install.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import time
 
 import torch
 from gpu_check_common import Report, compare, err_text
-from gpu_check_moe import Config, MoEGroup, expert_weights, op_tile, shared_queues
-from gpu_check_virtual import KERNEL_TIMEOUT_NS, Device
+from gpu_check_device import KERNEL_TIMEOUT_NS, Device
+from gpu_check_moe_group import Config, MoEGroup, expert_weights, op_tile, shared_queues
 from overlap.kernels.moe import grouped_matmul_scatter_kernel
 
 from overlap import _C

@@ -1,17 +1,16 @@
-"""One GPU, virtual ranks: the checks a-e and the timings of bench/gpu_check.py (its docstring tells the
-whole story).
+"""One GPU, virtual ranks: the checks a-c and e and the fused all-gather timings of bench/gpu_check.py (its
+docstring tells the whole story); checks d and the signal and copy timings are gpu_check_primitives'.
 
 NCCL refuses two ranks of one communicator on one GPU, so W virtual ranks live in this process, each
 with its own stream, its own symmetric buffer (a plain device tensor) and its own int32 flag word; the
 fused kernel is driven directly with tables of their ``data_ptr()``. On the CPU (``--cpu-smoke``) the
-same checks run under the Triton interpreter at tiny sizes.
+same checks run under the Triton interpreter at tiny sizes. Where the ranks run: gpu_check_device.
 
 Imports overlap: the entry point imports this module only after its self-install.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -20,105 +19,17 @@ import time
 from typing import Any
 
 import torch
-from gpu_check_common import Report, bench_shapes, compare, do_bench, dtype_name, err_text, matmul_tflops, poll
+from gpu_check_common import Report, bench_shapes, compare, do_bench, dtype_name, err_text, matmul_tflops
+from gpu_check_device import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device, Tile
+from gpu_check_primitives import check_flag_wait_kernel, check_stream_wait, time_copy, time_signals
 from overlap.kernels.ag_matmul import all_gather_matmul_kernel as KERNEL
 
 from overlap import _C
 from overlap.ops import _common as common
 
-KERNEL_TIMEOUT_NS = 10_000_000_000  # in-kernel waits of the checks that must not time out
-SETTLE_TIMEOUT_S = 30.0  # host deadline for a device queue to drain
-SHORT_TIMEOUT_NS = 200_000_000  # the waits that are meant to time out (checks c and d)
-RELEASE_VALUE = 1 << 30  # what a watchdog writes into flags to release stuck waits
-
-
 # ==============================================================================================
-# Virtual ranks on one device
+# Virtual ranks of the all-gather kernel
 # ==============================================================================================
-
-
-@dataclasses.dataclass(frozen=True)
-class Tile:
-    """A tile configuration of the fused kernel (num_warps/num_stages only matter on GPUs)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def describe(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
-
-
-class Device:
-    """Where the virtual ranks run: a GPU (streams, stream-ordered flags) or the CPU (interpreter)."""
-
-    def __init__(self, device: torch.device, report: Report):
-        self.device, self.report = device, report
-        self.cuda = device.type == "cuda"
-        self.streams: list[torch.cuda.Stream] = []  # every stream made here, drained by settle()
-        self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count if self.cuda else 0
-        # `_fused`'s default tiles: 128x128x64 for 16-bit types on GPUs (Triton's default warps and
-        # stages), 32x32x32 interpreted.
-        self.tile = Tile(128, 128, 64) if self.cuda else Tile(32, 32, 32)
-        self._delay_words = torch.zeros(2, dtype=torch.int32, device=device)
-
-    def stream(self) -> torch.cuda.Stream | None:
-        """A new stream (None on the CPU). torch hands streams out round robin from a pool of 32 per
-        priority, so the few streams one check makes are distinct (`distinct` asserts it)."""
-        if not self.cuda:
-            return None
-        s = torch.cuda.Stream(device=self.device)
-        self.streams.append(s)
-        return s
-
-    @staticmethod
-    def distinct(streams: list[torch.cuda.Stream | None]) -> None:
-        handles = [s.cuda_stream for s in streams if s is not None]
-        assert len(set(handles)) == len(handles), f"streams shared between virtual ranks: {handles}"
-
-    def on(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-    def publish(self, flag: torch.Tensor, value: int, stream: torch.cuda.Stream | None) -> None:
-        """Release-store `value` into a flag word: stream-ordered on a GPU, at once on the CPU."""
-        if self.cuda:
-            _C.cuda_stream_write_value32(flag.data_ptr(), value, stream.cuda_stream)
-        else:
-            _C.signal_store(flag.data_ptr(), value)
-
-    def delay(self, stream: torch.cuda.Stream, ns: int) -> None:
-        """Hold `stream` for about `ns`: overlap._C's one-thread bounded wait on a flag nobody sets."""
-        w = self._delay_words
-        _C.cuda_wait_flag_bounded(w[0].data_ptr(), 1, ns, w[1].data_ptr(), stream.cuda_stream)
-
-    def settle(self, streams: list[torch.cuda.Stream | None], flags: list[torch.Tensor], what: str) -> None:
-        """Wait (bounded) until `streams` drain. If they do not, write every flag in `flags` from a
-        watchdog stream to release stream-ordered waits, wait again, and raise either way."""
-        if not self.cuda:
-            return
-        events = []
-        for s in [*[s for s in streams if s is not None], torch.cuda.current_stream(self.device)]:
-            ev = torch.cuda.Event()
-            ev.record(s)
-            events.append(ev)
-        if poll(events, SETTLE_TIMEOUT_S):
-            return
-        # High priority: another pool than the streams made here, so never one of the stuck streams.
-        watchdog = torch.cuda.Stream(device=self.device, priority=-1)
-        for f in flags:
-            _C.cuda_stream_write_value32(f.data_ptr(), RELEASE_VALUE, watchdog.cuda_stream)
-        if not poll(events, SETTLE_TIMEOUT_S):
-            self.report.stuck = what
-            raise RuntimeError(f"{what}: the device did not drain within {2 * SETTLE_TIMEOUT_S:.0f} s even after "
-                               "a watchdog released the flags; later GPU sections are skipped")
-        raise RuntimeError(f"{what}: the device drained only after a watchdog released the flags "
-                           f"({SETTLE_TIMEOUT_S:.0f} s deadline)")
-
-    def idle(self, what: str) -> None:
-        """Bounded wait for everything this check enqueued, on every stream made here."""
-        self.settle(self.streams, [], what)
 
 
 @dataclasses.dataclass
@@ -228,8 +139,9 @@ def judge(rep: Report, name: str, consumers: list[Consumer], ref: torch.Tensor, 
     value = err_text(worst_err, worst_rel) + (f"; {note}" if note else "")
     rep.add(name, "FAIL" if problems else "PASS", "; ".join(problems) or value, max_err=worst_err, rel=worst_rel)
 
+
 # ==============================================================================================
-# Checks a-e
+# Checks a-c and e
 # ==============================================================================================
 
 
@@ -357,55 +269,6 @@ def check_timeout(rep: Report, dev: Device, dtype: torch.dtype) -> None:
     rep.add(name, "FAIL" if problems else "PASS", "; ".join(problems) or value, waited_s=waited)
 
 
-def check_flag_wait_kernel(rep: Report, dev: Device) -> None:
-    """d. overlap._C.cuda_wait_flag_bounded: times out and sets *err = 1; returns early once flagged."""
-    words = torch.zeros(8, dtype=torch.int32, device=dev.device)  # [0] flag, [1] err; [2] flag, [3] err
-    s, s2, other = dev.stream(), dev.stream(), dev.stream()
-    dev.idle("d setup")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record(s)
-    _C.cuda_wait_flag_bounded(words[0].data_ptr(), 1, SHORT_TIMEOUT_NS, words[1].data_ptr(), s.cuda_stream)
-    end.record(s)
-    # Release path, concurrently on another stream: flagged 5 ms later from a third stream.
-    start2, end2 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start2.record(s2)
-    _C.cuda_wait_flag_bounded(words[2].data_ptr(), 5, KERNEL_TIMEOUT_NS, words[3].data_ptr(), s2.cuda_stream)
-    end2.record(s2)
-    dev.delay(other, 5_000_000)
-    dev.publish(words[2], 5, other)
-    dev.settle([s, s2, other], [words[0], words[2]], "d.flag-wait")
-    waited, released = start.elapsed_time(end) / 1e3, start2.elapsed_time(end2) / 1e3
-    w = words.tolist()
-    problems = []
-    if w[1] != 1 or not 0.1 <= waited <= 2.0:
-        problems.append(f"timeout path: err={w[1]} (expected 1) after {waited:.3f} s (expected ~0.2)")
-    if w[3] != 0 or not 0.002 <= released <= 1.0:
-        problems.append(f"release path: err={w[3]} (expected 0) after {released:.4f} s (expected ~0.005)")
-    value = f"bounded wait fired after {waited:.3f} s (err=1); released after {released * 1e3:.1f} ms"
-    rep.add("d.cuda_wait_flag_bounded", "FAIL" if problems else "PASS", "; ".join(problems) or value)
-
-
-def check_stream_wait(rep: Report, dev: Device) -> None:
-    """d. cuda_stream_wait_value32 holds its stream until cuda_stream_write_value32 from another stream."""
-    words = torch.zeros(4, dtype=torch.int32, device=dev.device)  # [0] flag, [1] marker
-    a, b = dev.stream(), dev.stream()
-    dev.idle("d setup")
-    _C.cuda_stream_wait_value32(words[0].data_ptr(), 3, a.cuda_stream)
-    dev.publish(words[1], 9, a)  # runs only once the wait is released
-    done = torch.cuda.Event()
-    done.record(a)
-    time.sleep(0.05)
-    held = not done.query()
-    dev.publish(words[0], 3, b)
-    dev.settle([a, b], [words[0]], "d.stream-wait")
-    marker = int(words[1].item())
-    problems = [] if held else ["the stream was not held by the wait"]
-    if marker != 9:
-        problems.append(f"marker {marker} after the release, expected 9")
-    rep.add("d.cuda_stream_wait_value32", "FAIL" if problems else "PASS",
-            "; ".join(problems) or "held 50 ms, released by a write from another stream")
-
-
 def check_symm_pipeline(rep: Report, dev: Device, world_size: int, shape: tuple[int, int, int],
                         dtype: torch.dtype, num_chunks: int = 2) -> None:
     """e. The ``symm`` strategy's GPU pipeline (`_symm_cuda`) on virtual ranks.
@@ -457,6 +320,7 @@ def check_symm_pipeline(rep: Report, dev: Device, world_size: int, shape: tuple[
 
 TILES = (Tile(128, 128, 64, 4, 3), Tile(128, 128, 64, 8, 3), Tile(128, 256, 64, 8, 3), Tile(256, 128, 64, 8, 3))
 
+
 def time_fused_vs_cublas(rep: Report, dev: Device, label: str, world_size: int, m: int, k: int, n: int) -> None:
     """The fused kernel with every flag pre-set vs torch.matmul (cuBLAS) on the gathered tensor, bf16."""
     dtype, epoch = torch.bfloat16, 3
@@ -500,51 +364,6 @@ def time_fused_vs_cublas(rep: Report, dev: Device, label: str, world_size: int, 
     t, tile = best
     rep.add(f"time fused {label} {rows}x{k}x{n}", "PASS", f"{t:.3f} ms [{tile.describe()}]",
             tflops=matmul_tflops(rows, n, k, t), ratio=t_cublas / t, ms=t, cublas_ms=t_cublas, tiles=per_tile)
-
-
-def time_signals(rep: Report, dev: Device, pairs: int = 200) -> None:
-    """Cost of stream-ordered signals: ping-pong between two streams, and write+wait pairs on one.
-
-    Each stream is first held by a bounded gate kernel so that every op is enqueued before the
-    device starts on them (host enqueue is slower than the device); the gate opens from a third stream.
-    """
-    for kind in ("ping-pong", "same-stream"):
-        words = torch.zeros(8, dtype=torch.int32, device=dev.device)  # [0] gate [1] gate err [2] fa [3] fb
-        a, b, opener = dev.stream(), dev.stream(), dev.stream()
-        dev.idle("signal setup")
-        _C.cuda_wait_flag_bounded(words[0].data_ptr(), 1, 5_000_000_000, words[1].data_ptr(), a.cuda_stream)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(a)
-        fa, fb = words[2].data_ptr(), words[3].data_ptr()
-        for i in range(1, pairs + 1):
-            if kind == "ping-pong":  # a -> b -> a: one round trip is two signals
-                _C.cuda_stream_write_value32(fa, i, a.cuda_stream)
-                _C.cuda_stream_wait_value32(fa, i, b.cuda_stream)
-                _C.cuda_stream_write_value32(fb, i, b.cuda_stream)
-                _C.cuda_stream_wait_value32(fb, i, a.cuda_stream)
-            else:
-                _C.cuda_stream_write_value32(fa, i, a.cuda_stream)
-                _C.cuda_stream_wait_value32(fa, i, a.cuda_stream)
-        end.record(a)
-        _C.cuda_stream_write_value32(words[0].data_ptr(), 1, opener.cuda_stream)
-        dev.settle([a, b, opener], [words[2], words[3]], f"time.signal {kind}")
-        per_us = start.elapsed_time(end) * 1e3 / pairs / (2 if kind == "ping-pong" else 1)
-        gate_timed_out = int(words[1].item()) != 0
-        what = "per signal (write on one stream -> wait released on the other)" if kind == "ping-pong" \
-            else "per write+wait pair on one stream"
-        note = "; gate timed out, enqueue-bound" if gate_timed_out else ""
-        rep.add(f"time signal {kind}", "PASS", f"{per_us:.2f} us {what}{note}", us=per_us)
-
-
-def time_copy(rep: Report, dev: Device, nbytes: int = 1 << 30) -> None:
-    """Device-to-device copy (cudaMemcpyAsync via copy_) bandwidth, bytes read plus bytes written."""
-    src = torch.randn(nbytes // 2, device=dev.device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    t = do_bench(lambda: dst.copy_(src))
-    same = bool(torch.equal(dst, src))
-    gbps = 2 * nbytes / (t * 1e-3) / 1e9
-    rep.add(f"time d2d copy {nbytes >> 20} MiB", "PASS" if same else "FAIL",
-            f"{t:.3f} ms, {gbps:.0f} GB/s read+written" + ("" if same else "; copy wrong"), gbps=gbps, ms=t)
 
 
 # ==============================================================================================

@@ -1,0 +1,295 @@
+"""The virtual tensor-parallel ranks of the one-GPU check (`gpu_check_tp`): the heap layouts of the fused
+reduce-scatter strategies, the launches of their kernels (`overlap.kernels.mm_rs`: `matmul_scatter_kernel`,
+then `reduce_chunks_kernel`, with the arguments of `scatter_and_reduce` and `reduce_sources`) and the judges
+of a call's results (float64 sums with a rounding bound, the protocol state a call leaves behind).
+
+As in gpu_check_virtual: W virtual ranks in one process, each with its own stream, its own symmetric
+slot (a plain device tensor, NaN until written), its own flag pad (int32 ``[MAX_FLAGS]`` starting at the
+previous call's epoch) and its own chunk counters; the address tables are int64 tensors laid out as the
+op lays out its heap. Layouts (`Layout.kind`):
+
+* ``rs``: `matmul_reduce_scatter`'s fused strategy. ``a`` has ``W * m`` rows; rank ``r`` stores block
+  ``d`` of its partial into region ``r`` of ``d``'s slot and flags ``d * F + chunk`` in its own pad
+  (``F = MAX_FLAGS // W``); rank ``d`` sums its ``W`` regions in rank order.
+* ``ar2``: the reduce-scatter half of `matmul_all_reduce`'s two-shot fused strategy: any row count,
+  blocks of ``ceil(M / W)`` rows (the last ones short or empty), ``F = MAX_FLAGS // (W + 1)``.
+* ``ar1``: the one-shot all-reduce: one destination (the rank's own slot), flags ``0 .. nch-1``; every
+  rank sums every rank's slot.
+
+Imports overlap: the entry point imports this module only after its self-install.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+import torch
+from gpu_check_common import (
+    BLOCK_RTOL,
+    FP32_ACCUMULATE,
+    TF32_BLOCK_RTOL,
+    TF32_ROUNDOFF,
+    UNIT_ROUNDOFF,
+    compare_bound,
+)
+from gpu_check_device import Device
+from overlap.kernels.mm_rs import matmul_scatter_kernel, reduce_chunks_kernel
+
+from overlap import symm
+from overlap.ops import _common as common
+from overlap.ops.matmul_reduce_scatter import region_bytes
+
+KINDS = {"rs": "reduce-scatter", "ar2": "all-reduce two-shot (its reduce-scatter)", "ar1": "all-reduce one-shot"}
+
+
+# ==============================================================================================
+# Virtual ranks with the heap layout of the fused strategies
+# ==============================================================================================
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a call's partials go: see the module docstring. ``rows`` is dim 0 of every rank's ``a``."""
+
+    kind: str
+    world_size: int
+    rows: int
+
+    @property
+    def num_dest(self) -> int:
+        return 1 if self.kind == "ar1" else self.world_size
+
+    @property
+    def block_rows(self) -> int:
+        return self.rows if self.kind == "ar1" else common.cdiv(self.rows, self.world_size)
+
+    @property
+    def flag_stride(self) -> int:
+        """Flags per destination in a producer's pad (0: one destination)."""
+        return {"rs": symm.MAX_FLAGS // self.world_size, "ar2": symm.MAX_FLAGS // (self.world_size + 1),
+                "ar1": 0}[self.kind]
+
+    @property
+    def max_chunks(self) -> int:
+        return symm.MAX_FLAGS if self.kind == "ar1" else self.flag_stride
+
+    def flag_index(self, rank: int) -> int:
+        """First ready flag (in every producer's pad) that rank `rank`'s reduction waits on."""
+        return rank * self.flag_stride
+
+    def block(self, rank: int) -> tuple[int, int]:
+        """Rows of the result rank `rank` reduces."""
+        if self.kind == "ar1":
+            return 0, self.rows
+        mb = self.block_rows
+        return min(rank * mb, self.rows), min((rank + 1) * mb, self.rows)
+
+
+@dataclasses.dataclass
+class TPGroup:
+    """W virtual ranks: inputs, slots, flag pads, counters, address tables, outputs, one stream each.
+
+    Shape legend: every rank's ``a`` is ``[rows, k]``, its ``b`` ``[k, n]``; a slot holds `regions` regions
+    of ``[block_rows, n]``, each `rb` bytes (16-byte aligned, `region_bytes`)."""
+
+    dev: Device
+    lay: Layout
+    dtype: torch.dtype
+    b_layout: str
+    a: list[torch.Tensor]
+    b: list[torch.Tensor]
+    slots: list[torch.Tensor]  # uint8 [regions * rb]
+    flags: list[torch.Tensor]  # int32 [MAX_FLAGS]
+    counters: list[torch.Tensor]  # int32 [num_dest * nch]
+    outs: list[torch.Tensor]  # [rows of block r, n], NaN-poisoned
+    errs: list[torch.Tensor]  # int32 [1]: src + 1 of a wait that timed out
+    aborts: list[torch.Tensor]  # int32 [1]: the interpreter's abort word
+    dst_tables: list[torch.Tensor]  # int64 [num_dest]: where rank r's block d goes
+    src_tables: list[torch.Tensor]  # int64 [W]: what rank r's reduction sums
+    flag_base: torch.Tensor  # int64 [W]: every rank's pad (the producers' flag table)
+    reduce_flags: list[torch.Tensor]  # int64 [W]: every pad + rank r's first flag
+    streams: list[torch.cuda.Stream | None]
+    tile: tuple[int, int, int]
+    nch: int
+    rb: int
+
+    @classmethod
+    def create(cls, dev: Device, lay: Layout, k: int, n: int, dtype: torch.dtype, num_chunks: int, stale: int,
+               b_layout: str = "w.t()") -> TPGroup:
+        d, W = dev.device, lay.world_size
+        interpreted = not dev.cuda
+        tile = common.fused_tiles(0, 0, 0, interpreted, dtype)  # the op's default tiles
+        # The chunk count of `scatter_and_reduce`: the plan's, at most the flags and the row tiles.
+        nch = max(1, min(num_chunks, lay.max_chunks, common.cdiv(lay.block_rows, tile[0])))
+        rb = region_bytes(lay.block_rows, n, dtype)
+        regions = 1 if lay.kind == "ar1" else W
+        slots = [torch.empty(regions * rb, dtype=torch.uint8, device=d) for _ in range(W)]
+        for s in slots:
+            assert s.data_ptr() % 16 == 0, "the kernels assume 16-byte aligned slots"
+            s.view(dtype).fill_(math.nan)
+        flags = [torch.full((symm.MAX_FLAGS,), stale, dtype=torch.int32, device=d) for _ in range(W)]
+        addr = [s.data_ptr() for s in slots]
+        if lay.kind == "ar1":
+            dst = [[addr[r]] for r in range(W)]
+            src = [addr for _ in range(W)]
+        else:
+            dst = [[addr[q] + r * rb for q in range(W)] for r in range(W)]
+            src = [[addr[r] + s * rb for s in range(W)] for r in range(W)]
+
+        def table(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=d)
+
+        g = cls(
+            dev=dev, lay=lay, dtype=dtype, b_layout=b_layout, a=[], b=[], slots=slots, flags=flags,
+            counters=[torch.zeros(lay.num_dest * nch, dtype=torch.int32, device=d) for _ in range(W)],
+            outs=[], errs=[torch.zeros(1, dtype=torch.int32, device=d) for _ in range(W)],
+            aborts=[torch.zeros(1, dtype=torch.int32, device=d) for _ in range(W)],
+            dst_tables=[table(x) for x in dst], src_tables=[table(x) for x in src],
+            flag_base=table([f.data_ptr() for f in flags]),
+            reduce_flags=[table([f.data_ptr() + 4 * lay.flag_index(r) for f in flags]) for r in range(W)],
+            streams=[dev.stream() for _ in range(W)], tile=tile, nch=nch, rb=rb,
+        )
+        g.new_inputs(k, n)
+        return g
+
+    def new_inputs(self, k: int, n: int) -> None:
+        """Fresh random ``a``, ``b`` on every rank, poisoned outputs, cleared error words."""
+        d, dtype = self.dev.device, self.dtype
+        self.a = [torch.randn(self.lay.rows, k, device=d, dtype=dtype) / math.sqrt(k)
+                  for _ in range(self.lay.world_size)]
+        self.b = [torch.randn(n, k, device=d, dtype=dtype).t() if self.b_layout == "w.t()"
+                  else torch.randn(k, n, device=d, dtype=dtype) for _ in range(self.lay.world_size)]
+        self.outs = []
+        for r in range(self.lay.world_size):
+            lo, hi = self.lay.block(r)
+            self.outs.append(torch.full((hi - lo, n), math.nan, device=d, dtype=dtype))
+        for e in self.errs:
+            e.zero_()
+        self.dev.idle("new inputs")  # the streams below must see these writes
+
+    @property
+    def world_size(self) -> int:
+        return self.lay.world_size
+
+    @property
+    def n(self) -> int:
+        return self.b[0].shape[1]
+
+    def region(self, owner: int, writer: int) -> torch.Tensor:
+        """The ``[block_rows, n]`` region of `owner`'s slot that `writer`'s partial goes to."""
+        start = 0 if self.lay.kind == "ar1" else writer * self.rb
+        nbytes = self.lay.block_rows * self.n * self.a[0].element_size()
+        return self.slots[owner][start : start + nbytes].view(self.dtype).view(self.lay.block_rows, self.n)
+
+    def flag_words(self, producer: int) -> list[int]:
+        """Indices of the ready flags in `producer`'s pad that this call's reductions wait on."""
+        per_dest = range(self.nch)
+        if self.lay.kind == "ar1":
+            return list(per_dest)
+        return [self.lay.flag_index(q) + c for q in range(self.world_size) for c in per_dest]
+
+    def all_flag_words(self) -> list[torch.Tensor]:
+        """One-word views of every awaited flag (what a settle watchdog writes to release waits)."""
+        return [self.flags[p][i : i + 1] for p in range(self.world_size) for i in self.flag_words(p)]
+
+    def exact(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank `rank`'s result in float64 and its rounding bound: every partial rounded once when stored,
+        added in float32 (``W`` roundings at most) and rounded once more when the sum is stored, each GEMM
+        accumulated in float32 (twice the textbook bound: tensor cores may truncate), TF32 inputs where a
+        GPU runs a fp32 dot. A partial that is missing, stale or added twice is off by a whole term."""
+        lo, hi = self.lay.block(rank)
+        parts = [a[lo:hi].double() @ b.double() for a, b in zip(self.a, self.b, strict=True)]
+        total = sum(parts)
+        terms = sum(a[lo:hi].double().abs() @ b.double().abs() for a, b in zip(self.a, self.b, strict=True))
+        u = UNIT_ROUNDOFF[self.dtype]
+        if not self.dev.cuda and self.dtype == torch.bfloat16:
+            u *= 2  # Triton 3.9's interpreter truncates fp32 -> bf16 (`.to`): up to one ulp, not half
+        k = self.a[0].shape[1]
+        per_term = 2 * (k + 2) * FP32_ACCUMULATE + (2.5 * TF32_ROUNDOFF if self.tf32 else 0.0)
+        partials = sum(p.abs() for p in parts)
+        bound = (u + self.world_size * FP32_ACCUMULATE) * partials + u * total.abs() + per_term * terms
+        return total, bound * 1.01 + 1e-30
+
+    @property
+    def tf32(self) -> bool:
+        return self.dev.cuda and self.dtype == torch.float32
+
+    def block_rtol(self) -> float:
+        return TF32_BLOCK_RTOL if self.tf32 else BLOCK_RTOL[self.dtype]
+
+
+def scatter_grid(g: TPGroup) -> int:
+    bm, bn, _ = g.tile
+    return g.lay.num_dest * common.cdiv(g.lay.block_rows, bm) * common.cdiv(g.n, bn)
+
+
+def reduce_grid(g: TPGroup) -> int:
+    bm, bn, _ = g.tile
+    return common.cdiv(g.lay.block_rows, bm) * common.cdiv(g.n, bn)
+
+
+def launch_scatter(g: TPGroup, rank: int, epoch: int) -> None:
+    """Rank `rank`'s producer kernel on the current stream, with the arguments `scatter_and_reduce` passes."""
+    a2, b, lay = g.a[rank], g.b[rank], g.lay
+    bm, bn, bk = g.tile
+    matmul_scatter_kernel[(scatter_grid(g),)](
+        a2, b,
+        g.dst_tables[rank], g.counters[rank], g.flag_base, lay.flag_stride,
+        epoch, rank,
+        a2.shape[0], g.n, a2.shape[1], lay.block_rows, lay.num_dest, g.nch,
+        a2.stride(0),
+        b.stride(0), b.stride(1),
+        g.n,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+        UPCAST=not g.dev.cuda and a2.dtype == torch.bfloat16,
+    )
+
+
+def launch_reduce(g: TPGroup, rank: int, epoch: int, timeout_ns: int, watchdog: bool = True) -> None:
+    """Rank `rank`'s reduction kernel on the current stream, with the arguments `reduce_sources` passes.
+
+    Interpreted, its spins end when the abort word is set: a watchdog sets it after `timeout_ns` (as
+    `reduce_sources` does), unless the caller bounds the launch itself (`watchdog=False`)."""
+    out = g.outs[rank]
+    bm, bn, _ = g.tile
+    guard = common.Watchdog(g.aborts[rank], timeout_ns / 1e9) if watchdog and not g.dev.cuda \
+        else contextlib.nullcontext()
+    with guard:
+        reduce_chunks_kernel[(reduce_grid(g),)](
+            out, g.src_tables[rank], g.reduce_flags[rank],
+            epoch, g.aborts[rank], g.errs[rank], timeout_ns,
+            out.shape[0], g.n, g.lay.block_rows, g.world_size, g.nch,
+            g.n,
+            out.stride(0), out.stride(1),
+            BLOCK_M=bm, BLOCK_N=bn, INTERPRETED=not g.dev.cuda,
+        )
+
+
+def judge_outputs(g: TPGroup, problems: list[str]) -> tuple[float, float]:
+    """Every rank's output against its float64 sum, and its error word (0); (worst error, worst block)."""
+    worst_err, worst_rel = 0.0, 0.0
+    for r, out in enumerate(g.outs):
+        exact, bound = g.exact(r)
+        ok, max_err, rel = compare_bound(out, exact, bound, g.block_rtol())
+        if not math.isfinite(max_err):
+            max_err, rel = math.inf, math.inf  # NaN left in the output: a tile was never written
+        worst_err, worst_rel = max(worst_err, max_err), max(worst_rel, rel)
+        if not ok:
+            over = "" if not math.isfinite(max_err) else f", {int((out.double() - exact).abs().gt(bound).sum())} " \
+                                                          "elements past the rounding bound"
+            problems.append(f"rank {r}: output off (max {max_err:.1e}, worst 64x64 block rel {rel:.1e}{over})")
+        if int(g.errs[r].item()) != 0:
+            problems.append(f"rank {r}: err word {int(g.errs[r].item())}, expected 0")
+    return worst_err, worst_rel
+
+
+def check_protocol_state(g: TPGroup, epoch: int, problems: list[str]) -> None:
+    """After a call: every chunk counter back at 0 (the next call reuses them), every awaited flag at `epoch`."""
+    for r in range(g.world_size):
+        if int(g.counters[r].abs().sum()):
+            problems.append(f"rank {r}: chunk counters not reset: {g.counters[r].tolist()}")
+        got = g.flags[r][g.flag_words(r)]
+        if not bool((got == epoch).all()):
+            problems.append(f"rank {r}: ready flags {got.tolist()}, expected all {epoch}")
