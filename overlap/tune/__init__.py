@@ -7,8 +7,9 @@ that write plan files live beside it (DESIGN.md, "tuning" layer).
 
 from __future__ import annotations
 
+from .cache import cache_dir, cache_path, load_cached, save_cached
 from .fits import fit_gemm, fit_line, fit_link, format_profile
-from .probe import cache_dir, cache_path, load_cached, probe, probe_cached, save_cached
+from .probe import probe, probe_cached
 
 __all__ = [
     "cache_dir",

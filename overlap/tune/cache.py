@@ -1,0 +1,81 @@
+"""The machine-profile cache: one JSON file per machine configuration (`cache_path`) under
+``OVERLAP_CACHE_DIR``, else ``~/.cache/overlap``; reading it (`load_cached`) and writing it on rank 0,
+atomically (`save_cached`). Local: no communication beyond `world.group_info` (`probe_cached`, in
+`overlap.tune.probe`, is the collective that hands rank 0's file to every rank).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .. import envs, world
+from ..plan import Profile
+from ..planfile import write_atomic
+from ..world import LINK_CLASSES, GroupInfo
+from .probe_steps import device_name
+
+log = logging.getLogger("overlap")
+
+
+def cache_dir() -> Path:
+    """``OVERLAP_CACHE_DIR`` if set, else ``~/.cache/overlap`` (`overlap.envs.cache_dir`)."""
+    return Path(envs.cache_dir())
+
+
+def _info(group: GroupInfo | dist.ProcessGroup | None, timeout: float | None = None) -> GroupInfo:
+    return group if isinstance(group, GroupInfo) else world.group_info(group, timeout)
+
+
+def cache_path(info: GroupInfo | dist.ProcessGroup | None = None, *, quick: bool = False) -> Path:
+    """The profile file of this machine for a group: `cache_dir` / ``profile-HOST-DEVICE-wW-LINKS.json``.
+
+    HOST is this machine's hostname, DEVICE ``cpu-tN`` (N torch threads per rank: GEMM rates depend
+    on it) or the GPU's name, W the group's world size, LINKS the link classes this rank sees to its
+    peers (``none`` for one rank); quick probes go to their own ``-quick`` file. `info` is the
+    group's `GroupInfo`, or a group (then `world.group_info`, a collective on a group's first use).
+    """
+    info = _info(info)
+    device = device_name(info.device) if info.device.type == "cuda" else f"cpu-t{torch.get_num_threads()}"
+    present = set(info.link_classes().values())
+    links = "+".join(c for c in LINK_CLASSES if c in present) or "none"
+    name = f"profile-{socket.gethostname()}-{device}-w{info.world_size}-{links}{'-quick' if quick else ''}"
+    return cache_dir() / (re.sub(r"[^A-Za-z0-9._+-]+", "_", name) + ".json")
+
+
+def _read(path: Path) -> Profile | None:
+    try:
+        return Profile.from_json(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("overlap: ignoring the machine profile %s (%s); it will be probed again", path, exc)
+        return None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    write_atomic(path, text)
+
+
+def load_cached(group: GroupInfo | dist.ProcessGroup | None = None, *, quick: bool = False) -> Profile | None:
+    """This machine's cached profile for `group` (`cache_path`), or None where there is none or it is
+    unreadable or of another version (logged). Local: no communication beyond `world.group_info`;
+    ranks on other nodes than rank 0 look on their own machine (use `probe_cached` for one answer)."""
+    return _read(cache_path(_info(group), quick=quick))
+
+
+def save_cached(profile: Profile, group: GroupInfo | dist.ProcessGroup | None = None, *,
+                quick: bool = False) -> Path:
+    """Write `profile` to `cache_path` on group rank 0 (atomically: a temporary file, then a rename);
+    other ranks write nothing. Returns the path on every rank."""
+    info = _info(group)
+    path = cache_path(info, quick=quick)
+    if info.rank == 0:
+        _write_atomic(path, json.dumps(profile.to_json(), indent=2, sort_keys=True) + "\n")
+    return path
