@@ -1,0 +1,295 @@
+"""The ``overlap`` command line: its parser (`build_parser`), help texts and argument types.
+
+`overlap.cli` parses with it and runs the commands; `selection` reads a repeatable list option back.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import overlap
+
+from .benchmarks.cases import (
+    BENCH_OPS,
+    DTYPES,
+    MODES,
+    MOE_PRESETS,
+    MoEShape,
+    all_strategy_labels,
+    parse_moe_shape,
+    parse_shape,
+)
+from .benchmarks.models import TP_PRESETS, parse_tp_preset
+
+_DESCRIPTION = "overlap: hide tensor- and expert-parallel communication behind the GEMMs around it."
+
+_EPILOG = """\
+Ranks: under torchrun the commands run on torchrun's ranks (--nproc is ignored); otherwise they
+start --nproc local ranks (default: one per GPU, else 2 CPU ranks on gloo).
+
+examples:
+  overlap info
+  overlap info --probe
+  overlap bench
+  overlap bench --op matmul_all_reduce --mode fwd
+  overlap bench --nproc 4 --shape 1024x1024x1024 --dtype bfloat16 --json results.json
+  overlap bench --op moe
+  overlap bench --shape mixtral 256,128,256,8,2 --mode fwd+bwd
+  overlap bench --shape llama3-8b --json now.json --plot now.png --compare before.json
+  torchrun --nproc-per-node 8 -m overlap.cli bench --strategies reference,symm,fused
+  overlap tune --shape all_gather_matmul:256x1024x1024 --shape moe:512x128x448:8:2 --out plans.json
+  overlap tune --model hidden=4096,ffn=14336,tokens=4096,heads=32,kv_heads=8,gated=1,dtype=bfloat16 --out plans.json
+  OVERLAP_PLAN=plans.json python train.py
+"""
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument types (each raises argparse.ArgumentTypeError, which argparse turns into exit code 2)
+# ----------------------------------------------------------------------------------------------
+
+
+def _int_at_least(lowest: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1, "a positive integer")
+_non_negative_int = _int_at_least(0, "an integer >= 0")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value}")
+    return value
+
+
+def _shape(text: str) -> tuple[int, int, int] | tuple[MoEShape, str] | tuple[str, str]:
+    """``MxKxN`` (the tensor-parallel ops) -> ``(m, k, n)``; a tensor-parallel preset name ->
+    ``("preset", name)``; ``T,H,F,E,K`` or a preset name (moe) -> ``(MoEShape, preset name or "")``."""
+    if "," in text or text.strip().lower() in MOE_PRESETS:
+        try:
+            return parse_moe_shape(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    preset = parse_tp_preset(text)
+    if preset:
+        return ("preset", preset)
+    try:
+        return parse_shape(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{exc}; or a preset among {', '.join(TP_PRESETS)}; for moe: T,H,F,E,K or a preset among "
+            f"{', '.join(MOE_PRESETS)}"
+        ) from None
+
+
+def _names(known: tuple[str, ...], what: str):
+    """A parser of one comma-separated selection of `known` names."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(s.strip() for s in text.split(",") if s.strip())
+        unknown = [s for s in names if s not in known]
+        if not names or unknown:
+            raise argparse.ArgumentTypeError(
+                f"expected a comma-separated list of {what} {', '.join(known)}; got {text!r}"
+            )
+        return names
+
+    return parse
+
+
+_strategies = _names(all_strategy_labels(), "strategies among")
+_ops = _names(BENCH_OPS, "ops among")
+_modes = _names(MODES, "modes among")
+
+
+def selection(values: list[tuple[str, ...]] | None, known: tuple[str, ...]) -> tuple[str, ...]:
+    """The union of a repeatable comma-separated option's values, in the order of `known` (None: all)."""
+    return tuple(k for k in known if any(k in group for group in values)) if values else known
+
+
+# ----------------------------------------------------------------------------------------------
+# The parser
+# ----------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``overlap``: commands info, tune and bench; each command's parser is its
+    namespace's ``subparser`` (for `parser.error` after parsing)."""
+    parser = argparse.ArgumentParser(
+        prog="overlap",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"overlap {overlap.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    nproc_help = "local ranks to start when not under torchrun (default: one per GPU, else 2 CPU ranks)"
+
+    info = sub.add_parser(
+        "info",
+        help="versions, build, ranks and the link class of every rank pair",
+        description="Start the ranks and print what overlap sees: versions of overlap, torch and Triton, "
+        "whether overlap._C has CUDA, the Triton interpreter state, the backend, every rank "
+        "(pid, node, device) and the link class (shm, nvlink, pcie, network) of every pair of ranks.",
+    )
+    info.add_argument("--nproc", type=_positive_int, default=None, metavar="N", help=nproc_help)
+    info.add_argument("--probe", action="store_true",
+                      help="also print the machine profile the cost model uses (link latency and bandwidth per "
+                      "link class, GEMM rates, interference, per-chunk cost), measured once and cached in "
+                      "OVERLAP_CACHE_DIR")
+    info.add_argument("--refresh", action="store_true", help="with --probe: measure again instead of the cache")
+    info.add_argument("--quick", action="store_true", help="with --probe: a short, rougher probe (not cached)")
+
+    tune = sub.add_parser(
+        "tune",
+        help="measure the best plans for given shapes or a model, and write a plan file",
+        description="Tune the plans of 'auto' for the given problems on these ranks: probe the machine (cached), "
+        "rank every candidate plan (strategy x chunks per link class) with the cost model, measure reference and "
+        "the best-predicted few on every rank (interleaved, the slowest rank's medians), let rank 0 pick the "
+        "fastest (never one slower than reference) and write a plan file. Use it with OVERLAP_PLAN=FILE or "
+        "plan='FILE'. Shapes: OP:MxKxN[:DTYPE][:fwd|fwd+bwd] (OP all_gather_matmul, matmul_reduce_scatter, "
+        "matmul_all_reduce; the per-rank GEMM is [W*m, k] @ [k, n] as in overlap bench) or "
+        "moe:TxHxF:EXPERTS:TOPK[:DTYPE][:fwd|fwd+bwd]. A model: hidden=H,ffn=F,tokens=S[,heads=A,kv_heads=B]"
+        "[,experts=E,topk=K][,gated=1][,dtype=D], one transformer layer with TP = the number of ranks and "
+        "sequence parallelism.",
+    )
+    tune.add_argument("--nproc", type=_positive_int, default=None, metavar="N", help=nproc_help)
+    tune.add_argument("--shape", action="append", default=[], metavar="SPEC", help="a problem (repeatable)")
+    tune.add_argument("--model", default=None, metavar="DESC", help="a model description (see above)")
+    tune.add_argument("--out", default="overlap-plan.json", metavar="PATH",
+                      help="the plan file to write (default: %(default)s)")
+    tune.add_argument("--forward-only", action="store_true", help="tune the forward alone (default: fwd+bwd)")
+    tune.add_argument("--measure", type=_positive_int, default=3, metavar="N",
+                      help="plans measured besides reference, the model's best (default: %(default)s)")
+    tune.add_argument("--repeats", type=_positive_int, default=5, metavar="R",
+                      help="timed calls per plan, interleaved (default: %(default)s)")
+    tune.add_argument("--warmup", type=_non_negative_int, default=2, metavar="W",
+                      help="untimed calls per plan first (default: %(default)s)")
+    tune.add_argument("--probe", choices=("cached", "refresh", "quick", "none"), default="cached",
+                      help="machine profile for the model: the cached probe (measured if absent), a new one, a "
+                      "quick uncached one, or the built-in defaults (default: %(default)s)")
+    tune.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
+                      help="deadline in seconds of each wait on a peer (default: OVERLAP_TIMEOUT_S, 300)")
+    tune.set_defaults(subparser=tune)
+
+    bench = sub.add_parser(
+        "bench",
+        help="check and time every strategy of the ops against reference",
+        description="Benchmark the ops on the ranks: for each case (op, shape, dtype, mode), check every "
+        "strategy against 'reference' (the output, and in fwd+bwd the gradients of every input; a mismatch "
+        "fails the command), warm up, then time interleaved repeats between barriers. Prints one line per "
+        "strategy and case (median ms, p25..p75, TFLOP/s, speedup over reference, overlap efficiency = "
+        "(T_ref - T) / min(T_comm, T_compute)), the plain collectives and the GEMMs alone for context, and "
+        "the geometric-mean speedup per strategy and mode, then per op. A progress bar on stderr names the case "
+        "and strategy being checked or timed. --plot draws the results, --compare sets them against an earlier "
+        "--json file. matmul_all_reduce also runs each strategy's "
+        "one-shot variant (label '+one_shot'). Op 'moe' is one MoE layer's experts on the expert-parallel "
+        "group (overlap.moe.dispatch_grouped_matmul, gelu, overlap.moe.grouped_matmul_combine) with a fixed, "
+        "uneven routing; its gradients of x, w1, w2 and topk_weights are checked. Interpreted 'fused' (CPU "
+        "ranks) runs only where every dim <= 128 and is left out of the summary.",
+    )
+    bench.add_argument("--nproc", type=_positive_int, default=None, metavar="N", help=nproc_help)
+    bench.add_argument(
+        "--op",
+        type=_ops,
+        action="append",
+        default=None,
+        metavar="LIST",
+        help=f"comma-separated ops, or the option repeated (default: all: {','.join(BENCH_OPS)}; with --shape, "
+        "the ops its shapes are for)",
+    )
+    bench.add_argument(
+        "--mode",
+        type=_modes,
+        action="append",
+        default=None,
+        metavar="LIST",
+        help="comma-separated modes, or the option repeated: fwd (forward), fwd+bwd (forward, then backward "
+        "of the fresh output) (default: fwd,fwd+bwd)",
+    )
+    bench.add_argument(
+        "--shape",
+        type=_shape,
+        nargs="+",
+        default=None,
+        metavar="SHAPE",
+        help="cases, for every mode selected (default: the built-in cases of the ops for the ranks' device). "
+        "MxKxN, for every tensor-parallel op selected: the GEMM of each rank is [W*M, K] @ [K, N] (W ranks); "
+        "all_gather_matmul's a is [M, K] per rank, matmul_reduce_scatter's and matmul_all_reduce's a is "
+        "[W*M, K] (K: this rank's slice) and their outputs [M, N] and [W*M, N]. "
+        "T,H,F,E,K or a preset name, for moe: T tokens per rank, hidden H, expert FFN width F, E experts "
+        "(E must divide by the number of ranks), top-K; presets: "
+        + "; ".join(f"{name} = {shape.spec} ({about})" for name, (shape, about) in MOE_PRESETS.items())
+        + ". A model preset, for the tensor-parallel ops: one layer's projections at tensor-parallel size W with "
+        "sequence parallelism (qkv and mlp-up for all_gather_matmul, attn-out and mlp-down for "
+        "matmul_reduce_scatter and matmul_all_reduce); presets: "
+        + "; ".join(f"{name} ({about})" for name, (_, about) in TP_PRESETS.items()),
+    )
+    bench.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default=None,
+        help="dtype of the cases (default: float32 for --shape, presets included, else each built-in case's own)",
+    )
+    bench.add_argument(
+        "--strategies",
+        type=_strategies,
+        default=None,
+        metavar="LIST",
+        help=f"comma-separated strategies (default: those of {','.join(all_strategy_labels())} that apply to the "
+        "ops selected), each run for the ops it applies to (the +one_shot ones: matmul_all_reduce); reference, "
+        "the baseline, always runs",
+    )
+    bench.add_argument(
+        "--warmup",
+        type=_non_negative_int,
+        default=3,
+        metavar="W",
+        help="warm-up calls per timed label (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--iters", type=_positive_int, default=10, metavar="I", help="timed repeats per label (default: %(default)s)"
+    )
+    bench.add_argument("--json", default=None, metavar="PATH", help="rank 0 writes the results there as JSON")
+    bench.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="write a figure of the results there (format from the suffix: .png, .svg, .pdf): time per strategy "
+        "per case and overlap efficiency per strategy; needs matplotlib",
+    )
+    bench.add_argument(
+        "--compare",
+        default=None,
+        metavar="EARLIER.json",
+        help="after the table, compare every case and strategy timed in both runs with an earlier --json file: "
+        "both medians and the change, marked faster/slower where the p25..p75 spreads do not overlap; warns "
+        "about cases in one run only",
+    )
+    bench.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="deadline in seconds of each wait on a peer (default: OVERLAP_TIMEOUT_S, 300)",
+    )
+    bench.add_argument(
+        "--seed", type=_non_negative_int, default=None, help="seed of the random inputs (default: a fresh one, printed)"
+    )
+    bench.set_defaults(subparser=bench)
+    info.set_defaults(subparser=info)
+    return parser
