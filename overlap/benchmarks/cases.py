@@ -1,36 +1,7 @@
-"""The benchmark cases: one definition, used by ``overlap bench`` and by the ``bench/`` scripts.
-
-A `Case` is one op at one shape and dtype, timed forward only (mode ``fwd``) or forward plus
-backward (``fwd+bwd``).
-
-Shapes. ``m x k x n`` means the same GEMM on every rank for all three ops, ``[W*m, k] @ [k, n]``
-(``W`` the world size, ``2*W*m*k*n`` FLOPs per rank forward), so that one shape costs the same
-compute whichever op runs it and the ops' rows can be compared. ``m`` is always this rank's slice
-of the sequence in Megatron's sequence-parallel layout:
-
-* ``all_gather_matmul``: ``a`` is ``[m, k]`` per rank, ``b`` ``[k, n]`` (a column shard), the
-  output ``[W*m, n]``; its collective is the all-gather of ``a``: ``(W-1)*m*k`` elements in.
-* ``matmul_reduce_scatter``: ``a`` is ``[W*m, k]``, ``b`` ``[k, n]`` (a row shard), the output
-  ``[m, n]`` (``m`` = output rows per rank); its collective is the reduce-scatter of the
-  ``[W*m, n]`` partial: ``(W-1)*m*n`` elements in.
-* ``matmul_all_reduce``: ``a`` is ``[W*m, k]``, ``b`` ``[k, n]`` (a row shard), the output
-  ``[W*m, n]``; its collective is the all-reduce of the ``[W*m, n]`` partial: ``2*(W-1)*m*n``
-  elements in (a ring: reduce-scatter, then all-gather).
-
-For the two row-parallel ops ``k`` is this rank's slice of the reduced dim (the full reduction is
-``W*k`` long); ``matmul_all_reduce`` is tensor parallelism without sequence parallelism, whose
-sequence is the whole ``W*m``. "Elements in" counts what one rank receives in a ring or pairwise
-implementation, the basis of the GB/s column.
-
-Modes. ``fwd+bwd`` times the forward and the backward of a fresh output: three GEMMs
-(``6*W*m*k*n`` FLOPs) and, per Megatron's conventions (DESIGN.md), more communication:
-``all_gather_matmul`` gathers ``a`` again and reduce-scatters ``grad_a`` (``+2*(W-1)*m*k``),
-``matmul_reduce_scatter`` all-gathers ``grad_out`` (``+(W-1)*m*n``), ``matmul_all_reduce`` passes
-the gradient through (no more).
-
-Strategy labels: the four strategies, and for ``matmul_all_reduce`` their ``+one_shot`` variants
-(`VARIANTS`: every rank sums every rank's whole partial in one step; the plain labels are the
-two-shot reduce-scatter + all-gather).
+"""The benchmark cases: which cases a run benchmarks, one definition used by ``overlap bench`` and
+by the ``bench/`` scripts. What a case is (the ops, modes, dtypes and strategy labels, `Case` and
+`MoECase`, `MOE_PRESETS`, the shape parsers) is `definitions`', re-exported here: the rest of the
+project imports cases from this module. `BenchConfig` is what one run measures.
 
 Presets from real models (`models`): ``llama3-8b`` and ``llama3-70b`` (scaled for CPU ranks; the
 real sizes with ``-full``) expand, for ``W`` ranks, to the four projections of one Llama-3 layer at
@@ -42,7 +13,7 @@ ranks.
 
 Default CPU cases (2 gloo ranks on a 2-core machine, one torch thread per rank): for each
 tensor-parallel op the ``llama3-8b`` projections it has (two per op) and one tiny shape, and the
-three MoE presets below, each forward and forward+backward, 24 cases. The Llama-3 8B projections
+three CPU presets of `MOE_PRESETS`, each forward and forward+backward, 24 cases. The Llama-3 8B projections
 at 1/16 width in fp32 keep the real layer's balance of compute and communication per projection
 (`models` explains the scale): attention's are communication-heavy, ``mlp-up`` compute-heavy,
 ``mlp-down`` in between, as on GPUs; a call takes milliseconds to tens of milliseconds, far above
@@ -51,305 +22,65 @@ whole default ``overlap bench`` stays within about a minute including rank start
 shape of each op, 32x64x64 (moe: ``tiny``), has every dim <= `INTERPRETED_FUSED_MAX_DIM`, for the
 interpreted ``fused`` kernels, whose timings are labelled and left out of the summaries: an
 interpreted call costs ~0.1 s even there (moe: ~0.3-0.6 s), and the runner times it in at most 3
-repeats (`runner.INTERPRETED_ITERS`). On other numbers of ranks the Llama-3 preset applies where
+repeats (`timing.INTERPRETED_ITERS`). On other numbers of ranks the Llama-3 preset applies where
 its heads, FFN width and tokens divide by the ranks (2, 4, 8); elsewhere it is left out with a
 note. GPU defaults: ``llama3-8b-full`` and ``llama3-70b-full`` in bf16, and one generic shape.
 Suites (`SUITES`, `suite_cases`) name subsets of the defaults for the pytest-benchmark wrappers
 in ``bench/``.
-
-MoE (op ``moe``, `MoECase`): one MoE layer's expert part on the expert-parallel group,
-``h, handle = overlap.moe.dispatch_grouped_matmul(x, topk_idx, w1)``, ``a = gelu(h)``,
-``y = overlap.moe.grouped_matmul_combine(a, w2, topk_weights, handle)``. Its shape is
-``T,H,F,E,K``: ``T`` tokens per rank, hidden ``H``, expert FFN width ``F``, ``E`` experts (split
-evenly over the ``W`` ranks, ``L = E/W`` each; ``E`` must divide by ``W``), ``K`` experts per token.
-The routing is fixed per case and drawn like a trained router's (`workloads`): loads are uneven, so
-``R``, the rows a rank's experts receive, varies between ranks and experts; it averages ``T*K``.
-
-* FLOPs per rank (`MoECase.flops`): the mean over ranks of ``2*R*H*F`` per grouped GEMM, i.e.
-  ``4*T*K*H*F`` forward (``h = x_e @ w1[e]``, ``y_e = a_e @ w2[e]``) and ``12*T*K*H*F`` in
-  ``fwd+bwd`` (each GEMM's input and weight gradients too). The gelu, the permutations and the
-  weighted sum are not counted.
-* Bytes (GB/s of the transfers alone): the mean over ranks of the rows it receives from other ranks,
-  times ``H`` elements: dispatch (the rows of its experts' pairs from peers) plus combine (its own
-  pairs' results from peers), and in ``fwd+bwd`` the two backward transfers again (the output
-  gradient's rows to the experts, the input gradient's rows back; all four carry ``H`` columns).
-  This depends on the routing, so the workload computes it (`workloads.Workload.comm_bytes`); with
-  uniform routing it is about ``2*T*K*(W-1)/W*H*itemsize`` forward.
-
-MoE presets (`MOE_PRESETS`): the proportions of real models, scaled down so that a case runs in
-milliseconds to tens of milliseconds on 2 CPU ranks (one torch thread each):
-
-* ``mixtral``: Mixtral-8x7B (hidden 4096, expert FFN 14336, 8 experts, top-2) with hidden and FFN
-  at 1/32 (128, 448) and the 8 experts, top-2 kept: ``512,128,448,8,2``.
-* ``deepseek-v3``: DeepSeek-V3 (hidden 7168, routed-expert FFN 2048, 256 routed experts, top-8; its
-  one shared expert is not expert-parallel and is left out) with hidden and FFN at 1/32 (224, 64), top-8
-  kept and the experts cut to 32 (1/8): 256 experts on 2 ranks would be 128 GEMMs of ~16 rows per
-  rank and pass, a benchmark of the host loop rather than of overlap (DeepSeek-V3 trains with 64-way
-  expert parallelism, 4 experts per rank). ``512,224,64,32,8``. What makes it differ from Mixtral is
-  kept: each token goes to 8 experts with a narrow FFN, so a layer moves 4x Mixtral's rows per token
-  for a quarter of the FLOPs per row.
-* ``tiny``: ``32,32,64,4,2``, every dim <= `INTERPRETED_FUSED_MAX_DIM`, for interpreted ``fused``
-  (a call costs ~0.2-0.3 s forward, ~0.4-1 s forward and backward even there).
-* ``mixtral-full``, ``deepseek-v3-full``: the real widths (DeepSeek-V3 with its 256 experts), 4096
-  tokens per rank, the GPU defaults (not yet measured on a GPU).
-
-The balance of compute and communication: per token the layer does ``4*K*H*F`` FLOPs and moves
-``2*K*H`` elements (dispatch and combine), ``2*F/itemsize`` FLOPs per byte whatever ``H``, ``K``
-and ``E``: 14336 for Mixtral-8x7B in bf16 and 2048 for DeepSeek-V3. A GPU of ~800 bf16 TFLOP/s
-does ~2000 FLOPs per byte of NVLink (~400 GB/s) and ~16000 per byte of a 400 Gb/s network link:
-Mixtral-8x7B is compute-bound within a node, DeepSeek-V3 about balanced there and
-communication-bound across nodes. Scaling ``F`` by 1/32 and running in fp32 divides the ratio by
-64 (224 and 32), which is what 2 CPU ranks need for the transfers to matter against their
-~40-100 GFLOP/s GEMMs and gloo's latency-bound all-to-alls of ~0.1-0.7 GB/s. Measured on the build
-machine (2 ranks, forward), the transfers alone and the GEMMs alone take ~1.5-2.5 and ~3-3.5 ms
-for ``mixtral`` and ~5-6.5 and ~4-5 ms for ``deepseek-v3`` (whose narrow GEMMs also run slower):
-the scaled Mixtral is the compute-heavier, the scaled DeepSeek-V3 the communication-heavier,
-as the real models are, and each has enough of both for overlap to matter. The CPU presets run
-in fp32: bf16 GEMMs use AMX on the build machine, several times faster, and would take a
-negligible share of the layer at these widths.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
-import torch
+from .definitions import (
+    BENCH_OPS,
+    DTYPES,
+    INTERPRETED_FUSED_MAX_DIM,
+    MODES,
+    MOE_OPS,
+    MOE_PRESETS,
+    OPS,
+    VARIANTS,
+    AnyCase,
+    Case,
+    MoECase,
+    MoEShape,
+    all_strategy_labels,
+    label_plan,
+    parse_moe_shape,
+    parse_shape,
+    strategy_labels,
+)
+from .models import TP_PRESETS, tp_problem, tp_problems
 
-from ..plan import STRATEGIES
-from .models import LAYERS, TP_PRESETS, tp_problem, tp_problems
-
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-#: the tensor-parallel ops, each benchmarked as ``overlap.<op>`` at a shape ``m x k x n`` (`Case`)
-#: (bench/soak.py runs these too, by that name)
-OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
-
-#: the MoE layer (`MoECase`): ``overlap.moe.dispatch_grouped_matmul``, gelu, ``grouped_matmul_combine``
-MOE_OPS = ("moe",)
-
-#: every op the runner knows how to benchmark
-BENCH_OPS = OPS + MOE_OPS
-
-#: ``fwd``: the forward alone; ``fwd+bwd``: forward, then backward of the fresh output
-MODES = ("fwd", "fwd+bwd")
-
-#: strategy labels beyond `plan.STRATEGIES`, per op: label -> (strategy, fields of its `overlap.Plan`)
-VARIANTS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
-    "matmul_all_reduce": {f"{s}+one_shot": (s, {"one_shot": True}) for s in STRATEGIES if s != "reference"},
-}
-
-#: the Triton interpreter runs a GEMM tile by tile in numpy: only tiny shapes finish in time
-INTERPRETED_FUSED_MAX_DIM = 128
-
-
-def strategy_labels(op: str) -> tuple[str, ...]:
-    """The strategy labels `op` can be benchmarked under, each variant after its strategy."""
-    variants = VARIANTS.get(op, {})
-    return tuple(label for s in STRATEGIES for label in (s, *(v for v in variants if variants[v][0] == s)))
-
-
-def all_strategy_labels() -> tuple[str, ...]:
-    """Every label of every op, in `plan.STRATEGIES` order, each variant after its strategy."""
-    return tuple(
-        dict.fromkeys(
-            label
-            for s in STRATEGIES
-            for op in BENCH_OPS
-            for label in strategy_labels(op)
-            if label_plan(op, label)[0] == s
-        )
-    )
-
-
-def label_plan(op: str, label: str) -> tuple[str, dict[str, Any]]:
-    """``(strategy, Plan fields)`` of a strategy label of `op`; raises ValueError for an unknown label."""
-    if label in STRATEGIES:
-        return label, {}
-    if label in VARIANTS.get(op, {}):
-        return VARIANTS[op][label]
-    raise ValueError(f"{op} has no strategy label {label!r}; known: {strategy_labels(op)}")
-
-
-class _CaseNames:
-    """What both kinds of case derive from ``op``, ``shape``, ``dtype`` and ``backward``."""
-
-    @property
-    def mode(self) -> str:
-        return MODES[int(self.backward)]
-
-    @property
-    def name(self) -> str:
-        return f"{self.op} {self.shape} {self.dtype} {self.mode}"
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-
-@dataclasses.dataclass(frozen=True)
-class Case(_CaseNames):
-    """One benchmark case: `op` at per-rank shape ``m x k x n`` (see the module docstring) in
-    `dtype` (a name of `DTYPES`), forward only or, with `backward`, forward plus backward."""
-
-    op: str
-    m: int
-    k: int
-    n: int
-    dtype: str = "float32"
-    backward: bool = False
-    preset: str = ""  # a `models.TP_PRESETS` name, with `layer` and `tp`: the problem of that model's layer
-    layer: str = ""  # ... at tensor-parallel size `tp` (`preset_cases`); they only label the case
-    tp: int = 0
-
-    def __post_init__(self) -> None:
-        if self.op not in OPS:
-            raise ValueError(f"unknown op {self.op!r}; known: {OPS}")
-        if self.preset or self.layer or self.tp:
-            layers = [name for name, ops in LAYERS if self.op in ops]
-            if self.preset not in TP_PRESETS or self.layer not in layers or not isinstance(self.tp, int) or self.tp < 1:
-                raise ValueError(
-                    f"a preset case needs preset in {tuple(TP_PRESETS)}, a layer of {self.op} in {layers} and tp >= 1, "
-                    f"got preset={self.preset!r}, layer={self.layer!r}, tp={self.tp!r}"
-                )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
-        for name in ("m", "k", "n"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if not isinstance(self.backward, bool):
-            raise ValueError(f"backward must be a bool, got {self.backward!r}")
-
-    @property
-    def shape(self) -> str:
-        dims = f"{self.m}x{self.k}x{self.n}"
-        return f"{self.preset}/{self.layer}:{dims}" if self.preset else dims
-
-    def flops(self, world_size: int) -> int:
-        """Floating-point operations of one call on one rank: ``2*W*m*k*n`` per GEMM, 3 GEMMs in fwd+bwd."""
-        return (3 if self.backward else 1) * 2 * world_size * self.m * self.k * self.n
-
-    def comm_bytes(self, world_size: int) -> int:
-        """Bytes one rank receives in one call's plain collectives (see the module docstring)."""
-        per_rank = (world_size - 1) * self.m
-        if self.op == "all_gather_matmul":
-            elements = per_rank * self.k * (3 if self.backward else 1)
-        elif self.op == "matmul_reduce_scatter":
-            elements = per_rank * self.n * (2 if self.backward else 1)
-        else:
-            elements = 2 * per_rank * self.n
-        return elements * self.torch_dtype.itemsize
-
-    @property
-    def fits_interpreted_fused(self) -> bool:
-        return max(self.m, self.k, self.n) <= INTERPRETED_FUSED_MAX_DIM
-
-    def shape_fields(self) -> dict[str, Any]:
-        """The shape as fields of a result row."""
-        return {"m": self.m, "k": self.k, "n": self.n, "preset": self.preset or None, "layer": self.layer or None}
-
-    def world_problem(self, world_size: int) -> str | None:
-        """Why the case cannot run on `world_size` ranks, or None: any shape runs on any number of ranks,
-        but a preset's shapes are its layer's at one tensor-parallel size."""
-        if self.tp and self.tp != world_size:
-            return f"{self.name}: the {self.preset} shapes were cut for {self.tp} ranks, not {world_size}"
-        return None
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEShape:
-    """An MoE layer's shape: `tokens` per rank, `hidden`, expert FFN width `ffn`, `experts` in all,
-    `top_k` experts per token (``T,H,F,E,K`` in the module docstring)."""
-
-    tokens: int
-    hidden: int
-    ffn: int
-    experts: int
-    top_k: int
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{f.name} must be an int >= 1, got {v!r}")
-        if self.top_k > self.experts:
-            raise ValueError(
-                f"top_k ({self.top_k}) must be at most experts ({self.experts}): a token's experts are distinct"
-            )
-
-    @property
-    def spec(self) -> str:
-        """``"T,H,F,E,K"``, as `parse_moe_shape` reads it."""
-        return ",".join(str(v) for v in dataclasses.astuple(self))
-
-
-#: name -> (shape, what it is); the scaling is explained in the module docstring
-MOE_PRESETS: dict[str, tuple[MoEShape, str]] = {
-    "mixtral": (MoEShape(512, 128, 448, 8, 2), "Mixtral-8x7B (4096, 14336, 8 experts, top-2), hidden and FFN at 1/32"),
-    "deepseek-v3": (
-        MoEShape(512, 224, 64, 32, 8),
-        "DeepSeek-V3 (7168, 2048, 256 routed experts, top-8), hidden and FFN at 1/32, 32 experts",
-    ),
-    "tiny": (MoEShape(32, 32, 64, 4, 2), f"every dim <= {INTERPRETED_FUSED_MAX_DIM}, for interpreted fused"),
-    "mixtral-full": (MoEShape(4096, 4096, 14336, 8, 2), "Mixtral-8x7B at full width, 4096 tokens per rank"),
-    "deepseek-v3-full": (
-        MoEShape(4096, 7168, 2048, 256, 8),
-        "DeepSeek-V3 at full width with its 256 routed experts, 4096 tokens per rank",
-    ),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class MoECase(_CaseNames):
-    """One MoE benchmark case: the layer of op ``moe`` at `dims` in `dtype` (a name of `DTYPES`),
-    forward only or, with `backward`, forward plus backward. `preset` names a `MOE_PRESETS` entry
-    (empty for a custom shape); it only labels the case."""
-
-    dims: MoEShape
-    dtype: str = "float32"
-    backward: bool = False
-    preset: str = ""
-    op: str = dataclasses.field(default="moe", init=False)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.dims, MoEShape):
-            raise ValueError(f"dims must be an MoEShape, got {self.dims!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
-        if not isinstance(self.backward, bool):
-            raise ValueError(f"backward must be a bool, got {self.backward!r}")
-        if self.preset and self.preset not in MOE_PRESETS:
-            raise ValueError(f"unknown MoE preset {self.preset!r}; known: {tuple(MOE_PRESETS)}")
-
-    @property
-    def shape(self) -> str:
-        return f"{self.preset}:{self.dims.spec}" if self.preset else self.dims.spec
-
-    def flops(self, world_size: int) -> int:
-        """Mean floating-point operations of one call per rank (the module docstring): ``4*T*K*H*F``
-        forward, three times that in fwd+bwd; the mean does not depend on the routing."""
-        m = self.dims
-        return (3 if self.backward else 1) * 4 * m.tokens * m.top_k * m.hidden * m.ffn
-
-    @property
-    def fits_interpreted_fused(self) -> bool:
-        m = self.dims
-        return max(m.tokens, m.hidden, m.ffn) <= INTERPRETED_FUSED_MAX_DIM
-
-    def shape_fields(self) -> dict[str, Any]:
-        """The shape as fields of a result row."""
-        return {"preset": self.preset or None, **dataclasses.asdict(self.dims)}
-
-    def world_problem(self, world_size: int) -> str | None:
-        """Why the case cannot run on `world_size` ranks (experts that do not split evenly), or None."""
-        if self.dims.experts % world_size:
-            return f"{self.name}: {self.dims.experts} experts do not split evenly over {world_size} ranks"
-        return None
-
-
-AnyCase = Case | MoECase
+__all__ = [
+    # defined here
+    "SUITES",
+    "BenchConfig",
+    "default_cases",
+    "preset_cases",
+    "suite_cases",
+    # `definitions`'
+    "BENCH_OPS",
+    "DTYPES",
+    "INTERPRETED_FUSED_MAX_DIM",
+    "MODES",
+    "MOE_OPS",
+    "MOE_PRESETS",
+    "OPS",
+    "VARIANTS",
+    "AnyCase",
+    "Case",
+    "MoECase",
+    "MoEShape",
+    "all_strategy_labels",
+    "label_plan",
+    "parse_moe_shape",
+    "parse_shape",
+    "strategy_labels",
+]
 
 
 # Per device type, for every tensor-parallel op: (a `models.TP_PRESETS` name or ``(m, k, n)``, dtype, modes).
@@ -477,37 +208,55 @@ def suite_cases(
     return cases
 
 
-def parse_shape(text: str) -> tuple[int, int, int]:
-    """``"MxKxN"`` -> ``(m, k, n)``, each a positive int. Raises ValueError otherwise."""
-    parts = text.lower().split("x")
-    if len(parts) != 3:
-        raise ValueError(f"shape must be MxKxN (three positive ints joined by 'x'), got {text!r}")
-    try:
-        m, k, n = (int(p) for p in parts)
-    except ValueError:
-        raise ValueError(f"shape must be MxKxN (three positive ints joined by 'x'), got {text!r}") from None
-    if min(m, k, n) < 1:
-        raise ValueError(f"every dim of the shape must be >= 1, got {text!r}")
-    return m, k, n
+# ----------------------------------------------------------------------------------------------
+# What one run measures
+# ----------------------------------------------------------------------------------------------
 
 
-def parse_moe_shape(text: str) -> tuple[MoEShape, str]:
-    """A preset name of `MOE_PRESETS` or ``"T,H,F,E,K"`` -> ``(shape, preset name or "")``.
-    Raises ValueError otherwise."""
-    name = text.strip().lower()
-    if name in MOE_PRESETS:
-        return MOE_PRESETS[name][0], name
-    parts = name.split(",")
-    what = (
-        f"an MoE shape must be T,H,F,E,K (tokens per rank, hidden, expert FFN, experts, top-k: five positive "
-        f"ints joined by ',') or a preset among {', '.join(MOE_PRESETS)}, got {text!r}"
-    )
-    if len(parts) != 5:
-        raise ValueError(what)
-    try:
-        values = [int(p) for p in parts]
-    except ValueError:
-        raise ValueError(what) from None
-    if min(values) < 1:
-        raise ValueError(f"every dim of the MoE shape must be >= 1, got {text!r}")
-    return MoEShape(*values), ""
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """What `runner.run` measures. `strategies` always gets ``reference`` (the baseline) put first.
+
+    Without `cases`, the default cases (`default_cases`) of `ops` in `modes` run; given
+    cases must be of those ops and modes. Each strategy label runs for the ops it applies to
+    (``symm+one_shot``: ``matmul_all_reduce`` only) and must apply to at least one of them.
+    Raises ValueError for anything unknown or inconsistent.
+    """
+
+    ops: tuple[str, ...] = BENCH_OPS
+    modes: tuple[str, ...] = MODES
+    cases: tuple[AnyCase, ...] = ()  # empty: the default cases of `ops` x `modes` for the ranks' device type
+    dtype: str | None = None  # overrides the dtype of the default cases
+    strategies: tuple[str, ...] = all_strategy_labels()
+    warmup: int = 3
+    iters: int = 10
+    timeout: float | None = None  # per-call deadline of the ops (None: OVERLAP_TIMEOUT_S)
+    json_path: str | None = None  # rank 0 writes the results there
+    seed: int | None = None  # None: rank 0 draws one
+    progress: bool = True  # progress lines on rank 0's stderr
+
+    def __post_init__(self) -> None:
+        for name, known in (("ops", BENCH_OPS), ("modes", MODES)):
+            values = tuple(dict.fromkeys(getattr(self, name)))
+            unknown = [v for v in values if v not in known]
+            if not values or unknown:
+                raise ValueError(f"{name} must be a non-empty selection of {known}, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, values)
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)} or None, got {self.dtype!r}")
+        wrong = [c.name for c in self.cases if c.op not in self.ops or c.mode not in self.modes]
+        if wrong:
+            raise ValueError(f"cases {wrong} are not of ops {self.ops} in modes {self.modes}")
+        ops = {c.op for c in self.cases} or set(self.ops)
+        known = all_strategy_labels()
+        unknown = [s for s in self.strategies if s not in known]
+        if unknown:
+            raise ValueError(f"unknown strategies {unknown}; known: {known}")
+        idle = [s for s in self.strategies if not any(s in strategy_labels(op) for op in ops)]
+        if idle:
+            raise ValueError(f"strategies {idle} apply to none of the ops benchmarked ({', '.join(sorted(ops))})")
+        strategies = ("reference", *dict.fromkeys(s for s in self.strategies if s != "reference"))
+        object.__setattr__(self, "strategies", strategies)
+        object.__setattr__(self, "cases", tuple(self.cases))
+        if self.warmup < 0 or self.iters < 1:
+            raise ValueError(f"need warmup >= 0 and iters >= 1, got warmup={self.warmup}, iters={self.iters}")

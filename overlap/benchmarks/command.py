@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import compare
-from .cases import BENCH_OPS, MOE_OPS, AnyCase, Case, MoECase, MoEShape, preset_cases
+from .cases import preset_cases
+from .definitions import BENCH_OPS, MOE_OPS, AnyCase, Case, MoECase, MoEShape
 from .models import TP_PRESETS, tp_problem
 
 

@@ -4,14 +4,22 @@ On a terminal the bar is one line redrawn in place (at most every `ProgressBar.T
 written to a file or a pipe (CI logs, ``2>log``) it is a new line at most every `interval_s`
 seconds, plus the first and the last, so a log shows steady progress without thousands of lines.
 Lines the caller prints through `ProgressBar.line` (one per case) are never throttled and never
-overwritten.
+overwritten. The pieces of a case report to it through a `Progress` callback (`quiet`: to nobody).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
+
+#: progress(fraction of the case done, what runs now): rank 0's view of a case (`ProgressBar`)
+Progress = Callable[[float, str], None]
+
+
+def quiet(fraction: float, text: str) -> None:
+    """The `Progress` that shows nothing: every rank but rank 0's, and callers without a bar (`session`)."""
 
 
 class ProgressBar:

@@ -14,7 +14,7 @@ import math
 import os
 from typing import Any
 
-from .cases import INTERPRETED_FUSED_MAX_DIM, MODES, MOE_OPS, VARIANTS, AnyCase, label_plan, strategy_labels
+from .definitions import INTERPRETED_FUSED_MAX_DIM, MODES, MOE_OPS, VARIANTS, AnyCase, label_plan, strategy_labels
 
 
 def base_strategy(op: str, label: str) -> str:
@@ -23,7 +23,7 @@ def base_strategy(op: str, label: str) -> str:
 
 
 def is_interpreted(op: str, label: str, interpreted: bool) -> bool:
-    """Whether `label` of `op` runs under the Triton interpreter (`interpreted`: `runner.fused_interpreted`)."""
+    """Whether `label` of `op` runs under the Triton interpreter (`interpreted`: `checks.fused_interpreted`)."""
     return interpreted and base_strategy(op, label) == "fused"
 
 
@@ -121,7 +121,7 @@ def summary_lines(
 
 
 def notes(config: Any, interpreted: bool, interpreted_iters: int) -> list[str]:
-    """The footnotes that apply to a run of `config` (a `runner.BenchConfig`; `interpreted`: whether
+    """The footnotes that apply to a run of `config` (a `cases.BenchConfig`; `interpreted`: whether
     fused runs under the Triton interpreter there, timed in at most `interpreted_iters` repeats)."""
     lines = []
     ops = {c.op for c in config.cases}

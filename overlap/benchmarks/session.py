@@ -3,9 +3,9 @@ pytest-benchmark wrappers in ``bench/`` run.
 
 `RankPool` starts N local ranks once (gloo on CPU; NCCL with a GPU each where there are enough,
 as `world.launch`) and runs module-level functions on all of them. `BenchSession` checks a case
-on the ranks with the runner's own `runner.check_case` (every strategy against ``reference``,
+on the ranks with the runner's own `checks.check_case` (every strategy against ``reference``,
 before any timing) and then times one call of one label at a time: every rank times it between
-barriers (`runner.timed_call`) and the call's time is the slowest rank's, as in ``overlap bench``.
+barriers (`timing.timed_call`) and the call's time is the slowest rank's, as in ``overlap bench``.
 
 `RankClock` hands those times to pytest-benchmark. Given as the benchmark's timer
 (``@pytest.mark.benchmark(timer=clock)``, a documented option of the marker), it reads the sum of
@@ -33,8 +33,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from .cases import BENCH_OPS, MODES, AnyCase, all_strategy_labels, label_plan, strategy_labels
-from .runner import INTERPRETED_ITERS, BenchConfig, summarize
+from .cases import BenchConfig
+from .definitions import BENCH_OPS, MODES, AnyCase, all_strategy_labels, label_plan, strategy_labels
+from .timing import INTERPRETED_ITERS, summarize
 
 #: the test-facing names of the two context labels (their table labels differ per op and mode)
 COMM_ALONE, COMPUTE_ALONE = "comm-alone", "compute-alone"
@@ -52,7 +53,7 @@ def case_labels(case: AnyCase, device_type: str) -> list[str]:
     label of its op (interpreted ``fused`` only where the case fits the interpreter, as the runner)."""
     import torch
 
-    from .runner import fused_interpreted
+    from .checks import fused_interpreted
 
     interpreted = fused_interpreted(torch.device(device_type))
     labels = [
@@ -191,13 +192,13 @@ class RankPool:
 # What the ranks run (module level: the pool's tasks are pickled by name)
 # ----------------------------------------------------------------------------------------------
 
-#: this rank's case at hand: "case" and its `runner.Checked` ("checked"); one case at a time
+#: this rank's case at hand: "case" and its `checks.Checked` ("checked"); one case at a time
 _CURRENT: dict[str, Any] = {}
 
 
 def _rank_check(case: AnyCase, case_index: int, config: BenchConfig, seed: int) -> dict[str, Any]:
     from .. import world
-    from .runner import check_case
+    from .checks import check_case
 
     _CURRENT.clear()  # the previous case's tensors go before this case's are made
     pg = world.resolve_group(None)
@@ -220,7 +221,7 @@ def _rank_check(case: AnyCase, case_index: int, config: BenchConfig, seed: int) 
 
 def _rank_call(case: AnyCase, label: str) -> float:
     from .. import world
-    from .runner import timed_call
+    from .timing import timed_call
 
     assert _CURRENT.get("case") == case, "a call of a case that is not the one checked last"
     pg = world.resolve_group(None)

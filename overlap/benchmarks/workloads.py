@@ -23,7 +23,7 @@ What "alone" means (the overlap efficiency's denominators, see `runner`):
   ``matmul_all_reduce``: the one all_reduce), and the three GEMMs (output, ``grad_a``,
   ``grad_b``) with the operand layouts the backward uses.
 
-The MoE layer (op ``moe``, `cases.MoECase`): ``x`` ``[T, H]`` standard normal per rank; the
+The MoE layer (op ``moe``, `definitions.MoECase`): ``x`` ``[T, H]`` standard normal per rank; the
 routing of every rank drawn like a trained router's: logits ``[T, E]`` standard normal plus a
 per-expert popularity (normal, standard deviation `MOE_POPULARITY`, the same on every rank), each
 token's top ``K`` experts (distinct), ``topk_weights`` the softmax of their logits (fp32, as routers
@@ -56,7 +56,7 @@ from .. import world
 from ..ops import _common
 from ..ops._moe import _prefix
 from ..plan import Plan
-from .cases import AnyCase, Case, MoECase, label_plan
+from .definitions import AnyCase, Case, MoECase, label_plan
 
 #: standard deviation of the per-expert popularity added to the MoE routing logits (uneven loads)
 MOE_POPULARITY = 0.15

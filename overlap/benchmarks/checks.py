@@ -1,0 +1,177 @@
+"""Correctness before timing: which strategies of a case run, and every one of them checked on
+every rank (`check_case`) before `timing` times any.
+
+The inputs are fresh and random, seeded per rank and case (`workloads` says how they are drawn
+and scaled; never zeros), so every rank can regenerate every rank's inputs: ``reference`` is
+checked against the op's result computed locally (`workloads.Expected`), then every strategy
+against ``reference``, with `torch.testing.assert_close` at `tolerance`: the forward output, and in
+``fwd+bwd`` also the gradient of every input (``grad_a`` and ``grad_b``; moe: ``grad_x``,
+``grad_w1``, ``grad_w2``, ``grad_topk_weights``). The verdicts of all ranks are gathered, so every
+rank agrees on which strategies to time. A mismatch marks the strategy (and so its case) FAILED;
+it is not timed. A wrong ``reference`` is still the baseline of the others.
+
+The labels a case runs (`strategies_for`) are the run's labels of its op; ``symm`` and ``fused``
+only within one node, and ``fused`` under the Triton interpreter (`fused_interpreted`) only where
+the case fits it (`definitions.INTERPRETED_FUSED_MAX_DIM`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import world
+from ..ops import _common
+from . import report
+from .cases import BenchConfig
+from .definitions import AnyCase, strategy_labels
+from .progress import Progress, quiet
+from .workloads import Expected, Workload, build, strategy_fn
+
+
+def tolerance(dtype: torch.dtype, reduction: int, strategy: str, device_type: str) -> dict[str, float]:
+    """``assert_close`` tolerances of `strategy` against ``reference`` for a tensor of order 1 whose
+    entries are dot products of length `reduction`.
+
+    bf16/fp16: ``rtol=1.6e-2, atol=1e-2`` (DESIGN.md). fp32: ``rtol=1e-5`` and
+    ``atol=1e-5 * max(1, sqrt(reduction/256))``: the rounding error of a length-``L`` fp32 dot
+    product grows like ``sqrt(L)``, so DESIGN.md's ``1e-5`` holds as is up to ``L = 256`` and is
+    widened with the same margin beyond (2.8e-5 at ``L = 2048``). ``fused`` fp32 on a GPU runs its
+    ``tl.dot`` as TF32 (DESIGN.md) and gets ``rtol=atol=1e-2``. Forward outputs are of order 1 by
+    the inputs' scaling (`workloads`); gradients can be larger (``grad_b`` sums ``W*m`` products of
+    order 1), and `_tolerances` multiplies ``atol`` by a tensor's RMS where that exceeds 1.
+    """
+    if dtype in (torch.bfloat16, torch.float16):
+        return {"rtol": 1.6e-2, "atol": 1e-2}
+    if strategy == "fused" and device_type == "cuda":
+        return {"rtol": 1e-2, "atol": 1e-2}
+    return {"rtol": 1e-5, "atol": 1e-5 * max(1.0, math.sqrt(reduction / 256))}
+
+
+def fused_interpreted(device: torch.device) -> bool:
+    """Whether ``fused`` runs under the Triton interpreter on ranks computing on `device`."""
+    return device.type != "cuda" or _common.interpreted()
+
+
+def _tolerances(
+    case: AnyCase, expected: list[Expected], device_type: str, strategies: list[str]
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Per strategy label, per tensor (``out``, then the gradients; `workloads.Expected`): `tolerance`,
+    with ``atol`` multiplied by the tensor's RMS where that exceeds 1."""
+    scales = {e.what: (e.reduction, max(1.0, float(e.value.double().pow(2).mean().sqrt()))) for e in expected}
+    tols: dict[str, dict[str, dict[str, float]]] = {}
+    for label in strategies:
+        s = report.base_strategy(case.op, label)
+        tols[label] = {}
+        for what, (reduction, scale) in scales.items():
+            tol = tolerance(case.torch_dtype, reduction, s, device_type)
+            tols[label][what] = dict(tol, atol=tol["atol"] * scale)
+    return tols
+
+
+def _compare(
+    actual: list[torch.Tensor], expected: list[torch.Tensor], tols: dict[str, dict[str, float]], what: str
+) -> str | None:
+    """None if every tensor is close, else a one-line description of the first mismatch."""
+    for (name, tol), x, e in zip(tols.items(), actual, expected, strict=True):
+        try:
+            torch.testing.assert_close(x, e, **tol)
+        except AssertionError as exc:
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            return (
+                f"{what} ({name}): "
+                + "; ".join(lines[1:] or lines)
+                + f" (rtol={tol['rtol']:.3g}, atol={tol['atol']:.3g})"
+            )
+    return None
+
+
+def strategies_for(case: AnyCase, config: BenchConfig, info: world.GroupInfo) -> tuple[list[str], list[str]]:
+    """(strategy labels to run for `case`, notes on the ones left out)."""
+    run, notes = [], []
+    interpreted = fused_interpreted(info.device)
+    for label in config.strategies:
+        if label not in strategy_labels(case.op):
+            continue  # a variant of another op
+        s = report.base_strategy(case.op, label)
+        if s in ("symm", "fused") and not info.single_node:
+            notes.append(f"{label} skipped: the group spans nodes {info.node_names}")
+        elif s == "fused" and interpreted and not case.fits_interpreted_fused:
+            continue  # the footnote of the table says why
+        else:
+            run.append(label)
+    return run, notes
+
+
+@dataclasses.dataclass
+class Checked:
+    """One case on this rank after its correctness check (`check_case`): what there is to time."""
+
+    case: AnyCase
+    labels: list[str]  # the strategy labels run for the case, reference first
+    failed: dict[str, str]  # label -> the lowest failing rank's message (the same on every rank)
+    notes: list[str]
+    work: Workload
+    tols: dict[str, dict[str, dict[str, float]]]
+    fns: dict[str, Callable[[], Any]]  # what is timed: the collectives alone, the GEMMs alone, the labels that passed
+    slow: set[str]  # labels under the Triton interpreter: no warm-up, at most timing.INTERPRETED_ITERS repeats
+    interpreted: bool  # whether fused runs under the interpreter on these ranks
+
+    def units(self, config: BenchConfig) -> int:
+        """Steps of the case for a progress bar: one per label checked, per warm-up round, per repeat."""
+        return len(self.labels) + config.warmup + config.iters
+
+
+def check_case(
+    case: AnyCase,
+    case_index: int,
+    config: BenchConfig,
+    seed: int,
+    info: world.GroupInfo,
+    pg: dist.ProcessGroup,
+    progress: Progress = quiet,
+) -> Checked:
+    """Build one case's inputs on every rank and check every strategy against ``reference`` (and
+    ``reference`` against the local oracle); every rank returns the same verdicts (one
+    ``all_gather_object``). Raises whatever the ops raise: only mismatches are recorded."""
+    rank, device = info.rank, info.device
+    interpreted = fused_interpreted(device)
+    labels, notes = strategies_for(case, config, info)
+    units = len(labels) + config.warmup + config.iters
+    timeout = _common.resolve_timeout(config.timeout)
+    work = build(case, seed, case_index, info, pg, timeout)
+    calls = {label: strategy_fn(work, case, label, config.timeout) for label in labels}
+    tols = _tolerances(case, work.expected, device.type, labels)
+
+    errors: dict[str, str] = {}
+    progress(0.0, f"{case.name}: checking reference")
+    y_ref = calls["reference"]()
+    err = _compare(
+        y_ref, [e.value for e in work.expected], tols["reference"], f"rank {rank}: reference vs the local {case.op}"
+    )
+    if err:
+        errors["reference"] = err
+    work.expected.clear()
+    for i, label in enumerate(labels[1:], 1):
+        progress(i / units, f"{case.name}: checking {report.display_label(case.op, label, interpreted)}")
+        err = _compare(calls[label](), y_ref, tols[label], f"rank {rank}: {label} vs reference")
+        if err:
+            errors[label] = err
+    del y_ref
+    every: list[Any] = [None] * info.world_size
+    dist.all_gather_object(every, errors, group=pg)
+    failed: dict[str, str] = {}
+    for rank_errors in every:
+        for s, text in rank_errors.items():
+            failed.setdefault(s, text)  # the lowest failing rank's message
+
+    fns: dict[str, Callable[[], Any]] = {work.comm_label: work.comm, work.compute_label: work.compute}
+    # A wrong reference is still the baseline of the others; a wrong strategy is not timed.
+    fns.update({s: calls[s] for s in labels if s == "reference" or s not in failed})
+    slow = {label for label in fns if label in labels and report.is_interpreted(case.op, label, interpreted)}
+    return Checked(case, labels, failed, notes + work.notes, work, tols, fns, slow, interpreted)
