@@ -145,7 +145,9 @@ def test_one_rank_local_failures_fail_fast_everywhere(pools):
         kind, msg, secs = res["growth"]
         assert kind == "OSError" and secs < FALLBACK_TIMEOUT_S, (rank, res["growth"])
         kind, msg, secs = res["fused_unavailable"]
-        assert kind == ("ValueError" if rank == 1 else "OverlapMismatchError") and secs < FALLBACK_TIMEOUT_S, (rank, msg)
+        want = "ValueError" if rank == 1 else "OverlapMismatchError"
+        assert kind == want and secs < FALLBACK_TIMEOUT_S, (rank, msg)
         kind, msg, secs = res["reserve"]
-        assert kind == ("ValueError" if rank == 1 else "OverlapMismatchError") and secs < FALLBACK_TIMEOUT_S, (rank, msg)
+        want = "ValueError" if rank == 1 else "OverlapMismatchError"
+        assert kind == want and secs < FALLBACK_TIMEOUT_S, (rank, msg)
         assert res["then_ok"]
