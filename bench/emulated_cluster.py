@@ -3,7 +3,7 @@
 Two network namespaces on this machine are the two "nodes", joined by a veth pair whose egress is
 rate-limited on both ends with ``tc qdisc ... tbf`` (root only; everything is set up and torn down
 by this script, also on SIGINT/SIGTERM). Ranks are placed on the nodes by their node identity
-(``OVERLAP_NODE_ID=a|b``, DESIGN.md): ranks of one node talk over gloo inside their namespace (the
+(``OVERLAP_NODE_ID=a|b``, docs/design.md): ranks of one node talk over gloo inside their namespace (the
 veth end's address is local, so their traffic takes the loopback path, unlimited) and share
 ``/dev/shm`` and a hostname; ranks of different nodes talk over the veth pair at the emulated rate,
 so `overlap.world` gives them the link class ``network``. The rendezvous is a file store under

@@ -10,7 +10,7 @@ from typing import Any
 
 from emulated_cluster_link import parse_rate
 
-#: problems as `overlap.plan.Problem` fields, for 2 ranks per node on 2 CPU cores: a call takes ~10-30 ms
+#: problems as `overlap.plans.Problem` fields, for 2 ranks per node on 2 CPU cores: a call takes ~10-30 ms
 #: and its GEMMs and transfers are comparable somewhere between 100 Mbit/s and 2 Gbit/s. At 100 Mbit/s
 #: (~12 MB/s per direction, shared by the 4 rank pairs that cross it) the gather of ``all_gather_matmul``
 #: (48 KiB per block, 4 blocks per direction) takes about as long as its GEMMs (~0.14 GFLOP per block);
@@ -40,7 +40,7 @@ class Config:
     deadline_s: float = 900.0  # per rate: the ranks are killed past it
     symm_check: bool = True
     verbose: bool = True  # rank 0's progress lines on stderr
-    #: rate -> a recorded `overlap.plan.Profile` (its JSON): that rate's ranks take it instead of probing, so
+    #: rate -> a recorded `overlap.plans.Profile` (its JSON): that rate's ranks take it instead of probing, so
     #: the model's ranking, and so the plans the tuner measures, are a function of the inputs alone
     profiles: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 

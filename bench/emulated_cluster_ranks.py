@@ -7,7 +7,7 @@ recorded profile per rate instead, and the model's ranking is then fixed by the 
 subgroups see ``shm`` links and that a ``symm`` call over shared memory matches ``reference``, then
 per problem and repeat, interleaved: (1) the tuner, `overlap.tune.search.tune` with the probed
 profile (the model's ``--measure`` best plans and ``reference`` measured); (2) the exhaustive grid,
-`overlap.tune.search.measure` over every plan `overlap.plan.candidates` lists. Both measure with the
+`overlap.tune.search.measure` over every plan `overlap.plans.candidates` lists. Both measure with the
 same ``--tune-repeats`` and ``--warmup`` and time themselves by wall clock on rank 0. (3) A duel: the
 tuner's pick and the grid's best timed again side by side (with ``reference``), interleaved, twice as
 many calls each, so neither is judged on the times it was selected by. Rank 0 writes the raw results
@@ -100,7 +100,7 @@ def _compare(cfg: Config, spec: dict, rank: int, world_size: int) -> dict[str, A
     import torch.distributed as dist
 
     from overlap import world
-    from overlap.plan import Plan, Problem, Profile, candidates, predict, rank_candidates, topology_of
+    from overlap.plans import Plan, Problem, Profile, candidates, predict, rank_candidates, topology_of
     from overlap.tune import probe_cached
     from overlap.tune.search import measure, tune
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The GPU check of overlap: one short run that proves and times its GPU paths (DESIGN.md, tier 4).
+"""The GPU check of overlap: one short run that proves and times its GPU paths (docs/design.md, tier 4).
 
 Usage::
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 STARTED = time.time()  # --time-limit counts from here (the install included; kept across the re-exec)
-# rtol, atol (DESIGN.md). fp32 is CPU only: on GPUs the kernel's fp32 dot is TF32.
+# rtol, atol (docs/design.md). fp32 is CPU only: on GPUs the kernel's fp32 dot is TF32.
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (1.6e-2, 1e-2)}
 
 

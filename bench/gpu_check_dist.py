@@ -43,7 +43,7 @@ from gpu_check_common import (
 )
 
 import overlap
-from overlap.ops import _common as common
+from overlap import comm
 
 # ==============================================================================================
 # Several GPUs under torchrun: every op x strategy against `reference`, then timings
@@ -259,7 +259,7 @@ class Dist:
         self.broken = False  # after a failed call the group may be unusable: later sections skip
 
     def wait(self, work: Any, what: str) -> None:
-        common.wait_work(work, "gpu_check", self.rank, "any", what, self.timeout)
+        comm.wait_work(work, "gpu_check", self.rank, "any", what, self.timeout)
 
     def barrier(self) -> None:
         self.wait(self.dist.barrier(group=self.group, async_op=True), "barrier")

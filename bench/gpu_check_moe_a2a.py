@@ -9,15 +9,15 @@ from gpu_check_device import KERNEL_TIMEOUT_NS, Device
 from gpu_check_moe_group import Config, MoEGroup, staged_rows
 
 from overlap import _C
-from overlap.ops import _moe as M
-from overlap.ops import _moe_cuda as MC
+from overlap.ops import moe_cuda
+from overlap.ops import moe_layout as layout
 
 
 def check_a2a_kernels(rep: Report, dev: Device, cfg: Config) -> None:
     """Racing: every receiver's bounded waits (Call.wait_ready on GPUs) are issued first; then each source's
-    one dispatch launch on its own stream with `_moe_cuda`'s tables. Regions bitwise against index_select,
+    one dispatch launch on its own stream with `moe_cuda`'s tables. Regions bitwise against index_select,
     each flag at the epoch exactly where its block has rows, counters back at 0, no wait timed out. Then
-    each rank's combine launch over its regions against `M.weighted_sum` of the same rows."""
+    each rank's combine launch over its regions against `layout.weighted_sum` of the same rows."""
     name = f"h.moe a2a kernels {cfg.describe()}"
     epoch = 9
     g = MoEGroup.create(dev, cfg, stale=epoch - 1)
@@ -27,12 +27,12 @@ def check_a2a_kernels(rep: Report, dev: Device, cfg: Config) -> None:
     launches = []
     for s in range(W):
         h = g.handles[s]
-        blocks = MC.dispatch_blocks(h)
+        blocks = moe_cuda.dispatch_blocks(h)
         if blocks[-1] == 0:
             continue
-        per_chunk = MC.rows_per_chunk(row_bytes)
-        chunks = MC.chunk_offsets(blocks, per_chunk)
-        flags = [g.flag(s, i).data_ptr() for i in MC.block_flags(h)]
+        per_chunk = moe_cuda.rows_per_chunk(row_bytes)
+        chunks = moe_cuda.chunk_offsets(blocks, per_chunk)
+        flags = [g.flag(s, i).data_ptr() for i in moe_cuda.block_flags(h)]
         table = torch.tensor(blocks + chunks + flags, dtype=torch.int64, device=d)
         dst = torch.tensor([g.region(r, s).data_ptr() for r in range(W)], dtype=torch.int64, device=d)
         launches.append((s, h, table, dst, len(blocks), blocks[-1], chunks[-1], per_chunk))
@@ -46,7 +46,7 @@ def check_a2a_kernels(rep: Report, dev: Device, cfg: Config) -> None:
                     _C.cuda_wait_flag_bounded(g.flag(s, i).data_ptr(), epoch, KERNEL_TIMEOUT_NS,
                                               err[r : r + 1].data_ptr(), waiters[r].cuda_stream)
     for s, h, table, dst, n, num_sends, num_chunks, per_chunk in launches:
-        G = M.expert_groups(cfg.num_local_experts, W)
+        G = layout.expert_groups(cfg.num_local_experts, W)
         stream = g.streams[s].cuda_stream if dev.cuda else 0
         _C.moe_dispatch_rows(g.xs[s].data_ptr(), h.token_of.data_ptr(), num_sends, row_bytes,
                              dst.data_ptr(), table.data_ptr(), table.data_ptr() + 8 * n, W * G, G, num_chunks,
@@ -83,11 +83,11 @@ def check_a2a_kernels(rep: Report, dev: Device, cfg: Config) -> None:
         dev.idle(name)
         if T:
             _C.moe_combine_rows(back_table.data_ptr(), offsets.data_ptr(), W, pos.data_ptr(), weights.data_ptr(),
-                                out.data_ptr(), T, K, H, MC.DTYPE_CODES[cfg.dtype],
+                                out.data_ptr(), T, K, H, moe_cuda.DTYPE_CODES[cfg.dtype],
                                 g.streams[r].cuda_stream if dev.cuda else 0)
         dev.settle(g.streams, [], name)
         back = torch.cat([g.region(r, s)[: h.send_splits[s]] for s in range(W)])
-        ref = M.weighted_sum(back.index_select(0, h.inv_order), weights, cfg.dtype)
+        ref = layout.weighted_sum(back.index_select(0, h.inv_order), weights, cfg.dtype)
         exact = exact and torch.equal(out, ref)
         if T:
             diff = (out.float() - ref.float()).abs().max().item()

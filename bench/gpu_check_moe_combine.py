@@ -20,8 +20,8 @@ from gpu_check_moe_group import Config, MoEGroup, expert_weights, op_tile, share
 from overlap.kernels.moe import grouped_matmul_scatter_kernel
 
 from overlap import _C
-from overlap.ops import _common as common
-from overlap.ops import _moe as M
+from overlap.ops import fused
+from overlap.ops import moe_layout as layout
 
 # ==============================================================================================
 # The combine direction: the scatter kernel (`moe_combine._fused`), the sources' collection
@@ -45,21 +45,21 @@ def scatter_call(g: MoEGroup, r: int, y: torch.Tensor, w: torch.Tensor, dst: lis
     W, L, G, F = g.world_size, g.cfg.num_local_experts, g.num_groups, g.flags_per_peer
     h = g.handles[r]
     bm, bn, _ = op_tile(g.dev, g.cfg.dtype)
-    tiles_n = common.cdiv(w.shape[2], bn)
+    tiles_n = fused.cdiv(w.shape[2], bn)
     tiles, per_flag = [], {}
     for i in range(1, W + 1):
         s = (r + i) % W
         for e in range(L):
             c = h.recv_counts[s][e]
             lo, at = h.within_source(s, e), h.expert_offsets[e][s]
-            flag = s * F + 1 + M.group_of(e, L, G)
+            flag = s * F + 1 + layout.group_of(e, L, G)
             for t in range(0, c, bm):
                 tiles.append([s, e, at + t, lo + t, min(bm, c - t), flag, 0])
                 per_flag[flag] = per_flag.get(flag, 0) + tiles_n
     for tile in tiles:
         tile[6] = per_flag[tile[5]]
     if dst is None:
-        hb = M.header_bytes(W, L)
+        hb = layout.header_bytes(W, L)
         dst = [g.bufs[p].data_ptr() + hb + r * g.stride for p in range(W)]
     d = g.dev.device
     return ScatterCall(r, y, w, torch.tensor(tiles, dtype=torch.int32, device=d) if tiles else None,
@@ -184,7 +184,7 @@ def check_combine_ordered(rep: Report, dev: Device, cfg: Config) -> None:
 def check_combine_racing(rep: Report, dev: Device, cfg: Config) -> None:
     """g. The sources' waits and copies first; the scatter kernels 20 ms later, rank W-1 first, rank 0 last."""
     name = f"g.moe combine racing {cfg.describe()}"
-    epoch, stale, W, F = 9, 8, cfg.world_size, M.flags_per_peer(cfg.world_size)
+    epoch, stale, W, F = 9, 8, cfg.world_size, layout.flags_per_peer(cfg.world_size)
     g = MoEGroup.create(dev, cfg, stale=stale)
     ci = combine_inputs(g)
     backs = [torch.full((t.numel(), cfg.hidden), math.nan, device=dev.device, dtype=cfg.dtype) for t in g.topk]

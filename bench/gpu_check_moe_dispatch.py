@@ -20,8 +20,8 @@ from gpu_check_device import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device, Tile
 from gpu_check_moe_group import Config, MoEGroup, expert_mm64, expert_weights, op_tile, shared_queues, staged_rows
 from overlap.kernels.moe import grouped_matmul_wait_kernel
 
-from overlap.ops import _common as common
-from overlap.ops import _moe as M
+from overlap.ops import fused
+from overlap.ops import moe_layout as layout
 
 # ==============================================================================================
 # The dispatch direction: producers' copies, the wait kernel (`_consume_fused`)
@@ -49,7 +49,7 @@ def write_rows(g: MoEGroup, s: int, d: int, epoch: int | None, staged: torch.Ten
     region, base = g.region(d, s), h.send_offsets[d]
     with g.dev.on(stream):
         for gi in range(G):
-            experts = M.group_experts(gi, L, G)
+            experts = layout.group_experts(gi, L, G)
             lo, hi = h.within_dest(d, experts.start), h.within_dest(d, experts.stop)
             if hi <= lo:
                 continue
@@ -91,13 +91,13 @@ def wait_call(g: MoEGroup, r: int, w: torch.Tensor, tile: Tile | None = None) ->
             c = h.recv_counts[s][e]
             lo, at = h.within_source(s, e), h.expert_offsets[e][s]
             for t in range(0, c, bm):
-                tiles.append((s, e, lo + t, at + t, min(bm, c - t), r * F + 1 + M.group_of(e, L, G)))
-    hb = M.header_bytes(W, L)
+                tiles.append((s, e, lo + t, at + t, min(bm, c - t), r * F + 1 + layout.group_of(e, L, G)))
+    hb = layout.header_bytes(W, L)
     src = [g.bufs[r].data_ptr() + hb + s * g.stride for s in range(W)] if g.bufs[r] is not None else [0] * W
     err = torch.zeros(1, dtype=torch.int32, device=d)
     return WaitCall(r, w, tile, blocks, torch.tensor(src, dtype=torch.int64, device=d),
                     torch.tensor(tiles, dtype=torch.int32, device=d) if tiles else None,
-                    len(tiles) * common.cdiv(w.shape[2], bn),
+                    len(tiles) * fused.cdiv(w.shape[2], bn),
                     torch.full((h.num_recv, w.shape[2]), math.nan, device=d, dtype=dtype),
                     torch.full((h.num_recv, g.cfg.hidden), math.nan, device=d, dtype=dtype),
                     err, err if g.dev.cuda else torch.zeros(1, dtype=torch.int32, device=d))
@@ -113,7 +113,7 @@ def launch_wait(g: MoEGroup, c: WaitCall, epoch: int, timeout_ns: int, watchdog:
     bm, bn, bk = c.blocks
     tile = c.tile
     options = {} if tile is None or interpreted else {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
-    guard = common.Watchdog(c.abort, timeout_ns / 1e9) if watchdog and interpreted else contextlib.nullcontext()
+    guard = fused.Watchdog(c.abort, timeout_ns / 1e9) if watchdog and interpreted else contextlib.nullcontext()
     with guard:
         grouped_matmul_wait_kernel[(c.grid,)](
             c.src_table, g.flag_table, c.table,
@@ -221,7 +221,7 @@ def check_dispatch_racing(rep: Report, dev: Device, cfg: Config) -> None:
         thread = threading.Thread(target=publisher, daemon=True)
         abort = calls[0].abort  # one abort word: the watchdog bounds every interpreted spin
         ends = []
-        with common.Watchdog(abort, 10.0):
+        with fused.Watchdog(abort, 10.0):
             thread.start()
             for c in calls:
                 c.abort = abort
@@ -284,7 +284,7 @@ def check_dispatch_timeout(rep: Report, dev: Device, cfg: Config) -> None:
         waited = start.elapsed_time(end) / 1e3
     else:
         t0 = time.perf_counter()
-        with common.Watchdog(c.abort, timeout_s):  # the interpreter's abort word stands in for %globaltimer
+        with fused.Watchdog(c.abort, timeout_s):  # the interpreter's abort word stands in for %globaltimer
             launch_wait(g, c, epoch, SHORT_TIMEOUT_NS, watchdog=False)
         waited = time.perf_counter() - t0
     problems: list[str] = []

@@ -2,13 +2,13 @@
 ranks with the slot layout of the MoE ops, which every MoE section (dispatch, combine, a2a, timings) starts from.
 
 As in gpu_check_virtual: W virtual ranks in one process, each with its own stream, its own slot (a plain device
-tensor laid out as `overlap.ops._moe` lays out a slot: a header of ``W x L`` int32 counts, then ``W`` regions of
-`M.region_stride` bytes, NaN until written), its own flag pad (int32 ``[MAX_FLAGS]`` at the previous call's
+tensor laid out as `overlap.ops.moe_layout` lays out a slot: a header of ``W x L`` int32 counts, then ``W`` regions of
+`layout.region_stride` bytes, NaN until written), its own flag pad (int32 ``[MAX_FLAGS]`` at the previous call's
 epoch: producer ``s`` flags ``d * F`` for its counts and ``d * F + 1 + g`` for its rows of expert group ``g``
 for rank ``d``) and its own flag counters. The routing is built on the host: random top-k with uneven loads
 (a ramp on the logits, or two hot experts per rank), uneven token counts (0 included), one expert nobody
-picks. The layout math is the ops' own
-(`M.route`, `MoEHandle`, `M.heap_need`, `M.region_stride`, `M.group_of`, ...); the expected rows are not:
+picks. The layout math is the ops' own (`overlap.ops.moe_layout`: `route`, `MoEHandle`, `heap_need`,
+`region_stride`, `group_of`, ...); the expected rows are not:
 they come straight from ``topk_idx`` (expert, then source rank, then pair order).
 
 Also here: what several sections share besides the ranks (the float64 reference of a grouped GEMM, the rows a
@@ -29,9 +29,10 @@ from gpu_check_common import Report, dtype_name
 from gpu_check_device import Device
 
 from overlap import symm
-from overlap.ops import _common as common
-from overlap.ops import _moe as M
-from overlap.plan import Plan
+from overlap.ops import fused
+from overlap.ops import moe_layout as layout
+from overlap.ops.context import CallContext
+from overlap.plans import Plan
 
 # ==============================================================================================
 # Routing and virtual ranks with the slot layout of the MoE ops
@@ -89,8 +90,8 @@ class MoEGroup:
     cfg: Config
     xs: list[torch.Tensor]  # [T_r, H] each rank's tokens
     topk: list[torch.Tensor]  # [T_r, K]
-    handles: list[M.MoEHandle]  # each rank's layout; recv_counts from the senders' counts (host values)
-    stride: int  # bytes between regions (`M.region_stride` of the largest need of any rank)
+    handles: list[layout.MoEHandle]  # each rank's layout; recv_counts from the senders' counts (host values)
+    stride: int  # bytes between regions (`layout.region_stride` of the largest need of any rank)
     bufs: list[torch.Tensor | None]  # uint8 [header + W * stride] each rank's slot (None: not made)
     pads: list[torch.Tensor]  # int32 [MAX_FLAGS] each rank's ready flags
     counters: list[torch.Tensor]  # int32 [MAX_FLAGS] each rank's flag counters (the scatter kernel's)
@@ -107,14 +108,15 @@ class MoEGroup:
             T = cfg.tokens[r % len(cfg.tokens)]
             xs.append(torch.randn(T, cfg.hidden, device=d).to(cfg.dtype))
             topk.append(make_topk(cfg, T, d))
-            order, send_counts = M.route("gpu_check", topk[r], E, W)
-            handles.append(M.MoEHandle(None, None, E, L, K, T, send_counts, order, Plan("fused"), 30.0))
+            order, send_counts = layout.route("gpu_check", topk[r], E, W)
+            context = CallContext("gpu_check", None, None, 30.0, Plan("fused"))  # no group: virtual ranks
+            handles.append(layout.MoEHandle(context, E, L, K, T, send_counts, order))
         for r, h in enumerate(handles):
             h.recv_counts = [handles[s].send_counts[r] for s in range(W)]
         row_bytes = cfg.hidden * xs[0].element_size()
-        need = max(M.heap_need("fused", h.num_tokens, K, L, h.send_splits, row_bytes, W) for h in handles)
-        stride = M.region_stride(types.SimpleNamespace(need=need), W, L)
-        hb = M.header_bytes(W, L)
+        need = max(layout.heap_need("fused", h.num_tokens, K, L, h.send_splits, row_bytes, W) for h in handles)
+        stride = layout.region_stride(types.SimpleNamespace(need=need), W, L)
+        hb = layout.header_bytes(W, L)
         bufs: list[torch.Tensor | None] = []
         for r in range(W):
             if owners is not None and r not in owners:
@@ -139,17 +141,17 @@ class MoEGroup:
 
     @property
     def flags_per_peer(self) -> int:
-        return M.flags_per_peer(self.world_size)
+        return layout.flags_per_peer(self.world_size)
 
     @property
     def num_groups(self) -> int:
-        return M.expert_groups(self.cfg.num_local_experts, self.world_size)
+        return layout.expert_groups(self.cfg.num_local_experts, self.world_size)
 
     def region(self, owner: int, source: int) -> torch.Tensor:
-        """Region `source` of `owner`'s slot as ``[capacity, H]`` rows (`M.region`)."""
+        """Region `source` of `owner`'s slot as ``[capacity, H]`` rows (`layout.region`)."""
         W, L, H = self.world_size, self.cfg.num_local_experts, self.cfg.hidden
         row_bytes = H * self.xs[0].element_size()
-        at, cap = M.header_bytes(W, L) + source * self.stride, self.stride // row_bytes
+        at, cap = layout.header_bytes(W, L) + source * self.stride, self.stride // row_bytes
         return self.bufs[owner][at : at + cap * row_bytes].view(self.cfg.dtype).view(cap, H)
 
     def header(self, owner: int) -> torch.Tensor:
@@ -164,7 +166,7 @@ class MoEGroup:
         dispatch flags them in `source`'s pad (``base = dest * F``), the combine in `dest`'s (``source * F``)."""
         L, G = self.cfg.num_local_experts, self.num_groups
         counts = self.handles[source].send_counts[dest]
-        return [base + 1 + gi for gi in range(G) if sum(counts[e] for e in M.group_experts(gi, L, G))]
+        return [base + 1 + gi for gi in range(G) if sum(counts[e] for e in layout.group_experts(gi, L, G))]
 
     def dispatch_flags(self) -> list[torch.Tensor]:
         """One-word views of every awaited dispatch flag (what a settle watchdog writes to release waits)."""
@@ -223,8 +225,8 @@ def staged_rows(g: MoEGroup, s: int, d: int) -> torch.Tensor:
 
 
 def op_tile(dev: Device, dtype: torch.dtype) -> tuple[int, int, int]:
-    """The ops' default tiles (no plan tiles): `common.fused_tiles`."""
-    return common.fused_tiles(0, 0, 0, not dev.cuda, dtype)
+    """The ops' default tiles (no plan tiles): `fused.fused_tiles`."""
+    return fused.fused_tiles(0, 0, 0, not dev.cuda, dtype)
 
 
 def shared_queues(rep: Report, name: str, world_size: int) -> bool:

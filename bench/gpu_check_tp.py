@@ -48,7 +48,7 @@ from gpu_check_tp_group import (
 )
 
 from overlap import _C
-from overlap.ops import _common as common
+from overlap.ops import fused
 
 # ==============================================================================================
 # Checks f
@@ -139,9 +139,9 @@ def check_racing(rep: Report, dev: Device, kind: str, world_size: int, shape: tu
 def chunk_rows(g: TPGroup, chunk: int) -> tuple[int, int]:
     """Rows of a block that chunk `chunk` covers: row tile t is in chunk ``t * nch // tiles_m``."""
     bm = g.tile[0]
-    tiles_m = common.cdiv(g.lay.block_rows, bm)
-    first = common.cdiv(chunk * tiles_m, g.nch)
-    last = common.cdiv((chunk + 1) * tiles_m, g.nch)
+    tiles_m = fused.cdiv(g.lay.block_rows, bm)
+    first = fused.cdiv(chunk * tiles_m, g.nch)
+    last = fused.cdiv((chunk + 1) * tiles_m, g.nch)
     return min(first * bm, g.lay.block_rows), min(last * bm, g.lay.block_rows)
 
 
@@ -181,7 +181,7 @@ def racing_on_cpu(rep: Report, g: TPGroup, name: str, epoch: int, first_delay_s:
     thread = threading.Thread(target=publisher, daemon=True)
     abort = g.aborts[0]  # one abort word: the watchdog bounds every interpreted spin
     ends = []
-    with common.Watchdog(abort, 10.0):
+    with fused.Watchdog(abort, 10.0):
         thread.start()
         for r in range(W):
             g.aborts[r] = abort
@@ -217,7 +217,7 @@ def check_timeout(rep: Report, dev: Device, dtype: torch.dtype) -> None:
     else:
         launch_scatter(g, 0, epoch)
         t0 = time.perf_counter()
-        with common.Watchdog(g.aborts[0], timeout_s):  # the interpreter's abort word stands in for %globaltimer
+        with fused.Watchdog(g.aborts[0], timeout_s):  # the interpreter's abort word stands in for %globaltimer
             launch_reduce(g, 0, epoch, SHORT_TIMEOUT_NS, watchdog=False)
         waited = time.perf_counter() - t0
     problems = []

@@ -38,7 +38,7 @@ from gpu_check_device import Device
 from overlap.kernels.mm_rs import matmul_scatter_kernel, reduce_chunks_kernel
 
 from overlap import symm
-from overlap.ops import _common as common
+from overlap.ops import fused
 from overlap.ops.matmul_reduce_scatter import region_bytes
 
 KINDS = {"rs": "reduce-scatter", "ar2": "all-reduce two-shot (its reduce-scatter)", "ar1": "all-reduce one-shot"}
@@ -63,7 +63,7 @@ class Layout:
 
     @property
     def block_rows(self) -> int:
-        return self.rows if self.kind == "ar1" else common.cdiv(self.rows, self.world_size)
+        return self.rows if self.kind == "ar1" else fused.cdiv(self.rows, self.world_size)
 
     @property
     def flag_stride(self) -> int:
@@ -120,9 +120,9 @@ class TPGroup:
                b_layout: str = "w.t()") -> TPGroup:
         d, W = dev.device, lay.world_size
         interpreted = not dev.cuda
-        tile = common.fused_tiles(0, 0, 0, interpreted, dtype)  # the op's default tiles
+        tile = fused.fused_tiles(0, 0, 0, interpreted, dtype)  # the op's default tiles
         # The chunk count of `scatter_and_reduce`: the plan's, at most the flags and the row tiles.
-        nch = max(1, min(num_chunks, lay.max_chunks, common.cdiv(lay.block_rows, tile[0])))
+        nch = max(1, min(num_chunks, lay.max_chunks, fused.cdiv(lay.block_rows, tile[0])))
         rb = region_bytes(lay.block_rows, n, dtype)
         regions = 1 if lay.kind == "ar1" else W
         slots = [torch.empty(regions * rb, dtype=torch.uint8, device=d) for _ in range(W)]
@@ -222,12 +222,12 @@ class TPGroup:
 
 def scatter_grid(g: TPGroup) -> int:
     bm, bn, _ = g.tile
-    return g.lay.num_dest * common.cdiv(g.lay.block_rows, bm) * common.cdiv(g.n, bn)
+    return g.lay.num_dest * fused.cdiv(g.lay.block_rows, bm) * fused.cdiv(g.n, bn)
 
 
 def reduce_grid(g: TPGroup) -> int:
     bm, bn, _ = g.tile
-    return common.cdiv(g.lay.block_rows, bm) * common.cdiv(g.n, bn)
+    return fused.cdiv(g.lay.block_rows, bm) * fused.cdiv(g.n, bn)
 
 
 def launch_scatter(g: TPGroup, rank: int, epoch: int) -> None:
@@ -254,7 +254,7 @@ def launch_reduce(g: TPGroup, rank: int, epoch: int, timeout_ns: int, watchdog: 
     `reduce_sources` does), unless the caller bounds the launch itself (`watchdog=False`)."""
     out = g.outs[rank]
     bm, bn, _ = g.tile
-    guard = common.Watchdog(g.aborts[rank], timeout_ns / 1e9) if watchdog and not g.dev.cuda \
+    guard = fused.Watchdog(g.aborts[rank], timeout_ns / 1e9) if watchdog and not g.dev.cuda \
         else contextlib.nullcontext()
     with guard:
         reduce_chunks_kernel[(reduce_grid(g),)](

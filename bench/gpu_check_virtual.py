@@ -24,8 +24,8 @@ from gpu_check_device import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device, Tile
 from gpu_check_primitives import check_flag_wait_kernel, check_stream_wait, time_copy, time_signals
 from overlap.kernels.ag_matmul import all_gather_matmul_kernel as KERNEL
 
-from overlap import _C
-from overlap.ops import _common as common
+from overlap import _C, comm
+from overlap.ops import fused
 
 # ==============================================================================================
 # Virtual ranks of the all-gather kernel
@@ -191,7 +191,7 @@ def check_racing(rep: Report, dev: Device, world_size: int, shape: tuple[int, in
 
         thread = threading.Thread(target=publisher, daemon=True)
         abort = consumers[0].abort  # one abort word: the watchdog bounds every interpreted spin
-        with common.Watchdog(abort, 10.0):
+        with fused.Watchdog(abort, 10.0):
             thread.start()
             for r, c in enumerate(consumers):
                 c.abort = abort
@@ -254,7 +254,7 @@ def check_timeout(rep: Report, dev: Device, dtype: torch.dtype) -> None:
     else:
         dev.publish(g.flags[0], epoch, None)
         t0 = time.perf_counter()
-        with common.Watchdog(c.abort, timeout_s):  # the interpreter's abort word stands in for %globaltimer
+        with fused.Watchdog(c.abort, timeout_s):  # the interpreter's abort word stands in for %globaltimer
             launch(g, 0, c, epoch, SHORT_TIMEOUT_NS, dev.tile)
         waited = time.perf_counter() - t0
     problems = []
@@ -289,7 +289,7 @@ def check_symm_pipeline(rep: Report, dev: Device, world_size: int, shape: tuple[
     consumers = [new_consumer(g) for _ in range(world_size)]
     fulls = [torch.empty(world_size * m, k, device=dev.device, dtype=dtype) for _ in range(world_size)]
     dev.idle(name)
-    bounds = common.chunk_bounds(m, num_chunks)
+    bounds = comm.chunk_bounds(m, num_chunks)
     for r in range(world_size):
         main, side, out, full = g.streams[r], sides[r], consumers[r].out, fulls[r]
         dev.delay(main, (world_size - r) * 1_000_000)

@@ -1,7 +1,7 @@
 """overlap: communication/compute overlap for tensor- and expert-parallel training.
 
-Public API (DESIGN.md): `all_gather_matmul`, `matmul_reduce_scatter`, `matmul_all_reduce`, `Plan`,
-`reserve`, `release`, `OverlapTimeout`, `OverlapMismatchError`; `overlap.moe` (`dispatch`, `combine`,
+Public API (docs/design.md): `all_gather_matmul`, `matmul_reduce_scatter`, `matmul_all_reduce`, `Plan`,
+`PlanFile`, `reserve`, `release`, `OverlapTimeout`, `OverlapMismatchError`; `overlap.moe` (`dispatch`, `combine`,
 `dispatch_grouped_matmul`, `grouped_matmul_combine`) for expert parallelism. No init call: a
 group's symmetric heap is created by its first call.
 
@@ -16,8 +16,7 @@ import logging as _logging
 import os as _os
 
 from . import envs as _envs
-
-__version__ = "0.1.0"
+from .version import __version__ as __version__
 
 
 def _set_triton_interpret() -> None:
@@ -44,7 +43,7 @@ from .errors import OverlapError, OverlapMismatchError, OverlapTimeout  # noqa: 
 from .ops.all_gather_matmul import all_gather_matmul  # noqa: E402
 from .ops.matmul_all_reduce import matmul_all_reduce  # noqa: E402
 from .ops.matmul_reduce_scatter import matmul_reduce_scatter  # noqa: E402
-from .plan import STRATEGIES, Plan  # noqa: E402
+from .plans import STRATEGIES, Plan, PlanFile  # noqa: E402
 from .symm import release, reserve  # noqa: E402
 
 __all__ = [
@@ -53,6 +52,7 @@ __all__ = [
     "OverlapMismatchError",
     "OverlapTimeout",
     "Plan",
+    "PlanFile",
     "all_gather_matmul",
     "matmul_all_reduce",
     "matmul_reduce_scatter",

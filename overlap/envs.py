@@ -38,6 +38,17 @@ def timeout_s() -> float:
     return value
 
 
+def resolve_timeout(timeout: float | None) -> float:
+    """The deadline of a call in seconds: `timeout` (a positive number) or, where None, OVERLAP_TIMEOUT_S.
+
+    Raises ValueError for anything else (a bool, a string, zero, a negative number) or a bad variable."""
+    if timeout is None:
+        return timeout_s()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    return float(timeout)
+
+
 def log_level() -> str:
     return _get("OVERLAP_LOG").upper()
 

@@ -1,6 +1,9 @@
-"""Exceptions raised by `overlap`."""
+"""Exceptions raised by `overlap`, and `warn_once` for the fallbacks it takes."""
 
 from __future__ import annotations
+
+import logging
+import warnings
 
 
 class OverlapError(RuntimeError):
@@ -34,3 +37,22 @@ class OverlapMismatchError(ValueError):
         lines = [f"  rank {rank}: {signature}"] + [f"  rank {p}: {sig}" for p, sig in sorted(others.items())]
         return cls(f"overlap.{op}: ranks disagree on call {call} of this group:\n" + "\n".join(lines) + "\n"
                    "every rank of a group must make the same calls with the same shapes, dtypes and plans")
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str, category: type[Warning] = UserWarning, *, key: str | None = None,
+              stacklevel: int = 2, log: bool = False) -> bool:
+    """``warnings.warn(message, category)`` the first time this process sees `key` (default: the message);
+    with `log` the same text also goes to the ``overlap`` logger as a warning. True where it warned.
+
+    For fallbacks that would otherwise look like the feature working (a slower path taken silently)."""
+    key = message if key is None else key
+    if key in _WARNED:
+        return False
+    _WARNED.add(key)
+    warnings.warn(message, category, stacklevel=stacklevel + 1)
+    if log:
+        logging.getLogger("overlap").warning(message)
+    return True

@@ -1,7 +1,7 @@
 """Expert parallelism: MoE token dispatch and combine, alone or fused with the experts' grouped GEMMs.
 
 ``overlap.moe`` re-exports the MoE ops (`overlap.ops.moe_dispatch`, `overlap.ops.moe_combine`; the
-layout and the handle: `overlap.ops._moe`)::
+layout and the handle: `overlap.ops.moe_layout`)::
 
     h, handle = overlap.moe.dispatch_grouped_matmul(x, topk_idx, w1, num_experts)  # h_e = x_e @ w1[e]
     y = overlap.moe.grouped_matmul_combine(act(h), w2, topk_weights, handle)       # sum_k w_k * (.. @ w2[e])
@@ -10,8 +10,8 @@ layout and the handle: `overlap.ops._moe`)::
     y = overlap.moe.combine(expert_fn(x_recv), topk_weights, handle)
 """
 
-from .ops._moe import MoEHandle
 from .ops.moe_combine import combine, grouped_matmul_combine
 from .ops.moe_dispatch import dispatch, dispatch_grouped_matmul
+from .ops.moe_layout import MoEHandle
 
 __all__ = ["MoEHandle", "combine", "dispatch", "dispatch_grouped_matmul", "grouped_matmul_combine"]

@@ -2,7 +2,7 @@
 
 Run in its own process with TRITON_INTERPRET=0 (kernels defined under the interpreter cannot be
 compiled). Used by tests/test_kernels_aot.py. Each kernel is compiled at the tiles and launch
-options its op uses (`overlap.ops._common.fused_tiles`; the ops of `matmul_scatter_kernel` and
+options its op uses (`overlap.ops.fused.fused_tiles`; the ops of `matmul_scatter_kernel` and
 `reduce_chunks_kernel` launch with Triton's default 4 warps and 3 stages), and the report says
 what the PTX shows: the GEMM on ``wgmma`` (bf16/f16, and tf32 for fp32 inputs), the flag
 protocol's system-scope release/acquire, the CTA barrier before the chunk count, the

@@ -106,7 +106,7 @@ def expected_rows(xs, idxs, rank: int, L: int) -> tuple[torch.Tensor, list[int]]
 
 
 def tolerances(dtype: torch.dtype) -> dict:
-    # fp32: two chained GEMMs with inner dims <= 64 against float64; bf16: DESIGN.md's 16-bit bound,
+    # fp32: two chained GEMMs with inner dims <= 64 against float64; bf16: docs/design.md's 16-bit bound,
     # scaled by the size of the values (|y| ~ 1 here).
     return {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 3e-2}
 

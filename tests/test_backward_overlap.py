@@ -278,15 +278,15 @@ def peak_allocated(fn) -> tuple[int, int]:
     thread (``[memory]`` events: "Bytes", negative for a free, and the allocator's running "Total
     Allocated", whose baseline carries over from earlier sessions); the op's CPU copy engine is
     replaced by one that runs its copies on this thread, so they count too."""
-    from overlap.ops import _common
+    from overlap import comm
 
-    engine = _common.copy_engine
-    _common.copy_engine = _CallingThreadEngine
+    engine = comm.copy_engine
+    comm.copy_engine = _CallingThreadEngine
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             fn()
     finally:
-        _common.copy_engine = engine
+        comm.copy_engine = engine
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:

@@ -245,10 +245,10 @@ def test_bench_json_folder_missing_exits_2(tmp_path):
 _WRONG_SYMM = """
     import sys
     import torch.distributed as dist
-    import overlap
+    from overlap.benchmarks import workloads
     from overlap.cli import main
 
-    right = overlap.all_gather_matmul
+    right = workloads.all_gather_matmul
 
     def wrong(a, b, *args, strategy="auto", **kwargs):
         out = right(a, b, *args, strategy=strategy, **kwargs)
@@ -257,7 +257,7 @@ _WRONG_SYMM = """
             out[0, 0] += 1.0
         return out
 
-    overlap.all_gather_matmul = wrong  # the runner looks the op up on the package
+    workloads.all_gather_matmul = wrong  # where the benchmark's workloads look the op up
     sys.exit(main(["bench", "--op", "all_gather_matmul", "--mode", "fwd", "--shape", "16x8x8",
                    "--strategies", "reference,symm,pipelined", "--warmup", "0", "--iters", "2", "--timeout", "30"]))
 """
@@ -446,7 +446,7 @@ def test_tune_two_ranks_end_to_end(tmp_path):
         assert re.search(r"\d+\.\d+ms\s+\d+\.\d+ms\s+\d+\.\d+ms\s+\d+\.\d+x$", r), r  # predicted measured ref
     assert "model error" in proc.stdout and f"wrote {out}" in proc.stdout, proc.stdout
 
-    from overlap.planfile import PlanFile
+    from overlap.plans import PlanFile
 
     pf = PlanFile.load(out)
     assert set(pf.entries) == set(keys) and pf.profile is not None

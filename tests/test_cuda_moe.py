@@ -2,10 +2,10 @@
 
 * nvcc compiles them for sm_80 and sm_90a; the dispatch kernel's PTX/SASS publishes each block's flag
   with a system-scope fence, acquire-release counter and release store; the combine kernel has no fused
-  multiply-add (it must round like `overlap.ops._moe.weighted_sum`).
+  multiply-add (it must round like `overlap.ops.moe_layout.weighted_sum`).
 * `overlap._C`'s launchers check their arguments (ValueError with the values) and fail clearly
   (RuntimeError) where no GPU or no CUDA half exists.
-* `overlap.ops._moe_cuda` builds its tables from a handle and passes them to `_C` correctly: the launches
+* `overlap.ops.moe_cuda` builds its tables from a handle and passes them to `_C` correctly: the launches
   run against an emulation of the kernels (the same index math, on CPU memory through the raw addresses
   the launches pass) and are compared with what the CPU path writes and sums.
 
@@ -26,10 +26,10 @@ import pytest
 import torch
 from cuda_tools import cuobjdump
 
-from overlap import _C, envs, symm
-from overlap.ops import _common as C
-from overlap.ops import _moe as M
-from overlap.ops import _moe_cuda
+from overlap import _C, envs, errors, symm
+from overlap.ops import moe_cuda
+from overlap.ops import moe_layout as layout
+from overlap.ops.context import CallContext, warn_device_connections
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "csrc" / "cuda" / "moe_a2a.cu"
@@ -222,7 +222,7 @@ class EmulatedKernels:
     def moe_combine_rows(self, back_table, send_offsets, world_size, pos, weights, out, num_tokens, top_k,
                          hidden, dtype, stream):
         self.launches += 1
-        torch_dtype = {v: k for k, v in _moe_cuda.DTYPE_CODES.items()}[dtype]
+        torch_dtype = {v: k for k, v in moe_cuda.DTYPE_CODES.items()}[dtype]
         size = torch.empty((), dtype=torch_dtype).element_size()
         table = _i64(back_table, world_size)
         offsets = _i64(send_offsets, world_size + 1)
@@ -247,13 +247,13 @@ class EmulatedKernels:
 
 class _Flags:
     def __init__(self, world_size: int):
-        self.tensors = [torch.zeros(symm._CTRL_WORDS, dtype=torch.int32) for _ in range(world_size)]
+        self.tensors = [torch.zeros(symm.layout.CTRL_WORDS, dtype=torch.int32) for _ in range(world_size)]
 
     def addrs(self, word: int) -> list[int]:
         return [t.data_ptr() + 4 * word for t in self.tensors]
 
 
-def _fake_call(h: M.MoEHandle, need: int, epoch: int) -> symm.Call:
+def _fake_call(h: layout.MoEHandle, need: int, epoch: int) -> symm.Call:
     """A `symm.Call` of rank ``h.info.rank`` over a `symm.SymmHeap` whose W buffers are CPU tensors of this
     process (the heap's own address-table code runs unchanged)."""
     W = h.info.world_size
@@ -266,14 +266,15 @@ def _fake_call(h: M.MoEHandle, need: int, epoch: int) -> symm.Call:
 
 
 def _handle(world_size: int, rank: int, num_tokens: int, top_k: int, num_local_experts: int,
-            gen: torch.Generator) -> M.MoEHandle:
+            gen: torch.Generator) -> layout.MoEHandle:
     E = world_size * num_local_experts
     # Skewed routing: expert 0 is hot, the last expert is never picked (an empty block).
     topk = torch.randint(0, max(E - 1, 1), (num_tokens, top_k), generator=gen)
     topk[: num_tokens // 2, 0] = 0
-    order, send_counts = M.route("test", topk, E, world_size)
+    order, send_counts = layout.route("test", topk, E, world_size)
     info = types.SimpleNamespace(world_size=world_size, rank=rank, device=torch.device("cpu"))
-    return M.MoEHandle(None, info, E, num_local_experts, top_k, num_tokens, send_counts, order, None, 1.0)
+    context = CallContext("test", None, info, 1.0)
+    return layout.MoEHandle(context, E, num_local_experts, top_k, num_tokens, send_counts, order)
 
 
 SHAPES = [  # world size, rank, tokens, top_k, local experts
@@ -290,24 +291,24 @@ SHAPES = [  # world size, rank, tokens, top_k, local experts
 def test_dispatch_blocks_match_the_torch_path(shape):
     W, r, T, K, L = shape
     h = _handle(W, r, T, K, L, torch.Generator().manual_seed(sum(shape)))
-    G = M.expert_groups(L, W)
-    blocks = _moe_cuda.dispatch_blocks(h)
+    G = layout.expert_groups(L, W)
+    blocks = moe_cuda.dispatch_blocks(h)
     assert len(blocks) == W * G + 1 and blocks[-1] == T * K
     assert blocks == sorted(blocks)
     for d in range(W):
         assert blocks[d * G] == h.send_offsets[d]
         for g in range(G):  # the rows _produced.write() index_selects for (d, g)
-            experts = M.group_experts(g, L, G)
+            experts = layout.group_experts(g, L, G)
             base = h.send_offsets[d]
             assert (blocks[d * G + g], blocks[d * G + g + 1]) == (
                 base + h.within_dest(d, experts.start), base + h.within_dest(d, experts.stop))
     for per_chunk in (1, 2, 7):
-        chunks = _moe_cuda.chunk_offsets(blocks, per_chunk)
+        chunks = moe_cuda.chunk_offsets(blocks, per_chunk)
         for i in range(W * G):
             assert chunks[i + 1] - chunks[i] == -(-(blocks[i + 1] - blocks[i]) // per_chunk)
-    F = M.flags_per_peer(W)
-    assert _moe_cuda.block_flags(h) == [d * F + 1 + g for d in range(W) for g in range(G)]
-    assert max(_moe_cuda.block_flags(h)) < symm.MAX_FLAGS
+    F = layout.flags_per_peer(W)
+    assert moe_cuda.block_flags(h) == [d * F + 1 + g for d in range(W) for g in range(G)]
+    assert max(moe_cuda.block_flags(h)) < symm.MAX_FLAGS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -319,25 +320,25 @@ def test_dispatch_launch_writes_what_the_torch_path_writes(monkeypatch, shape, d
     H = 24 if dtype != torch.float32 else 12  # 48 bytes per row: three 16-byte vectors
     x = torch.randn(T, H, generator=gen).to(dtype)
     row_bytes = H * x.element_size()
-    need = M.heap_need("symm", T, K, L, h.send_splits, row_bytes, W)
+    need = layout.heap_need("symm", T, K, L, h.send_splits, row_bytes, W)
     epoch = 5
     call = _fake_call(h, need, epoch)
     fake = EmulatedKernels()
-    monkeypatch.setattr(_moe_cuda, "_c", lambda: fake)
-    monkeypatch.setattr(_moe_cuda, "CHUNK_BYTES", 2 * row_bytes)  # two rows per CTA: blocks of several CTAs
-    assert _moe_cuda.dispatch_rows(call, h, x, h.token_of)
+    monkeypatch.setattr(moe_cuda, "_c", lambda: fake)
+    monkeypatch.setattr(moe_cuda, "CHUNK_BYTES", 2 * row_bytes)  # two rows per CTA: blocks of several CTAs
+    assert moe_cuda.dispatch_rows(call, h, x, h.token_of)
     assert fake.launches == (1 if T else 0)
 
-    G, F = M.expert_groups(L, W), M.flags_per_peer(W)
+    G, F = layout.expert_groups(L, W), layout.flags_per_peer(W)
     heap = call.heap
     for d in range(W):
         n = h.send_splits[d]
-        region = M.region(call, h, d, r, dtype, H)
+        region = layout.region(call, h, d, r, dtype, H)
         lo = h.send_offsets[d]
         expected = x.index_select(0, h.token_of[lo : lo + n])
         assert torch.equal(region[:n], expected), f"destination {d}: rows differ (W={W}, rank {r})"
         for g in range(G):
-            experts = M.group_experts(g, L, G)
+            experts = layout.group_experts(g, L, G)
             rows = sum(h.send_counts[d][e] for e in experts)
             word = heap._cuda_flags.tensors[r][heap.ready_word(call.slot, d * F + 1 + g)]
             assert int(word) == (epoch if rows else 0), f"flag of block ({d}, {g}) with {rows} rows: {int(word)}"
@@ -347,11 +348,11 @@ def test_dispatch_launch_writes_what_the_torch_path_writes(monkeypatch, shape, d
 def test_dispatch_falls_back_on_unaligned_rows(monkeypatch):
     h = _handle(2, 0, 5, 2, 2, torch.Generator().manual_seed(3))
     x = torch.randn(5, 3)  # 12 bytes per row
-    call = _fake_call(h, M.heap_need("symm", 5, 2, 2, h.send_splits, 12, 2), 1)
-    monkeypatch.setattr(_moe_cuda, "_c", lambda: EmulatedKernels())
-    monkeypatch.setattr(_moe_cuda, "_WARNED", set())
+    call = _fake_call(h, layout.heap_need("symm", 5, 2, 2, h.send_splits, 12, 2), 1)
+    monkeypatch.setattr(moe_cuda, "_c", lambda: EmulatedKernels())
+    monkeypatch.setattr(errors, "_WARNED", set())
     with pytest.warns(RuntimeWarning, match="multiple of 16 bytes"):
-        assert not _moe_cuda.dispatch_rows(call, h, x, h.token_of)
+        assert not moe_cuda.dispatch_rows(call, h, x, h.token_of)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -361,23 +362,23 @@ def test_combine_launch_sums_what_the_torch_path_sums(monkeypatch, shape, dtype)
     gen = torch.Generator().manual_seed(sum(shape) + 2)
     h = _handle(W, r, T, K, L, gen)
     H = 9
-    need = M.heap_need("symm", T, K, L, h.send_splits, H * torch.empty((), dtype=dtype).element_size(), W)
+    need = layout.heap_need("symm", T, K, L, h.send_splits, H * torch.empty((), dtype=dtype).element_size(), W)
     call = _fake_call(h, need, 2)
     for d in range(W):  # what rank d wrote into our buffer: its results for our rows, in our send order
         n = h.send_splits[d]
-        M.region(call, h, r, d, dtype, H)[:n] = torch.randn(n, H, generator=gen).to(dtype)
+        layout.region(call, h, r, d, dtype, H)[:n] = torch.randn(n, H, generator=gen).to(dtype)
     weights = torch.rand(T, K, generator=gen).to(dtype)
     fake = EmulatedKernels()
-    monkeypatch.setattr(_moe_cuda, "_c", lambda: fake)
-    out = _moe_cuda.combine_rows(call, h, dtype, H, weights)
+    monkeypatch.setattr(moe_cuda, "_c", lambda: fake)
+    out = moe_cuda.combine_rows(call, h, dtype, H, weights)
     assert fake.launches == (1 if T else 0)
 
     # The torch path: moe_combine._collect's copies, run()'s un-permutation, then the weighted sum.
     back = torch.empty((T * K, H), dtype=dtype)
     for d in range(W):
         n = h.send_splits[d]
-        back[h.send_offsets[d] : h.send_offsets[d] + n] = M.region(call, h, r, d, dtype, H)[:n]
-    expected = M.weighted_sum(back.index_select(0, h.inv_order), weights, dtype)
+        back[h.send_offsets[d] : h.send_offsets[d] + n] = layout.region(call, h, r, d, dtype, H)[:n]
+    expected = layout.weighted_sum(back.index_select(0, h.inv_order), weights, dtype)
     # Same operations in the same order (fp32 products, k in order, one cast): equal up to torch's
     # own reduction order inside weighted_sum's sum over k.
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
@@ -385,7 +386,7 @@ def test_combine_launch_sums_what_the_torch_path_sums(monkeypatch, shape, dtype)
 
 def test_combine_positions_locate_every_pair():
     h = _handle(3, 1, 20, 3, 2, torch.Generator().manual_seed(7))
-    pos, offsets = _moe_cuda.combine_positions(h)
+    pos, offsets = moe_cuda.combine_positions(h)
     assert offsets == [*h.send_offsets, 60]
     for p, send_position in enumerate(pos.tolist()):
         d = _last_at_or_below(offsets, 3, send_position)
@@ -396,7 +397,7 @@ def test_combine_positions_locate_every_pair():
 def test_sums_on_device_only_for_gpu_symm_without_grad():
     plan = types.SimpleNamespace(strategy="symm")
     y, w = torch.randn(4, 8), torch.rand(2, 2)
-    assert not _moe_cuda.sums_on_device(y, w, plan, y)  # CPU rows: the torch path
+    assert not moe_cuda.sums_on_device(y, w, plan, y)  # CPU rows: the torch path
 
 
 # ---- CUDA_DEVICE_MAX_CONNECTIONS ----------------------------------------------------------------------
@@ -408,11 +409,11 @@ def test_device_connections_warn_once(monkeypatch, value, warns):
         monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     else:
         monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", value)
-    monkeypatch.setattr(C, "_WARNED_CONNECTIONS", False)
+    monkeypatch.setattr(errors, "_WARNED", set())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        C.warn_device_connections("moe.dispatch")
-        C.warn_device_connections("moe.dispatch")
+        warn_device_connections("moe.dispatch")
+        warn_device_connections("moe.dispatch")
     texts = [str(w.message) for w in caught if "CUDA_DEVICE_MAX_CONNECTIONS" in str(w.message)]
     assert len(texts) == (1 if warns else 0), texts
     assert "CUDA_DEVICE_MAX_CONNECTIONS" in envs.VARIABLES

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from overlap.plan import Problem, Profile, Topology, rank_candidates
+from overlap.plans import Problem, Profile, Topology, rank_candidates
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "emulated_cluster.py"

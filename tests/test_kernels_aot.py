@@ -43,7 +43,7 @@ def test_ag_matmul_compiles_for_sm90_with_wgmma(report):
 def test_matmul_scatter_compiles_for_sm90_with_wgmma_and_release_flags(report):
     rows = _of(report, "matmul_scatter_kernel")
     assert {r["dtype"] for r in rows} == {"bf16", "fp16", "fp32"}
-    wgmma_type = {"bf16": "bf16", "fp16": "f16", "fp32": "tf32"}  # fp32 tl.dot runs as TF32 (DESIGN.md)
+    wgmma_type = {"bf16": "bf16", "fp16": "f16", "fp32": "tf32"}  # fp32 tl.dot runs as TF32 (docs/design.md)
     for r in rows:
         assert r["wgmma"] and r["wgmma_types"] == [wgmma_type[r["dtype"]]], f"GEMM not on wgmma {r['dtype']}: {r}"
         assert r["count_acq_rel_sys"], f"the chunk count is not a system-scope acq_rel atomic: {r}"

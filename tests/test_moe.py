@@ -294,16 +294,16 @@ def stall_task(rank, world_size, strategy, absent, kill):
     overlap.moe.dispatch_grouped_matmul(x, idx, w1, E, strategy=strategy, timeout=60)
     if rank == absent:
         if kill:
-            from overlap.ops import _common as C
+            from overlap.ops.context import CallContext
 
-            real = C.begin_call
+            real = CallContext.begin
 
             def die_after_handshake(*args, **kwargs):
                 call = real(*args, **kwargs)
                 os.kill(os.getpid(), signal.SIGKILL)
                 return call
 
-            C.begin_call = die_after_handshake
+            CallContext.begin = die_after_handshake
             overlap.moe.dispatch_grouped_matmul(x, idx, w1, E, strategy=strategy, timeout=60)
         time.sleep(DEADLINE + 4)
         return "absent"

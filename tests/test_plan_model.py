@@ -1,4 +1,4 @@
-"""Tier 1: the cost model (`overlap.plan.predict` and friends) and plan files (`overlap.planfile`).
+"""Tier 1: the cost model (`overlap.plans.predict` and friends) and plan files (`overlap.plans.planfile`).
 
 Single process, no ranks. Properties are drawn by hypothesis with a bounded, derandomized example count.
 """
@@ -16,23 +16,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from overlap import envs, world
-from overlap.plan import (
+from overlap.plans import (
     CHUNK_CHOICES,
-    LINK_CLASSES,
     GemmFit,
     LinkFit,
     Plan,
     Problem,
     Profile,
     Topology,
-    _makespan,
     candidates,
     default_profile,
     predict,
     rank_candidates,
     topology_of,
 )
-from overlap.planfile import PLAN_FILE_VERSION, Entry, PlanFile, load_cached
+from overlap.plans.costmodel import pipeline_makespan
+from overlap.plans.planfile import PLAN_FILE_VERSION, Entry, PlanFile, load_cached
+from overlap.world import LINK_CLASSES
 
 PROPERTY = settings(max_examples=100, derandomize=True, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -172,7 +172,7 @@ def test_makespan_closed_form_matches_every_path(stages, fa, fb):
     the two-resource flow shop simulated stage by stage."""
     items = [(a, b) for c, a, b in stages for _ in range(c)]
     if not items:
-        assert _makespan(stages, fa, fb) == 0.0
+        assert pipeline_makespan(stages, fa, fb) == 0.0
         return
     total_a, total_b = sum(a for a, _ in items), sum(b for _, b in items)
     paths = []
@@ -180,12 +180,12 @@ def test_makespan_closed_form_matches_every_path(stages, fa, fb):
         a_le, b_lt = sum(a for a, _ in items[: i + 1]), sum(b for _, b in items[:i])
         b_ge, a_gt = total_b - b_lt, total_a - a_le
         paths.append(a_le + (fa - 1) * min(a_le, b_lt) + b_ge + (fb - 1) * min(b_ge, a_gt))
-    assert _makespan(stages, fa, fb) == pytest.approx(max(paths), rel=1e-9, abs=1e-12)
+    assert pipeline_makespan(stages, fa, fb) == pytest.approx(max(paths), rel=1e-9, abs=1e-12)
     end_a = end_b = 0.0
     for a, b in items:
         end_a += a
         end_b = max(end_a, end_b) + b
-    assert _makespan(stages, 1.0, 1.0) == pytest.approx(end_b, rel=1e-9, abs=1e-12)
+    assert pipeline_makespan(stages, 1.0, 1.0) == pytest.approx(end_b, rel=1e-9, abs=1e-12)
 
 
 # ---- chunking ------------------------------------------------------------------------------------

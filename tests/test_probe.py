@@ -1,4 +1,4 @@
-"""overlap.tune.probe: the fits on synthetic data, the table, the cache files, and the probe itself on
+"""overlap.tune.probing: the fits on synthetic data, the table, the cache files, and the probe itself on
 2 CPU ranks (the same Profile on both, sane values, a round trip through the cache, a dead peer raises
 within the deadline instead of hanging)."""
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from harness import LATE_S, RankError, run_isolated
 
-from overlap.plan import GemmFit, LinkFit, Profile
+from overlap.plans import GemmFit, LinkFit, Profile
 from overlap.tune import (
     cache_path,
     fit_gemm,

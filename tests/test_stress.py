@@ -93,14 +93,14 @@ class Marker:
         self.flag = torch.from_file(path, shared=True, size=1, dtype=torch.int32)
 
     def set(self) -> None:
-        from overlap import symm
+        from overlap import _C
 
-        symm._c().signal_store(self.flag.data_ptr(), 1)
+        _C.signal_store(self.flag.data_ptr(), 1)
 
     def wait(self, timeout: float) -> bool:
-        from overlap import symm
+        from overlap import _C
 
-        return symm._c().signal_wait(self.flag.data_ptr(), 1, timeout)
+        return _C.signal_wait(self.flag.data_ptr(), 1, timeout)
 
 
 def _delay_done_signals(delay: float | None, timers: list, gate: Marker | None) -> None:
@@ -110,7 +110,7 @@ def _delay_done_signals(delay: float | None, timers: list, gate: Marker | None) 
     `delay` None none is ever sent. The call's own bookkeeping stays synchronous; only the flag stores
     move to a thread. The heap must not grow or be released while a store is pending (it holds the
     heap's addresses)."""
-    from overlap import symm
+    from overlap import _C, symm
 
     def finish(self, stream=None):
         if self._finished or not self.uses_heap:
@@ -125,7 +125,7 @@ def _delay_done_signals(delay: float | None, timers: list, gate: Marker | None) 
             if first and gate is not None:
                 assert gate.wait(60.0), "no peer ever found the held slot busy"
             for addr, word in stores:
-                symm._c().signal_store(addr, word)
+                _C.signal_store(addr, word)
 
         if delay is None:
             timers.append(None)  # never sent

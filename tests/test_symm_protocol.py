@@ -68,9 +68,10 @@ def across_epoch_rebase(rank, world_size, seed):
     import torch.distributed as dist
 
     from overlap import symm
+    from overlap.symm import heap as symm_heap
 
     group = dist.new_group(list(range(world_size)))
-    symm.REBASE_EPOCH = 7  # as if after a billion calls, several times over
+    symm_heap.REBASE_EPOCH = 7  # (where the heap reads it) as if after a billion calls, several times over
     done = 0
     strategies = ["symm", "fused", "reference", "symm", "fused", "pipelined", "symm", "fused"] * 3
     for i, strategy in enumerate(strategies):
@@ -81,7 +82,7 @@ def across_epoch_rebase(rank, world_size, seed):
                 labels=("out",))
         done += 1
     assert symm.heap_for(group)._rebases == 3, symm.heap_for(group)._rebases
-    symm.REBASE_EPOCH = 2**30
+    symm_heap.REBASE_EPOCH = symm.REBASE_EPOCH
     symm.release(group)
     return done
 
@@ -104,7 +105,7 @@ def test_epochs_rebase(pools, seed):
 def one_rank_fails_locally(rank, world_size):
     import overlap
     from overlap import shm, symm
-    from overlap.ops import _common
+    from overlap.ops import fused
 
     a, b = torch.randn(4, 8), torch.randn(8, 3)
     overlap.all_gather_matmul(a, b, strategy="symm")  # the heap exists
@@ -122,14 +123,14 @@ def one_rank_fails_locally(rank, world_size):
                                      timeout=20)
     shm.create_segment = create
     # Triton cannot be imported on rank 1 only.
-    kernels = _common.kernels
+    kernels = fused.kernels
     if rank == 1:
         def broken():
             raise RuntimeError("the 'fused' strategy needs Triton, which failed to import: (test)")
 
-        _common.kernels = broken
+        fused.kernels = broken
     results["fused_unavailable"] = expect_error(overlap.all_gather_matmul, a, b, strategy="fused", timeout=20)
-    _common.kernels = kernels
+    fused.kernels = kernels
     # reserve() with a bad size on rank 1 only.
     results["reserve"] = expect_error(overlap.reserve, None, -5 if rank == 1 else 1024, timeout=20)
     # The group still works, on every strategy, for more calls than the slot ring holds.

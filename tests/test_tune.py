@@ -36,8 +36,8 @@ def tune_task(rank, world_size, tmp):
     """`tune` on every rank: the same file on every rank, a plan per problem, never slower than reference
     as measured; `auto` then runs the tuned plans (the log says so) and gives reference's numbers."""
     import overlap
-    from overlap import plan as plan_mod
-    from overlap import planfile
+    from overlap import plans as plan_mod
+    from overlap.plans import planfile
     from overlap.tune.search import tune
 
     problems = [plan_mod.Problem("all_gather_matmul", 32, 128, 96, "float32"),
@@ -85,8 +85,8 @@ def test_tune_end_to_end(pools, tmp_path):
 
 
 def _file(world_size, entries, topology=None, profile=None):
-    from overlap import plan as plan_mod
-    from overlap import planfile
+    from overlap import plans as plan_mod
+    from overlap.plans import planfile
 
     topo = topology or plan_mod.Topology("cpu", world_size, 1, world_size, (("shm", world_size - 1),))
     pf = planfile.PlanFile.new(topo, topo.world_size, profile)
@@ -98,7 +98,7 @@ def _file(world_size, entries, topology=None, profile=None):
 def plans_task(rank, world_size):
     import overlap
     from overlap import OverlapMismatchError
-    from overlap import plan as plan_mod
+    from overlap import plans as plan_mod
 
     a, b = torch.randn(8, 16), torch.randn(16, 12)
     problem = plan_mod.Problem("all_gather_matmul", 8, 16, 12, "float32")
@@ -151,14 +151,14 @@ def test_plan_files_drive_auto_and_disagreement_is_an_error(pools):
 @pytest.mark.parametrize("op", ["matmul_reduce_scatter", "moe"])
 def test_problem_keys_of_calls_match_the_tuner(op):
     """The key a call looks up is the key `tune` writes for the same shape (so tuned entries are found)."""
-    from overlap import plan as plan_mod
-    from overlap.ops import _common, _moe
+    from overlap import plans as plan_mod
+    from overlap.ops import context, moe_layout
 
     if op == "moe":
-        p = _moe.moe_problem(24, 32, 48, 8, 2, torch.float32, (torch.zeros(1, requires_grad=True),))
+        p = moe_layout.moe_problem(24, 32, 48, 8, 2, torch.float32, (torch.zeros(1, requires_grad=True),))
         want = plan_mod.Problem("moe", 24, 32, 48, "float32", True, 8, 2)
     else:
         a, b = torch.zeros(3 * 16, 64), torch.zeros(64, 128)
-        p = _common.tp_problem(op, a.shape[0], a, b, 3)
+        p = context.tp_problem(op, a.shape[0], a, b, 3)
         want = plan_mod.Problem(op, 16, 64, 128, "float32", False)
     assert p == want and p.key == want.key

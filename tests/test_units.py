@@ -6,13 +6,13 @@ import pytest
 import torch
 
 import overlap
-from overlap import envs, plan, shm, symm, world
-from overlap.ops import _common
+from overlap import comm, envs, plans, shm, symm, world
+from overlap.plans import auto
 
 
 def test_plan_validates_and_describes():
     p = overlap.Plan("symm", num_chunks={"shm": 3, "network": 2})
-    assert p.chunks_for("shm") == 3 and p.chunks_for("nvlink") == plan.DEFAULT_CHUNKS["nvlink"]
+    assert p.chunks_for("shm") == 3 and p.chunks_for("nvlink") == plans.DEFAULT_CHUNKS["nvlink"]
     assert p.describe() == "symm[network=2,shm=3]"
     assert hash(p) == hash(overlap.Plan("symm", num_chunks={"network": 2, "shm": 3}))
     with pytest.raises(ValueError, match="strategy"):
@@ -26,13 +26,13 @@ def test_plan_validates_and_describes():
 
 
 def test_as_plan_rules():
-    assert plan.as_plan("auto", None) is None
-    assert plan.as_plan("symm", None) == overlap.Plan("symm")
-    assert plan.as_plan("auto", {"strategy": "fused", "block_m": 32}).block_m == 32
+    assert auto.as_plan("auto", None) is None
+    assert auto.as_plan("symm", None) == overlap.Plan("symm")
+    assert auto.as_plan("auto", {"strategy": "fused", "block_m": 32}).block_m == 32
     with pytest.raises(ValueError, match="contradicts"):
-        plan.as_plan("symm", overlap.Plan("pipelined"))
+        auto.as_plan("symm", overlap.Plan("pipelined"))
     with pytest.raises(TypeError):
-        plan.as_plan("auto", 3)
+        auto.as_plan("auto", 3)
 
 
 def info(nodes, device="cpu", rank=0, peer_access=None):
@@ -51,18 +51,18 @@ def test_link_classes():
 
 def test_auto_heuristic_is_documented_and_never_fused_on_cpu(monkeypatch):
     sig = "a=(8, 16):float32, b=(16, 4)"
-    assert plan.resolve_auto("op", sig, info(["a"]), 8, "float32").strategy == "reference"
-    assert plan.resolve_auto("op", sig, info(["a", "a"]), 4096, "bfloat16").strategy == "symm"
-    assert plan.resolve_auto("op", sig, info(["a", "b"]), 8, "float32").strategy == "pipelined"
+    assert auto.resolve_auto("op", sig, info(["a"]), 8, "float32").strategy == "reference"
+    assert auto.resolve_auto("op", sig, info(["a", "a"]), 4096, "bfloat16").strategy == "symm"
+    assert auto.resolve_auto("op", sig, info(["a", "b"]), 8, "float32").strategy == "pipelined"
     gpu = info(["a", "a"], device="cuda", peer_access=[True, True])
-    monkeypatch.setattr(plan, "gpu_symmetric_memory", lambda: True)
-    assert plan.resolve_auto("op", sig, gpu, 4096, "bfloat16").strategy == "fused"
-    assert plan.resolve_auto("op", sig, gpu, 64, "bfloat16").strategy == "symm"
-    monkeypatch.setattr(plan, "gpu_symmetric_memory", lambda: False)
+    monkeypatch.setattr(auto, "gpu_symmetric_memory", lambda: True)
+    assert auto.resolve_auto("op", sig, gpu, 4096, "bfloat16").strategy == "fused"
+    assert auto.resolve_auto("op", sig, gpu, 64, "bfloat16").strategy == "symm"
+    monkeypatch.setattr(auto, "gpu_symmetric_memory", lambda: False)
     with pytest.warns(UserWarning, match="falls back to 'pipelined'"):
-        assert plan.resolve_auto("op", sig + "x", gpu, 4096, "bfloat16").strategy == "pipelined"
+        assert auto.resolve_auto("op", sig + "x", gpu, 4096, "bfloat16").strategy == "pipelined"
     with pytest.raises(ValueError, match="spans nodes"):
-        plan.check_plan_fits("op", overlap.Plan("fused"), info(["a", "b"]))
+        auto.check_plan_fits("op", overlap.Plan("fused"), info(["a", "b"]))
 
 
 def test_node_identity_precedence(monkeypatch):
@@ -87,12 +87,12 @@ def test_environment(monkeypatch):
     monkeypatch.delenv("OVERLAP_TIMEOUT_S")
     assert envs.timeout_s() == 300.0
     with pytest.raises(ValueError, match="timeout"):
-        _common.resolve_timeout(0)
+        envs.resolve_timeout(0)
 
 
 @pytest.mark.parametrize("rows,chunks", [(1, 4), (7, 3), (12, 4), (5, 1), (3, 7)])
 def test_chunk_bounds_cover_rows_exactly(rows, chunks):
-    bounds = _common.chunk_bounds(rows, chunks)
+    bounds = comm.chunk_bounds(rows, chunks)
     assert bounds[0][0] == 0 and bounds[-1][1] == rows
     assert all(lo < hi for lo, hi in bounds) and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
     assert len(bounds) == min(rows, chunks)

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import world
-from ..ops import _common
+from .. import envs, world
+from ..ops import fused
 from . import report
 from .cases import BenchConfig
 from .definitions import AnyCase, strategy_labels
@@ -38,11 +38,11 @@ def tolerance(dtype: torch.dtype, reduction: int, strategy: str, device_type: st
     """``assert_close`` tolerances of `strategy` against ``reference`` for a tensor of order 1 whose
     entries are dot products of length `reduction`.
 
-    bf16/fp16: ``rtol=1.6e-2, atol=1e-2`` (DESIGN.md). fp32: ``rtol=1e-5`` and
+    bf16/fp16: ``rtol=1.6e-2, atol=1e-2`` (docs/design.md). fp32: ``rtol=1e-5`` and
     ``atol=1e-5 * max(1, sqrt(reduction/256))``: the rounding error of a length-``L`` fp32 dot
-    product grows like ``sqrt(L)``, so DESIGN.md's ``1e-5`` holds as is up to ``L = 256`` and is
+    product grows like ``sqrt(L)``, so docs/design.md's ``1e-5`` holds as is up to ``L = 256`` and is
     widened with the same margin beyond (2.8e-5 at ``L = 2048``). ``fused`` fp32 on a GPU runs its
-    ``tl.dot`` as TF32 (DESIGN.md) and gets ``rtol=atol=1e-2``. Forward outputs are of order 1 by
+    ``tl.dot`` as TF32 (docs/design.md) and gets ``rtol=atol=1e-2``. Forward outputs are of order 1 by
     the inputs' scaling (`workloads`); gradients can be larger (``grad_b`` sums ``W*m`` products of
     order 1), and `_tolerances` multiplies ``atol`` by a tensor's RMS where that exceeds 1.
     """
@@ -55,7 +55,7 @@ def tolerance(dtype: torch.dtype, reduction: int, strategy: str, device_type: st
 
 def fused_interpreted(device: torch.device) -> bool:
     """Whether ``fused`` runs under the Triton interpreter on ranks computing on `device`."""
-    return device.type != "cuda" or _common.interpreted()
+    return device.type != "cuda" or fused.interpreted()
 
 
 def _tolerances(
@@ -143,7 +143,7 @@ def check_case(
     interpreted = fused_interpreted(device)
     labels, notes = strategies_for(case, config, info)
     units = len(labels) + config.warmup + config.iters
-    timeout = _common.resolve_timeout(config.timeout)
+    timeout = envs.resolve_timeout(config.timeout)
     work = build(case, seed, case_index, info, pg, timeout)
     calls = {label: strategy_fn(work, case, label, config.timeout) for label in labels}
     tols = _tolerances(case, work.expected, device.type, labels)

@@ -25,7 +25,7 @@ sequence is the whole ``W*m``. "Elements in" counts what one rank receives in a 
 implementation, the basis of the GB/s column.
 
 Modes. ``fwd+bwd`` times the forward and the backward of a fresh output: three GEMMs
-(``6*W*m*k*n`` FLOPs) and, per Megatron's conventions (DESIGN.md), more communication:
+(``6*W*m*k*n`` FLOPs) and, per Megatron's conventions (docs/design.md), more communication:
 ``all_gather_matmul`` gathers ``a`` again and reduce-scatters ``grad_a`` (``+2*(W-1)*m*k``),
 ``matmul_reduce_scatter`` all-gathers ``grad_out`` (``+(W-1)*m*n``), ``matmul_all_reduce`` passes
 the gradient through (no more).
@@ -97,7 +97,7 @@ from typing import Any
 
 import torch
 
-from ..plan import STRATEGIES
+from ..plans import STRATEGIES
 from .models import LAYERS, TP_PRESETS
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

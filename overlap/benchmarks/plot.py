@@ -4,7 +4,7 @@ Two panels, one group of bars per case: the median time of every strategy with i
 error bar (a log axis where the times span more than `LOG_SPAN`), and the overlap efficiency of
 every strategy but ``reference`` (0 by definition), with lines at 0 (no gain) and 1 (the whole
 smaller cost hidden). Interpreted ``fused`` timings are hatched and have no efficiency bar: they are
-not measurements of overlap (DESIGN.md). Efficiencies outside `EFFICIENCY_FLOOR` ..
+not measurements of overlap (docs/design.md). Efficiencies outside `EFFICIENCY_FLOOR` ..
 `EFFICIENCY_CEILING` (tiny cases, where fixed costs dwarf the collective and the GEMM) are drawn at
 the limit and labelled with their value.
 """

@@ -16,7 +16,7 @@ layer, ``T,H,F,E,K``, a dtype, a mode), `run_case`:
    is the maximum over ranks, a label's time the median over repeats, with p25..p75 as the spread.
 4. One row per strategy, then the case's two context rows (`case_rows`).
 
-Reported per strategy (DESIGN.md "Measuring"): TFLOP/s (`Case.flops`: 1 GEMM forward, 3 in
+Reported per strategy (docs/design.md "Measuring"): TFLOP/s (`Case.flops`: 1 GEMM forward, 3 in
 ``fwd+bwd``; `MoECase.flops`: the mean over ranks of the grouped GEMMs), speedup
 ``= T_ref / T_strategy`` and overlap efficiency ``= (T_ref - T_strategy) / min(T_comm, T_compute)``,
 the share of the smaller of the two costs that was hidden (1.0 is the limit). ``T_comm`` and
@@ -50,9 +50,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import overlap
-
 from .. import world
+from ..version import __version__
 from . import report
 from .cases import BenchConfig, default_cases
 from .checks import Checked, check_case, fused_interpreted, strategies_for
@@ -91,7 +90,7 @@ def machine_info(info: world.GroupInfo) -> dict[str, Any]:
         extra = ""
     description = (
         f"{hw}, {info.backend} on {nodes} node(s), links {'/'.join(links)}, "
-        f"torch {torch.__version__}{extra}, triton {triton_text}, overlap {overlap.__version__}"
+        f"torch {torch.__version__}{extra}, triton {triton_text}, overlap {__version__}"
     )
     return {
         "description": description,
@@ -109,7 +108,7 @@ def machine_info(info: world.GroupInfo) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "triton": tv,
         "fused_interpreted": fused_interpreted(info.device),
-        "overlap": overlap.__version__,
+        "overlap": __version__,
     }
 
 

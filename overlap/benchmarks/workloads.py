@@ -50,12 +50,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-import overlap
-
-from .. import world
-from ..ops import _common
-from ..ops._moe import _prefix
-from ..plan import Plan
+from .. import comm, moe, world
+from ..ops.all_gather_matmul import all_gather_matmul
+from ..ops.matmul_all_reduce import matmul_all_reduce
+from ..ops.matmul_reduce_scatter import matmul_reduce_scatter
+from ..ops.moe_layout import prefix_sums
+from ..plans import Plan
 from .definitions import AnyCase, Case, MoECase, label_plan
 
 #: standard deviation of the per-expert popularity added to the MoE routing logits (uneven loads)
@@ -143,15 +143,15 @@ def _workload(case: Case, fn, a: torch.Tensor, b: torch.Tensor, grad_out, expect
 
 
 def _wait(work, what: str, info: world.GroupInfo, timeout: float) -> None:
-    _common.wait_work(work, f"bench {what}", info.rank, "any", "all", timeout, info.device)
+    comm.wait_work(work, f"bench {what}", info.rank, "any", "all", timeout, info.device)
 
 
 def _all_gather(out: torch.Tensor, x: torch.Tensor, pg, info, timeout: float) -> None:
-    _wait(_common.all_gather_async(out, x, pg), "all_gather", info, timeout)
+    _wait(comm.all_gather_async(out, x, pg), "all_gather", info, timeout)
 
 
 def _reduce_scatter(out: torch.Tensor, x: torch.Tensor, pg, info, timeout: float) -> None:
-    _wait(_common.reduce_scatter_async(out, x, pg), "reduce_scatter", info, timeout)
+    _wait(comm.reduce_scatter_async(out, x, pg), "reduce_scatter", info, timeout)
 
 
 def _fp32_sum(parts) -> torch.Tensor:
@@ -191,7 +191,7 @@ def _all_gather_matmul(case: Case, draw: _Draw, info: world.GroupInfo, pg, timeo
             _reduce_scatter(grad_a_MK, partial_MK, pg, info, timeout)
 
     label = "(comm alone)" if case.backward else "(all_gather alone)"
-    return _workload(case, overlap.all_gather_matmul, a_MK, b_KN, grad_out, expected, comm, label, full_MK, grad_out,
+    return _workload(case, all_gather_matmul, a_MK, b_KN, grad_out, expected, comm, label, full_MK, grad_out,
                      W)
 
 
@@ -217,7 +217,7 @@ def _matmul_reduce_scatter(case: Case, draw: _Draw, info: world.GroupInfo, pg, t
             _all_gather(partial, out, pg, info, timeout)
 
     label = "(comm alone)" if case.backward else "(reduce_scatter alone)"
-    return _workload(case, overlap.matmul_reduce_scatter, a_MK, b_KN, grad_out, expected, comm, label, a_MK,
+    return _workload(case, matmul_reduce_scatter, a_MK, b_KN, grad_out, expected, comm, label, a_MK,
                      full_grad, W)
 
 
@@ -237,7 +237,7 @@ def _matmul_all_reduce(case: Case, draw: _Draw, info: world.GroupInfo, pg, timeo
     def comm() -> None:  # the backward passes the gradient through: nothing more in fwd+bwd
         _wait(dist.all_reduce(partial, group=pg, async_op=True), "all_reduce", info, timeout)
 
-    return _workload(case, overlap.matmul_all_reduce, a_MK, b_KN, grad_out, expected, comm, "(all_reduce alone)",
+    return _workload(case, matmul_all_reduce, a_MK, b_KN, grad_out, expected, comm, "(all_reduce alone)",
                      a_MK, grad_out, W)
 
 
@@ -293,8 +293,8 @@ def _moe(case: MoECase, draw: _Draw, info: world.GroupInfo, pg, timeout: float) 
     def layer(x, w1, w2, topk_weights, *, strategy, plan, timeout):
         # Looked up on the package at each call, like the tensor-parallel ops (tests replace them).
         kwargs = {"strategy": strategy, "plan": plan, "timeout": timeout}
-        h, handle = overlap.moe.dispatch_grouped_matmul(x, idx_TK, w1, E, group=pg, **kwargs)
-        return overlap.moe.grouped_matmul_combine(torch.nn.functional.gelu(h), w2, topk_weights, handle, **kwargs)
+        h, handle = moe.dispatch_grouped_matmul(x, idx_TK, w1, E, group=pg, **kwargs)
+        return moe.grouped_matmul_combine(torch.nn.functional.gelu(h), w2, topk_weights, handle, **kwargs)
 
     # Alone: buffers of this routing's sizes (zeros: values that stay put).
     counts_send = torch.tensor(per_source[r].tolist(), dtype=torch.int64, device=device)
@@ -319,11 +319,11 @@ def _moe(case: MoECase, draw: _Draw, info: world.GroupInfo, pg, timeout: float) 
             to_tokens(pairs, stage)  # dispatch's backward: the input gradient's rows back
 
     h = torch.cat([x_recv.new_empty(0, F), *(
-        x_recv[a : a + n] @ w1[e] for e, (a, n) in enumerate(zip(_prefix(local_rows), local_rows)) if n)])
+        x_recv[a : a + n] @ w1[e] for e, (a, n) in enumerate(zip(prefix_sums(local_rows), local_rows)) if n)])
     act = torch.nn.functional.gelu(h)
 
     def compute() -> None:  # operands of the right shapes: rows x, gelu(h), and gradients of the same sizes
-        for e, (a, n) in enumerate(zip(_prefix(local_rows), local_rows)):
+        for e, (a, n) in enumerate(zip(prefix_sums(local_rows), local_rows)):
             if not n:
                 continue
             x_e, h_e, a_e = x_recv[a : a + n], h[a : a + n], act[a : a + n]

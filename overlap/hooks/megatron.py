@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..nn import ColumnParallelLinear, RowParallelLinear
-from ..plan import Plan
+from ..plans import Plan
 
 try:
     from megatron.core.models.backends import LocalSpecProvider

@@ -59,12 +59,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
-from .. import plan as plan_mod
-from ..ops import _common as C
+from .. import comm, envs
 from ..ops.all_gather_matmul import all_gather_matmul
 from ..ops.matmul_all_reduce import matmul_all_reduce
 from ..ops.matmul_reduce_scatter import matmul_reduce_scatter
-from ..plan import Plan
+from ..plans import Plan
+from ..plans.auto import as_plan
 
 __all__ = ["ColwiseParallel", "RowwiseParallel"]
 
@@ -81,8 +81,8 @@ class _AllReduceGrad(torch.autograd.Function):
     def backward(ctx, grad):
         grad = grad.contiguous().clone()  # never all-reduce in place into a gradient someone else holds
         work = dist.all_reduce(grad, group=ctx.pg, async_op=True)
-        C.wait_work(work, ctx.what, dist.get_rank(ctx.pg), "any", "gradient all-reduce",
-                    C.resolve_timeout(ctx.timeout), grad.device)
+        comm.wait_work(work, ctx.what, dist.get_rank(ctx.pg), "any", "gradient all-reduce",
+                    envs.resolve_timeout(ctx.timeout), grad.device)
         return grad, None, None, None
 
 
@@ -105,9 +105,9 @@ class _LinearStyle(ParallelStyle):
             if not isinstance(value, Placement):
                 raise TypeError(f"overlap's {type(self).__name__}: {name} must be a Placement "
                                 f"(Shard(d) or Replicate()), got {value!r}")
-        plan_mod.as_plan(strategy, plan)  # raises on a bad strategy or plan now, not at the first forward
+        as_plan(strategy, plan)  # raises on a bad strategy or plan now, not at the first forward
         if timeout is not None:
-            C.resolve_timeout(timeout)
+            envs.resolve_timeout(timeout)
         self.input_layouts = (input_layouts,)
         self.output_layouts = (output_layouts,)
         self.use_local_output = use_local_output

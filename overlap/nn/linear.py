@@ -42,19 +42,12 @@ import torch
 import torch.distributed as dist
 from torch.nn import Parameter
 
-from ..ops import _common as C
+from .. import comm, envs
+from ..errors import warn_once
 from ..ops.all_gather_matmul import all_gather_matmul
 from ..ops.matmul_all_reduce import matmul_all_reduce
 from ..ops.matmul_reduce_scatter import matmul_reduce_scatter
-from ..plan import Plan
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(key: str, text: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(text, stacklevel=3)
+from ..plans import Plan
 
 
 def _cfg(config: Any, name: str, default: Any) -> Any:
@@ -158,7 +151,7 @@ class _LinearAllReduceInputGrad(torch.autograd.Function):
             g2 = grad_out.reshape(-1, grad_out.shape[-1])
             grad_w = g2.t().matmul(x.reshape(-1, x.shape[-1]))  # overlaps the all-reduce
         rank = dist.get_rank(ctx.group)
-        C.wait_work(work, "ColumnParallelLinear", rank, "all", "all", ctx.timeout, grad_x.device)
+        comm.wait_work(work, "ColumnParallelLinear", rank, "all", "all", ctx.timeout, grad_x.device)
         return grad_x, grad_w, None, None
 
 
@@ -166,7 +159,7 @@ def _all_gather_last_dim(x: torch.Tensor, group, timeout: float, what: str) -> t
     W = dist.get_world_size(group)
     x = x.contiguous()
     out = x.new_empty((W * x.shape[0], *x.shape[1:]))  # rank q's tensor at rows q*len ...
-    C.wait_work(C.all_gather_async(out, x, group), what, dist.get_rank(group), "all", "all", timeout, x.device)
+    comm.wait_work(comm.all_gather_async(out, x, group), what, dist.get_rank(group), "all", "all", timeout, x.device)
     return torch.cat(out.chunk(W, dim=0), dim=-1)
 
 
@@ -225,8 +218,8 @@ class _ParallelLinear(torch.nn.Module):
         if bad:
             raise NotImplementedError(f"overlap.nn.{name}: not implemented: {', '.join(bad)}")
         if _cfg(config, "tp_comm_overlap", False):
-            _warn_once("tp_comm_overlap", f"overlap.nn.{name}: config.tp_comm_overlap (Transformer Engine's "
-                       "userbuffers) is not used; overlap's own ops overlap the communication instead")
+            warn_once(f"overlap.nn.{name}: config.tp_comm_overlap (Transformer Engine's userbuffers) is not used; "
+                      "overlap's own ops overlap the communication instead", key="tp_comm_overlap")
         self.input_size, self.output_size = input_size, output_size
         self.config = config
         self.is_expert = is_expert
@@ -314,7 +307,7 @@ class _ParallelLinear(torch.nn.Module):
         """Megatron's deferred weight-gradient hook: weight gradients are never deferred here."""
 
     def _resolve_timeout(self) -> float:
-        return C.resolve_timeout(self.timeout)
+        return envs.resolve_timeout(self.timeout)
 
     @classmethod
     def from_megatron(cls, original: torch.nn.Module, strategy: str = "auto", plan=None,

@@ -34,13 +34,12 @@ import torch.distributed as dist
 import torch.nn.functional as Fn
 from torch.nn import Parameter
 
-from .. import plan as plan_mod
-from .. import world
-from ..ops import _common as C
-from ..ops import _moe as M
+from .. import envs, world
+from ..ops.context import CallContext, describe
 from ..ops.moe_combine import grouped_matmul_combine
 from ..ops.moe_dispatch import OP_DISPATCH_MM, dispatch_grouped_matmul
-from ..plan import Plan
+from ..plans import Plan
+from ..plans.auto import as_plan
 
 
 def _silu_glu(h: torch.Tensor) -> torch.Tensor:
@@ -84,7 +83,7 @@ class ExpertParallelMLP(torch.nn.Module):
     (fp32).
 
     Gradients: ``w1``/``w2`` get the gradient of every token routed to them, from every rank. The
-    replicated ``router`` gets this rank's own contribution only (DESIGN.md): sum it over the ranks
+    replicated ``router`` gets this rank's own contribution only (docs/design.md): sum it over the ranks
     with the data-parallel reduction, as for any replicated parameter. ``w1``/``w2`` are marked
     ``allreduce = False`` (Megatron's flag for expert-parallel parameters).
 
@@ -119,8 +118,8 @@ class ExpertParallelMLP(torch.nn.Module):
             raise ValueError(f"{name}: num_experts ({num_experts}) must divide by the expert-parallel world size "
                              f"({self.world_size}): experts are split evenly and contiguously over ranks")
         self.num_local_experts = num_experts // self.world_size
-        plan_mod.as_plan(strategy, plan)  # a bad strategy or plan raises here, not at the first forward
-        C.resolve_timeout(timeout)
+        as_plan(strategy, plan)  # a bad strategy or plan raises here, not at the first forward
+        envs.resolve_timeout(timeout)
         self.strategy, self.plan, self.timeout = strategy, plan, timeout
 
         factory = {"dtype": dtype, "device": device}
@@ -182,15 +181,15 @@ class ExpertParallelMLP(torch.nn.Module):
             error = TypeError(f"{name}: x must be a tensor, got {type(x).__name__}")
         elif x.dim() not in (2, 3) or x.shape[-1] != self.hidden_size:
             error = ValueError(f"{name}: x must be [tokens, {self.hidden_size}] or [s, b, {self.hidden_size}], "
-                               f"got {C.describe(x)}")
+                               f"got {describe(x)}")
         elif x.dtype != self.w1.dtype and not torch.is_autocast_enabled(x.device.type):
             error = TypeError(f"{name}: x ({x.dtype}) and the parameters ({self.w1.dtype}) must have one dtype "
                               "outside autocast")
         if error is None:
             return
-        timeout = C.resolve_timeout(self.timeout)
-        info = world.group_info(self.group, timeout)
-        M.fail_fast(f"moe.{OP_DISPATCH_MM}", self.group, info, error, timeout)
+        timeout = envs.resolve_timeout(self.timeout)
+        pg = world.resolve_group(self.group)
+        CallContext(f"moe.{OP_DISPATCH_MM}", pg, world.group_info(pg, timeout), timeout).fail(error)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "

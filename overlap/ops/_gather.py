@@ -21,8 +21,10 @@ Kinds (a strategy's transport):
   thread on CPU ranks, a side stream on GPUs) pulls every peer's chunks into a local buffer.
 
 Row coordinates are those of the gathered tensor ``[W*m, k]``: rank ``p``'s rows are
-``p*m ... (p+1)*m``. The caller has made the call's handshake (``begin_call``) with
-`heap_bytes` bytes; `Gather.close` ends the call (always, also on error paths).
+``p*m ... (p+1)*m``. The caller has made the call's handshake (`CallContext.begin`) with
+`heap_bytes` bytes; `Gather.close` ends the call (always, also on error paths). The call's
+`overlap.ops.context.CallContext` gives the group, the plan (its chunks per link), the deadline and the
+op's name for errors.
 """
 
 from __future__ import annotations
@@ -31,9 +33,8 @@ from collections.abc import Iterator
 
 import torch
 
-from .. import symm
-from ..plan import Plan
-from . import _common as C
+from .. import comm, symm
+from .context import CallContext
 
 
 def heap_bytes(kind: str, x2: torch.Tensor) -> int:
@@ -46,8 +47,8 @@ class Gather:
 
     own_rows_in_full = False  # the transport leaves this rank's rows in x2 only
 
-    def __init__(self, call, x2: torch.Tensor, info, timeout: float, op: str):
-        self.call, self.x2, self.info, self.timeout, self.op = call, x2, info, timeout, op
+    def __init__(self, call, x2: torch.Tensor, cc: CallContext):
+        self.call, self.x2, self.cc, self.info = call, x2, cc, cc.info
         self.m = x2.shape[0]
         self.full: torch.Tensor | None = None
         self.pending: list = []  # what chunks() waits on, in yield order
@@ -65,7 +66,7 @@ class Gather:
         return self.full
 
     def close(self) -> None:
-        C.drain(self.futures)
+        comm.drain(self.futures)
         if not self.finished:
             self.finished = True
             self.call.finish()
@@ -73,24 +74,25 @@ class Gather:
 
 class _Reference(Gather):
     own_rows_in_full = True
-    def post(self, pg) -> None:
+    def post(self) -> None:
         W = self.info.world_size
         self.full = self.x2.new_empty((W * self.m, self.x2.shape[1]))
-        self.work = C.all_gather_async(self.full, self.x2, pg)
+        self.work = comm.all_gather_async(self.full, self.x2, self.cc.pg)
 
     def chunks(self):
-        C.wait_work(self.work, self.op, self.info.rank, "any", "all_gather", self.timeout, self.info)
+        self.cc.wait(self.work, "any", "all_gather")
         yield 0, self.full.shape[0], self.full
 
 
 class _Pipelined(Gather):
-    def post(self, pg, chosen: Plan) -> None:
-        info, x2, m = self.info, self.x2, self.m
+    def post(self) -> None:
+        cc, info, x2, m = self.cc, self.info, self.x2, self.m
         W, r = info.world_size, info.rank
         self.full = full = x2.new_empty((W * m, x2.shape[1]))
         for i in range(1, W):
             src, dst = (r + i) % W, (r - i) % W
-            posted = C.exchange_chunked(x2, dst, full[src * m : (src + 1) * m], src, chosen, info, pg, self.op)
+            posted = comm.exchange_chunked(x2, dst, full[src * m : (src + 1) * m], src, cc.plan.chunks_for, info,
+                                           cc.pg, cc.op)
             self.pending.extend((src, j, got, works) for j, got, works in posted)
 
     def chunks(self):
@@ -98,7 +100,7 @@ class _Pipelined(Gather):
         yield r * m, (r + 1) * m, self.x2
         for src, j, bounds, works in self.pending:
             for work, peer in works:  # the send of the same step too: its buffer is the caller's
-                C.wait_work(work, self.op, r, peer, j, self.timeout, self.info)
+                self.cc.wait(work, peer, j)
             if bounds is not None:
                 lo, hi = bounds
                 yield src * m + lo, src * m + hi, self.full[src * m + lo : src * m + hi]
@@ -112,8 +114,9 @@ def _pull(call: symm.Call, peer: int, lo: int, hi: int, dst: torch.Tensor, m: in
 
 
 class _Symm(Gather):
-    def post(self, chosen: Plan) -> None:
+    def post(self) -> None:
         call, info, x2, m = self.call, self.info, self.x2, self.m
+        chunks_for = self.cc.plan.chunks_for
         W, r, k = info.world_size, info.rank, x2.shape[1]
         cuda = x2.is_cuda
         main = torch.cuda.current_stream() if cuda else None
@@ -122,24 +125,24 @@ class _Symm(Gather):
         call.signal_ready(stream=main)
         self.full = full = x2.new_empty((W * m, k))
         if not cuda:
-            engine = C.copy_engine()
+            engine = comm.copy_engine()
             for i in range(1, W):
                 p = (r + i) % W
-                for j, (lo, hi) in enumerate(C.chunk_bounds(m, chosen.chunks_for(info.link_class(p)))):
+                for j, (lo, hi) in enumerate(comm.chunk_bounds(m, chunks_for(info.link_class(p)))):
                     fut = engine.submit(_pull, call, p, lo, hi, full[p * m + lo : p * m + hi], m, j == 0)
                     self.futures.append(fut)
                     self.pending.append((p * m + lo, p * m + hi, fut))
             return
         # GPU: copy-engine pulls on a side stream behind stream-ordered, bounded flag waits; the side
         # stream also ends the call (done flags) once every pull has been issued.
-        side = C.side_stream(x2.device)
+        side = comm.side_stream(x2.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             for i in range(1, W):
                 p = (r + i) % W
                 call.wait_ready(p, stream=side)
                 src = call.buffer(p, x2.dtype, (m, k))
-                for lo, hi in C.chunk_bounds(m, chosen.chunks_for(info.link_class(p))):
+                for lo, hi in comm.chunk_bounds(m, chunks_for(info.link_class(p))):
                     full[p * m + lo : p * m + hi].copy_(src[lo:hi], non_blocking=True)
                     ev = torch.cuda.Event()
                     ev.record(side)
@@ -155,22 +158,22 @@ class _Symm(Gather):
             if self.x2.is_cuda:
                 torch.cuda.current_stream().wait_event(handle)
             else:
-                C.result(handle, self.timeout)
+                comm.result(handle, self.cc.timeout)
             yield lo, hi, self.full[lo:hi]
 
 
-def start(kind: str, call, x2: torch.Tensor, pg, info, chosen: Plan, timeout: float, op: str) -> Gather:
+def start(kind: str, call, x2: torch.Tensor, cc: CallContext) -> Gather:
     """Post the gather of `x2` (``[m, k]`` contiguous) over the group; see the module docstring."""
     if kind == "reference":
-        g = _Reference(call, x2, info, timeout, op)
-        g.post(pg)
+        g = _Reference(call, x2, cc)
+        g.post()
     elif kind == "pipelined":
-        g = _Pipelined(call, x2, info, timeout, op)
-        g.post(pg, chosen)
+        g = _Pipelined(call, x2, cc)
+        g.post()
     elif kind == "symm":
-        g = _Symm(call, x2, info, timeout, op)
+        g = _Symm(call, x2, cc)
         try:
-            g.post(chosen)
+            g.post()
         except BaseException:
             g.close()
             raise

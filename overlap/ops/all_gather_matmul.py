@@ -42,10 +42,11 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from ..errors import OverlapTimeout
-from ..plan import Plan
-from . import _common as C
-from . import _gather
+from ..plans import Plan
+from . import _gather, fused
+from .context import CallContext, describe, prepare, record
 
 OP = "all_gather_matmul"
 
@@ -78,9 +79,9 @@ def all_gather_matmul(
         ValueError: ``symm``/``fused`` forced on a group that spans nodes.
         OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
     """
-    a, b, pg, info, chosen, timeout, sig = C.prepare(OP, a, b, group, strategy, plan, timeout)
-    with C.record(OP), torch.autocast(info.device.type, enabled=False):
-        return _AllGatherMatmul.apply(a, b, pg, info, chosen, timeout, sig)
+    a, b, cc = prepare(OP, a, b, group, strategy, plan, timeout)
+    with record(OP), torch.autocast(cc.info.device.type, enabled=False):
+        return _AllGatherMatmul.apply(a, b, cc)
 
 
 def heap_bytes(chosen: Plan, a2: torch.Tensor) -> int:
@@ -88,97 +89,95 @@ def heap_bytes(chosen: Plan, a2: torch.Tensor) -> int:
     return a2.numel() * a2.element_size() if chosen.strategy in ("symm", "fused") else 0
 
 
-def run(a2: torch.Tensor, b: torch.Tensor | None, pg, info, chosen: Plan, timeout: float, sig: str, op: str = OP,
+def run(a2: torch.Tensor, b: torch.Tensor | None, cc: CallContext,
         keep_gathered: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """One call on every rank: the handshake, then the strategy.
+    """One call on every rank (`cc`: its op, group, plan, deadline, signature): the handshake, then the strategy.
 
     Returns ``(out [W*m, n], gathered [W*m, k])``: ``out`` is None when `b` is None (the call only
     gathers), ``gathered`` (the whole gathered `a2`) is None unless `keep_gathered`: the weight
     gradient of `matmul_reduce_scatter` takes it from the gather its input gradient needs.
     """
-    call = C.begin_call(op, pg, info, sig, heap_bytes(chosen, a2), timeout)
+    call = cc.begin(heap_bytes(cc.plan, a2))
     try:
-        return STRATEGIES[chosen.strategy](call, a2, b, pg, info, chosen, timeout, op, keep_gathered)
+        return STRATEGIES[cc.plan.strategy](cc, call, a2, b, keep_gathered)
     finally:
         call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
 
 
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, pg, info, chosen: Plan, timeout: float, sig: str):
+    def forward(ctx, a, b, cc: CallContext):
         # The handshake comes first (in `run`): nothing that can fail locally runs before the data.
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
-        out2, _ = run(a2, b, pg, info, chosen, timeout, sig)
+        out2, _ = run(a2, b, cc)
         ctx.save_for_backward(a, b)
-        ctx.pg, ctx.info, ctx.timeout, ctx.chosen = pg, info, timeout, chosen
-        return out2.view(info.world_size * a.shape[0], *a.shape[1:-1], b.shape[1])
+        ctx.call_context = cc
+        return out2.view(cc.world_size * a.shape[0], *a.shape[1:-1], b.shape[1])
 
     @staticmethod
     def backward(ctx, grad_out):
         a, b = ctx.saved_tensors
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if ctx.chosen.strategy == "reference":
-            grad_a, grad_b = _reference_backward(ctx, a, b, grad_out, need_a, need_b)
+        cc = ctx.call_context.derive(op=f"{OP}.backward")
+        if cc.plan.strategy == "reference":
+            grad_a, grad_b = _reference_backward(cc, a, b, grad_out, need_a, need_b)
         else:
-            grad_a, grad_b = _overlapped_backward(ctx, a, b, grad_out, need_a, need_b)
-        return grad_a, grad_b, None, None, None, None, None
+            grad_a, grad_b = _overlapped_backward(cc, a, b, grad_out, need_a, need_b)
+        return grad_a, grad_b, None
 
 
-def _reference_backward(ctx, a, b, grad_out, need_a, need_b):
+def _reference_backward(cc: CallContext, a, b, grad_out, need_a, need_b):
     """Megatron's sequence-parallel backward with plain collectives (the baseline)."""
-    pg, info, timeout = ctx.pg, ctx.info, ctx.timeout
     k, n = b.shape
-    op = f"{OP}.backward"
-    sig = f"{op}(a={C.describe(a)}, b={tuple(b.shape)}, grads={int(need_a)}{int(need_b)}, reference)"
-    call = C.begin_call(op, pg, info, sig, 0, timeout)
+    cc = cc.derive(signature=f"{cc.op}(a={describe(a)}, b={tuple(b.shape)}, grads={int(need_a)}{int(need_b)}, "
+                             "reference)")
+    call = cc.begin()
     g2 = grad_out.reshape(-1, n)
     a2 = a.reshape(-1, k).contiguous()
     grad_a = grad_b = None
-    with C.record(op):
+    with record(cc.op):
         try:
             if need_b:
-                full = a2.new_empty((info.world_size * a2.shape[0], k))
-                work = C.all_gather_async(full, a2, pg)
+                full = a2.new_empty((cc.world_size * a2.shape[0], k))
+                work = comm.all_gather_async(full, a2, cc.pg)
             if need_a:
                 partial = torch.mm(g2, b.t())
                 grad_a2 = a2.new_empty(a2.shape)
-                rs = C.reduce_scatter_async(grad_a2, partial, pg)
+                rs = comm.reduce_scatter_async(grad_a2, partial, cc.pg)
             if need_b:
-                C.wait_work(work, op, info.rank, "any", "all_gather of a", timeout, info)
+                cc.wait(work, "any", "all_gather of a")
                 grad_b = torch.mm(full.t(), g2)
             if need_a:
-                C.wait_work(rs, op, info.rank, "any", "reduce_scatter of grad_a", timeout, info)
+                cc.wait(rs, "any", "reduce_scatter of grad_a")
                 grad_a = grad_a2.view(a.shape)
         finally:
             call.finish()
     return grad_a, grad_b
 
 
-def _overlapped_backward(ctx, a, b, grad_out, need_a, need_b):
+def _overlapped_backward(cc: CallContext, a, b, grad_out, need_a, need_b):
     """The gather of ``a`` in flight while `matmul_reduce_scatter` computes grad_a; then grad_b by chunks."""
-    from . import matmul_reduce_scatter as mrs
+    from . import matmul_reduce_scatter
 
-    pg, info, timeout, chosen = ctx.pg, ctx.info, ctx.timeout, ctx.chosen
+    chosen = cc.plan
     k, n = b.shape
-    op = f"{OP}.backward"
     g2 = grad_out.reshape(-1, n).contiguous()
     a2 = a.reshape(-1, k).contiguous()
     kind = "symm" if chosen.strategy == "fused" else chosen.strategy
     grad_a = grad_b = None
     gather = None
-    with C.record(op):
+    with record(cc.op):
         try:
             if need_b:
-                sig = f"{op}.gather(a={C.describe(a)}, plan={chosen.describe()})"
+                gather_cc = cc.derive(signature=f"{cc.op}.gather(a={describe(a)}, plan={chosen.describe()})")
                 # The heap cannot grow while this gather is in flight: size it for grad_a's call too.
                 need = _gather.heap_bytes(kind, a2)
                 if need_a:
-                    need = max(need, mrs.heap_bytes(chosen, g2, k, info.world_size))
-                call = C.begin_call(op, pg, info, sig, need, timeout)
-                gather = _gather.start(kind, call, a2, pg, info, chosen, timeout, op)
+                    need = max(need, matmul_reduce_scatter.heap_bytes(chosen, g2, k, cc.world_size))
+                gather = _gather.start(kind, gather_cc.begin(need), a2, gather_cc)
             if need_a:
-                sig = f"{op}.grad_a(g={C.describe(g2)}, b={(n, k)}, plan={chosen.describe()})"
-                grad_a = mrs.run(g2, b.t(), pg, info, chosen, timeout, sig, op).view(a.shape)
+                grad_cc = cc.derive(signature=f"{cc.op}.grad_a(g={describe(g2)}, b={(n, k)}, plan={chosen.describe()})")
+                grad_a = matmul_reduce_scatter.run(g2, b.t(), grad_cc).view(a.shape)
             if need_b:
                 for _ in gather.chunks():  # arrived during grad_a's GEMMs, most of it
                     pass
@@ -195,11 +194,11 @@ def _overlapped_backward(ctx, a, b, grad_out, need_a, need_b):
 # ----------------------------------------------------------------------------------------------
 
 
-def _gathered(call, a2, b, pg, info, chosen, timeout, op, keep_gathered):
+def _gathered(cc: CallContext, call, a2, b, keep_gathered):
     """reference, pipelined, symm: the GEMM of each gathered chunk as soon as it is there."""
-    g = _gather.start(chosen.strategy, call, a2, pg, info, chosen, timeout, op)
+    g = _gather.start(cc.plan.strategy, call, a2, cc)
     try:
-        out = a2.new_empty((info.world_size * a2.shape[0], b.shape[1])) if b is not None else None
+        out = a2.new_empty((cc.world_size * a2.shape[0], b.shape[1])) if b is not None else None
         for lo, hi, rows in g.chunks():
             if out is not None:
                 torch.mm(rows, b, out=out[lo:hi])
@@ -208,13 +207,13 @@ def _gathered(call, a2, b, pg, info, chosen, timeout, op, keep_gathered):
         g.close()
 
 
-def _fused(call, a2, b, pg, info, chosen, timeout, op, keep_gathered):
+def _fused(cc: CallContext, call, a2, b, keep_gathered):
+    chosen, timeout = cc.plan, cc.timeout
     if b is None:  # gather only (a weight gradient's gather): the kernel has no GEMM to run
-        return _gathered(call, a2, None, pg, info, dataclasses.replace(chosen, strategy="symm"), timeout, op,
-                         keep_gathered)
-    kernel = C.kernels().all_gather_matmul_kernel
-    interpreted = C.interpreted()
-    W, r, (m, k), n = info.world_size, info.rank, a2.shape, b.shape[1]
+        return _gathered(cc.derive(plan=dataclasses.replace(chosen, strategy="symm")), call, a2, None, keep_gathered)
+    kernel = fused.kernels().all_gather_matmul_kernel
+    interpreted = fused.interpreted()
+    W, r, (m, k), n = cc.world_size, cc.rank, a2.shape, b.shape[1]
     heap = call.heap
     call.wait_slot_free()
     call.buffer(r, a2.dtype, (m, k)).copy_(a2)
@@ -224,9 +223,9 @@ def _fused(call, a2, b, pg, info, chosen, timeout, op, keep_gathered):
     # sync. CPU (interpreted): checked right after the kernel.
     err = heap.kernel_err() if a2.is_cuda else torch.zeros(1, dtype=torch.int32)
     abort = torch.zeros(1, dtype=torch.int32) if interpreted else err  # read only when interpreted
-    bm, bn, bk = C.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, interpreted, a2.dtype)
-    grid = (W * C.cdiv(m, bm) * C.cdiv(n, bn),)
-    guard = C.Watchdog(abort, timeout) if interpreted else contextlib.nullcontext()
+    bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, interpreted, a2.dtype)
+    grid = (W * fused.cdiv(m, bm) * fused.cdiv(n, bn),)
+    guard = fused.Watchdog(abort, timeout) if interpreted else contextlib.nullcontext()
     with guard:
         kernel[grid](
             out, b,
@@ -241,7 +240,7 @@ def _fused(call, a2, b, pg, info, chosen, timeout, op, keep_gathered):
         )
     bad = 0 if a2.is_cuda else int(err.item())
     if bad:
-        raise OverlapTimeout(op, r, bad - 1, f"rank chunk {bad - 1}", timeout, "fused kernel tile wait")
+        raise OverlapTimeout(cc.op, r, bad - 1, f"rank chunk {bad - 1}", timeout, "fused kernel tile wait")
     gathered = None
     if keep_gathered:
         # Every peer's shard stays in its buffer until this rank finishes the call (on GPUs in

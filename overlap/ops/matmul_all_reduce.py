@@ -5,7 +5,7 @@ the inner dim) and the matching rows ``b_KN`` of the weight; every rank needs ``
 The all-reduce is a reduce-scatter followed by an all-gather; both can travel while GEMMs of other
 rows run. For small outputs one step is cheaper than two: every rank takes every rank's whole
 partial and sums it (**one-shot**, ``Plan(one_shot=True)``; ``auto`` picks it for outputs up to
-`overlap.plan.ONE_SHOT_MAX_BYTES` or fewer than ``2 * world_size`` rows).
+`overlap.plans.auto.ONE_SHOT_MAX_BYTES` or fewer than ``2 * world_size`` rows).
 
 Rows need not divide by the world size: the two-shot variants cut the ``M`` rows into ``W`` parts
 of ``ceil(M / W)`` rows (the last ones shorter, possibly empty), part ``d`` reduced by rank ``d``.
@@ -41,10 +41,11 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from .. import symm
-from ..plan import Plan
-from . import _common as C
-from . import matmul_reduce_scatter as mrs
+from .. import comm, symm
+from ..plans import Plan
+from . import fused
+from .context import CallContext, prepare, record
+from .matmul_reduce_scatter import region_bytes, scatter_and_reduce
 
 OP = "matmul_all_reduce"
 
@@ -75,15 +76,15 @@ def matmul_all_reduce(
         ValueError: ``symm``/``fused`` forced on a group that spans nodes.
         OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
     """
-    a, b, pg, info, chosen, timeout, sig = C.prepare(OP, a, b, group, strategy, plan, timeout)
-    with C.record(OP), torch.autocast(info.device.type, enabled=False):
-        return _MatmulAllReduce.apply(a, b, pg, info, chosen, timeout, sig)
+    a, b, cc = prepare(OP, a, b, group, strategy, plan, timeout)
+    with record(OP), torch.autocast(cc.info.device.type, enabled=False):
+        return _MatmulAllReduce.apply(a, b, cc)
 
 
 def _layout(rows: int, n: int, dtype: torch.dtype, world_size: int) -> tuple[int, int, int]:
     """Two-shot heap layout: (rows per part, bytes of a part's region, offset of the reduced part)."""
-    part = C.cdiv(rows, world_size)
-    rb = mrs.region_bytes(part, n, dtype)
+    part = fused.cdiv(rows, world_size)
+    rb = region_bytes(part, n, dtype)
     return part, rb, world_size * rb
 
 
@@ -91,26 +92,26 @@ def heap_bytes(chosen: Plan, a2: torch.Tensor, n: int, world_size: int) -> int:
     if chosen.strategy not in ("symm", "fused"):
         return 0
     if chosen.one_shot:
-        return mrs.region_bytes(a2.shape[0], n, a2.dtype)
+        return region_bytes(a2.shape[0], n, a2.dtype)
     part, rb, reduced = _layout(a2.shape[0], n, a2.dtype, world_size)
     return reduced + rb
 
 
-def run(a2: torch.Tensor, b: torch.Tensor, pg, info, chosen: Plan, timeout: float, sig: str,
-        op: str = OP) -> torch.Tensor:
-    """One call on every rank: the handshake, then the strategy; returns ``[M, n]``."""
-    call = C.begin_call(op, pg, info, sig, heap_bytes(chosen, a2, b.shape[1], info.world_size), timeout)
+def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
+    """One call on every rank (`cc`: its op, group, plan, deadline, signature): the handshake, then the
+    strategy; returns ``[M, n]``."""
+    call = cc.begin(heap_bytes(cc.plan, a2, b.shape[1], cc.world_size))
     try:
-        return STRATEGIES[chosen.strategy](call, a2, b, pg, info, chosen, timeout, op)
+        return STRATEGIES[cc.plan.strategy](cc, call, a2, b)
     finally:
         call.finish()
 
 
 class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, pg, info, chosen: Plan, timeout: float, sig: str):
+    def forward(ctx, a, b, cc: CallContext):
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
-        out2 = run(a2, b, pg, info, chosen, timeout, sig)
+        out2 = run(a2, b, cc)
         ctx.save_for_backward(a, b)
         return out2.view(*a.shape[:-1], b.shape[1])
 
@@ -121,7 +122,7 @@ class _MatmulAllReduce(torch.autograd.Function):
         g2 = grad_out.reshape(-1, n)
         grad_a = torch.mm(g2, b.t()).view(a.shape) if ctx.needs_input_grad[0] else None
         grad_b = torch.mm(a.reshape(-1, k).t(), g2) if ctx.needs_input_grad[1] else None
-        return grad_a, grad_b, None, None, None, None, None
+        return grad_a, grad_b, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,10 +130,9 @@ class _MatmulAllReduce(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 
 
-def _reference(call, a2, b, pg, info, chosen, timeout, op):
+def _reference(cc: CallContext, call, a2, b):
     out = torch.mm(a2, b)
-    work = dist.all_reduce(out, group=pg, async_op=True)
-    C.wait_work(work, op, info.rank, "any", "all_reduce", timeout, info)
+    cc.wait(dist.all_reduce(out, group=cc.pg, async_op=True), "any", "all_reduce")
     return out
 
 
@@ -149,33 +149,34 @@ def _sum_in_rank_order(parts: list[torch.Tensor], out: torch.Tensor) -> None:
         out += p
 
 
-def _pipelined(call, a2, b, pg, info, chosen, timeout, op):
-    W, r, (rows, _), n = info.world_size, info.rank, a2.shape, b.shape[1]
+def _pipelined(cc: CallContext, call, a2, b):
+    chosen, pg = cc.plan, cc.pg
+    W, (rows, _), n = cc.world_size, a2.shape, b.shape[1]
     out = a2.new_empty((rows, n))
-    pieces = C.chunk_bounds(rows, W * chosen.chunks_for(info.slowest_link))
+    pieces = comm.chunk_bounds(rows, W * chosen.chunks_for(cc.info.slowest_link))
     posted = []
     for lo, hi in pieces:
         torch.mm(a2[lo:hi], b, out=out[lo:hi])
         if chosen.one_shot:
             every = a2.new_empty((W * (hi - lo), n))  # rank-major: rank s's piece at rows s*(hi-lo)...
-            posted.append((lo, hi, every, C.all_gather_async(every, out[lo:hi], pg)))
+            posted.append((lo, hi, every, comm.all_gather_async(every, out[lo:hi], pg)))
         else:
             posted.append((lo, hi, None, dist.all_reduce(out[lo:hi], group=pg, async_op=True)))
     for i, (lo, hi, every, work) in enumerate(posted):
-        C.wait_work(work, op, r, "any", f"piece {i}", timeout, info)
+        cc.wait(work, "any", f"piece {i}")
         if every is not None:
             _sum_in_rank_order(list(every.view(W, hi - lo, n).unbind(0)), out[lo:hi])
     return out
 
 
 def _one_shot_chunks(chosen: Plan, info, rows: int) -> list[tuple[int, int]]:
-    return C.chunk_bounds(rows, min(chosen.chunks_for(info.slowest_link), symm.MAX_FLAGS))
+    return comm.chunk_bounds(rows, min(chosen.chunks_for(info.slowest_link), symm.MAX_FLAGS))
 
 
-def _symm(call, a2, b, pg, info, chosen, timeout, op):
-    if chosen.one_shot:
-        return _symm_one_shot(call, a2, b, info, chosen)
-    return _symm_two_shot(call, a2, b, info, chosen)
+def _symm(cc: CallContext, call, a2, b):
+    if cc.plan.one_shot:
+        return _symm_one_shot(call, a2, b, cc.info, cc.plan)
+    return _symm_two_shot(call, a2, b, cc.info, cc.plan)
 
 
 def _symm_one_shot(call, a2, b, info, chosen):
@@ -198,7 +199,7 @@ def _symm_one_shot(call, a2, b, info, chosen):
 
 
 def _parts(rows: int, world_size: int) -> list[tuple[int, int]]:
-    part = C.cdiv(rows, world_size)
+    part = fused.cdiv(rows, world_size)
     return [(min(d * part, rows), min((d + 1) * part, rows)) for d in range(world_size)]
 
 
@@ -210,7 +211,7 @@ def _symm_two_shot(call, a2, b, info, chosen):
     nch = min(chosen.chunks_for(info.slowest_link), stride)
     cuda = a2.is_cuda
     main = torch.cuda.current_stream() if cuda else None
-    side = C.side_stream(a2.device) if cuda else None
+    side = comm.side_stream(a2.device) if cuda else None
 
     def region(owner: int, writer: int, size: int) -> torch.Tensor:
         return call.buffer(owner, dtype, (size, n), offset=writer * rb)
@@ -224,7 +225,7 @@ def _symm_two_shot(call, a2, b, info, chosen):
             continue
         if not cuda or d == r:
             dst = region(d, r, hi_d - lo_d)
-            for j, (lo, hi) in enumerate(C.chunk_bounds(hi_d - lo_d, nch)):
+            for j, (lo, hi) in enumerate(comm.chunk_bounds(hi_d - lo_d, nch)):
                 torch.mm(a2[lo_d + lo : lo_d + hi], b, out=dst[lo:hi])
                 if d != r:
                     call.signal_ready(d * stride + j)
@@ -233,7 +234,7 @@ def _symm_two_shot(call, a2, b, info, chosen):
         side.wait_stream(main)
         with torch.cuda.stream(side):
             dst = region(d, r, hi_d - lo_d)
-            for j, (lo, hi) in enumerate(C.chunk_bounds(hi_d - lo_d, nch)):
+            for j, (lo, hi) in enumerate(comm.chunk_bounds(hi_d - lo_d, nch)):
                 dst[lo:hi].copy_(staged[lo:hi], non_blocking=True)
                 call.signal_ready(d * stride + j, stream=side)
         staged.record_stream(side)
@@ -244,7 +245,7 @@ def _symm_two_shot(call, a2, b, info, chosen):
     if own:
         mine = [region(r, s, own) for s in range(W)]
         reduced = call.buffer(r, dtype, (own, n), offset=reduced_at)
-        for j, (lo, hi) in enumerate(C.chunk_bounds(own, nch)):
+        for j, (lo, hi) in enumerate(comm.chunk_bounds(own, nch)):
             for s in range(W):
                 if s != r:
                     call.wait_ready(s, r * stride + j, stream=main, chunk=j)
@@ -272,7 +273,7 @@ def _pull_parts(call, info, out, parts, reduced_at, stride, nch, main, side) -> 
             if hi_p == lo_p:
                 continue
             src = call.buffer(p, dtype, (hi_p - lo_p, n), offset=reduced_at)
-            for j, (lo, hi) in enumerate(C.chunk_bounds(hi_p - lo_p, nch)):
+            for j, (lo, hi) in enumerate(comm.chunk_bounds(hi_p - lo_p, nch)):
                 call.wait_ready(p, W * stride + j, stream=side, chunk=j)
                 out[lo_p + lo : lo_p + hi].copy_(src[lo:hi], non_blocking=side is not None)
     if side is None:
@@ -283,14 +284,15 @@ def _pull_parts(call, info, out, parts, reduced_at, stride, nch, main, side) -> 
     call.finish(stream=main)
 
 
-def _fused(call, a2, b, pg, info, chosen, timeout, op):
+def _fused(cc: CallContext, call, a2, b):
+    info = cc.info
     W, r, (rows, _), n, dtype = info.world_size, info.rank, a2.shape, b.shape[1], a2.dtype
     heap = call.heap
     out = a2.new_empty((rows, n))
-    if chosen.one_shot:
+    if cc.plan.one_shot:
         # One destination (our own buffer), then a reduction over every rank's buffer.
-        rb = mrs.region_bytes(rows, n, dtype)
-        mrs.scatter_and_reduce(call, a2, b, info, chosen, timeout, op, out, block_rows=rows, num_dest=1,
+        rb = region_bytes(rows, n, dtype)
+        scatter_and_reduce(cc, call, a2, b, out, block_rows=rows, num_dest=1,
                                dst_table=heap.region_table(call.slot, r, rb, 1), flag_index=0,
                                src_table=heap.ptr_table(call.slot), max_chunks=symm.MAX_FLAGS)
         return out
@@ -299,11 +301,11 @@ def _fused(call, a2, b, pg, info, chosen, timeout, op):
     stride = symm.MAX_FLAGS // (W + 1)
     lo_r, hi_r = parts[r]
     reduced = call.buffer(r, dtype, (max(hi_r - lo_r, 1), n), offset=reduced_at)[: hi_r - lo_r]
-    mrs.scatter_and_reduce(call, a2, b, info, chosen, timeout, op, reduced, block_rows=part, num_dest=W,
+    scatter_and_reduce(cc, call, a2, b, reduced, block_rows=part, num_dest=W,
                            dst_table=heap.ptr_table(call.slot, r * rb), flag_index=r * stride,
                            src_table=heap.region_table(call.slot, r, rb, W), max_chunks=stride, flag_stride=stride)
     main = torch.cuda.current_stream() if a2.is_cuda else None
-    side = C.side_stream(a2.device) if a2.is_cuda else None
+    side = comm.side_stream(a2.device) if a2.is_cuda else None
     call.signal_ready(W * stride, stream=main)  # the whole reduced part at once: the kernel is one step
     out[lo_r:hi_r].copy_(reduced)
     _pull_parts(call, info, out, parts, reduced_at, stride, 1, main, side)

@@ -46,10 +46,11 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from .. import symm
+from .. import comm, symm
 from ..errors import OverlapTimeout
-from ..plan import Plan
-from . import _common as C
+from ..plans import Plan
+from . import fused
+from .context import CallContext, describe, prepare, record
 
 OP = "matmul_reduce_scatter"
 
@@ -80,14 +81,14 @@ def matmul_reduce_scatter(
         ValueError: ``symm``/``fused`` forced on a group that spans nodes.
         OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
     """
-    a, b, pg, info, chosen, timeout, sig = C.prepare(OP, a, b, group, strategy, plan, timeout, check=_check_rows)
-    with C.record(OP), torch.autocast(info.device.type, enabled=False):
-        return _MatmulReduceScatter.apply(a, b, pg, info, chosen, timeout, sig)
+    a, b, cc = prepare(OP, a, b, group, strategy, plan, timeout, check=_check_rows)
+    with record(OP), torch.autocast(cc.info.device.type, enabled=False):
+        return _MatmulReduceScatter.apply(a, b, cc)
 
 
 def _check_rows(a: torch.Tensor, b: torch.Tensor, info) -> None:
     if a.shape[0] % info.world_size:
-        raise ValueError(f"overlap.{OP}: dim 0 of a ({a.shape[0]}, from a={C.describe(a)}) must divide by the "
+        raise ValueError(f"overlap.{OP}: dim 0 of a ({a.shape[0]}, from a={describe(a)}) must divide by the "
                          f"world size {info.world_size}; pad the sequence (overlap does not pad silently)")
 
 
@@ -103,45 +104,44 @@ def heap_bytes(chosen: Plan, a2: torch.Tensor, n: int, world_size: int) -> int:
     return world_size * region_bytes(a2.shape[0] // world_size, n, a2.dtype)
 
 
-def run(a2: torch.Tensor, b: torch.Tensor, pg, info, chosen: Plan, timeout: float, sig: str,
-        op: str = OP) -> torch.Tensor:
-    """One call on every rank: the handshake, then the strategy; returns ``[M / W, n]``."""
-    call = C.begin_call(op, pg, info, sig, heap_bytes(chosen, a2, b.shape[1], info.world_size), timeout)
+def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
+    """One call on every rank (`cc`: its op, group, plan, deadline, signature): the handshake, then the
+    strategy; returns ``[M / W, n]``."""
+    call = cc.begin(heap_bytes(cc.plan, a2, b.shape[1], cc.world_size))
     try:
-        return STRATEGIES[chosen.strategy](call, a2, b, pg, info, chosen, timeout, op)
+        return STRATEGIES[cc.plan.strategy](cc, call, a2, b)
     finally:
         call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, pg, info, chosen: Plan, timeout: float, sig: str):
+    def forward(ctx, a, b, cc: CallContext):
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
-        out2 = run(a2, b, pg, info, chosen, timeout, sig)
+        out2 = run(a2, b, cc)
         ctx.save_for_backward(a, b)
-        ctx.pg, ctx.info, ctx.timeout, ctx.chosen = pg, info, timeout, chosen
-        return out2.view(a.shape[0] // info.world_size, *a.shape[1:-1], b.shape[1])
+        ctx.call_context = cc
+        return out2.view(a.shape[0] // cc.world_size, *a.shape[1:-1], b.shape[1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        from . import all_gather_matmul as agm
+        from . import all_gather_matmul
 
         a, b = ctx.saved_tensors
-        pg, info, timeout, chosen = ctx.pg, ctx.info, ctx.timeout, ctx.chosen
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         k, n = b.shape
-        op = f"{OP}.backward"
         g2 = grad_out.reshape(-1, n).contiguous()
         a2 = a.reshape(-1, k)
-        sig = f"{op}(g={C.describe(g2)}, a={C.describe(a)}, b={tuple(b.shape)}, grads={int(need_a)}{int(need_b)}, " \
-              f"plan={chosen.describe()})"
-        with C.record(op):
-            out2, gathered = agm.run(g2, b.t() if need_a else None, pg, info, chosen, timeout, sig, op,
-                                     keep_gathered=need_b)
+        cc = ctx.call_context
+        op = f"{OP}.backward"
+        cc = cc.derive(op=op, signature=f"{op}(g={describe(g2)}, a={describe(a)}, b={tuple(b.shape)}, "
+                                        f"grads={int(need_a)}{int(need_b)}, plan={cc.plan.describe()})")
+        with record(op):
+            out2, gathered = all_gather_matmul.run(g2, b.t() if need_a else None, cc, keep_gathered=need_b)
             # One GEMM over every gathered row: it rounds exactly as the unfused weight gradient does.
             grad_b = torch.mm(a2.t(), gathered) if need_b else None
         grad_a = out2.view(a.shape) if need_a else None
-        return grad_a, grad_b, None, None, None, None, None
+        return grad_a, grad_b, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,16 +149,15 @@ class _MatmulReduceScatter(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 
 
-def _reference(call, a2, b, pg, info, chosen, timeout, op):
+def _reference(cc: CallContext, call, a2, b):
     partial = torch.mm(a2, b)
-    out = a2.new_empty((a2.shape[0] // info.world_size, b.shape[1]))
-    work = C.reduce_scatter_async(out, partial, pg)
-    C.wait_work(work, op, info.rank, "any", "reduce_scatter", timeout, info)
+    out = a2.new_empty((a2.shape[0] // cc.world_size, b.shape[1]))
+    cc.wait(comm.reduce_scatter_async(out, partial, cc.pg), "any", "reduce_scatter")
     return out
 
 
-def _pipelined(call, a2, b, pg, info, chosen, timeout, op):
-    W, r, n = info.world_size, info.rank, b.shape[1]
+def _pipelined(cc: CallContext, call, a2, b):
+    W, r, n = cc.world_size, cc.rank, b.shape[1]
     m = a2.shape[0] // W
     # Pairwise shift: at step i this rank sends its partial for block r+i to rank r+i and receives
     # rank r-i's partial for its own block (every send meets its receive at the same step, also
@@ -168,12 +167,12 @@ def _pipelined(call, a2, b, pg, info, chosen, timeout, op):
     for i in range(1, W):
         d, src = (r + i) % W, (r - i) % W
         part = torch.mm(a2[d * m : (d + 1) * m], b)  # the next GEMM runs while this partial travels
-        pairs = C.exchange_chunked(part, d, received[src], src, chosen, info, pg, op)
+        pairs = comm.exchange_chunked(part, d, received[src], src, cc.plan.chunks_for, cc.info, cc.pg, cc.op)
         posted.extend((src, j, part, works) for j, _, works in pairs)  # part: kept alive until sent
     torch.mm(a2[r * m : (r + 1) * m], b, out=received[r])
     for _src, j, _part, works in posted:
         for work, peer in works:
-            C.wait_work(work, op, r, peer, j, timeout, info)
+            cc.wait(work, peer, j)
     out = a2.new_empty((m, n))
     _reduce_regions(list(received.unbind(0)), out, 0, m)  # rank order, one rounding
     return out
@@ -182,7 +181,7 @@ def _pipelined(call, a2, b, pg, info, chosen, timeout, op):
 def _flag_chunks(chosen: Plan, info, m: int) -> tuple[list[tuple[int, int]], int]:
     """Chunk bounds of one block (uniform over peers: the slowest link's count) and the flag stride."""
     stride = symm.MAX_FLAGS // info.world_size
-    return C.chunk_bounds(m, min(chosen.chunks_for(info.slowest_link), stride)), stride
+    return comm.chunk_bounds(m, min(chosen.chunks_for(info.slowest_link), stride)), stride
 
 
 def _reduce_regions(mine: list[torch.Tensor], out: torch.Tensor, lo: int, hi: int) -> None:
@@ -198,11 +197,12 @@ def _reduce_regions(mine: list[torch.Tensor], out: torch.Tensor, lo: int, hi: in
         out[lo:hi] += region[lo:hi]
 
 
-def _symm(call, a2, b, pg, info, chosen, timeout, op):
+def _symm(cc: CallContext, call, a2, b):
+    info = cc.info
     W, r, n, dtype = info.world_size, info.rank, b.shape[1], a2.dtype
     m = a2.shape[0] // W
     rb = region_bytes(m, n, dtype)
-    bounds, stride = _flag_chunks(chosen, info, m)
+    bounds, stride = _flag_chunks(cc.plan, info, m)
 
     def region(owner: int, writer: int) -> torch.Tensor:
         return call.buffer(owner, dtype, (m, n), offset=writer * rb)
@@ -238,7 +238,7 @@ def _symm_cuda(call, a2, b, info, region, bounds, stride):
     W, r, n = info.world_size, info.rank, b.shape[1]
     m = a2.shape[0] // W
     main = torch.cuda.current_stream()
-    side = C.side_stream(a2.device)
+    side = comm.side_stream(a2.device)
     call.wait_slot_free(main)
     for i in range(1, W):
         d = (r + i) % W
@@ -263,21 +263,21 @@ def _symm_cuda(call, a2, b, info, region, bounds, stride):
     return out
 
 
-def _fused(call, a2, b, pg, info, chosen, timeout, op):
-    W, r, n = info.world_size, info.rank, b.shape[1]
+def _fused(cc: CallContext, call, a2, b):
+    W, r, n = cc.world_size, cc.rank, b.shape[1]
     m = a2.shape[0] // W
     heap = call.heap
     rb = region_bytes(m, n, a2.dtype)
     stride = symm.MAX_FLAGS // W
     out = a2.new_empty((m, n))
     # Block d goes to our region (r) of d's buffer; we sum the W regions of our own buffer.
-    scatter_and_reduce(call, a2, b, info, chosen, timeout, op, out, block_rows=m, num_dest=W,
+    scatter_and_reduce(cc, call, a2, b, out, block_rows=m, num_dest=W,
                        dst_table=heap.ptr_table(call.slot, r * rb), flag_index=r * stride,
                        src_table=heap.region_table(call.slot, r, rb, W), max_chunks=stride, flag_stride=stride)
     return out
 
 
-def scatter_and_reduce(call, a2, b, info, chosen, timeout, op, out, *, block_rows: int, num_dest: int,
+def scatter_and_reduce(cc: CallContext, call, a2, b, out, *, block_rows: int, num_dest: int,
                        dst_table: torch.Tensor, flag_index: int, src_table: torch.Tensor, max_chunks: int,
                        flag_stride: int = 0) -> None:
     """The two fused kernels (`overlap.kernels.mm_rs`).
@@ -288,18 +288,19 @@ def scatter_and_reduce(call, a2, b, info, chosen, timeout, op, out, *, block_row
     rank's flag ``flag_index + chunk`` has this call's epoch. Used by the reduce-scatter (one block
     per rank) and by ``matmul_all_reduce`` (one-shot: one block, summed over every rank's buffer).
     """
-    k = C.kernels()
-    interpreted = C.interpreted()
+    info, chosen = cc.info, cc.plan
+    k = fused.kernels()
+    interpreted = fused.interpreted()
     n = b.shape[1]
     heap = call.heap
-    bm, bn, bk = C.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, interpreted, a2.dtype)
-    tiles_m = C.cdiv(block_rows, bm)
+    bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, interpreted, a2.dtype)
+    tiles_m = fused.cdiv(block_rows, bm)
     nch = max(1, min(chosen.chunks_for(info.slowest_link), max_chunks, tiles_m))
     call.wait_slot_free()
     counters = heap.counters(call.slot)  # num_dest * nch <= MAX_FLAGS; the kernel leaves them at zero
     if not a2.is_cuda:
         counters.zero_()  # (an interpreted kernel can stop half-way on an exception; a memset is free here)
-    k.matmul_scatter_kernel[(num_dest * tiles_m * C.cdiv(n, bn),)](
+    k.matmul_scatter_kernel[(num_dest * tiles_m * fused.cdiv(n, bn),)](
         a2, b,
         dst_table, counters, heap.flag_table(call.slot, 0), flag_stride,
         call.word, info.rank,
@@ -310,22 +311,22 @@ def scatter_and_reduce(call, a2, b, info, chosen, timeout, op, out, *, block_row
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
         UPCAST=interpreted and a2.dtype == torch.bfloat16,
     )
-    reduce_sources(call, info, timeout, op, out, src_table, heap.flag_table(call.slot, flag_index), block_rows,
-                   nch, bm, bn)
+    reduce_sources(cc, call, out, src_table, heap.flag_table(call.slot, flag_index), block_rows, nch, bm, bn)
 
 
-def reduce_sources(call, info, timeout, op, out, src_table, flag_table, block_rows, nch, bm, bn) -> None:
+def reduce_sources(cc: CallContext, call, out, src_table, flag_table, block_rows, nch, bm, bn) -> None:
     """The reduction kernel: ``out = sum_s src_s`` in rank order, each chunk once its flags are set."""
-    k = C.kernels()
-    interpreted = C.interpreted()
+    info, timeout = cc.info, cc.timeout
+    k = fused.kernels()
+    interpreted = fused.interpreted()
     rows, n = out.shape
     # GPU: the error word is pinned host memory, checked by the next call without a sync; the abort
     # word is only read when interpreted. CPU (interpreted): both checked right after the kernel.
     err = call.heap.kernel_err() if out.is_cuda else torch.zeros(1, dtype=torch.int32)
     abort = torch.zeros(1, dtype=torch.int32) if interpreted else err
-    guard = C.Watchdog(abort, timeout) if interpreted else contextlib.nullcontext()
+    guard = fused.Watchdog(abort, timeout) if interpreted else contextlib.nullcontext()
     with guard:
-        k.reduce_chunks_kernel[(C.cdiv(block_rows, bm) * C.cdiv(n, bn),)](
+        k.reduce_chunks_kernel[(fused.cdiv(block_rows, bm) * fused.cdiv(n, bn),)](
             out, src_table, flag_table,
             call.word, abort, err, int(timeout * 1e9),
             rows, n, block_rows, info.world_size, nch,
@@ -335,7 +336,7 @@ def reduce_sources(call, info, timeout, op, out, src_table, flag_table, block_ro
         )
     bad = 0 if out.is_cuda else int(err.item())
     if bad:
-        raise OverlapTimeout(op, info.rank, bad - 1, "a reduced chunk", timeout, "fused reduction wait")
+        raise OverlapTimeout(cc.op, info.rank, bad - 1, "a reduced chunk", timeout, "fused reduction wait")
 
 
 STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused}

@@ -5,7 +5,7 @@ Problem. After the experts ran, every row must return to the rank and token it c
 token's ``K`` rows are summed with its routing weights. Computing every expert's output first and then
 running the all-to-all leaves the links idle during the GEMMs. The rows for one source rank are a
 few (expert, source) blocks, so they can travel while the blocks for the next source are multiplied.
-Layouts and the handle: `overlap.ops._moe`.
+Layouts and the handle: `overlap.ops.moe_layout`.
 
 Strategies (same rows, same order; `reference` is the oracle). The weighted sum is the same code in
 all of them (fp32, ``k`` in order), so the strategies differ only by the GEMMs' own rounding:
@@ -17,12 +17,12 @@ all of them (fp32, ``k`` in order), so the strategies differ only by the GEMMs' 
 * ``symm``: the results for source ``s`` are written (GEMM output stored) straight into this rank's
   region of ``s``'s symmetric buffer, flagged per expert group, peers first from ``r+1``; each rank then
   waits for the flags of its own rows and sums (on GPUs, where no gradient is needed, one CUDA kernel
-  gathers and sums straight from the regions: `overlap.ops._moe_cuda`). Ranks of one node.
+  gathers and sums straight from the regions: `overlap.ops.moe_cuda`). Ranks of one node.
 * ``fused`` (grouped-matmul form only): one Triton grouped GEMM (`overlap.kernels.moe`) whose tiles
   store into the source's buffer and count per (source, expert group); the group's last tile releases
   its flag.
 
-Autograd (DESIGN.md): the weighted sum gives ``topk_weights`` the dot products and each row its
+Autograd (docs/design.md): the weighted sum gives ``topk_weights`` the dot products and each row its
 ``topk_weights``-weighted gradient; those rows travel to the experts again (the dispatch direction,
 `overlap.ops.moe_dispatch`), fused there with the input-gradient GEMM ``grad_e @ w2[e].T``; the weight
 gradient is ``h_e.T @ grad_e``, one GEMM per expert.
@@ -39,17 +39,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import world
-from ..plan import Plan
-from . import _common as C
-from . import _moe as M
-from . import _moe_cuda
+from .. import comm
+from ..plans import Plan
+from . import fused, moe_cuda
+from . import moe_layout as layout
+from .context import CallContext, autocast_inputs, describe, preamble, record
 
 OP_COMBINE = "combine"
 OP_MM_COMBINE = "grouped_matmul_combine"
 
 
-def combine(y_recv: torch.Tensor, topk_weights: torch.Tensor, handle: M.MoEHandle, strategy: str = "auto",
+def combine(y_recv: torch.Tensor, topk_weights: torch.Tensor, handle: layout.MoEHandle, strategy: str = "auto",
             plan=None, timeout: float | None = None) -> torch.Tensor:
     """Return every row of `y_recv` to its token and sum a token's rows weighted by `topk_weights`.
 
@@ -66,15 +66,15 @@ def combine(y_recv: torch.Tensor, topk_weights: torch.Tensor, handle: M.MoEHandl
         TypeError / ValueError: shapes that do not match the handle, dtypes, devices, plan; on this rank
             before any data moves, peers raise at once. OverlapMismatchError, OverlapTimeout: as elsewhere.
     """
-    y, _, handle, chosen, sig = _prepare(OP_COMBINE, y_recv, None, topk_weights, handle, strategy, plan, timeout)
-    with C.record(f"moe.{OP_COMBINE}"):
-        if _moe_cuda.sums_on_device(y, topk_weights, chosen, y):
-            return run(handle, y, None, chosen, sig, f"moe.{OP_COMBINE}", weights=topk_weights)
-        back = _ToSources.apply(y, handle, chosen, sig)
-        return M.weighted_sum(back, topk_weights, y.dtype)
+    y, _, handle, cc = _prepare(OP_COMBINE, y_recv, None, topk_weights, handle, strategy, plan, timeout)
+    with record(cc.op):
+        if moe_cuda.sums_on_device(y, topk_weights, cc.plan, y):
+            return run(handle, y, None, cc, weights=topk_weights)
+        back = _ToSources.apply(y, handle, cc)
+        return layout.weighted_sum(back, topk_weights, y.dtype)
 
 
-def grouped_matmul_combine(h: torch.Tensor, w2, topk_weights: torch.Tensor, handle: M.MoEHandle,
+def grouped_matmul_combine(h: torch.Tensor, w2, topk_weights: torch.Tensor, handle: layout.MoEHandle,
                            strategy: str = "auto", plan=None, timeout: float | None = None) -> torch.Tensor:
     """`combine` of ``h_e @ w2[e]``: each source's rows multiplied, then sent while the next are multiplied.
 
@@ -88,64 +88,63 @@ def grouped_matmul_combine(h: torch.Tensor, w2, topk_weights: torch.Tensor, hand
 
     Raises: as `combine`; also for a `w2` of the wrong shape, dtype or device.
     """
-    y, w2, handle, chosen, sig = _prepare(OP_MM_COMBINE, h, w2, topk_weights, handle, strategy, plan, timeout)
-    with C.record(f"moe.{OP_MM_COMBINE}"), torch.autocast(handle.info.device.type, enabled=False):
-        if _moe_cuda.sums_on_device(y, topk_weights, chosen, y, w2):
-            return run(handle, y, w2, chosen, sig, f"moe.{OP_MM_COMBINE}", weights=topk_weights)
-        back = _ToSourcesMM.apply(y, w2, handle, chosen, sig)
-    return M.weighted_sum(back, topk_weights, y.dtype)
+    y, w2, handle, cc = _prepare(OP_MM_COMBINE, h, w2, topk_weights, handle, strategy, plan, timeout)
+    with record(cc.op), torch.autocast(handle.info.device.type, enabled=False):
+        if moe_cuda.sums_on_device(y, topk_weights, cc.plan, y, w2):
+            return run(handle, y, w2, cc, weights=topk_weights)
+        back = _ToSourcesMM.apply(y, w2, handle, cc)
+    return layout.weighted_sum(back, topk_weights, y.dtype)
 
 
 def _prepare(op, y, w, topk_weights, handle, strategy, plan, timeout):
-    if not isinstance(handle, M.MoEHandle):
+    """Local checks, autocast, plan and signature in the handle's group (`overlap.ops.context.preamble`: a
+    local mistake raises on every rank). Returns ``(y, w, handle, context of this call)``."""
+    if not isinstance(handle, layout.MoEHandle):
         raise TypeError(f"overlap.moe.{op}: handle must come from overlap.moe.dispatch, got {type(handle).__name__}")
-    pg, info = handle.group, handle.info
-    world.CALLER.set(f"moe.{op}")
-    timeout, error = M.resolve_timeout(timeout)
-    chosen, sig = None, ""
-    try:
-        if error is not None:
-            raise error
-        M.check_tokens(op, y, info.device, "the expert rows")
+
+    def decide(cc: CallContext):
+        nonlocal y, w
+        info = cc.info
+        layout.check_tokens(op, y, info.device, "the expert rows")
         if y.shape[0] != handle.num_recv:
             raise ValueError(f"overlap.moe.{op}: the handle's dispatch gave this rank {handle.num_recv} rows, "
-                             f"got {C.describe(y)}")
+                             f"got {describe(y)}")
         if w is not None:
             L = handle.num_local_experts
             if isinstance(w, (list, tuple)):
-                w = M.check_weights(op, w, L, y.shape[1], w[0].dtype if w else y.dtype, y.device, "w2")
-            y, w = C.autocast_inputs(y, w)
-            w = M.check_weights(op, w, L, y.shape[1], y.dtype, y.device, "w2")
+                w = layout.check_weights(op, w, L, y.shape[1], w[0].dtype if w else y.dtype, y.device, "w2")
+            y, w = autocast_inputs(y, w)
+            w = layout.check_weights(op, w, L, y.shape[1], y.dtype, y.device, "w2")
         _check_weights_of_topk(op, topk_weights, handle, info.device)
-        problem = None if w is None else M.moe_problem(handle.num_tokens, w.shape[2], y.shape[1],
+        problem = None if w is None else layout.moe_problem(handle.num_tokens, w.shape[2], y.shape[1],
                                                         handle.num_experts, handle.top_k, y.dtype, (y, w))
-        chosen = M.resolve_plan(op, strategy, plan, info, handle.num_tokens, y.dtype, allow_fused=w is not None,
+        chosen = layout.resolve_plan(op, strategy, plan, info, handle.num_tokens, y.dtype, allow_fused=w is not None,
                                 problem=problem)
-        sig = M.call_signature(f"moe.{op}", handle, y, w, chosen, grads=(y, w))
-    except (TypeError, ValueError) as exc:
-        M.fail_fast(f"moe.{op}", pg, info, exc, timeout)
-    if timeout != handle.timeout:  # this call's deadline (and its backward's); the dispatch keeps its own
-        handle = dataclasses.replace(handle, timeout=timeout)
-    return y, w, handle, chosen, sig
+        return chosen, layout.call_signature(f"moe.{op}", handle, y, w, chosen, grads=(y, w)), None
+
+    cc, _ = preamble(f"moe.{op}", handle.group, timeout, decide)
+    if cc.timeout != handle.timeout:  # this call's deadline (and its backward's); the dispatch keeps its own
+        handle = dataclasses.replace(handle, context=handle.context.derive(timeout=cc.timeout))
+    return y, w, handle, cc
 
 
-def _check_weights_of_topk(op: str, topk_weights: Any, handle: M.MoEHandle, device: torch.device) -> None:
+def _check_weights_of_topk(op: str, topk_weights: Any, handle: layout.MoEHandle, device: torch.device) -> None:
     if not isinstance(topk_weights, torch.Tensor):
         raise TypeError(f"overlap.moe.{op}: topk_weights must be a tensor, got {type(topk_weights).__name__}")
     if not topk_weights.is_floating_point():
         raise TypeError(f"overlap.moe.{op}: topk_weights must be floating, got {topk_weights.dtype}")
     if tuple(topk_weights.shape) != (handle.num_tokens, handle.top_k):
         raise ValueError(f"overlap.moe.{op}: topk_weights must be [tokens={handle.num_tokens}, "
-                         f"top_k={handle.top_k}] as in the dispatch, got {C.describe(topk_weights)}")
+                         f"top_k={handle.top_k}] as in the dispatch, got {describe(topk_weights)}")
     if topk_weights.device != device:
         raise ValueError(f"overlap.moe.{op}: topk_weights is on {topk_weights.device}, the group computes on {device}")
 
 
 class _ToSources(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, handle, chosen, sig):
-        ctx.handle, ctx.chosen = handle, chosen
-        return run(handle, y, None, chosen, sig, f"moe.{OP_COMBINE}")
+    def forward(ctx, y, handle, cc: CallContext):
+        ctx.handle, ctx.chosen = handle, cc.plan
+        return run(handle, y, None, cc)
 
     @staticmethod
     def backward(ctx, grad_back):
@@ -154,17 +153,16 @@ class _ToSources(torch.autograd.Function):
         h, chosen = ctx.handle, ctx.chosen
         op = f"moe.{OP_COMBINE}.backward"
         grad_back = grad_back.contiguous()
-        grad_y, _ = moe_dispatch.run(h, grad_back, h.order, None, chosen,
-                                     M.call_signature(op, h, grad_back, None, chosen), op)
-        return grad_y, None, None, None
+        grad_y, _ = moe_dispatch.run(h, grad_back, h.order, None, layout.follow_up(h, op, grad_back, None, chosen))
+        return grad_y, None, None
 
 
 class _ToSourcesMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, w2, handle, chosen, sig):
+    def forward(ctx, y, w2, handle, cc: CallContext):
         ctx.save_for_backward(y, w2)
-        ctx.handle, ctx.chosen = handle, chosen
-        return run(handle, y, w2, chosen, sig, f"moe.{OP_MM_COMBINE}")
+        ctx.handle, ctx.chosen = handle, cc.plan
+        return run(handle, y, w2, cc)
 
     @staticmethod
     def backward(ctx, grad_back):
@@ -178,10 +176,10 @@ class _ToSourcesMM(torch.autograd.Function):
         w_t = w2.transpose(1, 2) if need_y else None
         if w_t is None and chosen.strategy == "fused":
             chosen = Plan("symm", chosen.num_chunks)  # no GEMM to fuse: the rows alone travel as in symm
-        grad_rows, grad_y = moe_dispatch.run(h, grad_back, h.order, w_t, chosen,
-                                             M.call_signature(op, h, grad_back, w_t, chosen), op, keep_rows=True)
-        grad_w = M.grouped_weight_grad(y, grad_rows, h, w2) if need_w else None
-        return grad_y, grad_w, None, None, None
+        cc = layout.follow_up(h, op, grad_back, w_t, chosen)
+        grad_rows, grad_y = moe_dispatch.run(h, grad_back, h.order, w_t, cc, keep_rows=True)
+        grad_w = layout.grouped_weight_grad(y, grad_rows, h, w2) if need_w else None
+        return grad_y, grad_w, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,29 +187,29 @@ class _ToSourcesMM(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 
 
-def run(h: M.MoEHandle, y: torch.Tensor, w: torch.Tensor | None, chosen: Plan, sig: str, op: str,
+def run(h: layout.MoEHandle, y: torch.Tensor, w: torch.Tensor | None, cc: CallContext,
         between: Callable[[], None] | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Return each expert-order row of `y` (times its expert's ``w[e]`` where `w` is given, ``[L, H, N]``
-    any strides) to the rank of its token; one call on every rank. `between` runs while the rows travel.
+    any strides) to the rank of its token; one call on every rank (`cc`: its op, plan, signature).
+    `between` runs while the rows travel.
 
     Returns ``[P, N]`` in pair order (pair ``t*K + k``), on the rank of the tokens. With `weights`
-    (``[T, K]``; ``symm``/``fused`` on GPUs, see `_moe_cuda.sums_on_device`) returns the weighted sum
+    (``[T, K]``; ``symm``/``fused`` on GPUs, see `moe_cuda.sums_on_device`) returns the weighted sum
     ``[T, N]`` instead, summed by the combine kernel straight from the regions (no autograd).
     """
-    info = h.info
     cols = y.shape[1] if w is None else w.shape[2]
-    need = M.heap_need(chosen.strategy, h.num_tokens, h.top_k, h.num_local_experts, h.send_splits,
-                       cols * y.element_size(), info.world_size)
-    call = C.begin_call(op, h.group, info, sig, need, h.timeout)
+    need = layout.heap_need(cc.plan.strategy, h.num_tokens, h.top_k, h.num_local_experts, h.send_splits,
+                       cols * y.element_size(), cc.world_size)
+    call = cc.begin(need)
     extra = {} if weights is None else {"weights": weights}  # (symm and fused only)
     try:
-        back = STRATEGIES[chosen.strategy](call, h, chosen, y, w, op, between, **extra)
+        back = STRATEGIES[cc.plan.strategy](cc, call, h, y, w, between, **extra)
     finally:
         call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
     return back if weights is not None else back.index_select(0, h.inv_order)
 
 
-def _rows_for(h: M.MoEHandle, y: torch.Tensor, w: torch.Tensor | None, s: int, into: torch.Tensor) -> None:
+def _rows_for(h: layout.MoEHandle, y: torch.Tensor, w: torch.Tensor | None, s: int, into: torch.Tensor) -> None:
     """`into` = the rows of source `s` (in `s`'s send order), each block times its expert's weight."""
     for e in range(h.num_local_experts):
         c = h.recv_counts[s][e]
@@ -224,18 +222,18 @@ def _rows_for(h: M.MoEHandle, y: torch.Tensor, w: torch.Tensor | None, s: int, i
             into[lo : lo + c].copy_(y[at : at + c])
 
 
-def _reference(call, h, chosen, y, w, op, between):
-    z = M.grouped_mm(y, w, h) if w is not None else y
+def _reference(cc: CallContext, call, h, y, w, between):
+    z = layout.grouped_mm(y, w, h) if w is not None else y
     stage = z.index_select(0, h.expert_of_staging_row)
     back = z.new_empty((h.num_tokens * h.top_k, z.shape[1]))
-    work = dist.all_to_all_single(back, stage, h.send_splits, h.recv_splits, group=h.group, async_op=True)
-    C.wait_work(work, op, h.info.rank, "any", "all_to_all", h.timeout, h.info)
+    work = dist.all_to_all_single(back, stage, h.send_splits, h.recv_splits, group=cc.pg, async_op=True)
+    cc.wait(work, "any", "all_to_all")
     if between is not None:
         between()
     return back
 
 
-def _pipelined(call, h, chosen, y, w, op, between):
+def _pipelined(cc: CallContext, call, h, y, w, between):
     info, W, r = h.info, h.info.world_size, h.info.rank
     cols = y.shape[1] if w is None else w.shape[2]
     back = y.new_empty((h.num_tokens * h.top_k, cols))
@@ -249,27 +247,27 @@ def _pipelined(call, h, chosen, y, w, op, between):
         buf = y.new_empty((h.recv_splits[s], cols))
         _rows_for(h, y, w, s, buf)  # the next source's GEMMs run while this one's rows travel
         sent.append(buf)
-        posted.extend(C.exchange_chunked(buf, s, ours_from(src), src, chosen, info, h.group, op))
+        posted.extend(comm.exchange_chunked(buf, s, ours_from(src), src, cc.plan.chunks_for, info, cc.pg, cc.op))
     _rows_for(h, y, w, r, ours_from(r))
     if between is not None:
         between()
     for _j, _got, works in posted:
         for work, peer in works:
-            C.wait_work(work, op, r, peer, _j, h.timeout, info)
+            cc.wait(work, peer, _j)
     del sent
     return back
 
 
-def _symm(call, h, chosen, y, w, op, between, weights=None):
+def _symm(cc: CallContext, call, h, y, w, between, weights=None):
     cols = y.shape[1] if w is None else w.shape[2]
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
-    F, G = M.flags_per_peer(W), M.expert_groups(L, W)
+    F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
     call.wait_slot_free()
     for i in range(1, W + 1):  # peers from rank + 1, our own rows last
         s = (r + i) % W
-        region = M.region(call, h, s, r, y.dtype, cols)
+        region = layout.region(call, h, s, r, y.dtype, cols)
         for g in range(G):
-            experts = M.group_experts(g, L, G)
+            experts = layout.group_experts(g, L, G)
             if not sum(h.recv_counts[s][e] for e in experts):
                 continue
             for e in experts:
@@ -286,15 +284,16 @@ def _symm(call, h, chosen, y, w, op, between, weights=None):
     return _collect(call, h, y.dtype, cols, weights)
 
 
-def _fused(call, h, chosen, y, w, op, between, weights=None):
-    k = C.kernels()
-    interpreted = C.interpreted()
+def _fused(cc: CallContext, call, h, y, w, between, weights=None):
+    chosen = cc.plan
+    k = fused.kernels()
+    interpreted = fused.interpreted()
     y = y.contiguous()  # the kernel reads rows with unit column stride
     cols = w.shape[2]
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
-    F, G = M.flags_per_peer(W), M.expert_groups(L, W)
-    bm, bn, bk = C.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, interpreted, y.dtype)
-    tiles_n = C.cdiv(cols, bn)
+    F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
+    bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, interpreted, y.dtype)
+    tiles_n = fused.cdiv(cols, bn)
     call.wait_slot_free()
     # Tiles: (source, expert, row of y, row in the source's region, rows, flag index, tiles of the flag).
     tiles, per_flag = [], {}
@@ -303,7 +302,7 @@ def _fused(call, h, chosen, y, w, op, between, weights=None):
         for e in range(L):
             c = h.recv_counts[s][e]
             lo, at = h.within_source(s, e), h.expert_offsets[e][s]
-            flag = s * F + 1 + M.group_of(e, L, G)
+            flag = s * F + 1 + layout.group_of(e, L, G)
             for t in range(0, c, bm):
                 tiles.append([s, e, at + t, lo + t, min(bm, c - t), flag, 0])
                 per_flag[flag] = per_flag.get(flag, 0) + tiles_n
@@ -311,13 +310,13 @@ def _fused(call, h, chosen, y, w, op, between, weights=None):
         for tile in tiles:
             tile[6] = per_flag[tile[5]]
         heap = call.heap
-        stride = M.region_stride(call, W, L)
+        stride = layout.region_stride(call, W, L)
         counters = heap.counters(call.slot)  # indices < W * F <= MAX_FLAGS; the kernel leaves them at zero
         if not y.is_cuda:
             counters.zero_()  # (an interpreted kernel can stop half-way on an exception; a memset is free here)
         k.grouped_matmul_scatter_kernel[(len(tiles) * tiles_n,)](
             y, w, torch.tensor(tiles, dtype=torch.int32, device=y.device),
-            heap.ptr_table(call.slot, M.header_bytes(W, L) + r * stride), counters, heap.flag_table(call.slot, 0),
+            heap.ptr_table(call.slot, layout.header_bytes(W, L) + r * stride), counters, heap.flag_table(call.slot, 0),
             call.word, r,
             cols, y.shape[1],
             y.stride(0),
@@ -331,24 +330,25 @@ def _fused(call, h, chosen, y, w, op, between, weights=None):
     return _collect(call, h, y.dtype, cols, weights)
 
 
-def _collect(call, h: M.MoEHandle, dtype: torch.dtype, cols: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+def _collect(call, h: layout.MoEHandle, dtype: torch.dtype, cols: int,
+             weights: torch.Tensor | None = None) -> torch.Tensor:
     """Wait for every rank's results for our rows (flag by flag) and copy them out, in send order.
     With `weights` (GPUs): after the same waits, the combine kernel sums them into ``[T, cols]``."""
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
-    F, G = M.flags_per_peer(W), M.expert_groups(L, W)
+    F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
     back = None if weights is not None else torch.empty((h.num_tokens * h.top_k, cols), dtype=dtype,
                                                          device=h.info.device)
     for i in range(W):
         d = (r - i) % W  # in the order the ranks write us (rank r - 1 first)
         for g in range(G):
-            experts = M.group_experts(g, L, G)
+            experts = layout.group_experts(g, L, G)
             if sum(h.send_counts[d][e] for e in experts):
                 call.wait_ready(d, r * F + 1 + g, chunk=f"experts {experts.start}-{experts.stop - 1} of rank {d}")
         n = h.send_splits[d]
         if n and back is not None:
-            back[h.send_offsets[d] : h.send_offsets[d] + n].copy_(M.region(call, h, r, d, dtype, cols)[:n])
+            back[h.send_offsets[d] : h.send_offsets[d] + n].copy_(layout.region(call, h, r, d, dtype, cols)[:n])
     if weights is not None:  # the waits above are stream-ordered: the kernel reads after every flag
-        return _moe_cuda.combine_rows(call, h, dtype, cols, weights)
+        return moe_cuda.combine_rows(call, h, dtype, cols, weights)
     return back
 
 

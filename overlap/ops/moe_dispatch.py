@@ -4,7 +4,7 @@ Problem. With expert parallelism every rank routes each of its ``T`` tokens to `
 over the ``W`` ranks; an all-to-all sends each (token, expert) pair's row to the rank of its expert,
 which then runs one GEMM per local expert. Sending everything first leaves the GEMMs idle during the
 all-to-all. Each (source rank, expert) block of rows is its own GEMM, so a block can be multiplied as
-soon as it has arrived while the others are still in flight. Layouts and the handle: `overlap.ops._moe`.
+soon as it has arrived while the others are still in flight. Layouts and the handle: `overlap.ops.moe_layout`.
 
 Strategies (same rows, same order; `reference` is the oracle):
 
@@ -17,11 +17,11 @@ Strategies (same rows, same order; `reference` is the oracle):
   buffer (region of the sender), flagging the counts and each (expert group) block; the receiver
   multiplies each block once its flag is set. On CPU ranks a copy-engine thread writes while the
   GEMMs run; on GPUs one CUDA kernel writes every destination's rows and releases each block's flag
-  (`overlap.ops._moe_cuda`). Ranks of one node.
+  (`overlap.ops.moe_cuda`). Ranks of one node.
 * ``fused`` (grouped-matmul form only): rows written as in ``symm``; one Triton grouped GEMM
   (`overlap.kernels.moe`) whose tiles wait on the flag of the (source, expert group) block they read.
 
-Autograd (DESIGN.md): the backward of the transfer sends each row's gradient back to its token and
+Autograd (docs/design.md): the backward of the transfer sends each row's gradient back to its token and
 sums a token's ``K`` copies (in fp32, ``k`` in order); it is the combine direction
 (`overlap.ops.moe_combine`), fused there with the input-gradient GEMM ``grad_h_e @ w1[e].T``. The
 weight gradient ``x_recv_e.T @ grad_h_e`` is one GEMM per expert, run while those rows travel.
@@ -38,18 +38,18 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .. import world
+from .. import comm
 from ..errors import OverlapTimeout
-from . import _common as C
-from . import _moe as M
-from . import _moe_cuda
+from . import fused, moe_cuda
+from . import moe_layout as layout
+from .context import CallContext, autocast_inputs, preamble, record
 
 OP_DISPATCH = "dispatch"
 OP_DISPATCH_MM = "dispatch_grouped_matmul"
 
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | None = None,
-             strategy: str = "auto", plan=None, timeout: float | None = None) -> tuple[torch.Tensor, M.MoEHandle]:
+             strategy: str = "auto", plan=None, timeout: float | None = None) -> tuple[torch.Tensor, layout.MoEHandle]:
     """Send every (token, expert) pair's row to the rank that holds the expert.
 
     Args:
@@ -71,15 +71,15 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: d
         OverlapMismatchError: ranks made different calls (hidden size, experts, top-k, dtype, plan).
         OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
     """
-    x, w, handle, sig = _prepare(OP_DISPATCH, x, topk_idx, num_experts, None, group, strategy, plan, timeout)
-    with C.record(f"moe.{OP_DISPATCH}"):
-        x_recv = _Dispatch.apply(x, handle, sig)
+    x, _, handle = _prepare(OP_DISPATCH, x, topk_idx, num_experts, None, group, strategy, plan, timeout)
+    with record(f"moe.{OP_DISPATCH}"):
+        x_recv = _Dispatch.apply(x, handle)
     return x_recv, handle
 
 
 def dispatch_grouped_matmul(x: torch.Tensor, topk_idx: torch.Tensor, w1, num_experts: int,
                             group: dist.ProcessGroup | None = None, strategy: str = "auto", plan=None,
-                            timeout: float | None = None) -> tuple[torch.Tensor, M.MoEHandle]:
+                            timeout: float | None = None) -> tuple[torch.Tensor, layout.MoEHandle]:
     """`dispatch`, then ``h_e = x_recv_e @ w1[e]`` for every local expert, each block multiplied on arrival.
 
     Args:
@@ -91,47 +91,45 @@ def dispatch_grouped_matmul(x: torch.Tensor, topk_idx: torch.Tensor, w1, num_exp
 
     Raises: as `dispatch`; also for a `w1` of the wrong shape, dtype or device.
     """
-    x, w1, handle, sig = _prepare(OP_DISPATCH_MM, x, topk_idx, num_experts, w1, group, strategy, plan, timeout)
-    with C.record(f"moe.{OP_DISPATCH_MM}"), torch.autocast(handle.info.device.type, enabled=False):
-        h = _DispatchGroupedMatmul.apply(x, w1, handle, sig)
+    x, w1, handle = _prepare(OP_DISPATCH_MM, x, topk_idx, num_experts, w1, group, strategy, plan, timeout)
+    with record(f"moe.{OP_DISPATCH_MM}"), torch.autocast(handle.info.device.type, enabled=False):
+        h = _DispatchGroupedMatmul.apply(x, w1, handle)
     return h, handle
 
 
 def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout):
-    """Local checks, autocast, plan, routing and signature; a local mistake raises on every rank."""
-    pg = world.resolve_group(group)
-    world.CALLER.set(f"moe.{op}")
-    timeout, error = M.resolve_timeout(timeout)
-    info = world.group_info(pg, timeout)
-    try:
-        if error is not None:
-            raise error
-        L = M.check_experts(op, num_experts, info.world_size)
-        M.check_tokens(op, x, info.device)
+    """Local checks, autocast, plan, routing and signature (`overlap.ops.context.preamble`: a local mistake
+    raises on every rank). Returns ``(x, w, handle)``; the handle holds the dispatch's call context."""
+
+    def decide(cc: CallContext):
+        nonlocal x, w
+        info = cc.info
+        L = layout.check_experts(op, num_experts, info.world_size)
+        layout.check_tokens(op, x, info.device)
         if w is not None:
             if isinstance(w, (list, tuple)):
-                w = M.check_weights(op, w, L, x.shape[1], w[0].dtype if w else x.dtype, x.device, "w1")
-            x, w = C.autocast_inputs(x, w)
-            w = M.check_weights(op, w, L, x.shape[1], x.dtype, x.device, "w1")
-        M.check_topk_idx(op, topk_idx, x.shape[0], x.device)
-        problem = None if w is None else M.moe_problem(x.shape[0], x.shape[1], w.shape[2], num_experts,
+                w = layout.check_weights(op, w, L, x.shape[1], w[0].dtype if w else x.dtype, x.device, "w1")
+            x, w = autocast_inputs(x, w)
+            w = layout.check_weights(op, w, L, x.shape[1], x.dtype, x.device, "w1")
+        layout.check_topk_idx(op, topk_idx, x.shape[0], x.device)
+        problem = None if w is None else layout.moe_problem(x.shape[0], x.shape[1], w.shape[2], num_experts,
                                                         topk_idx.shape[1], x.dtype, (x, w))
-        chosen = M.resolve_plan(op, strategy, plan, info, x.shape[0], x.dtype, allow_fused=w is not None,
+        chosen = layout.resolve_plan(op, strategy, plan, info, x.shape[0], x.dtype, allow_fused=w is not None,
                                 problem=problem)
-        order, send_counts = M.route(op, topk_idx, num_experts, info.world_size)
-        sig = M.signature(f"moe.{op}", x.shape[1], None if w is None else w.shape[2], num_experts, topk_idx.shape[1],
-                          x.dtype, chosen, info, grads=(x, w))
-    except (TypeError, ValueError) as exc:
-        M.fail_fast(f"moe.{op}", pg, info, exc, timeout)
-    handle = M.MoEHandle(pg, info, num_experts, L, topk_idx.shape[1], x.shape[0], send_counts, order, chosen,
-                         timeout)
-    return x, w, handle, sig
+        order, send_counts = layout.route(op, topk_idx, num_experts, info.world_size)
+        sig = layout.signature(f"moe.{op}", x.shape[1], None if w is None else w.shape[2], num_experts,
+                               topk_idx.shape[1], x.dtype, chosen, info, grads=(x, w))
+        return chosen, sig, (L, order, send_counts)
+
+    cc, (L, order, send_counts) = preamble(f"moe.{op}", group, timeout, decide)
+    handle = layout.MoEHandle(cc, num_experts, L, topk_idx.shape[1], x.shape[0], send_counts, order)
+    return x, w, handle
 
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, handle, sig):
-        recv, _ = run(handle, x, handle.token_of, None, handle.plan, sig, f"moe.{OP_DISPATCH}", counts=True)
+    def forward(ctx, x, handle):
+        recv, _ = run(handle, x, handle.token_of, None, handle.context, counts=True)
         ctx.handle = handle
         return recv
 
@@ -142,15 +140,14 @@ class _Dispatch(torch.autograd.Function):
         h = ctx.handle
         op = f"moe.{OP_DISPATCH}.backward"
         grad_recv = grad_recv.contiguous()
-        back = moe_combine.run(h, grad_recv, None, h.plan, M.call_signature(op, h, grad_recv, None, h.plan), op)
-        return _sum_copies(back, h), None, None
+        back = moe_combine.run(h, grad_recv, None, layout.follow_up(h, op, grad_recv, None, h.plan))
+        return _sum_copies(back, h), None
 
 
 class _DispatchGroupedMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, handle, sig):
-        recv, h = run(handle, x, handle.token_of, w1, handle.plan, sig, f"moe.{OP_DISPATCH_MM}", counts=True,
-                      keep_rows=True)
+    def forward(ctx, x, w1, handle):
+        recv, h = run(handle, x, handle.token_of, w1, handle.context, counts=True, keep_rows=True)
         ctx.save_for_backward(recv, w1)
         ctx.handle = handle
         return h
@@ -167,21 +164,20 @@ class _DispatchGroupedMatmul(torch.autograd.Function):
 
         def weight_grad() -> None:  # runs while the input-gradient rows travel
             if need_w:
-                grad_w.append(M.grouped_weight_grad(recv, grad_h, h, w1))
+                grad_w.append(layout.grouped_weight_grad(recv, grad_h, h, w1))
 
         grad_x = None
         if need_x:
             w_t = w1.transpose(1, 2)
             op = f"moe.{OP_DISPATCH_MM}.backward"
-            back = moe_combine.run(h, grad_h, w_t, h.plan, M.call_signature(op, h, grad_h, w_t, h.plan), op,
-                                   between=weight_grad)
+            back = moe_combine.run(h, grad_h, w_t, layout.follow_up(h, op, grad_h, w_t, h.plan), between=weight_grad)
             grad_x = _sum_copies(back, h)
         else:
             weight_grad()
-        return grad_x, grad_w[0] if need_w else None, None, None
+        return grad_x, grad_w[0] if need_w else None, None
 
 
-def _sum_copies(back: torch.Tensor, h: M.MoEHandle) -> torch.Tensor:
+def _sum_copies(back: torch.Tensor, h: layout.MoEHandle) -> torch.Tensor:
     """``grad_x[t] = sum_k back[t*K + k]`` (fp32 for 16-bit rows, ``k`` in order)."""
     T, K = h.num_tokens, h.top_k
     acc = torch.float32 if back.dtype in (torch.float16, torch.bfloat16) else back.dtype
@@ -193,47 +189,47 @@ def _sum_copies(back: torch.Tensor, h: M.MoEHandle) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-def run(h: M.MoEHandle, rows: torch.Tensor, row_of_send: torch.Tensor, w: torch.Tensor | None, chosen, sig: str,
-        op: str, counts: bool = False, keep_rows: bool = False,
+def run(h: layout.MoEHandle, rows: torch.Tensor, row_of_send: torch.Tensor, w: torch.Tensor | None, cc: CallContext,
+        counts: bool = False, keep_rows: bool = False,
         between: Callable[[], None] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Send ``rows[row_of_send[i]]`` (send position ``i``) to its expert's rank; one call on every rank.
 
     `counts`: this call also exchanges the counts (a dispatch), filling ``h.recv_counts``. With `w`
     (``[L, H, N]``, any strides) every block is multiplied by its expert's weight on arrival.
-    `between` runs while the transfers are in flight (after this rank's sends are issued). `chosen`
-    is the plan of this call (a combine's backward runs with the combine's plan, not the dispatch's).
+    `between` runs while the transfers are in flight (after this rank's sends are issued). `cc` is the
+    context of this call: its op, signature and plan (a combine's backward runs with the combine's plan,
+    not the dispatch's).
 
     Returns ``(recv, out)``: ``recv`` ``[R, H]`` in expert order (None when `w` is given and not
     `keep_rows`), ``out`` ``[R, N]`` (None without `w`).
     """
-    info = h.info
-    need = M.heap_need(chosen.strategy, h.num_tokens, h.top_k, h.num_local_experts, h.send_splits,
-                       rows.shape[1] * rows.element_size(), info.world_size)
-    call = C.begin_call(op, h.group, info, sig, need, h.timeout)
+    need = layout.heap_need(cc.plan.strategy, h.num_tokens, h.top_k, h.num_local_experts, h.send_splits,
+                       rows.shape[1] * rows.element_size(), cc.world_size)
+    call = cc.begin(need)
     try:
-        recv, out = STRATEGIES[chosen.strategy](call, h, chosen, rows, row_of_send, w, counts, op, between)
+        recv, out = STRATEGIES[cc.plan.strategy](cc, call, h, rows, row_of_send, w, counts, between)
     finally:
         call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
     return (recv if w is None or keep_rows else None), out
 
 
-def _reference(call, h, chosen, rows, row_of_send, w, counts, op, between):
+def _reference(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
     if counts:
-        M.exchange_counts(h, h.group, op)
+        layout.exchange_counts(h, cc)
     send = rows.index_select(0, row_of_send)
     stage = rows.new_empty((h.num_recv, rows.shape[1]))
-    work = dist.all_to_all_single(stage, send, h.recv_splits, h.send_splits, group=h.group, async_op=True)
-    C.wait_work(work, op, h.info.rank, "any", "all_to_all", h.timeout, h.info)
+    work = dist.all_to_all_single(stage, send, h.recv_splits, h.send_splits, group=cc.pg, async_op=True)
+    cc.wait(work, "any", "all_to_all")
     recv = stage.index_select(0, h.staging_of_expert_row)
-    out = M.grouped_mm(recv, w, h) if w is not None else None
+    out = layout.grouped_mm(recv, w, h) if w is not None else None
     if between is not None:
         between()
     return recv, out
 
 
-def _pipelined(call, h, chosen, rows, row_of_send, w, counts, op, between):
+def _pipelined(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
     if counts:
-        M.exchange_counts(h, h.group, op)
+        layout.exchange_counts(h, cc)
     info, W, r, L = h.info, h.info.world_size, h.info.rank, h.num_local_experts
     stage = rows.new_empty((h.num_recv, rows.shape[1]))
 
@@ -251,7 +247,7 @@ def _pipelined(call, h, chosen, rows, row_of_send, w, counts, op, between):
         d, s = (r + i) % W, (r - i) % W
         buf = to_dest(d)
         sent.append(buf)  # kept alive until its sends complete
-        for j, got, works in C.exchange_chunked(buf, d, from_source(s), s, chosen, info, h.group, op):
+        for j, got, works in comm.exchange_chunked(buf, d, from_source(s), s, cc.plan.chunks_for, info, cc.pg, cc.op):
             pending[s].append((got, j, works))
     from_source(r).copy_(to_dest(r))
     out = rows.new_empty((h.num_recv, w.shape[2])) if w is not None else None
@@ -267,7 +263,7 @@ def _pipelined(call, h, chosen, rows, row_of_send, w, counts, op, between):
             while queue and queue[0][0] is not None and queue[0][0][0] < lo + c:
                 _got, j, works = queue.pop(0)
                 for work, peer in works:
-                    C.wait_work(work, op, r, peer, j, h.timeout, info)
+                    cc.wait(work, peer, j)
             if out is not None:
                 at = h.expert_offsets[e][s]
                 torch.mm(from_source(s)[lo : lo + c], w[e], out=out[at : at + c])
@@ -276,12 +272,12 @@ def _pipelined(call, h, chosen, rows, row_of_send, w, counts, op, between):
     for queue in pending.values():
         for _got, j, works in queue:
             for work, peer in works:
-                C.wait_work(work, op, r, peer, j, h.timeout, info)
+                cc.wait(work, peer, j)
     del sent
     return stage.index_select(0, h.staging_of_expert_row), out
 
 
-def _symm(call, h, chosen, rows, row_of_send, w, counts, op, between):
+def _symm(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
     with _produced(call, h, rows, row_of_send, counts):
         if counts:
             _read_counts(call, h)
@@ -291,11 +287,11 @@ def _symm(call, h, chosen, rows, row_of_send, w, counts, op, between):
     return recv, out
 
 
-def _fused(call, h, chosen, rows, row_of_send, w, counts, op, between):
+def _fused(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
     with _produced(call, h, rows, row_of_send, counts):
         if counts:
             _read_counts(call, h)
-        recv, out = _consume_fused(call, h, chosen, rows.dtype, rows.shape[1], w, op)
+        recv, out = _consume_fused(cc, call, h, rows.dtype, rows.shape[1], w)
         if between is not None:
             between()
     return recv, out
@@ -305,11 +301,11 @@ def _fused(call, h, chosen, rows, row_of_send, w, counts, op, between):
 
 
 @contextlib.contextmanager
-def _produced(call, h: M.MoEHandle, rows, row_of_send, counts: bool):
+def _produced(call, h: layout.MoEHandle, rows, row_of_send, counts: bool):
     """Write this rank's counts (a dispatch) and rows into every destination's region of this rank,
     flagging each; the body runs meanwhile (CPU ranks: the rows are written by the copy engine)."""
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
-    F, G = M.flags_per_peer(W), M.expert_groups(L, W)
+    F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
     call.wait_slot_free()
     if counts:
         mine = torch.tensor(h.send_counts, dtype=torch.int32, device=rows.device)
@@ -319,10 +315,10 @@ def _produced(call, h: M.MoEHandle, rows, row_of_send, counts: bool):
             call.signal_ready(d * F)
 
     def write(d: int) -> None:
-        region = M.region(call, h, d, r, rows.dtype, rows.shape[1])
+        region = layout.region(call, h, d, r, rows.dtype, rows.shape[1])
         base = h.send_offsets[d]
         for g in range(G):
-            experts = M.group_experts(g, L, G)
+            experts = layout.group_experts(g, L, G)
             lo, hi = h.within_dest(d, experts.start), h.within_dest(d, experts.stop)
             if hi > lo:
                 torch.index_select(rows, 0, row_of_send[base + lo : base + hi], out=region[lo:hi])
@@ -333,7 +329,7 @@ def _produced(call, h: M.MoEHandle, rows, row_of_send, counts: bool):
             for i in range(1, W):  # from rank + 1, so the destinations are not all written by everyone at once
                 write((r + i) % W)
 
-    if rows.is_cuda and _moe_cuda.dispatch_rows(call, h, rows, row_of_send):
+    if rows.is_cuda and moe_cuda.dispatch_rows(call, h, rows, row_of_send):
         yield  # one kernel wrote every destination's rows and released their flags (not yet run on a GPU)
         return
     with torch.no_grad():
@@ -342,17 +338,17 @@ def _produced(call, h: M.MoEHandle, rows, row_of_send, counts: bool):
         write_peers()
         yield
         return
-    future = C.copy_engine().submit(write_peers)
+    future = comm.copy_engine().submit(write_peers)
     try:
         yield
-        C.result(future, h.timeout)
+        comm.result(future, h.timeout)
     finally:
-        C.drain([future])
+        comm.drain([future])
 
 
-def _read_counts(call, h: M.MoEHandle) -> None:
+def _read_counts(call, h: layout.MoEHandle) -> None:
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
-    F = M.flags_per_peer(W)
+    F = layout.flags_per_peer(W)
     for s in range(W):
         call.wait_ready(s, r * F, chunk="counts")
     h.recv_counts = call.buffer(r, torch.int32, (W, L)).tolist()
@@ -361,17 +357,17 @@ def _read_counts(call, h: M.MoEHandle) -> None:
 # ---- symm: consumer side (host loop) -------------------------------------------------------------
 
 
-def _consume(call, h: M.MoEHandle, dtype, cols: int, w):
+def _consume(call, h: layout.MoEHandle, dtype, cols: int, w):
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
-    F, G = M.flags_per_peer(W), M.expert_groups(L, W)
+    F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
     device = h.info.device
     recv = torch.empty((h.num_recv, cols), dtype=dtype, device=device)
     out = torch.empty((h.num_recv, w.shape[2]), dtype=dtype, device=device) if w is not None else None
     for i in range(W):  # our own rows first, then in the order the senders write us
         s = (r - i) % W
-        region = M.region(call, h, r, s, dtype, cols)
+        region = layout.region(call, h, r, s, dtype, cols)
         for g in range(G):
-            experts = M.group_experts(g, L, G)
+            experts = layout.group_experts(g, L, G)
             if not sum(h.recv_counts[s][e] for e in experts):
                 continue
             call.wait_ready(s, r * F + 1 + g, chunk=f"experts {experts.start}-{experts.stop - 1}")
@@ -389,16 +385,17 @@ def _consume(call, h: M.MoEHandle, dtype, cols: int, w):
 # ---- fused: consumer side (Triton grouped GEMM waiting per block) -------------------------------
 
 
-def _consume_fused(call, h: M.MoEHandle, chosen, dtype, cols: int, w, op: str):
-    k = C.kernels()
-    interpreted = C.interpreted()
+def _consume_fused(cc: CallContext, call, h: layout.MoEHandle, dtype, cols: int, w):
+    chosen, timeout = cc.plan, cc.timeout
+    k = fused.kernels()
+    interpreted = fused.interpreted()
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
-    F, G = M.flags_per_peer(W), M.expert_groups(L, W)
+    F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
     device = h.info.device
     n = w.shape[2]
     recv = torch.empty((h.num_recv, cols), dtype=dtype, device=device)
     out = torch.empty((h.num_recv, n), dtype=dtype, device=device)
-    bm, bn, bk = C.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, interpreted, dtype)
+    bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, interpreted, dtype)
     tiles = []  # (source, expert, row in the source's region, row in out, rows, flag index)
     for i in range(W):
         s = (r - i) % W
@@ -406,21 +403,21 @@ def _consume_fused(call, h: M.MoEHandle, chosen, dtype, cols: int, w, op: str):
             c = h.recv_counts[s][e]
             lo, at = h.within_source(s, e), h.expert_offsets[e][s]
             for t in range(0, c, bm):
-                tiles.append((s, e, lo + t, at + t, min(bm, c - t), r * F + 1 + M.group_of(e, L, G)))
+                tiles.append((s, e, lo + t, at + t, min(bm, c - t), r * F + 1 + layout.group_of(e, L, G)))
     if not tiles:
         return recv, out
     table = torch.tensor(tiles, dtype=torch.int32, device=device)
     heap = call.heap
-    stride = M.region_stride(call, W, L)
-    src_table = heap.region_table(call.slot, r, stride, W, M.header_bytes(W, L))
+    stride = layout.region_stride(call, W, L)
+    src_table = heap.region_table(call.slot, r, stride, W, layout.header_bytes(W, L))
     err = heap.kernel_err() if out.is_cuda else torch.zeros(1, dtype=torch.int32)
     abort = torch.zeros(1, dtype=torch.int32) if interpreted else err
-    guard = C.Watchdog(abort, h.timeout) if interpreted else contextlib.nullcontext()
+    guard = fused.Watchdog(abort, timeout) if interpreted else contextlib.nullcontext()
     with guard:
-        k.grouped_matmul_wait_kernel[(len(tiles) * C.cdiv(n, bn),)](
+        k.grouped_matmul_wait_kernel[(len(tiles) * fused.cdiv(n, bn),)](
             src_table, heap.flag_table(call.slot, 0), table,
             w, out, recv,
-            call.word, abort, err, int(h.timeout * 1e9),
+            call.word, abort, err, int(timeout * 1e9),
             n, cols,
             w.stride(0), w.stride(1), w.stride(2),
             out.stride(0), recv.stride(0),
@@ -429,7 +426,7 @@ def _consume_fused(call, h: M.MoEHandle, chosen, dtype, cols: int, w, op: str):
         )
     bad = 0 if out.is_cuda else int(err.item())
     if bad:
-        raise OverlapTimeout(op, r, bad - 1, "an expert block", h.timeout, "fused grouped GEMM wait")
+        raise OverlapTimeout(cc.op, r, bad - 1, "an expert block", timeout, "fused grouped GEMM wait")
     return recv, out
 
 

@@ -1,7 +1,7 @@
 """The machine-profile cache: one JSON file per machine configuration (`cache_path`) under
 ``OVERLAP_CACHE_DIR``, else ``~/.cache/overlap``; reading it (`load_cached`) and writing it on rank 0,
-atomically (`save_cached`). Local: no communication beyond `world.group_info` (`probe_cached`, in
-`overlap.tune.probe`, is the collective that hands rank 0's file to every rank).
+atomically (`save_cached`). Local: no communication beyond `world.group_info` (`overlap.tune.probing.probe_cached`
+is the collective that hands rank 0's file to every rank).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from .. import envs, world
-from ..plan import Profile
-from ..planfile import write_atomic
+from ..plans import Profile
+from ..plans.planfile import write_atomic
 from ..world import LINK_CLASSES, GroupInfo
 from .probe_steps import device_name
 

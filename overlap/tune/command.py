@@ -22,7 +22,7 @@ import dataclasses
 import sys
 import time
 
-from ..plan import Problem
+from ..plans import Problem
 
 TP_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -182,7 +182,7 @@ def tune_rank(config: TuneConfig) -> list[str]:
 
 
 def _profile(how: str, verbose: bool):
-    from .probe import probe, probe_cached
+    from .probing import probe, probe_cached
 
     if how == "none":
         return None  # the search then uses the default profile
@@ -218,8 +218,9 @@ def report(outcomes, info, profile) -> list[str]:
 
 def probe_rank(refresh: bool, quick: bool) -> list[str]:
     """``overlap info --probe`` on every rank: the cached (or new) profile, formatted on rank 0."""
+    from .cache import cache_path
     from .fits import format_profile
-    from .probe import cache_path, probe, probe_cached
+    from .probing import probe, probe_cached
 
     profile = probe(quick=True) if quick else probe_cached(refresh=refresh)
     return [format_profile(profile), "" if quick else f"cached in {cache_path()}"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ..plan import GemmFit, LinkFit, Profile
+from ..plans import GemmFit, LinkFit, Profile
 from ..world import LINK_CLASSES
 
 TRANSPORTS = ("p2p", "copy")

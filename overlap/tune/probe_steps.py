@@ -1,4 +1,4 @@
-"""The measuring steps of `probe` on one rank (the module `overlap.tune.probe` runs them and says, in its
+"""The measuring steps of `probe` on one rank (the module `overlap.tune.probing` runs them and says, in its
 docstring, what each measures and how the ranks combine): links, GEMMs, interference and chunking, each
 recording this rank's medians in a `Probe` (the group, its deadline, the store rendezvous and the bounded
 posts and waits every step uses); what they measure per device type and depth is `config_for`'s.
@@ -18,10 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import symm, world
+from .. import comm, symm, world
 from ..errors import OverlapError, OverlapTimeout
-from ..ops import _common as C
-from ..plan import Plan, gpu_symmetric_memory
+from ..plans.auto import gpu_symmetric_memory
 from ..world import LINK_CLASSES, GroupInfo
 
 OP = "probe"
@@ -96,10 +95,6 @@ def _size_text(nbytes: int) -> str:
     return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
 
 
-def _chunks_plan(num_chunks: int) -> Plan:
-    return Plan("pipelined", num_chunks={c: num_chunks for c in LINK_CLASSES})
-
-
 class Probe:
     """The group, its deadline, and this rank's measurements: key -> median of its repeats (s)."""
 
@@ -125,7 +120,7 @@ class Probe:
         world.store_exchange(self.pg, "probe-barrier", b"", self.timeout)
 
     def wait(self, work: Any, peer: int, what: str) -> None:
-        C.wait_work(work, OP, self.info.rank, peer, what, self.timeout, self.info)
+        comm.wait_work(work, OP, self.info.rank, peer, what, self.timeout, self.info)
 
     def post(self, fn: Callable, tensor: torch.Tensor, peer: int, what: str) -> Any:
         try:
@@ -139,7 +134,8 @@ class Probe:
         """Send `send` to rank+1 and receive `recv` from rank-1 in `num_chunks` chunks; wait for all."""
         info = self.info
         w, r = info.world_size, info.rank
-        posted = C.exchange_chunked(send, (r + 1) % w, recv, (r - 1) % w, _chunks_plan(num_chunks), info, self.pg, OP)
+        posted = comm.exchange_chunked(send, (r + 1) % w, recv, (r - 1) % w, lambda _link: num_chunks, info,
+                                       self.pg, OP)
         for j, _rows, works in posted:
             for work, peer in works:
                 self.wait(work, peer, f"{what}, chunk {j}")

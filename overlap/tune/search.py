@@ -1,9 +1,9 @@
 """The agreed search: the cost model ranks the candidate plans of a problem, the best few are measured on
 every rank, and rank 0 decides from the slowest rank's times.
 
-For each problem (`overlap.plan.Problem`):
+For each problem (`overlap.plans.Problem`):
 
-1. Rank 0 ranks every candidate with the cost model (`overlap.plan.rank_candidates`, on the group's
+1. Rank 0 ranks every candidate with the cost model (`overlap.plans.rank_candidates`, on the group's
    topology and machine profile) and broadcasts the list to measure: ``reference`` and the
    ``measure`` best-predicted others. Every rank therefore measures the same plans in the same order.
 2. Each candidate is checked once against ``reference`` (same inputs, assert_close with DESIGN's
@@ -13,7 +13,7 @@ For each problem (`overlap.plan.Problem`):
    rank 0 picks the fastest and broadcasts its index, so no rank can end on another plan. A plan
    measured slower than ``reference`` is never picked.
 
-The result is a `overlap.planfile.PlanFile` (topology, profile, one entry per problem with the plan,
+The result is a `overlap.plans.PlanFile` (topology, profile, one entry per problem with the plan,
 its measured time, reference's and the model's prediction) that ``OVERLAP_PLAN`` or ``plan=`` loads.
 """
 
@@ -29,10 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import plan as plan_mod
-from .. import world
-from ..ops import _common as C
-from ..plan import Plan, Problem
+from .. import comm, envs, world
+from ..plans import Entry, Plan, PlanFile, Problem, default_profile, rank_candidates, topology_of
 
 #: default number of plans measured besides `reference`
 MEASURE = 3
@@ -67,14 +65,12 @@ def tune(problems: list[Problem], group=None, *, profile=None, measure: int = ME
 
     Returns ``(plan_file, outcomes)``; `progress(text, done, total)` is called before every measurement.
     """
-    from .. import planfile
-
     pg = world.resolve_group(group)
-    timeout = C.resolve_timeout(timeout)
+    timeout = envs.resolve_timeout(timeout)
     info = world.group_info(pg, timeout)
-    topology = plan_mod.topology_of(info)
+    topology = topology_of(info)
     if profile is None:
-        profile = plan_mod.default_profile(info.device.type)
+        profile = default_profile(info.device.type)
     plans_per_problem = [_agreed_candidates(p, topology, profile, measure, pg, info) for p in problems]
     total = sum(len(c) for c in plans_per_problem)
     done = [0]
@@ -91,9 +87,9 @@ def tune(problems: list[Problem], group=None, *, profile=None, measure: int = ME
         outcomes.append(_decide(problem, trials, pg, info, timeout, time.monotonic() - start))
     if progress is not None:
         progress("done", total, total)
-    pf = planfile.PlanFile.new(topology, info.world_size, profile)
+    pf = PlanFile.new(topology, info.world_size, profile)
     for o in outcomes:
-        pf.add(planfile.Entry(o.problem, o.chosen.plan, o.chosen.measured_s, o.reference.measured_s,
+        pf.add(Entry(o.problem, o.chosen.plan, o.chosen.measured_s, o.reference.measured_s,
                               o.chosen.predicted_s))
     return pf, outcomes
 
@@ -104,7 +100,7 @@ def measure(problem: Problem, plans: list[Plan], group=None, *, repeats: int = 5
     `problem` on every rank, interleaved, the slowest rank's medians: the exhaustive grid of a
     comparison uses it with every candidate."""
     pg = world.resolve_group(group)
-    timeout = C.resolve_timeout(timeout)
+    timeout = envs.resolve_timeout(timeout)
     info = world.group_info(pg, timeout)
     trials = [Trial(p, math.nan) for p in plans]
     _measure(problem, trials, pg, info, repeats, warmup, timeout, progress or (lambda text: None))
@@ -113,7 +109,7 @@ def measure(problem: Problem, plans: list[Plan], group=None, *, repeats: int = 5
 
 def _agreed_candidates(problem: Problem, topology, profile, measure: int, pg, info) -> list[Trial]:
     """Rank 0's model ranking, broadcast: reference first, then the `measure` best-predicted others."""
-    ranked = plan_mod.rank_candidates(problem, topology, profile)
+    ranked = rank_candidates(problem, topology, profile)
     ref = next((pred for plan, pred in ranked if plan.strategy == "reference"), None)
     chosen = [Trial(Plan("reference"), ref.total_s if ref is not None else math.nan)]
     chosen += [Trial(plan, pred.total_s) for plan, pred in ranked if plan.strategy != "reference"][:measure]
@@ -128,7 +124,7 @@ def _sync(pg, info, timeout: float, values: torch.Tensor | None = None, op=dist.
     """A bounded all-reduce (a barrier when `values` is None)."""
     t = values if values is not None else torch.zeros(1, device=info.device)
     work = dist.all_reduce(t, op=op, group=pg, async_op=True)
-    C.wait_work(work, "tune", info.rank, "any", "barrier", timeout, info)
+    comm.wait_work(work, "tune", info.rank, "any", "barrier", timeout, info)
     return t
 
 
@@ -193,6 +189,6 @@ def _decide(problem: Problem, trials: list[Trial], pg, info, timeout: float, sec
             best = i
     choice = torch.tensor([best], dtype=torch.int64, device=info.device)
     work = dist.broadcast(choice, src=info.global_ranks[0], group=pg, async_op=True)
-    C.wait_work(work, "tune", info.rank, 0, "decision", timeout, info)
+    comm.wait_work(work, "tune", info.rank, 0, "decision", timeout, info)
     chosen = trials[int(choice.item())]
     return Outcome(problem, trials, chosen, reference, seconds)

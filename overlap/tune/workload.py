@@ -1,6 +1,6 @@
 """Inputs and one call of a tuning problem: what `overlap.tune.search` times for each candidate plan.
 
-Shapes follow `overlap.plan.Problem` (the ``m x k x n`` convention of `overlap.benchmarks.cases`: the
+Shapes follow `overlap.plans.Problem` (the ``m x k x n`` convention of `overlap.benchmarks.cases`: the
 per-rank GEMM is ``[W*m, k] @ [k, n]`` for the three TP ops; MoE: ``m`` tokens per rank of hidden ``k``,
 experts of ffn ``n``). Inputs are seeded per rank and identical for every candidate of a problem, so each
 candidate's result can be compared with ``reference``'s. Standard normal values, weights scaled by
@@ -13,8 +13,13 @@ from collections.abc import Callable
 
 import torch
 
-from ..plan import Plan, Problem
+from .. import moe
+from ..ops.all_gather_matmul import all_gather_matmul
+from ..ops.matmul_all_reduce import matmul_all_reduce
+from ..ops.matmul_reduce_scatter import matmul_reduce_scatter
+from ..plans import Plan, Problem
 
+TP_OPS = {f.__name__: f for f in (all_gather_matmul, matmul_reduce_scatter, matmul_all_reduce)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -22,8 +27,6 @@ def build(problem: Problem, plan: Plan, pg, info, timeout: float, seed: int) -> 
                                                                                           Callable[[object], list]]:
     """``(fn, result)``: ``fn()`` runs one call (and its backward when ``problem.backward``) with `plan`;
     ``result(fn())`` is the list of tensors to compare with reference's (output, then gradients)."""
-    import overlap
-
     W, r = info.world_size, info.rank
     dtype = DTYPES[problem.dtype]
     gen = torch.Generator(device=info.device).manual_seed(seed * 7919 + r)
@@ -45,12 +48,12 @@ def build(problem: Problem, plan: Plan, pg, info, timeout: float, seed: int) -> 
         leaves = [x, w1, w2]
 
         def call() -> torch.Tensor:
-            h, handle = overlap.moe.dispatch_grouped_matmul(leaves[0], idx, leaves[1], E, group=pg, plan=plan,
-                                                            timeout=timeout)
-            return overlap.moe.grouped_matmul_combine(torch.nn.functional.gelu(h), leaves[2], wts, handle,
-                                                      plan=plan, timeout=timeout)
+            h, handle = moe.dispatch_grouped_matmul(leaves[0], idx, leaves[1], E, group=pg, plan=plan,
+                                                    timeout=timeout)
+            return moe.grouped_matmul_combine(torch.nn.functional.gelu(h), leaves[2], wts, handle,
+                                              plan=plan, timeout=timeout)
     else:
-        op = getattr(overlap, problem.op)
+        op = TP_OPS[problem.op]
         rows = m if problem.op == "all_gather_matmul" else W * m
         reduction = k if problem.op == "all_gather_matmul" else W * k
         a, b = draw(rows, k), draw(k, n, scale=reduction**-0.5)

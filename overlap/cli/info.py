@@ -9,15 +9,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import overlap
+import overlap  # (what `overlap info` reports is the installed package itself)
 
-from . import envs, world
+from .. import envs, world
 
 
 def _software_lines() -> list[str]:
     import torch
 
-    from .benchmarks.runner import triton_version
+    from ..benchmarks.runner import triton_version
 
     lines = [f"overlap {overlap.__version__} ({os.path.dirname(overlap.__file__)})", f"torch {torch.__version__}"]
     tv = triton_version()
@@ -26,7 +26,7 @@ def _software_lines() -> list[str]:
     how = " (set by overlap: no GPU)" if envs.TRITON_INTERPRET_SET_BY_OVERLAP else ""
     lines.append(f"TRITON_INTERPRET: {'on: Triton kernels run in the interpreter' + how if interp else 'off'}")
     try:
-        from . import _C
+        from .. import _C
 
         count: Any
         try:
@@ -87,7 +87,7 @@ def probe_rank(refresh: bool, quick: bool) -> None:
     """``overlap info --probe`` on every rank: the machine profile, printed by rank 0."""
     import torch.distributed as dist
 
-    from .tune import command
+    from ..tune import command
 
     lines = command.probe_rank(refresh, quick)
     if dist.get_rank() == 0:

@@ -21,7 +21,7 @@ separated by bounded store barriers so that none overlaps the next:
    time beside the exchanges / alone, comm_slowdown = exchange time beside GEMMs / alone (medians,
    clamped to >= 1).
 4. **Chunking.** That ring exchange posted whole and in 8 chunks at once, as ``pipelined`` posts them
-   (`_common.exchange_chunked`): per_chunk_s = (t8 - t1) / 7, clamped to >= 0.
+   (`overlap.comm.exchange_chunked`): per_chunk_s = (t8 - t1) / 7, clamped to >= 0.
 
 **Combining the ranks.** Each rank publishes the median of each of its measurements through the
 store (`world.store_exchange`); a measurement's value is the MAXIMUM over ranks (a collective runs
@@ -30,7 +30,7 @@ nothing). Every rank then fits the same numbers with the same pure-Python arithm
 so the Profiles are equal bit for bit; device and machine are rank 0's.
 
 **No hang.** Every wait on a peer has the deadline `timeout` (default ``OVERLAP_TIMEOUT_S``): store
-rendezvous, heap handshakes and flags, torch.distributed work (`_common.wait_work`), the helper
+rendezvous, heap handshakes and flags, torch.distributed work (`overlap.comm.wait_work`), the helper
 thread. A dead or absent peer raises `OverlapTimeout` or `OverlapError` naming op ``probe``; the
 group is unusable afterwards, as after any failed call. On GPUs, NCCL waits are stream-ordered and
 bounded by the process group's timeout (NCCL's watchdog), as in the ops.
@@ -59,9 +59,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .. import world
-from ..ops import _common as C
-from ..plan import LinkFit, Profile
+from .. import envs, world
+from ..plans import LinkFit, Profile
 from ..world import GroupInfo
 from .cache import cache_dir, cache_path, load_cached, save_cached
 from .fits import TRANSPORTS, fit_gemm, fit_line, fit_link, format_profile
@@ -141,7 +140,7 @@ def probe(group: dist.ProcessGroup | None = None, *, quick: bool = False, timeou
     does not take part (the group is unusable afterwards).
     """
     pg = world.resolve_group(group)
-    timeout = C.resolve_timeout(timeout)
+    timeout = envs.resolve_timeout(timeout)
     token = world.CALLER.set(OP)
     try:
         start = time.perf_counter()
@@ -185,7 +184,7 @@ def probe_cached(group: dist.ProcessGroup | None = None, *, refresh: bool = Fals
     After a probe rank 0 writes the file (`save_cached`). Raises as `probe`.
     """
     pg = world.resolve_group(group)
-    timeout = C.resolve_timeout(timeout)
+    timeout = envs.resolve_timeout(timeout)
     token = world.CALLER.set(OP)
     try:
         info = world.group_info(pg, timeout)

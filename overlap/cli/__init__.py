@@ -8,7 +8,7 @@ Exit codes: 0 success; 1 a rank failed (its traceback goes to stderr), a benchma
 not match ``reference``, or tuning failed (the reason on stderr); 2 bad command-line arguments.
 
 This module is the entry point (`main`) and what each command does around its ranks. The parser is
-`overlap.cli_parser`, running on the ranks `overlap.cli_ranks`, what ``overlap info`` prints `overlap.info`.
+`overlap.cli.parser`, running on the ranks `overlap.cli.ranks`, what ``overlap info`` prints `overlap.cli.info`.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import sys
 import tempfile
 from typing import Any
 
+from ..benchmarks.cases import BENCH_OPS, MODES, all_strategy_labels, strategy_labels
 from . import info
-from .benchmarks.cases import BENCH_OPS, MODES, all_strategy_labels, strategy_labels
-from .cli_parser import build_parser, selection
-from .cli_ranks import num_ranks, on_ranks
+from .parser import build_parser, selection
+from .ranks import num_ranks, on_ranks
 
 # ----------------------------------------------------------------------------------------------
 # overlap bench
@@ -35,7 +35,7 @@ def _bench_rank(config: Any, status_path: str) -> tuple[int, list[str]]:
     also writes the pairs to `status_path` for the parent of locally started ranks."""
     import torch.distributed as dist
 
-    from .benchmarks import runner
+    from ..benchmarks import runner
 
     rows = runner.run(config)
     dist.barrier()  # no rank tears its connections down while another still communicates
@@ -47,8 +47,8 @@ def _bench_rank(config: Any, status_path: str) -> tuple[int, list[str]]:
 
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .benchmarks import command
-    from .benchmarks.runner import BenchConfig
+    from ..benchmarks import command
+    from ..benchmarks.runner import BenchConfig
 
     modes = selection(args.mode, MODES)
     try:
@@ -77,7 +77,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except ValueError as exc:  # e.g. --strategies symm+one_shot for an op that has no such variant
             parser.error(str(exc))
         status_path = os.path.join(tmp, "status.json")
-        code, in_place = on_ranks("bench", _self()._bench_rank, (config, status_path), args.nproc)
+        code, in_place = on_ranks("bench", _bench_rank, (config, status_path), args.nproc)
         if code != 0:
             return code
         if in_place is None:  # locally started ranks: rank 0 left the verdict in the file
@@ -107,7 +107,7 @@ def _tune_rank(config: Any, status_path: str) -> None:
     """Tune on this rank (every rank); rank 0 prints the report, or the reason and writes it to `status_path`."""
     import torch.distributed as dist
 
-    from .tune.command import tune_rank
+    from ..tune.command import tune_rank
 
     try:
         lines = tune_rank(config)
@@ -121,7 +121,7 @@ def _tune_rank(config: Any, status_path: str) -> None:
 
 
 def _tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .tune.command import TuneConfig, parse_shape
+    from ..tune.command import TuneConfig, parse_shape
 
     if not args.shape and not args.model:
         parser.error("give --shape (one or more) or --model")
@@ -137,7 +137,7 @@ def _tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                         args.warmup, args.probe, args.timeout)
     with tempfile.TemporaryDirectory(prefix="overlap-tune-") as tmp:
         status_path = os.path.join(tmp, "status.txt")
-        code, _ = on_ranks("tune", _self()._tune_rank, (config, status_path), args.nproc)
+        code, _ = on_ranks("tune", _tune_rank, (config, status_path), args.nproc)
         if code == 0 and os.path.exists(status_path):
             with open(status_path) as f:
                 print(f"overlap tune: {f.read()}", file=sys.stderr)
@@ -159,17 +159,6 @@ def _info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return code
 
 
-def _self():
-    """This module under its importable name, so that spawned ranks can unpickle its functions.
-
-    (Run as ``python -m overlap.cli`` this file is ``__main__``, which spawned children import under
-    another name.)
-    """
-    import importlib
-
-    return importlib.import_module("overlap.cli")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``overlap`` console script. Returns the exit code (see the module docstring)."""
     parser = build_parser()
@@ -188,7 +177,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"overlap {args.command}: interrupted", file=sys.stderr)
         return 130
     raise AssertionError(f"unhandled command {args.command!r}")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,11 +1,11 @@
-"""The cost model (plans layer, with `overlap.plan`): what a call costs on a topology, per plan.
+"""The cost model: what a call costs on a topology, per plan.
 
 `Profile` holds what the model knows of a machine (link fits per link class and transport, GEMM fits
 per dtype, interference, per-chunk cost; measured by `overlap.tune.probe`, or `default_profile`).
 `predict` scores one plan of one `Problem` on a `Topology`; `candidates` lists the plans worth trying
 and `rank_candidates` sorts them by prediction. `overlap tune` measures the best few and writes plan
-files (`overlap.planfile`); `overlap.plan.resolve_auto` uses a plan file's choice, else this model's
-with the file's profile, else its default heuristic. `overlap.plan` re-exports these names.
+files (`overlap.plans.planfile`); `overlap.plans.auto.resolve_auto` uses a plan file's choice, else this
+model's with the file's profile, else its default heuristic.
 """
 
 from __future__ import annotations
@@ -15,13 +15,10 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
-from .symm import MAX_FLAGS
-from .world import LINK_CLASSES, GroupInfo
-
-if TYPE_CHECKING:
-    from .plan import Plan
+from ..symm import MAX_FLAGS
+from ..world import LINK_CLASSES, GroupInfo
+from .plan import Plan
 
 # ----------------------------------------------------------------------------------------------
 # Machine profile: what the cost model knows about a machine (measured by `overlap.tune.probe`)
@@ -198,7 +195,7 @@ class Prediction:
     detail: str = ""
 
 
-def _makespan(stages: list[tuple[int, float, float]], fa: float, fb: float) -> float:
+def pipeline_makespan(stages: list[tuple[int, float, float]], fa: float, fb: float) -> float:
     """Two resources in a row: stage i's ``b`` (second resource) starts once its ``a`` and the previous ``b``
     are done. ``stages``: ``(count, a, b)``, count equal stages each.
 
@@ -269,13 +266,13 @@ class _Model:
 
     def consume(self, stages: list[tuple[int, float, float]]) -> None:
         """``(count, transfer, gemm)``: each stage's GEMM needs its transfer (a gather, a dispatch)."""
-        self.total += _makespan(stages, self.cs, self.gs)
+        self.total += pipeline_makespan(stages, self.cs, self.gs)
         self.comm += sum(c * t for c, t, _ in stages)
         self.compute += sum(c * g for c, _, g in stages)
 
     def produce(self, stages: list[tuple[int, float, float]]) -> None:
         """``(count, gemm, transfer)``: each stage's transfer sends its GEMM's output (a scatter, a combine)."""
-        self.total += _makespan(stages, self.gs, self.cs)
+        self.total += pipeline_makespan(stages, self.gs, self.cs)
         self.comm += sum(c * t for c, _, t in stages)
         self.compute += sum(c * g for c, g, _ in stages)
 
@@ -437,8 +434,6 @@ def candidates(problem: Problem, topology: Topology, device_type: str | None = N
     one count shared by the others, so the list stays under ~60), and for ``matmul_all_reduce`` both
     variants (two-shot, one-shot). One rank: ``reference`` alone.
     """
-    from .plan import Plan  # (plan imports this module)
-
     device = (device_type or topology.device).split(":")[0]
     if topology.world_size == 1:
         return [Plan("reference")]

@@ -1,4 +1,4 @@
-"""What the MoE ops share: routing, the layout handle, input checks, the handshake and the heap layout.
+"""What the MoE ops share: routing, the layout handle, input checks, plans, signatures and the heap layout.
 
 Legend: ``W`` ranks of the expert-parallel group, ``E`` experts (global ids), ``L = E / W`` local experts
 (rank ``r`` holds ``r*L ... (r+1)*L - 1``), ``T`` tokens of this rank, ``K`` experts per token, ``P = T*K``
@@ -34,10 +34,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import plan as plan_mod
 from .. import symm, world
-from ..plan import Plan
-from . import _common as C
+from ..plans import Plan, Problem
+from ..plans.auto import as_plan, check_plan_fits, plan_source, resolve_auto
+from .context import FLOAT_DTYPES, CallContext, describe
+from .fused import check_fused_available
 
 
 @dataclasses.dataclass(eq=False)
@@ -51,20 +52,35 @@ class MoEHandle:
         tokens_per_expert: ``[L]``: rows of each local expert in ``x_recv`` (all sources).
         expert_offsets: ``[L][W]``: first row of block ``(e, s)`` in ``x_recv``.
         order: int64 tensor ``[P]`` (on the tokens' device): the pair at each send position.
-        plan, timeout: of the dispatch; the backward passes reuse them.
+        context: the dispatch's `overlap.ops.context.CallContext` (group, group facts, plan, deadline);
+            the matching combine and the backward passes run in contexts derived from it.
+        group, info, plan, timeout: the context's.
     """
 
-    group: Any
-    info: world.GroupInfo
+    context: CallContext
     num_experts: int
     num_local_experts: int
     top_k: int
     num_tokens: int
     send_counts: list[list[int]]
     order: torch.Tensor
-    plan: Plan
-    timeout: float
     recv_counts: list[list[int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def group(self) -> Any:
+        return self.context.pg
+
+    @property
+    def info(self) -> world.GroupInfo:
+        return self.context.info
+
+    @property
+    def plan(self) -> Plan:
+        return self.context.plan
+
+    @property
+    def timeout(self) -> float:
+        return self.context.timeout
 
     # -- derived layout (host) ----------------------------------------------------------------
     @functools.cached_property
@@ -73,7 +89,7 @@ class MoEHandle:
 
     @functools.cached_property
     def send_offsets(self) -> list[int]:
-        return _prefix(self.send_splits)
+        return prefix_sums(self.send_splits)
 
     @functools.cached_property
     def recv_splits(self) -> list[int]:
@@ -82,7 +98,7 @@ class MoEHandle:
     @functools.cached_property
     def stage_offsets(self) -> list[int]:
         """First row of source ``s``'s rows in staging order."""
-        return _prefix(self.recv_splits)
+        return prefix_sums(self.recv_splits)
 
     @functools.cached_property
     def tokens_per_expert(self) -> list[int]:
@@ -142,7 +158,7 @@ class MoEHandle:
         return inv
 
 
-def _prefix(values: list[int]) -> list[int]:
+def prefix_sums(values: list[int]) -> list[int]:
     out, at = [], 0
     for v in values:
         out.append(at)
@@ -168,11 +184,11 @@ def check_tokens(op: str, x: Any, device: torch.device, name: str = "x") -> None
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"overlap.moe.{op}: {name} must be a tensor, got {type(x).__name__}")
     if x.dim() != 2:
-        raise ValueError(f"overlap.moe.{op}: {name} must be [tokens, hidden], got {C.describe(x)}")
-    if x.dtype not in C.FLOAT_DTYPES:
-        raise TypeError(f"overlap.moe.{op}: {name} must have a dtype in {C.FLOAT_DTYPES}, got {x.dtype}")
+        raise ValueError(f"overlap.moe.{op}: {name} must be [tokens, hidden], got {describe(x)}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"overlap.moe.{op}: {name} must have a dtype in {FLOAT_DTYPES}, got {x.dtype}")
     if x.shape[1] == 0:
-        raise ValueError(f"overlap.moe.{op}: {name} has no columns: {C.describe(x)}")
+        raise ValueError(f"overlap.moe.{op}: {name} has no columns: {describe(x)}")
     if x.device.type != device.type or (device.type == "cuda" and x.device.index != device.index):
         raise ValueError(f"overlap.moe.{op}: this rank's group computes on {device} but {name} is on {x.device}")
 
@@ -184,7 +200,7 @@ def check_topk_idx(op: str, topk_idx: Any, num_tokens: int, device: torch.device
         raise TypeError(f"overlap.moe.{op}: topk_idx must be int64 or int32, got {topk_idx.dtype}")
     if topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens or topk_idx.shape[1] < 1:
         raise ValueError(f"overlap.moe.{op}: topk_idx must be [tokens, top_k] with tokens={num_tokens} and "
-                         f"top_k >= 1, got {C.describe(topk_idx)}")
+                         f"top_k >= 1, got {describe(topk_idx)}")
     if topk_idx.device != device:
         raise ValueError(f"overlap.moe.{op}: topk_idx is on {topk_idx.device}, the tokens on {device}")
 
@@ -204,7 +220,7 @@ def check_weights(op: str, w: Any, num_local_experts: int, rows: int, dtype: tor
         raise TypeError(f"overlap.moe.{op}: {name} must be a tensor or a list of tensors, got {type(w).__name__}")
     if w.dim() != 3 or w.shape[0] != num_local_experts or w.shape[1] != rows or w.shape[2] == 0:
         raise ValueError(f"overlap.moe.{op}: {name} must be [num_local_experts={num_local_experts}, in={rows}, out], "
-                         f"got {C.describe(w)}")
+                         f"got {describe(w)}")
     if w.dtype != dtype:
         raise TypeError(f"overlap.moe.{op}: {name} ({w.dtype}) and the rows ({dtype}) must have one dtype outside "
                         "autocast")
@@ -237,46 +253,32 @@ def route(op: str, topk_idx: torch.Tensor, num_experts: int, world_size: int) ->
 
 
 def resolve_plan(op: str, strategy: str, plan, info: world.GroupInfo, rows: int, dtype: torch.dtype,
-                 allow_fused: bool, problem: plan_mod.Problem | None = None) -> Plan:
+                 allow_fused: bool, problem: Problem | None = None) -> Plan:
     """The call's plan: forced, else ``auto`` (a plan file's entry for `problem`, the model, the heuristic)."""
-    chosen = plan_mod.as_plan(strategy, plan)
+    chosen = as_plan(strategy, plan)
     if chosen is None:
-        chosen = plan_mod.resolve_auto(op, f"moe rows={rows}", info, rows, str(dtype).removeprefix("torch."),
-                                       problem=problem, plan_file=plan_mod.plan_source(plan))
+        chosen = resolve_auto(op, f"moe rows={rows}", info, rows, str(dtype).removeprefix("torch."),
+                              problem=problem, plan_file=plan_source(plan))
         if chosen.strategy == "fused" and not allow_fused:
             chosen = dataclasses.replace(chosen, strategy="symm")
     if chosen.strategy == "fused" and not allow_fused:
         raise ValueError(f"overlap.moe.{op}: strategy 'fused' fuses a grouped GEMM; plain {op} has 'reference', "
                          "'pipelined' and 'symm' (use the grouped-matmul form)")
-    plan_mod.check_plan_fits(op, chosen, info)
+    check_plan_fits(op, chosen, info)
     if chosen.strategy == "fused":
-        C.check_fused_available(op, dtype)
+        check_fused_available(op, dtype)
     return chosen
 
 
 def moe_problem(tokens: int, hidden: int, ffn: int, num_experts: int, top_k: int, dtype: torch.dtype,
-                grads: tuple[Any, ...]) -> plan_mod.Problem | None:
-    """The `overlap.plan.Problem` of a grouped-GEMM MoE call (plan files are keyed by it)."""
+                grads: tuple[Any, ...]) -> Problem | None:
+    """The `overlap.plans.Problem` of a grouped-GEMM MoE call (plan files are keyed by it)."""
     backward = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in grads)
     try:
-        return plan_mod.Problem("moe", max(tokens, 1), hidden, ffn, str(dtype).removeprefix("torch."), backward,
+        return Problem("moe", max(tokens, 1), hidden, ffn, str(dtype).removeprefix("torch."), backward,
                                 num_experts, top_k)
     except ValueError:  # a call the model does not describe: no plan file entry can match it
         return None
-
-
-def resolve_timeout(timeout) -> tuple[float, Exception | None]:
-    """``(deadline, error)``: a bad `timeout` is a local mistake to raise on every rank (with the
-    default deadline for the handshake that tells the peers)."""
-    try:
-        return C.resolve_timeout(timeout), None
-    except ValueError as exc:
-        return C.resolve_timeout(None), exc
-
-
-def fail_fast(op: str, pg, info: world.GroupInfo, exc: Exception, timeout: float) -> None:
-    """Post a poisoned signature so the peers raise at once, then raise `exc` (a local mistake)."""
-    C.begin_call(op, pg, info, "", 0, timeout, error=C.InputError(exc))
 
 
 def flags_per_peer(world_size: int) -> int:
@@ -346,13 +348,19 @@ def call_signature(op: str, h: MoEHandle, rows: torch.Tensor, w: torch.Tensor | 
                      chosen, h.info, grads)
 
 
-def exchange_counts(handle: MoEHandle, pg, op: str) -> None:
+def follow_up(h: MoEHandle, op: str, rows: torch.Tensor, w: torch.Tensor | None, chosen: Plan,
+              grads: tuple[Any, ...] = ()) -> CallContext:
+    """The context of a call that follows the dispatch of `h` (a combine, a backward): its op, plan and
+    signature in the dispatch's group and deadline."""
+    return h.context.derive(op=op, plan=chosen, signature=call_signature(op, h, rows, w, chosen, grads))
+
+
+def exchange_counts(handle: MoEHandle, cc: CallContext) -> None:
     """``recv_counts`` from every rank's ``send_counts`` with one ``all_to_all_single`` (bounded wait)."""
     info, W, L = handle.info, handle.info.world_size, handle.num_local_experts
     send = torch.tensor([c for row in handle.send_counts for c in row], dtype=torch.int64, device=info.device)
     recv = torch.empty_like(send)
-    work = dist.all_to_all_single(recv, send, group=pg, async_op=True)
-    C.wait_work(work, op, info.rank, "any", "counts", handle.timeout, info)
+    cc.wait(dist.all_to_all_single(recv, send, group=cc.pg, async_op=True), "any", "counts")
     flat = recv.tolist()
     handle.recv_counts = [flat[s * L : (s + 1) * L] for s in range(W)]
 

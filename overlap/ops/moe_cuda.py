@@ -1,7 +1,7 @@
 """The MoE all-to-all on GPUs: launches of ``overlap._C.moe_dispatch_rows`` and ``moe_combine_rows``
 (``csrc/cuda/moe_a2a.cu``) for the ``symm`` and ``fused`` strategies, and the tables they take.
 
-Legend and layout as in `overlap.ops._moe` (``W`` ranks, ``L`` local experts, ``G`` expert groups per
+Legend and layout as in `overlap.ops.moe_layout` (``W`` ranks, ``L`` local experts, ``G`` expert groups per
 peer, ``F`` flags per peer, ``T`` tokens, ``K`` experts per token, ``P = T*K`` pairs, send order).
 This rank's send positions split into ``W*G`` contiguous **blocks**, block ``i = d*G + g`` holding the rows
 for destination ``d`` and its expert group ``g``; block ``i`` is flagged with ready flag ``d*F + 1 + g``.
@@ -12,7 +12,7 @@ for destination ``d`` and its expert group ``g``; block ``i`` is flagged with re
   group) plus a stream-ordered flag write, on the current stream.
 * combine (`combine_rows`): after the stream-ordered bounded waits on every flag of this rank's rows
   (``moe_combine._collect``), one kernel gathers each token's ``K`` rows from this rank's regions and sums
-  them with their routing weights in fp32, ``k`` in order (``_moe.weighted_sum``'s operations). It runs
+  them with their routing weights in fp32, ``k`` in order (`moe_layout.weighted_sum`'s operations). It runs
   where no gradient is needed (the weights' gradient needs the pair rows, which this path never forms).
 
 The table builders (`dispatch_blocks`, `chunk_offsets`, `block_flags`, `combine_positions`) are index
@@ -21,11 +21,10 @@ math on a handle, tested on CPU. The launches are compiled for sm_80 and sm_90a 
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from . import _moe as M
+from ..errors import warn_once
+from . import moe_layout as layout
 
 #: Row dtypes of the combine kernel and their codes in ``csrc/include/overlap/moe_a2a.cuh``.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -33,27 +32,18 @@ ROW_ALIGN = 16  # bytes of one vectorized copy: row sizes and addresses must be 
 CHUNK_BYTES = 1 << 16  # bytes one CTA of the dispatch kernel copies, at most (at least one row)
 MAX_TOP_K = 1024  # the combine kernel keeps K addresses and weights in shared memory
 
-_WARNED: set[str] = set()
-
-
-def _warn_once(reason: str) -> None:
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(f"overlap.moe: {reason}", RuntimeWarning, stacklevel=3)
-
-
 # ----------------------------------------------------------------------------------------------
 # Tables (index math on the handle; host lists)
 # ----------------------------------------------------------------------------------------------
 
 
-def dispatch_blocks(h: M.MoEHandle) -> list[int]:
+def dispatch_blocks(h: layout.MoEHandle) -> list[int]:
     """``[W*G + 1]`` first send position of each block, then ``P``. Block ``d*G + g`` holds the rows the
     CPU path writes with ``index_select`` for destination ``d`` and expert group ``g``; ``[d*G]`` is
     ``send_offsets[d]``."""
     W, L = len(h.send_counts), h.num_local_experts
-    G = M.expert_groups(L, W)
-    offsets = [h.send_offsets[d] + h.within_dest(d, M.group_experts(g, L, G).start)
+    G = layout.expert_groups(L, W)
+    offsets = [h.send_offsets[d] + h.within_dest(d, layout.group_experts(g, L, G).start)
                for d in range(W) for g in range(G)]
     return [*offsets, sum(h.send_splits)]
 
@@ -72,14 +62,14 @@ def chunk_offsets(blocks: list[int], rows_per_chunk: int) -> list[int]:
     return [*out, at]
 
 
-def block_flags(h: M.MoEHandle) -> list[int]:
-    """``[W*G]`` ready-flag index of each block: ``d*F + 1 + g`` (``_moe``'s flag layout)."""
+def block_flags(h: layout.MoEHandle) -> list[int]:
+    """``[W*G]`` ready-flag index of each block: ``d*F + 1 + g`` (`moe_layout`'s flag layout)."""
     W, L = len(h.send_counts), h.num_local_experts
-    F, G = M.flags_per_peer(W), M.expert_groups(L, W)
+    F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
     return [d * F + 1 + g for d in range(W) for g in range(G)]
 
 
-def combine_positions(h: M.MoEHandle) -> tuple[torch.Tensor, list[int]]:
+def combine_positions(h: layout.MoEHandle) -> tuple[torch.Tensor, list[int]]:
     """``(pos, send_offsets)``: ``pos`` ``[P]`` (int64, on the tokens' device) is the send position of
     pair ``t*K + k``, ``send_offsets`` ``[W + 1]`` the first send position of each destination, then ``P``.
     The pair's row is row ``pos - send_offsets[d]`` of region ``d`` of this rank's buffer, ``d`` the last
@@ -112,26 +102,27 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
-def dispatch_rows(call, h: M.MoEHandle, rows: torch.Tensor, row_of_send: torch.Tensor) -> bool:
+def dispatch_rows(call, h: layout.MoEHandle, rows: torch.Tensor, row_of_send: torch.Tensor) -> bool:
     """Write ``rows[row_of_send[i]]`` into this rank's region of every destination's buffer in this call's
     slot and release each block's flag, with one kernel on the current stream. Rows are ``[N, H]``, any
     dtype; ``row_of_send`` int64 ``[P]``. Returns False (after warning once) where the kernel cannot take
     the rows: the caller then writes them with torch ops."""
     if not _c().has_cuda:
-        _warn_once("overlap._C was built without its CUDA half: dispatch writes rows with torch.index_select")
+        warn_once("overlap.moe: overlap._C was built without its CUDA half: dispatch writes rows with "
+                  "torch.index_select", RuntimeWarning)
         return False
     rows = rows.contiguous()
     row_bytes = rows.shape[1] * rows.element_size()
     if row_bytes % ROW_ALIGN or rows.data_ptr() % ROW_ALIGN:
-        _warn_once(f"dispatch kernel needs rows of a multiple of {ROW_ALIGN} bytes at a {ROW_ALIGN}-byte aligned "
-                   f"address (got {row_bytes} bytes per row at {rows.data_ptr() % ROW_ALIGN} past alignment): "
-                   "those rows are written with torch.index_select")
+        warn_once(f"overlap.moe: dispatch kernel needs rows of a multiple of {ROW_ALIGN} bytes at a {ROW_ALIGN}-byte "
+                  f"aligned address (got {row_bytes} bytes per row at {rows.data_ptr() % ROW_ALIGN} past alignment): "
+                  "those rows are written with torch.index_select", RuntimeWarning)
         return False
     blocks = dispatch_blocks(h)
     if blocks[-1] == 0:
         return True  # nothing to send: no block has rows, so no flag is due
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
-    G = M.expert_groups(L, W)
+    G = layout.expert_groups(L, W)
     per_chunk = rows_per_chunk(row_bytes)
     chunks = chunk_offsets(blocks, per_chunk)
     heap = call.heap
@@ -139,7 +130,7 @@ def dispatch_rows(call, h: M.MoEHandle, rows: torch.Tensor, row_of_send: torch.T
     flags = [heap._cuda_flags.addrs(heap.ready_word(call.slot, i))[r] for i in block_flags(h)]
     table = _device_table(blocks + chunks + flags, rows.device)
     n = len(blocks)
-    dst = heap.ptr_table(call.slot, M.header_bytes(W, L) + r * M.region_stride(call, W, L))
+    dst = heap.ptr_table(call.slot, layout.header_bytes(W, L) + r * layout.region_stride(call, W, L))
     counters = heap.counters(call.slot)  # zero between calls; the kernel leaves them at zero
     row_of_send = row_of_send.contiguous()
     assert row_of_send.dtype == torch.int64 and row_of_send.numel() == blocks[-1], row_of_send.shape
@@ -169,12 +160,12 @@ def sums_on_device(y: torch.Tensor, topk_weights: torch.Tensor, chosen, *grads) 
     elif topk_weights.shape[1] > MAX_TOP_K:
         reason = f"the combine kernel takes top_k <= {MAX_TOP_K}, got {topk_weights.shape[1]}"
     if reason is not None:
-        _warn_once(f"{reason}: combine sums with torch ops")
+        warn_once(f"overlap.moe: {reason}: combine sums with torch ops", RuntimeWarning)
         return False
     return True
 
 
-def combine_rows(call, h: M.MoEHandle, dtype: torch.dtype, cols: int, topk_weights: torch.Tensor) -> torch.Tensor:
+def combine_rows(call, h: layout.MoEHandle, dtype: torch.dtype, cols: int, topk_weights: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_k topk_weights[t, k] * row(t, k)`` ``[T, cols]`` in `dtype`, the rows read from this
     rank's regions of this call's slot, on the current stream. The caller has enqueued the waits on every
     flag of this rank's rows before it."""
@@ -184,7 +175,7 @@ def combine_rows(call, h: M.MoEHandle, dtype: torch.dtype, cols: int, topk_weigh
     if T == 0:
         return out
     pos, offsets = combine_positions(h)
-    back = call.heap.region_table(call.slot, r, M.region_stride(call, W, L), W, M.header_bytes(W, L))
+    back = call.heap.region_table(call.slot, r, layout.region_stride(call, W, L), W, layout.header_bytes(W, L))
     send_offsets = _device_table(offsets, out.device)
     weights = topk_weights.to(torch.float32).contiguous()
     _c().moe_combine_rows(

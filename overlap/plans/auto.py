@@ -1,13 +1,12 @@
-"""Plans: how one call is executed (strategy, chunking per link class, tile shape, variants).
+"""``strategy="auto"``: the plan of a call, and the checks of a forced one.
 
-A `Plan` is a small immutable value. ``strategy="auto"`` resolves one with `resolve_auto`,
-a pure function of the call signature (op, shapes, dtype) and of the group's topology, so
+`resolve_auto` is a pure function of the call signature (op, shapes, dtype) and of the group's topology, so
 every rank computes the same plan without communicating; the plan's text is part of the
 call signature, so ranks that somehow disagree raise on every rank instead of hanging.
 
-The cost model (`overlap.costmodel`, re-exported here: `predict`, `candidates`, `rank_candidates`;
-machine constants in `Profile`, `default_profile`) scores every plan that can run on a `Topology` for a
-`Problem`; `overlap tune` searches with it and writes plan files (`overlap.planfile`).
+The cost model (`overlap.plans.costmodel`: `predict`, `candidates`, `rank_candidates`; machine
+constants in `Profile`, `default_profile`) scores every plan that can run on a `Topology` for a
+`Problem`; `overlap tune` searches with it and writes plan files (`overlap.plans.planfile`).
 
 Default heuristic (`resolve_auto`, where no plan file covers a call):
 
@@ -29,81 +28,16 @@ import dataclasses
 import logging
 import math
 import os
-import warnings
 from collections.abc import Mapping
 
-from . import envs
-from .costmodel import (  # noqa: F401  (re-exported: the cost model is part of the plans layer)
-    CHUNK_CHOICES,
-    ITEMSIZE,
-    MODEL_OPS,
-    PROFILE_VERSION,
-    GemmFit,
-    LinkFit,
-    Prediction,
-    Problem,
-    Profile,
-    Topology,
-    _makespan,
-    candidates,
-    default_profile,
-    predict,
-    rank_candidates,
-    topology_of,
-)
-from .world import LINK_CLASSES, GroupInfo
+from .. import envs
+from ..errors import warn_once
+from ..world import GroupInfo
+from .costmodel import Problem, rank_candidates, topology_of
+from .plan import Plan
+from .planfile import PlanFile, load_cached
 
 log = logging.getLogger("overlap")
-
-STRATEGIES = ("reference", "pipelined", "symm", "fused")
-DEFAULT_CHUNKS = {"shm": 1, "nvlink": 1, "pcie": 2, "network": 2}
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """How to run one op.
-
-    strategy: one of `STRATEGIES`.
-    num_chunks: chunks per peer transfer, per link class (``"shm"``, ``"nvlink"``, ``"pcie"``,
-        ``"network"``); a ring is chunked for its slowest link, pairwise transfers per peer link.
-        Missing classes take `DEFAULT_CHUNKS`.
-    block_m, block_n, block_k: tile shape of the ``fused`` kernel (0 = the kernel's default).
-    one_shot: all-reduce variant flag (used by ``matmul_all_reduce``).
-    """
-
-    strategy: str
-    num_chunks: tuple[tuple[str, int], ...] = ()
-    block_m: int = 0
-    block_n: int = 0
-    block_k: int = 0
-    one_shot: bool = False
-
-    def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES} or 'auto', got {self.strategy!r}")
-        chunks = self.num_chunks
-        if isinstance(chunks, Mapping):
-            chunks = tuple(sorted(chunks.items()))
-            object.__setattr__(self, "num_chunks", chunks)
-        for link, n in chunks:
-            if link not in LINK_CLASSES:
-                raise ValueError(f"num_chunks: unknown link class {link!r}; known: {LINK_CLASSES}")
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise ValueError(f"num_chunks[{link!r}] must be an int >= 1, got {n!r}")
-        for name in ("block_m", "block_n", "block_k"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 0 or (v and (v < 16 or v & (v - 1))):
-                raise ValueError(f"{name} must be 0 (default) or a power of two >= 16, got {v!r}")
-
-    def chunks_for(self, link_class: str) -> int:
-        return dict(self.num_chunks).get(link_class, DEFAULT_CHUNKS[link_class])
-
-    def describe(self) -> str:
-        """Canonical text of the plan (part of every call signature)."""
-        chunks = ",".join(f"{k}={v}" for k, v in self.num_chunks)
-        tiles = f",tile={self.block_m}x{self.block_n}x{self.block_k}" if self.block_m else ""
-        return f"{self.strategy}[{chunks}{tiles}{',one_shot' if self.one_shot else ''}]"
-
 
 def as_plan(strategy: str, plan) -> Plan | None:
     """Normalize the ``strategy=``/``plan=`` arguments of an op; None means 'resolve auto' (with
@@ -113,7 +47,7 @@ def as_plan(strategy: str, plan) -> Plan | None:
             plan = Plan(**plan)
         if not isinstance(plan, Plan):
             raise TypeError("plan must be an overlap.Plan, a dict of its fields, a plan file (path or "
-                            f"overlap.planfile.PlanFile) or None, got {type(plan).__name__}")
+                            f"overlap.plans.PlanFile) or None, got {type(plan).__name__}")
         if strategy not in ("auto", plan.strategy):
             raise ValueError(f"strategy={strategy!r} contradicts plan.strategy={plan.strategy!r}")
         return plan
@@ -128,8 +62,6 @@ def as_plan(strategy: str, plan) -> Plan | None:
 
 def plan_source(plan):
     """The plan file named by an op's ``plan=`` argument (a path or a `PlanFile`), else None."""
-    from .planfile import PlanFile
-
     if isinstance(plan, (str, os.PathLike, PlanFile)):
         return plan
     return None
@@ -166,8 +98,8 @@ def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int, d
         plan = Plan("pipelined")
     elif info.device.type == "cuda" and not gpu_symmetric_memory():
         plan = Plan("pipelined")
-        _warn_once("overlap: GPU symmetric memory is unavailable (overlap._C built without CUDA, or torch "
-                   "lacks _symmetric_memory); 'auto' falls back to 'pipelined'")
+        warn_once("overlap: GPU symmetric memory is unavailable (overlap._C built without CUDA, or torch "
+                  "lacks _symmetric_memory); 'auto' falls back to 'pipelined'", log=True)
     elif info.device.type == "cuda" and dtype_name in ("float16", "bfloat16") and rows_per_rank >= 128:
         plan = Plan("fused")
     else:
@@ -180,8 +112,6 @@ def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int, d
 
 
 def _from_plan_file(source, problem: Problem, info: GroupInfo) -> tuple[Plan | None, str]:
-    from .planfile import PlanFile, load_cached
-
     pf = source if isinstance(source, PlanFile) else load_cached(source)
     topology = topology_of(info)
     pf.check_topology(topology)
@@ -220,16 +150,6 @@ def gpu_symmetric_memory() -> bool:
     except ImportError:
         return False
     return bool(_C.has_cuda)
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, stacklevel=3)
-        log.warning(message)
 
 
 def check_plan_fits(op: str, plan: Plan, info: GroupInfo) -> None:

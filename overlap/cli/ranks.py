@@ -10,7 +10,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from . import world
+from .. import world
 
 
 def on_ranks(command: str, fn: Callable, args: tuple, nproc: int | None) -> tuple[int, Any]:

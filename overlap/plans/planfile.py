@@ -1,11 +1,11 @@
 """Plan files: the plans `overlap tune` chose for one topology, which ``auto`` looks calls up in.
 
-A plan file is versioned JSON (`PLAN_FILE_VERSION`), one per topology (`overlap.plan.Topology.signature`):
+A plan file is versioned JSON (`PLAN_FILE_VERSION`), one per topology (`overlap.plans.Topology.signature`):
 
 .. code-block:: json
 
     {"version": 1, "topology": "cpu:nodes=1:ranks=2:links=shm*1", "world_size": 2,
-     "created": "2026-11-05T10:00:00+00:00", "profile": {... `overlap.plan.Profile.to_json` ...} or null,
+     "created": "2026-11-05T10:00:00+00:00", "profile": {... `overlap.plans.Profile.to_json` ...} or null,
      "entries": {"<Problem.key>": {"problem": {"op": ..., "m": ..., ...},
                                    "plan": {"strategy": "symm", "num_chunks": {"shm": 2}, "block_m": 0, ...},
                                    "measured_s": 0.0031, "reference_s": 0.0042, "predicted_s": 0.0029}}}
@@ -27,7 +27,8 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from .plan import Plan, Problem, Profile, Topology
+from .costmodel import Problem, Profile, Topology
+from .plan import Plan
 
 PLAN_FILE_VERSION = 1
 

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-import overlap
-
-from .benchmarks.cases import (
+from ..benchmarks.cases import (
     BENCH_OPS,
     DTYPES,
     MODES,
@@ -19,7 +17,8 @@ from .benchmarks.cases import (
     parse_moe_shape,
     parse_shape,
 )
-from .benchmarks.models import TP_PRESETS, parse_tp_preset
+from ..benchmarks.models import TP_PRESETS, parse_tp_preset
+from ..version import __version__
 
 _DESCRIPTION = "overlap: hide tensor- and expert-parallel communication behind the GEMMs around it."
 
@@ -134,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"overlap {overlap.__version__}")
+    parser.add_argument("--version", action="version", version=f"overlap {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     nproc_help = "local ranks to start when not under torchrun (default: one per GPU, else 2 CPU ranks)"

@@ -1,0 +1,7 @@
+"""``python -m overlap.cli``: the ``overlap`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,227 @@
+"""Communication under deadlines: the layer between the world and symmetric memory.
+
+* waits on ``torch.distributed`` work with a deadline, and blame: a timeout or a dead peer becomes an
+  `OverlapTimeout` / `OverlapError` naming the op, this rank and the peer (`wait_work`); the collectives
+  under the names of the installed torch (`all_gather_async`, `reduce_scatter_async`);
+* chunked point-to-point exchanges: one pairwise step cut into chunks per link class (`exchange_chunked`,
+  `chunk_bounds`);
+* the copy engines that let copies run beside GEMMs: on CPU ranks one worker thread per process
+  (`copy_engine`, `result`, `drain`), on GPUs a high-priority side stream per device (`side_stream`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from . import world
+from .errors import OverlapError, OverlapTimeout
+
+# ----------------------------------------------------------------------------------------------
+# Collectives and bounded waits on torch.distributed work
+# ----------------------------------------------------------------------------------------------
+
+
+def all_gather_async(out: torch.Tensor, inp: torch.Tensor, pg):
+    """``all_gather_into_tensor`` under the name of the installed torch (renamed in 2.12+)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=pg, async_op=True)
+
+
+def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, pg):
+    """``reduce_scatter_tensor`` (sum) under the name of the installed torch.
+
+    On CPU (gloo) the work's ``wait(timeout=...)`` ignores its timeout (torch 2.13: the collective
+    runs inside ``wait()``), so it comes back as a `PolledWork`, which `wait_work` bounds."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    work = fn(out, inp, group=pg, async_op=True)
+    return work if out.is_cuda else PolledWork(work)
+
+
+class PolledWork:
+    """A torch.distributed work whose ``wait(timeout=...)`` does not bound the wait (gloo's
+    reduce-scatter runs the collective inside ``wait()``): `wait_work` calls ``wait()`` on a helper
+    thread and waits for that thread within the deadline. The caller issues no other collective on
+    the group meanwhile (it is blocked in the wait), so the order of collectives stays the same on
+    every rank. Past the deadline the helper thread stays blocked until the process group's own
+    timeout; the group is unusable by then anyway."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        return _wait_polled(self, None if timeout is None else timeout.total_seconds())
+
+
+def _wait_polled(work: PolledWork, timeout: float | None) -> bool:
+    """``work.wait()`` on a helper thread; True once it returned, False if `timeout` seconds passed.
+    An error raised by the wait is raised here."""
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work.work.wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            failure.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="overlap-wait", daemon=True).start()
+    if not done.wait(timeout):
+        return False
+    if failure:
+        raise failure[0]
+    return True
+
+
+def wait_work(work, op: str, rank: int, peer: int | str, chunk: int | str, timeout: float,
+              where: torch.device | world.GroupInfo | None = None) -> None:
+    """``work.wait`` with a deadline; timeouts and dead peers become overlap errors.
+
+    `where` is the tensors' device, or the group's `GroupInfo` (the ops pass it): then a failure names
+    a peer of this node whose process is gone instead of `peer` (collectives have no single peer: "any").
+
+    On GPUs the wait is stream-ordered (the current stream waits for the transfer, the host does
+    not): NCCL's ``wait(timeout=...)`` would block the host. The deadline there is the process
+    group's own timeout, enforced by NCCL's watchdog.
+    """
+    info = where if isinstance(where, world.GroupInfo) else None
+    device = info.device if info is not None else where
+    try:
+        if device is not None and device.type == "cuda":
+            work.wait()
+            return
+        ok = _wait_polled(work, timeout) if isinstance(work, PolledWork) else work.wait(
+            timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        text = str(exc)
+        peer = _blame(info, peer)
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            raise OverlapTimeout(op, rank, peer, chunk, timeout, "torch.distributed transfer") from exc
+        raise OverlapError(f"overlap.{op}: rank {rank}: transfer with peer {peer} (chunk {chunk}) failed: {text}. "
+                           "The peer probably died; destroy and re-create the group.") from exc
+    if ok is False:
+        raise OverlapTimeout(op, rank, _blame(info, peer), chunk, timeout, "torch.distributed transfer")
+
+
+def _blame(info: world.GroupInfo | None, peer: int | str) -> int | str:
+    """`peer`, or where it is not one rank ("any") the first peer of this node whose process is gone.
+
+    A killed peer's sockets close while its process is still being torn down, so the backend can
+    report the closed connection a moment before the process shows as gone: look again for up to a
+    second (this runs on an error path only)."""
+    if info is None or isinstance(peer, int):
+        return peer
+    deadline = time.monotonic() + 1.0
+    while True:
+        gone = info.gone_peers()
+        if gone or time.monotonic() > deadline:
+            return gone[0] if gone else peer
+        time.sleep(0.05)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked point-to-point exchanges
+# ----------------------------------------------------------------------------------------------
+
+
+def chunk_bounds(rows: int, num_chunks: int) -> list[tuple[int, int]]:
+    """Split `rows` into at most `num_chunks` near-equal non-empty ranges."""
+    num_chunks = max(1, min(num_chunks, rows))
+    base, extra = divmod(rows, num_chunks)
+    bounds, start = [], 0
+    for i in range(num_chunks):
+        size = base + (1 if i < extra else 0)
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def exchange_chunked(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, chunks_for: Callable[[str], int],
+                     info: world.GroupInfo, pg, op: str) -> list[tuple[int, tuple[int, int] | None, list]]:
+    """Post one pairwise step, `send` to group rank `dst` and `recv` from `src`, each cut along dim 0
+    into ``chunks_for(link class)`` pieces (a plan's `chunks_for`) and posted in pairs (chunk j of
+    both in one batch).
+
+    Returns ``(j, rows of recv's chunk j or None, [(work, peer), ...])`` per pair, in order; the caller
+    waits each work (the send too: its buffer must outlive it) naming its own peer. A backend error
+    while posting (a peer already gone) becomes an `OverlapError` naming the op, this rank and both peers.
+    """
+    # An empty transfer posts nothing (both ends know it is empty: NCCL need not see zero-size messages).
+    send_bounds = chunk_bounds(send.shape[0], chunks_for(info.link_class(dst))) if send.shape[0] else []
+    recv_bounds = chunk_bounds(recv.shape[0], chunks_for(info.link_class(src))) if recv.shape[0] else []
+    posted = []
+    for j in range(max(len(send_bounds), len(recv_bounds))):
+        ops, peers = [], []
+        got = recv_bounds[j] if j < len(recv_bounds) else None
+        if got is not None:
+            ops.append(dist.P2POp(dist.irecv, recv[got[0] : got[1]], info.global_ranks[src], pg))
+            peers.append(src)
+        if j < len(send_bounds):
+            lo, hi = send_bounds[j]
+            ops.append(dist.P2POp(dist.isend, send[lo:hi], info.global_ranks[dst], pg))
+            peers.append(dst)
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as exc:
+            gone = [p for p in (src, dst) if info.gone(p)]
+            who = f"peer {gone[0]} (its process is gone)" if gone else f"peers {src} (receive) and {dst} (send)"
+            raise OverlapError(f"overlap.{op}: rank {info.rank}: posting chunk {j} of the step with {who} "
+                               f"failed: {exc}. A peer probably died; destroy and re-create the group.") from exc
+        posted.append((j, got, list(zip(works, peers, strict=True))))
+    return posted
+
+
+# ----------------------------------------------------------------------------------------------
+# Copy engines: one worker thread per process on CPU ranks (copies overlap GEMMs as on a GPU side
+# stream), a high-priority side stream per device on GPUs
+# ----------------------------------------------------------------------------------------------
+
+_ENGINE: ThreadPoolExecutor | None = None
+_ENGINE_PID = -1
+_ENGINE_LOCK = threading.Lock()
+
+
+def copy_engine() -> ThreadPoolExecutor:
+    global _ENGINE, _ENGINE_PID
+    with _ENGINE_LOCK:
+        if _ENGINE is None or _ENGINE_PID != os.getpid():
+            _ENGINE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="overlap-copy")
+            _ENGINE_PID = os.getpid()
+        return _ENGINE
+
+
+def result(fut: Future, timeout: float):
+    """A copy-engine future's result (its own waits are bounded; this bound is a backstop)."""
+    return fut.result(timeout=timeout + 5.0)
+
+
+def drain(futures: list[Future]) -> None:
+    """Wait for every submitted copy before leaving a call, even on an error path."""
+    for f in futures:
+        try:
+            f.result()
+        except Exception:  # noqa: BLE001 - the first error was raised already
+            pass
+
+
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device):
+    """This process's copy-engine stream on `device` (high priority, so copies are not starved)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE:
+        _SIDE[index] = torch.cuda.Stream(device=index, priority=-1)
+    return _SIDE[index]

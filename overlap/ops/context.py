@@ -1,0 +1,263 @@
+"""The call context of every op, built by one preamble, and the per-call handshake.
+
+Every op starts the same way (`preamble`): resolve the group and the deadline, learn the group's facts,
+check the arguments, choose the plan and write the call's signature; the result is a `CallContext`
+that the op's strategies take instead of a run of positional values. A local mistake (bad shapes,
+dtypes, plan, timeout) is posted to the peers through the handshake, so no rank waits for a call another
+rank left, and then raised on this rank (`CallContext.fail`). `CallContext.begin` is the handshake
+itself: every rank's signature is checked (on one node through the symmetric heap's pad, across nodes
+by a collective) and the heap is sized for the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
+
+from .. import comm, envs, symm, world
+from ..errors import OverlapMismatchError, OverlapTimeout, warn_once
+from ..plans import Plan, Problem
+from ..plans.auto import as_plan, check_plan_fits, plan_source, resolve_auto
+from .fused import check_fused_available
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallContext:
+    """One call of an op on this rank: everything its strategies need besides the tensors.
+
+    op: the op's name in messages (``"all_gather_matmul"``, ``"moe.dispatch"``, ``"....backward"``);
+    pg, info: the process group and its facts (`overlap.world.GroupInfo`); timeout: the deadline of every
+    wait, in seconds; plan: the resolved `Plan` (None until the preamble chose it); signature: the text
+    every rank of the call must agree on. Sub-calls (a backward's transfers) are `derive`d from it.
+    """
+
+    op: str
+    pg: Any
+    info: world.GroupInfo
+    timeout: float
+    plan: Plan | None = None
+    signature: str = ""
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    def derive(self, **changes: Any) -> CallContext:
+        """This context with some fields replaced (`op`, `signature`, `plan`, ...)."""
+        return dataclasses.replace(self, **changes)
+
+    def begin(self, need_bytes: int = 0):
+        """The handshake on every rank: check the signatures, size the heap for `need_bytes` per slot.
+
+        Returns the call (`overlap.symm.Call` on one node; a collective epoch across nodes) whose
+        ``finish()`` must run when this rank is done with the call, also on error paths."""
+        world.CALLER.set(self.op)
+        info = self.info
+        if info.single_node:
+            if need_bytes > 0 and info.device.type == "cuda":
+                warn_device_connections(self.op)
+            return symm.heap_for(self.pg, self.timeout).begin(self.op, self.signature, need_bytes, self.timeout)
+        return _collective_handshake(self.op, self.pg, info, self.signature, self.timeout, post_only=False)
+
+    def fail(self, exc: Exception) -> NoReturn:
+        """Post a poisoned signature, so that peers already waiting in this call raise at once instead of
+        at their deadline, then raise `exc` (this rank's own mistake) without waiting for anyone."""
+        world.CALLER.set(self.op)
+        signature = f"<invalid input on rank {self.rank}: {exc}>"
+        try:
+            if self.info.single_node:
+                symm.heap_for(self.pg, self.timeout).begin(self.op, signature, 0, self.timeout, post_only=True)
+            else:
+                _collective_handshake(self.op, self.pg, self.info, signature, self.timeout, post_only=True)
+        except OverlapTimeout:
+            pass  # the peers are stuck elsewhere; the user's own mistake is still the error to see
+        raise exc
+
+    def wait(self, work, peer: int | str, chunk: int | str) -> None:
+        """`overlap.comm.wait_work` with this call's op, rank, deadline and group (for the blame)."""
+        comm.wait_work(work, self.op, self.rank, peer, chunk, self.timeout, self.info)
+
+
+def preamble(op: str, group, timeout: float | None,
+             decide: Callable[[CallContext], tuple[Plan, str, Any]]) -> tuple[CallContext, Any]:
+    """Every op's preamble: the group, the deadline and the group's facts, then ``decide(context)``, the
+    op's own checks, which return ``(plan, signature, payload)`` (payload: whatever the op keeps of its
+    checks, e.g. its inputs cast for autocast). Returns ``(context with plan and signature, payload)``.
+
+    A TypeError/ValueError raised by `decide` or a bad `timeout` is a local mistake: posted to the peers,
+    then raised here (`CallContext.fail`)."""
+    pg = world.resolve_group(group)
+    world.CALLER.set(op)  # set-up rendezvous of this call (group facts, heap) name the op on timeout
+    error = None
+    try:
+        timeout = envs.resolve_timeout(timeout)
+    except ValueError as exc:
+        error, timeout = exc, envs.resolve_timeout(None)
+    cc = CallContext(op, pg, world.group_info(pg, timeout), timeout)
+    try:
+        if error is not None:
+            raise error
+        plan, signature, payload = decide(cc)
+    except (TypeError, ValueError) as exc:
+        cc.fail(exc)
+    return cc.derive(plan=plan, signature=signature), payload
+
+
+def record(name: str) -> contextlib.AbstractContextManager:
+    """A profiler range ``overlap.<name>`` (NVTX on GPUs)."""
+    return torch.profiler.record_function(f"overlap.{name}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The TP ops' checks and plan
+# ----------------------------------------------------------------------------------------------
+
+
+def describe(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}"
+
+
+def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Cast floating inputs to the autocast dtype where autocast is on (torch's rule for matmul)."""
+    device_type = tensors[0].device.type if isinstance(tensors[0], torch.Tensor) else "cpu"
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    # torch's autocast casts fp32/fp16/bf16 matmul inputs and leaves float64 alone.
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.float16,
+                                                                             torch.bfloat16) else t
+                 for t in tensors)
+
+
+def check_matmul_operands(op: str, a: Any, b: Any, device: torch.device) -> None:
+    """Checks shared by the TP ops: ``a`` is ``[..., k]``, ``b`` is ``[k, n]``, same float dtype/device."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise TypeError(f"overlap.{op}: a and b must be tensors, got {type(a).__name__} and {type(b).__name__}")
+    if a.dim() < 2:
+        raise ValueError(f"overlap.{op}: a must be [..., k] with at least 2 dims (dim 0 is gathered or scattered), "
+                         f"got {describe(a)}")
+    if b.dim() != 2:
+        raise ValueError(f"overlap.{op}: b must be [k, n] (pass a weight w[n, k] as w.t()), got {describe(b)}")
+    if a.shape[-1] != b.shape[0]:
+        raise ValueError(f"overlap.{op}: inner dims differ: a is {describe(a)} (k={a.shape[-1]}), "
+                         f"b is {describe(b)} (k={b.shape[0]})")
+    if a.dtype != b.dtype:
+        raise TypeError(f"overlap.{op}: a and b must have one dtype outside autocast, got {a.dtype} and {b.dtype}")
+    if a.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"overlap.{op}: dtype must be one of {FLOAT_DTYPES}, got {a.dtype}")
+    if a.numel() == 0 or b.numel() == 0:
+        raise ValueError(f"overlap.{op}: empty operands are not supported: a is {describe(a)}, b is {describe(b)}")
+    if a.device != b.device:
+        raise ValueError(f"overlap.{op}: a is on {a.device}, b on {b.device}")
+    if a.device.type != device.type or (device.type == "cuda" and a.device.index != device.index):
+        raise ValueError(f"overlap.{op}: this rank's group computes on {device} but the inputs are on {a.device}")
+
+
+def prepare(op: str, a: Any, b: Any, group, strategy: str, plan, timeout: float | None,
+            check: Callable[[torch.Tensor, torch.Tensor, world.GroupInfo], None] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, CallContext]:
+    """The TP ops' preamble: checks, autocast, plan and signature. Returns ``(a, b, context)``."""
+
+    def decide(cc: CallContext) -> tuple[Plan, str, tuple[torch.Tensor, torch.Tensor]]:
+        info = cc.info
+        a2, b2 = autocast_inputs(a, b)
+        check_matmul_operands(op, a2, b2, info.device)
+        if check is not None:
+            check(a2, b2, info)
+        chosen = as_plan(strategy, plan)
+        shape_sig = f"a={describe(a2)}, b={tuple(b2.shape)}"
+        if chosen is None:
+            rows = math.prod(a2.shape[:-1])
+            dtype = str(a2.dtype).removeprefix("torch.")
+            chosen = resolve_auto(op, shape_sig, info, rows, dtype, out_bytes=rows * b2.shape[1] * a2.element_size(),
+                                  problem=tp_problem(op, rows, a2, b2, info.world_size),
+                                  plan_file=plan_source(plan))
+        check_plan_fits(op, chosen, info)
+        if chosen.strategy == "fused":
+            check_fused_available(op, a2.dtype)
+        return chosen, f"{op}({shape_sig}, plan={chosen.describe()}, ring={info.slowest_link})", (a2, b2)
+
+    cc, (a, b) = preamble(op, group, timeout, decide)
+    return a, b, cc
+
+
+def tp_problem(op: str, rows: int, a: torch.Tensor, b: torch.Tensor, world_size: int) -> Problem | None:
+    """The `overlap.plans.Problem` of a TP call (plan files are keyed by it), None where it has none."""
+    m = rows if op == "all_gather_matmul" else rows // world_size
+    if m < 1 or (op != "all_gather_matmul" and rows % world_size):
+        return None
+    backward = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+    try:
+        return Problem(op, m, a.shape[-1], b.shape[1], str(a.dtype).removeprefix("torch."), backward)
+    except ValueError:  # a call the model does not describe: no plan file entry can match it
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
+# The handshake across nodes (one node: `overlap.symm.Heap.begin`)
+# ----------------------------------------------------------------------------------------------
+
+
+class _CollectiveCall:
+    """Handshake result for groups that span nodes (no symmetric heap)."""
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+
+    def finish(self) -> None:
+        pass
+
+
+_EPOCHS: dict[int, int] = {}
+_HEADER_BYTES = 256
+
+
+def _collective_handshake(op: str, pg, info: world.GroupInfo, signature: str, timeout: float,
+                          post_only: bool) -> _CollectiveCall:
+    epoch = _EPOCHS.get(id(pg), 0) + 1
+    _EPOCHS[id(pg)] = epoch
+    raw = signature.encode()[:_HEADER_BYTES].ljust(_HEADER_BYTES, b"\0")
+    mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(info.device)
+    every = torch.empty(info.world_size * _HEADER_BYTES, dtype=torch.uint8, device=info.device)
+    work = comm.all_gather_async(every, mine, pg)
+    comm.wait_work(work, op, info.rank, "any", "signature", timeout, info)  # host-side check: needs the data
+    if post_only:
+        return _CollectiveCall(epoch)
+    rows = [bytes(row) for row in every.view(info.world_size, _HEADER_BYTES).cpu().numpy()]
+    differ = {p: row.rstrip(b"\0").decode(errors="replace") for p, row in enumerate(rows) if row != raw}
+    if differ:
+        raise OverlapMismatchError.of(op, epoch, info.rank, signature, differ)
+    return _CollectiveCall(epoch)
+
+
+def warn_device_connections(op: str) -> None:
+    """Warn once per process, at the first GPU call that uses the symmetric heap (``symm``, ``fused``),
+    where CUDA_DEVICE_MAX_CONNECTIONS is not 1. overlap reads it and never sets it: it must be set before
+    CUDA initializes, and it changes every stream of the process, the user's own included."""
+    value = envs.cuda_device_max_connections()
+    if value == 1:
+        return
+    now = "unset (the driver's default: several hardware queues)" if value is None else f"{value}"
+    warn_once(
+        f"overlap.{op}: CUDA_DEVICE_MAX_CONNECTIONS is {now}. overlap's GPU symm/fused paths issue copies and "
+        "stream-ordered flag waits on a high-priority side stream while GEMMs run on the current stream, and "
+        "rely on the GPU starting them in the order they were issued "
+        "so that a transfer (which peers wait for) is not queued behind a GEMM that took every SM. Only "
+        "CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue) makes the GPU start kernels of different streams in "
+        "issue order; with more queues the transfers may start late (less overlap; results are the same). Set it "
+        "to 1 in the launch environment, before CUDA is initialized, as Megatron-core requires for its own "
+        "tensor-parallel overlap; note that one queue also makes unrelated streams of the process wait for each "
+        "other. overlap never sets it itself. (Shown once per process.)",
+        RuntimeWarning, key="CUDA_DEVICE_MAX_CONNECTIONS", stacklevel=3,
+    )

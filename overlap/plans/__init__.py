@@ -1,0 +1,52 @@
+"""The plans layer: how a call runs, what it costs, and what was tuned.
+
+* `Plan` (`plan`): strategy, chunks per link class, tiles, variants; part of every call signature.
+* the cost model (`costmodel`): `Profile` of a machine, `Topology` of a group, `Problem` of a call,
+  `predict`, `candidates`, `rank_candidates`, `default_profile`;
+* plan files (`planfile`): `PlanFile`, what `overlap tune` chose per topology;
+* ``strategy="auto"`` (`auto`): a plan file's entry, the model's choice, or the default heuristic.
+"""
+
+from __future__ import annotations
+
+from .costmodel import (
+    CHUNK_CHOICES,
+    MODEL_OPS,
+    PROFILE_VERSION,
+    GemmFit,
+    LinkFit,
+    Prediction,
+    Problem,
+    Profile,
+    Topology,
+    candidates,
+    default_profile,
+    predict,
+    rank_candidates,
+    topology_of,
+)
+from .plan import DEFAULT_CHUNKS, STRATEGIES, Plan
+from .planfile import PLAN_FILE_VERSION, Entry, PlanFile
+
+__all__ = [
+    "CHUNK_CHOICES",
+    "DEFAULT_CHUNKS",
+    "MODEL_OPS",
+    "PLAN_FILE_VERSION",
+    "PROFILE_VERSION",
+    "STRATEGIES",
+    "Entry",
+    "GemmFit",
+    "LinkFit",
+    "Plan",
+    "PlanFile",
+    "Prediction",
+    "Problem",
+    "Profile",
+    "Topology",
+    "candidates",
+    "default_profile",
+    "predict",
+    "rank_candidates",
+    "topology_of",
+]

@@ -1,0 +1,62 @@
+"""`Plan`: how one call is executed (strategy, chunking per link class, tile shape, variants).
+
+A `Plan` is a small immutable value; its text (`Plan.describe`) is part of every call signature, so
+ranks that run different plans raise on every rank instead of hanging. ``strategy="auto"`` resolves one
+(`overlap.plans.auto`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from ..world import LINK_CLASSES
+
+STRATEGIES = ("reference", "pipelined", "symm", "fused")
+DEFAULT_CHUNKS = {"shm": 1, "nvlink": 1, "pcie": 2, "network": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How to run one op.
+
+    strategy: one of `STRATEGIES`.
+    num_chunks: chunks per peer transfer, per link class (``"shm"``, ``"nvlink"``, ``"pcie"``,
+        ``"network"``); a ring is chunked for its slowest link, pairwise transfers per peer link.
+        Missing classes take `DEFAULT_CHUNKS`.
+    block_m, block_n, block_k: tile shape of the ``fused`` kernel (0 = the kernel's default).
+    one_shot: all-reduce variant flag (used by ``matmul_all_reduce``).
+    """
+
+    strategy: str
+    num_chunks: tuple[tuple[str, int], ...] = ()
+    block_m: int = 0
+    block_n: int = 0
+    block_k: int = 0
+    one_shot: bool = False
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES} or 'auto', got {self.strategy!r}")
+        chunks = self.num_chunks
+        if isinstance(chunks, Mapping):
+            chunks = tuple(sorted(chunks.items()))
+            object.__setattr__(self, "num_chunks", chunks)
+        for link, n in chunks:
+            if link not in LINK_CLASSES:
+                raise ValueError(f"num_chunks: unknown link class {link!r}; known: {LINK_CLASSES}")
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"num_chunks[{link!r}] must be an int >= 1, got {n!r}")
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0 or (v and (v < 16 or v & (v - 1))):
+                raise ValueError(f"{name} must be 0 (default) or a power of two >= 16, got {v!r}")
+
+    def chunks_for(self, link_class: str) -> int:
+        return dict(self.num_chunks).get(link_class, DEFAULT_CHUNKS[link_class])
+
+    def describe(self) -> str:
+        """Canonical text of the plan (part of every call signature)."""
+        chunks = ",".join(f"{k}={v}" for k, v in self.num_chunks)
+        tiles = f",tile={self.block_m}x{self.block_n}x{self.block_k}" if self.block_m else ""
+        return f"{self.strategy}[{chunks}{tiles}{',one_shot' if self.one_shot else ''}]"

@@ -1,0 +1,47 @@
+"""The symmetric heap's layout: slots, flags, the control pad's words, and call signatures' hashes.
+
+Every rank of a group computes the same addresses from these numbers; `overlap.symm`'s docstring is the
+protocol they serve.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+NUM_SLOTS = 4
+MAX_PEERS = 128
+MAX_FLAGS = 256  # ready flags per slot (chunks a producer can publish in one call)
+HS_RING = 4
+SIG_TEXT_BYTES = 240
+
+# Control pad layout, in int32 words.
+W_HS_EPOCH = 0  # epoch of the last handshake this rank posted
+W_GEN_READY = 1  # heap generation this rank has created
+W_GEN_MAPPED = 2  # heap generation this rank has mapped from every peer
+W_REBASE_QUIET = 3  # re-base rounds in which this rank has stopped touching flags
+W_REBASE_DONE = 4  # re-base rounds in which this rank has cleared its own flags
+W_GEN_FAILED = 5  # heap generation this rank failed to create (it still arrives at the barrier)
+
+#: Epochs stay below this: the call that reaches it re-bases every flag of the group to zero, so
+#: flags and epochs are always int32 values far apart from wrapping (see `SymmHeap._rebase`).
+REBASE_EPOCH = 2**30
+HS_BASE = 16
+HS_STRIDE = 4 + SIG_TEXT_BYTES // 4  # sig_lo, sig_hi, need_lo, need_hi, text
+SLOT_BASE = 512
+SLOT_STRIDE = MAX_FLAGS + MAX_PEERS  # ready[MAX_FLAGS], done[MAX_PEERS]
+CTRL_WORDS = SLOT_BASE + NUM_SLOTS * SLOT_STRIDE
+ALIGN = 4096
+
+
+def signals():
+    """``overlap._C`` (flags with deadlines), imported on first use."""
+    from .. import _C
+
+    return _C
+
+
+def signature_hash(text: str) -> tuple[int, int]:
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    lo = int.from_bytes(digest[:4], "little", signed=True)
+    hi = int.from_bytes(digest[4:], "little", signed=True)
+    return lo, hi
