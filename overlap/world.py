@@ -2,7 +2,7 @@
 
 A group is a ``torch.distributed`` process group (``None`` is the default group). `GroupInfo`
 adds what `overlap` needs on top: the node of every rank (from torchrun's environment,
-``OVERLAP_NODE_ID`` or the hostname, in that order of precedence as DESIGN.md says), the link
+``OVERLAP_NODE_ID`` or the hostname, in that order of precedence as docs/design.md says), the link
 class of every peer pair, and the device the group computes on.
 
 Link classes: ``"shm"`` (CPU ranks of one node: POSIX shared memory), ``"nvlink"`` and ``"pcie"``
@@ -228,15 +228,16 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
-def init_rank(rank: int, world_size: int, init_file: str, timeout_s: float = 300.0) -> None:
-    """Initialize torch.distributed for one locally started rank (gloo on CPU, NCCL on GPUs).
+def init_rank(rank: int, world_size: int, init_file: str, timeout_s: float = 300.0, backend: str | None = None) -> None:
+    """Initialize torch.distributed for one locally started rank (gloo on CPU, NCCL on GPUs; ``backend="gloo"``
+    keeps CPU ranks where there are GPUs).
 
     Ranks meet through a file store (`init_file`, a path that does not exist yet), so no TCP port
     has to be picked in advance and raced for.
     """
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+    use_cuda = backend != "gloo" and torch.cuda.is_available() and torch.cuda.device_count() >= world_size
     if use_cuda:
         torch.cuda.set_device(rank)
     dist.init_process_group(

@@ -391,8 +391,7 @@ def test_killed_peer_times_out_and_leaves_no_segment():
     before = {n for n in os.listdir(shm) if n.startswith("overlap-")}
     pool = RankPool(3)
     try:
-        for conn in pool.conns:
-            conn.send((killed_peer, (shm,), {}))
+        pool.send(killed_peer, shm)
         with pytest.raises(RankError, match="rank 2 died") as info:
             pool.collect(60, "killed_peer")
     finally:

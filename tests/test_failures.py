@@ -106,8 +106,7 @@ def _run_world(variant: str, kills: list[Kill]) -> World:
 
     reaper = threading.Thread(target=reap, daemon=True)
     try:
-        for conn in pool.conns:
-            conn.send((op_world, (variant, kills, STALL_BACKWARD[variant], SEED), {}))
+        pool.send(op_world, variant, kills, STALL_BACKWARD[variant], SEED)
         reaper.start()
         try:
             results = pool.collect(WORLD_TIMEOUT, f"op_world({variant})")

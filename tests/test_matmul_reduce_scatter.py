@@ -229,8 +229,7 @@ def test_killed_peer_times_out():
 
     pool = RankPool(3)
     try:
-        for conn in pool.conns:
-            conn.send((killed_peer, (os.environ.get("OVERLAP_SHM_DIR", "/dev/shm"),), {}))
+        pool.send(killed_peer, os.environ.get("OVERLAP_SHM_DIR", "/dev/shm"))
         with pytest.raises(RankError, match="rank 2 died") as info:
             pool.collect(60, "killed_peer")
     finally:

@@ -1,8 +1,8 @@
 """The benchmark cases on a standing pool of local ranks, one call at a time: what the
 pytest-benchmark wrappers in ``bench/`` run.
 
-`RankPool` starts N local ranks once (gloo on CPU; NCCL with a GPU each where there are enough,
-as `world.launch`) and runs module-level functions on all of them. `BenchSession` checks a case
+`overlap.pool.RankPool` starts N local ranks once (gloo on CPU; NCCL with a GPU each where there are
+enough, as `world.launch`) and runs module-level functions on all of them. `BenchSession` checks a case
 on the ranks with the runner's own `checks.check_case` (every strategy against ``reference``,
 before any timing) and then times one call of one label at a time: every rank times it between
 barriers (`timing.timed_call`) and the call's time is the slowest rank's, as in ``overlap bench``.
@@ -23,16 +23,10 @@ methodology and its table the one to quote.
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
-import os
 import random
-import shutil
-import tempfile
-import time
-import traceback
-from collections.abc import Callable
 from typing import Any
 
+from ..pool import RankPool
 from .cases import BenchConfig
 from .definitions import BENCH_OPS, MODES, AnyCase, all_strategy_labels, label_plan, strategy_labels
 from .timing import INTERPRETED_ITERS, summarize
@@ -61,131 +55,6 @@ def case_labels(case: AnyCase, device_type: str) -> list[str]:
         if label_plan(case.op, label)[0] != "fused" or not interpreted or case.fits_interpreted_fused
     ]
     return [COMM_ALONE, COMPUTE_ALONE, *labels]
-
-
-# ----------------------------------------------------------------------------------------------
-# A standing pool of local ranks
-# ----------------------------------------------------------------------------------------------
-
-
-def _serve(rank: int, world_size: int, init_file: str, conn: Any) -> None:
-    """A rank of `RankPool`: join the group, then run ``fn(*args)`` for each task until told to stop."""
-    import torch
-    import torch.distributed as dist
-
-    from .. import world
-
-    torch.set_num_threads(1)
-    world.init_rank(rank, world_size, init_file)
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            task = conn.recv()
-        except EOFError:
-            break
-        if task is None:
-            break
-        fn, args = task
-        try:
-            conn.send(("ok", fn(*args)))
-        except BaseException:  # noqa: BLE001 - sent to the parent, which fails the pool
-            conn.send(("err", traceback.format_exc()))
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - a dead peer can make teardown fail
-        pass
-
-
-class RankPool:
-    """`nproc` spawned local ranks in one default group, running tasks until `close`.
-
-    A task is a module-level function; ``run(fn, *args)`` calls ``fn(*args)`` on every rank and
-    returns their results in rank order. A task that fails on any rank, or outlives its deadline,
-    leaves the ranks out of step: the pool is then killed and RuntimeError raised with the rank's
-    traceback (no hang, no reuse of a broken group).
-    """
-
-    def __init__(self, nproc: int, start_timeout_s: float = 120.0):
-        if nproc < 1:
-            raise ValueError(f"nproc must be >= 1, got {nproc}")
-        self.nproc = nproc
-        ctx = mp.get_context("spawn")
-        self._dir = tempfile.mkdtemp(prefix="overlap-pool-")
-        init_file = os.path.join(self._dir, "store")
-        self._conns, self._procs = [], []
-        for r in range(nproc):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(r, nproc, init_file, child), daemon=True)
-            p.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(p)
-        self.broken = False
-        self._collect("start", start_timeout_s)
-
-    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 600.0) -> list[Any]:
-        """``fn(*args)`` on every rank; their results in rank order. Raises RuntimeError (pool killed)
-        if a rank fails, dies or does not finish within `timeout_s`."""
-        if self.broken:
-            raise RuntimeError("the rank pool is broken (a task failed or hung); start a new one")
-        for conn in self._conns:
-            conn.send((fn, args))
-        return self._collect(getattr(fn, "__name__", "task"), timeout_s)
-
-    def _collect(self, name: str, timeout_s: float) -> list[Any]:
-        results: list[Any] = [None] * self.nproc
-        pending, errors = set(range(self.nproc)), []
-        deadline = time.monotonic() + timeout_s
-        while pending and not errors:
-            if time.monotonic() > deadline:
-                errors.append(f"ranks {sorted(pending)} did not finish {name} within {timeout_s} s")
-                break
-            for r in sorted(pending):
-                if not self._conns[r].poll(0.01):
-                    if not self._procs[r].is_alive():
-                        errors.append(f"rank {r} died (exit code {self._procs[r].exitcode}) during {name}")
-                    continue
-                try:
-                    status, value = self._conns[r].recv()
-                except (EOFError, OSError):
-                    errors.append(f"rank {r} died (exit code {self._procs[r].exitcode}) during {name}")
-                    continue
-                pending.discard(r)
-                if status == "err":
-                    errors.append(f"rank {r} failed in {name}:\n{value}")
-                else:
-                    results[r] = value
-        if errors:
-            self.kill()
-            raise RuntimeError("\n".join(errors))
-        return results
-
-    def kill(self) -> None:
-        self.broken = True
-        for p in self._procs:
-            if p.is_alive():
-                p.kill()
-        for p in self._procs:
-            p.join(timeout=10)
-        shutil.rmtree(self._dir, ignore_errors=True)
-
-    def close(self) -> None:
-        """Stop the ranks (politely where the pool is healthy) and remove the rendezvous file."""
-        if not self.broken:
-            for conn in self._conns:
-                try:
-                    conn.send(None)
-                except OSError:
-                    pass
-            for p in self._procs:
-                p.join(timeout=30)
-        self.kill()
-
-    def __enter__(self) -> RankPool:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 # ----------------------------------------------------------------------------------------------
