@@ -148,6 +148,39 @@ def test_plan_files_drive_auto_and_disagreement_is_an_error(pools):
         assert out["model"] and "cost model" in out["model"][0], (rank, out["model"])
 
 
+def moe_plan_file_task(rank, world_size):
+    """Ranks with different token counts (16 and 17) and a plan file with an entry of the layer at 16 tokens
+    and one at 32: every rank must take the same entry (the most tokens), whatever its own count."""
+    import overlap
+    from overlap import plans as plan_mod
+
+    E, H, F = 2 * world_size, 8, 12
+    x = torch.randn(16 + rank, H)
+    idx = torch.randint(0, E, (16 + rank, 2))
+    w1, w2 = torch.randn(2, H, F), torch.randn(2, F, H)
+    wts = torch.rand(16 + rank, 2)
+    at16 = overlap.Plan("symm", num_chunks={"shm": 1})
+    at32 = overlap.Plan("pipelined", num_chunks={"shm": 2})
+    pf = _file(world_size, [(plan_mod.Problem("moe", m, H, F, "float32", False, E, 2), plan, 1.0, 2.0)
+                            for m, plan in ((16, at16), (32, at32))])
+    handler, restore = _capture()
+    try:
+        h, handle = overlap.moe.dispatch_grouped_matmul(x, idx, w1, E, plan=pf, timeout=20)
+        y = overlap.moe.grouped_matmul_combine(h, w2, wts, handle, plan=pf, timeout=20)
+    finally:
+        restore()
+    want_h, want_handle = overlap.moe.dispatch_grouped_matmul(x, idx, w1, E, strategy="reference")
+    want = overlap.moe.grouped_matmul_combine(want_h, w2, wts, want_handle, strategy="reference")
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    return handle.plan.describe(), [line for line in handler.lines if "auto chose" in line]
+
+
+def test_moe_calls_take_the_same_plan_file_entry_on_every_rank(pools):
+    for rank, (plan, log) in enumerate(pools(2).run(moe_plan_file_task, timeout=120)):
+        assert plan == "pipelined[shm=2]", (rank, plan, log)
+        assert log and all("pipelined[shm=2]" in line and "plan file" in line for line in log), (rank, log)
+
+
 @pytest.mark.parametrize("op", ["matmul_reduce_scatter", "moe"])
 def test_problem_keys_of_calls_match_the_tuner(op):
     """The key a call looks up is the key `tune` writes for the same shape (so tuned entries are found)."""

@@ -118,8 +118,7 @@ def _prepare(op, y, w, topk_weights, handle, strategy, plan, timeout):
         _check_weights_of_topk(op, topk_weights, handle, info.device)
         problem = None if w is None else layout.moe_problem(handle.num_tokens, w.shape[2], y.shape[1],
                                                         handle.num_experts, handle.top_k, y.dtype, (y, w))
-        chosen = layout.resolve_plan(op, strategy, plan, info, handle.num_tokens, y.dtype, allow_fused=w is not None,
-                                problem=problem)
+        chosen = layout.resolve_plan(op, strategy, plan, info, y.dtype, allow_fused=w is not None, problem=problem)
         return chosen, layout.call_signature(f"moe.{op}", handle, y, w, chosen, grads=(y, w)), None
 
     cc, _ = preamble(f"moe.{op}", handle.group, timeout, decide)

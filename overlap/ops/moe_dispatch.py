@@ -114,8 +114,7 @@ def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout):
         layout.check_topk_idx(op, topk_idx, x.shape[0], x.device)
         problem = None if w is None else layout.moe_problem(x.shape[0], x.shape[1], w.shape[2], num_experts,
                                                         topk_idx.shape[1], x.dtype, (x, w))
-        chosen = layout.resolve_plan(op, strategy, plan, info, x.shape[0], x.dtype, allow_fused=w is not None,
-                                problem=problem)
+        chosen = layout.resolve_plan(op, strategy, plan, info, x.dtype, allow_fused=w is not None, problem=problem)
         order, send_counts = layout.route(op, topk_idx, num_experts, info.world_size)
         sig = layout.signature(f"moe.{op}", x.shape[1], None if w is None else w.shape[2], num_experts,
                                topk_idx.shape[1], x.dtype, chosen, info, grads=(x, w))

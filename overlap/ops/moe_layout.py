@@ -252,12 +252,13 @@ def route(op: str, topk_idx: torch.Tensor, num_experts: int, world_size: int) ->
 # ----------------------------------------------------------------------------------------------
 
 
-def resolve_plan(op: str, strategy: str, plan, info: world.GroupInfo, rows: int, dtype: torch.dtype,
-                 allow_fused: bool, problem: Problem | None = None) -> Plan:
-    """The call's plan: forced, else ``auto`` (a plan file's entry for `problem`, the model, the heuristic)."""
+def resolve_plan(op: str, strategy: str, plan, info: world.GroupInfo, dtype: torch.dtype, allow_fused: bool,
+                 problem: Problem | None = None) -> Plan:
+    """The call's plan: forced, else ``auto`` (a plan file's entry for `problem`'s layer, the heuristic), the
+    same on every rank: nothing of it depends on this rank's token count (token counts differ between ranks)."""
     chosen = as_plan(strategy, plan)
     if chosen is None:
-        chosen = resolve_auto(op, f"moe rows={rows}", info, rows, str(dtype).removeprefix("torch."),
+        chosen = resolve_auto(op, f"moe {op}", info, None, str(dtype).removeprefix("torch."),
                               problem=problem, plan_file=plan_source(plan))
         if chosen.strategy == "fused" and not allow_fused:
             chosen = dataclasses.replace(chosen, strategy="symm")

@@ -74,7 +74,7 @@ _LOGGED: set[str] = set()
 ONE_SHOT_MAX_BYTES = 256 * 1024
 
 
-def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int, dtype_name: str,
+def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int | None, dtype_name: str,
                  out_bytes: int = 0, problem: Problem | None = None, plan_file=None) -> Plan:
     """The plan of an ``auto`` call, identical on every rank by construction (the same file and the same
     call give the same plan; ranks that load different files raise `OverlapMismatchError` in the
@@ -83,8 +83,10 @@ def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int, d
     1. a plan file (`plan_file`, an op's ``plan=`` path or `PlanFile`, else ``OVERLAP_PLAN``): its entry
        for `problem` (``reference`` where the tuned plan was measured slower than reference), else the
        cost model's best plan with the file's machine profile. A file tuned on another topology raises
-       ValueError;
-    2. the default heuristic of this module's docstring.
+       ValueError. MoE calls, whose token counts differ between ranks, take the entry of their layer tuned
+       at the most tokens, whatever this rank's count, and the heuristic where the file has no such entry;
+    2. the default heuristic of this module's docstring. `rows_per_rank` None (MoE: not the same on every
+       rank) leaves out the thresholds on rows: ``fused`` for 16-bit dtypes on GPU ranks of one node.
     """
     source = plan_file if plan_file is not None else envs.plan_path()
     if source is not None and problem is not None and info.world_size > 1:
@@ -100,7 +102,7 @@ def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int, d
         plan = Plan("pipelined")
         warn_once("overlap: GPU symmetric memory is unavailable (overlap._C built without CUDA, or torch "
                   "lacks _symmetric_memory); 'auto' falls back to 'pipelined'", log=True)
-    elif info.device.type == "cuda" and dtype_name in ("float16", "bfloat16") and rows_per_rank >= 128:
+    elif info.device.type == "cuda" and dtype_name in ("float16", "bfloat16") and (rows_per_rank or 128) >= 128:
         plan = Plan("fused")
     else:
         plan = Plan("symm")
@@ -115,13 +117,15 @@ def _from_plan_file(source, problem: Problem, info: GroupInfo) -> tuple[Plan | N
     pf = source if isinstance(source, PlanFile) else load_cached(source)
     topology = topology_of(info)
     pf.check_topology(topology)
-    plan = pf.lookup(problem)
-    if plan is None and problem.op == "moe":
+    if problem.op == "moe":
         # Token counts differ between ranks, so every rank must pick by what they share: the entry of
-        # the same layer (hidden, ffn, experts, top-k, dtype, mode) tuned at the most tokens.
+        # the same layer (hidden, ffn, experts, top-k, dtype, mode) tuned at the most tokens. No entry:
+        # the heuristic (the model would need this rank's own count).
         same = [e for e in pf.entries.values() if dataclasses.replace(e.problem, m=problem.m) == problem]
-        if same:
-            plan = pf.lookup(max(same, key=lambda e: e.problem.m).problem)
+        if not same:
+            return None, ""
+        return pf.lookup(max(same, key=lambda e: e.problem.m).problem), f"plan file {pf.path or ''}".rstrip()
+    plan = pf.lookup(problem)
     if plan is not None:
         return plan, f"plan file {pf.path or ''}".rstrip()
     if pf.profile is not None:
