@@ -205,7 +205,7 @@ def tp_problem(op: str, rows: int, a: torch.Tensor, b: torch.Tensor, world_size:
 
 
 # ----------------------------------------------------------------------------------------------
-# The handshake across nodes (one node: `overlap.symm.Heap.begin`)
+# The handshake across nodes (one node: `overlap.symm.SymmHeap.begin`)
 # ----------------------------------------------------------------------------------------------
 
 
