@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_check_tp import run_tp_virtual
     from gpu_check_virtual import run_virtual
 
-    from overlap import _C
+    from overlap import _C, world
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     mode = "cpu-smoke" if args.cpu_smoke else "gpu"
@@ -195,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(code)  # a stuck device or peer could hang the interpreter's teardown
     if d is not None:
         with contextlib.suppress(Exception):
+            d.dist.barrier()  # no rank tears down while a peer is still in a collective
             d.dist.destroy_process_group()
+        world.exit_after_teardown(code)  # (see its docstring: a rare abort in the interpreter's teardown)
     return code
 
 

@@ -279,6 +279,26 @@ def _rank_main(rank: int, world_size: int, init_file: str, fn: Callable, args: t
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a dead peer can make teardown fail; the error is reported
                 pass
+    exit_after_teardown(0)
+
+
+def exit_after_teardown(code: int) -> None:
+    """End a rank process that has torn down its process group, without the interpreter's own teardown.
+
+    Rarely (seen twice in this project's test runs on a loaded machine: once in `overlap bench`'s ranks,
+    once in the GPU check's torchrun smoke; not reproduced on demand) a rank that had finished, printed its
+    results and destroyed its group aborted in the interpreter's teardown with "terminate called without
+    an active exception" (a C++ thread being destroyed unjoined; overlap's own code starts none). Nothing
+    is left to do at that point (shared-memory segments are unlinked as soon as every rank has mapped
+    them), so the rank flushes its output and exits directly."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def launch(fn: Callable, nproc: int | None = None, args: tuple = (), timeout_s: float | None = None) -> None:

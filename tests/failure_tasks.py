@@ -163,7 +163,7 @@ def die(sig: int) -> None:
     raise AssertionError(f"still alive after signal {sig}")
 
 
-def wait_dead(pid: int, limit: float = 10.0, reaped: bool = False) -> bool:
+def wait_dead(pid: int, limit: float = 60.0, reaped: bool = False) -> bool:
     """Wait until process `pid` has died (a zombie will do unless `reaped`); False past `limit` s.
 
     Victims are children of the test process, not of their peers: only it reaps them."""
@@ -335,7 +335,7 @@ def op_world(rank: int, world_size: int, variant: str, kills: list[Kill], stall_
         # A dead process stays a zombie until the test process reaps it, and remove_stale_segments
         # (rightly) counts a zombie as alive: wait for the reaping of the creators of what is left.
         creators = {int(_NAME_RE.match(name).group(1)) for name in out["stale_before"]}
-        out["creators_reaped"] = all(wait_dead(pid, limit=20.0, reaped=True) for pid in creators)
+        out["creators_reaped"] = all(wait_dead(pid, reaped=True) for pid in creators)
         # A heap creation right away (remove_stale_segments with its default minimum age).
         out["next_heap"] = expect_error(run_call, variant, "reference", g_next[0], rank, seed, PATIENT)
         out["stale_after_next_heap"] = segments(dead)
@@ -385,9 +385,14 @@ def survive(k: Kill, variant: str, op: str, group, rank: int, seed: int, pids: l
     """
     import overlap
 
+    waited = [0.0]  # how long the survivor waited for the victim's death inside its call
+
     def victim_gone():
+        # On a loaded machine the victim can take seconds to reach its own kill after the handshake.
+        start = time.monotonic()
         assert wait_dead(pids[k.victim]), f"victim {k.victim} still alive"
         time.sleep(0.5)
+        waited[0] = time.monotonic() - start
 
     a, b, param, g = inputs(variant, rank, seed)
     a.requires_grad_()
@@ -407,6 +412,9 @@ def survive(k: Kill, variant: str, op: str, group, rank: int, seed: int, pids: l
         if res["error"][0] is None:  # (matmul_all_reduce) nothing to wait for: the next call must fail
             res["backward_ok"] = True
             res["error"] = expect_error(fn, a.detach(), b, group=group, plan=plan, timeout=DEADLINE)
+            waited[0] = 0.0  # (the hook ran in the backward, not in this call)
+    kind, msg, secs = res["error"]
+    res["error"] = (kind, msg, secs - waited[0])  # the call's own time: its deadline started after the wait
     res["segments_after_error"] = sorted(set(segments(pids)) - before)
     res["teardown"] = teardown(group)
     res["segments_after_teardown"] = sorted(set(segments(pids)) - before)
