@@ -53,12 +53,12 @@ class RankPool(pool.RankPool):
     AssertionError, with the other ranks' results) instead of `overlap.pool.RankPoolError`."""
 
     def __init__(self, world_size: int, env: dict[str, str] | None = None, start_timeout: float = 60.0):
-        self.world_size = world_size
         base_env = {"OVERLAP_TIMEOUT_S": str(FALLBACK_TIMEOUT_S), **(env or {})}
         super().__init__(world_size, env=base_env, backend="gloo", start_timeout_s=start_timeout, pg_timeout_s=60.0)
 
     def run(self, fn: Callable, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
-        """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return every rank's result."""
+        """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return every rank's result (errors
+        name `fn`, not the wrapper that passes the rank)."""
         if self.broken:
             raise RuntimeError("this pool is broken (a rank died or hung); take a fresh one")
         self.send(fn, *args, **kwargs)
