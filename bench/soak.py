@@ -103,11 +103,8 @@ def _overlap_maps() -> int:
 
 def heap_bytes(group: Any = None) -> int:
     """Bytes of `group`'s symmetric data heap in this process (0 before its first call or after release)."""
-    pg = world.resolve_group(group)
-    entry = symm._HEAPS.get(id(pg))  # the per-group registry: read-only look
-    if entry is None or entry[0] is not pg or entry[1].closed:
-        return 0
-    return entry[1].slot_bytes * symm.NUM_SLOTS if entry[1].data else 0
+    heap = symm.heap_if_open(group)
+    return 0 if heap is None else heap.data_bytes
 
 
 def sample(pids: tuple[int, ...], group: Any = None) -> dict[str, int]:

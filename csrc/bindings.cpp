@@ -97,7 +97,7 @@ PYBIND11_MODULE(_C, m) {
         "Enqueue on `stream` a one-thread kernel that waits until *(int32*)addr >= value; "
         "if `timeout_ns` pass first it sets *(int32*)err_addr to 1 (when 0) and exits.");
 
-  // ---- CUDA: MoE all-to-all within a node (overlap/ops/_moe_cuda.py builds the tables) ----
+  // ---- CUDA: MoE all-to-all within a node (overlap/ops/moe_cuda.py builds the tables) ----
   m.def("moe_dispatch_rows", &overlap::moe_dispatch_rows, py::arg("src_rows"), py::arg("row_index"),
         py::arg("num_sends"), py::arg("row_bytes"), py::arg("dst_table"), py::arg("block_offsets"),
         py::arg("chunk_offsets"), py::arg("num_blocks"), py::arg("groups_per_dest"), py::arg("num_chunks"),

@@ -1,4 +1,5 @@
-"""The package's layers (docs/design.md), checked on the source: every import goes down, no new cycles.
+"""The package's layers (docs/design.md), checked on the source: every import goes down, no new cycles,
+every import names something that exists, and the scripts of ``bench/`` use no private module or name.
 
 Every ``import`` and ``from ... import`` of every module of ``overlap/`` and ``kernels/`` (installed as
 ``overlap.kernels``) is read with `ast`, those inside functions (lazy imports) included, and resolved to
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("facts", ("overlap.envs", "overlap.errors", "overlap.version")),
     ("world", ("overlap.world", "overlap.shm", "overlap.pool")),
-    ("signals", ("overlap._C",)),
+    ("signals", ("overlap._C", "overlap.signals")),
     ("comm", ("overlap.comm",)),
     ("symmetric memory", ("overlap.symm",)),
     ("plans", ("overlap.plans",)),
@@ -168,3 +169,122 @@ def test_the_checker_rejects_an_upward_import_and_a_cycle(tmp_path):
     found = _upward("overlap.symm.layout", path)
     assert len(found) == 1 and "imports overlap.ops.context (ops)" in found[0], found
     assert _cycles({"a": ["b"], "b": ["a", "c"], "c": []}) == [{"a", "b"}]
+
+
+# ----------------------------------------------------------------------------------------------
+# Every import names something that exists (a lazy import of a missing module fails only when run)
+# ----------------------------------------------------------------------------------------------
+
+
+def _bound_names(path: Path) -> set[str]:
+    """The names a module binds at its top level (definitions, assignments, imports)."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text(), filename=str(path)).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.If, ast.Try)):  # names bound under a guard count too
+            names.update(_bound_names_of(node))
+    return names
+
+
+def _bound_names_of(node: ast.AST) -> set[str]:
+    names: set[str] = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, (ast.FunctionDef, ast.ClassDef)):
+            names.add(sub.name)
+        elif isinstance(sub, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in sub.names)
+        elif isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+            names.add(sub.id)
+    return names
+
+
+def _missing(name: str, path: Path) -> list[str]:
+    """``from X import y`` in module `name` where X is a module of this project that has no submodule and
+    binds no name ``y`` (``overlap._C``, the compiled extension, is taken as it is)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = name if _is_package(name) else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = package.split(".")
+            target = ".".join(base[: len(base) - (node.level - 1)] + ([node.module] if node.module else []))
+        else:
+            target = node.module or ""
+        if target == "overlap._C" or not (target == "overlap" or target.startswith("overlap.")):
+            continue
+        if target not in MODULES:
+            out.append(f"{path}:{node.lineno}: {name} imports from {target}, which does not exist")
+            continue
+        bound = _bound_names(MODULES[target])
+        out += [f"{path}:{node.lineno}: {name} imports {alias.name} from {target}, which has no such name"
+                for alias in node.names
+                if alias.name != "*" and f"{target}.{alias.name}" not in MODULES
+                and not (target == "overlap" and alias.name == "_C") and alias.name not in bound]
+    return out
+
+
+def test_every_import_exists():
+    missing = [line for name, path in MODULES.items() for line in _missing(name, path)]
+    assert not missing, "imports of things that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_checker_finds_a_missing_import(tmp_path):
+    """A lazy ``from . import _C`` inside ``plans/`` names ``overlap.plans._C``, which does not exist."""
+    path = tmp_path / "auto.py"
+    path.write_text("from .plan import Plan\n\n\ndef f():\n    from . import _C\n    from .. import signals\n")
+    found = _missing("overlap.plans.auto", path)
+    assert len(found) == 1 and "imports _C from overlap.plans" in found[0], found
+
+
+# ----------------------------------------------------------------------------------------------
+# bench/ uses the package's layers, never a private module or name
+# ----------------------------------------------------------------------------------------------
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_uses(path: Path) -> list[str]:
+    """Imports of a private module or name of `overlap` in script `path`, and private attributes read from
+    a name it imported from `overlap`."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out, bound = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "overlap":
+                    bound.add(alias.asname or "overlap")
+                    if any(_private(p) for p in alias.name.split(".")):
+                        out.append(f"{path}:{node.lineno}: imports {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "overlap":
+            for alias in node.names:
+                bound.add(alias.asname or alias.name)
+                if any(_private(p) for p in [*node.module.split("."), alias.name]):
+                    out.append(f"{path}:{node.lineno}: imports {alias.name} from {node.module}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name) \
+                and node.value.id in bound:
+            out.append(f"{path}:{node.lineno}: reads {node.value.id}.{node.attr}")
+    return out
+
+
+def test_bench_uses_no_private_module_or_name():
+    found = [line for path in sorted((ROOT / "bench").glob("*.py")) for line in _private_uses(path)]
+    assert not found, "bench/ reaches into private parts of overlap:\n" + "\n".join(found)
+
+
+def test_the_checker_finds_private_uses_in_a_script(tmp_path):
+    path = tmp_path / "script.py"
+    path.write_text("import torch._dynamo\nfrom overlap import _C, symm\nfrom overlap.ops.moe_layout import MoEHandle\n"
+                    "from overlap.ops import _gather\n\n\ndef f():\n    return symm._HEAPS, symm.heap_for, torch._C\n")
+    found = _private_uses(path)
+    assert len(found) == 3 and "_C" in found[0] and "_gather" in found[1] and "symm._HEAPS" in found[2], found

@@ -26,7 +26,7 @@ def _software_lines() -> list[str]:
     how = " (set by overlap: no GPU)" if envs.TRITON_INTERPRET_SET_BY_OVERLAP else ""
     lines.append(f"TRITON_INTERPRET: {'on: Triton kernels run in the interpreter' + how if interp else 'off'}")
     try:
-        from .. import _C
+        from .. import signals as _C
 
         count: Any
         try:

@@ -92,9 +92,9 @@ def _device_table(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def _c():
-    from .. import _C
+    from .. import signals
 
-    return _C
+    return signals
 
 
 def _stream(device: torch.device) -> int:

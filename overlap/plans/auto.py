@@ -150,10 +150,10 @@ def gpu_symmetric_memory() -> bool:
     try:
         import torch.distributed._symmetric_memory  # noqa: F401
 
-        from . import _C
+        from .. import signals
     except ImportError:
         return False
-    return bool(_C.has_cuda)
+    return bool(signals.has_cuda)
 
 
 def check_plan_fits(op: str, plan: Plan, info: GroupInfo) -> None:

@@ -59,8 +59,8 @@ from .layout import MAX_FLAGS, MAX_PEERS, NUM_SLOTS, REBASE_EPOCH, signature_has
 
 log = logging.getLogger("overlap")
 
-__all__ = ["MAX_FLAGS", "MAX_PEERS", "NUM_SLOTS", "REBASE_EPOCH", "Call", "SymmHeap", "heap_for", "release",
-           "reserve", "signature_hash"]
+__all__ = ["MAX_FLAGS", "MAX_PEERS", "NUM_SLOTS", "REBASE_EPOCH", "Call", "SymmHeap", "heap_for", "heap_if_open",
+           "release", "reserve", "signature_hash"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,6 +80,14 @@ def heap_for(group: Any = None, timeout: float | None = None) -> SymmHeap:
     heap = SymmHeap(pg, world.group_info(pg, timeout), timeout)
     _HEAPS[id(pg)] = (pg, heap)
     return heap
+
+
+def heap_if_open(group: Any = None) -> SymmHeap | None:
+    """The group's heap in this process if a call has created it and it is open, else None; never creates
+    one and never communicates (for monitoring: `SymmHeap.data_bytes`)."""
+    pg = world.resolve_group(group)
+    entry = _HEAPS.get(id(pg))
+    return entry[1] if entry is not None and entry[0] is pg and not entry[1].closed else None
 
 
 def reserve(group: Any = None, nbytes: int = 0, timeout: float | None = None) -> None:

@@ -99,6 +99,11 @@ class SymmHeap:
         # calls that use no heap (reference, pipelined) never need them, nor the CUDA half of _C.
         self._cuda_flags: _CudaFlags | None = None
 
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of this rank's data heap (every slot; 0 before the first call that needs data)."""
+        return self.slot_bytes * NUM_SLOTS if self.data else 0
+
     # -- names ------------------------------------------------------------------------------
     def _path(self, kind: str, rank: int) -> str:
         pid = self.info.pids[rank]

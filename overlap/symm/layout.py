@@ -34,10 +34,10 @@ ALIGN = 4096
 
 
 def signals():
-    """``overlap._C`` (flags with deadlines), imported on first use."""
-    from .. import _C
+    """`overlap.signals` (flags with deadlines), imported on first use."""
+    from .. import signals as module
 
-    return _C
+    return module
 
 
 def signature_hash(text: str) -> tuple[int, int]:
