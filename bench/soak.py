@@ -42,6 +42,7 @@ import torch.distributed as dist
 import overlap
 from overlap import envs, symm, world
 from overlap.benchmarks.cases import OPS, label_plan, strategy_labels
+from overlap.plans import OpInputs, Problem, SeededDraw, op_spec
 
 DEFAULT_STRATEGIES = ("reference", "pipelined", "symm", "pipelined+one_shot", "symm+one_shot")
 RSS_SLACK_FRACTION, RSS_SLACK_KIB = 0.05, 8 * 1024
@@ -124,14 +125,12 @@ def sample(pids: tuple[int, ...], group: Any = None) -> dict[str, int]:
 
 
 def _inputs(op: str, shape: tuple[int, int, int], world_size: int, rank: int, seed: int):
-    m, k, n = shape
-    gen = torch.Generator().manual_seed(seed * 7919 + rank)
-    rows = m if op == "all_gather_matmul" else world_size * m
-    out_rows = world_size * m if op != "matmul_reduce_scatter" else m
-    a = torch.randn(rows, k, generator=gen)
-    w = torch.randn(n, k, generator=gen)  # a weight [n, k], passed as w.t() the way Megatron does
-    g = torch.randn(out_rows, n, generator=gen)
-    return a, w, g
+    """This rank's ``(a, w, grad_out)`` of the op table's inputs for `shape`, the weight ``w`` ``[n, k]``
+    (passed as ``w.t()``, the way Megatron does)."""
+    problem = Problem(op, *shape, backward=True)
+    inputs = problem.inputs(world_size, SeededDraw(seed, rank, "cpu", torch.float32))
+    a, b = inputs.leaves
+    return a, b.t().contiguous(), inputs.grad_out
 
 
 def _step(fn, a0, w0, g, **kwargs):
@@ -151,7 +150,11 @@ def soak_case(
     iters, shape = (cfg.fused_iters, cfg.fused_shape) if fused else (cfg.iters, cfg.shape)
     warmup = cfg.warmup or max(5, iters // 20)
     every = max(1, iters // 10)
-    fn = getattr(overlap, op)
+    spec = op_spec(op)
+
+    def fn(a, b, group=None, **kwargs):  # the op table's call of `op`
+        return spec.call(overlap.ops.function, OpInputs((a, b), None), group, **kwargs)
+
     plan = overlap.Plan(strategy, **fields)
     a0, w0, g = _inputs(op, shape, world_size, rank, cfg.seed)
     samples = [("start", 0, sample(pids, group))]

@@ -245,10 +245,10 @@ def test_bench_json_folder_missing_exits_2(tmp_path):
 _WRONG_SYMM = """
     import sys
     import torch.distributed as dist
-    from overlap.benchmarks import workloads
     from overlap.cli import main
+    from overlap.ops import all_gather_matmul as module
 
-    right = workloads.all_gather_matmul
+    right = module.all_gather_matmul
 
     def wrong(a, b, *args, strategy="auto", **kwargs):
         out = right(a, b, *args, strategy=strategy, **kwargs)
@@ -257,7 +257,7 @@ _WRONG_SYMM = """
             out[0, 0] += 1.0
         return out
 
-    workloads.all_gather_matmul = wrong  # where the benchmark's workloads look the op up
+    module.all_gather_matmul = wrong  # where the benchmark's calls look the op up (overlap.ops.function)
     sys.exit(main(["bench", "--op", "all_gather_matmul", "--mode", "fwd", "--shape", "16x8x8",
                    "--strategies", "reference,symm,pipelined", "--warmup", "0", "--iters", "2", "--timeout", "30"]))
 """
@@ -402,7 +402,9 @@ _WRONG_MOE = """
             y = y + 1e-3  # a wrong output, on one rank only: every rank must still agree not to time it
         return y
 
-    overlap.moe.dispatch_grouped_matmul, overlap.moe.grouped_matmul_combine = wrong_dispatch, wrong_combine
+    # where the benchmark's calls look the ops up (overlap.ops.function)
+    overlap.ops.moe_dispatch.dispatch_grouped_matmul = wrong_dispatch
+    overlap.ops.moe_combine.grouped_matmul_combine = wrong_combine
     sys.exit(main(["bench", "--op", "moe", "--mode", "fwd+bwd", "--shape", "16,8,12,4,2",
                    "--strategies", "reference,pipelined,symm", "--warmup", "0", "--iters", "2", "--timeout", "30"]))
 """

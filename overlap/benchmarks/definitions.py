@@ -97,27 +97,30 @@ from typing import Any
 
 import torch
 
-from ..plans import STRATEGIES
+from ..plans import OPS as OP_TABLE
+from ..plans import STRATEGIES, Problem, ops_of
 from .models import LAYERS, TP_PRESETS
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-#: the tensor-parallel ops, each benchmarked as ``overlap.<op>`` at a shape ``m x k x n`` (`Case`)
-#: (bench/soak.py runs these too, by that name)
-OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+#: the tensor-parallel ops of the op table, each benchmarked as ``overlap.<op>`` at a shape ``m x k x n``
+#: (`Case`; bench/soak.py runs these too, by that name)
+OPS = ops_of("tp")
 
 #: the MoE layer (`MoECase`): ``overlap.moe.dispatch_grouped_matmul``, gelu, ``grouped_matmul_combine``
-MOE_OPS = ("moe",)
+MOE_OPS = ops_of("moe")
 
-#: every op the runner knows how to benchmark
-BENCH_OPS = OPS + MOE_OPS
+#: every op the runner knows how to benchmark: every op of the table
+BENCH_OPS = tuple(OP_TABLE)
 
 #: ``fwd``: the forward alone; ``fwd+bwd``: forward, then backward of the fresh output
 MODES = ("fwd", "fwd+bwd")
 
 #: strategy labels beyond `plan.STRATEGIES`, per op: label -> (strategy, fields of its `overlap.Plan`)
+#: (an op's `OpSpec.variants`: ``matmul_all_reduce``'s ``one_shot``)
 VARIANTS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
-    "matmul_all_reduce": {f"{s}+one_shot": (s, {"one_shot": True}) for s in STRATEGIES if s != "reference"},
+    name: {f"{s}+{v}": (s, {v: True}) for v in spec.variants for s in STRATEGIES if s != "reference"}
+    for name, spec in OP_TABLE.items() if spec.variants
 }
 
 #: the Triton interpreter runs a GEMM tile by tile in numpy: only tiny shapes finish in time
@@ -207,20 +210,18 @@ class Case(_CaseNames):
         dims = f"{self.m}x{self.k}x{self.n}"
         return f"{self.preset}/{self.layer}:{dims}" if self.preset else dims
 
+    @property
+    def problem(self) -> Problem:
+        """The case as the op table's `Problem` (its inputs, FLOPs and bytes are the table entry's)."""
+        return Problem(self.op, self.m, self.k, self.n, self.dtype, self.backward)
+
     def flops(self, world_size: int) -> int:
         """Floating-point operations of one call on one rank: ``2*W*m*k*n`` per GEMM, 3 GEMMs in fwd+bwd."""
-        return (3 if self.backward else 1) * 2 * world_size * self.m * self.k * self.n
+        return self.problem.spec.flops(self.problem, world_size)
 
     def comm_bytes(self, world_size: int) -> int:
         """Bytes one rank receives in one call's plain collectives (see the module docstring)."""
-        per_rank = (world_size - 1) * self.m
-        if self.op == "all_gather_matmul":
-            elements = per_rank * self.k * (3 if self.backward else 1)
-        elif self.op == "matmul_reduce_scatter":
-            elements = per_rank * self.n * (2 if self.backward else 1)
-        else:
-            elements = 2 * per_rank * self.n
-        return elements * self.torch_dtype.itemsize
+        return self.problem.spec.comm_bytes(self.problem, world_size)
 
     @property
     def fits_interpreted_fused(self) -> bool:
@@ -307,11 +308,16 @@ class MoECase(_CaseNames):
     def shape(self) -> str:
         return f"{self.preset}:{self.dims.spec}" if self.preset else self.dims.spec
 
+    @property
+    def problem(self) -> Problem:
+        """The case as the op table's `Problem` (``m, k, n`` = tokens, hidden, FFN)."""
+        d = self.dims
+        return Problem(self.op, d.tokens, d.hidden, d.ffn, self.dtype, self.backward, d.experts, d.top_k)
+
     def flops(self, world_size: int) -> int:
         """Mean floating-point operations of one call per rank (the module docstring): ``4*T*K*H*F``
         forward, three times that in fwd+bwd; the mean does not depend on the routing."""
-        m = self.dims
-        return (3 if self.backward else 1) * 4 * m.tokens * m.top_k * m.hidden * m.ffn
+        return self.problem.spec.flops(self.problem, world_size)
 
     @property
     def fits_interpreted_fused(self) -> bool:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from ..plans import OPS
+
 #: times spanning more than this factor get a log axis
 LOG_SPAN = 20.0
 #: efficiencies below are clipped to it (and labelled)
@@ -40,8 +42,7 @@ def require_matplotlib() -> None:
 def _case_label(case: str) -> str:
     """``op shape dtype mode`` on two lines, the op shortened."""
     op, shape, dtype, mode = case.split(" ")
-    short = {"all_gather_matmul": "AG+MM", "matmul_reduce_scatter": "MM+RS", "matmul_all_reduce": "MM+AR"}
-    return f"{short.get(op, op)} {shape}\n{dtype} {mode}"
+    return f"{OPS[op].label if op in OPS else op} {shape}\n{dtype} {mode}"
 
 
 def plot(payload: dict[str, Any], path: str) -> None:

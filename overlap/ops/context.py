@@ -21,7 +21,7 @@ import torch
 
 from .. import comm, envs, symm, world
 from ..errors import OverlapMismatchError, OverlapTimeout, warn_once
-from ..plans import Plan, Problem
+from ..plans import Plan, Problem, op_spec
 from ..plans.auto import as_plan, check_plan_fits, plan_source, resolve_auto
 from .fused import check_fused_available
 
@@ -194,8 +194,8 @@ def prepare(op: str, a: Any, b: Any, group, strategy: str, plan, timeout: float 
 
 def tp_problem(op: str, rows: int, a: torch.Tensor, b: torch.Tensor, world_size: int) -> Problem | None:
     """The `overlap.plans.Problem` of a TP call (plan files are keyed by it), None where it has none."""
-    m = rows if op == "all_gather_matmul" else rows // world_size
-    if m < 1 or (op != "all_gather_matmul" and rows % world_size):
+    m = op_spec(op).rows_per_rank(rows, world_size)
+    if m is None:
         return None
     backward = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
     try:

@@ -1,8 +1,10 @@
 """The plans layer: how a call runs, what it costs, and what was tuned.
 
 * `Plan` (`plan`): strategy, chunks per link class, tiles, variants; part of every call signature.
-* the cost model (`costmodel`): `Profile` of a machine, `Topology` of a group, `Problem` of a call,
-  `predict`, `candidates`, `rank_candidates`, `default_profile`;
+* the op table (`optable`): one `OpSpec` per op (`OPS`, `op_spec`): family, rows, FLOPs, bytes per link,
+  chunked links, cost, inputs for a shape, oracle, plain collectives, the call; `Problem` of a call;
+* the cost model (`costmodel`): `Profile` of a machine, `Topology` of a group, `predict`, `candidates`,
+  `rank_candidates`, `default_profile`;
 * plan files (`planfile`): `PlanFile`, what `overlap tune` chose per topology;
 * ``strategy="auto"`` (`auto`): a plan file's entry, the model's choice, or the default heuristic.
 """
@@ -16,7 +18,6 @@ from .costmodel import (
     GemmFit,
     LinkFit,
     Prediction,
-    Problem,
     Profile,
     Topology,
     candidates,
@@ -25,6 +26,8 @@ from .costmodel import (
     rank_candidates,
     topology_of,
 )
+from .opdata import Expected, OpInputs, Plain, SeededDraw
+from .optable import OPS, OpSpec, Problem, op_spec, ops_of
 from .plan import DEFAULT_CHUNKS, STRATEGIES, Plan
 from .planfile import PLAN_FILE_VERSION, Entry, PlanFile
 
@@ -32,20 +35,28 @@ __all__ = [
     "CHUNK_CHOICES",
     "DEFAULT_CHUNKS",
     "MODEL_OPS",
+    "OPS",
     "PLAN_FILE_VERSION",
     "PROFILE_VERSION",
     "STRATEGIES",
     "Entry",
+    "Expected",
     "GemmFit",
     "LinkFit",
+    "OpInputs",
+    "OpSpec",
     "Plan",
+    "Plain",
     "PlanFile",
     "Prediction",
     "Problem",
     "Profile",
+    "SeededDraw",
     "Topology",
     "candidates",
     "default_profile",
+    "op_spec",
+    "ops_of",
     "predict",
     "rank_candidates",
     "topology_of",

@@ -17,9 +17,9 @@ Default heuristic (`resolve_auto`, where no plan file covers a call):
 * GPU ranks of one node: ``fused`` for fp16/bf16 with at least 128 rows per rank, else ``symm``;
   ``pipelined`` (with a warning, once) where GPU symmetric memory is unavailable (``overlap._C``
   built without CUDA, or a torch without ``_symmetric_memory``);
-* ``matmul_all_reduce``: the one-shot variant (every rank sums every rank's whole partial) for
-  outputs up to `ONE_SHOT_MAX_BYTES` or fewer than ``2 * world_size`` rows, else two-shot
-  (reduce-scatter, then all-gather).
+* ops with the ``one_shot`` variant (`OpSpec.variants`: ``matmul_all_reduce``): one-shot (every rank
+  sums every rank's whole partial) for outputs up to `ONE_SHOT_MAX_BYTES` or fewer than
+  ``2 * world_size`` rows, else two-shot (reduce-scatter, then all-gather).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from collections.abc import Mapping
 from .. import envs
 from ..errors import warn_once
 from ..world import GroupInfo
-from .costmodel import Problem, rank_candidates, topology_of
+from .costmodel import rank_candidates, topology_of
+from .optable import OPS, Problem
 from .plan import Plan
 from .planfile import PlanFile, load_cached
 
@@ -106,7 +107,7 @@ def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int | 
         plan = Plan("fused")
     else:
         plan = Plan("symm")
-    if op == "matmul_all_reduce" and plan.strategy != "reference":
+    if _takes_one_shot(op) and plan.strategy != "reference":
         one_shot = out_bytes <= ONE_SHOT_MAX_BYTES or rows_per_rank < 2 * info.world_size
         plan = dataclasses.replace(plan, one_shot=one_shot)
     _log_once(op, signature, plan, "default heuristic")
@@ -145,6 +146,10 @@ def _log_once(op: str, signature: str, plan: Plan, how: str) -> None:
         log.info("overlap.%s: auto chose %s for %s (%s)", op, plan.describe(), signature, how)
 
 
+def _takes_one_shot(op: str) -> bool:
+    return op in OPS and "one_shot" in OPS[op].variants
+
+
 def gpu_symmetric_memory() -> bool:
     """Whether `symm`/`fused` can run on GPUs here: `_C`'s CUDA half and torch's symmetric memory."""
     try:
@@ -158,8 +163,9 @@ def gpu_symmetric_memory() -> bool:
 
 def check_plan_fits(op: str, plan: Plan, info: GroupInfo) -> None:
     """Raise ValueError where a forced strategy cannot run on this group, or a flag does not apply."""
-    if plan.one_shot and op != "matmul_all_reduce":
-        raise ValueError(f"overlap.{op}: plan.one_shot applies only to matmul_all_reduce, got {plan.describe()}")
+    if plan.one_shot and not _takes_one_shot(op):
+        takers = ", ".join(name for name in OPS if _takes_one_shot(name))
+        raise ValueError(f"overlap.{op}: plan.one_shot applies only to {takers}, got {plan.describe()}")
     if plan.strategy in ("symm", "fused") and not info.single_node:
         raise ValueError(
             f"overlap.{op}: strategy {plan.strategy!r} needs the ranks of one node, but this group spans "

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 from ..symm import MAX_FLAGS
 from ..world import LINK_CLASSES, GroupInfo
+from .optable import ITEMSIZE, OPS, Problem, op_spec
 from .plan import Plan
 
 # ----------------------------------------------------------------------------------------------
@@ -98,9 +99,8 @@ class Profile:
 # Cost model: what a call costs on a topology, per plan (`predict`), and the plans worth trying
 # ----------------------------------------------------------------------------------------------
 
-#: the ops the cost model knows (``moe``: dispatch + grouped GEMMs + combine, as `benchmarks.cases`)
-MODEL_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "moe")
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+#: the ops the cost model knows: every op of the table (`optable.OPS`)
+MODEL_OPS = tuple(OPS)
 #: chunk counts per link class that `candidates` tries
 CHUNK_CHOICES = (1, 2, 4, 8)
 
@@ -151,38 +151,6 @@ def topology_of(info: GroupInfo) -> Topology:
     per_node = collections.Counter(info.nodes)
     return Topology(device="cuda" if info.device.type == "cuda" else "cpu", world_size=info.world_size,
                     num_nodes=len(per_node), ranks_per_node=tuple(per_node.values()), links=tuple(peers.items()))
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """One call's problem. Tensor-parallel ops: the per-rank ``m x k x n`` of `overlap.benchmarks.cases`
-    (every rank's GEMM is ``[W*m, k] @ [k, n]``). ``moe``: ``m`` tokens per rank, hidden ``k``, expert
-    FFN ``n``, `experts` in all, `top_k` per token (0 for the other ops). `backward`: forward plus
-    backward. Raises ValueError for an unknown op or dtype or a count out of range."""
-
-    op: str
-    m: int
-    k: int
-    n: int
-    dtype: str = "float32"
-    backward: bool = False
-    experts: int = 0
-    top_k: int = 0
-
-    def __post_init__(self) -> None:
-        dims, moe = {f: getattr(self, f) for f in ("m", "k", "n", "experts", "top_k")}, self.op == "moe"
-        if self.op not in MODEL_OPS or self.dtype not in ITEMSIZE or not isinstance(self.backward, bool) \
-                or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in dims.values()) \
-                or min(self.m, self.k, self.n) < 1 \
-                or (not 1 <= self.top_k <= self.experts if moe else self.top_k or self.experts):
-            raise ValueError(f"Problem: op in {MODEL_OPS}, dtype in {tuple(ITEMSIZE)}, m, k, n ints >= 1, backward "
-                             f"a bool, experts >= top_k >= 1 for moe: got {self}")
-
-    @property
-    def key(self) -> str:
-        """Canonical text, e.g. ``matmul_all_reduce:64x1024x512:bfloat16:fwd`` (plan files' entry key)."""
-        moe = f":experts={self.experts}:top_k={self.top_k}" if self.op == "moe" else ""
-        return f"{self.op}:{self.m}x{self.k}x{self.n}:{self.dtype}:{'fwd+bwd' if self.backward else 'fwd'}{moe}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,7 +244,19 @@ class _Model:
         self.comm += sum(c * t for c, _, t in stages)
         self.compute += sum(c * g for c, g, _ in stages)
 
-    # ---- ops -----------------------------------------------------------------------------------
+    def weight_gradient(self, m: int, k: int, n: int) -> float:
+        """A weight gradient: one GEMM over every row (``2*W*m*k*n`` flops)."""
+        return self.gemm(2 * self.W * m * k * n) + self.launch
+
+    def gather_again(self, m: int, k: int) -> float:
+        """A backward's re-gather of ``[m, k]`` per rank, posted first: a ring (reference) or pairwise pulls
+        chunked per peer link."""
+        nbytes = m * k * self.size
+        if self.plan.strategy == "reference":
+            return self.ring(self.W - 1, nbytes)
+        return sum(c * self.msgs(link, nbytes, min(self.plan.chunks_for(link), m)) for link, c in self.peers)
+
+    # ---- the pipelines an op's cost (`optable.OpSpec.cost`) is made of -----------------------------
     def ag_mm(self, m: int, k: int, n: int) -> None:
         """``all_gather(a) @ b``: pairwise pulls per peer link, chunked for it; our own block first."""
         if self.plan.strategy == "reference":
@@ -369,7 +349,7 @@ def predict(problem: Problem, plan: Plan, topology: Topology, profile: Profile) 
       all-to-all is pairwise.
     * overlapped strategies: a pipeline of stages, each a transfer and the GEMM that consumes (gather,
       dispatch) or produces (scatter, combine) it: fill (the first transfer before its GEMM, unless a
-      local GEMM hides it), stages of max(transfer, GEMM) with interference (`_makespan`: a GEMM beside a
+      local GEMM hides it), stages of max(transfer, GEMM) with interference (`pipeline_makespan`: a GEMM beside a
       transfer is ``gemm_slowdown`` x slower, a transfer ``comm_slowdown`` x), drain (the last GEMM's
       transfer). Pairwise transfers are chunked per peer link, rings and flagged reductions for the
       slowest link, as the ops do; backward follows the ops' docstrings (each backward GEMM behind the
@@ -379,51 +359,23 @@ def predict(problem: Problem, plan: Plan, topology: Topology, profile: Profile) 
 
     `symm`/`fused` across nodes and `fused` on CPU ranks (interpreted) predict ``inf``. Raises ValueError
     where `profile` lacks a link class of `topology` or the dtype's GEMM fit (and float32's), where
-    ``one_shot`` is set for another op than matmul_all_reduce, or the experts do not divide by the ranks.
+    ``one_shot`` is set for an op without that variant (`OpSpec.variants`), or the experts do not divide by
+    the ranks. Each op's schedule is its table entry's `OpSpec.cost` (`optable`).
     """
-    W, op = topology.world_size, problem.op
-    if plan.one_shot and op != "matmul_all_reduce":
-        raise ValueError(f"predict: plan.one_shot applies only to matmul_all_reduce, got {op}")
-    if op == "moe" and problem.experts % W:
+    W, spec = topology.world_size, op_spec(problem.op)
+    if plan.one_shot and "one_shot" not in spec.variants:
+        takers = [name for name, s in OPS.items() if "one_shot" in s.variants]
+        raise ValueError(f"predict: plan.one_shot applies only to {', '.join(takers)}, got {problem.op}")
+    if spec.family == "moe" and problem.experts % W:
         raise ValueError(f"predict: {problem.experts} experts do not divide over {W} ranks")
     if plan.strategy in ("symm", "fused") and topology.num_nodes > 1:
         return Prediction(math.inf, math.inf, math.inf, f"{plan.describe()}: needs the ranks of one node")
     if plan.strategy == "fused" and topology.device == "cpu":
         return Prediction(math.inf, math.inf, math.inf, f"{plan.describe()}: interpreted on CPU ranks")
     x = _Model(problem, plan, topology, profile)
-    m, k, n, size = problem.m, problem.k, problem.n, x.size
-    wgrad = x.gemm(2 * W * m * k * n) + x.launch  # a weight gradient: one GEMM over every row
-    if op == "all_gather_matmul":
-        x.ag_mm(m, k, n)
-        if problem.backward:  # re-gather a (posted first) beside grad_a = matmul_reduce_scatter, then grad_b
-            lead = x.ring(W - 1, m * k * size) if plan.strategy == "reference" else \
-                sum(c * x.msgs(link, m * k * size, min(plan.chunks_for(link), m)) for link, c in x.peers)
-            x.mm_rs(m, n, k, lead=lead)
-            x.serial(gemm=wgrad)
-    elif op == "matmul_reduce_scatter":
-        x.mm_rs(m, k, n)
-        if problem.backward:  # grad_a = all_gather_matmul(grad_out, b.T), then grad_b over the same rows
-            x.ag_mm(m, n, k)
-            x.serial(gemm=wgrad)
-    elif op == "matmul_all_reduce":
-        x.mm_ar(m, k, n)
-        if problem.backward:  # the gradient passes through: two local GEMMs
-            x.serial(gemm=2 * wgrad)
-    else:
-        x.moe(problem)
+    spec.cost(x, problem)
     return Prediction(x.total, x.comm, x.compute, f"{plan.describe()}: comm {x.comm * 1e3:.4g} ms, GEMMs "
                       f"{x.compute * 1e3:.4g} ms, total {x.total * 1e3:.4g} ms")
-
-
-def _chunked_links(problem: Problem, strategy: str, topology: Topology) -> tuple[str, ...]:
-    """The link classes whose chunk counts `strategy` reads for `problem` (forward and backward)."""
-    op, bwd = problem.op, problem.backward
-    if strategy == "reference" or (op == "moe" and strategy != "pipelined"):
-        return ()  # moe symm/fused: one chunk per expert group
-    if (strategy == "pipelined" and op != "matmul_all_reduce") or (op == "all_gather_matmul" and (
-            strategy == "symm" or bwd)) or (op == "matmul_reduce_scatter" and strategy == "symm" and bwd):
-        return tuple(c for c, _ in topology.links)  # pairwise: each peer's link
-    return () if op == "all_gather_matmul" else (topology.slowest_link,)  # fused gather: one flag per rank
 
 
 def candidates(problem: Problem, topology: Topology, device_type: str | None = None) -> list[Plan]:
@@ -431,21 +383,21 @@ def candidates(problem: Problem, topology: Topology, device_type: str | None = N
 
     ``reference`` always; ``pipelined``; ``symm`` on one node; ``fused`` on one node of GPUs. Each with
     `CHUNK_CHOICES` per link class it chunks for (beyond two classes: the slowest link's count times
-    one count shared by the others, so the list stays under ~60), and for ``matmul_all_reduce`` both
-    variants (two-shot, one-shot). One rank: ``reference`` alone.
+    one count shared by the others, so the list stays under ~60), and for an op with the ``one_shot``
+    variant (`OpSpec.variants`) both variants (two-shot, one-shot). One rank: ``reference`` alone.
     """
-    device = (device_type or topology.device).split(":")[0]
+    device, spec = (device_type or topology.device).split(":")[0], op_spec(problem.op)
     if topology.world_size == 1:
         return [Plan("reference")]
     strategies = ["pipelined"] + (["symm"] + (["fused"] if device != "cpu" else []) if topology.num_nodes == 1 else [])
     plans = [Plan("reference")]
     for strategy in strategies:
-        links = _chunked_links(problem, strategy, topology)
+        links = spec.chunked(strategy, problem.backward, topology)
         if len(links) > 2:
             counts = [(o,) * (len(links) - 1) + (s,) for o in CHUNK_CHOICES for s in CHUNK_CHOICES]
         else:
             counts = list(itertools.product(CHUNK_CHOICES, repeat=len(links)))
-        for one_shot in (False, True) if problem.op == "matmul_all_reduce" else (False,):
+        for one_shot in (False, True) if "one_shot" in spec.variants else (False,):
             plans += [Plan(strategy, tuple(zip(links, c)), one_shot=one_shot) for c in counts]
     return plans
 

@@ -22,9 +22,9 @@ import dataclasses
 import sys
 import time
 
-from ..plans import Problem
+from ..plans import OPS, Problem, ops_of
 
-TP_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+TP_OPS = ops_of("tp")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -40,20 +40,21 @@ def parse_shape(text: str, backward_default: bool) -> Problem:
     parts = text.split(":")
     op = parts[0]
     try:
-        if op == "moe":
+        family = OPS[op].family if op in OPS else None
+        if family == "moe":
             if len(parts) < 4:
-                raise ValueError("moe needs moe:TxHxF:EXPERTS:TOPK")
+                raise ValueError(f"{op} needs {op}:TxHxF:EXPERTS:TOPK")
             t, h, f = _dims(parts[1])
             experts, top_k = int(parts[2]), int(parts[3])
             rest = parts[4:]
-        elif op in TP_OPS:
+        elif family == "tp":
             if len(parts) < 2:
                 raise ValueError(f"{op} needs {op}:MxKxN")
             t, h, f = _dims(parts[1])
             experts = top_k = 0
             rest = parts[2:]
         else:
-            raise ValueError(f"unknown op {op!r}; known: {(*TP_OPS, 'moe')}")
+            raise ValueError(f"unknown op {op!r}; known: {tuple(OPS)}")
         dtype, backward = "float32", backward_default
         for word in rest:
             if word in DTYPES:

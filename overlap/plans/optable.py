@@ -1,0 +1,167 @@
+"""The op table: what each op is, for everything that reasons about ops without being one.
+
+One `OpSpec` per op in `OPS`: its family (``tp`` or ``moe``), the rows of a rank's input and output,
+its FLOPs and the bytes its plain collectives move per link class, which links each strategy chunks
+for, its cost (driving the cost model's pipelines), how to build one rank's inputs for a shape, the
+oracle of its results and its plain collectives alone, and the call itself. The cost model
+(`costmodel`), ``strategy="auto"``'s problem (`overlap.ops.context`), the tuner, the benchmark cases,
+the benchmark's workloads and ``bench/soak.py`` read this table; none of them switches on op names.
+
+Adding an op: its module in ``overlap/ops/``, its kernel and launcher, one entry here (its functions
+beside the others of its family: `tp_ops`, `moe_op`), the package's exports, its tests and docs.
+
+A `Problem` is one call's shape as the table describes it (the key of plan files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from . import moe_op, tp_ops
+from .opdata import DTYPES, Expected, OpInputs, Plain, SeededDraw
+
+FAMILIES = ("tp", "moe")
+#: bytes per element of every dtype a problem may have
+ITEMSIZE = {name: dtype.itemsize for name, dtype in DTYPES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """One op of the table. The functions take a `Problem` ``p`` and the world size ``W`` where they need it.
+
+    in_rows / out_rows: ``(m, W) -> rows`` of a rank's input and output.
+    flops: ``(p, W) -> FLOPs`` of one call on one rank (forward, or forward and backward).
+    bytes_per_peer: ``(p, W) -> bytes`` one rank receives from each peer in the op's plain collectives.
+    chunked: ``(strategy, backward, topology) -> link classes`` whose chunk counts the strategy reads.
+    cost: ``(model, p)``: adds one call to the cost model's schedule (`costmodel.predict`).
+    inputs: ``(p, W, draw) -> OpInputs`` of the rank `draw` is for (`opdata.SeededDraw`).
+    oracle: ``(p, every rank's OpInputs, rank) -> [Expected]``: this rank's results, computed locally.
+    plain: ``(p, every, rank, group, info, timeout, comm_bytes) -> Plain``: collectives and GEMMs alone.
+    call: ``(lookup, inputs, group, **kwargs) -> out``; ``lookup("module.function")`` returns the public
+        function of ``overlap.ops`` (`overlap.ops.function`), looked up at call time.
+    variants: `Plan` flags beyond the strategy that apply (``one_shot``).
+    label: a short name for plots.
+    """
+
+    name: str
+    family: str
+    label: str
+    in_rows: Callable[[int, int], int]
+    out_rows: Callable[[int, int], int]
+    flops: Callable[..., int]
+    bytes_per_peer: Callable[..., float]
+    chunked: Callable[..., tuple[str, ...]]
+    cost: Callable[..., None]
+    inputs: Callable[..., OpInputs]
+    oracle: Callable[..., list[Expected]]
+    plain: Callable[..., Plain]
+    call: Callable[..., torch.Tensor]
+    variants: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        assert self.family in FAMILIES, self
+
+    def rows_per_rank(self, rows: int, world_size: int) -> int | None:
+        """The ``m`` of a call whose input has `rows` rows, None where no ``m`` gives that many."""
+        per_m = self.in_rows(1, world_size)
+        return rows // per_m if rows >= per_m and rows % per_m == 0 else None
+
+    def comm_bytes(self, p: Problem, world_size: int) -> int:
+        """Bytes one rank receives in one call's plain collectives."""
+        return int((world_size - 1) * self.bytes_per_peer(p, world_size))
+
+    def bytes_per_link(self, p: Problem, topology) -> dict[str, int]:
+        """`comm_bytes` per link class of `topology` (from each peer over the link to it)."""
+        per_peer = self.bytes_per_peer(p, topology.world_size)
+        return {link: int(count * per_peer) for link, count in topology.links}
+
+
+def _tp(name: str, label: str, in_rows, out_rows, reduction, per_peer_elements, variants=(), replicated=False):
+    fns = {kind: getattr(tp_ops, f"{kind}_{name}") for kind in ("chunked", "cost", "oracle", "plain")}
+    return OpSpec(
+        name, "tp", label, in_rows, out_rows,
+        flops=lambda p, W: (3 if p.backward else 1) * 2 * W * p.m * p.k * p.n,
+        bytes_per_peer=lambda p, W: per_peer_elements(p) * ITEMSIZE[p.dtype],
+        inputs=tp_ops.tp_inputs(in_rows, out_rows, reduction, replicated),
+        call=tp_ops.tp_call(f"{name}.{name}"), variants=variants, **fns)
+
+
+def _moe_bytes_per_peer(p, W: int) -> float:
+    """Uniform routing: ``T*K/W`` rows of ``H`` to and from every peer (the backward twice that)."""
+    return (4 if p.backward else 2) * p.m * p.top_k / W * p.k * ITEMSIZE[p.dtype]
+
+
+#: every op, by name
+OPS: dict[str, OpSpec] = {s.name: s for s in (
+    _tp("all_gather_matmul", "AG+MM", in_rows=lambda m, W: m, out_rows=lambda m, W: W * m,
+        reduction=lambda k, W: k, per_peer_elements=lambda p: p.m * p.k * (3 if p.backward else 1)),
+    _tp("matmul_reduce_scatter", "MM+RS", in_rows=lambda m, W: W * m, out_rows=lambda m, W: m,
+        reduction=lambda k, W: W * k, per_peer_elements=lambda p: p.m * p.n * (2 if p.backward else 1)),
+    _tp("matmul_all_reduce", "MM+AR", in_rows=lambda m, W: W * m, out_rows=lambda m, W: W * m,
+        reduction=lambda k, W: W * k, per_peer_elements=lambda p: 2 * p.m * p.n, variants=("one_shot",),
+        replicated=True),
+    OpSpec("moe", "moe", "moe", in_rows=lambda m, W: m, out_rows=lambda m, W: m,
+           flops=lambda p, W: (3 if p.backward else 1) * 4 * p.m * p.top_k * p.k * p.n,
+           bytes_per_peer=_moe_bytes_per_peer, chunked=moe_op.chunked, cost=moe_op.cost, inputs=moe_op.inputs,
+           oracle=moe_op.oracle, plain=moe_op.plain, call=moe_op.call),
+)}
+
+
+def op_spec(name: str) -> OpSpec:
+    """The table's entry of op `name`; raises ValueError for an op it does not know."""
+    if name not in OPS:
+        raise ValueError(f"unknown op {name!r}; known: {tuple(OPS)}")
+    return OPS[name]
+
+
+def ops_of(family: str) -> tuple[str, ...]:
+    """The names of the ops of `family` (``tp`` or ``moe``), in table order."""
+    return tuple(name for name, spec in OPS.items() if spec.family == family)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One call's problem. Tensor-parallel ops: the per-rank ``m x k x n`` (every rank's GEMM is
+    ``[W*m, k] @ [k, n]``; `tp_ops`). ``moe``: ``m`` tokens per rank, hidden ``k``, expert FFN ``n``,
+    `experts` in all, `top_k` per token (0 for the other ops). `backward`: forward plus backward.
+    Raises ValueError for an unknown op or dtype or a count out of range."""
+
+    op: str
+    m: int
+    k: int
+    n: int
+    dtype: str = "float32"
+    backward: bool = False
+    experts: int = 0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        dims = {f: getattr(self, f) for f in ("m", "k", "n", "experts", "top_k")}
+        moe = self.op in OPS and OPS[self.op].family == "moe"
+        if self.op not in OPS or self.dtype not in ITEMSIZE or not isinstance(self.backward, bool) \
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in dims.values()) \
+                or min(self.m, self.k, self.n) < 1 \
+                or (not 1 <= self.top_k <= self.experts if moe else self.top_k or self.experts):
+            raise ValueError(f"Problem: op in {tuple(OPS)}, dtype in {tuple(ITEMSIZE)}, m, k, n ints >= 1, "
+                             f"backward a bool, experts >= top_k >= 1 for moe: got {self}")
+
+    @property
+    def spec(self) -> OpSpec:
+        return OPS[self.op]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def key(self) -> str:
+        """Canonical text, e.g. ``matmul_all_reduce:64x1024x512:bfloat16:fwd`` (plan files' entry key)."""
+        moe = f":experts={self.experts}:top_k={self.top_k}" if self.spec.family == "moe" else ""
+        return f"{self.op}:{self.m}x{self.k}x{self.n}:{self.dtype}:{'fwd+bwd' if self.backward else 'fwd'}{moe}"
+
+    def inputs(self, world_size: int, draw: SeededDraw) -> OpInputs:
+        """The inputs of the rank `draw` is for (`OpSpec.inputs`)."""
+        return self.spec.inputs(self, world_size, draw)

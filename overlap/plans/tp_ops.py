@@ -1,0 +1,224 @@
+"""The tensor-parallel ops as the op table (`optable`) describes them: cost, chunked links, inputs, oracle,
+plain collectives. One function of each kind per op; `optable` assembles them into entries.
+
+Shapes are a `Problem`'s ``m x k x n``: every rank's GEMM is ``[W*m, k] @ [k, n]``.
+
+* ``all_gather_matmul``: ``a`` ``[m, k]`` per rank (sharded on rows), ``b`` ``[k, n]``, out ``[W*m, n]``;
+* ``matmul_reduce_scatter``: ``a`` ``[W*m, k]``, ``b`` ``[k, n]`` (the rank's slice of the reduction), out
+  ``[m, n]``: this rank's rows of the sum over ranks;
+* ``matmul_all_reduce``: as matmul_reduce_scatter, out ``[W*m, n]``: the whole sum, replicated.
+
+Inputs (`inputs`): ``a`` standard normal; ``b`` standard normal scaled by ``1/sqrt(reduction length)`` like
+an initialized weight (``k`` for all_gather_matmul, ``W*k`` for the row-parallel ops), so outputs are of
+order 1 whatever the shape; ``grad_out`` standard normal (the same on every rank for matmul_all_reduce,
+whose output and loss are replicated). The oracle (`oracle_*`) computes this rank's results from every
+rank's inputs, sums over ranks in fp32. "Alone" (`plain_*`): the op's plain collectives on tensors of
+their size (``fwd+bwd``: every collective of the unfused forward and backward, back to back) and its
+GEMMs with the operand layouts the backward uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from .opdata import Expected, OpInputs, Plain, SeededDraw, fp32_sum
+
+# ----------------------------------------------------------------------------------------------
+# Which links a strategy chunks for (`Plan.num_chunks` entries it reads), forward and backward
+# ----------------------------------------------------------------------------------------------
+
+
+def _pairwise(topology) -> tuple[str, ...]:
+    return tuple(c for c, _ in topology.links)  # each peer's transfer chunked for the link to it
+
+
+def chunked_all_gather_matmul(strategy: str, backward: bool, topology) -> tuple[str, ...]:
+    if strategy == "reference":
+        return ()
+    # fused forward: one flag per rank (its backward's reduce-scatter reads pairwise chunks)
+    return _pairwise(topology) if strategy in ("pipelined", "symm") or backward else ()
+
+
+def chunked_matmul_reduce_scatter(strategy: str, backward: bool, topology) -> tuple[str, ...]:
+    if strategy == "reference":
+        return ()
+    if strategy == "pipelined" or (strategy == "symm" and backward):  # the backward's gather is pairwise
+        return _pairwise(topology)
+    return (topology.slowest_link,)  # flagged chunks of one reduction
+
+
+def chunked_matmul_all_reduce(strategy: str, backward: bool, topology) -> tuple[str, ...]:
+    return () if strategy == "reference" else (topology.slowest_link,)
+
+
+# ----------------------------------------------------------------------------------------------
+# Costs: each drives the cost model's pipelines (`costmodel._Model`) for one call
+# ----------------------------------------------------------------------------------------------
+
+
+def cost_all_gather_matmul(x, p) -> None:
+    x.ag_mm(p.m, p.k, p.n)
+    if p.backward:  # re-gather a (posted first) beside grad_a = matmul_reduce_scatter, then grad_b
+        x.mm_rs(p.m, p.n, p.k, lead=x.gather_again(p.m, p.k))
+        x.serial(gemm=x.weight_gradient(p.m, p.k, p.n))
+
+
+def cost_matmul_reduce_scatter(x, p) -> None:
+    x.mm_rs(p.m, p.k, p.n)
+    if p.backward:  # grad_a = all_gather_matmul(grad_out, b.T), then grad_b over the same rows
+        x.ag_mm(p.m, p.n, p.k)
+        x.serial(gemm=x.weight_gradient(p.m, p.k, p.n))
+
+
+def cost_matmul_all_reduce(x, p) -> None:
+    x.mm_ar(p.m, p.k, p.n)
+    if p.backward:  # the gradient passes through: two local GEMMs
+        x.serial(gemm=2 * x.weight_gradient(p.m, p.k, p.n))
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs of one rank, and the call
+# ----------------------------------------------------------------------------------------------
+
+
+def tp_inputs(in_rows: Callable[[int, int], int], out_rows: Callable[[int, int], int],
+              reduction: Callable[[int, int], int], replicated: bool) -> Callable[..., OpInputs]:
+    """The input builder of a TP op from its row counts (``(m, W) -> rows``), its reduction length
+    (``(k, W) -> length``) and whether its output (hence its gradient) is the same on every rank."""
+
+    def inputs(p, world_size: int, draw: SeededDraw) -> OpInputs:
+        a = draw.normal("a", in_rows(p.m, world_size), p.k)
+        b = draw.normal("b", p.k, p.n, scale=reduction(p.k, world_size) ** -0.5)
+        g = draw.normal("grad_out", out_rows(p.m, world_size), p.n, shared=replicated) if p.backward else None
+        return OpInputs((a, b), g)
+
+    return inputs
+
+
+def tp_call(path: str) -> Callable[..., torch.Tensor]:
+    """The call of the TP op at `path` (``module.function`` under ``overlap.ops``): ``fn(a, b, group=, ...)``."""
+
+    def call(lookup: Callable[[str], Callable], inputs: OpInputs, group, **kwargs) -> torch.Tensor:
+        return lookup(path)(*inputs.leaves, group=group, **kwargs)
+
+    return call
+
+
+# ----------------------------------------------------------------------------------------------
+# Oracles: this rank's expected results from every rank's inputs
+# ----------------------------------------------------------------------------------------------
+
+
+def oracle_all_gather_matmul(p, every: list[OpInputs], rank: int) -> list[Expected]:
+    W, m = len(every), p.m
+    full_MK = torch.cat([e.leaves[0] for e in every])  # every rank's a: the gathered input
+    b_KN = every[rank].leaves[1]
+    expected = [Expected("out", full_MK @ b_KN, p.k)]
+    if p.backward:
+        grad_out = every[rank].grad_out
+        # grad_a = reduce_scatter(grad_out @ b.T): this rank's rows of every rank's partial.
+        parts = (e.grad_out[rank * m : (rank + 1) * m] @ e.leaves[1].t() for e in every)
+        expected.append(Expected("grad_a", fp32_sum(parts).to(full_MK.dtype), W * p.n))
+        expected.append(Expected("grad_b", full_MK.t() @ grad_out, W * m))
+    return expected
+
+
+def oracle_matmul_reduce_scatter(p, every: list[OpInputs], rank: int) -> list[Expected]:
+    W, m = len(every), p.m
+    rows = slice(rank * m, (rank + 1) * m)
+    a_MK, b_KN = every[rank].leaves
+    # out = this rank's rows of the sum of every rank's partial a_q @ b_q.
+    parts = (e.leaves[0][rows] @ e.leaves[1] for e in every)
+    expected = [Expected("out", fp32_sum(parts).to(a_MK.dtype), W * p.k)]
+    if p.backward:
+        full_grad = torch.cat([e.grad_out for e in every])  # backward all-gathers grad_out
+        expected.append(Expected("grad_a", full_grad @ b_KN.t(), p.n))
+        expected.append(Expected("grad_b", a_MK.t() @ full_grad, W * m))
+    return expected
+
+
+def oracle_matmul_all_reduce(p, every: list[OpInputs], rank: int) -> list[Expected]:
+    W = len(every)
+    a_MK, b_KN = every[rank].leaves
+    parts = (e.leaves[0] @ e.leaves[1] for e in every)
+    expected = [Expected("out", fp32_sum(parts).to(a_MK.dtype), W * p.k)]
+    if p.backward:
+        grad_out = every[rank].grad_out  # replicated output and loss: one gradient for every rank
+        expected.append(Expected("grad_a", grad_out @ b_KN.t(), p.n))
+        expected.append(Expected("grad_b", a_MK.t() @ grad_out, W * p.m))
+    return expected
+
+
+# ----------------------------------------------------------------------------------------------
+# Alone: the plain collectives and the GEMMs of one call
+# ----------------------------------------------------------------------------------------------
+
+
+def _wait(work, what: str, info, timeout: float) -> None:
+    comm.wait_work(work, f"bench {what}", info.rank, "any", "all", timeout, info.device)
+
+
+def _gemms(p, x: torch.Tensor, b: torch.Tensor, g: torch.Tensor | None) -> Callable[[], None]:
+    """``x @ b`` and, in fwd+bwd, the backward's ``g @ b.T`` and ``x.T @ g`` (``x``: the full input rows,
+    ``g``: the output gradient they meet)."""
+
+    def compute() -> None:
+        torch.mm(x, b)
+        if p.backward:
+            torch.mm(g, b.t())
+            torch.mm(x.t(), g)
+
+    return compute
+
+
+def _plain(p, comm_fn, comm_label: str, x, b, g, comm_bytes: int) -> Plain:
+    return Plain(comm_fn, _gemms(p, x, b, g), "(comm alone)" if p.backward else comm_label,
+                 "(GEMMs alone)" if p.backward else "(GEMM alone)", comm_bytes)
+
+
+def plain_all_gather_matmul(p, every: list[OpInputs], rank: int, group, info, timeout: float,
+                            comm_bytes: int) -> Plain:
+    a_MK, b_KN = every[rank].leaves
+    full_MK = torch.cat([e.leaves[0] for e in every])
+    # Zeros in the buffers of the collectives alone: values that stay put, never denormal garbage.
+    gathered, partial_MK, grad_a_MK = torch.zeros_like(full_MK), torch.zeros_like(full_MK), torch.zeros_like(a_MK)
+
+    def comm_fn() -> None:
+        _wait(comm.all_gather_async(gathered, a_MK, group), "all_gather", info, timeout)
+        if p.backward:  # backward gathers a again, then reduce-scatters grad_a's partial
+            _wait(comm.all_gather_async(gathered, a_MK, group), "all_gather", info, timeout)
+            _wait(comm.reduce_scatter_async(grad_a_MK, partial_MK, group), "reduce_scatter", info, timeout)
+
+    return _plain(p, comm_fn, "(all_gather alone)", full_MK, b_KN, every[rank].grad_out, comm_bytes)
+
+
+def plain_matmul_reduce_scatter(p, every: list[OpInputs], rank: int, group, info, timeout: float,
+                                comm_bytes: int) -> Plain:
+    a_MK, b_KN = every[rank].leaves
+    partial, out = a_MK.new_zeros((a_MK.shape[0], p.n)), a_MK.new_zeros((p.m, p.n))  # zeros: see above
+    full_grad = torch.cat([e.grad_out for e in every]) if p.backward else None
+
+    def comm_fn() -> None:
+        _wait(comm.reduce_scatter_async(out, partial, group), "reduce_scatter", info, timeout)
+        if p.backward:
+            _wait(comm.all_gather_async(partial, out, group), "all_gather", info, timeout)
+
+    return _plain(p, comm_fn, "(reduce_scatter alone)", a_MK, b_KN, full_grad, comm_bytes)
+
+
+def plain_matmul_all_reduce(p, every: list[OpInputs], rank: int, group, info, timeout: float,
+                            comm_bytes: int) -> Plain:
+    a_MK, b_KN = every[rank].leaves
+    # Zeros: the timed all_reduce runs in place again and again, and any other values would grow.
+    partial = a_MK.new_zeros((a_MK.shape[0], p.n))
+
+    def comm_fn() -> None:  # the backward passes the gradient through: nothing more in fwd+bwd
+        _wait(dist.all_reduce(partial, group=group, async_op=True), "all_reduce", info, timeout)
+
+    plain = _plain(p, comm_fn, "(all_reduce alone)", a_MK, b_KN, every[rank].grad_out, comm_bytes)
+    plain.comm_label = "(all_reduce alone)"
+    return plain
