@@ -10,6 +10,8 @@ from typing import Any
 
 from emulated_cluster_link import parse_rate
 
+from overlap.plans import OPS
+
 #: problems as `overlap.plans.Problem` fields, for 2 ranks per node on 2 CPU cores: a call takes ~10-30 ms
 #: and its GEMMs and transfers are comparable somewhere between 100 Mbit/s and 2 Gbit/s. At 100 Mbit/s
 #: (~12 MB/s per direction, shared by the 4 rank pairs that cross it) the gather of ``all_gather_matmul``
@@ -60,7 +62,7 @@ class Config:
         self.problems = tuple(dict(p) for p in self.problems)
         world_size = 2 * self.ranks_per_node
         for p in self.problems:
-            if p.get("op") == "moe" and p.get("experts", 0) % world_size:
+            if p.get("op") in OPS and OPS[p["op"]].family == "moe" and p.get("experts", 0) % world_size:
                 raise ValueError(f"problem {p}: {p.get('experts')} experts do not divide over {world_size} ranks")
         if not self.timeout_s:
             # A full probe ping-pongs 16 MiB messages: at 100 Mbit/s the other ranks wait ~90 s for a pair.

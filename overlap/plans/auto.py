@@ -118,7 +118,7 @@ def _from_plan_file(source, problem: Problem, info: GroupInfo) -> tuple[Plan | N
     pf = source if isinstance(source, PlanFile) else load_cached(source)
     topology = topology_of(info)
     pf.check_topology(topology)
-    if problem.op == "moe":
+    if problem.spec.family == "moe":
         # Token counts differ between ranks, so every rank must pick by what they share: the entry of
         # the same layer (hidden, ffn, experts, top-k, dtype, mode) tuned at the most tokens. No entry:
         # the heuristic (the model would need this rank's own count).

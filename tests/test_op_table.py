@@ -1,0 +1,132 @@
+"""The op table (`overlap.plans.optable`): every entry consistent with itself, seeded inputs that every rank
+can regenerate, an op added by one entry, and no switch on op names anywhere else in the code."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from overlap.ops.context import tp_problem
+from overlap.plans import OPS, Plan, Problem, SeededDraw, costmodel, op_spec, ops_of
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _problem(op: str, backward: bool, world_size: int) -> Problem:
+    moe = OPS[op].family == "moe"
+    return Problem(op, 6, 10, 14, "float32", backward, 2 * world_size if moe else 0, 2 if moe else 0)
+
+
+def _topology(world_size: int) -> costmodel.Topology:
+    if world_size == 1:
+        return costmodel.Topology("cpu", 1, 1, 1, ())
+    first, second = (world_size + 1) // 2, world_size // 2  # two nodes; this rank on the first
+    links = tuple((c, n) for c, n in (("shm", first - 1), ("network", second)) if n)
+    return costmodel.Topology("cpu", world_size, 2, (first, second), links)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("backward", [False, True])
+def test_every_entry_agrees_with_itself(op, world_size, backward):
+    """Inputs of the rows the entry states, an oracle of the output's shape, bytes per link that add up
+    to the bytes, an ``m`` recovered from the input's rows, no chunking under reference."""
+    spec, p = op_spec(op), _problem(op, backward, world_size)
+    draw = SeededDraw(5, 0, "cpu", torch.float32)
+    every = [p.inputs(world_size, draw.for_rank(q)) for q in range(world_size)]
+    for q, inputs in enumerate(every):
+        a = inputs.leaves[0]
+        assert a.shape == (spec.in_rows(p.m, world_size), p.k), (op, q, a.shape)
+        assert spec.rows_per_rank(a.shape[0], world_size) == p.m
+        assert (inputs.grad_out is not None) == backward
+        if backward:
+            assert inputs.grad_out.shape == (spec.out_rows(p.m, world_size), p.n if spec.family == "tp" else p.k)
+    expected = spec.oracle(p, every, world_size - 1)
+    out = expected[0]
+    assert out.what == "out" and out.value.shape[0] == spec.out_rows(p.m, world_size), (op, out.value.shape)
+    assert [e.what for e in expected[1:]] == ([f"grad_{n}" for n in ("a", "b")] if spec.family == "tp" else
+                                              ["grad_x", "grad_w1", "grad_w2", "grad_topk_weights"])[:len(expected) - 1]
+    assert len(expected) == (1 + len(every[0].leaves) if backward else 1)
+    for e, leaf in zip(expected[1:], every[-1].leaves):
+        assert e.value.shape == leaf.shape, (op, e.what, e.value.shape, leaf.shape)
+    topology = _topology(world_size)
+    assert sum(spec.bytes_per_link(p, topology).values()) == spec.comm_bytes(p, world_size)
+    assert spec.flops(p, world_size) > 0 and spec.chunked("reference", backward, topology) == ()
+    assert spec.rows_per_rank(spec.in_rows(p.m, world_size) + 1, world_size) in (None, p.m + 1)
+
+
+def test_seeded_draws_are_per_rank_and_reproducible():
+    """Any rank regenerates any rank's tensors; ``shared`` ones are the same on every rank."""
+    d0, d1 = SeededDraw(3, 0, "cpu", torch.float32), SeededDraw(3, 1, "cpu", torch.float32)
+    assert torch.equal(d0.fp32("a", 4, 5), d1.for_rank(0).fp32("a", 4, 5))
+    assert not torch.equal(d0.fp32("a", 4, 5), d1.fp32("a", 4, 5))
+    assert not torch.equal(d0.fp32("a", 4, 5), d0.fp32("b", 4, 5))
+    assert torch.equal(d0.fp32("g", 7, shared=True), d1.fp32("g", 7, shared=True))
+    assert d0.normal("a", 3, 3, scale=0.5).dtype == torch.float32
+    assert SeededDraw(3, 0, "cpu", torch.bfloat16).normal("a", 2).dtype == torch.bfloat16
+    p = _problem("matmul_all_reduce", True, 2)  # a replicated output: one gradient on every rank
+    g0, g1 = (p.inputs(2, d).grad_out for d in (d0, d1))
+    assert torch.equal(g0, g1)
+
+
+def test_an_op_is_added_by_one_entry(monkeypatch):
+    """A new entry (here a renamed copy of all_gather_matmul) is a Problem, a plan file key, a prediction,
+    a candidate list and ``auto``'s problem of a call, with no other code changed."""
+    twin = dataclasses.replace(OPS["all_gather_matmul"], name="twin_gather_matmul")
+    monkeypatch.setitem(OPS, "twin_gather_matmul", twin)
+    p, q = Problem("twin_gather_matmul", 8, 16, 24), Problem("all_gather_matmul", 8, 16, 24)
+    assert p.key.startswith("twin_gather_matmul:8x16x24") and "twin_gather_matmul" in ops_of("tp")
+    topology, profile = _topology(4), costmodel.default_profile("cpu")
+    assert costmodel.candidates(p, topology) == costmodel.candidates(q, topology)
+    for plan in costmodel.candidates(p, topology):
+        assert costmodel.predict(p, plan, topology, profile) == costmodel.predict(q, plan, topology, profile)
+    a, b = torch.zeros(16, 16), torch.zeros(16, 24)
+    assert tp_problem("twin_gather_matmul", 16, a, b, 2) == Problem("twin_gather_matmul", 16, 16, 24)
+    with pytest.raises(ValueError, match="one_shot applies only to matmul_all_reduce"):
+        costmodel.predict(p, Plan("symm", one_shot=True), topology, profile)
+
+
+# ----------------------------------------------------------------------------------------------
+# No switch on op names outside the table and the ops' own modules
+# ----------------------------------------------------------------------------------------------
+
+#: where an op's name may be compared or keyed: the table, its families' functions, the op modules
+OWNERS = {"overlap/plans/optable.py", "overlap/plans/tp_ops.py", "overlap/plans/moe_op.py"}
+
+
+def _switches(path: Path, names: set[str]) -> list[str]:
+    """Comparisons with an op's name and dict keys that are one (a comparison with a family is not a
+    switch on names: ``spec.family == "moe"``)."""
+    out, where = [], path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        found = []
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(s, ast.Attribute) and s.attr == "family" or isinstance(s, ast.Name) and s.id == "family"
+                   for s in sides):
+                continue
+            found = [c.value for s in sides for c in ast.walk(s) if isinstance(c, ast.Constant) and c.value in names]
+        elif isinstance(node, ast.Dict):
+            found = [k.value for k in node.keys if isinstance(k, ast.Constant) and k.value in names]
+        out += [f"{where}:{node.lineno}: {v!r}" for v in found]
+    return out
+
+
+def test_no_switch_on_op_names_outside_the_table():
+    names = set(OPS)
+    files = [p for p in sorted([*ROOT.glob("overlap/**/*.py"), *ROOT.glob("kernels/*.py"), *ROOT.glob("bench/*.py")])
+             if str(p.relative_to(ROOT)) not in OWNERS and not p.match("overlap/ops/*.py")]
+    found = [line for path in files for line in _switches(path, names)]
+    assert not found, "switches on op names outside the op table:\n" + "\n".join(found)
+
+
+def test_the_switch_finder_finds_one(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text('def f(op, spec):\n    if op == "matmul_all_reduce":\n        return {"moe": 1}\n'
+                    '    return spec.family == "moe"\n')
+    found = _switches(path, set(OPS))
+    assert [f.split(": ")[1] for f in found] == ["'matmul_all_reduce'", "'moe'"], found
