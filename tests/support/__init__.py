@@ -13,4 +13,6 @@ its module's name and imports on every rank.
 * `failure_tasks`: the rank side of `test_failures.py`: the world layout, the injected kills and stalls,
   what each rank records.
 * `cuda_tools`: where ``cuobjdump`` is (on PATH or in Triton's wheel), for the tests that read SASS.
+* `aot_compile`: a script, run by `test_kernels_aot.py` in its own process (``TRITON_INTERPRET=0``), that
+  compiles the Triton kernels for sm_90 and prints what their PTX shows as JSON; never imported.
 """
