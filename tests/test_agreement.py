@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import FALLBACK_TIMEOUT_S
-from tp_oracle import AGM, MAR, MRS, call, compare, expect_error, oracle
+from support.harness import FALLBACK_TIMEOUT_S
+from support.tp_oracle import AGM, MAR, MRS, call, compare, expect_error, oracle
 
 CASE = (2, (), 8, 6, "contiguous")
 

@@ -17,8 +17,8 @@ import time
 
 import pytest
 import torch
-from harness import FALLBACK_TIMEOUT_S, LATE_S
-from tp_oracle import TOL, compare, expect_error, scaled
+from support.harness import FALLBACK_TIMEOUT_S, LATE_S
+from support.tp_oracle import TOL, compare, expect_error, scaled
 
 # (rows per rank, middle dims, k, n, b layout): odd sizes, one row, 3-D inputs, transposed weight views.
 CASES = [
@@ -339,7 +339,7 @@ def silent_peer(rank, world_size, strategy):
 
 @pytest.mark.parametrize("strategy", ["pipelined", "symm", "fused"])
 def test_silent_peer_times_out(strategy):
-    from harness import run_isolated
+    from support.harness import run_isolated
 
     results = run_isolated(3, silent_peer, strategy, timeout=90)
     for rank in (0, 2):
@@ -361,7 +361,7 @@ def absent_peer(rank, world_size):
 
 
 def test_absent_peer_times_out():
-    from harness import run_isolated
+    from support.harness import run_isolated
 
     results = run_isolated(3, absent_peer, timeout=60)
     for rank in (0, 1):
@@ -385,7 +385,7 @@ def killed_peer(rank, world_size, shm_dir):
 
 
 def test_killed_peer_times_out_and_leaves_no_segment():
-    from harness import RankError, RankPool
+    from support.harness import RankError, RankPool
 
     shm = os.environ.get("OVERLAP_SHM_DIR", "/dev/shm")
     before = {n for n in os.listdir(shm) if n.startswith("overlap-")}

@@ -18,7 +18,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from tp_oracle import (
+from support.tp_oracle import (
     AGM,
     MAR,
     MRS,

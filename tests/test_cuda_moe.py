@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cuda_tools import cuobjdump
+from support.cuda_tools import cuobjdump
 
 from overlap import _C, envs, errors, symm
 from overlap.ops import moe_cuda

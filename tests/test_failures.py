@@ -29,8 +29,8 @@ import threading
 import time
 
 import pytest
-from failure_tasks import DEADLINE, STALLER, STRATEGIES, Kill, op_of, op_world, segments, shm_dir
-from harness import LATE_S, RankError, RankPool, raised_by_deadline
+from support.failure_tasks import DEADLINE, STALLER, STRATEGIES, Kill, op_of, op_world, segments, shm_dir
+from support.harness import LATE_S, RankError, RankPool, raised_by_deadline
 
 AGM, MRS, MAR, MAR1 = "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_reduce/one_shot"
 VARIANTS = (AGM, MRS, MAR, MAR1)

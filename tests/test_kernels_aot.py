@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 def report() -> list[dict]:
     """One compile run (a subprocess: TRITON_INTERPRET=0 before the kernels are defined) for every test."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("aot_compile.py"))], env=env,
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "support" / "aot_compile.py")], env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout)

@@ -12,8 +12,8 @@ import time
 
 import pytest
 import torch
-from harness import FALLBACK_TIMEOUT_S, LATE_S
-from tp_oracle import AGM, MAR, MRS, check_op, expect_error, silence
+from support.harness import FALLBACK_TIMEOUT_S, LATE_S
+from support.tp_oracle import AGM, MAR, MRS, check_op, expect_error, silence
 
 # (M, middle dims, k_local, n, b layout): M not divisible by 2, 3 or 4, M below the world size,
 # odd sizes, 3-D inputs, transposed weight views.
@@ -303,7 +303,7 @@ SILENT_PLANS = [dict(strategy="pipelined"), dict(strategy="symm"), dict(strategy
 
 @pytest.mark.parametrize("plan_kwargs", SILENT_PLANS, ids=["pipelined", "symm", "symm-one_shot"])
 def test_silent_peer_times_out(plan_kwargs):
-    from harness import run_isolated
+    from support.harness import run_isolated
 
     results = run_isolated(3, silent_peer, plan_kwargs, timeout=90)
     for rank in (0, 2):

@@ -13,8 +13,8 @@ import time
 
 import pytest
 import torch
-from harness import FALLBACK_TIMEOUT_S, LATE_S
-from tp_oracle import MRS, check_op, expect_error, silence
+from support.harness import FALLBACK_TIMEOUT_S, LATE_S
+from support.tp_oracle import MRS, check_op, expect_error, silence
 
 # (rows per rank of the output, middle dims, k_local, n, b layout): odd sizes, one row per rank,
 # 3-D inputs, transposed weight views.
@@ -197,7 +197,7 @@ def silent_peer(rank, world_size, strategy):
 
 @pytest.mark.parametrize("strategy", ["pipelined", "symm"])
 def test_silent_peer_times_out(strategy):
-    from harness import run_isolated
+    from support.harness import run_isolated
 
     results = run_isolated(3, silent_peer, strategy, timeout=90)
     for rank in (0, 2):
@@ -225,7 +225,7 @@ def killed_peer(rank, world_size, shm_dir):
 
 
 def test_killed_peer_times_out():
-    from harness import RankError, RankPool
+    from support.harness import RankError, RankPool
 
     pool = RankPool(3)
     try:

@@ -15,8 +15,8 @@ import time
 
 import pytest
 import torch
-from harness import FALLBACK_TIMEOUT_S, LATE_S, RankError, run_isolated
-from moe_oracle import Case, check_moe, make_inputs
+from support.harness import FALLBACK_TIMEOUT_S, LATE_S, RankError, run_isolated
+from support.moe_oracle import Case, check_moe, make_inputs
 
 # (tokens per rank, cycled over ranks), hidden, ffn, experts per rank, top_k, routing
 _SPECS = [

@@ -23,9 +23,9 @@ import time
 
 import pytest
 import torch
-from harness import FALLBACK_TIMEOUT_S
-from moe_oracle import close, dense, expert_terms, pointwise_terms, router_grad_spread, weight_grad_spread
-from tp_oracle import expect_error
+from support.harness import FALLBACK_TIMEOUT_S
+from support.moe_oracle import close, dense, expert_terms, pointwise_terms, router_grad_spread, weight_grad_spread
+from support.tp_oracle import expect_error
 
 
 @dataclasses.dataclass

@@ -1,4 +1,5 @@
-"""Tier 1: the cost model (`overlap.plans.predict` and friends) and plan files (`overlap.plans.planfile`).
+"""Tier 1, the plans layer: the cost model (`overlap.plans.predict` and friends), plan files
+(`overlap.plans.planfile`), `Plan` and `auto`'s rules (`overlap.plans.auto`).
 
 Single process, no ranks. Properties are drawn by hypothesis with a bounded, derandomized example count.
 """
@@ -15,7 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from overlap import envs, world
+import overlap
+from overlap import envs, plans, world
 from overlap.plans import (
     CHUNK_CHOICES,
     GemmFit,
@@ -24,6 +26,7 @@ from overlap.plans import (
     Problem,
     Profile,
     Topology,
+    auto,
     candidates,
     default_profile,
     predict,
@@ -301,7 +304,7 @@ def test_default_profiles_are_plausible():
 # ---- topology and problem ------------------------------------------------------------------------
 
 
-def group(nodes, rank, device="cpu", peer_access=None):
+def group(nodes, rank=0, device="cpu", peer_access=None):
     n = len(nodes)
     return world.GroupInfo(rank=rank, world_size=n, global_ranks=tuple(range(n)), nodes=tuple(nodes),
                            pids=tuple(range(n)), backend="gloo", device=torch.device(device),
@@ -434,3 +437,47 @@ def test_plan_path_env(monkeypatch):
     monkeypatch.setenv("OVERLAP_PLAN", "~/plans.json")
     assert envs.plan_path() == os.path.expanduser("~/plans.json")
     assert "OVERLAP_PLAN" in envs.VARIABLES
+
+
+# ---- Plan and auto -------------------------------------------------------------------------------
+
+
+def test_plan_validates_and_describes():
+    p = overlap.Plan("symm", num_chunks={"shm": 3, "network": 2})
+    assert p.chunks_for("shm") == 3 and p.chunks_for("nvlink") == plans.DEFAULT_CHUNKS["nvlink"]
+    assert p.describe() == "symm[network=2,shm=3]"
+    assert hash(p) == hash(overlap.Plan("symm", num_chunks={"network": 2, "shm": 3}))
+    with pytest.raises(ValueError, match="strategy"):
+        overlap.Plan("magic")
+    with pytest.raises(ValueError, match="link class"):
+        overlap.Plan("symm", num_chunks={"infiniband": 2})
+    with pytest.raises(ValueError, match=">= 1"):
+        overlap.Plan("pipelined", num_chunks={"shm": 0})
+    with pytest.raises(ValueError, match="power of two"):
+        overlap.Plan("fused", block_m=48)
+
+
+def test_as_plan_rules():
+    assert auto.as_plan("auto", None) is None
+    assert auto.as_plan("symm", None) == overlap.Plan("symm")
+    assert auto.as_plan("auto", {"strategy": "fused", "block_m": 32}).block_m == 32
+    with pytest.raises(ValueError, match="contradicts"):
+        auto.as_plan("symm", overlap.Plan("pipelined"))
+    with pytest.raises(TypeError):
+        auto.as_plan("auto", 3)
+
+
+def test_auto_heuristic_is_documented_and_never_fused_on_cpu(monkeypatch):
+    sig = "a=(8, 16):float32, b=(16, 4)"
+    assert auto.resolve_auto("op", sig, group(["a"]), 8, "float32").strategy == "reference"
+    assert auto.resolve_auto("op", sig, group(["a", "a"]), 4096, "bfloat16").strategy == "symm"
+    assert auto.resolve_auto("op", sig, group(["a", "b"]), 8, "float32").strategy == "pipelined"
+    gpu = group(["a", "a"], device="cuda", peer_access=[True, True])
+    monkeypatch.setattr(auto, "gpu_symmetric_memory", lambda: True)
+    assert auto.resolve_auto("op", sig, gpu, 4096, "bfloat16").strategy == "fused"
+    assert auto.resolve_auto("op", sig, gpu, 64, "bfloat16").strategy == "symm"
+    monkeypatch.setattr(auto, "gpu_symmetric_memory", lambda: False)
+    with pytest.warns(UserWarning, match="falls back to 'pipelined'"):
+        assert auto.resolve_auto("op", sig + "x", gpu, 4096, "bfloat16").strategy == "pipelined"
+    with pytest.raises(ValueError, match="spans nodes"):
+        auto.check_plan_fits("op", overlap.Plan("fused"), group(["a", "b"]))

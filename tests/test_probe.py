@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from harness import LATE_S, RankError, run_isolated
+from support.harness import LATE_S, RankError, run_isolated
 
 from overlap.plans import GemmFit, LinkFit, Profile
 from overlap.tune import (

@@ -30,7 +30,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, example, given, seed, settings
 from hypothesis import strategies as st
-from tp_oracle import (
+from support.tp_oracle import (
     AGM,
     LABELS,
     MAR,

@@ -18,8 +18,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from cuda_tools import cuobjdump
-from harness import LATE_S
+from support.cuda_tools import cuobjdump
+from support.harness import LATE_S
 
 from overlap import _C
 

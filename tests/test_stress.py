@@ -17,8 +17,8 @@ import time
 
 import pytest
 import torch
-from harness import raised_by_deadline
-from tp_oracle import AGM, MAR, MRS, b_of, call, compare, name_of, oracle
+from support.harness import raised_by_deadline
+from support.tp_oracle import AGM, MAR, MRS, b_of, call, compare, name_of, oracle
 
 # ----------------------------------------------------------------------------------------------
 # Many calls in flight, growth, ranks out of step
@@ -208,7 +208,7 @@ def test_slow_consumer_is_waited_for_and_results_stay_right(pools, seed, tmp_pat
 @pytest.mark.parametrize("timeout", [1.5])
 def test_exhausted_slots_time_out_cleanly(timeout, seed):
     """Rank 1 never sends "done": the first call that reuses one of its slots times out on every rank."""
-    from harness import run_isolated
+    from support.harness import run_isolated
 
     from overlap.symm import NUM_SLOTS
 

@@ -4,15 +4,18 @@ What is tested is the protocol, not the op (whose strategies, shapes, bad input 
 tested in test_all_gather_matmul.py): a heap reserved ahead does not grow and a released one is
 re-created; flag epochs re-base and calls stay right across it; a local failure on one rank (its heap
 growth, its Triton import, its reserve size) raises on every rank at once, through the handshake, and
-the group stays usable. Each call's output is checked against the float64 oracle of `tp_oracle`.
+the group stays usable. Each call's output is checked against the float64 oracle of `support.tp_oracle`.
+In one process: the hash of a call's signature, which the handshake compares, tells signatures apart.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from harness import FALLBACK_TIMEOUT_S
-from tp_oracle import AGM, b_of, compare, expect_error, oracle
+from support.harness import FALLBACK_TIMEOUT_S
+from support.tp_oracle import AGM, b_of, compare, expect_error, oracle
+
+from overlap import symm
 
 # ----------------------------------------------------------------------------------------------
 # Heap lifetime: reserve ahead, no growth afterwards; release and re-create
@@ -152,3 +155,14 @@ def test_one_rank_local_failures_fail_fast_everywhere(pools):
         want = "ValueError" if rank == 1 else "OverlapMismatchError"
         assert kind == want and secs < FALLBACK_TIMEOUT_S, (rank, msg)
         assert res["then_ok"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Single process: the hash of a call's signature, which the handshake compares
+# ----------------------------------------------------------------------------------------------
+
+
+def test_signature_hash_separates_signatures():
+    a = symm.signature_hash("all_gather_matmul(a=(4, 8):float32, b=(8, 5), plan=symm[])")
+    b = symm.signature_hash("all_gather_matmul(a=(5, 8):float32, b=(8, 5), plan=symm[])")
+    assert a != b and a == symm.signature_hash("all_gather_matmul(a=(4, 8):float32, b=(8, 5), plan=symm[])")

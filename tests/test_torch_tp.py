@@ -24,9 +24,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import FALLBACK_TIMEOUT_S
+from support.harness import FALLBACK_TIMEOUT_S
+from support.tp_oracle import scaled
 from torch import nn
-from tp_oracle import scaled
 
 # Import overlap before any DTensor op runs in a rank: torch's DTensor imports Triton (through inductor),
 # and overlap must set TRITON_INTERPRET before Triton is first imported for interpreted `fused` to work
@@ -186,11 +186,11 @@ def test_block_matches_torch_styles_and_unsharded(pools, seed, world_size, layou
 
 
 def api_task(rank, world_size, seed):
+    from support.tp_oracle import expect_error
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel as TorchCol
     from torch.distributed.tensor.parallel import RowwiseParallel as TorchRow
     from torch.distributed.tensor.parallel import parallelize_module
-    from tp_oracle import expect_error
 
     from overlap.hooks.torch_tp import ColwiseParallel, RowwiseParallel
 

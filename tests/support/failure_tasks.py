@@ -40,8 +40,9 @@ import threading
 import time
 
 import torch
-from harness import LATE_S
-from tp_oracle import b_of, compare, expect_error, forward_backward, oracle, rank_inputs
+
+from support.harness import LATE_S
+from support.tp_oracle import b_of, compare, expect_error, forward_backward, oracle, rank_inputs
 
 VARIANTS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_reduce/one_shot")
 STRATEGIES = ("reference", "pipelined", "symm", "fused")

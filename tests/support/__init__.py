@@ -1,0 +1,18 @@
+"""What the tests share and are not tests themselves: harnesses, oracles, rank tasks, tool look-ups.
+
+Imported as ``support.<module>``: pytest puts ``tests/`` on ``sys.path`` (it holds ``conftest.py`` and
+is no package), and the spawned ranks of a pool inherit that path, so a task defined here pickles by
+its module's name and imports on every rank.
+
+* `harness`: the multi-rank CPU harness: `RankPool` (a reusable pool of spawned gloo ranks, built on
+  `overlap.pool.RankPool`, running ``fn(rank, world_size, *args)``), `run_isolated`, `RankError`, and the
+  deadline margins every timing assertion uses (`FALLBACK_TIMEOUT_S`, `LATE_S`, `raised_by_deadline`).
+* `tp_oracle`: the tensor-parallel ops' inputs, float64 oracles (forward and backward), tolerances,
+  comparisons and error capture (`expect_error`).
+* `moe_oracle`: the MoE ops' dense float64 oracle and the rank tasks that check every strategy against it.
+* `failure_tasks`: the rank side of `test_failures.py`: the world layout, the injected kills and stalls,
+  what each rank records.
+* `cuda_tools`: where ``cuobjdump`` is (on PATH or in Triton's wheel), for the tests that read SASS.
+* `aot_compile`: a script, run by `test_kernels_aot.py` in its own process (``TRITON_INTERPRET=0``), that
+  compiles the Triton kernels for sm_90 and prints what their PTX shows as JSON; never imported.
+"""
