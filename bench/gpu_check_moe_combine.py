@@ -17,7 +17,7 @@ import torch
 from gpu_check_common import Report, compare, err_text
 from gpu_check_device import KERNEL_TIMEOUT_NS, Device
 from gpu_check_moe_group import Config, MoEGroup, expert_weights, op_tile, shared_queues
-from overlap.kernels.moe import grouped_matmul_scatter_kernel
+from overlap.kernels import launch_grouped_matmul_scatter
 
 from overlap import _C
 from overlap.ops import fused
@@ -35,54 +35,26 @@ class ScatterCall:
     rank: int
     y: torch.Tensor  # [R, F]
     w: torch.Tensor  # [L, F, H], any strides
-    table: torch.Tensor | None  # int32 [tiles, 7]
-    grid: int
+    table: torch.Tensor  # int32 [tiles, 7] (no rows: [0, 7], nothing launched)
     dst_table: torch.Tensor  # int64 [W]: this rank's region in every rank's slot, as `heap.ptr_table`
 
 
 def scatter_call(g: MoEGroup, r: int, y: torch.Tensor, w: torch.Tensor, dst: list[int] | None = None) -> ScatterCall:
-    """Rank `r`'s tile table exactly as `moe_combine._fused` builds it (peers from r + 1, own rows last)."""
-    W, L, G, F = g.world_size, g.cfg.num_local_experts, g.num_groups, g.flags_per_peer
-    h = g.handles[r]
+    """Rank `r`'s call: the op's own tile table (`layout.combine_tile_table`: peers from r + 1, own rows last)."""
+    W, L = g.world_size, g.cfg.num_local_experts
     bm, bn, _ = op_tile(g.dev, g.cfg.dtype)
-    tiles_n = fused.cdiv(w.shape[2], bn)
-    tiles, per_flag = [], {}
-    for i in range(1, W + 1):
-        s = (r + i) % W
-        for e in range(L):
-            c = h.recv_counts[s][e]
-            lo, at = h.within_source(s, e), h.expert_offsets[e][s]
-            flag = s * F + 1 + layout.group_of(e, L, G)
-            for t in range(0, c, bm):
-                tiles.append([s, e, at + t, lo + t, min(bm, c - t), flag, 0])
-                per_flag[flag] = per_flag.get(flag, 0) + tiles_n
-    for tile in tiles:
-        tile[6] = per_flag[tile[5]]
+    d = g.dev.device
+    table = layout.combine_tile_table(g.handles[r], r, bm, fused.cdiv(w.shape[2], bn), d)
     if dst is None:
         hb = layout.header_bytes(W, L)
         dst = [g.bufs[p].data_ptr() + hb + r * g.stride for p in range(W)]
-    d = g.dev.device
-    return ScatterCall(r, y, w, torch.tensor(tiles, dtype=torch.int32, device=d) if tiles else None,
-                       len(tiles) * tiles_n, torch.tensor(dst, dtype=torch.int64, device=d))
+    return ScatterCall(r, y, w, table, torch.tensor(dst, dtype=torch.int64, device=d))
 
 
 def launch_scatter(g: MoEGroup, c: ScatterCall, epoch: int) -> None:
-    """The scatter kernel on the current stream with `moe_combine._fused`'s arguments."""
-    if c.table is None:
-        return
-    bm, bn, bk = op_tile(g.dev, g.cfg.dtype)
-    y, w, cols = c.y, c.w, c.w.shape[2]
-    grouped_matmul_scatter_kernel[(c.grid,)](
-        y, w, c.table,
-        c.dst_table, g.counters[c.rank], g.flag_table,
-        epoch, c.rank,
-        cols, y.shape[1],
-        y.stride(0),
-        w.stride(0), w.stride(1), w.stride(2),
-        cols,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        UPCAST=not g.dev.cuda and y.dtype == torch.bfloat16,
-    )
+    """The scatter kernel on the current stream, through the launcher `moe_combine._fused` calls."""
+    launch_grouped_matmul_scatter(c.y, c.w, c.table, c.dst_table, g.counters[c.rank], g.flag_table, epoch=epoch,
+                                  rank=c.rank, block=op_tile(g.dev, g.cfg.dtype))
 
 
 @dataclasses.dataclass

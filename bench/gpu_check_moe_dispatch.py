@@ -8,7 +8,6 @@ Imports overlap: the entry point imports this module only after its self-install
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import threading
@@ -18,9 +17,8 @@ import torch
 from gpu_check_common import Report, compare, err_text
 from gpu_check_device import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device, Tile
 from gpu_check_moe_group import Config, MoEGroup, expert_mm64, expert_weights, op_tile, shared_queues, staged_rows
-from overlap.kernels.moe import grouped_matmul_wait_kernel
+from overlap.kernels import Watchdog, grouped_matmul_grid, launch_grouped_matmul_wait
 
-from overlap.ops import fused
 from overlap.ops import moe_layout as layout
 
 # ==============================================================================================
@@ -70,62 +68,43 @@ class WaitCall:
     tile: Tile | None  # None: the op's default tiles and launch options; else a timing variant
     blocks: tuple[int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K: the table and the grid are built for them
     src_table: torch.Tensor  # int64 [W]: the regions of this rank's slot, as `heap.region_table`
-    table: torch.Tensor | None  # int32 [tiles, 6] (None: no rows)
+    table: torch.Tensor  # int32 [tiles, 6] (no rows: [0, 6], nothing launched)
     grid: int
     out: torch.Tensor  # [R, F]
     recv: torch.Tensor  # [R, H]
     err: torch.Tensor  # int32 [1]
     abort: torch.Tensor  # int32 [1]; the error word itself on GPUs, as the op passes it
 
+    @property
+    def runs(self) -> bool:
+        return bool(self.table.shape[0])
+
 
 def wait_call(g: MoEGroup, r: int, w: torch.Tensor, tile: Tile | None = None) -> WaitCall:
-    """Rank `r`'s tile table exactly as `_consume_fused` builds it from ``h.recv_counts``."""
-    d, W, L, G, F = g.dev.device, g.world_size, g.cfg.num_local_experts, g.num_groups, g.flags_per_peer
+    """Rank `r`'s call: the op's own tile table (`layout.dispatch_tile_table`) from ``h.recv_counts``."""
+    d, W, L = g.dev.device, g.world_size, g.cfg.num_local_experts
     h, dtype = g.handles[r], g.cfg.dtype
     blocks = op_tile(g.dev, dtype) if tile is None else (tile.block_m, tile.block_n, tile.block_k)
     bm, bn, _ = blocks
-    tiles = []  # (source, expert, row in the source's region, row in out, rows, flag index)
-    for i in range(W):
-        s = (r - i) % W
-        for e in range(L):
-            c = h.recv_counts[s][e]
-            lo, at = h.within_source(s, e), h.expert_offsets[e][s]
-            for t in range(0, c, bm):
-                tiles.append((s, e, lo + t, at + t, min(bm, c - t), r * F + 1 + layout.group_of(e, L, G)))
+    table = layout.dispatch_tile_table(h, r, bm, d)
     hb = layout.header_bytes(W, L)
     src = [g.bufs[r].data_ptr() + hb + s * g.stride for s in range(W)] if g.bufs[r] is not None else [0] * W
     err = torch.zeros(1, dtype=torch.int32, device=d)
-    return WaitCall(r, w, tile, blocks, torch.tensor(src, dtype=torch.int64, device=d),
-                    torch.tensor(tiles, dtype=torch.int32, device=d) if tiles else None,
-                    len(tiles) * fused.cdiv(w.shape[2], bn),
+    return WaitCall(r, w, tile, blocks, torch.tensor(src, dtype=torch.int64, device=d), table,
+                    grouped_matmul_grid(table.shape[0], w.shape[2], bn),
                     torch.full((h.num_recv, w.shape[2]), math.nan, device=d, dtype=dtype),
                     torch.full((h.num_recv, g.cfg.hidden), math.nan, device=d, dtype=dtype),
                     err, err if g.dev.cuda else torch.zeros(1, dtype=torch.int32, device=d))
 
 
 def launch_wait(g: MoEGroup, c: WaitCall, epoch: int, timeout_ns: int, watchdog: bool = True) -> None:
-    """The wait kernel on the current stream with `_consume_fused`'s arguments. Interpreted, its spins end
-    when the abort word is set: a watchdog sets it after `timeout_ns` (as `_consume_fused` does), unless the
+    """The wait kernel on the current stream, through the launcher `_consume_fused` calls. Interpreted, its spins
+    end when the abort word is set: a watchdog sets it after `timeout_ns` (as `_consume_fused` does), unless the
     caller bounds the launch itself (`watchdog=False`)."""
-    if c.table is None:
-        return
-    interpreted, dtype, w = not g.dev.cuda, g.cfg.dtype, c.w
-    bm, bn, bk = c.blocks
     tile = c.tile
-    options = {} if tile is None or interpreted else {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
-    guard = fused.Watchdog(c.abort, timeout_ns / 1e9) if watchdog and interpreted else contextlib.nullcontext()
-    with guard:
-        grouped_matmul_wait_kernel[(c.grid,)](
-            c.src_table, g.flag_table, c.table,
-            w, c.out, c.recv,
-            epoch, c.abort, c.err, timeout_ns,
-            w.shape[2], g.cfg.hidden,
-            w.stride(0), w.stride(1), w.stride(2),
-            c.out.stride(0), c.recv.stride(0),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INTERPRETED=interpreted,
-            UPCAST=interpreted and dtype == torch.bfloat16,
-            **options,
-        )
+    options = {} if tile is None else {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
+    launch_grouped_matmul_wait(c.src_table, g.flag_table, c.table, c.w, c.out, c.recv, epoch=epoch, err=c.err,
+                               timeout_ns=timeout_ns, block=c.blocks, abort=c.abort, watchdog=watchdog, **options)
 
 
 def judge_wait(g: MoEGroup, c: WaitCall, problems: list[str], expect_err: int = 0,
@@ -221,7 +200,7 @@ def check_dispatch_racing(rep: Report, dev: Device, cfg: Config) -> None:
         thread = threading.Thread(target=publisher, daemon=True)
         abort = calls[0].abort  # one abort word: the watchdog bounds every interpreted spin
         ends = []
-        with fused.Watchdog(abort, 10.0):
+        with Watchdog(abort, 10.0):
             thread.start()
             for c in calls:
                 c.abort = abort
@@ -229,7 +208,7 @@ def check_dispatch_racing(rep: Report, dev: Device, cfg: Config) -> None:
                 ends.append(time.perf_counter())
         thread.join(timeout=5.0)
         problems += [f"rank {r} finished before rank 0's rows were written" for r, t in enumerate(ends)
-                     if needs_rank0(g, r) and calls[r].table is not None and t <= last_due[0]]
+                     if needs_rank0(g, r) and calls[r].runs and t <= last_due[0]]
         note = "thread publisher"
     else:
         cells = sum(c.grid for c in calls) + 1  # + the publisher's delay kernel
@@ -255,7 +234,7 @@ def check_dispatch_racing(rep: Report, dev: Device, cfg: Config) -> None:
             for d in range(W):  # plain copies (memcpy, no SM needed) and stream-ordered flag writes
                 write_rows(g, s, d, epoch, staged=staged[s][d], stream=pub)
         dev.settle([*g.streams, pub], g.dispatch_flags(), name)
-        after = [last_due.elapsed_time(ends[r]) for r in range(W) if needs_rank0(g, r) and calls[r].table is not None]
+        after = [last_due.elapsed_time(ends[r]) for r in range(W) if needs_rank0(g, r) and calls[r].runs]
         problems += [f"a receiver finished {-t:.3f} ms before rank 0's rows were written" for t in after if t <= 0]
         note = f"ended {min(after):.3f}-{max(after):.3f} ms after rank 0's rows were due" if after else ""
     worst = [judge_wait(g, c, problems) for c in calls]
@@ -284,7 +263,7 @@ def check_dispatch_timeout(rep: Report, dev: Device, cfg: Config) -> None:
         waited = start.elapsed_time(end) / 1e3
     else:
         t0 = time.perf_counter()
-        with fused.Watchdog(c.abort, timeout_s):  # the interpreter's abort word stands in for %globaltimer
+        with Watchdog(c.abort, timeout_s):  # the interpreter's abort word stands in for %globaltimer
             launch_wait(g, c, epoch, SHORT_TIMEOUT_NS, watchdog=False)
         waited = time.perf_counter() - t0
     problems: list[str] = []

@@ -46,6 +46,7 @@ from gpu_check_tp_group import (
     launch_scatter,
     reduce_grid,
 )
+from overlap.kernels import Watchdog
 
 from overlap import _C
 from overlap.ops import fused
@@ -181,7 +182,7 @@ def racing_on_cpu(rep: Report, g: TPGroup, name: str, epoch: int, first_delay_s:
     thread = threading.Thread(target=publisher, daemon=True)
     abort = g.aborts[0]  # one abort word: the watchdog bounds every interpreted spin
     ends = []
-    with fused.Watchdog(abort, 10.0):
+    with Watchdog(abort, 10.0):
         thread.start()
         for r in range(W):
             g.aborts[r] = abort
@@ -217,7 +218,7 @@ def check_timeout(rep: Report, dev: Device, dtype: torch.dtype) -> None:
     else:
         launch_scatter(g, 0, epoch)
         t0 = time.perf_counter()
-        with fused.Watchdog(g.aborts[0], timeout_s):  # the interpreter's abort word stands in for %globaltimer
+        with Watchdog(g.aborts[0], timeout_s):  # the interpreter's abort word stands in for %globaltimer
             launch_reduce(g, 0, epoch, SHORT_TIMEOUT_NS, watchdog=False)
         waited = time.perf_counter() - t0
     problems = []

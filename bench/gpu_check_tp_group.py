@@ -21,7 +21,6 @@ Imports overlap: the entry point imports this module only after its self-install
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 
@@ -35,7 +34,7 @@ from gpu_check_common import (
     compare_bound,
 )
 from gpu_check_device import Device
-from overlap.kernels.mm_rs import matmul_scatter_kernel, reduce_chunks_kernel
+from overlap.kernels import chunk_count, launch_matmul_scatter, launch_reduce_chunks, reduce_chunks_grid
 
 from overlap import symm
 from overlap.ops import fused
@@ -121,8 +120,7 @@ class TPGroup:
         d, W = dev.device, lay.world_size
         interpreted = not dev.cuda
         tile = fused.fused_tiles(0, 0, 0, interpreted, dtype)  # the op's default tiles
-        # The chunk count of `scatter_and_reduce`: the plan's, at most the flags and the row tiles.
-        nch = max(1, min(num_chunks, lay.max_chunks, fused.cdiv(lay.block_rows, tile[0])))
+        nch = chunk_count(num_chunks, lay.max_chunks, lay.block_rows, tile[0])  # as `scatter_and_reduce` counts
         rb = region_bytes(lay.block_rows, n, dtype)
         regions = 1 if lay.kind == "ar1" else W
         slots = [torch.empty(regions * rb, dtype=torch.uint8, device=d) for _ in range(W)]
@@ -220,51 +218,27 @@ class TPGroup:
         return TF32_BLOCK_RTOL if self.tf32 else BLOCK_RTOL[self.dtype]
 
 
-def scatter_grid(g: TPGroup) -> int:
-    bm, bn, _ = g.tile
-    return g.lay.num_dest * fused.cdiv(g.lay.block_rows, bm) * fused.cdiv(g.n, bn)
-
-
 def reduce_grid(g: TPGroup) -> int:
     bm, bn, _ = g.tile
-    return fused.cdiv(g.lay.block_rows, bm) * fused.cdiv(g.n, bn)
+    return reduce_chunks_grid(g.lay.block_rows, g.n, bm, bn)
 
 
 def launch_scatter(g: TPGroup, rank: int, epoch: int) -> None:
-    """Rank `rank`'s producer kernel on the current stream, with the arguments `scatter_and_reduce` passes."""
-    a2, b, lay = g.a[rank], g.b[rank], g.lay
-    bm, bn, bk = g.tile
-    matmul_scatter_kernel[(scatter_grid(g),)](
-        a2, b,
-        g.dst_tables[rank], g.counters[rank], g.flag_base, lay.flag_stride,
-        epoch, rank,
-        a2.shape[0], g.n, a2.shape[1], lay.block_rows, lay.num_dest, g.nch,
-        a2.stride(0),
-        b.stride(0), b.stride(1),
-        g.n,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-        UPCAST=not g.dev.cuda and a2.dtype == torch.bfloat16,
-    )
+    """Rank `rank`'s producer kernel on the current stream, through the launcher `scatter_and_reduce` calls."""
+    launch_matmul_scatter(g.a[rank], g.b[rank], g.dst_tables[rank], g.counters[rank], g.flag_base,
+                          block_rows=g.lay.block_rows, num_chunks=g.nch, flag_stride=g.lay.flag_stride, epoch=epoch,
+                          rank=rank, block=g.tile)
 
 
 def launch_reduce(g: TPGroup, rank: int, epoch: int, timeout_ns: int, watchdog: bool = True) -> None:
-    """Rank `rank`'s reduction kernel on the current stream, with the arguments `reduce_sources` passes.
+    """Rank `rank`'s reduction kernel on the current stream, through the launcher `reduce_sources` calls.
 
     Interpreted, its spins end when the abort word is set: a watchdog sets it after `timeout_ns` (as
     `reduce_sources` does), unless the caller bounds the launch itself (`watchdog=False`)."""
-    out = g.outs[rank]
     bm, bn, _ = g.tile
-    guard = fused.Watchdog(g.aborts[rank], timeout_ns / 1e9) if watchdog and not g.dev.cuda \
-        else contextlib.nullcontext()
-    with guard:
-        reduce_chunks_kernel[(reduce_grid(g),)](
-            out, g.src_tables[rank], g.reduce_flags[rank],
-            epoch, g.aborts[rank], g.errs[rank], timeout_ns,
-            out.shape[0], g.n, g.lay.block_rows, g.world_size, g.nch,
-            g.n,
-            out.stride(0), out.stride(1),
-            BLOCK_M=bm, BLOCK_N=bn, INTERPRETED=not g.dev.cuda,
-        )
+    launch_reduce_chunks(g.outs[rank], g.src_tables[rank], g.reduce_flags[rank], block_rows=g.lay.block_rows,
+                         num_chunks=g.nch, epoch=epoch, err=g.errs[rank], timeout_ns=timeout_ns, block=(bm, bn),
+                         abort=g.aborts[rank], watchdog=watchdog)
 
 
 def judge_outputs(g: TPGroup, problems: list[str]) -> tuple[float, float]:

@@ -22,10 +22,9 @@ import torch
 from gpu_check_common import Report, bench_shapes, compare, do_bench, dtype_name, err_text, matmul_tflops
 from gpu_check_device import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device, Tile
 from gpu_check_primitives import check_flag_wait_kernel, check_stream_wait, time_copy, time_signals
-from overlap.kernels.ag_matmul import all_gather_matmul_kernel as KERNEL
+from overlap.kernels import Watchdog, all_gather_matmul_grid, launch_all_gather_matmul
 
 from overlap import _C, comm
-from overlap.ops import fused
 
 # ==============================================================================================
 # Virtual ranks of the all-gather kernel
@@ -100,26 +99,16 @@ def new_consumer(g: VirtualGroup) -> Consumer:
 
 def grid_size(g: VirtualGroup, tile: Tile) -> int:
     (m, _), n = g.shards[0].shape, g.b.shape[1]
-    return g.world_size * math.ceil(m / tile.block_m) * math.ceil(n / tile.block_n)
+    return all_gather_matmul_grid(g.world_size, m, n, tile.block_m, tile.block_n)
 
 
 def launch(g: VirtualGroup, rank: int, c: Consumer, epoch: int, timeout_ns: int, tile: Tile) -> None:
-    """Virtual rank `rank`'s fused kernel on the current stream, with the arguments `_fused` passes."""
-    (m, k), n = g.shards[0].shape, g.b.shape[1]
-    interpreted = not g.dev.cuda
-    options = {} if interpreted else {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
-    KERNEL[(grid_size(g, tile),)](
-        c.out, g.b,
-        g.ptr_table, g.flag_table,
-        epoch, rank, g.world_size, c.abort, c.err, timeout_ns,
-        m, n, k,
-        k,
-        g.b.stride(0), g.b.stride(1),
-        c.out.stride(0), c.out.stride(1),
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=8,
-        UPCAST=interpreted and c.out.dtype == torch.bfloat16, INTERPRETED=interpreted,
-        **options,
-    )
+    """Virtual rank `rank`'s fused kernel on the current stream, through the launcher `_fused` calls. Interpreted,
+    nothing here bounds its spins: the caller sets the abort word (a watchdog) where a flag may never come."""
+    launch_all_gather_matmul(g.b, g.ptr_table, g.flag_table, rows=g.shards[0].shape[0], epoch=epoch, rank=rank,
+                             err=c.err, timeout_ns=timeout_ns, block=(tile.block_m, tile.block_n, tile.block_k),
+                             out=c.out, abort=c.abort, watchdog=False, num_warps=tile.num_warps,
+                             num_stages=tile.num_stages)
 
 
 def judge(rep: Report, name: str, consumers: list[Consumer], ref: torch.Tensor, expect_err: int = 0,
@@ -191,7 +180,7 @@ def check_racing(rep: Report, dev: Device, world_size: int, shape: tuple[int, in
 
         thread = threading.Thread(target=publisher, daemon=True)
         abort = consumers[0].abort  # one abort word: the watchdog bounds every interpreted spin
-        with fused.Watchdog(abort, 10.0):
+        with Watchdog(abort, 10.0):
             thread.start()
             for r, c in enumerate(consumers):
                 c.abort = abort
@@ -254,7 +243,7 @@ def check_timeout(rep: Report, dev: Device, dtype: torch.dtype) -> None:
     else:
         dev.publish(g.flags[0], epoch, None)
         t0 = time.perf_counter()
-        with fused.Watchdog(c.abort, timeout_s):  # the interpreter's abort word stands in for %globaltimer
+        with Watchdog(c.abort, timeout_s):  # the interpreter's abort word stands in for %globaltimer
             launch(g, 0, c, epoch, SHORT_TIMEOUT_NS, dev.tile)
         waited = time.perf_counter() - t0
     problems = []
