@@ -128,7 +128,7 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
     """
     kernel = "launch_all_gather_matmul"
     host.check_matrix(kernel, "b", b)
-    world_size = ptr_table.shape[0] if isinstance(ptr_table, torch.Tensor) and ptr_table.dim() == 1 else None
+    world_size = host.table_size(ptr_table)
     host.check_table(kernel, "ptr_table", ptr_table, world_size, b.device)
     host.check_table(kernel, "flag_table", flag_table, world_size, b.device)
     host.check_range(kernel, "rank", rank, 0, world_size)

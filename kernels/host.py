@@ -94,18 +94,23 @@ def check_word(kernel: str, name: str, word: torch.Tensor) -> None:
 
 def check_table(kernel: str, name: str, table: torch.Tensor, size: int | None, device: torch.device,
                 dtype: torch.dtype = torch.int64, width: int | None = None) -> None:
-    """An address (int64 ``[size]``) or tile table (int32 ``[rows, width]``) on the kernel's device."""
+    """An address table (int64 ``[size]``) or a tile table (int32 ``[rows, width]``) on the kernel's device,
+    contiguous; `size` None: any length."""
     if not isinstance(table, torch.Tensor):
         fail(kernel, f"{name} must be a tensor, got {type(table).__name__}")
     shape = tuple(table.shape)
     want = (size,) if width is None else (size, width)
-    if table.dtype != dtype or len(shape) != len(want) or (size is not None and shape[0] != size) \
-            or (width is not None and shape[1] != width):
-        what = f"[{'rows' if size is None else size}{'' if width is None else f', {width}'}]"
-        fail(kernel, f"{name} must be {dtype} {what}, got {table.dtype} {list(shape)}")
+    if table.dtype != dtype or len(shape) != len(want) or any(w is not None and g != w for g, w in zip(shape, want)):
+        what = ", ".join("n" if w is None else str(w) for w in want)
+        fail(kernel, f"{name} must be {dtype} [{what}], got {table.dtype} {list(shape)}")
     if not table.is_contiguous():
         fail(kernel, f"{name} must be contiguous, got strides {table.stride()}")
     check_device(kernel, name, table, device)
+
+
+def table_size(table: torch.Tensor) -> int | None:
+    """Entries of a 1-D table (None for anything else: `check_table` then says what is wrong)."""
+    return table.shape[0] if isinstance(table, torch.Tensor) and table.dim() == 1 else None
 
 
 def check_device(kernel: str, name: str, t: torch.Tensor, device: torch.device) -> None:

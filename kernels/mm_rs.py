@@ -182,9 +182,9 @@ def launch_matmul_scatter(a: torch.Tensor, b: torch.Tensor, dst_table: torch.Ten
     (m, k), n = a.shape, b.shape[1]
     if b.shape[0] != k or b.device != a.device:
         host.fail(kernel, f"b must be [{k}, N] on {a.device}, got {list(b.shape)} on {b.device}")
-    num_dest = dst_table.shape[0] if isinstance(dst_table, torch.Tensor) and dst_table.dim() == 1 else None
+    num_dest = host.table_size(dst_table)
     host.check_table(kernel, "dst_table", dst_table, num_dest, a.device)
-    world_size = flag_table.shape[0] if isinstance(flag_table, torch.Tensor) and flag_table.dim() == 1 else None
+    world_size = host.table_size(flag_table)
     host.check_table(kernel, "flag_table", flag_table, world_size, a.device)
     host.check_range(kernel, "rank", rank, 0, world_size)
     bm, bn, bk = block
@@ -233,7 +233,7 @@ def launch_reduce_chunks(out: torch.Tensor, src_table: torch.Tensor, flag_table:
     """
     kernel = "launch_reduce_chunks"
     host.check_matrix(kernel, "out", out)
-    num_sources = src_table.shape[0] if isinstance(src_table, torch.Tensor) and src_table.dim() == 1 else None
+    num_sources = host.table_size(src_table)
     host.check_table(kernel, "src_table", src_table, num_sources, out.device)
     host.check_table(kernel, "flag_table", flag_table, num_sources, out.device)
     host.check_word(kernel, "err", err)

@@ -164,8 +164,7 @@ def _check_weights(kernel: str, w: torch.Tensor, k: int, like: torch.Tensor) -> 
 
 def _address_tables(kernel: str, device: torch.device, **tables: torch.Tensor) -> int:
     """Check int64 ``[W]`` address tables of one size; returns ``W``."""
-    first = next(iter(tables.values()))
-    size = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() == 1 else None
+    size = host.table_size(next(iter(tables.values())))
     for name, table in tables.items():
         host.check_table(kernel, name, table, size, device)
     return size
