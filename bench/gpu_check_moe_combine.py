@@ -1,7 +1,8 @@
 """The combine direction of the MoE GPU check (`gpu_check_moe`): the scatter kernel
-(`grouped_matmul_scatter_kernel`, launched as `moe_combine._fused` does) and the sources' collection of
-their rows, ordered (two calls on the same buffers: flags at the epoch, counters back at 0) and racing
-(the sources' bounded waits first, the scatter kernels later). The virtual ranks are `gpu_check_moe_group`'s.
+(`grouped_matmul_scatter_kernel`, with `grouped_matmul_combine`'s tile table and launcher) and the sources'
+collection of their rows, ordered (two calls on the same buffers: flags at the epoch, counters back at 0) and
+racing (the sources' bounded waits first, the scatter kernels later). The virtual ranks and the kernel's call are
+`gpu_check_moe_group`'s.
 
 Imports overlap: the entry point imports this module only after its self-install.
 """
@@ -15,46 +16,23 @@ import time
 
 import torch
 from gpu_check_common import Report, compare, err_text
-from gpu_check_device import KERNEL_TIMEOUT_NS, Device
-from gpu_check_moe_group import Config, MoEGroup, expert_weights, op_tile, shared_queues
-from overlap.kernels import launch_grouped_matmul_scatter
+from gpu_check_moe_group import (
+    Config,
+    MoEGroup,
+    ScatterCall,
+    expert_weights,
+    launch_scatter,
+    scatter_call,
+    shared_queues,
+)
+from gpu_check_virtual import KERNEL_TIMEOUT_NS, Device
 
-from overlap import _C
-from overlap.ops import fused
+from overlap import signals
 from overlap.ops import moe_layout as layout
 
 # ==============================================================================================
-# The combine direction: the scatter kernel (`moe_combine._fused`), the sources' collection
+# The combine direction: inputs, the sources' collection, the judges
 # ==============================================================================================
-
-
-@dataclasses.dataclass
-class ScatterCall:
-    """One expert rank's scatter kernel: its rows (expert order), weights and tables."""
-
-    rank: int
-    y: torch.Tensor  # [R, F]
-    w: torch.Tensor  # [L, F, H], any strides
-    table: torch.Tensor  # int32 [tiles, 7] (no rows: [0, 7], nothing launched)
-    dst_table: torch.Tensor  # int64 [W]: this rank's region in every rank's slot, as `heap.ptr_table`
-
-
-def scatter_call(g: MoEGroup, r: int, y: torch.Tensor, w: torch.Tensor, dst: list[int] | None = None) -> ScatterCall:
-    """Rank `r`'s call: the op's own tile table (`layout.combine_tile_table`: peers from r + 1, own rows last)."""
-    W, L = g.world_size, g.cfg.num_local_experts
-    bm, bn, _ = op_tile(g.dev, g.cfg.dtype)
-    d = g.dev.device
-    table = layout.combine_tile_table(g.handles[r], r, bm, fused.cdiv(w.shape[2], bn), d)
-    if dst is None:
-        hb = layout.header_bytes(W, L)
-        dst = [g.bufs[p].data_ptr() + hb + r * g.stride for p in range(W)]
-    return ScatterCall(r, y, w, table, torch.tensor(dst, dtype=torch.int64, device=d))
-
-
-def launch_scatter(g: MoEGroup, c: ScatterCall, epoch: int) -> None:
-    """The scatter kernel on the current stream, through the launcher `moe_combine._fused` calls."""
-    launch_grouped_matmul_scatter(c.y, c.w, c.table, c.dst_table, g.counters[c.rank], g.flag_table, epoch=epoch,
-                                  rank=c.rank, block=op_tile(g.dev, g.cfg.dtype))
 
 
 @dataclasses.dataclass
@@ -172,7 +150,7 @@ def check_combine_racing(rep: Report, dev: Device, cfg: Config) -> None:
             for i in range(W):
                 d = (s - i) % W
                 for index in g.group_flags(s, d, s * F):
-                    if not _C.signal_wait(g.flag(d, index).data_ptr(), epoch, 10.0):
+                    if not signals.signal_wait(g.flag(d, index).data_ptr(), epoch, 10.0):
                         failed.append(f"source {s}: flag {index} of rank {d} never reached {epoch}")
             collect(g, s, backs[s])
             ends[s] = time.perf_counter()
@@ -202,7 +180,7 @@ def check_combine_racing(rep: Report, dev: Device, cfg: Config) -> None:
             for i in range(W):
                 d = (s - i) % W
                 for index in g.group_flags(s, d, s * F):
-                    _C.cuda_wait_flag_bounded(g.flag(d, index).data_ptr(), epoch, KERNEL_TIMEOUT_NS,
+                    signals.cuda_wait_flag_bounded(g.flag(d, index).data_ptr(), epoch, KERNEL_TIMEOUT_NS,
                                               errs[s].data_ptr(), stream.cuda_stream)
             collect(g, s, backs[s], stream)
             ends[s].record(stream)

@@ -1,110 +1,38 @@
-"""The dispatch direction of the MoE GPU check (`gpu_check_moe`): the producers' copies of counts and rows
-(`_produced`) and the receivers' wait kernel (`grouped_matmul_wait_kernel`, launched with the arguments of
-`dispatch_grouped_matmul`'s fused strategy, `_consume_fused`); checks g ordered, racing (rows copied in and
-flagged later from another stream) and timeout (a block never flagged).
+"""The dispatch direction of the MoE GPU check (`gpu_check_moe`): the sources' copies of counts and rows and the
+receivers' wait kernel (`grouped_matmul_wait_kernel`, with `dispatch_grouped_matmul`'s tile table and launcher;
+both calls are `gpu_check_moe_group`'s); checks g ordered, racing (rows copied in and flagged later from another
+stream) and timeout (a block never flagged).
 
 Imports overlap: the entry point imports this module only after its self-install.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
 import time
 
 import torch
 from gpu_check_common import Report, compare, err_text
-from gpu_check_device import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device, Tile
-from gpu_check_moe_group import Config, MoEGroup, expert_mm64, expert_weights, op_tile, shared_queues, staged_rows
-from overlap.kernels import Watchdog, grouped_matmul_grid, launch_grouped_matmul_wait
-
-from overlap.ops import moe_layout as layout
+from gpu_check_moe_group import (
+    Config,
+    MoEGroup,
+    WaitCall,
+    expert_mm64,
+    expert_weights,
+    launch_wait,
+    shared_queues,
+    staged_rows,
+    wait_call,
+    write_counts,
+    write_rows,
+)
+from gpu_check_virtual import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device
+from overlap.kernels import Watchdog
 
 # ==============================================================================================
-# The dispatch direction: producers' copies, the wait kernel (`_consume_fused`)
+# The dispatch direction: the receivers' results
 # ==============================================================================================
-
-
-def write_counts(g: MoEGroup, s: int, epoch: int) -> None:
-    """Source `s`'s counts into row `s` of every rank's header, each flagged (`_produced`)."""
-    W, F = g.world_size, g.flags_per_peer
-    with g.dev.on(g.streams[s]):
-        mine = torch.tensor(g.handles[s].send_counts, dtype=torch.int32, device=g.dev.device)
-        for i in range(W):
-            d = (s + i) % W
-            g.header(d)[s].copy_(mine[d])
-            g.dev.publish(g.flag(s, d * F), epoch, g.streams[s])
-
-
-def write_rows(g: MoEGroup, s: int, d: int, epoch: int | None, staged: torch.Tensor | None = None,
-               stream: torch.cuda.Stream | None = None) -> None:
-    """Source `s`'s rows for `d` into region `s` of `d`'s slot, expert group by group, each flagged after its
-    rows (`_produced.write`; no flag with `epoch` None). From `staged` (the rows in send order, contiguous:
-    a plain copy, which a GPU runs as a memcpy) or gathered from the tokens with ``index_select`` as the op does."""
-    h, L, F, G = g.handles[s], g.cfg.num_local_experts, g.flags_per_peer, g.num_groups
-    stream = g.streams[s] if stream is None else stream
-    region, base = g.region(d, s), h.send_offsets[d]
-    with g.dev.on(stream):
-        for gi in range(G):
-            experts = layout.group_experts(gi, L, G)
-            lo, hi = h.within_dest(d, experts.start), h.within_dest(d, experts.stop)
-            if hi <= lo:
-                continue
-            if staged is not None:
-                region[lo:hi].copy_(staged[lo:hi])
-            else:
-                torch.index_select(g.xs[s], 0, h.token_of[base + lo : base + hi], out=region[lo:hi])
-            if epoch is not None:
-                g.dev.publish(g.flag(s, d * F + 1 + gi), epoch, stream)
-
-
-@dataclasses.dataclass
-class WaitCall:
-    """One receiver's wait kernel: its tiles, tables, NaN-poisoned outputs and error words."""
-
-    rank: int
-    w: torch.Tensor  # [L, H, F], any strides
-    tile: Tile | None  # None: the op's default tiles and launch options; else a timing variant
-    blocks: tuple[int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K: the table and the grid are built for them
-    src_table: torch.Tensor  # int64 [W]: the regions of this rank's slot, as `heap.region_table`
-    table: torch.Tensor  # int32 [tiles, 6] (no rows: [0, 6], nothing launched)
-    grid: int
-    out: torch.Tensor  # [R, F]
-    recv: torch.Tensor  # [R, H]
-    err: torch.Tensor  # int32 [1]
-    abort: torch.Tensor  # int32 [1]; the error word itself on GPUs, as the op passes it
-
-    @property
-    def runs(self) -> bool:
-        return bool(self.table.shape[0])
-
-
-def wait_call(g: MoEGroup, r: int, w: torch.Tensor, tile: Tile | None = None) -> WaitCall:
-    """Rank `r`'s call: the op's own tile table (`layout.dispatch_tile_table`) from ``h.recv_counts``."""
-    d, W, L = g.dev.device, g.world_size, g.cfg.num_local_experts
-    h, dtype = g.handles[r], g.cfg.dtype
-    blocks = op_tile(g.dev, dtype) if tile is None else (tile.block_m, tile.block_n, tile.block_k)
-    bm, bn, _ = blocks
-    table = layout.dispatch_tile_table(h, r, bm, d)
-    hb = layout.header_bytes(W, L)
-    src = [g.bufs[r].data_ptr() + hb + s * g.stride for s in range(W)] if g.bufs[r] is not None else [0] * W
-    err = torch.zeros(1, dtype=torch.int32, device=d)
-    return WaitCall(r, w, tile, blocks, torch.tensor(src, dtype=torch.int64, device=d), table,
-                    grouped_matmul_grid(table.shape[0], w.shape[2], bn),
-                    torch.full((h.num_recv, w.shape[2]), math.nan, device=d, dtype=dtype),
-                    torch.full((h.num_recv, g.cfg.hidden), math.nan, device=d, dtype=dtype),
-                    err, err if g.dev.cuda else torch.zeros(1, dtype=torch.int32, device=d))
-
-
-def launch_wait(g: MoEGroup, c: WaitCall, epoch: int, timeout_ns: int, watchdog: bool = True) -> None:
-    """The wait kernel on the current stream, through the launcher `_consume_fused` calls. Interpreted, its spins
-    end when the abort word is set: a watchdog sets it after `timeout_ns` (as `_consume_fused` does), unless the
-    caller bounds the launch itself (`watchdog=False`)."""
-    tile = c.tile
-    options = {} if tile is None else {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
-    launch_grouped_matmul_wait(c.src_table, g.flag_table, c.table, c.w, c.out, c.recv, epoch=epoch, err=c.err,
-                               timeout_ns=timeout_ns, block=c.blocks, abort=c.abort, watchdog=watchdog, **options)
 
 
 def judge_wait(g: MoEGroup, c: WaitCall, problems: list[str], expect_err: int = 0,
