@@ -93,7 +93,7 @@ GROUP_M = 8  # row tiles that sweep the columns together (L2 reuse of B)
 
 def all_gather_matmul_grid(world_size: int, rows: int, n: int, block_m: int, block_n: int) -> int:
     """Programs of one launch: every rank chunk's ``[rows, n]`` output in ``block_m x block_n`` tiles."""
-    return world_size * triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
+    return world_size * host.cdiv(rows, block_m) * host.cdiv(n, block_n)
 
 
 def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_table: torch.Tensor, *, rows: int,
@@ -142,9 +142,9 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
     elif tuple(out.shape) != (world_size * rows, n) or out.dtype != b.dtype or out.device != b.device:
         host.fail(kernel, f"out must be {b.dtype} [{world_size * rows}, {n}] on {b.device}, got {out.dtype} "
                           f"{list(out.shape)} on {out.device}")
-    abort = host.abort_word(kernel, abort, err)
     interpreted = host.interpreted()
-    with host.bounded(abort, timeout_ns, watchdog):
+    abort = host.abort_word(kernel, abort, err, interpreted)
+    with host.bounded(abort, timeout_ns, watchdog, interpreted):
         all_gather_matmul_kernel[(all_gather_matmul_grid(world_size, rows, n, bm, bn),)](
             out, b,
             ptr_table, flag_table,
@@ -155,6 +155,6 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
             out.stride(0), out.stride(1),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M,
             UPCAST=interpreted and b.dtype == torch.bfloat16, INTERPRETED=interpreted,
-            **host.launch_options(num_warps, num_stages),
+            **host.launch_options(num_warps, num_stages, interpreted),
         )
     return out

@@ -25,8 +25,13 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def interpreted() -> bool:
-    """Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET``, read now)."""
+    """Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET``, read now: once per launch)."""
     return envs.triton_interpret()
+
+
+def cdiv(x: int, y: int) -> int:
+    """``ceil(x / y)`` for ints (host arithmetic; ``triton.cdiv`` is a JIT function, slower to call)."""
+    return -(-x // y)
 
 
 class Watchdog:
@@ -44,26 +49,27 @@ class Watchdog:
         self._timer.cancel()
 
 
-def bounded(abort: torch.Tensor, timeout_ns: int, watchdog: bool) -> contextlib.AbstractContextManager:
+def bounded(abort: torch.Tensor, timeout_ns: int, watchdog: bool,
+            interpreted: bool) -> contextlib.AbstractContextManager:
     """The guard of one interpreted launch: a `Watchdog` on `abort` after `timeout_ns` where `watchdog` is set
-    and the kernels run interpreted; nothing otherwise (on GPUs the kernels read ``%globaltimer``)."""
-    if watchdog and interpreted():
+    and the kernels run `interpreted`; nothing otherwise (on GPUs the kernels read ``%globaltimer``)."""
+    if watchdog and interpreted:
         return Watchdog(abort, timeout_ns / 1e9)
     return contextlib.nullcontext()
 
 
-def abort_word(kernel: str, abort: torch.Tensor | None, err: torch.Tensor) -> torch.Tensor:
-    """`abort`, else a fresh zero word where the kernels run interpreted (the watchdog's), else `err` (a GPU
+def abort_word(kernel: str, abort: torch.Tensor | None, err: torch.Tensor, interpreted: bool) -> torch.Tensor:
+    """`abort`, else a fresh zero word where the kernels run `interpreted` (the watchdog's), else `err` (a GPU
     kernel never reads the abort word, so any valid int32 pointer does)."""
     if abort is not None:
         check_word(kernel, "abort", abort)
         return abort
-    return torch.zeros(1, dtype=torch.int32, device=err.device) if interpreted() else err
+    return torch.zeros(1, dtype=torch.int32, device=err.device) if interpreted else err
 
 
-def launch_options(num_warps: int | None, num_stages: int | None) -> dict[str, int]:
-    """Triton launch options given (ignored when interpreted: they only shape GPU code)."""
-    if interpreted():
+def launch_options(num_warps: int | None, num_stages: int | None, interpreted: bool) -> dict[str, int]:
+    """Triton launch options given (none when `interpreted`: they only shape GPU code)."""
+    if interpreted:
         return {}
     options = {"num_warps": num_warps, "num_stages": num_stages}
     return {k: v for k, v in options.items() if v is not None}

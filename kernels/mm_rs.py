@@ -142,17 +142,17 @@ GROUP_M = 8  # row tiles that sweep the columns together (L2 reuse of B)
 def chunk_count(requested: int, max_chunks: int, block_rows: int, block_m: int) -> int:
     """``NCH``, the chunks of one block both kernels use: `requested` (a plan's count), at most `max_chunks`
     (the flags a destination has) and the block's row tiles, at least 1."""
-    return max(1, min(requested, max_chunks, triton.cdiv(block_rows, block_m)))
+    return max(1, min(requested, max_chunks, host.cdiv(block_rows, block_m)))
 
 
 def matmul_scatter_grid(num_dest: int, block_rows: int, n: int, block_m: int, block_n: int) -> int:
     """Programs of one `launch_matmul_scatter`: every block's ``[block_rows, n]`` in tiles."""
-    return num_dest * triton.cdiv(block_rows, block_m) * triton.cdiv(n, block_n)
+    return num_dest * host.cdiv(block_rows, block_m) * host.cdiv(n, block_n)
 
 
 def reduce_chunks_grid(block_rows: int, n: int, block_m: int, block_n: int) -> int:
     """Programs of one `launch_reduce_chunks`: one block's ``[block_rows, n]`` in tiles."""
-    return triton.cdiv(block_rows, block_m) * triton.cdiv(n, block_n)
+    return host.cdiv(block_rows, block_m) * host.cdiv(n, block_n)
 
 
 def launch_matmul_scatter(a: torch.Tensor, b: torch.Tensor, dst_table: torch.Tensor, counters: torch.Tensor,
@@ -192,7 +192,7 @@ def launch_matmul_scatter(a: torch.Tensor, b: torch.Tensor, dst_table: torch.Ten
     host.check_range(kernel, "block_rows", block_rows, 0, 1 << 31)
     if num_dest < 1 or m > num_dest * block_rows:
         host.fail(kernel, f"a's {m} rows do not fit {num_dest} blocks of {block_rows} rows")
-    host.check_range(kernel, "num_chunks", num_chunks, 1, max(1, triton.cdiv(block_rows, bm)) + 1)
+    host.check_range(kernel, "num_chunks", num_chunks, 1, max(1, host.cdiv(block_rows, bm)) + 1)
     if num_dest > 1 and (not isinstance(flag_stride, int) or flag_stride < num_chunks):
         host.fail(kernel, f"flag_stride {flag_stride!r} < num_chunks {num_chunks}: destinations' flags would overlap")
     if counters.dtype != torch.int32 or counters.numel() < num_dest * num_chunks or counters.device != a.device:
@@ -241,14 +241,15 @@ def launch_reduce_chunks(out: torch.Tensor, src_table: torch.Tensor, flag_table:
     host.check_tile(kernel, BLOCK_M=bm, BLOCK_N=bn)
     rows, n = out.shape
     host.check_range(kernel, "block_rows", block_rows, rows, 1 << 31)
-    host.check_range(kernel, "num_chunks", num_chunks, 1, max(1, triton.cdiv(block_rows, bm)) + 1)
-    abort = host.abort_word(kernel, abort, err)
-    with host.bounded(abort, timeout_ns, watchdog):
+    host.check_range(kernel, "num_chunks", num_chunks, 1, max(1, host.cdiv(block_rows, bm)) + 1)
+    interpreted = host.interpreted()
+    abort = host.abort_word(kernel, abort, err, interpreted)
+    with host.bounded(abort, timeout_ns, watchdog, interpreted):
         reduce_chunks_kernel[(reduce_chunks_grid(block_rows, n, bm, bn),)](
             out, src_table, flag_table,
             epoch, abort, err, timeout_ns,
             rows, n, block_rows, num_sources, num_chunks,
             n,
             out.stride(0), out.stride(1),
-            BLOCK_M=bm, BLOCK_N=bn, INTERPRETED=host.interpreted(),
+            BLOCK_M=bm, BLOCK_N=bn, INTERPRETED=interpreted,
         )

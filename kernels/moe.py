@@ -152,7 +152,7 @@ def grouped_matmul_scatter_kernel(
 
 def grouped_matmul_grid(num_tiles: int, n: int, block_n: int) -> int:
     """Programs of one launch: every tile table entry times the ``N`` columns in `block_n` tiles."""
-    return num_tiles * triton.cdiv(n, block_n)
+    return num_tiles * host.cdiv(n, block_n)
 
 
 def _check_weights(kernel: str, w: torch.Tensor, k: int, like: torch.Tensor) -> None:
@@ -210,9 +210,9 @@ def launch_grouped_matmul_wait(src_table: torch.Tensor, flag_table: torch.Tensor
     host.check_tile(kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     if not tile_table.shape[0]:
         return
-    abort = host.abort_word(kernel, abort, err)
     interpreted = host.interpreted()
-    with host.bounded(abort, timeout_ns, watchdog):
+    abort = host.abort_word(kernel, abort, err, interpreted)
+    with host.bounded(abort, timeout_ns, watchdog, interpreted):
         grouped_matmul_wait_kernel[(grouped_matmul_grid(tile_table.shape[0], n, bn),)](
             src_table, flag_table, tile_table,
             w, out, rows,
@@ -222,7 +222,7 @@ def launch_grouped_matmul_wait(src_table: torch.Tensor, flag_table: torch.Tensor
             out.stride(0), rows.stride(0),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INTERPRETED=interpreted,
             UPCAST=interpreted and out.dtype == torch.bfloat16,
-            **host.launch_options(num_warps, num_stages),
+            **host.launch_options(num_warps, num_stages, interpreted),
         )
 
 
