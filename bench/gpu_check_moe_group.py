@@ -244,6 +244,7 @@ def shared_queues(rep: Report, name: str, world_size: int) -> bool:
                           "waiting stream would block the publisher")
     return True
 
+
 # ==============================================================================================
 # What the sections do on the ranks: the sources' copies, the kernels' calls (the ops' tile tables and
 # launchers: `overlap.ops.moe_layout.dispatch_tile_table`, `combine_tile_table`, `overlap.kernels.moe`)
