@@ -312,4 +312,5 @@ def reduce_sources(cc: CallContext, call, out, src_table, flag_table, block_rows
     if bad:
         raise OverlapTimeout(cc.op, info.rank, bad - 1, "a reduced chunk", timeout, "fused reduction wait")
 
+
 STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused}

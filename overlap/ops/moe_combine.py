@@ -304,6 +304,7 @@ def _fused(cc: CallContext, call, h, y, w, between, weights=None):
         between()
     return _collect(call, h, y.dtype, cols, weights)
 
+
 def _collect(call, h: layout.MoEHandle, dtype: torch.dtype, cols: int,
              weights: torch.Tensor | None = None) -> torch.Tensor:
     """Wait for every rank's results for our rows (flag by flag) and copy them out, in send order.

@@ -406,4 +406,5 @@ def _consume_fused(cc: CallContext, call, h: layout.MoEHandle, dtype, cols: int,
         raise OverlapTimeout(cc.op, r, bad - 1, "an expert block", timeout, "fused grouped GEMM wait")
     return recv, out
 
+
 STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused}
