@@ -112,7 +112,7 @@ class Report:
         return "\n".join(lines)
 
     def write_json(self, path: str, mode: str, seed: int) -> None:
-        from overlap import _C  # imported by main() before any result is written
+        from overlap import signals  # imported by main() before any result is written
         cuda = torch.cuda.is_available() and not mode.startswith("cpu-smoke")
         try:
             import triton
@@ -131,7 +131,7 @@ class Report:
             "triton": triton_version,
             "cuda": torch.version.cuda,
             "python": platform.python_version(),
-            "overlap_C_has_cuda": bool(getattr(_C, "has_cuda", False)),
+            "overlap_C_has_cuda": bool(getattr(signals, "has_cuda", False)),
             "elapsed_s": round(time.time() - self.started, 1),
             "ok": not self.failed,
             "results": [dataclasses.asdict(r) for r in self.results],

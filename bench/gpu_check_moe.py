@@ -1,17 +1,18 @@
-"""One GPU, virtual ranks: checks g and timings of the fused MoE kernels (`overlap.kernels.moe`), launched with
-the arguments of `dispatch_grouped_matmul`'s fused strategy (`grouped_matmul_wait_kernel`, `_consume_fused`)
-and of `grouped_matmul_combine`'s (`grouped_matmul_scatter_kernel`, `moe_combine._fused`).
+"""One GPU, virtual ranks: checks g and timings of the fused MoE kernels (`overlap.kernels.moe`), launched as
+`dispatch_grouped_matmul`'s fused strategy launches `grouped_matmul_wait_kernel` and `grouped_matmul_combine`'s
+launches `grouped_matmul_scatter_kernel`: the ops' own tile tables (`overlap.ops.moe_layout.dispatch_tile_table`,
+`combine_tile_table`) and launchers (`overlap.kernels.launch_grouped_matmul_wait`, `launch_grouped_matmul_scatter`).
 
-The virtual ranks and the slot layout are `gpu_check_moe_group`'s; the sections: `gpu_check_moe_dispatch`
-(the wait kernel), `gpu_check_moe_combine` (the scatter kernel), `gpu_check_moe_a2a` (overlap._C's all-to-all
-kernels, GPU only), `gpu_check_moe_timing` (GPU only).
+The virtual ranks, the slot layout and the kernels' calls are `gpu_check_moe_group`'s; the sections (this module
+runs them in order): `gpu_check_moe_dispatch` (the wait kernel), `gpu_check_moe_combine` (the scatter kernel),
+`gpu_check_moe_a2a` (overlap.signals' all-to-all kernels, GPU only), `gpu_check_moe_timing` (GPU only).
 
 Checks (outputs and received rows NaN-poisoned; GEMMs against float64, received rows bitwise):
 g. dispatch ordered: every source writes its counts and its rows into every receiver's regions
-   (``index_select`` as `_produced` does) and flags them; then each receiver reads its header, builds its
+   (``index_select`` as the op's producer does) and flags them; then each receiver reads its header, builds its
    tile table and runs the wait kernel.
 g. dispatch racing: the wait kernels launch first and spin; the rows are copied in and flagged 20 ms later
-   from another stream, rank 0's last (GPU: plain copies and `_C` stream writes; the spinning grids leave
+   from another stream, rank 0's last (GPU: plain copies and stream-ordered flag writes; the spinning grids leave
    SMs free; CPU: a thread).
 g. dispatch timeout: rank 1's rows are in place but never flagged: rank 0's kernel gives up after its
    timeout with ``err == 2``, its own rows right.
@@ -33,15 +34,15 @@ from __future__ import annotations
 
 import torch
 from gpu_check_common import Report, moe_shapes
-from gpu_check_device import Device
 from gpu_check_moe_a2a import check_a2a_kernels
 from gpu_check_moe_combine import check_combine_ordered, check_combine_racing
 from gpu_check_moe_dispatch import check_dispatch_ordered, check_dispatch_racing, check_dispatch_timeout
 from gpu_check_moe_group import Config
 from gpu_check_moe_timing import time_combine, time_dispatch, timing_config
+from gpu_check_virtual import Device
 
 # ==============================================================================================
-# Entry: after the reduce-scatter checks of gpu_check_tp.run_tp_virtual
+# Entry: after the reduce-scatter checks of gpu_check_tp_rs.run_reduce_scatter_virtual
 # ==============================================================================================
 
 

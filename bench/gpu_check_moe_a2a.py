@@ -1,14 +1,14 @@
-"""h. overlap._C's MoE all-to-all kernels (csrc/cuda/moe_a2a.cu) on virtual ranks, with the ops' slot layout
+"""h. overlap.signals' MoE all-to-all kernels (csrc/cuda/moe_a2a.cu) on virtual ranks, with the ops' slot layout
 (`gpu_check_moe_group.MoEGroup`); run by `gpu_check_moe.run_moe_virtual` on GPUs only (the kernels need one)."""
 
 from __future__ import annotations
 
 import torch
 from gpu_check_common import Report
-from gpu_check_device import KERNEL_TIMEOUT_NS, Device
 from gpu_check_moe_group import Config, MoEGroup, staged_rows
+from gpu_check_virtual import KERNEL_TIMEOUT_NS, Device
 
-from overlap import _C
+from overlap import signals
 from overlap.ops import moe_cuda
 from overlap.ops import moe_layout as layout
 
@@ -43,12 +43,12 @@ def check_a2a_kernels(rep: Report, dev: Device, cfg: Config) -> None:
         for r in range(W):
             for s in range(W):
                 for i in g.group_flags(s, r, r * F):
-                    _C.cuda_wait_flag_bounded(g.flag(s, i).data_ptr(), epoch, KERNEL_TIMEOUT_NS,
+                    signals.cuda_wait_flag_bounded(g.flag(s, i).data_ptr(), epoch, KERNEL_TIMEOUT_NS,
                                               err[r : r + 1].data_ptr(), waiters[r].cuda_stream)
     for s, h, table, dst, n, num_sends, num_chunks, per_chunk in launches:
         G = layout.expert_groups(cfg.num_local_experts, W)
         stream = g.streams[s].cuda_stream if dev.cuda else 0
-        _C.moe_dispatch_rows(g.xs[s].data_ptr(), h.token_of.data_ptr(), num_sends, row_bytes,
+        signals.moe_dispatch_rows(g.xs[s].data_ptr(), h.token_of.data_ptr(), num_sends, row_bytes,
                              dst.data_ptr(), table.data_ptr(), table.data_ptr() + 8 * n, W * G, G, num_chunks,
                              per_chunk, g.counters[s].data_ptr(), table.data_ptr() + 16 * n, epoch, stream)
     dev.settle([*g.streams, *waiters], g.dispatch_flags(), name)
@@ -82,7 +82,7 @@ def check_a2a_kernels(rep: Report, dev: Device, cfg: Config) -> None:
         pos = h.inv_order
         dev.idle(name)
         if T:
-            _C.moe_combine_rows(back_table.data_ptr(), offsets.data_ptr(), W, pos.data_ptr(), weights.data_ptr(),
+            signals.moe_combine_rows(back_table.data_ptr(), offsets.data_ptr(), W, pos.data_ptr(), weights.data_ptr(),
                                 out.data_ptr(), T, K, H, moe_cuda.DTYPE_CODES[cfg.dtype],
                                 g.streams[r].cuda_stream if dev.cuda else 0)
         dev.settle(g.streams, [], name)

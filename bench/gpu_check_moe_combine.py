@@ -1,7 +1,8 @@
 """The combine direction of the MoE GPU check (`gpu_check_moe`): the scatter kernel
-(`grouped_matmul_scatter_kernel`, launched as `moe_combine._fused` does) and the sources' collection of
-their rows, ordered (two calls on the same buffers: flags at the epoch, counters back at 0) and racing
-(the sources' bounded waits first, the scatter kernels later). The virtual ranks are `gpu_check_moe_group`'s.
+(`grouped_matmul_scatter_kernel`, with `grouped_matmul_combine`'s tile table and launcher) and the sources'
+collection of their rows, ordered (two calls on the same buffers: flags at the epoch, counters back at 0) and
+racing (the sources' bounded waits first, the scatter kernels later). The virtual ranks and the kernel's call are
+`gpu_check_moe_group`'s.
 
 Imports overlap: the entry point imports this module only after its self-install.
 """
@@ -15,74 +16,23 @@ import time
 
 import torch
 from gpu_check_common import Report, compare, err_text
-from gpu_check_device import KERNEL_TIMEOUT_NS, Device
-from gpu_check_moe_group import Config, MoEGroup, expert_weights, op_tile, shared_queues
-from overlap.kernels.moe import grouped_matmul_scatter_kernel
+from gpu_check_moe_group import (
+    Config,
+    MoEGroup,
+    ScatterCall,
+    expert_weights,
+    launch_scatter,
+    scatter_call,
+    shared_queues,
+)
+from gpu_check_virtual import KERNEL_TIMEOUT_NS, Device
 
-from overlap import _C
-from overlap.ops import fused
+from overlap import signals
 from overlap.ops import moe_layout as layout
 
 # ==============================================================================================
-# The combine direction: the scatter kernel (`moe_combine._fused`), the sources' collection
+# The combine direction: inputs, the sources' collection, the judges
 # ==============================================================================================
-
-
-@dataclasses.dataclass
-class ScatterCall:
-    """One expert rank's scatter kernel: its rows (expert order), weights and tables."""
-
-    rank: int
-    y: torch.Tensor  # [R, F]
-    w: torch.Tensor  # [L, F, H], any strides
-    table: torch.Tensor | None  # int32 [tiles, 7]
-    grid: int
-    dst_table: torch.Tensor  # int64 [W]: this rank's region in every rank's slot, as `heap.ptr_table`
-
-
-def scatter_call(g: MoEGroup, r: int, y: torch.Tensor, w: torch.Tensor, dst: list[int] | None = None) -> ScatterCall:
-    """Rank `r`'s tile table exactly as `moe_combine._fused` builds it (peers from r + 1, own rows last)."""
-    W, L, G, F = g.world_size, g.cfg.num_local_experts, g.num_groups, g.flags_per_peer
-    h = g.handles[r]
-    bm, bn, _ = op_tile(g.dev, g.cfg.dtype)
-    tiles_n = fused.cdiv(w.shape[2], bn)
-    tiles, per_flag = [], {}
-    for i in range(1, W + 1):
-        s = (r + i) % W
-        for e in range(L):
-            c = h.recv_counts[s][e]
-            lo, at = h.within_source(s, e), h.expert_offsets[e][s]
-            flag = s * F + 1 + layout.group_of(e, L, G)
-            for t in range(0, c, bm):
-                tiles.append([s, e, at + t, lo + t, min(bm, c - t), flag, 0])
-                per_flag[flag] = per_flag.get(flag, 0) + tiles_n
-    for tile in tiles:
-        tile[6] = per_flag[tile[5]]
-    if dst is None:
-        hb = layout.header_bytes(W, L)
-        dst = [g.bufs[p].data_ptr() + hb + r * g.stride for p in range(W)]
-    d = g.dev.device
-    return ScatterCall(r, y, w, torch.tensor(tiles, dtype=torch.int32, device=d) if tiles else None,
-                       len(tiles) * tiles_n, torch.tensor(dst, dtype=torch.int64, device=d))
-
-
-def launch_scatter(g: MoEGroup, c: ScatterCall, epoch: int) -> None:
-    """The scatter kernel on the current stream with `moe_combine._fused`'s arguments."""
-    if c.table is None:
-        return
-    bm, bn, bk = op_tile(g.dev, g.cfg.dtype)
-    y, w, cols = c.y, c.w, c.w.shape[2]
-    grouped_matmul_scatter_kernel[(c.grid,)](
-        y, w, c.table,
-        c.dst_table, g.counters[c.rank], g.flag_table,
-        epoch, c.rank,
-        cols, y.shape[1],
-        y.stride(0),
-        w.stride(0), w.stride(1), w.stride(2),
-        cols,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        UPCAST=not g.dev.cuda and y.dtype == torch.bfloat16,
-    )
 
 
 @dataclasses.dataclass
@@ -200,7 +150,7 @@ def check_combine_racing(rep: Report, dev: Device, cfg: Config) -> None:
             for i in range(W):
                 d = (s - i) % W
                 for index in g.group_flags(s, d, s * F):
-                    if not _C.signal_wait(g.flag(d, index).data_ptr(), epoch, 10.0):
+                    if not signals.signal_wait(g.flag(d, index).data_ptr(), epoch, 10.0):
                         failed.append(f"source {s}: flag {index} of rank {d} never reached {epoch}")
             collect(g, s, backs[s])
             ends[s] = time.perf_counter()
@@ -230,7 +180,7 @@ def check_combine_racing(rep: Report, dev: Device, cfg: Config) -> None:
             for i in range(W):
                 d = (s - i) % W
                 for index in g.group_flags(s, d, s * F):
-                    _C.cuda_wait_flag_bounded(g.flag(d, index).data_ptr(), epoch, KERNEL_TIMEOUT_NS,
+                    signals.cuda_wait_flag_bounded(g.flag(d, index).data_ptr(), epoch, KERNEL_TIMEOUT_NS,
                                               errs[s].data_ptr(), stream.cuda_stream)
             collect(g, s, backs[s], stream)
             ends[s].record(stream)

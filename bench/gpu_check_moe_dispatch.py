@@ -1,131 +1,38 @@
-"""The dispatch direction of the MoE GPU check (`gpu_check_moe`): the producers' copies of counts and rows
-(`_produced`) and the receivers' wait kernel (`grouped_matmul_wait_kernel`, launched with the arguments of
-`dispatch_grouped_matmul`'s fused strategy, `_consume_fused`); checks g ordered, racing (rows copied in and
-flagged later from another stream) and timeout (a block never flagged).
+"""The dispatch direction of the MoE GPU check (`gpu_check_moe`): the sources' copies of counts and rows and the
+receivers' wait kernel (`grouped_matmul_wait_kernel`, with `dispatch_grouped_matmul`'s tile table and launcher;
+both calls are `gpu_check_moe_group`'s); checks g ordered, racing (rows copied in and flagged later from another
+stream) and timeout (a block never flagged).
 
 Imports overlap: the entry point imports this module only after its self-install.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import math
 import threading
 import time
 
 import torch
 from gpu_check_common import Report, compare, err_text
-from gpu_check_device import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device, Tile
-from gpu_check_moe_group import Config, MoEGroup, expert_mm64, expert_weights, op_tile, shared_queues, staged_rows
-from overlap.kernels.moe import grouped_matmul_wait_kernel
-
-from overlap.ops import fused
-from overlap.ops import moe_layout as layout
+from gpu_check_moe_group import (
+    Config,
+    MoEGroup,
+    WaitCall,
+    expert_mm64,
+    expert_weights,
+    launch_wait,
+    shared_queues,
+    staged_rows,
+    wait_call,
+    write_counts,
+    write_rows,
+)
+from gpu_check_virtual import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device
+from overlap.kernels import Watchdog
 
 # ==============================================================================================
-# The dispatch direction: producers' copies, the wait kernel (`_consume_fused`)
+# The dispatch direction: the receivers' results
 # ==============================================================================================
-
-
-def write_counts(g: MoEGroup, s: int, epoch: int) -> None:
-    """Source `s`'s counts into row `s` of every rank's header, each flagged (`_produced`)."""
-    W, F = g.world_size, g.flags_per_peer
-    with g.dev.on(g.streams[s]):
-        mine = torch.tensor(g.handles[s].send_counts, dtype=torch.int32, device=g.dev.device)
-        for i in range(W):
-            d = (s + i) % W
-            g.header(d)[s].copy_(mine[d])
-            g.dev.publish(g.flag(s, d * F), epoch, g.streams[s])
-
-
-def write_rows(g: MoEGroup, s: int, d: int, epoch: int | None, staged: torch.Tensor | None = None,
-               stream: torch.cuda.Stream | None = None) -> None:
-    """Source `s`'s rows for `d` into region `s` of `d`'s slot, expert group by group, each flagged after its
-    rows (`_produced.write`; no flag with `epoch` None). From `staged` (the rows in send order, contiguous:
-    a plain copy, which a GPU runs as a memcpy) or gathered from the tokens with ``index_select`` as the op does."""
-    h, L, F, G = g.handles[s], g.cfg.num_local_experts, g.flags_per_peer, g.num_groups
-    stream = g.streams[s] if stream is None else stream
-    region, base = g.region(d, s), h.send_offsets[d]
-    with g.dev.on(stream):
-        for gi in range(G):
-            experts = layout.group_experts(gi, L, G)
-            lo, hi = h.within_dest(d, experts.start), h.within_dest(d, experts.stop)
-            if hi <= lo:
-                continue
-            if staged is not None:
-                region[lo:hi].copy_(staged[lo:hi])
-            else:
-                torch.index_select(g.xs[s], 0, h.token_of[base + lo : base + hi], out=region[lo:hi])
-            if epoch is not None:
-                g.dev.publish(g.flag(s, d * F + 1 + gi), epoch, stream)
-
-
-@dataclasses.dataclass
-class WaitCall:
-    """One receiver's wait kernel: its tiles, tables, NaN-poisoned outputs and error words."""
-
-    rank: int
-    w: torch.Tensor  # [L, H, F], any strides
-    tile: Tile | None  # None: the op's default tiles and launch options; else a timing variant
-    blocks: tuple[int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K: the table and the grid are built for them
-    src_table: torch.Tensor  # int64 [W]: the regions of this rank's slot, as `heap.region_table`
-    table: torch.Tensor | None  # int32 [tiles, 6] (None: no rows)
-    grid: int
-    out: torch.Tensor  # [R, F]
-    recv: torch.Tensor  # [R, H]
-    err: torch.Tensor  # int32 [1]
-    abort: torch.Tensor  # int32 [1]; the error word itself on GPUs, as the op passes it
-
-
-def wait_call(g: MoEGroup, r: int, w: torch.Tensor, tile: Tile | None = None) -> WaitCall:
-    """Rank `r`'s tile table exactly as `_consume_fused` builds it from ``h.recv_counts``."""
-    d, W, L, G, F = g.dev.device, g.world_size, g.cfg.num_local_experts, g.num_groups, g.flags_per_peer
-    h, dtype = g.handles[r], g.cfg.dtype
-    blocks = op_tile(g.dev, dtype) if tile is None else (tile.block_m, tile.block_n, tile.block_k)
-    bm, bn, _ = blocks
-    tiles = []  # (source, expert, row in the source's region, row in out, rows, flag index)
-    for i in range(W):
-        s = (r - i) % W
-        for e in range(L):
-            c = h.recv_counts[s][e]
-            lo, at = h.within_source(s, e), h.expert_offsets[e][s]
-            for t in range(0, c, bm):
-                tiles.append((s, e, lo + t, at + t, min(bm, c - t), r * F + 1 + layout.group_of(e, L, G)))
-    hb = layout.header_bytes(W, L)
-    src = [g.bufs[r].data_ptr() + hb + s * g.stride for s in range(W)] if g.bufs[r] is not None else [0] * W
-    err = torch.zeros(1, dtype=torch.int32, device=d)
-    return WaitCall(r, w, tile, blocks, torch.tensor(src, dtype=torch.int64, device=d),
-                    torch.tensor(tiles, dtype=torch.int32, device=d) if tiles else None,
-                    len(tiles) * fused.cdiv(w.shape[2], bn),
-                    torch.full((h.num_recv, w.shape[2]), math.nan, device=d, dtype=dtype),
-                    torch.full((h.num_recv, g.cfg.hidden), math.nan, device=d, dtype=dtype),
-                    err, err if g.dev.cuda else torch.zeros(1, dtype=torch.int32, device=d))
-
-
-def launch_wait(g: MoEGroup, c: WaitCall, epoch: int, timeout_ns: int, watchdog: bool = True) -> None:
-    """The wait kernel on the current stream with `_consume_fused`'s arguments. Interpreted, its spins end
-    when the abort word is set: a watchdog sets it after `timeout_ns` (as `_consume_fused` does), unless the
-    caller bounds the launch itself (`watchdog=False`)."""
-    if c.table is None:
-        return
-    interpreted, dtype, w = not g.dev.cuda, g.cfg.dtype, c.w
-    bm, bn, bk = c.blocks
-    tile = c.tile
-    options = {} if tile is None or interpreted else {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
-    guard = fused.Watchdog(c.abort, timeout_ns / 1e9) if watchdog and interpreted else contextlib.nullcontext()
-    with guard:
-        grouped_matmul_wait_kernel[(c.grid,)](
-            c.src_table, g.flag_table, c.table,
-            w, c.out, c.recv,
-            epoch, c.abort, c.err, timeout_ns,
-            w.shape[2], g.cfg.hidden,
-            w.stride(0), w.stride(1), w.stride(2),
-            c.out.stride(0), c.recv.stride(0),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INTERPRETED=interpreted,
-            UPCAST=interpreted and dtype == torch.bfloat16,
-            **options,
-        )
 
 
 def judge_wait(g: MoEGroup, c: WaitCall, problems: list[str], expect_err: int = 0,
@@ -221,7 +128,7 @@ def check_dispatch_racing(rep: Report, dev: Device, cfg: Config) -> None:
         thread = threading.Thread(target=publisher, daemon=True)
         abort = calls[0].abort  # one abort word: the watchdog bounds every interpreted spin
         ends = []
-        with fused.Watchdog(abort, 10.0):
+        with Watchdog(abort, 10.0):
             thread.start()
             for c in calls:
                 c.abort = abort
@@ -229,7 +136,7 @@ def check_dispatch_racing(rep: Report, dev: Device, cfg: Config) -> None:
                 ends.append(time.perf_counter())
         thread.join(timeout=5.0)
         problems += [f"rank {r} finished before rank 0's rows were written" for r, t in enumerate(ends)
-                     if needs_rank0(g, r) and calls[r].table is not None and t <= last_due[0]]
+                     if needs_rank0(g, r) and calls[r].runs and t <= last_due[0]]
         note = "thread publisher"
     else:
         cells = sum(c.grid for c in calls) + 1  # + the publisher's delay kernel
@@ -255,7 +162,7 @@ def check_dispatch_racing(rep: Report, dev: Device, cfg: Config) -> None:
             for d in range(W):  # plain copies (memcpy, no SM needed) and stream-ordered flag writes
                 write_rows(g, s, d, epoch, staged=staged[s][d], stream=pub)
         dev.settle([*g.streams, pub], g.dispatch_flags(), name)
-        after = [last_due.elapsed_time(ends[r]) for r in range(W) if needs_rank0(g, r) and calls[r].table is not None]
+        after = [last_due.elapsed_time(ends[r]) for r in range(W) if needs_rank0(g, r) and calls[r].runs]
         problems += [f"a receiver finished {-t:.3f} ms before rank 0's rows were written" for t in after if t <= 0]
         note = f"ended {min(after):.3f}-{max(after):.3f} ms after rank 0's rows were due" if after else ""
     worst = [judge_wait(g, c, problems) for c in calls]
@@ -284,7 +191,7 @@ def check_dispatch_timeout(rep: Report, dev: Device, cfg: Config) -> None:
         waited = start.elapsed_time(end) / 1e3
     else:
         t0 = time.perf_counter()
-        with fused.Watchdog(c.abort, timeout_s):  # the interpreter's abort word stands in for %globaltimer
+        with Watchdog(c.abort, timeout_s):  # the interpreter's abort word stands in for %globaltimer
             launch_wait(g, c, epoch, SHORT_TIMEOUT_NS, watchdog=False)
         waited = time.perf_counter() - t0
     problems: list[str] = []

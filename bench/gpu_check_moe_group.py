@@ -12,7 +12,11 @@ picks. The layout math is the ops' own (`overlap.ops.moe_layout`: `route`, `MoEH
 they come straight from ``topk_idx`` (expert, then source rank, then pair order).
 
 Also here: what several sections share besides the ranks (the float64 reference of a grouped GEMM, the rows a
-source sends, the ops' default tiles, the hardware-queue rule of the racing checks).
+source sends, the ops' default tiles, the hardware-queue rule of the racing checks), and what they do on the
+ranks: a source's copies of its counts and rows (as the op's ``symm``/``fused`` producer does), and the calls of
+the two grouped-GEMM kernels with the ops' own tile tables (`layout.dispatch_tile_table`,
+`layout.combine_tile_table`) through the ops' launchers (`overlap.kernels.launch_grouped_matmul_wait`,
+`launch_grouped_matmul_scatter`).
 
 Imports overlap: the entry point imports this module only after its self-install.
 """
@@ -26,7 +30,8 @@ import types
 
 import torch
 from gpu_check_common import Report, dtype_name
-from gpu_check_device import Device
+from gpu_check_virtual import Device, Tile
+from overlap.kernels import grouped_matmul_grid, launch_grouped_matmul_scatter, launch_grouped_matmul_wait
 
 from overlap import symm
 from overlap.ops import fused
@@ -238,3 +243,120 @@ def shared_queues(rep: Report, name: str, world_size: int) -> bool:
     rep.add(name, "SKIP", f"CUDA_DEVICE_MAX_CONNECTIONS={connections}: streams share hardware queues, so a "
                           "waiting stream would block the publisher")
     return True
+
+
+# ==============================================================================================
+# What the sections do on the ranks: the sources' copies, the kernels' calls (the ops' tile tables and
+# launchers: `overlap.ops.moe_layout.dispatch_tile_table`, `combine_tile_table`, `overlap.kernels.moe`)
+# ==============================================================================================
+
+
+def write_counts(g: MoEGroup, s: int, epoch: int) -> None:
+    """Source `s`'s counts into row `s` of every rank's header, each flagged (`_produced`)."""
+    W, F = g.world_size, g.flags_per_peer
+    with g.dev.on(g.streams[s]):
+        mine = torch.tensor(g.handles[s].send_counts, dtype=torch.int32, device=g.dev.device)
+        for i in range(W):
+            d = (s + i) % W
+            g.header(d)[s].copy_(mine[d])
+            g.dev.publish(g.flag(s, d * F), epoch, g.streams[s])
+
+
+def write_rows(g: MoEGroup, s: int, d: int, epoch: int | None, staged: torch.Tensor | None = None,
+               stream: torch.cuda.Stream | None = None) -> None:
+    """Source `s`'s rows for `d` into region `s` of `d`'s slot, expert group by group, each flagged after its
+    rows (`_produced.write`; no flag with `epoch` None). From `staged` (the rows in send order, contiguous:
+    a plain copy, which a GPU runs as a memcpy) or gathered from the tokens with ``index_select`` as the op does."""
+    h, L, F, G = g.handles[s], g.cfg.num_local_experts, g.flags_per_peer, g.num_groups
+    stream = g.streams[s] if stream is None else stream
+    region, base = g.region(d, s), h.send_offsets[d]
+    with g.dev.on(stream):
+        for gi in range(G):
+            experts = layout.group_experts(gi, L, G)
+            lo, hi = h.within_dest(d, experts.start), h.within_dest(d, experts.stop)
+            if hi <= lo:
+                continue
+            if staged is not None:
+                region[lo:hi].copy_(staged[lo:hi])
+            else:
+                torch.index_select(g.xs[s], 0, h.token_of[base + lo : base + hi], out=region[lo:hi])
+            if epoch is not None:
+                g.dev.publish(g.flag(s, d * F + 1 + gi), epoch, stream)
+
+
+@dataclasses.dataclass
+class WaitCall:
+    """One receiver's wait kernel: its tiles, tables, NaN-poisoned outputs and error words."""
+
+    rank: int
+    w: torch.Tensor  # [L, H, F], any strides
+    tile: Tile | None  # None: the op's default tiles and launch options; else a timing variant
+    blocks: tuple[int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K: the table and the grid are built for them
+    src_table: torch.Tensor  # int64 [W]: the regions of this rank's slot, as `heap.region_table`
+    table: torch.Tensor  # int32 [tiles, 6] (no rows: [0, 6], nothing launched)
+    grid: int
+    out: torch.Tensor  # [R, F]
+    recv: torch.Tensor  # [R, H]
+    err: torch.Tensor  # int32 [1]
+    abort: torch.Tensor  # int32 [1]; the error word itself on GPUs, as the op passes it
+
+    @property
+    def runs(self) -> bool:
+        return bool(self.table.shape[0])
+
+
+def wait_call(g: MoEGroup, r: int, w: torch.Tensor, tile: Tile | None = None) -> WaitCall:
+    """Rank `r`'s call: the op's own tile table (`layout.dispatch_tile_table`) from ``h.recv_counts``."""
+    d, W, L = g.dev.device, g.world_size, g.cfg.num_local_experts
+    h, dtype = g.handles[r], g.cfg.dtype
+    blocks = op_tile(g.dev, dtype) if tile is None else (tile.block_m, tile.block_n, tile.block_k)
+    bm, bn, _ = blocks
+    table = layout.dispatch_tile_table(h, r, bm, d)
+    hb = layout.header_bytes(W, L)
+    src = [g.bufs[r].data_ptr() + hb + s * g.stride for s in range(W)] if g.bufs[r] is not None else [0] * W
+    err = torch.zeros(1, dtype=torch.int32, device=d)
+    return WaitCall(r, w, tile, blocks, torch.tensor(src, dtype=torch.int64, device=d), table,
+                    grouped_matmul_grid(table.shape[0], w.shape[2], bn),
+                    torch.full((h.num_recv, w.shape[2]), math.nan, device=d, dtype=dtype),
+                    torch.full((h.num_recv, g.cfg.hidden), math.nan, device=d, dtype=dtype),
+                    err, err if g.dev.cuda else torch.zeros(1, dtype=torch.int32, device=d))
+
+
+def launch_wait(g: MoEGroup, c: WaitCall, epoch: int, timeout_ns: int, watchdog: bool = True) -> None:
+    """The wait kernel on the current stream, through the launcher `dispatch_grouped_matmul`'s fused strategy calls.
+    Interpreted, its spins end when the abort word is set: a watchdog sets it after `timeout_ns` (as the op's
+    launch does), unless the caller bounds the launch itself (`watchdog=False`)."""
+    tile = c.tile
+    options = {} if tile is None else {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
+    launch_grouped_matmul_wait(c.src_table, g.flag_table, c.table, c.w, c.out, c.recv, epoch=epoch, err=c.err,
+                               timeout_ns=timeout_ns, block=c.blocks, abort=c.abort, watchdog=watchdog, **options)
+
+
+@dataclasses.dataclass
+class ScatterCall:
+    """One expert rank's scatter kernel: its rows (expert order), weights and tables."""
+
+    rank: int
+    y: torch.Tensor  # [R, F]
+    w: torch.Tensor  # [L, F, H], any strides
+    table: torch.Tensor  # int32 [tiles, 7] (no rows: [0, 7], nothing launched)
+    dst_table: torch.Tensor  # int64 [W]: this rank's region in every rank's slot, as `heap.ptr_table`
+
+
+def scatter_call(g: MoEGroup, r: int, y: torch.Tensor, w: torch.Tensor, dst: list[int] | None = None) -> ScatterCall:
+    """Rank `r`'s call: the op's own tile table (`layout.combine_tile_table`: peers from r + 1, own rows last)."""
+    W, L = g.world_size, g.cfg.num_local_experts
+    bm, bn, _ = op_tile(g.dev, g.cfg.dtype)
+    d = g.dev.device
+    table = layout.combine_tile_table(g.handles[r], r, bm, fused.cdiv(w.shape[2], bn), d)
+    if dst is None:
+        hb = layout.header_bytes(W, L)
+        dst = [g.bufs[p].data_ptr() + hb + r * g.stride for p in range(W)]
+    return ScatterCall(r, y, w, table, torch.tensor(dst, dtype=torch.int64, device=d))
+
+
+def launch_scatter(g: MoEGroup, c: ScatterCall, epoch: int) -> None:
+    """The scatter kernel on the current stream, through the launcher `grouped_matmul_combine`'s fused strategy
+    calls."""
+    launch_grouped_matmul_scatter(c.y, c.w, c.table, c.dst_table, g.counters[c.rank], g.flag_table, epoch=epoch,
+                                  rank=c.rank, block=op_tile(g.dev, g.cfg.dtype))

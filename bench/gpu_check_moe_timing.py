@@ -3,7 +3,7 @@
 Rank 0 of W = 8 virtual ranks with every peer's rows delivered: the wait kernel with every flag set
 against one ``torch.mm`` per local expert over the same rows (and torch's ``_grouped_mm`` where it runs),
 and the scatter kernel against the same loop (bf16, `moe_shapes`). The virtual ranks are
-`gpu_check_moe_group`'s, the launches `gpu_check_moe_dispatch`'s and `gpu_check_moe_combine`'s.
+`gpu_check_moe_group`'s, and so are the kernels' calls (the ops' tile tables and launchers).
 
 Imports overlap: the entry point imports this module only after its self-install.
 """
@@ -14,10 +14,19 @@ import math
 
 import torch
 from gpu_check_common import Report, compare, do_bench, err_text, matmul_tflops
-from gpu_check_device import KERNEL_TIMEOUT_NS, Device, Tile
-from gpu_check_moe_combine import launch_scatter, scatter_call
-from gpu_check_moe_dispatch import launch_wait, wait_call, write_rows
-from gpu_check_moe_group import Config, MoEGroup, expert_mm64, expert_weights, op_tile
+from gpu_check_moe_group import (
+    Config,
+    MoEGroup,
+    expert_mm64,
+    expert_weights,
+    launch_scatter,
+    launch_wait,
+    op_tile,
+    scatter_call,
+    wait_call,
+    write_rows,
+)
+from gpu_check_virtual import KERNEL_TIMEOUT_NS, Device, Tile
 
 # ==============================================================================================
 # Timings (one GPU): rank 0 of W = 8, every peer's rows delivered

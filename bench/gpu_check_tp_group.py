@@ -1,12 +1,18 @@
-"""The virtual tensor-parallel ranks of the one-GPU check (`gpu_check_tp`): the heap layouts of the fused
-reduce-scatter strategies, the launches of their kernels (`overlap.kernels.mm_rs`: `matmul_scatter_kernel`,
-then `reduce_chunks_kernel`, with the arguments of `scatter_and_reduce` and `reduce_sources`) and the judges
-of a call's results (float64 sums with a rounding bound, the protocol state a call leaves behind).
+"""The virtual tensor-parallel ranks of the one-GPU check and their heap layouts, which the sections of
+`gpu_check_tp_ag` (the all-gather GEMM kernel) and `gpu_check_tp_rs` (the scatter and reduction kernels) start
+from: their buffers, flags and address tables, the launches of their kernels (through the launchers the ops
+call: `overlap.kernels.launch_all_gather_matmul`, `launch_matmul_scatter`, `launch_reduce_chunks`) and the
+judges of a reduction's results (float64 sums with a rounding bound, the protocol state a call leaves behind).
 
-As in gpu_check_virtual: W virtual ranks in one process, each with its own stream, its own symmetric
-slot (a plain device tensor, NaN until written), its own flag pad (int32 ``[MAX_FLAGS]`` starting at the
-previous call's epoch) and its own chunk counters; the address tables are int64 tensors laid out as the
-op lays out its heap. Layouts (`Layout.kind`):
+W virtual ranks live in one process (gpu_check_virtual), each with its own stream, its own symmetric buffer
+(a plain device tensor, NaN until written) and its own flags (starting at the previous call's epoch); the
+address tables are int64 tensors of their ``data_ptr()``, laid out as the ops lay out their heaps.
+
+`GatherGroup`: `all_gather_matmul`'s fused strategy. Every rank's shard ``[m, k]`` in its buffer, one ready
+flag per rank; every rank's kernel reads every shard through the table.
+
+`ScatterGroup`: the fused reduce-scatter strategies; a slot of regions per rank, a flag pad (int32
+``[MAX_FLAGS]``) and chunk counters. Layouts (`Layout.kind`):
 
 * ``rs``: `matmul_reduce_scatter`'s fused strategy. ``a`` has ``W * m`` rows; rank ``r`` stores block
   ``d`` of its partial into region ``r`` of ``d``'s slot and flags ``d * F + chunk`` in its own pad
@@ -21,7 +27,6 @@ Imports overlap: the entry point imports this module only after its self-install
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 
@@ -34,8 +39,15 @@ from gpu_check_common import (
     UNIT_ROUNDOFF,
     compare_bound,
 )
-from gpu_check_device import Device
-from overlap.kernels.mm_rs import matmul_scatter_kernel, reduce_chunks_kernel
+from gpu_check_virtual import Device, Tile
+from overlap.kernels import (
+    all_gather_matmul_grid,
+    chunk_count,
+    launch_all_gather_matmul,
+    launch_matmul_scatter,
+    launch_reduce_chunks,
+    reduce_chunks_grid,
+)
 
 from overlap import symm
 from overlap.ops import fused
@@ -45,7 +57,97 @@ KINDS = {"rs": "reduce-scatter", "ar2": "all-reduce two-shot (its reduce-scatter
 
 
 # ==============================================================================================
-# Virtual ranks with the heap layout of the fused strategies
+# The all-gather layout: one shard and one ready flag per rank
+# ==============================================================================================
+
+
+@dataclasses.dataclass
+class GatherGroup:
+    """W virtual ranks: shards, symmetric buffers, flag words, pointer tables, one stream each.
+
+    Shape legend: ``m`` rows per rank, ``k`` inner dim, ``n`` columns; ``b`` is ``[k, n]``.
+    """
+
+    dev: Device
+    shards: list[torch.Tensor]  # [m, k] the rows each rank contributes (fresh random)
+    buffers: list[torch.Tensor]  # [m, k] each rank's symmetric buffer, NaN until its shard is copied in
+    flags: list[torch.Tensor]  # int32 [4] each rank's flag word at [0] (own allocation, as on real ranks)
+    ptr_table: torch.Tensor  # int64 [W]: buffers[r].data_ptr()
+    flag_table: torch.Tensor  # int64 [W]: flags[r].data_ptr()
+    b: torch.Tensor
+    streams: list[torch.cuda.Stream | None]
+
+    @classmethod
+    def create(cls, dev: Device, world_size: int, m: int, k: int, n: int, dtype: torch.dtype,
+               stale: int, b_layout: str = "w.t()") -> GatherGroup:
+        """Flags start at `stale` (a previous call's epoch), not 0: consumers must wait for >= epoch."""
+        d = dev.device
+        shards = [torch.randn(m, k, device=d, dtype=dtype) / math.sqrt(k) for _ in range(world_size)]
+        b = torch.randn(n, k, device=d, dtype=dtype).t() if b_layout == "w.t()" else torch.randn(k, n, device=d,
+                                                                                                 dtype=dtype)
+        buffers = [torch.full((m, k), math.nan, device=d, dtype=dtype) for _ in range(world_size)]
+        flags = [torch.full((4,), stale, device=d, dtype=torch.int32) for _ in range(world_size)]
+        ptr_table = torch.tensor([t.data_ptr() for t in buffers], dtype=torch.int64, device=d)
+        flag_table = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=d)
+        streams = [dev.stream() for _ in range(world_size)]
+        dev.idle("setting up virtual ranks")  # the streams below must see these writes
+        return cls(dev, shards, buffers, flags, ptr_table, flag_table, b, streams)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.shards)
+
+    def reference(self) -> torch.Tensor:
+        """The unfused result ``torch.cat(shards) @ b``, in float64."""
+        return torch.cat(self.shards).double() @ self.b.double()
+
+    def produce(self, rank: int, epoch: int) -> None:
+        """Rank `rank` copies its shard into its buffer, then flags it (ordered after the copy)."""
+        with self.dev.on(self.streams[rank]):
+            self.buffers[rank].copy_(self.shards[rank])
+        self.dev.publish(self.flags[rank], epoch, self.streams[rank])
+
+    def fill_buffers(self) -> None:
+        """Copy every shard into its buffer without flagging it (the racing and timeout checks)."""
+        for r in range(self.world_size):
+            self.buffers[r].copy_(self.shards[r])
+        self.dev.idle("filling buffers")
+
+
+@dataclasses.dataclass
+class Consumer:
+    """What one rank's all-gather kernel writes."""
+
+    out: torch.Tensor  # [W*m, n], NaN-poisoned
+    err: torch.Tensor  # int32 [1]: src + 1 of a tile whose wait timed out (atomic max)
+    abort: torch.Tensor  # int32 [1]: the interpreter's abort word
+
+
+def new_consumer(g: GatherGroup) -> Consumer:
+    """A rank's NaN-poisoned output ``[W*m, n]`` and zero error and abort words."""
+    (m, _), n, d = g.shards[0].shape, g.b.shape[1], g.dev.device
+    out = torch.full((g.world_size * m, n), math.nan, device=d, dtype=g.shards[0].dtype)
+    return Consumer(out, torch.zeros(1, dtype=torch.int32, device=d), torch.zeros(1, dtype=torch.int32, device=d))
+
+
+def gather_grid(g: GatherGroup, tile: Tile) -> int:
+    """Programs of one rank's kernel (`launch_gather`) at `tile`."""
+    (m, _), n = g.shards[0].shape, g.b.shape[1]
+    return all_gather_matmul_grid(g.world_size, m, n, tile.block_m, tile.block_n)
+
+
+def launch_gather(g: GatherGroup, rank: int, c: Consumer, epoch: int, timeout_ns: int, tile: Tile) -> None:
+    """Virtual rank `rank`'s fused kernel on the current stream, through the launcher `all_gather_matmul`'s fused
+    strategy calls. Interpreted, nothing here bounds its spins: the caller sets the abort word (a watchdog) where
+    a flag may never come."""
+    launch_all_gather_matmul(g.b, g.ptr_table, g.flag_table, rows=g.shards[0].shape[0], epoch=epoch, rank=rank,
+                             err=c.err, timeout_ns=timeout_ns, block=(tile.block_m, tile.block_n, tile.block_k),
+                             out=c.out, abort=c.abort, watchdog=False, num_warps=tile.num_warps,
+                             num_stages=tile.num_stages)
+
+
+# ==============================================================================================
+# The reduce-scatter layouts: regions per writer, flags per chunk, counters
 # ==============================================================================================
 
 
@@ -88,7 +190,7 @@ class Layout:
 
 
 @dataclasses.dataclass
-class TPGroup:
+class ScatterGroup:
     """W virtual ranks: inputs, slots, flag pads, counters, address tables, outputs, one stream each.
 
     Shape legend: every rank's ``a`` is ``[rows, k]``, its ``b`` ``[k, n]``; a slot holds `regions` regions
@@ -117,12 +219,11 @@ class TPGroup:
 
     @classmethod
     def create(cls, dev: Device, lay: Layout, k: int, n: int, dtype: torch.dtype, num_chunks: int, stale: int,
-               b_layout: str = "w.t()") -> TPGroup:
+               b_layout: str = "w.t()") -> ScatterGroup:
         d, W = dev.device, lay.world_size
         interpreted = not dev.cuda
         tile = fused.fused_tiles(0, 0, 0, interpreted, dtype)  # the op's default tiles
-        # The chunk count of `scatter_and_reduce`: the plan's, at most the flags and the row tiles.
-        nch = max(1, min(num_chunks, lay.max_chunks, fused.cdiv(lay.block_rows, tile[0])))
+        nch = chunk_count(num_chunks, lay.max_chunks, lay.block_rows, tile[0])  # as `scatter_and_reduce` counts
         rb = region_bytes(lay.block_rows, n, dtype)
         regions = 1 if lay.kind == "ar1" else W
         slots = [torch.empty(regions * rb, dtype=torch.uint8, device=d) for _ in range(W)]
@@ -220,54 +321,30 @@ class TPGroup:
         return TF32_BLOCK_RTOL if self.tf32 else BLOCK_RTOL[self.dtype]
 
 
-def scatter_grid(g: TPGroup) -> int:
+def reduce_grid(g: ScatterGroup) -> int:
     bm, bn, _ = g.tile
-    return g.lay.num_dest * fused.cdiv(g.lay.block_rows, bm) * fused.cdiv(g.n, bn)
+    return reduce_chunks_grid(g.lay.block_rows, g.n, bm, bn)
 
 
-def reduce_grid(g: TPGroup) -> int:
-    bm, bn, _ = g.tile
-    return fused.cdiv(g.lay.block_rows, bm) * fused.cdiv(g.n, bn)
+def launch_scatter(g: ScatterGroup, rank: int, epoch: int) -> None:
+    """Rank `rank`'s producer kernel on the current stream, through the launcher `scatter_and_reduce` calls."""
+    launch_matmul_scatter(g.a[rank], g.b[rank], g.dst_tables[rank], g.counters[rank], g.flag_base,
+                          block_rows=g.lay.block_rows, num_chunks=g.nch, flag_stride=g.lay.flag_stride, epoch=epoch,
+                          rank=rank, block=g.tile)
 
 
-def launch_scatter(g: TPGroup, rank: int, epoch: int) -> None:
-    """Rank `rank`'s producer kernel on the current stream, with the arguments `scatter_and_reduce` passes."""
-    a2, b, lay = g.a[rank], g.b[rank], g.lay
-    bm, bn, bk = g.tile
-    matmul_scatter_kernel[(scatter_grid(g),)](
-        a2, b,
-        g.dst_tables[rank], g.counters[rank], g.flag_base, lay.flag_stride,
-        epoch, rank,
-        a2.shape[0], g.n, a2.shape[1], lay.block_rows, lay.num_dest, g.nch,
-        a2.stride(0),
-        b.stride(0), b.stride(1),
-        g.n,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-        UPCAST=not g.dev.cuda and a2.dtype == torch.bfloat16,
-    )
-
-
-def launch_reduce(g: TPGroup, rank: int, epoch: int, timeout_ns: int, watchdog: bool = True) -> None:
-    """Rank `rank`'s reduction kernel on the current stream, with the arguments `reduce_sources` passes.
+def launch_reduce(g: ScatterGroup, rank: int, epoch: int, timeout_ns: int, watchdog: bool = True) -> None:
+    """Rank `rank`'s reduction kernel on the current stream, through the launcher `reduce_sources` calls.
 
     Interpreted, its spins end when the abort word is set: a watchdog sets it after `timeout_ns` (as
     `reduce_sources` does), unless the caller bounds the launch itself (`watchdog=False`)."""
-    out = g.outs[rank]
     bm, bn, _ = g.tile
-    guard = fused.Watchdog(g.aborts[rank], timeout_ns / 1e9) if watchdog and not g.dev.cuda \
-        else contextlib.nullcontext()
-    with guard:
-        reduce_chunks_kernel[(reduce_grid(g),)](
-            out, g.src_tables[rank], g.reduce_flags[rank],
-            epoch, g.aborts[rank], g.errs[rank], timeout_ns,
-            out.shape[0], g.n, g.lay.block_rows, g.world_size, g.nch,
-            g.n,
-            out.stride(0), out.stride(1),
-            BLOCK_M=bm, BLOCK_N=bn, INTERPRETED=not g.dev.cuda,
-        )
+    launch_reduce_chunks(g.outs[rank], g.src_tables[rank], g.reduce_flags[rank], block_rows=g.lay.block_rows,
+                         num_chunks=g.nch, epoch=epoch, err=g.errs[rank], timeout_ns=timeout_ns, block=(bm, bn),
+                         abort=g.aborts[rank], watchdog=watchdog)
 
 
-def judge_outputs(g: TPGroup, problems: list[str]) -> tuple[float, float]:
+def judge_outputs(g: ScatterGroup, problems: list[str]) -> tuple[float, float]:
     """Every rank's output against its float64 sum, and its error word (0); (worst error, worst block)."""
     worst_err, worst_rel = 0.0, 0.0
     for r, out in enumerate(g.outs):
@@ -285,7 +362,7 @@ def judge_outputs(g: TPGroup, problems: list[str]) -> tuple[float, float]:
     return worst_err, worst_rel
 
 
-def check_protocol_state(g: TPGroup, epoch: int, problems: list[str]) -> None:
+def check_protocol_state(g: ScatterGroup, epoch: int, problems: list[str]) -> None:
     """After a call: every chunk counter back at 0 (the next call reuses them), every awaited flag at `epoch`."""
     for r in range(g.world_size):
         if int(g.counters[r].abs().sum()):

@@ -1,401 +1,224 @@
-"""One GPU, virtual ranks: the checks a-c and e and the fused all-gather timings of bench/gpu_check.py (its
-docstring tells the whole story); checks d and the signal and copy timings are gpu_check_primitives'.
+"""Virtual ranks on one device (bench/gpu_check.py): `Device` (a GPU with its streams and stream-ordered flag
+writes, or the CPU under the Triton interpreter), the bounded drain every check ends with, the kernels' tile
+configurations (`Tile`), the timeouts every virtual-rank section shares; and the checks d and timings of the
+stream-ordered signals (`overlap.signals`) the virtual ranks and the ops' GPU pipelines are built on: the bounded
+flag-wait kernel (`cuda_wait_flag_bounded`), stream-ordered waits and writes (`cuda_stream_wait_value32`,
+`cuda_stream_write_value32`), the cost of a signal, and device-to-device copy bandwidth (GPU only: the
+all-gather section, `gpu_check_tp_ag.run_all_gather_virtual`, skips them on the CPU).
 
-NCCL refuses two ranks of one communicator on one GPU, so W virtual ranks live in this process, each
-with its own stream, its own symmetric buffer (a plain device tensor) and its own int32 flag word; the
-fused kernel is driven directly with tables of their ``data_ptr()``. On the CPU (``--cpu-smoke``) the
-same checks run under the Triton interpreter at tiny sizes. Where the ranks run: gpu_check_device.
+NCCL refuses two ranks of one communicator on one GPU, so W virtual ranks live in one process, each with
+its own stream (`Device.stream`); nothing a check enqueues is waited for unbounded (`Device.settle`). The
+sections built on them: gpu_check_tp_ag, gpu_check_tp_rs (their ranks: gpu_check_tp_group) and gpu_check_moe
+(gpu_check_moe_group).
 
 Imports overlap: the entry point imports this module only after its self-install.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import math
-import os
-import threading
 import time
-from typing import Any
 
 import torch
-from gpu_check_common import Report, bench_shapes, compare, do_bench, dtype_name, err_text, matmul_tflops
-from gpu_check_device import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device, Tile
-from gpu_check_primitives import check_flag_wait_kernel, check_stream_wait, time_copy, time_signals
-from overlap.kernels.ag_matmul import all_gather_matmul_kernel as KERNEL
+from gpu_check_common import Report, do_bench, poll
 
-from overlap import _C, comm
-from overlap.ops import fused
+from overlap import signals
 
-# ==============================================================================================
-# Virtual ranks of the all-gather kernel
-# ==============================================================================================
-
-
-@dataclasses.dataclass
-class VirtualGroup:
-    """W virtual ranks: shards, symmetric buffers, flag words, pointer tables, one stream each.
-
-    Shape legend: ``m`` rows per rank, ``k`` inner dim, ``n`` columns; ``b`` is ``[k, n]``.
-    """
-
-    dev: Device
-    shards: list[torch.Tensor]  # [m, k] the rows each rank contributes (fresh random)
-    buffers: list[torch.Tensor]  # [m, k] each rank's symmetric buffer, NaN until its shard is copied in
-    flags: list[torch.Tensor]  # int32 [4] each rank's flag word at [0] (own allocation, as on real ranks)
-    ptr_table: torch.Tensor  # int64 [W]: buffers[r].data_ptr()
-    flag_table: torch.Tensor  # int64 [W]: flags[r].data_ptr()
-    b: torch.Tensor
-    streams: list[torch.cuda.Stream | None]
-
-    @classmethod
-    def create(cls, dev: Device, world_size: int, m: int, k: int, n: int, dtype: torch.dtype,
-               stale: int, b_layout: str = "w.t()") -> VirtualGroup:
-        """Flags start at `stale` (a previous call's epoch), not 0: consumers must wait for >= epoch."""
-        d = dev.device
-        shards = [torch.randn(m, k, device=d, dtype=dtype) / math.sqrt(k) for _ in range(world_size)]
-        b = torch.randn(n, k, device=d, dtype=dtype).t() if b_layout == "w.t()" else torch.randn(k, n, device=d,
-                                                                                                 dtype=dtype)
-        buffers = [torch.full((m, k), math.nan, device=d, dtype=dtype) for _ in range(world_size)]
-        flags = [torch.full((4,), stale, device=d, dtype=torch.int32) for _ in range(world_size)]
-        ptr_table = torch.tensor([t.data_ptr() for t in buffers], dtype=torch.int64, device=d)
-        flag_table = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=d)
-        streams = [dev.stream() for _ in range(world_size)]
-        dev.idle("setting up virtual ranks")  # the streams below must see these writes
-        return cls(dev, shards, buffers, flags, ptr_table, flag_table, b, streams)
-
-    @property
-    def world_size(self) -> int:
-        return len(self.shards)
-
-    def reference(self) -> torch.Tensor:
-        """The unfused result ``torch.cat(shards) @ b``, in float64."""
-        return torch.cat(self.shards).double() @ self.b.double()
-
-    def produce(self, rank: int, epoch: int) -> None:
-        """Rank `rank` copies its shard into its buffer, then flags it (ordered after the copy)."""
-        with self.dev.on(self.streams[rank]):
-            self.buffers[rank].copy_(self.shards[rank])
-        self.dev.publish(self.flags[rank], epoch, self.streams[rank])
-
-    def fill_buffers(self) -> None:
-        """Copy every shard into its buffer without flagging it (the racing and timeout checks)."""
-        for r in range(self.world_size):
-            self.buffers[r].copy_(self.shards[r])
-        self.dev.idle("filling buffers")
-
-
-@dataclasses.dataclass
-class Consumer:
-    out: torch.Tensor  # [W*m, n], NaN-poisoned
-    err: torch.Tensor  # int32 [1]: src + 1 of a tile whose wait timed out (atomic max)
-    abort: torch.Tensor  # int32 [1]: the interpreter's abort word
-
-
-def new_consumer(g: VirtualGroup) -> Consumer:
-    (m, _), n, d = g.shards[0].shape, g.b.shape[1], g.dev.device
-    out = torch.full((g.world_size * m, n), math.nan, device=d, dtype=g.shards[0].dtype)
-    return Consumer(out, torch.zeros(1, dtype=torch.int32, device=d), torch.zeros(1, dtype=torch.int32, device=d))
-
-
-def grid_size(g: VirtualGroup, tile: Tile) -> int:
-    (m, _), n = g.shards[0].shape, g.b.shape[1]
-    return g.world_size * math.ceil(m / tile.block_m) * math.ceil(n / tile.block_n)
-
-
-def launch(g: VirtualGroup, rank: int, c: Consumer, epoch: int, timeout_ns: int, tile: Tile) -> None:
-    """Virtual rank `rank`'s fused kernel on the current stream, with the arguments `_fused` passes."""
-    (m, k), n = g.shards[0].shape, g.b.shape[1]
-    interpreted = not g.dev.cuda
-    options = {} if interpreted else {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
-    KERNEL[(grid_size(g, tile),)](
-        c.out, g.b,
-        g.ptr_table, g.flag_table,
-        epoch, rank, g.world_size, c.abort, c.err, timeout_ns,
-        m, n, k,
-        k,
-        g.b.stride(0), g.b.stride(1),
-        c.out.stride(0), c.out.stride(1),
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=8,
-        UPCAST=interpreted and c.out.dtype == torch.bfloat16, INTERPRETED=interpreted,
-        **options,
-    )
-
-
-def judge(rep: Report, name: str, consumers: list[Consumer], ref: torch.Tensor, expect_err: int = 0,
-          problems: list[str] | None = None, note: str = "") -> None:
-    """PASS if every consumer's output matches `ref` and its error word is `expect_err`."""
-    problems = list(problems or [])
-    worst_err, worst_rel = 0.0, 0.0
-    for r, c in enumerate(consumers):
-        ok, max_err, rel = compare(c.out, ref)
-        if not ok and not math.isfinite(max_err):
-            max_err, rel = math.inf, math.inf  # NaN left in the output: a tile was never written
-        worst_err, worst_rel = max(worst_err, max_err), max(worst_rel, rel)
-        if not ok:
-            problems.append(f"rank {r}: output off ({err_text(max_err, rel)})")
-        if int(c.err.item()) != expect_err:
-            problems.append(f"rank {r}: err word {int(c.err.item())}, expected {expect_err}")
-    value = err_text(worst_err, worst_rel) + (f"; {note}" if note else "")
-    rep.add(name, "FAIL" if problems else "PASS", "; ".join(problems) or value, max_err=worst_err, rel=worst_rel)
+KERNEL_TIMEOUT_NS = 10_000_000_000  # in-kernel waits of the checks that must not time out
+SETTLE_TIMEOUT_S = 30.0  # host deadline for a device queue to drain
+SHORT_TIMEOUT_NS = 200_000_000  # the waits that are meant to time out (checks c and d)
+RELEASE_VALUE = 1 << 30  # what a watchdog writes into flags to release stuck waits
 
 
 # ==============================================================================================
-# Checks a-c and e
+# Virtual ranks on one device
 # ==============================================================================================
 
 
-def check_ordered(rep: Report, dev: Device, world_size: int, shape: tuple[int, int, int], dtype: torch.dtype,
-                  b_layout: str) -> None:
-    """a. Every shard copied and flagged before any consumer launches; each rank's output vs reference."""
-    m, k, n = shape
-    name = f"a.ordered W={world_size} {dtype_name(dtype)} {m}x{k}x{n} b={b_layout}"
-    epoch = 7
-    g = VirtualGroup.create(dev, world_size, m, k, n, dtype, stale=epoch - 1, b_layout=b_layout)
-    ref = g.reference()
-    consumers = [new_consumer(g) for _ in range(world_size)]
-    for r in range(world_size):
-        g.produce(r, epoch)
-    dev.settle(g.streams, g.flags, name)  # the flags and the poisoned outputs are in place before any launch
-    for r, c in enumerate(consumers):
-        with dev.on(g.streams[r]):
-            launch(g, r, c, epoch, KERNEL_TIMEOUT_NS, dev.tile)
-    dev.settle(g.streams, g.flags, name)
-    judge(rep, name, consumers, ref)
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """A tile configuration of the fused kernel (num_warps/num_stages only matter on GPUs)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def describe(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
 
 
-def check_racing(rep: Report, dev: Device, world_size: int, shape: tuple[int, int, int], dtype: torch.dtype) -> None:
-    """b. Consumers launch first and spin; the flags come later from another stream (a thread on CPU).
+class Device:
+    """Where the virtual ranks run: a GPU (streams, stream-ordered flags) or the CPU (interpreter)."""
 
-    The data is in place beforehand, so only the flags gate the tiles. On a GPU the publisher
-    needs no SM (stream memory ops, plus a one-thread delay kernel); all consumer CTAs must
-    co-reside, or a spinning grid could keep the others from starting.
-    """
-    m, k, n = shape
-    name = f"b.racing W={world_size} {dtype_name(dtype)} {m}x{k}x{n}"
-    epoch = 9
-    g = VirtualGroup.create(dev, world_size, m, k, n, dtype, stale=epoch - 1)
-    ref = g.reference()
-    consumers = [new_consumer(g) for _ in range(world_size)]
-    g.fill_buffers()  # (and waits for the poisoned outputs)
-    first_delay_s, gap_s = 0.02, 0.002
-    if not dev.cuda:
-        last_due = [math.inf]  # just before the last flag is published: every consumer needs that flag
+    def __init__(self, device: torch.device, report: Report):
+        self.device, self.report = device, report
+        self.cuda = device.type == "cuda"
+        self.streams: list[torch.cuda.Stream] = []  # every stream made here, drained by settle()
+        self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count if self.cuda else 0
+        # `_fused`'s default tiles: 128x128x64 for 16-bit types on GPUs (Triton's default warps and
+        # stages), 32x32x32 interpreted.
+        self.tile = Tile(128, 128, 64) if self.cuda else Tile(32, 32, 32)
+        self._delay_words = torch.zeros(2, dtype=torch.int32, device=device)
 
-        def publisher() -> None:
-            time.sleep(first_delay_s)
-            for i, r in enumerate(reversed(range(world_size))):
-                time.sleep(gap_s if i else 0.0)
-                last_due[0] = time.perf_counter()
-                dev.publish(g.flags[r], epoch, None)
+    def stream(self) -> torch.cuda.Stream | None:
+        """A new stream (None on the CPU). torch hands streams out round robin from a pool of 32 per
+        priority, so the few streams one check makes are distinct (`distinct` asserts it)."""
+        if not self.cuda:
+            return None
+        s = torch.cuda.Stream(device=self.device)
+        self.streams.append(s)
+        return s
 
-        thread = threading.Thread(target=publisher, daemon=True)
-        abort = consumers[0].abort  # one abort word: the watchdog bounds every interpreted spin
-        with fused.Watchdog(abort, 10.0):
-            thread.start()
-            for r, c in enumerate(consumers):
-                c.abort = abort
-                launch(g, r, c, epoch, KERNEL_TIMEOUT_NS, dev.tile)
-            finished = time.perf_counter()
-        thread.join(timeout=5.0)
-        early = [] if finished > last_due[0] else ["consumers finished before the last flag was published"]
-        judge(rep, name, consumers, ref, problems=early, note="thread publisher")
-        return
-    cells = world_size * grid_size(g, dev.tile) + 1  # + the publisher's delay kernel
-    if cells > dev.sm_count:
-        rep.add(name, "SKIP", f"{cells} CTAs cannot co-reside on {dev.sm_count} SMs")
-        return
-    connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
-    if connections is not None and int(connections) < world_size + 2:
-        rep.add(name, "SKIP", f"CUDA_DEVICE_MAX_CONNECTIONS={connections}: streams share hardware queues, "
-                              "so a spinning consumer would block the publisher")
-        return
-    pub = dev.stream()
-    dev.distinct([*g.streams, pub])  # a consumer sharing the publisher's stream would wait for itself
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(world_size)]
-    for r, c in enumerate(consumers):
-        with dev.on(g.streams[r]):
-            launch(g, r, c, epoch, KERNEL_TIMEOUT_NS, dev.tile)
-            ends[r].record()
-    last_due = torch.cuda.Event(enable_timing=True)  # just before the last flag: every consumer needs it
-    dev.delay(pub, int(first_delay_s * 1e9))
-    for i, r in enumerate(reversed(range(world_size))):  # rank 0's flag last
-        if i:
-            dev.delay(pub, int(gap_s * 1e9))
-        if i == world_size - 1:
-            last_due.record(pub)
-        dev.publish(g.flags[r], epoch, pub)
-    dev.settle([*g.streams, pub], g.flags, name)
-    after_ms = [last_due.elapsed_time(e) for e in ends]  # > 0 unless a tile ignored its flag
-    early = [f"rank {r} finished {-t:.3f} ms before the last flag" for r, t in enumerate(after_ms) if t <= 0]
-    judge(rep, name, consumers, ref, problems=early,
-          note=f"ended {min(after_ms):.3f}-{max(after_ms):.3f} ms after the last flag was due")
+    @staticmethod
+    def distinct(streams: list[torch.cuda.Stream | None]) -> None:
+        handles = [s.cuda_stream for s in streams if s is not None]
+        assert len(set(handles)) == len(handles), f"streams shared between virtual ranks: {handles}"
 
+    def on(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
-def check_timeout(rep: Report, dev: Device, dtype: torch.dtype) -> None:
-    """c. Rank 1 never flags its chunk: rank 0's kernel returns after ~timeout with err == src + 1 == 2."""
-    m, k, n = (64, 256, 128) if dev.cuda else (16, 32, 32)
-    name = f"c.timeout W=2 {dtype_name(dtype)} {m}x{k}x{n}"
-    epoch = 5
-    g = VirtualGroup.create(dev, 2, m, k, n, dtype, stale=epoch - 1)
-    ref = g.reference()
-    c = new_consumer(g)
-    g.fill_buffers()
-    timeout_s = SHORT_TIMEOUT_NS / 1e9
-    if dev.cuda:
-        dev.publish(g.flags[0], epoch, g.streams[0])
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with dev.on(g.streams[0]):
-            start.record()
-            launch(g, 0, c, epoch, SHORT_TIMEOUT_NS, dev.tile)
-            end.record()
-        dev.settle(g.streams, g.flags, name)  # the kernel's own limit must end it long before this deadline
-        waited = start.elapsed_time(end) / 1e3
-    else:
-        dev.publish(g.flags[0], epoch, None)
-        t0 = time.perf_counter()
-        with fused.Watchdog(c.abort, timeout_s):  # the interpreter's abort word stands in for %globaltimer
-            launch(g, 0, c, epoch, SHORT_TIMEOUT_NS, dev.tile)
-        waited = time.perf_counter() - t0
-    problems = []
-    if int(c.err.item()) != 2:
-        problems.append(f"err word {int(c.err.item())}, expected 2 (src 1 + 1)")
-    if not 0.5 * timeout_s <= waited <= 10 * timeout_s:
-        problems.append(f"returned after {waited:.3f} s, expected about {timeout_s} s")
-    ok, max_err, rel = compare(c.out[:m], ref[:m])  # its own chunk needed no peer
-    if not ok:
-        problems.append(f"own rows off ({err_text(max_err, rel)})")
-    value = f"bounded wait fired after {waited:.3f} s, err={int(c.err.item())}"
-    rep.add(name, "FAIL" if problems else "PASS", "; ".join(problems) or value, waited_s=waited)
+    def publish(self, flag: torch.Tensor, value: int, stream: torch.cuda.Stream | None) -> None:
+        """Release-store `value` into a flag word: stream-ordered on a GPU, at once on the CPU."""
+        if self.cuda:
+            signals.cuda_stream_write_value32(flag.data_ptr(), value, stream.cuda_stream)
+        else:
+            signals.signal_store(flag.data_ptr(), value)
 
+    def delay(self, stream: torch.cuda.Stream, ns: int) -> None:
+        """Hold `stream` for about `ns`: overlap.signals' one-thread bounded wait on a flag nobody sets."""
+        w = self._delay_words
+        signals.cuda_wait_flag_bounded(w[0].data_ptr(), 1, ns, w[1].data_ptr(), stream.cuda_stream)
 
-def check_symm_pipeline(rep: Report, dev: Device, world_size: int, shape: tuple[int, int, int],
-                        dtype: torch.dtype, num_chunks: int = 2) -> None:
-    """e. The ``symm`` strategy's GPU pipeline (`_symm_cuda`) on virtual ranks.
-
-    Rank r's main stream (after a rank-dependent delay, so peers really wait) copies its shard
-    into its buffer and flags it; its side stream waits on each peer's flag, copies the peer's
-    chunks into a local gathered tensor and records an event per chunk; the main stream runs the
-    local GEMM, then each chunk's GEMM after that chunk's event. Buffers start as NaN, so a copy
-    that outran its flag shows in the output.
-    """
-    m, k, n = shape
-    name = f"e.symm-pipeline W={world_size} {dtype_name(dtype)} {m}x{k}x{n} chunks={num_chunks}"
-    epoch = 11
-    g = VirtualGroup.create(dev, world_size, m, k, n, dtype, stale=epoch - 1)
-    ref = g.reference()
-    sides = [dev.stream() for _ in range(world_size)]
-    dev.distinct([*g.streams, *sides])
-    consumers = [new_consumer(g) for _ in range(world_size)]
-    fulls = [torch.empty(world_size * m, k, device=dev.device, dtype=dtype) for _ in range(world_size)]
-    dev.idle(name)
-    bounds = comm.chunk_bounds(m, num_chunks)
-    for r in range(world_size):
-        main, side, out, full = g.streams[r], sides[r], consumers[r].out, fulls[r]
-        dev.delay(main, (world_size - r) * 1_000_000)
-        g.produce(r, epoch)
-        side.wait_stream(main)
+    def settle(self, streams: list[torch.cuda.Stream | None], flags: list[torch.Tensor], what: str) -> None:
+        """Wait (bounded) until `streams` drain. If they do not, write every flag in `flags` from a
+        watchdog stream to release stream-ordered waits, wait again, and raise either way."""
+        if not self.cuda:
+            return
         events = []
-        with dev.on(side):
-            for i in range(1, world_size):
-                p = (r + i) % world_size
-                _C.cuda_stream_wait_value32(g.flags[p].data_ptr(), epoch, side.cuda_stream)
-                for lo, hi in bounds:
-                    full[p * m + lo : p * m + hi].copy_(g.buffers[p][lo:hi], non_blocking=True)
-                    ev = torch.cuda.Event()
-                    ev.record(side)
-                    events.append((p, lo, hi, ev))
-        with dev.on(main):
-            torch.mm(g.shards[r], g.b, out=out[r * m : (r + 1) * m])
-            for p, lo, hi, ev in events:
-                main.wait_event(ev)
-                torch.mm(full[p * m + lo : p * m + hi], g.b, out=out[p * m + lo : p * m + hi])
-    dev.settle([*g.streams, *sides], g.flags, name)
-    judge(rep, name, consumers, ref)
+        for s in [*[s for s in streams if s is not None], torch.cuda.current_stream(self.device)]:
+            ev = torch.cuda.Event()
+            ev.record(s)
+            events.append(ev)
+        if poll(events, SETTLE_TIMEOUT_S):
+            return
+        # High priority: another pool than the streams made here, so never one of the stuck streams.
+        watchdog = torch.cuda.Stream(device=self.device, priority=-1)
+        for f in flags:
+            signals.cuda_stream_write_value32(f.data_ptr(), RELEASE_VALUE, watchdog.cuda_stream)
+        if not poll(events, SETTLE_TIMEOUT_S):
+            self.report.stuck = what
+            raise RuntimeError(f"{what}: the device did not drain within {2 * SETTLE_TIMEOUT_S:.0f} s even after "
+                               "a watchdog released the flags; later GPU sections are skipped")
+        raise RuntimeError(f"{what}: the device drained only after a watchdog released the flags "
+                           f"({SETTLE_TIMEOUT_S:.0f} s deadline)")
+
+    def idle(self, what: str) -> None:
+        """Bounded wait for everything this check enqueued, on every stream made here."""
+        self.settle(self.streams, [], what)
+
+
+# ==============================================================================================
+# Checks d
+# ==============================================================================================
+
+
+def check_flag_wait_kernel(rep: Report, dev: Device) -> None:
+    """d. overlap.signals.cuda_wait_flag_bounded: times out and sets *err = 1; returns early once flagged."""
+    words = torch.zeros(8, dtype=torch.int32, device=dev.device)  # [0] flag, [1] err; [2] flag, [3] err
+    s, s2, other = dev.stream(), dev.stream(), dev.stream()
+    dev.idle("d setup")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(s)
+    signals.cuda_wait_flag_bounded(words[0].data_ptr(), 1, SHORT_TIMEOUT_NS, words[1].data_ptr(), s.cuda_stream)
+    end.record(s)
+    # Release path, concurrently on another stream: flagged 5 ms later from a third stream.
+    start2, end2 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start2.record(s2)
+    signals.cuda_wait_flag_bounded(words[2].data_ptr(), 5, KERNEL_TIMEOUT_NS, words[3].data_ptr(), s2.cuda_stream)
+    end2.record(s2)
+    dev.delay(other, 5_000_000)
+    dev.publish(words[2], 5, other)
+    dev.settle([s, s2, other], [words[0], words[2]], "d.flag-wait")
+    waited, released = start.elapsed_time(end) / 1e3, start2.elapsed_time(end2) / 1e3
+    w = words.tolist()
+    problems = []
+    if w[1] != 1 or not 0.1 <= waited <= 2.0:
+        problems.append(f"timeout path: err={w[1]} (expected 1) after {waited:.3f} s (expected ~0.2)")
+    if w[3] != 0 or not 0.002 <= released <= 1.0:
+        problems.append(f"release path: err={w[3]} (expected 0) after {released:.4f} s (expected ~0.005)")
+    value = f"bounded wait fired after {waited:.3f} s (err=1); released after {released * 1e3:.1f} ms"
+    rep.add("d.cuda_wait_flag_bounded", "FAIL" if problems else "PASS", "; ".join(problems) or value)
+
+
+def check_stream_wait(rep: Report, dev: Device) -> None:
+    """d. cuda_stream_wait_value32 holds its stream until cuda_stream_write_value32 from another stream."""
+    words = torch.zeros(4, dtype=torch.int32, device=dev.device)  # [0] flag, [1] marker
+    a, b = dev.stream(), dev.stream()
+    dev.idle("d setup")
+    signals.cuda_stream_wait_value32(words[0].data_ptr(), 3, a.cuda_stream)
+    dev.publish(words[1], 9, a)  # runs only once the wait is released
+    done = torch.cuda.Event()
+    done.record(a)
+    time.sleep(0.05)
+    held = not done.query()
+    dev.publish(words[0], 3, b)
+    dev.settle([a, b], [words[0]], "d.stream-wait")
+    marker = int(words[1].item())
+    problems = [] if held else ["the stream was not held by the wait"]
+    if marker != 9:
+        problems.append(f"marker {marker} after the release, expected 9")
+    rep.add("d.cuda_stream_wait_value32", "FAIL" if problems else "PASS",
+            "; ".join(problems) or "held 50 ms, released by a write from another stream")
 
 
 # ==============================================================================================
 # Timings (one GPU)
 # ==============================================================================================
 
-TILES = (Tile(128, 128, 64, 4, 3), Tile(128, 128, 64, 8, 3), Tile(128, 256, 64, 8, 3), Tile(256, 128, 64, 8, 3))
+
+def time_signals(rep: Report, dev: Device, pairs: int = 200) -> None:
+    """Cost of stream-ordered signals: ping-pong between two streams, and write+wait pairs on one.
+
+    Each stream is first held by a bounded gate kernel so that every op is enqueued before the
+    device starts on them (host enqueue is slower than the device); the gate opens from a third stream.
+    """
+    for kind in ("ping-pong", "same-stream"):
+        words = torch.zeros(8, dtype=torch.int32, device=dev.device)  # [0] gate [1] gate err [2] fa [3] fb
+        a, b, opener = dev.stream(), dev.stream(), dev.stream()
+        dev.idle("signal setup")
+        signals.cuda_wait_flag_bounded(words[0].data_ptr(), 1, 5_000_000_000, words[1].data_ptr(), a.cuda_stream)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(a)
+        fa, fb = words[2].data_ptr(), words[3].data_ptr()
+        for i in range(1, pairs + 1):
+            if kind == "ping-pong":  # a -> b -> a: one round trip is two signals
+                signals.cuda_stream_write_value32(fa, i, a.cuda_stream)
+                signals.cuda_stream_wait_value32(fa, i, b.cuda_stream)
+                signals.cuda_stream_write_value32(fb, i, b.cuda_stream)
+                signals.cuda_stream_wait_value32(fb, i, a.cuda_stream)
+            else:
+                signals.cuda_stream_write_value32(fa, i, a.cuda_stream)
+                signals.cuda_stream_wait_value32(fa, i, a.cuda_stream)
+        end.record(a)
+        signals.cuda_stream_write_value32(words[0].data_ptr(), 1, opener.cuda_stream)
+        dev.settle([a, b, opener], [words[2], words[3]], f"time.signal {kind}")
+        per_us = start.elapsed_time(end) * 1e3 / pairs / (2 if kind == "ping-pong" else 1)
+        gate_timed_out = int(words[1].item()) != 0
+        what = "per signal (write on one stream -> wait released on the other)" if kind == "ping-pong" \
+            else "per write+wait pair on one stream"
+        note = "; gate timed out, enqueue-bound" if gate_timed_out else ""
+        rep.add(f"time signal {kind}", "PASS", f"{per_us:.2f} us {what}{note}", us=per_us)
 
 
-def time_fused_vs_cublas(rep: Report, dev: Device, label: str, world_size: int, m: int, k: int, n: int) -> None:
-    """The fused kernel with every flag pre-set vs torch.matmul (cuBLAS) on the gathered tensor, bf16."""
-    dtype, epoch = torch.bfloat16, 3
-    g = VirtualGroup.create(dev, world_size, m, k, n, dtype, stale=epoch)  # flags already at the epoch
-    g.fill_buffers()
-    full = torch.cat(g.shards)
-    ref = full.double() @ g.b.double()
-    rows = world_size * m
-    cublas_out = torch.matmul(full, g.b)
-    ok, max_err, rel = compare(cublas_out, ref)
-    t_cublas = do_bench(lambda: torch.matmul(full, g.b))
-    rep.add(f"time cuBLAS {label} {rows}x{k}x{n}", "PASS" if ok else "FAIL",
-            f"{t_cublas:.3f} ms ({err_text(max_err, rel)})", tflops=matmul_tflops(rows, n, k, t_cublas), ms=t_cublas)
-    c = new_consumer(g)
-    best: tuple[float, Tile] | None = None
-    per_tile: dict[str, Any] = {}
-    for tile in TILES:
-        try:
-            c.out.fill_(math.nan)
-            c.err.zero_()
-            launch(g, 0, c, epoch, KERNEL_TIMEOUT_NS, tile)
-            dev.idle(f"fused {label} {tile.describe()}")
-            ok, max_err, rel = compare(c.out, ref)
-            if not ok or int(c.err.item()):
-                per_tile[tile.describe()] = f"wrong: {err_text(max_err, rel)}, err={int(c.err.item())}"
-                rep.add(f"time fused {label} [{tile.describe()}]", "FAIL", per_tile[tile.describe()])
-                continue
-            t = do_bench(lambda tile=tile: launch(g, 0, c, epoch, KERNEL_TIMEOUT_NS, tile))
-        except Exception as exc:  # noqa: BLE001 - e.g. a tile that needs more shared memory than there is
-            per_tile[tile.describe()] = f"{type(exc).__name__}: {exc}"[:200]
-            rep.log(f"tile {tile.describe()} failed: {per_tile[tile.describe()]}")
-            dev.idle(f"fused {label} {tile.describe()}")
-            continue
-        per_tile[tile.describe()] = t
-        rep.log(f"fused {label} [{tile.describe()}]: {t:.3f} ms, {matmul_tflops(rows, n, k, t):.0f} TFLOP/s")
-        if best is None or t < best[0]:
-            best = (t, tile)
-    if best is None:
-        rep.add(f"time fused {label} {rows}x{k}x{n}", "FAIL", "no tile configuration ran", tiles=per_tile)
-        return
-    t, tile = best
-    rep.add(f"time fused {label} {rows}x{k}x{n}", "PASS", f"{t:.3f} ms [{tile.describe()}]",
-            tflops=matmul_tflops(rows, n, k, t), ratio=t_cublas / t, ms=t, cublas_ms=t_cublas, tiles=per_tile)
-
-
-# ==============================================================================================
-# One process: virtual ranks on the GPU, or on the CPU under the interpreter (--cpu-smoke)
-# ==============================================================================================
-
-
-def run_virtual(rep: Report, dev: Device) -> None:
-    gpu_only = None if dev.cuda else "GPU only"
-    if dev.cuda:
-        dtypes = (torch.bfloat16,)
-        shapes = (((256, 1024, 512), "w.t()"), ((100, 1000, 300), "row-major"))
-        race_shape, pipe_shape = (128, 512, 256), (256, 512, 384)
-    else:
-        dtypes = (torch.float32, torch.bfloat16)
-        shapes = (((16, 32, 24), "w.t()"), ((24, 40, 64), "row-major"))
-        race_shape, pipe_shape = (16, 32, 32), (16, 32, 32)
-    for dtype in dtypes:
-        for world_size in (2, 4):
-            for shape, layout in shapes:
-                rep.run(f"a.ordered W={world_size} {dtype_name(dtype)} {shape}",
-                        lambda w=world_size, s=shape, d=dtype, lay=layout: check_ordered(rep, dev, w, s, d, lay))
-    for world_size in (2, 4) if dev.cuda else (2,):
-        rep.run(f"b.racing W={world_size}", lambda w=world_size: check_racing(rep, dev, w, race_shape, dtypes[0]))
-    rep.run("c.timeout", lambda: check_timeout(rep, dev, dtypes[0]))
-    rep.run("d.cuda_wait_flag_bounded", lambda: check_flag_wait_kernel(rep, dev), skip=gpu_only)
-    rep.run("d.cuda_stream_wait_value32", lambda: check_stream_wait(rep, dev), skip=gpu_only)
-    for world_size in (2, 4):
-        rep.run(f"e.symm-pipeline W={world_size}",
-                lambda w=world_size: check_symm_pipeline(rep, dev, w, pipe_shape, dtypes[0]), skip=gpu_only)
-    rep.run("time d2d copy", lambda: time_copy(rep, dev), skip=gpu_only)
-    rep.run("time signal", lambda: time_signals(rep, dev), skip=gpu_only)
-    for label, s in bench_shapes(8):  # W=8 virtual ranks
-        rep.run(f"time fused vs cuBLAS {label}",
-                lambda a=(label, 8, s["m"], s["k"], s["n"]): time_fused_vs_cublas(rep, dev, *a), skip=gpu_only)
+def time_copy(rep: Report, dev: Device, nbytes: int = 1 << 30) -> None:
+    """Device-to-device copy (cudaMemcpyAsync via copy_) bandwidth, bytes read plus bytes written."""
+    src = torch.randn(nbytes // 2, device=dev.device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    t = do_bench(lambda: dst.copy_(src))
+    same = bool(torch.equal(dst, src))
+    gbps = 2 * nbytes / (t * 1e-3) / 1e9
+    rep.add(f"time d2d copy {nbytes >> 20} MiB", "PASS" if same else "FAIL",
+            f"{t:.3f} ms, {gbps:.0f} GB/s read+written" + ("" if same else "; copy wrong"), gbps=gbps, ms=t)

@@ -2,21 +2,52 @@
 
 Kernels take peer-pointer tables and flag pointers, so the same code runs on GPUs and,
 interpreted (``TRITON_INTERPRET=1``, set by `overlap` where no GPU exists), on CPU ranks
-over POSIX shared memory. `compat` adapts the supported Triton versions (applied here, first).
+over POSIX shared memory. Beside each kernel is its host launcher (``launch_*``: checks the
+arguments, allocates what belongs to the launch, computes the grid, launches); the ops and the
+GPU check call the launchers, never a kernel directly. What the launchers share: `host`;
+`compat` adapts the supported Triton versions (applied here, before any kernel is defined).
 """
 
 from .compat import fix_interpreter_index
 
 fix_interpreter_index()
 
-from .ag_matmul import all_gather_matmul_kernel  # noqa: E402
-from .mm_rs import matmul_scatter_kernel, reduce_chunks_kernel  # noqa: E402
-from .moe import grouped_matmul_scatter_kernel, grouped_matmul_wait_kernel  # noqa: E402
+# ruff: noqa: E402  (the kernels below are defined after the fix)
+
+from .ag_matmul import all_gather_matmul_grid, all_gather_matmul_kernel, launch_all_gather_matmul
+from .host import Watchdog
+from .mm_rs import (
+    chunk_count,
+    launch_matmul_scatter,
+    launch_reduce_chunks,
+    matmul_scatter_grid,
+    matmul_scatter_kernel,
+    reduce_chunks_grid,
+    reduce_chunks_kernel,
+)
+from .moe import (
+    grouped_matmul_grid,
+    grouped_matmul_scatter_kernel,
+    grouped_matmul_wait_kernel,
+    launch_grouped_matmul_scatter,
+    launch_grouped_matmul_wait,
+)
 
 __all__ = [
+    "Watchdog",
+    "all_gather_matmul_grid",
     "all_gather_matmul_kernel",
+    "chunk_count",
+    "grouped_matmul_grid",
     "grouped_matmul_scatter_kernel",
     "grouped_matmul_wait_kernel",
+    "launch_all_gather_matmul",
+    "launch_grouped_matmul_scatter",
+    "launch_grouped_matmul_wait",
+    "launch_matmul_scatter",
+    "launch_reduce_chunks",
+    "matmul_scatter_grid",
     "matmul_scatter_kernel",
+    "reduce_chunks_grid",
     "reduce_chunks_kernel",
 ]

@@ -24,11 +24,17 @@ sum whatever the order of arrival. Waits are bounded as in `overlap.kernels.flag
 
 One-shot all-reduce uses the same kernels with ``D = 1`` (every rank keeps its whole partial in its
 own buffer) and a reduction over every rank's buffer.
+
+Their host launchers (`launch_matmul_scatter`, `launch_reduce_chunks`, and `chunk_count`, the number of
+chunks both agree on) follow the kernels; `overlap.matmul_reduce_scatter`'s and `overlap.matmul_all_reduce`'s
+``fused`` strategies and the GPU check (``bench/gpu_check.py``) call them.
 """
 
+import torch
 import triton
 import triton.language as tl
 
+from . import host
 from .flags import count_and_release, matmul_tile, wait_flag
 
 
@@ -124,3 +130,126 @@ def reduce_chunks_kernel(
 
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host launchers
+# ----------------------------------------------------------------------------------------------
+
+GROUP_M = 8  # row tiles that sweep the columns together (L2 reuse of B)
+
+
+def chunk_count(requested: int, max_chunks: int, block_rows: int, block_m: int) -> int:
+    """``NCH``, the chunks of one block both kernels use: `requested` (a plan's count), at most `max_chunks`
+    (the flags a destination has) and the block's row tiles, at least 1."""
+    return max(1, min(requested, max_chunks, host.cdiv(block_rows, block_m)))
+
+
+def matmul_scatter_grid(num_dest: int, block_rows: int, n: int, block_m: int, block_n: int) -> int:
+    """Programs of one `launch_matmul_scatter`: every block's ``[block_rows, n]`` in tiles."""
+    return num_dest * host.cdiv(block_rows, block_m) * host.cdiv(n, block_n)
+
+
+def reduce_chunks_grid(block_rows: int, n: int, block_m: int, block_n: int) -> int:
+    """Programs of one `launch_reduce_chunks`: one block's ``[block_rows, n]`` in tiles."""
+    return host.cdiv(block_rows, block_m) * host.cdiv(n, block_n)
+
+
+def launch_matmul_scatter(a: torch.Tensor, b: torch.Tensor, dst_table: torch.Tensor, counters: torch.Tensor,
+                          flag_table: torch.Tensor, *, block_rows: int, num_chunks: int, flag_stride: int,
+                          epoch: int, rank: int, block: tuple[int, int, int]) -> None:
+    """The producer on the current stream: ``a @ b`` cut into ``D`` blocks of `block_rows` rows, block ``d``
+    stored at ``dst_table[d]`` and released per chunk in this rank's flags ``d * flag_stride + chunk``.
+
+    Args:
+        a: ``[M, K]`` with unit column stride (``M <= D * block_rows``; the last blocks may be short or empty).
+        b: ``[K, N]``, any strides, `a`'s dtype.
+        dst_table: int64 ``[D]``: where block ``d`` goes (a 16-byte aligned ``[block_rows, N]`` row-major region).
+        counters: int32, at least ``D * num_chunks`` words, zero; the kernel leaves them at zero.
+        flag_table: int64 ``[W]``: every rank's flag base (this rank's is written).
+        block_rows, num_chunks: ``MB`` and ``NCH`` (`chunk_count`); flag_stride: flags per destination
+            (at least `num_chunks` where ``D > 1``).
+        epoch, rank: the value the flags get, and this rank (destinations are visited from ``rank + 1``).
+        block: ``(BLOCK_M, BLOCK_N, BLOCK_K)``; `launch_reduce_chunks` must use the same ``BLOCK_M``.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit, rows past the blocks, flags of two destinations
+            that overlap, a rank outside `flag_table`, a tile size that is not a power of two >= 16.
+    """
+    kernel = "launch_matmul_scatter"
+    host.check_matrix(kernel, "a", a, unit_cols=True)
+    host.check_matrix(kernel, "b", b, a.dtype)
+    (m, k), n = a.shape, b.shape[1]
+    if b.shape[0] != k or b.device != a.device:
+        host.fail(kernel, f"b must be [{k}, N] on {a.device}, got {list(b.shape)} on {b.device}")
+    num_dest = host.table_size(dst_table)
+    host.check_table(kernel, "dst_table", dst_table, num_dest, a.device)
+    world_size = host.table_size(flag_table)
+    host.check_table(kernel, "flag_table", flag_table, world_size, a.device)
+    host.check_range(kernel, "rank", rank, 0, world_size)
+    bm, bn, bk = block
+    host.check_tile(kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    host.check_range(kernel, "block_rows", block_rows, 0, 1 << 31)
+    if num_dest < 1 or m > num_dest * block_rows:
+        host.fail(kernel, f"a's {m} rows do not fit {num_dest} blocks of {block_rows} rows")
+    host.check_range(kernel, "num_chunks", num_chunks, 1, max(1, host.cdiv(block_rows, bm)) + 1)
+    if num_dest > 1 and (not isinstance(flag_stride, int) or flag_stride < num_chunks):
+        host.fail(kernel, f"flag_stride {flag_stride!r} < num_chunks {num_chunks}: destinations' flags would overlap")
+    if counters.dtype != torch.int32 or counters.numel() < num_dest * num_chunks or counters.device != a.device:
+        host.fail(kernel, f"counters must be int32 of at least {num_dest * num_chunks} words on {a.device}, got "
+                          f"{counters.dtype} [{counters.numel()}] on {counters.device}")
+    matmul_scatter_kernel[(matmul_scatter_grid(num_dest, block_rows, n, bm, bn),)](
+        a, b,
+        dst_table, counters, flag_table, flag_stride,
+        epoch, rank,
+        m, n, k, block_rows, num_dest, num_chunks,
+        a.stride(0),
+        b.stride(0), b.stride(1),
+        n,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M,
+        UPCAST=host.interpreted() and a.dtype == torch.bfloat16,
+    )
+
+
+def launch_reduce_chunks(out: torch.Tensor, src_table: torch.Tensor, flag_table: torch.Tensor, *, block_rows: int,
+                         num_chunks: int, epoch: int, err: torch.Tensor, timeout_ns: int, block: tuple[int, int],
+                         abort: torch.Tensor | None = None, watchdog: bool = True) -> None:
+    """The consumer on the current stream: ``out = sum_s src_s`` in source order, each chunk once every
+    source's flag of it has reached `epoch`.
+
+    Args:
+        out: ``[M, N]`` (``M <= block_rows``: the valid rows of this rank's block).
+        src_table: int64 ``[S]``: source ``s``'s ``[block_rows, N]`` row-major partial (16-byte aligned).
+        flag_table: int64 ``[S]``: source ``s``'s flag of chunk 0 of this block (chunk ``c`` is the next ``c``-th word).
+        block_rows, num_chunks: ``MB`` and ``NCH``, as the producers used them.
+        epoch: the value the flags must reach.
+        err: int32 word (GPU: pinned host memory) where a wait that gives up records ``s + 1``; the caller reads it.
+        timeout_ns: how long one wait may spin.
+        block: ``(BLOCK_M, BLOCK_N)``; ``BLOCK_M`` the producers' (it sets the chunk of a row tile).
+        abort, watchdog: as for `overlap.kernels.ag_matmul.launch_all_gather_matmul`.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit, a tile size that is not a power of two >= 16.
+    """
+    kernel = "launch_reduce_chunks"
+    host.check_matrix(kernel, "out", out)
+    num_sources = host.table_size(src_table)
+    host.check_table(kernel, "src_table", src_table, num_sources, out.device)
+    host.check_table(kernel, "flag_table", flag_table, num_sources, out.device)
+    host.check_word(kernel, "err", err)
+    bm, bn = block
+    host.check_tile(kernel, BLOCK_M=bm, BLOCK_N=bn)
+    rows, n = out.shape
+    host.check_range(kernel, "block_rows", block_rows, rows, 1 << 31)
+    host.check_range(kernel, "num_chunks", num_chunks, 1, max(1, host.cdiv(block_rows, bm)) + 1)
+    interpreted = host.interpreted()
+    abort = host.abort_word(kernel, abort, err, interpreted)
+    with host.bounded(abort, timeout_ns, watchdog, interpreted):
+        reduce_chunks_kernel[(reduce_chunks_grid(block_rows, n, bm, bn),)](
+            out, src_table, flag_table,
+            epoch, abort, err, timeout_ns,
+            rows, n, block_rows, num_sources, num_chunks,
+            n,
+            out.stride(0), out.stride(1),
+            BLOCK_M=bm, BLOCK_N=bn, INTERPRETED=interpreted,
+        )

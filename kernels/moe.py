@@ -18,11 +18,17 @@ target)``: the tile multiplies rows of ``y`` by ``w[e]`` and stores the result i
 of rank ``s``'s buffer (``dst_table[s]``), then counts itself in ``counters[flag]``; the ``target``-th
 tile of a flag publishes ``epoch`` in this rank's flag ``flag`` (CTA barrier, acq_rel count at system
 scope, release store: the same pattern as `overlap.kernels.mm_rs`) and resets the counter.
+
+Their host launchers (`launch_grouped_matmul_wait`, `launch_grouped_matmul_scatter`) follow the kernels; the
+MoE ops' ``fused`` strategies and the GPU check (``bench/gpu_check.py``) call them with the tile tables of
+`overlap.ops.moe_layout` (`dispatch_tile_table`, `combine_tile_table`), which know the MoE slot layout.
 """
 
+import torch
 import triton
 import triton.language as tl
 
+from . import host
 from .flags import count_and_release, matmul_tile, wait_flag
 
 
@@ -137,3 +143,133 @@ def grouped_matmul_scatter_kernel(
     # ---- count the tile; the flag's last tile publishes it ---------------------------------------
     own_flags = tl.load(flag_table + rank).to(tl.pointer_type(tl.int32))
     count_and_release(counters_ptr + flag, target, own_flags + flag, epoch)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def grouped_matmul_grid(num_tiles: int, n: int, block_n: int) -> int:
+    """Programs of one launch: every tile table entry times the ``N`` columns in `block_n` tiles."""
+    return num_tiles * host.cdiv(n, block_n)
+
+
+def _check_weights(kernel: str, w: torch.Tensor, k: int, like: torch.Tensor) -> None:
+    if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.shape[1] != k or w.dtype != like.dtype \
+            or w.device != like.device:
+        got = f"{w.dtype} {list(w.shape)} on {w.device}" if isinstance(w, torch.Tensor) else type(w).__name__
+        host.fail(kernel, f"w must be {like.dtype} [L, {k}, N] on {like.device}, got {got}")
+
+
+def _address_tables(kernel: str, device: torch.device, **tables: torch.Tensor) -> int:
+    """Check int64 ``[W]`` address tables of one size; returns ``W``."""
+    size = host.table_size(next(iter(tables.values())))
+    for name, table in tables.items():
+        host.check_table(kernel, name, table, size, device)
+    return size
+
+
+def launch_grouped_matmul_wait(src_table: torch.Tensor, flag_table: torch.Tensor, tile_table: torch.Tensor,
+                               w: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, *, epoch: int,
+                               err: torch.Tensor, timeout_ns: int, block: tuple[int, int, int],
+                               abort: torch.Tensor | None = None, watchdog: bool = True,
+                               num_warps: int | None = None, num_stages: int | None = None) -> None:
+    """The dispatch direction on the current stream: for every tile table entry ``(s, e, src_row, out_row,
+    rows, flag)``, wait until source ``s``'s flag ``flag`` reaches `epoch`, then ``out[out_row:] =
+    region_s[src_row:] @ w[e]`` and copy the rows read into ``rows[out_row:]``. No launch for an empty table.
+
+    Args:
+        src_table: int64 ``[W]``: source ``s``'s region of this rank's buffer (rows ``K`` wide, row-major,
+            16-byte aligned).
+        flag_table: int64 ``[W]``: every rank's flag base.
+        tile_table: int32 ``[tiles, 6]`` on the kernel's device, built for ``BLOCK_M`` (at most that many rows
+            an entry; `overlap.ops.moe_layout.dispatch_tile_table`).
+        w: ``[L, K, N]`` expert weights, any strides. out: ``[R, N]``; rows: ``[R, K]``; both with unit
+            column stride, `w`'s dtype.
+        epoch, err, timeout_ns, abort, watchdog, num_warps, num_stages: as for
+            `overlap.kernels.ag_matmul.launch_all_gather_matmul`.
+        block: ``(BLOCK_M, BLOCK_N, BLOCK_K)``.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit, a tile size that is not a power of two >= 16.
+    """
+    kernel = "launch_grouped_matmul_wait"
+    host.check_matrix(kernel, "out", out, unit_cols=True)
+    host.check_matrix(kernel, "rows", rows, out.dtype, unit_cols=True)
+    (num_rows, n), k = out.shape, rows.shape[1]
+    if rows.shape[0] != num_rows or rows.device != out.device:
+        host.fail(kernel, f"rows must be [{num_rows}, K] on {out.device}, got {list(rows.shape)} on {rows.device}")
+    _check_weights(kernel, w, k, out)
+    if w.shape[2] != n:
+        host.fail(kernel, f"w's {w.shape[2]} columns differ from out's {n}")
+    _address_tables(kernel, out.device, src_table=src_table, flag_table=flag_table)
+    host.check_table(kernel, "tile_table", tile_table, None, out.device, torch.int32, 6)
+    host.check_word(kernel, "err", err)
+    bm, bn, bk = block
+    host.check_tile(kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    if not tile_table.shape[0]:
+        return
+    interpreted = host.interpreted()
+    abort = host.abort_word(kernel, abort, err, interpreted)
+    with host.bounded(abort, timeout_ns, watchdog, interpreted):
+        grouped_matmul_wait_kernel[(grouped_matmul_grid(tile_table.shape[0], n, bn),)](
+            src_table, flag_table, tile_table,
+            w, out, rows,
+            epoch, abort, err, timeout_ns,
+            n, k,
+            w.stride(0), w.stride(1), w.stride(2),
+            out.stride(0), rows.stride(0),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INTERPRETED=interpreted,
+            UPCAST=interpreted and out.dtype == torch.bfloat16,
+            **host.launch_options(num_warps, num_stages, interpreted),
+        )
+
+
+def launch_grouped_matmul_scatter(y: torch.Tensor, w: torch.Tensor, tile_table: torch.Tensor,
+                                  dst_table: torch.Tensor, counters: torch.Tensor, flag_table: torch.Tensor, *,
+                                  epoch: int, rank: int, block: tuple[int, int, int]) -> None:
+    """The combine direction on the current stream: for every tile table entry ``(s, e, y_row, dst_row, rows,
+    flag, target)``, store ``y[y_row:] @ w[e]`` at row ``dst_row`` of ``dst_table[s]`` and count the tile in
+    ``counters[flag]``; the ``target``-th tile of a flag releases `epoch` in this rank's flag ``flag``. No
+    launch for an empty table.
+
+    Args:
+        y: ``[R, K]`` with unit column stride. w: ``[L, K, N]``, any strides, `y`'s dtype.
+        tile_table: int32 ``[tiles, 7]`` on `y`'s device (`overlap.ops.moe_layout.combine_tile_table`, built
+            for ``BLOCK_M`` and ``N / BLOCK_N`` column tiles).
+        dst_table: int64 ``[W]``: this rank's region (``N``-wide rows, 16-byte aligned) in rank ``s``'s buffer.
+        counters: int32 flag counters of this rank, zero; the kernel leaves them at zero.
+        flag_table: int64 ``[W]``: every rank's flag base (this rank's is written).
+        epoch, rank: the value the flags get, and this rank.
+        block: ``(BLOCK_M, BLOCK_N, BLOCK_K)``.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit, a rank outside the tables, a tile size that is
+            not a power of two >= 16.
+    """
+    kernel = "launch_grouped_matmul_scatter"
+    host.check_matrix(kernel, "y", y, unit_cols=True)
+    _check_weights(kernel, w, y.shape[1], y)
+    world_size = _address_tables(kernel, y.device, dst_table=dst_table, flag_table=flag_table)
+    host.check_range(kernel, "rank", rank, 0, world_size)
+    host.check_table(kernel, "tile_table", tile_table, None, y.device, torch.int32, 7)
+    if counters.dtype != torch.int32 or counters.dim() != 1 or counters.device != y.device:
+        host.fail(kernel, f"counters must be int32 [flags] on {y.device}, got {counters.dtype} "
+                          f"{list(counters.shape)} on {counters.device}")
+    bm, bn, bk = block
+    host.check_tile(kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    if not tile_table.shape[0]:
+        return
+    n = w.shape[2]
+    grouped_matmul_scatter_kernel[(grouped_matmul_grid(tile_table.shape[0], n, bn),)](
+        y, w, tile_table,
+        dst_table, counters, flag_table,
+        epoch, rank,
+        n, y.shape[1],
+        y.stride(0),
+        w.stride(0), w.stride(1), w.stride(2),
+        n,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        UPCAST=host.interpreted() and y.dtype == torch.bfloat16,
+    )

@@ -1,10 +1,12 @@
 """Tests of bench/gpu_check.py without a GPU: its --help, and its --cpu-smoke mode, which runs the
 virtual-rank checks under the Triton interpreter (one process: the all-gather kernel, checks a-c, the
 reduce-scatter kernels, checks f, and the MoE grouped-GEMM kernels, checks g) and every op x strategy over
-gloo (two ranks under torchrun).
+gloo (two ranks under torchrun); and the layout of bench/: its modules import one another one way only
+(no cycle), and the GPU check's modules stay under 500 lines.
 Every run is a subprocess with a timeout: no test hangs.
 """
 
+import ast
 import json
 import os
 import subprocess
@@ -99,3 +101,66 @@ def test_cpu_smoke_torchrun_two_ranks(tmp_path):
     for op, strategies in ops.items():
         assert len([r for r in timed if r["name"].startswith(f"time {op} ")]) == len(strategies), doc["results"]
     assert len(timed) == len(checks) and all(r["data"]["ms"] > 0 for r in timed), doc["results"]
+
+
+# ----------------------------------------------------------------------------------------------
+# bench/'s modules: imports one way, small files
+# ----------------------------------------------------------------------------------------------
+
+
+def _bench_imports(bench: Path) -> dict[str, list[str]]:
+    """Module -> the modules of `bench` it imports (scripts import their siblings by name), lazy imports too."""
+    modules = {p.stem for p in bench.glob("*.py")}
+    graph = {}
+    for path in sorted(bench.glob("*.py")):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                found |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                found.add(node.module.split(".")[0])
+        graph[path.stem] = sorted((found & modules) - {path.stem})
+    return graph
+
+
+def _cycle(graph: dict[str, list[str]]) -> list[str] | None:
+    """One import cycle of `graph` (``[a, b, ..., a]``), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(v: str) -> list[str] | None:
+        state[v] = 1
+        path.append(v)
+        for w in graph.get(v, []):
+            if state.get(w) == 1:
+                return path[path.index(w):] + [w]
+            if w not in state and (found := visit(w)):
+                return found
+        state[v] = 2
+        path.pop()
+        return None
+
+    for v in sorted(graph):
+        if v not in state and (found := visit(v)):
+            return found
+    return None
+
+
+def test_bench_modules_import_one_way():
+    graph = _bench_imports(ROOT / "bench")
+    assert "gpu_check_common" in graph["gpu_check"], graph  # the walk reads the scripts' sibling imports
+    assert _cycle(graph) is None, f"import cycle among bench/ modules: {' -> '.join(_cycle(graph))}"
+
+
+def test_the_cycle_finder_finds_a_planted_cycle(tmp_path):
+    (tmp_path / "a.py").write_text("import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from c import g\n")  # a lazy import closes the loop
+    (tmp_path / "c.py").write_text("from a import x\nimport torch\n")
+    graph = _bench_imports(tmp_path)
+    assert graph == {"a": ["b"], "b": ["c"], "c": ["a"]}, graph
+    assert _cycle(graph) == ["a", "b", "c", "a"]
+
+
+def test_gpu_check_modules_are_small():
+    sizes = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "bench").glob("gpu_check*.py")}
+    assert sizes and all(n < 500 for n in sizes.values()), sizes

@@ -1,5 +1,7 @@
 """Tier 3: the Triton kernels compile ahead of time for Hopper (sm_90) with no GPU, GEMMs on wgmma,
-flags with system-scope acquire/release, waits bounded by %globaltimer."""
+flags with system-scope acquire/release, waits bounded by %globaltimer. Also without a GPU: the kernels'
+launchers refuse bad arguments (ValueError with the values) before launching, and the MoE tile tables
+(`overlap.ops.moe_layout`) cover every row once."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -82,3 +85,109 @@ def test_moe_scatter_kernel_compiles_for_sm90_with_wgmma_and_release_flags(repor
         assert r["flag_release_sys"], f"the flag is not published by a system-scope release: {r}"
         assert r["bar_sync"] and r["debug_barrier"], f"no CTA barrier (tl.debug_barrier) before the count: {r}"
         assert r["cubin_bytes"] > 0, r
+
+
+# ----------------------------------------------------------------------------------------------
+# The launchers refuse bad arguments before launching; the MoE tile tables cover every row once
+# ----------------------------------------------------------------------------------------------
+
+
+def _launch_with_bad_argument(case: str) -> None:
+    from overlap import kernels
+
+    i64, i32 = torch.int64, torch.int32
+    table, word = torch.zeros(2, dtype=i64), torch.zeros(1, dtype=i32)
+    b = torch.randn(32, 16)
+    if case == "rank outside the tables":
+        kernels.launch_all_gather_matmul(b, table, table, rows=4, epoch=1, rank=2, err=word, timeout_ns=1,
+                                         block=(32, 32, 32))
+    elif case == "tile not a power of two":
+        kernels.launch_all_gather_matmul(b, table, table, rows=4, epoch=1, rank=0, err=word, timeout_ns=1,
+                                         block=(48, 32, 32))
+    elif case == "out of the wrong shape":
+        kernels.launch_all_gather_matmul(b, table, table, rows=4, epoch=1, rank=0, err=word, timeout_ns=1,
+                                         block=(32, 32, 32), out=torch.empty(9, 16))
+    elif case == "rows past the blocks":
+        kernels.launch_matmul_scatter(torch.randn(9, 32), b, table, torch.zeros(8, dtype=i32), table, block_rows=4,
+                                      num_chunks=1, flag_stride=4, epoch=1, rank=0, block=(32, 32, 32))
+    elif case == "flags of two destinations overlap":
+        kernels.launch_matmul_scatter(torch.randn(64, 32), b, table, torch.zeros(8, dtype=i32), table,
+                                      block_rows=32, num_chunks=1, flag_stride=0, epoch=1, rank=0, block=(16, 32, 32))
+    elif case == "reduction of more rows than a block":
+        kernels.launch_reduce_chunks(torch.empty(9, 16), table, table, block_rows=8, num_chunks=1, epoch=1, err=word,
+                                     timeout_ns=1, block=(32, 32))
+    elif case == "tile table of 5 columns":
+        kernels.launch_grouped_matmul_wait(table, table, torch.zeros(3, 5, dtype=i32), torch.randn(2, 8, 16),
+                                           torch.empty(4, 16), torch.empty(4, 8), epoch=1, err=word, timeout_ns=1,
+                                           block=(32, 32, 32))
+    elif case == "weights of another inner dim":
+        kernels.launch_grouped_matmul_scatter(torch.randn(4, 8), torch.randn(2, 9, 16), torch.zeros(1, 7, dtype=i32),
+                                              table, torch.zeros(8, dtype=i32), table, epoch=1, rank=0,
+                                              block=(32, 32, 32))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("rank outside the tables", r"rank must be an int in \[0, 2\), got 2"),
+    ("tile not a power of two", "BLOCK_M must be a power of two >= 16, got 48"),
+    ("out of the wrong shape", r"out must be torch.float32 \[8, 16\].*got torch.float32 \[9, 16\]"),
+    ("rows past the blocks", "a's 9 rows do not fit 2 blocks of 4 rows"),
+    ("flags of two destinations overlap", "flag_stride 0 < num_chunks 1"),
+    ("reduction of more rows than a block", r"block_rows must be an int in \[9, .*got 8"),
+    ("tile table of 5 columns", r"tile_table must be torch.int32 \[n, 6\], got torch.int32 \[3, 5\]"),
+    ("weights of another inner dim", r"w must be torch.float32 \[L, 8, N\].*got torch.float32 \[2, 9, 16\]"),
+])
+def test_launchers_refuse_bad_arguments_with_their_values(case, message):
+    with pytest.raises(ValueError, match=message):
+        _launch_with_bad_argument(case)
+
+
+def _handles(world_size: int, tokens: list[int], top_k: int, num_local_experts: int):
+    """Every rank's MoE handle of one routing, ``recv_counts`` from the senders' counts (no group needed)."""
+    from overlap.ops import moe_layout as layout
+    from overlap.ops.context import CallContext
+
+    gen = torch.Generator().manual_seed(world_size * 100 + top_k)
+    E = world_size * num_local_experts
+    handles = []
+    for t in tokens:
+        topk = torch.randint(0, max(E - 1, 1), (t, top_k), generator=gen)  # the last expert is never picked
+        order, send_counts = layout.route("test", topk, E, world_size)
+        context = CallContext("test", None, None, 1.0)
+        handles.append(layout.MoEHandle(context, E, num_local_experts, top_k, t, send_counts, order))
+    for r, h in enumerate(handles):
+        h.recv_counts = [handles[s].send_counts[r] for s in range(world_size)]
+    return handles
+
+
+@pytest.mark.parametrize("world_size, tokens, top_k, num_local_experts", [
+    (1, [7], 1, 3), (2, [13, 0], 2, 2), (3, [33, 5, 40], 3, 5), (2, [50, 20], 2, 200),
+])
+def test_moe_tile_tables_cover_every_row_once(world_size, tokens, top_k, num_local_experts):
+    from overlap.ops import moe_layout as layout
+
+    W, L, bm, tiles_n = world_size, num_local_experts, 16, 3
+    F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
+    for r, h in enumerate(_handles(W, tokens, top_k, L)):
+        wait = layout.dispatch_tile_table(h, r, bm, torch.device("cpu"))
+        scatter = layout.combine_tile_table(h, r, bm, tiles_n, torch.device("cpu"))
+        assert wait.dtype == scatter.dtype == torch.int32 and wait.shape[1] == 6 and scatter.shape[1] == 7
+        # sources in the order the kernels visit them: ours first (dispatch), ours last (combine)
+        for table, sign, shift in ((wait, -1, r), (scatter, 1, -r - 1)):
+            steps = [(sign * s + shift) % W for s in table[:, 0].tolist()]
+            assert steps == sorted(steps), (r, table[:, 0].tolist())
+            assert all(1 <= n <= bm for n in table[:, 4].tolist()), table
+        covered = torch.zeros(h.num_recv, dtype=torch.int32)
+        for s, e, src_row, out_row, n, flag in wait.tolist():
+            covered[out_row : out_row + n] += 1
+            assert h.expert_offsets[e][s] <= out_row and out_row + n <= h.expert_offsets[e][s] + h.recv_counts[s][e]
+            assert src_row - h.within_source(s, e) == out_row - h.expert_offsets[e][s]
+            assert flag == r * F + 1 + layout.group_of(e, L, G)
+        assert bool((covered == 1).all()), f"rank {r}: expert rows covered {covered.tolist()}"
+        entries: dict[int, int] = {}
+        for s, e, y_row, dst_row, _n, flag, _target in scatter.tolist():
+            assert flag == s * F + 1 + layout.group_of(e, L, G)
+            assert dst_row - h.within_source(s, e) == y_row - h.expert_offsets[e][s]
+            entries[flag] = entries.get(flag, 0) + 1
+        assert all(target == entries[flag] * tiles_n for *_, flag, target in scatter.tolist())
+        assert sorted(map(tuple, scatter[:, :5].tolist())) == sorted(
+            (s, e, y, d, n) for s, e, d, y, n, _ in wait.tolist())  # the same tiles, both directions

@@ -36,7 +36,6 @@ a new tensor. A rank's shard is copied into the heap, so ``a`` may be modified o
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
@@ -211,33 +210,19 @@ def _fused(cc: CallContext, call, a2, b, keep_gathered):
     chosen, timeout = cc.plan, cc.timeout
     if b is None:  # gather only (a weight gradient's gather): the kernel has no GEMM to run
         return _gathered(cc.derive(plan=dataclasses.replace(chosen, strategy="symm")), call, a2, None, keep_gathered)
-    kernel = fused.kernels().all_gather_matmul_kernel
-    interpreted = fused.interpreted()
-    W, r, (m, k), n = cc.world_size, cc.rank, a2.shape, b.shape[1]
+    kernels = fused.kernels()
+    W, r, (m, k) = cc.world_size, cc.rank, a2.shape
     heap = call.heap
     call.wait_slot_free()
     call.buffer(r, a2.dtype, (m, k)).copy_(a2)
     call.signal_ready()
-    out = a2.new_empty((W * m, n))
     # GPU: the kernel's error word is pinned host memory, checked by the next call without a
     # sync. CPU (interpreted): checked right after the kernel.
     err = heap.kernel_err() if a2.is_cuda else torch.zeros(1, dtype=torch.int32)
-    abort = torch.zeros(1, dtype=torch.int32) if interpreted else err  # read only when interpreted
-    bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, interpreted, a2.dtype)
-    grid = (W * fused.cdiv(m, bm) * fused.cdiv(n, bn),)
-    guard = fused.Watchdog(abort, timeout) if interpreted else contextlib.nullcontext()
-    with guard:
-        kernel[grid](
-            out, b,
-            heap.ptr_table(call.slot), heap.flag_table(call.slot, 0),
-            call.word, r, W, abort, err, int(timeout * 1e9),
-            m, n, k,
-            k,
-            b.stride(0), b.stride(1),
-            out.stride(0), out.stride(1),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-            UPCAST=interpreted and a2.dtype == torch.bfloat16, INTERPRETED=interpreted,
-        )
+    tile = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(), a2.dtype)
+    out = kernels.launch_all_gather_matmul(b, heap.ptr_table(call.slot), heap.flag_table(call.slot, 0), rows=m,
+                                           epoch=call.word, rank=r, err=err, timeout_ns=int(timeout * 1e9),
+                                           block=tile)
     bad = 0 if a2.is_cuda else int(err.item())
     if bad:
         raise OverlapTimeout(cc.op, r, bad - 1, f"rank chunk {bad - 1}", timeout, "fused kernel tile wait")

@@ -1,13 +1,14 @@
-"""The host side of the ``fused`` strategy: importing the Triton kernels, the interpreter's watchdog, tiles.
+"""The host side of the ``fused`` strategy that the ops share: importing the Triton kernels, tiles.
 
-Where no GPU exists the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by ``import
-overlap``), and a `Watchdog` thread releases an in-kernel spin at the deadline by setting its abort word.
+The kernels' launchers (argument checks, grids, the interpreter's watchdog) are the kernels' own
+(`overlap.kernels`); this module imports them lazily, so that a missing Triton fails only the calls that
+need it. Where no GPU exists the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
+``import overlap``).
 """
 
 from __future__ import annotations
 
 import functools
-import threading
 
 import torch
 
@@ -17,31 +18,22 @@ FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def interpreted() -> bool:
+    """Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET``)."""
     return envs.triton_interpret()
 
 
 @functools.cache
 def kernels():
+    """`overlap.kernels` (the kernels and their launchers), imported on first use.
+
+    Raises:
+        RuntimeError: Triton does not import here.
+    """
     try:
         from .. import kernels as k
     except ImportError as exc:
         raise RuntimeError(f"overlap: the 'fused' strategy needs Triton, which failed to import: {exc}") from exc
     return k
-
-
-class Watchdog:
-    """Sets ``abort[0] = 1`` after `timeout` seconds, releasing interpreted in-kernel spins."""
-
-    def __init__(self, abort: torch.Tensor, timeout: float):
-        self._timer = threading.Timer(timeout, lambda: abort.fill_(1))
-        self._timer.daemon = True
-
-    def __enter__(self) -> Watchdog:
-        self._timer.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._timer.cancel()
 
 
 def fused_tiles(block_m: int, block_n: int, block_k: int, interpreted: bool,
@@ -55,6 +47,7 @@ def fused_tiles(block_m: int, block_n: int, block_k: int, interpreted: bool,
 
 
 def cdiv(x: int, y: int) -> int:
+    """``ceil(x / y)`` for ints."""
     return (x + y - 1) // y
 
 

@@ -41,8 +41,6 @@ rank; ``a`` and ``b`` are only read; the output is a new tensor.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
@@ -271,69 +269,45 @@ def _fused(cc: CallContext, call, a2, b):
     stride = symm.MAX_FLAGS // W
     out = a2.new_empty((m, n))
     # Block d goes to our region (r) of d's buffer; we sum the W regions of our own buffer.
-    scatter_and_reduce(cc, call, a2, b, out, block_rows=m, num_dest=W,
+    scatter_and_reduce(cc, call, a2, b, out, block_rows=m,
                        dst_table=heap.ptr_table(call.slot, r * rb), flag_index=r * stride,
                        src_table=heap.region_table(call.slot, r, rb, W), max_chunks=stride, flag_stride=stride)
     return out
 
 
-def scatter_and_reduce(cc: CallContext, call, a2, b, out, *, block_rows: int, num_dest: int,
-                       dst_table: torch.Tensor, flag_index: int, src_table: torch.Tensor, max_chunks: int,
-                       flag_stride: int = 0) -> None:
-    """The two fused kernels (`overlap.kernels.mm_rs`).
+def scatter_and_reduce(cc: CallContext, call, a2, b, out, *, block_rows: int, dst_table: torch.Tensor,
+                       flag_index: int, src_table: torch.Tensor, max_chunks: int, flag_stride: int = 0) -> None:
+    """The two fused kernels (`overlap.kernels.mm_rs`, through their launchers).
 
-    Producer: ``a2 @ b`` cut into `num_dest` blocks of `block_rows` rows, block ``d`` stored at
+    Producer: ``a2 @ b`` cut into ``len(dst_table)`` blocks of `block_rows` rows, block ``d`` stored at
     ``dst_table[d]`` and flagged per chunk in this rank's ready flags ``d * flag_stride + chunk``.
     Consumer: ``out = sum_s src_table[s]`` (``out.shape[0]`` rows), rank order, each chunk once every
     rank's flag ``flag_index + chunk`` has this call's epoch. Used by the reduce-scatter (one block
     per rank) and by ``matmul_all_reduce`` (one-shot: one block, summed over every rank's buffer).
     """
     info, chosen = cc.info, cc.plan
-    k = fused.kernels()
-    interpreted = fused.interpreted()
-    n = b.shape[1]
+    kernels = fused.kernels()
     heap = call.heap
-    bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, interpreted, a2.dtype)
-    tiles_m = fused.cdiv(block_rows, bm)
-    nch = max(1, min(chosen.chunks_for(info.slowest_link), max_chunks, tiles_m))
+    bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(), a2.dtype)
+    nch = kernels.chunk_count(chosen.chunks_for(info.slowest_link), max_chunks, block_rows, bm)
     call.wait_slot_free()
     counters = heap.counters(call.slot)  # num_dest * nch <= MAX_FLAGS; the kernel leaves them at zero
     if not a2.is_cuda:
         counters.zero_()  # (an interpreted kernel can stop half-way on an exception; a memset is free here)
-    k.matmul_scatter_kernel[(num_dest * tiles_m * fused.cdiv(n, bn),)](
-        a2, b,
-        dst_table, counters, heap.flag_table(call.slot, 0), flag_stride,
-        call.word, info.rank,
-        a2.shape[0], n, a2.shape[1], block_rows, num_dest, nch,
-        a2.stride(0),
-        b.stride(0), b.stride(1),
-        n,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-        UPCAST=interpreted and a2.dtype == torch.bfloat16,
-    )
+    kernels.launch_matmul_scatter(a2, b, dst_table, counters, heap.flag_table(call.slot, 0), block_rows=block_rows,
+                                  num_chunks=nch, flag_stride=flag_stride, epoch=call.word, rank=info.rank,
+                                  block=(bm, bn, bk))
     reduce_sources(cc, call, out, src_table, heap.flag_table(call.slot, flag_index), block_rows, nch, bm, bn)
 
 
 def reduce_sources(cc: CallContext, call, out, src_table, flag_table, block_rows, nch, bm, bn) -> None:
     """The reduction kernel: ``out = sum_s src_s`` in rank order, each chunk once its flags are set."""
     info, timeout = cc.info, cc.timeout
-    k = fused.kernels()
-    interpreted = fused.interpreted()
-    rows, n = out.shape
-    # GPU: the error word is pinned host memory, checked by the next call without a sync; the abort
-    # word is only read when interpreted. CPU (interpreted): both checked right after the kernel.
+    # GPU: the error word is pinned host memory, checked by the next call without a sync. CPU
+    # (interpreted): checked right after the kernel.
     err = call.heap.kernel_err() if out.is_cuda else torch.zeros(1, dtype=torch.int32)
-    abort = torch.zeros(1, dtype=torch.int32) if interpreted else err
-    guard = fused.Watchdog(abort, timeout) if interpreted else contextlib.nullcontext()
-    with guard:
-        k.reduce_chunks_kernel[(fused.cdiv(block_rows, bm) * fused.cdiv(n, bn),)](
-            out, src_table, flag_table,
-            call.word, abort, err, int(timeout * 1e9),
-            rows, n, block_rows, info.world_size, nch,
-            n,
-            out.stride(0), out.stride(1),
-            BLOCK_M=bm, BLOCK_N=bn, INTERPRETED=interpreted,
-        )
+    fused.kernels().launch_reduce_chunks(out, src_table, flag_table, block_rows=block_rows, num_chunks=nch,
+                                         epoch=call.word, err=err, timeout_ns=int(timeout * 1e9), block=(bm, bn))
     bad = 0 if out.is_cuda else int(err.item())
     if bad:
         raise OverlapTimeout(cc.op, info.rank, bad - 1, "a reduced chunk", timeout, "fused reduction wait")

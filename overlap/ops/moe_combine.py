@@ -285,45 +285,21 @@ def _symm(cc: CallContext, call, h, y, w, between, weights=None):
 
 def _fused(cc: CallContext, call, h, y, w, between, weights=None):
     chosen = cc.plan
-    k = fused.kernels()
-    interpreted = fused.interpreted()
     y = y.contiguous()  # the kernel reads rows with unit column stride
     cols = w.shape[2]
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
-    F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
-    bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, interpreted, y.dtype)
-    tiles_n = fused.cdiv(cols, bn)
+    bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(), y.dtype)
     call.wait_slot_free()
-    # Tiles: (source, expert, row of y, row in the source's region, rows, flag index, tiles of the flag).
-    tiles, per_flag = [], {}
-    for i in range(1, W + 1):  # peers from rank + 1, our own rows last
-        s = (r + i) % W
-        for e in range(L):
-            c = h.recv_counts[s][e]
-            lo, at = h.within_source(s, e), h.expert_offsets[e][s]
-            flag = s * F + 1 + layout.group_of(e, L, G)
-            for t in range(0, c, bm):
-                tiles.append([s, e, at + t, lo + t, min(bm, c - t), flag, 0])
-                per_flag[flag] = per_flag.get(flag, 0) + tiles_n
-    if tiles:
-        for tile in tiles:
-            tile[6] = per_flag[tile[5]]
+    table = layout.combine_tile_table(h, r, bm, fused.cdiv(cols, bn), y.device)
+    if table.shape[0]:
         heap = call.heap
         stride = layout.region_stride(call, W, L)
         counters = heap.counters(call.slot)  # indices < W * F <= MAX_FLAGS; the kernel leaves them at zero
         if not y.is_cuda:
             counters.zero_()  # (an interpreted kernel can stop half-way on an exception; a memset is free here)
-        k.grouped_matmul_scatter_kernel[(len(tiles) * tiles_n,)](
-            y, w, torch.tensor(tiles, dtype=torch.int32, device=y.device),
-            heap.ptr_table(call.slot, layout.header_bytes(W, L) + r * stride), counters, heap.flag_table(call.slot, 0),
-            call.word, r,
-            cols, y.shape[1],
-            y.stride(0),
-            w.stride(0), w.stride(1), w.stride(2),
-            cols,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            UPCAST=interpreted and y.dtype == torch.bfloat16,
-        )
+        fused.kernels().launch_grouped_matmul_scatter(
+            y, w, table, heap.ptr_table(call.slot, layout.header_bytes(W, L) + r * stride), counters,
+            heap.flag_table(call.slot, 0), epoch=call.word, rank=r, block=(bm, bn, bk))
     if between is not None:
         between()
     return _collect(call, h, y.dtype, cols, weights)

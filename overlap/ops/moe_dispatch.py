@@ -386,43 +386,21 @@ def _consume(call, h: layout.MoEHandle, dtype, cols: int, w):
 
 def _consume_fused(cc: CallContext, call, h: layout.MoEHandle, dtype, cols: int, w):
     chosen, timeout = cc.plan, cc.timeout
-    k = fused.kernels()
-    interpreted = fused.interpreted()
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
-    F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
     device = h.info.device
-    n = w.shape[2]
     recv = torch.empty((h.num_recv, cols), dtype=dtype, device=device)
-    out = torch.empty((h.num_recv, n), dtype=dtype, device=device)
-    bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, interpreted, dtype)
-    tiles = []  # (source, expert, row in the source's region, row in out, rows, flag index)
-    for i in range(W):
-        s = (r - i) % W
-        for e in range(L):
-            c = h.recv_counts[s][e]
-            lo, at = h.within_source(s, e), h.expert_offsets[e][s]
-            for t in range(0, c, bm):
-                tiles.append((s, e, lo + t, at + t, min(bm, c - t), r * F + 1 + layout.group_of(e, L, G)))
-    if not tiles:
+    out = torch.empty((h.num_recv, w.shape[2]), dtype=dtype, device=device)
+    bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(), dtype)
+    table = layout.dispatch_tile_table(h, r, bm, device)
+    if not table.shape[0]:
         return recv, out
-    table = torch.tensor(tiles, dtype=torch.int32, device=device)
     heap = call.heap
     stride = layout.region_stride(call, W, L)
     src_table = heap.region_table(call.slot, r, stride, W, layout.header_bytes(W, L))
     err = heap.kernel_err() if out.is_cuda else torch.zeros(1, dtype=torch.int32)
-    abort = torch.zeros(1, dtype=torch.int32) if interpreted else err
-    guard = fused.Watchdog(abort, timeout) if interpreted else contextlib.nullcontext()
-    with guard:
-        k.grouped_matmul_wait_kernel[(len(tiles) * fused.cdiv(n, bn),)](
-            src_table, heap.flag_table(call.slot, 0), table,
-            w, out, recv,
-            call.word, abort, err, int(timeout * 1e9),
-            n, cols,
-            w.stride(0), w.stride(1), w.stride(2),
-            out.stride(0), recv.stride(0),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INTERPRETED=interpreted,
-            UPCAST=interpreted and dtype == torch.bfloat16,
-        )
+    fused.kernels().launch_grouped_matmul_wait(src_table, heap.flag_table(call.slot, 0), table, w, out, recv,
+                                               epoch=call.word, err=err, timeout_ns=int(timeout * 1e9),
+                                               block=(bm, bn, bk))
     bad = 0 if out.is_cuda else int(err.item())
     if bad:
         raise OverlapTimeout(cc.op, r, bad - 1, "an expert block", timeout, "fused grouped GEMM wait")

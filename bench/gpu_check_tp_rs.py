@@ -3,7 +3,7 @@
 `matmul_reduce_scatter` and `matmul_all_reduce` launch them (`scatter_and_reduce`, `reduce_sources`).
 
 The virtual ranks, their layouts (``rs``, ``ar2``, ``ar1``) and the kernels' launches are
-`gpu_check_tp_group`'s.
+`gpu_check_tp_group`'s (`ScatterGroup`).
 
 Checks, against float64 sums with a rounding bound (`gpu_check_common.compare_bound`):
 f. ordered: every scatter has finished before any reduction starts; then a second call on the same
@@ -35,19 +35,20 @@ from gpu_check_common import (
     matmul_tflops,
     row_parallel_shapes,
 )
-from gpu_check_device import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device
 from gpu_check_tp_group import (
     KINDS,
     Layout,
-    TPGroup,
+    ScatterGroup,
     check_protocol_state,
     judge_outputs,
     launch_reduce,
     launch_scatter,
     reduce_grid,
 )
+from gpu_check_virtual import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device
+from overlap.kernels import Watchdog
 
-from overlap import _C
+from overlap import signals
 from overlap.ops import fused
 
 # ==============================================================================================
@@ -60,7 +61,7 @@ def check_ordered(rep: Report, dev: Device, kind: str, world_size: int, shape: t
     """f. ordered: scatters, settle, reductions; twice (epochs 7 and 8) on the same slots and counters."""
     rows, k, n = shape
     lay = Layout(kind, world_size, rows)
-    g = TPGroup.create(dev, lay, k, n, dtype, num_chunks, stale=6, b_layout=b_layout)
+    g = ScatterGroup.create(dev, lay, k, n, dtype, num_chunks, stale=6, b_layout=b_layout)
     tf32 = " tf32" if g.tf32 else ""
     name = f"f.{kind} ordered W={world_size} {dtype_name(dtype)}{tf32} {rows}x{k}x{n} b={b_layout} chunks={g.nch}"
     problems: list[str] = []
@@ -96,7 +97,7 @@ def check_racing(rep: Report, dev: Device, kind: str, world_size: int, shape: tu
     rows, k, n = shape
     name = f"f.{kind} racing W={world_size} {dtype_name(dtype)} {rows}x{k}x{n}"
     epoch = 9
-    g = TPGroup.create(dev, Layout(kind, world_size, rows), k, n, dtype, num_chunks=2, stale=epoch - 1)
+    g = ScatterGroup.create(dev, Layout(kind, world_size, rows), k, n, dtype, num_chunks=2, stale=epoch - 1)
     first_delay_s, gap_s = 0.02, 0.002
     if not dev.cuda:
         racing_on_cpu(rep, g, name, epoch, first_delay_s, gap_s)
@@ -136,7 +137,7 @@ def check_racing(rep: Report, dev: Device, kind: str, world_size: int, shape: tu
     rep.add(name, "FAIL" if problems else "PASS", "; ".join(problems) or value, max_err=err, rel=rel)
 
 
-def chunk_rows(g: TPGroup, chunk: int) -> tuple[int, int]:
+def chunk_rows(g: ScatterGroup, chunk: int) -> tuple[int, int]:
     """Rows of a block that chunk `chunk` covers: row tile t is in chunk ``t * nch // tiles_m``."""
     bm = g.tile[0]
     tiles_m = fused.cdiv(g.lay.block_rows, bm)
@@ -145,7 +146,7 @@ def chunk_rows(g: TPGroup, chunk: int) -> tuple[int, int]:
     return min(first * bm, g.lay.block_rows), min(last * bm, g.lay.block_rows)
 
 
-def racing_on_cpu(rep: Report, g: TPGroup, name: str, epoch: int, first_delay_s: float, gap_s: float) -> None:
+def racing_on_cpu(rep: Report, g: ScatterGroup, name: str, epoch: int, first_delay_s: float, gap_s: float) -> None:
     """f. racing, interpreted: the scatters run first (the interpreter runs one kernel at a time), their
     partials are staged aside and the slots poisoned again; then a thread plays the producers, chunk by
     chunk, rank W-1 first: it copies a chunk's rows into each owner's slot, then publishes that chunk's flag,
@@ -176,12 +177,12 @@ def racing_on_cpu(rep: Report, g: TPGroup, name: str, epoch: int, first_delay_s:
                     region[lo:hi].copy_(saved.view(g.dtype).view(region.shape)[lo:hi])
                     if (p, c) == (0, g.nch - 1):
                         last_due[dest] = time.perf_counter()
-                    _C.signal_store(g.flags[p][g.lay.flag_index(dest) + c :].data_ptr(), epoch)
+                    signals.signal_store(g.flags[p][g.lay.flag_index(dest) + c :].data_ptr(), epoch)
 
     thread = threading.Thread(target=publisher, daemon=True)
     abort = g.aborts[0]  # one abort word: the watchdog bounds every interpreted spin
     ends = []
-    with fused.Watchdog(abort, 10.0):
+    with Watchdog(abort, 10.0):
         thread.start()
         for r in range(W):
             g.aborts[r] = abort
@@ -203,7 +204,7 @@ def check_timeout(rep: Report, dev: Device, dtype: torch.dtype) -> None:
     m, k, n = (128, 256, 256) if dev.cuda else (16, 32, 32)
     name = f"f.rs timeout W=2 {dtype_name(dtype)} {2 * m}x{k}x{n}"
     epoch = 5
-    g = TPGroup.create(dev, Layout("rs", 2, 2 * m), k, n, dtype, num_chunks=1, stale=epoch - 1)
+    g = ScatterGroup.create(dev, Layout("rs", 2, 2 * m), k, n, dtype, num_chunks=1, stale=epoch - 1)
     timeout_s = SHORT_TIMEOUT_NS / 1e9
     if dev.cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -217,7 +218,7 @@ def check_timeout(rep: Report, dev: Device, dtype: torch.dtype) -> None:
     else:
         launch_scatter(g, 0, epoch)
         t0 = time.perf_counter()
-        with fused.Watchdog(g.aborts[0], timeout_s):  # the interpreter's abort word stands in for %globaltimer
+        with Watchdog(g.aborts[0], timeout_s):  # the interpreter's abort word stands in for %globaltimer
             launch_reduce(g, 0, epoch, SHORT_TIMEOUT_NS, watchdog=False)
         waited = time.perf_counter() - t0
     problems = []
@@ -242,7 +243,7 @@ def time_fused_vs_torch(rep: Report, dev: Device, kind: str, label: str, world_s
     """Rank 0's scatter + reduction (bf16, the op's default tiles, one chunk as on NVLink) against
     ``torch.mm`` of the same partial plus ``torch.sum`` of the ``W`` blocks it reduces."""
     dtype, epoch = torch.bfloat16, 3
-    g = TPGroup.create(dev, Layout(kind, world_size, rows), k, n, dtype, num_chunks=1, stale=epoch - 1)
+    g = ScatterGroup.create(dev, Layout(kind, world_size, rows), k, n, dtype, num_chunks=1, stale=epoch - 1)
     lo, hi = g.lay.block(0)
     for p in range(1, world_size):  # the peers have delivered their partials for rank 0, and flagged them
         region = g.region(p, 0) if kind == "ar1" else g.region(0, p)
@@ -281,11 +282,12 @@ def time_fused_vs_torch(rep: Report, dev: Device, kind: str, label: str, world_s
 
 
 # ==============================================================================================
-# Entry: after the all-gather checks of gpu_check_virtual.run_virtual
+# Entry: after the all-gather checks of gpu_check_tp_ag.run_all_gather_virtual
 # ==============================================================================================
 
 
-def run_tp_virtual(rep: Report, dev: Device) -> None:
+def run_reduce_scatter_virtual(rep: Report, dev: Device) -> None:
+    """The sections f and the reduce-scatter and one-shot all-reduce timings, in order."""
     gpu_only = None if dev.cuda else "GPU only"
     bf16 = torch.bfloat16
     if dev.cuda:

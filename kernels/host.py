@@ -1,0 +1,142 @@
+"""What the kernels' host launchers share: whether the kernels run interpreted, the interpreter's watchdog,
+and the argument checks.
+
+A launcher (``launch_*`` beside each kernel) checks its arguments, raising `ValueError` with the values
+that are wrong, allocates what belongs to the launch (an output where none is given, the abort word of an
+interpreted run), computes the grid and launches on the current stream. It never synchronizes: on GPUs
+a wait that gives up is reported through the error word the caller passes (pinned host memory in the ops),
+and the caller reads it. Where the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
+``import overlap`` where no GPU exists) an in-kernel spin cannot read a clock: a `Watchdog` thread sets the
+abort word at the deadline instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import NoReturn
+
+import torch
+
+from .. import envs
+
+#: tensor dtypes the GEMM kernels take (fp32 runs as TF32 on Hopper)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def interpreted() -> bool:
+    """Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET``, read now: once per launch)."""
+    return envs.triton_interpret()
+
+
+def cdiv(x: int, y: int) -> int:
+    """``ceil(x / y)`` for ints (host arithmetic; ``triton.cdiv`` is a JIT function, slower to call)."""
+    return -(-x // y)
+
+
+class Watchdog:
+    """Sets ``abort[0] = 1`` after `timeout` seconds, releasing interpreted in-kernel spins."""
+
+    def __init__(self, abort: torch.Tensor, timeout: float):
+        self._timer = threading.Timer(timeout, lambda: abort.fill_(1))
+        self._timer.daemon = True
+
+    def __enter__(self) -> Watchdog:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._timer.cancel()
+
+
+def bounded(abort: torch.Tensor, timeout_ns: int, watchdog: bool,
+            interpreted: bool) -> contextlib.AbstractContextManager:
+    """The guard of one interpreted launch: a `Watchdog` on `abort` after `timeout_ns` where `watchdog` is set
+    and the kernels run `interpreted`; nothing otherwise (on GPUs the kernels read ``%globaltimer``)."""
+    if watchdog and interpreted:
+        return Watchdog(abort, timeout_ns / 1e9)
+    return contextlib.nullcontext()
+
+
+def abort_word(kernel: str, abort: torch.Tensor | None, err: torch.Tensor, interpreted: bool) -> torch.Tensor:
+    """`abort`, else a fresh zero word where the kernels run `interpreted` (the watchdog's), else `err` (a GPU
+    kernel never reads the abort word, so any valid int32 pointer does)."""
+    if abort is not None:
+        check_word(kernel, "abort", abort)
+        return abort
+    return torch.zeros(1, dtype=torch.int32, device=err.device) if interpreted else err
+
+
+def launch_options(num_warps: int | None, num_stages: int | None, interpreted: bool) -> dict[str, int]:
+    """Triton launch options given (none when `interpreted`: they only shape GPU code)."""
+    if interpreted:
+        return {}
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return {k: v for k, v in options.items() if v is not None}
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks (cheap: shapes, dtypes and devices only, nothing that waits for the device)
+# ----------------------------------------------------------------------------------------------
+
+
+def fail(kernel: str, msg: str) -> NoReturn:
+    raise ValueError(f"overlap.kernels.{kernel}: {msg}")
+
+
+def check_tile(kernel: str, **sizes: int) -> None:
+    """Tile sizes are powers of two >= 16 (``tl.arange`` and ``tl.dot`` need them)."""
+    for name, v in sizes.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 16 or v & (v - 1):
+            fail(kernel, f"{name} must be a power of two >= 16, got {v!r}")
+
+
+def check_word(kernel: str, name: str, word: torch.Tensor) -> None:
+    """An int32 word (error or abort word) a kernel writes or reads."""
+    if not isinstance(word, torch.Tensor) or word.dtype != torch.int32 or word.numel() < 1:
+        got = f"{word.dtype} {tuple(word.shape)}" if isinstance(word, torch.Tensor) else type(word).__name__
+        fail(kernel, f"{name} must be an int32 tensor of at least one word, got {got}")
+
+
+def check_table(kernel: str, name: str, table: torch.Tensor, size: int | None, device: torch.device,
+                dtype: torch.dtype = torch.int64, width: int | None = None) -> None:
+    """An address table (int64 ``[size]``) or a tile table (int32 ``[rows, width]``) on the kernel's device,
+    contiguous; `size` None: any length."""
+    if not isinstance(table, torch.Tensor):
+        fail(kernel, f"{name} must be a tensor, got {type(table).__name__}")
+    shape = tuple(table.shape)
+    want = (size,) if width is None else (size, width)
+    if table.dtype != dtype or len(shape) != len(want) or any(w is not None and g != w for g, w in zip(shape, want)):
+        what = ", ".join("n" if w is None else str(w) for w in want)
+        fail(kernel, f"{name} must be {dtype} [{what}], got {table.dtype} {list(shape)}")
+    if not table.is_contiguous():
+        fail(kernel, f"{name} must be contiguous, got strides {table.stride()}")
+    check_device(kernel, name, table, device)
+
+
+def table_size(table: torch.Tensor) -> int | None:
+    """Entries of a 1-D table (None for anything else: `check_table` then says what is wrong)."""
+    return table.shape[0] if isinstance(table, torch.Tensor) and table.dim() == 1 else None
+
+
+def check_device(kernel: str, name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        fail(kernel, f"{name} is on {t.device}, the kernel runs on {device}")
+
+
+def check_matrix(kernel: str, name: str, t: torch.Tensor, dtype: torch.dtype | None = None,
+                 unit_cols: bool = False) -> None:
+    """A 2-D tensor of a kernel dtype (`dtype` where given); `unit_cols`: rows of unit column stride."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 2:
+        fail(kernel, f"{name} must be a 2-D tensor, got "
+                     f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if t.dtype not in DTYPES or (dtype is not None and t.dtype != dtype):
+        fail(kernel, f"{name} must be {dtype or DTYPES}, got {t.dtype}")
+    if unit_cols and t.shape[1] > 1 and t.stride(1) != 1:
+        fail(kernel, f"{name} must have unit column stride, got strides {t.stride()}")
+
+
+def check_range(kernel: str, name: str, value: int, lo: int, hi: int) -> None:
+    """``lo <= value < hi`` for an int."""
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value < hi:
+        fail(kernel, f"{name} must be an int in [{lo}, {hi}), got {value!r}")
