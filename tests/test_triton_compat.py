@@ -12,9 +12,9 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from overlap.kernels import compat
 
 import overlap  # noqa: F401  (sets TRITON_INTERPRET=1 where no GPU exists)
-from overlap.kernels import compat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter (no GPU here)")
 
