@@ -159,12 +159,14 @@ def run_one_device(rep: Report, dev) -> None:
     interpreter), in order: the all-gather GEMM kernel with the signal primitives, the scatter and reduction
     kernels, the MoE kernels."""
     from gpu_check_moe import run_moe_virtual
+    from gpu_check_ops import run_ops
     from gpu_check_tp_ag import run_all_gather_virtual
     from gpu_check_tp_rs import run_reduce_scatter_virtual
 
     run_all_gather_virtual(rep, dev)
     run_reduce_scatter_virtual(rep, dev)
     run_moe_virtual(rep, dev)
+    run_ops(rep, dev.device)  # the ops themselves, in rank processes sharing the device (gpu_check_ops)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,190 @@
+"""Checks i: the ops' own GPU code on one GPU, through the public API, in several processes.
+
+The other one-GPU checks launch the kernels on virtual ranks of one process; only the torchrun section runs the
+ops themselves, and it needs a GPU per rank. This section runs every op of the op table (``overlap.plans.OPS``:
+``all_gather_matmul``, ``matmul_reduce_scatter``, ``matmul_all_reduce`` and its ``one_shot`` variant, the MoE
+layer ``dispatch_grouped_matmul`` + gelu + ``grouped_matmul_combine``) x {``symm``, ``fused``} x {forward under
+``no_grad``, forward and backward} on ranks that are **processes sharing one GPU**, so that everything between
+an op call and its kernels runs as it does in training: the symmetric heap in torch's CUDA symmetric memory
+(``empty``, ``rendezvous``, ``get_buffer`` of a peer), the flag words and the pinned error words, the
+stream-ordered waits and writes, the ``symm`` side-stream pipelines (peer pulls and copies behind waits on
+another process's flags), the MoE dispatch and combine CUDA kernels with their tables, and every backward.
+
+Each rank (`gpu_check_ops_rank`, one process each) draws every rank's inputs from the seed
+(``Problem.inputs``, ``SeededDraw``), computes its own results with the table's oracle (``OpSpec.oracle``) on
+float64 copies, makes each call twice and requires bitwise the same results (the determinism claim of
+docs/design.md), and checks the first against the oracle: TP ops within a rounding bound from the oracle on the
+inputs' magnitudes, MoE within docs/design.md's tolerance (c). A case passes if it passes on every rank.
+
+How ranks share the GPU: the process group is ``cpu:gloo,cuda:nccl`` (overlap reads the group's device from
+its backend's name; no NCCL communicator is ever created, see `gpu_check_ops_rank`) and torch's CUDA
+symmetric-memory backend maps every process's allocation into every other, on the same device, once
+``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` lifts its one-device-per-rank check (no multicast, which overlap
+does not use). Without MPS the processes' kernels time-slice the GPU: a kernel spinning on a peer's flag runs
+until the peer's context gets its slice, hence small sizes and deadlines of a minute. On a GPU the section runs
+``W=2`` processes; where their set-up smoke (process group, group facts, ``overlap.reserve``) fails, that is
+reported and a **one-rank fallback** runs the same cases. One rank does not short-circuit to ``reference``: its
+forced ``symm``/``fused`` calls still allocate and rendezvous the heap, write and wait on their own flags
+(stream-ordered and in-kernel) and run every kernel, but every loop over peers is empty (no peer buffer, no
+side-stream pull or copy to a peer, no wait on another process), so only ``W=2`` proves the cross-process path.
+
+``--cpu-smoke``: the same code on CPU ranks (gloo, POSIX shared memory, ``fused`` under the Triton interpreter,
+tiny sizes), ``W=2`` and then ``W=1``, so CI runs both paths of this section.
+
+Every rank process has a deadline: past it the section kills it and reports what it had written.
+
+Imports overlap only in the rank processes; this module imports nothing of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from gpu_check_common import Report
+
+RANK_SCRIPT = Path(__file__).resolve().with_name("gpu_check_ops_rank.py")
+PREFIX = "i.ops"
+#: per-call deadline (every wait on a peer), seconds: time-sliced GPU processes; loaded CI machines
+CALL_TIMEOUT_S = {"cuda": 60.0, "cpu": 30.0}
+#: the most a run of all ranks may take, seconds (less where --time-limit leaves less)
+RUN_BUDGET_S = {"cuda": 240.0, "cpu": 120.0}
+#: the most the ranks may take to start, form the group and create the heap (the set-up smoke), seconds
+SETUP_BUDGET_S = {"cuda": 120.0, "cpu": 60.0}
+GRACE_S = 15.0  # after a rank failed, how long its peers get to report theirs beyond the call deadline
+
+
+def run_ops(rep: Report, device: torch.device) -> None:
+    """The section: on a GPU two processes on `device`, and one (the labelled fallback) where their set-up
+    failed or only the fallback is selected (``--only``); on the CPU (``--cpu-smoke``) two CPU ranks, then one."""
+    kind = device.type
+    seed = int(torch.randint(0, 2**31 - 1, ()))  # reproducible from the check's --seed
+    two, one = f"{PREFIX} W=2", f"{PREFIX} W=1" + ("" if kind == "cpu" else " fallback")
+    setup_failed = None
+
+    def run_two() -> None:
+        nonlocal setup_failed
+        setup_failed = run_world(rep, 2, device, seed, label=two)
+
+    rep.run(f"{two} processes on one {kind}", run_two)
+    if kind == "cpu" or setup_failed is not None or not rep.selected(two):
+        rep.run(one, lambda: run_world(rep, 1, device, seed, label=one))
+
+
+def run_world(rep: Report, world_size: int, device: torch.device, seed: int, label: str) -> str | None:
+    """Run `world_size` rank processes on `device` and add their merged results to `rep` under `label`.
+    Returns None if the ranks' set-up smoke passed (or the run was skipped), else why it did not (the results
+    then hold a FAIL)."""
+    kind = device.type
+    timeout = CALL_TIMEOUT_S[kind]
+    budget = min(RUN_BUDGET_S[kind], rep.time_limit - (time.time() - rep.started) - 10.0)
+    if budget < 30.0:
+        rep.add(label, "SKIP", f"{budget:.0f} s left of --time-limit {rep.time_limit:.0f} s")
+        return None
+    tmp = tempfile.mkdtemp(prefix="gpu_check_ops-")
+    try:
+        codes, elapsed = spawn(world_size, device, seed, timeout, budget, tmp)
+        ranks = [read_records(Path(tmp) / f"rank{r}.jsonl") for r in range(world_size)]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return merge(rep, label, ranks, codes, elapsed)
+
+
+def spawn(world_size: int, device: torch.device, seed: int, timeout: float, budget: float,
+          tmp: str) -> tuple[list[int | None], float]:
+    """Start the rank processes and wait for them: at most `budget` seconds, `SETUP_BUDGET_S` until every rank
+    has reported its set-up, and `timeout` + `GRACE_S` after a rank failed. Returns each one's exit status
+    (None: killed at a deadline) and the seconds taken."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if device.type == "cuda":
+        env["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"  # several ranks' symmetric memory on one device
+    cmd = [sys.executable, str(RANK_SCRIPT), "--world-size", str(world_size), "--init-file",
+           os.path.join(tmp, "store"), "--device", str(device), "--seed", str(seed), "--timeout", str(timeout),
+           "--out", tmp]
+    started = time.monotonic()
+    deadline = started + budget
+    setup_by = started + min(SETUP_BUDGET_S[device.type], budget)
+    procs = [subprocess.Popen([*cmd, "--rank", str(r)], env=env) for r in range(world_size)]
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                deadline = min(deadline, time.monotonic() + timeout + GRACE_S)
+            if setup_by and time.monotonic() > setup_by:
+                reported = [read_records(Path(tmp) / f"rank{r}.jsonl") for r in range(world_size)]
+                if not all(any(rec["kind"] == "setup" for rec in records) for records in reported):
+                    break  # a set-up that hangs: kill the ranks, the caller reports it and falls back
+                setup_by = 0.0
+            time.sleep(0.2)
+    finally:
+        killed = []
+        for p in procs:
+            if p.poll() is None:
+                p.kill()  # one of the processes started above, by its own handle
+                killed.append(p)
+        for p in killed:
+            p.wait(timeout=30)
+    return [None if p in killed else p.returncode for p in procs], time.monotonic() - started
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records one rank wrote (none if it never started); a half-written last line is dropped."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
+
+
+def merge(rep: Report, label: str, ranks: list[list[dict]], codes: list[int | None], elapsed: float) -> str | None:
+    """Add one result for the set-up smoke and one per case (PASS only if every rank passed it) to `rep`.
+    Returns None if every rank's set-up passed, else why not."""
+    W = len(ranks)
+    names = next((r["names"] for records in ranks for r in records if r["kind"] == "cases"), [])
+    setups = [next((r for r in records if r["kind"] == "setup"), None) for records in ranks]
+    fate = [("killed at the section's deadline" if c is None else f"exit status {c}") for c in codes]
+    bad_setup = [f"rank {q}: {s['value'] if s else 'no set-up reported (' + fate[q] + ')'}"
+                 for q, s in enumerate(setups) if s is None or s["status"] != "PASS"]
+    if bad_setup:
+        why = "; ".join(bad_setup)
+        rep.add(f"{label} setup", "FAIL", why)
+        return why
+    rep.add(f"{label} setup", "PASS", setups[0]["value"])
+    per_rank = [{r["name"]: r for r in records if r["kind"] == "case"} for records in ranks]
+    ended = None  # the first case whose error ended a rank's run: later cases may lack that rank's result
+    for name in names:
+        got = [results.get(name) for results in per_rank]
+        if all(g is None for g in got):
+            why = ended or f"ranks ended ({', '.join(fate)}) after {elapsed:.0f} s"
+            rep.add(f"{label} {name}", "SKIP", f"not run: {why}")
+            continue
+        failing = [(q, g) for q, g in enumerate(got) if g is None or g["status"] != "PASS"]
+        if failing:
+            q, g = min(failing, key=lambda f: f[1] is None)  # a rank's own report before a missing one
+            value = f"rank {q}: " + (g["value"] if g else f"no result ({fate[q]})")
+            if ended and (g is None or g.get("error")):
+                value += f" ({ended})"
+            ended = ended or next((f"rank {p} stopped at {name}" for p, h in failing if h and h.get("error")), None)
+            rep.add(f"{label} {name}", "FAIL", value, ranks_failed=[p for p, _ in failing])
+            continue
+        worst = max(float(g["max_err"]) for g in got)
+        seconds = max(g.get("seconds", 0.0) for g in got)
+        rep.add(f"{label} {name}", "PASS", f"{got[0]['value']}; max over {W} rank(s) {worst:.1e}, {seconds:.1f} s",
+                max_err=worst, seconds=seconds)
+    if any(c != 0 for c in codes) and not any(r["status"] == "FAIL" for rs in per_rank for r in rs.values()):
+        rep.add(f"{label} exit", "FAIL", ", ".join(f"rank {q}: {f}" for q, f in enumerate(fate)))
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit("gpu_check_ops: run bench/gpu_check.py (this module is one of its sections)")
