@@ -132,3 +132,21 @@ def test_the_switch_finder_finds_one(tmp_path):
                     '    return spec.family == "moe"\n')
     found = _switches(path, set(OPS))
     assert [f.split(": ")[1] for f in found] == ["'matmul_all_reduce'", "'moe'"], found
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_a_float64_oracle_stays_float64(op):
+    """On float64 inputs the oracles' sums over ranks and experts stay float64 (the GPU check's reference):
+    a sum in fp32 would differ from the float64 sum by ~1e-7."""
+    p = dataclasses.replace(_problem(op, True, 3), dtype="float64")
+    draw = SeededDraw(11, 0, "cpu", torch.float64)
+    every = [p.inputs(3, draw.for_rank(q)) for q in range(3)]
+    expected = op_spec(op).oracle(p, every, 1)
+    assert all(e.value.dtype == torch.float64 for e in expected), [(e.what, e.value.dtype) for e in expected]
+    if op_spec(op).family == "tp":  # out against the plain float64 sum of every rank's partial
+        if op == "all_gather_matmul":
+            want = torch.cat([e.leaves[0] for e in every]) @ every[1].leaves[1]
+        else:
+            rows = slice(p.m, 2 * p.m) if op == "matmul_reduce_scatter" else slice(None)
+            want = sum(e.leaves[0][rows] @ e.leaves[1] for e in every)
+        torch.testing.assert_close(expected[0].value, want, rtol=1e-13, atol=1e-13)

@@ -8,8 +8,9 @@ Shapes are a `Problem`'s: ``m`` tokens ``T`` per rank, hidden ``k`` (``H``), exp
 Inputs (`inputs`): ``x`` ``[T, H]`` standard normal; the routing drawn like a trained router's: logits
 ``[T, E]`` standard normal plus a per-expert popularity (normal, standard deviation `POPULARITY`, the same
 on every rank), each token's top ``K`` experts (distinct), ``topk_weights`` the softmax of their logits
-(fp32, as routers keep them), so expert loads are uneven; ``w1`` ``[L, H, F]`` scaled by ``1/sqrt(H)``,
-``w2`` ``[L, F, H]`` by ``1/sqrt(F)``; ``grad_out`` ``[T, H]`` standard normal.
+(fp32 as routers keep them; float64 in a float64 problem), so expert loads are uneven; ``w1``
+``[L, H, F]`` scaled by ``1/sqrt(H)``, ``w2`` ``[L, F, H]`` by ``1/sqrt(F)``; ``grad_out`` ``[T, H]``
+standard normal.
 
 The oracle (`oracle`) is the layer computed densely for the tokens of every rank (one GEMM per expert over
 the rows routed to it, gelu, the fp32 weighted sum), in the problem's dtype, with autograd for the
@@ -50,7 +51,7 @@ def inputs(p, world_size: int, draw: SeededDraw) -> OpInputs:
     x = draw.normal("x", T, H)
     logits = draw.fp32("logits", T, E) + POPULARITY * draw.fp32("popularity", E, shared=True)
     top = torch.topk(logits, K, dim=1)
-    weights = torch.softmax(top.values, dim=1)
+    weights = torch.softmax(top.values, dim=1).to(torch.promote_types(draw.dtype, torch.float32))
     w1 = draw.normal("w1", L * H, F, scale=H**-0.5).view(L, H, F)
     w2 = draw.normal("w2", L * F, H, scale=F**-0.5).view(L, F, H)
     g = draw.normal("grad_out", T, H) if p.backward else None
@@ -67,7 +68,7 @@ def call(lookup: Callable[[str], Callable], inputs: OpInputs, group, **kwargs) -
 def _dense(x: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
            experts: range) -> tuple[torch.Tensor, torch.Tensor]:
     """``y[t] = sum_k wt[t, k] * gelu(x[t] @ w1[e]) @ w2[e]`` (``e = idx[t, k]``) for every token, one GEMM
-    per expert over its rows (token order), the sum in fp32 (``k`` in order); also the rows of `experts`
+    per expert over its rows (token order), the sum in fp32 or wider (``k`` in order); also the rows of `experts`
     in expert order (the ``x_recv`` of the ranks holding them). Autograd-able."""
     N, K = idx.shape
     flat = idx.reshape(-1)
@@ -83,7 +84,8 @@ def _dense(x: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor, w1: torch.Tenso
         where.append(pairs)
     order = torch.cat(where)
     back = torch.cat(pieces).index_select(0, torch.argsort(order))  # pair order: t*K + k
-    acc = back.view(N, K, -1).float() * wt.float().unsqueeze(-1)
+    wide = torch.promote_types(x.dtype, torch.float32)  # fp32, or float64 for a float64 oracle
+    acc = back.view(N, K, -1).to(wide) * wt.to(wide).unsqueeze(-1)
     y = acc.sum(dim=1).to(x.dtype)
     return y, torch.cat([x.new_empty(0, x.shape[1]), *recv])
 

@@ -86,8 +86,9 @@ class Plain:
 
 
 def fp32_sum(parts) -> torch.Tensor:
-    """The sum of `parts` accumulated in fp32 (the oracles' sums over ranks)."""
+    """The sum of `parts` accumulated in fp32 or wider (float64 parts stay float64): the oracles' sums."""
     total = None
     for p in parts:
-        total = p.float() if total is None else total.add_(p.float())
+        p = p.to(torch.promote_types(p.dtype, torch.float32))
+        total = p if total is None else total.add_(p)
     return total
