@@ -31,7 +31,7 @@ import types
 import torch
 from gpu_check_common import Report, dtype_name
 from gpu_check_virtual import Device, Tile
-from overlap.kernels import grouped_matmul_grid, launch_grouped_matmul_scatter, launch_grouped_matmul_wait
+from overlap.kernels import epoch_word, grouped_matmul_grid, launch_grouped_matmul_scatter, launch_grouped_matmul_wait
 
 from overlap import symm
 from overlap.ops import fused
@@ -328,8 +328,9 @@ def launch_wait(g: MoEGroup, c: WaitCall, epoch: int, timeout_ns: int, watchdog:
     launch does), unless the caller bounds the launch itself (`watchdog=False`)."""
     tile = c.tile
     options = {} if tile is None else {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
-    launch_grouped_matmul_wait(c.src_table, g.flag_table, c.table, c.w, c.out, c.recv, epoch=epoch, err=c.err,
-                               timeout_ns=timeout_ns, block=c.blocks, abort=c.abort, watchdog=watchdog, **options)
+    launch_grouped_matmul_wait(c.src_table, g.flag_table, c.table, c.w, c.out, c.recv,
+                               epoch=epoch_word(epoch, c.out.device), err=c.err, timeout_ns=timeout_ns,
+                               block=c.blocks, abort=c.abort, watchdog=watchdog, **options)
 
 
 @dataclasses.dataclass
@@ -358,5 +359,5 @@ def scatter_call(g: MoEGroup, r: int, y: torch.Tensor, w: torch.Tensor, dst: lis
 def launch_scatter(g: MoEGroup, c: ScatterCall, epoch: int) -> None:
     """The scatter kernel on the current stream, through the launcher `grouped_matmul_combine`'s fused strategy
     calls."""
-    launch_grouped_matmul_scatter(c.y, c.w, c.table, c.dst_table, g.counters[c.rank], g.flag_table, epoch=epoch,
-                                  rank=c.rank, block=op_tile(g.dev, g.cfg.dtype))
+    launch_grouped_matmul_scatter(c.y, c.w, c.table, c.dst_table, g.counters[c.rank], g.flag_table,
+                                  epoch=epoch_word(epoch, c.y.device), rank=c.rank, block=op_tile(g.dev, g.cfg.dtype))

@@ -43,6 +43,7 @@ from gpu_check_virtual import Device, Tile
 from overlap.kernels import (
     all_gather_matmul_grid,
     chunk_count,
+    epoch_word,
     launch_all_gather_matmul,
     launch_matmul_scatter,
     launch_reduce_chunks,
@@ -140,7 +141,8 @@ def launch_gather(g: GatherGroup, rank: int, c: Consumer, epoch: int, timeout_ns
     """Virtual rank `rank`'s fused kernel on the current stream, through the launcher `all_gather_matmul`'s fused
     strategy calls. Interpreted, nothing here bounds its spins: the caller sets the abort word (a watchdog) where
     a flag may never come."""
-    launch_all_gather_matmul(g.b, g.ptr_table, g.flag_table, rows=g.shards[0].shape[0], epoch=epoch, rank=rank,
+    launch_all_gather_matmul(g.b, g.ptr_table, g.flag_table, rows=g.shards[0].shape[0],
+                             epoch=epoch_word(epoch, g.b.device), rank=rank,
                              err=c.err, timeout_ns=timeout_ns, block=(tile.block_m, tile.block_n, tile.block_k),
                              out=c.out, abort=c.abort, watchdog=False, num_warps=tile.num_warps,
                              num_stages=tile.num_stages)
@@ -329,8 +331,8 @@ def reduce_grid(g: ScatterGroup) -> int:
 def launch_scatter(g: ScatterGroup, rank: int, epoch: int) -> None:
     """Rank `rank`'s producer kernel on the current stream, through the launcher `scatter_and_reduce` calls."""
     launch_matmul_scatter(g.a[rank], g.b[rank], g.dst_tables[rank], g.counters[rank], g.flag_base,
-                          block_rows=g.lay.block_rows, num_chunks=g.nch, flag_stride=g.lay.flag_stride, epoch=epoch,
-                          rank=rank, block=g.tile)
+                          block_rows=g.lay.block_rows, num_chunks=g.nch, flag_stride=g.lay.flag_stride,
+                          epoch=epoch_word(epoch, g.a[rank].device), rank=rank, block=g.tile)
 
 
 def launch_reduce(g: ScatterGroup, rank: int, epoch: int, timeout_ns: int, watchdog: bool = True) -> None:
@@ -340,7 +342,8 @@ def launch_reduce(g: ScatterGroup, rank: int, epoch: int, timeout_ns: int, watch
     `reduce_sources` does), unless the caller bounds the launch itself (`watchdog=False`)."""
     bm, bn, _ = g.tile
     launch_reduce_chunks(g.outs[rank], g.src_tables[rank], g.reduce_flags[rank], block_rows=g.lay.block_rows,
-                         num_chunks=g.nch, epoch=epoch, err=g.errs[rank], timeout_ns=timeout_ns, block=(bm, bn),
+                         num_chunks=g.nch, epoch=epoch_word(epoch, g.outs[rank].device), err=g.errs[rank],
+                         timeout_ns=timeout_ns, block=(bm, bn),
                          abort=g.aborts[rank], watchdog=watchdog)
 
 

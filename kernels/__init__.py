@@ -15,7 +15,7 @@ fix_interpreter_index()
 # ruff: noqa: E402  (the kernels below are defined after the fix)
 
 from .ag_matmul import all_gather_matmul_grid, all_gather_matmul_kernel, launch_all_gather_matmul
-from .host import Watchdog
+from .host import Watchdog, epoch_word
 from .mm_rs import (
     chunk_count,
     launch_matmul_scatter,
@@ -38,6 +38,7 @@ __all__ = [
     "all_gather_matmul_grid",
     "all_gather_matmul_kernel",
     "chunk_count",
+    "epoch_word",
     "grouped_matmul_grid",
     "grouped_matmul_scatter_kernel",
     "grouped_matmul_wait_kernel",

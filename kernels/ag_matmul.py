@@ -28,14 +28,16 @@ from . import host
 from .flags import matmul_tile, wait_flag
 
 
-@triton.jit
+# Not specialized on: values that differ between ranks or calls (one compiled variant serves them all) and M
+# (rows: it only masks and offsets rows). The sizes and strides that set the GEMM's vector loads stay specialized.
+@triton.jit(do_not_specialize=["epoch_ptr", "rank", "world_size", "abort_ptr", "err_ptr", "timeout_ns", "M"])
 def all_gather_matmul_kernel(
     # output and the local weight shard
     out_ptr, b_ptr,
     # symmetric memory: per-rank shard addresses and ready-flag addresses (int64 tables)
     ptr_table, flag_table,
-    # protocol
-    epoch, rank, world_size, abort_ptr, err_ptr, timeout_ns,
+    # protocol (the call's epoch is an int32 word on the device: `overlap.kernels.flags`)
+    epoch_ptr, rank, world_size, abort_ptr, err_ptr, timeout_ns: tl.int64,
     # sizes: M rows per rank, N, K
     M, N, K,
     # strides (the shards are row-major [M, K] in their buffers)
@@ -63,6 +65,7 @@ def all_gather_matmul_kernel(
     tile_n = (tile % group_size) // rows_in_group
 
     # ---- wait for the chunk this tile reads ---------------------------------------------------
+    epoch = tl.load(epoch_ptr)
     flag_ptr = tl.load(flag_table + src).to(tl.pointer_type(tl.int32))
     wait_flag(flag_ptr, epoch, abort_ptr, err_ptr, src, timeout_ns, INTERPRETED)
 
@@ -97,7 +100,7 @@ def all_gather_matmul_grid(world_size: int, rows: int, n: int, block_m: int, blo
 
 
 def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_table: torch.Tensor, *, rows: int,
-                             epoch: int, rank: int, err: torch.Tensor, timeout_ns: int,
+                             epoch: torch.Tensor, rank: int, err: torch.Tensor, timeout_ns: int,
                              block: tuple[int, int, int], out: torch.Tensor | None = None,
                              abort: torch.Tensor | None = None, watchdog: bool = True,
                              num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
@@ -109,7 +112,9 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
             16-byte aligned (a symmetric buffer).
         flag_table: int64 ``[W]``: the address of rank r's int32 ready flag; a tile waits until it reaches `epoch`.
         rows: ``M``, rows of every rank's shard.
-        epoch, rank: this call's epoch and this rank (whose own chunk is multiplied first).
+        epoch: int32 word on `b`'s device holding this call's epoch (`overlap.kernels.epoch_word`; the ops pass
+            their heap slot's word). A word, not an int: Triton would compile again for epochs 1 and 16.
+        rank: this rank (whose own chunk is multiplied first).
         err: int32 word (GPU: pinned host memory) where a wait that gives up records ``src + 1``; the caller
             reads it (never this launcher: that would synchronize).
         timeout_ns: how long one wait may spin.
@@ -134,6 +139,7 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
     host.check_range(kernel, "rank", rank, 0, world_size)
     host.check_range(kernel, "rows", rows, 0, 1 << 31)
     host.check_word(kernel, "err", err)
+    host.check_epoch(kernel, epoch, b.device)
     bm, bn, bk = block
     host.check_tile(kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     k, n = b.shape

@@ -2,11 +2,27 @@
 
 Flags are int32 words holding a call's epoch; "reached" is a non-negative int32 difference, so
 epochs compare correctly modulo 2^32 (as in ``overlap._C``). System scope throughout: the other
-side may be another GPU (through a peer mapping) or another process on the host.
+side may be another GPU (through a peer mapping) or another process on the host. A call's epoch
+reaches the kernels as a device word (``epoch_ptr``, read once per program), never as an int
+argument: Triton would compile a new variant where it is 1 or a multiple of 16.
 """
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def cta_any(cond):
+    """1 in every thread of the CTA when `cond` (an int or bool scalar) is non-zero in any of them, else 0.
+
+    One ``bar.red.or.pred``: a barrier that also reduces, so its result is the same in every warp by
+    construction. Every thread must reach it (never call it under a condition that differs between
+    threads). GPUs only (inline PTX).
+    """
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred ovl_in, ovl_out; setp.ne.s32 ovl_in, $1, 0; bar.red.or.pred ovl_out, 0, ovl_in; "
+        "selp.s32 $0, 1, 0, ovl_out; }",
+        "=r,r", [cond.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -16,25 +32,32 @@ def wait_flag(flag_ptr, epoch, abort_ptr, err_ptr, src, timeout_ns, INTERPRETED:
     The deadline is per wait; once any wait of the call has given up (``*err_ptr`` set, polled after
     the first millisecond), every other wait stops too, so a dead peer costs one timeout, not one per
     tile and source.
+
+    Every warp of the CTA leaves the loop on the same iteration (GPUs): each iteration holds barriers
+    (the flag's one-thread acquire reaches the other threads through shared memory) and the GEMM after
+    the wait reuses that shared memory, so a warp that left early or late would overwrite tile data,
+    read tile data as the flag, or wait at a barrier for ever. The flag value is that broadcast (the
+    same in every thread); the clock and the error word are read by each thread, so whether to stop is
+    decided by `cta_any` over the whole CTA.
     """
     # Epochs wrap modulo 2^32, so "reached" is a non-negative int32 difference (as in overlap._C).
     # System scope: the producer may be another GPU (or the host) writing through a peer mapping.
     ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    if INTERPRETED:
+    if INTERPRETED:  # one thread: the host watchdog's abort word bounds the spin (no clock here)
         aborted = tl.load(abort_ptr, volatile=True)
         while ((ready - epoch) < 0) & (aborted == 0):
             ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
             aborted = tl.load(abort_ptr, volatile=True)
     else:
         start = tl.extra.cuda.globaltimer()
-        now = start
-        failed = ready * 0
-        while ((ready - epoch) < 0) & (now - start < timeout_ns) & (failed == 0):
+        stop = ((ready - epoch) >= 0).to(tl.int32)  # (the broadcast value: the same in every thread)
+        while stop == 0:
             ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-            now = tl.extra.cuda.globaltimer()
-            if now - start > 1_000_000:
-                failed = tl.load(err_ptr, volatile=True)
-    if (ready - epoch) < 0:
+            elapsed = tl.extra.cuda.globaltimer() - start
+            # The error word is host memory on GPUs: not read in the first millisecond of a wait.
+            failed = tl.load(err_ptr, mask=elapsed > 1_000_000, other=0, volatile=True)
+            stop = cta_any(((ready - epoch) >= 0) | (elapsed >= timeout_ns) | (failed != 0))
+    if (ready - epoch) < 0:  # (the broadcast value again: every thread takes the same branch)
         # The host reads this word (pinned memory on GPUs): system scope.
         tl.atomic_max(err_ptr, src + 1, scope="sys")
 

@@ -98,6 +98,26 @@ def check_word(kernel: str, name: str, word: torch.Tensor) -> None:
         fail(kernel, f"{name} must be an int32 tensor of at least one word, got {got}")
 
 
+def check_epoch(kernel: str, epoch: torch.Tensor, device: torch.device) -> None:
+    """The epoch word: an int32 tensor of at least one word on the kernel's device (never an int, which
+    Triton would specialize on)."""
+    if isinstance(epoch, int):
+        fail(kernel, f"epoch must be an int32 word on {device} (overlap.kernels.epoch_word({epoch}, device)), "
+                     f"got the int {epoch}")
+    check_word(kernel, "epoch", epoch)
+    check_device(kernel, "epoch", epoch, device)
+
+
+def epoch_word(epoch: int, device: torch.device | str) -> torch.Tensor:
+    """A new int32 ``[1]`` tensor holding `epoch` on `device`, for launches without a heap (the GPU check,
+    tests). Written on the current stream (a fill kernel on GPUs, no synchronization): launch the kernels that
+    read it on that stream, or order the others after it. The ops use their heap slot's word instead
+    (`overlap.symm.Call.epoch_word`)."""
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or not -(1 << 31) <= epoch < 1 << 31:
+        raise ValueError(f"overlap.kernels.epoch_word: epoch must be an int32, got {epoch!r}")
+    return torch.full((1,), epoch, dtype=torch.int32, device=device)
+
+
 def check_table(kernel: str, name: str, table: torch.Tensor, size: int | None, device: torch.device,
                 dtype: torch.dtype = torch.int64, width: int | None = None) -> None:
     """An address table (int64 ``[size]``) or a tile table (int32 ``[rows, width]``) on the kernel's device,

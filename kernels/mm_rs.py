@@ -38,15 +38,17 @@ from . import host
 from .flags import count_and_release, matmul_tile, wait_flag
 
 
-@triton.jit
+# Not specialized on: values that differ between ranks or calls, and counts that only mask rows or index flags
+# (the sizes and strides that set the GEMM's vector loads stay specialized).
+@triton.jit(do_not_specialize=["FLAG_STRIDE", "epoch_ptr", "rank", "M", "MB", "NUM_DEST", "NCH"])
 def matmul_scatter_kernel(
     # the local operands: a [M, K] row-major (contiguous rows), b [K, N] any strides
     a_ptr, b_ptr,
     # where block d goes (int64 addresses, one per destination), chunk counters, every rank's flag
     # base (int64; this rank's is used), flags per destination block in the flag area
     dst_table, counters_ptr, flag_table, FLAG_STRIDE,
-    # protocol
-    epoch, rank,
+    # protocol (the call's epoch is an int32 word on the device)
+    epoch_ptr, rank,
     # sizes: M rows in all, MB rows per block, NUM_DEST blocks, NCH chunks per block
     M, N, K, MB, NUM_DEST, NCH,
     # strides
@@ -91,15 +93,16 @@ def matmul_scatter_kernel(
     chunk = tile_m * NCH // tiles_m
     target = (tl.cdiv((chunk + 1) * tiles_m, NCH) - tl.cdiv(chunk * tiles_m, NCH)) * tiles_n
     own_flags = tl.load(flag_table + rank).to(tl.pointer_type(tl.int32))
+    epoch = tl.load(epoch_ptr)
     count_and_release(counters_ptr + d * NCH + chunk, target, own_flags + d * FLAG_STRIDE + chunk, epoch)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch_ptr", "abort_ptr", "err_ptr", "timeout_ns", "M", "MB", "NUM_SRC", "NCH"])
 def reduce_chunks_kernel(
     # output [M, N] (this rank's block), sources: int64 tables of partial addresses and flag addresses
     out_ptr, src_table, flag_table,
-    # protocol
-    epoch, abort_ptr, err_ptr, timeout_ns,
+    # protocol (the call's epoch is an int32 word on the device)
+    epoch_ptr, abort_ptr, err_ptr, timeout_ns: tl.int64,
     # sizes: M valid rows, MB rows of a block (sets the chunk map), NUM_SRC sources, NCH chunks
     M, N, MB, NUM_SRC, NCH,
     # strides (the partials are row-major with row stride stride_sm)
@@ -120,6 +123,7 @@ def reduce_chunks_kernel(
     offs = offs_m[:, None].to(tl.int64) * stride_sm + offs_n[None, :]
 
     # ---- sum the sources in rank order (fixed: bitwise reproducible) -------------------------
+    epoch = tl.load(epoch_ptr)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in range(0, NUM_SRC):
         flag_ptr = tl.load(flag_table + s).to(tl.pointer_type(tl.int32)) + chunk
@@ -157,7 +161,7 @@ def reduce_chunks_grid(block_rows: int, n: int, block_m: int, block_n: int) -> i
 
 def launch_matmul_scatter(a: torch.Tensor, b: torch.Tensor, dst_table: torch.Tensor, counters: torch.Tensor,
                           flag_table: torch.Tensor, *, block_rows: int, num_chunks: int, flag_stride: int,
-                          epoch: int, rank: int, block: tuple[int, int, int]) -> None:
+                          epoch: torch.Tensor, rank: int, block: tuple[int, int, int]) -> None:
     """The producer on the current stream: ``a @ b`` cut into ``D`` blocks of `block_rows` rows, block ``d``
     stored at ``dst_table[d]`` and released per chunk in this rank's flags ``d * flag_stride + chunk``.
 
@@ -169,7 +173,8 @@ def launch_matmul_scatter(a: torch.Tensor, b: torch.Tensor, dst_table: torch.Ten
         flag_table: int64 ``[W]``: every rank's flag base (this rank's is written).
         block_rows, num_chunks: ``MB`` and ``NCH`` (`chunk_count`); flag_stride: flags per destination
             (at least `num_chunks` where ``D > 1``).
-        epoch, rank: the value the flags get, and this rank (destinations are visited from ``rank + 1``).
+        epoch: int32 word on `a`'s device holding the value the flags get (`overlap.kernels.epoch_word`).
+        rank: this rank (destinations are visited from ``rank + 1``).
         block: ``(BLOCK_M, BLOCK_N, BLOCK_K)``; `launch_reduce_chunks` must use the same ``BLOCK_M``.
 
     Raises:
@@ -187,6 +192,7 @@ def launch_matmul_scatter(a: torch.Tensor, b: torch.Tensor, dst_table: torch.Ten
     world_size = host.table_size(flag_table)
     host.check_table(kernel, "flag_table", flag_table, world_size, a.device)
     host.check_range(kernel, "rank", rank, 0, world_size)
+    host.check_epoch(kernel, epoch, a.device)
     bm, bn, bk = block
     host.check_tile(kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     host.check_range(kernel, "block_rows", block_rows, 0, 1 << 31)
@@ -212,7 +218,8 @@ def launch_matmul_scatter(a: torch.Tensor, b: torch.Tensor, dst_table: torch.Ten
 
 
 def launch_reduce_chunks(out: torch.Tensor, src_table: torch.Tensor, flag_table: torch.Tensor, *, block_rows: int,
-                         num_chunks: int, epoch: int, err: torch.Tensor, timeout_ns: int, block: tuple[int, int],
+                         num_chunks: int, epoch: torch.Tensor, err: torch.Tensor, timeout_ns: int,
+                         block: tuple[int, int],
                          abort: torch.Tensor | None = None, watchdog: bool = True) -> None:
     """The consumer on the current stream: ``out = sum_s src_s`` in source order, each chunk once every
     source's flag of it has reached `epoch`.
@@ -222,7 +229,7 @@ def launch_reduce_chunks(out: torch.Tensor, src_table: torch.Tensor, flag_table:
         src_table: int64 ``[S]``: source ``s``'s ``[block_rows, N]`` row-major partial (16-byte aligned).
         flag_table: int64 ``[S]``: source ``s``'s flag of chunk 0 of this block (chunk ``c`` is the next ``c``-th word).
         block_rows, num_chunks: ``MB`` and ``NCH``, as the producers used them.
-        epoch: the value the flags must reach.
+        epoch: int32 word on `out`'s device holding the value the flags must reach (`overlap.kernels.epoch_word`).
         err: int32 word (GPU: pinned host memory) where a wait that gives up records ``s + 1``; the caller reads it.
         timeout_ns: how long one wait may spin.
         block: ``(BLOCK_M, BLOCK_N)``; ``BLOCK_M`` the producers' (it sets the chunk of a row tile).
@@ -237,6 +244,7 @@ def launch_reduce_chunks(out: torch.Tensor, src_table: torch.Tensor, flag_table:
     host.check_table(kernel, "src_table", src_table, num_sources, out.device)
     host.check_table(kernel, "flag_table", flag_table, num_sources, out.device)
     host.check_word(kernel, "err", err)
+    host.check_epoch(kernel, epoch, out.device)
     bm, bn = block
     host.check_tile(kernel, BLOCK_M=bm, BLOCK_N=bn)
     rows, n = out.shape

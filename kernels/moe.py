@@ -32,15 +32,17 @@ from . import host
 from .flags import count_and_release, matmul_tile, wait_flag
 
 
-@triton.jit
+# Not specialized on: values that differ between ranks or calls (the sizes and strides that set the GEMM's
+# vector loads stay specialized).
+@triton.jit(do_not_specialize=["epoch_ptr", "abort_ptr", "err_ptr", "timeout_ns"])
 def grouped_matmul_wait_kernel(
     # where the rows are (int64 address of each source's region in this rank's buffer), and every
     # rank's flag base (int64); the tile table (int32 [tiles, 6])
     src_table, flag_table, tile_table,
     # expert weights w [L, K, N]; the output [R, N]; the copy of the rows read [R, K]
     w_ptr, out_ptr, rows_ptr,
-    # protocol
-    epoch, abort_ptr, err_ptr, timeout_ns,
+    # protocol (the call's epoch is an int32 word on the device)
+    epoch_ptr, abort_ptr, err_ptr, timeout_ns: tl.int64,
     # sizes
     N, K,
     # strides
@@ -64,6 +66,7 @@ def grouped_matmul_wait_kernel(
 
     # ---- wait for the block's flag (acquire: the rows are visible after it) -------------------
     flag_ptr = tl.load(flag_table + s).to(tl.pointer_type(tl.int32)) + flag
+    epoch = tl.load(epoch_ptr)
     wait_flag(flag_ptr, epoch, abort_ptr, err_ptr, s, timeout_ns, INTERPRETED)
 
     # ---- GEMM tile, keeping a copy of the rows ------------------------------------------------
@@ -95,15 +98,15 @@ def grouped_matmul_wait_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch_ptr", "rank"])
 def grouped_matmul_scatter_kernel(
     # rows y [R, K] (row stride stride_ym), expert weights w [L, K, N], the tile table (int32 [tiles, 7])
     y_ptr, w_ptr, tile_table,
     # where source s's results go (int64 address of this rank's region in s's buffer), the flag
     # counters, every rank's flag base (int64; this rank's is used)
     dst_table, counters_ptr, flag_table,
-    # protocol
-    epoch, rank,
+    # protocol (the call's epoch is an int32 word on the device)
+    epoch_ptr, rank,
     # sizes
     N, K,
     # strides
@@ -142,6 +145,7 @@ def grouped_matmul_scatter_kernel(
 
     # ---- count the tile; the flag's last tile publishes it ---------------------------------------
     own_flags = tl.load(flag_table + rank).to(tl.pointer_type(tl.int32))
+    epoch = tl.load(epoch_ptr)
     count_and_release(counters_ptr + flag, target, own_flags + flag, epoch)
 
 
@@ -171,7 +175,7 @@ def _address_tables(kernel: str, device: torch.device, **tables: torch.Tensor) -
 
 
 def launch_grouped_matmul_wait(src_table: torch.Tensor, flag_table: torch.Tensor, tile_table: torch.Tensor,
-                               w: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, *, epoch: int,
+                               w: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, *, epoch: torch.Tensor,
                                err: torch.Tensor, timeout_ns: int, block: tuple[int, int, int],
                                abort: torch.Tensor | None = None, watchdog: bool = True,
                                num_warps: int | None = None, num_stages: int | None = None) -> None:
@@ -206,6 +210,7 @@ def launch_grouped_matmul_wait(src_table: torch.Tensor, flag_table: torch.Tensor
     _address_tables(kernel, out.device, src_table=src_table, flag_table=flag_table)
     host.check_table(kernel, "tile_table", tile_table, None, out.device, torch.int32, 6)
     host.check_word(kernel, "err", err)
+    host.check_epoch(kernel, epoch, out.device)
     bm, bn, bk = block
     host.check_tile(kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     if not tile_table.shape[0]:
@@ -228,7 +233,7 @@ def launch_grouped_matmul_wait(src_table: torch.Tensor, flag_table: torch.Tensor
 
 def launch_grouped_matmul_scatter(y: torch.Tensor, w: torch.Tensor, tile_table: torch.Tensor,
                                   dst_table: torch.Tensor, counters: torch.Tensor, flag_table: torch.Tensor, *,
-                                  epoch: int, rank: int, block: tuple[int, int, int]) -> None:
+                                  epoch: torch.Tensor, rank: int, block: tuple[int, int, int]) -> None:
     """The combine direction on the current stream: for every tile table entry ``(s, e, y_row, dst_row, rows,
     flag, target)``, store ``y[y_row:] @ w[e]`` at row ``dst_row`` of ``dst_table[s]`` and count the tile in
     ``counters[flag]``; the ``target``-th tile of a flag releases `epoch` in this rank's flag ``flag``. No
@@ -241,7 +246,8 @@ def launch_grouped_matmul_scatter(y: torch.Tensor, w: torch.Tensor, tile_table: 
         dst_table: int64 ``[W]``: this rank's region (``N``-wide rows, 16-byte aligned) in rank ``s``'s buffer.
         counters: int32 flag counters of this rank, zero; the kernel leaves them at zero.
         flag_table: int64 ``[W]``: every rank's flag base (this rank's is written).
-        epoch, rank: the value the flags get, and this rank.
+        epoch: int32 word on `y`'s device holding the value the flags get (`overlap.kernels.epoch_word`).
+        rank: this rank.
         block: ``(BLOCK_M, BLOCK_N, BLOCK_K)``.
 
     Raises:
@@ -253,6 +259,7 @@ def launch_grouped_matmul_scatter(y: torch.Tensor, w: torch.Tensor, tile_table: 
     _check_weights(kernel, w, y.shape[1], y)
     world_size = _address_tables(kernel, y.device, dst_table=dst_table, flag_table=flag_table)
     host.check_range(kernel, "rank", rank, 0, world_size)
+    host.check_epoch(kernel, epoch, y.device)
     host.check_table(kernel, "tile_table", tile_table, None, y.device, torch.int32, 7)
     if counters.dtype != torch.int32 or counters.dim() != 1 or counters.device != y.device:
         host.fail(kernel, f"counters must be int32 [flags] on {y.device}, got {counters.dtype} "

@@ -1,7 +1,8 @@
-"""Tier 3: the Triton kernels compile ahead of time for Hopper (sm_90) with no GPU, GEMMs on wgmma,
-flags with system-scope acquire/release, waits bounded by %globaltimer. Also without a GPU: the kernels'
-launchers refuse bad arguments (ValueError with the values) before launching, and the MoE tile tables
-(`overlap.ops.moe_layout`) cover every row once."""
+"""Tier 3: the Triton kernels compile ahead of time for Hopper (sm_90) with no GPU, as their launchers launch
+them (the same specialization): GEMMs on wgmma fed by 16-byte loads, flags with system-scope acquire/release,
+waits bounded by %globaltimer that every warp leaves on the same iteration (`support.ptx_flow`). Also
+without a GPU: the kernels' launchers refuse bad arguments (ValueError with the values) before launching, and
+the MoE tile tables (`overlap.ops.moe_layout`) cover every row once."""
 
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+
+WAITING = ("all_gather_matmul_kernel", "reduce_chunks_kernel", "grouped_matmul_wait_kernel")
+GEMMS = ("all_gather_matmul_kernel", "matmul_scatter_kernel", "grouped_matmul_wait_kernel",
+         "grouped_matmul_scatter_kernel")
+ALL = ("all_gather_matmul_kernel", "matmul_scatter_kernel", "reduce_chunks_kernel", "grouped_matmul_wait_kernel",
+       "grouped_matmul_scatter_kernel")
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +42,11 @@ def _of(report: list[dict], kernel: str) -> list[dict]:
 
 def test_ag_matmul_compiles_for_sm90_with_wgmma(report):
     rows = _of(report, "all_gather_matmul_kernel")
-    assert {r["dtype"] for r in rows} == {"bf16", "fp16", "fp32"}
+    assert {r["dtype"] for r in rows} == {"bf16", "fp16", "fp32"} and {r["num_warps"] for r in rows} == {4, 8}
     for r in rows:
         assert r["wgmma"], f"no wgmma in the PTX of {r}"
         assert r["globaltimer"], f"the bounded wait does not read %globaltimer: {r}"
-        assert r["acquire"] and r["sys_scope"], f"the flag load is not a system-scope acquire: {r}"
+        assert r["flag_acquire_sys"], f"the flag load is not a system-scope acquire: {r}"
         assert r["cubin_bytes"] > 0, r
 
 
@@ -61,6 +68,7 @@ def test_reduce_chunks_compiles_for_sm90_with_bounded_acquire_wait(report):
     for r in rows:
         assert r["flag_acquire_sys"], f"the flag wait is not a system-scope acquire: {r}"
         assert r["globaltimer"], f"the bounded wait does not read %globaltimer: {r}"
+        assert r["loads"]["vector"] > 0, f"the partials are not read with vector loads: {r}"
         assert r["cubin_bytes"] > 0, r
 
 
@@ -88,6 +96,45 @@ def test_moe_scatter_kernel_compiles_for_sm90_with_wgmma_and_release_flags(repor
 
 
 # ----------------------------------------------------------------------------------------------
+# Waits that every warp leaves together; GEMM loads that stay wide
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", WAITING)
+def test_every_warp_leaves_a_wait_on_the_same_iteration(report, kernel):
+    """The wait loop holds barriers and the GEMM after it reuses its shared memory: whether to leave it must
+    be decided the same way in every thread (a barrier reduction), never from a thread's own clock or load."""
+    for r in _of(report, kernel):
+        assert not r["divergent"], (
+            f"{kernel} {r['dtype']}: a branch around a barrier (the wait's exit) on a per-thread predicate: "
+            f"{r['divergent']}")
+        assert r["bar_red"] >= 1, f"{kernel} {r['dtype']}: no CTA-wide reduction decides when the wait ends: {r}"
+
+
+def test_the_analysis_finds_a_per_thread_exit(report):
+    """The analysis behind the test above finds what overlap's wait did before issue 17: the loop left on
+    each thread's own %globaltimer and its own volatile load of the error word."""
+    (r,) = _of(report, "per_thread_wait_kernel")
+    sources = {s for d in r["divergent"] for s in d["sources"]}
+    assert {"%globaltimer", "ld.volatile.global"} <= sources, r["divergent"]
+
+
+@pytest.mark.parametrize("kernel", ALL)
+def test_no_branch_takes_warps_past_different_barriers_in_any_kernel(report, kernel):
+    for r in _of(report, kernel):
+        assert not r["divergent"], (kernel, r["dtype"], r["divergent"])
+
+
+@pytest.mark.parametrize("kernel", GEMMS)
+def test_gemm_operands_load_in_16_byte_copies(report, kernel):
+    """Sizes and strides stay specialized (divisible by 16, unit strides constant): without that the operands
+    load one element at a time and the GEMM is not pipelined (`do_not_specialize` covers only the values
+    that differ between ranks and calls, tests/test_kernel_specialization.py)."""
+    for r in _of(report, kernel):
+        assert r["loads"]["cp_async_16"] > 0 and r["loads"]["scalar_16bit"] == 0, (kernel, r["dtype"], r["loads"])
+
+
+# ----------------------------------------------------------------------------------------------
 # The launchers refuse bad arguments before launching; the MoE tile tables cover every row once
 # ----------------------------------------------------------------------------------------------
 
@@ -96,37 +143,46 @@ def _launch_with_bad_argument(case: str) -> None:
     from overlap import kernels
 
     i64, i32 = torch.int64, torch.int32
-    table, word = torch.zeros(2, dtype=i64), torch.zeros(1, dtype=i32)
+    table, word, epoch = torch.zeros(2, dtype=i64), torch.zeros(1, dtype=i32), torch.ones(1, dtype=i32)
     b = torch.randn(32, 16)
-    if case == "rank outside the tables":
-        kernels.launch_all_gather_matmul(b, table, table, rows=4, epoch=1, rank=2, err=word, timeout_ns=1,
+    if case == "epoch as an int":
+        kernels.launch_all_gather_matmul(b, table, table, rows=4, epoch=1, rank=0, err=word, timeout_ns=1,
+                                         block=(32, 32, 32))
+    elif case == "epoch of another dtype":
+        kernels.launch_reduce_chunks(torch.empty(8, 16), table, table, block_rows=8, num_chunks=1,
+                                     epoch=torch.ones(1, dtype=i64), err=word, timeout_ns=1, block=(32, 32))
+    elif case == "rank outside the tables":
+        kernels.launch_all_gather_matmul(b, table, table, rows=4, epoch=epoch, rank=2, err=word, timeout_ns=1,
                                          block=(32, 32, 32))
     elif case == "tile not a power of two":
-        kernels.launch_all_gather_matmul(b, table, table, rows=4, epoch=1, rank=0, err=word, timeout_ns=1,
+        kernels.launch_all_gather_matmul(b, table, table, rows=4, epoch=epoch, rank=0, err=word, timeout_ns=1,
                                          block=(48, 32, 32))
     elif case == "out of the wrong shape":
-        kernels.launch_all_gather_matmul(b, table, table, rows=4, epoch=1, rank=0, err=word, timeout_ns=1,
+        kernels.launch_all_gather_matmul(b, table, table, rows=4, epoch=epoch, rank=0, err=word, timeout_ns=1,
                                          block=(32, 32, 32), out=torch.empty(9, 16))
     elif case == "rows past the blocks":
         kernels.launch_matmul_scatter(torch.randn(9, 32), b, table, torch.zeros(8, dtype=i32), table, block_rows=4,
-                                      num_chunks=1, flag_stride=4, epoch=1, rank=0, block=(32, 32, 32))
+                                      num_chunks=1, flag_stride=4, epoch=epoch, rank=0, block=(32, 32, 32))
     elif case == "flags of two destinations overlap":
         kernels.launch_matmul_scatter(torch.randn(64, 32), b, table, torch.zeros(8, dtype=i32), table,
-                                      block_rows=32, num_chunks=1, flag_stride=0, epoch=1, rank=0, block=(16, 32, 32))
+                                      block_rows=32, num_chunks=1, flag_stride=0, epoch=epoch, rank=0,
+                                      block=(16, 32, 32))
     elif case == "reduction of more rows than a block":
-        kernels.launch_reduce_chunks(torch.empty(9, 16), table, table, block_rows=8, num_chunks=1, epoch=1, err=word,
-                                     timeout_ns=1, block=(32, 32))
+        kernels.launch_reduce_chunks(torch.empty(9, 16), table, table, block_rows=8, num_chunks=1, epoch=epoch,
+                                     err=word, timeout_ns=1, block=(32, 32))
     elif case == "tile table of 5 columns":
         kernels.launch_grouped_matmul_wait(table, table, torch.zeros(3, 5, dtype=i32), torch.randn(2, 8, 16),
-                                           torch.empty(4, 16), torch.empty(4, 8), epoch=1, err=word, timeout_ns=1,
+                                           torch.empty(4, 16), torch.empty(4, 8), epoch=epoch, err=word, timeout_ns=1,
                                            block=(32, 32, 32))
     elif case == "weights of another inner dim":
         kernels.launch_grouped_matmul_scatter(torch.randn(4, 8), torch.randn(2, 9, 16), torch.zeros(1, 7, dtype=i32),
-                                              table, torch.zeros(8, dtype=i32), table, epoch=1, rank=0,
+                                              table, torch.zeros(8, dtype=i32), table, epoch=epoch, rank=0,
                                               block=(32, 32, 32))
 
 
 @pytest.mark.parametrize("case, message", [
+    ("epoch as an int", r"epoch must be an int32 word on cpu .*epoch_word\(1, device\)\), got the int 1"),
+    ("epoch of another dtype", r"epoch must be an int32 tensor of at least one word, got torch.int64 \(1,\)"),
     ("rank outside the tables", r"rank must be an int in \[0, 2\), got 2"),
     ("tile not a power of two", "BLOCK_M must be a power of two >= 16, got 48"),
     ("out of the wrong shape", r"out must be torch.float32 \[8, 16\].*got torch.float32 \[9, 16\]"),

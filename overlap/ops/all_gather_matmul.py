@@ -221,7 +221,7 @@ def _fused(cc: CallContext, call, a2, b, keep_gathered):
     err = heap.kernel_err() if a2.is_cuda else torch.zeros(1, dtype=torch.int32)
     tile = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(), a2.dtype)
     out = kernels.launch_all_gather_matmul(b, heap.ptr_table(call.slot), heap.flag_table(call.slot, 0), rows=m,
-                                           epoch=call.word, rank=r, err=err, timeout_ns=int(timeout * 1e9),
+                                           epoch=call.epoch_word(), rank=r, err=err, timeout_ns=int(timeout * 1e9),
                                            block=tile)
     bad = 0 if a2.is_cuda else int(err.item())
     if bad:

@@ -294,20 +294,21 @@ def scatter_and_reduce(cc: CallContext, call, a2, b, out, *, block_rows: int, ds
     counters = heap.counters(call.slot)  # num_dest * nch <= MAX_FLAGS; the kernel leaves them at zero
     if not a2.is_cuda:
         counters.zero_()  # (an interpreted kernel can stop half-way on an exception; a memset is free here)
+    epoch = call.epoch_word()  # (after wait_slot_free: the slot's word)
     kernels.launch_matmul_scatter(a2, b, dst_table, counters, heap.flag_table(call.slot, 0), block_rows=block_rows,
-                                  num_chunks=nch, flag_stride=flag_stride, epoch=call.word, rank=info.rank,
+                                  num_chunks=nch, flag_stride=flag_stride, epoch=epoch, rank=info.rank,
                                   block=(bm, bn, bk))
-    reduce_sources(cc, call, out, src_table, heap.flag_table(call.slot, flag_index), block_rows, nch, bm, bn)
+    reduce_sources(cc, call, out, src_table, heap.flag_table(call.slot, flag_index), block_rows, nch, bm, bn, epoch)
 
 
-def reduce_sources(cc: CallContext, call, out, src_table, flag_table, block_rows, nch, bm, bn) -> None:
+def reduce_sources(cc: CallContext, call, out, src_table, flag_table, block_rows, nch, bm, bn, epoch) -> None:
     """The reduction kernel: ``out = sum_s src_s`` in rank order, each chunk once its flags are set."""
     info, timeout = cc.info, cc.timeout
     # GPU: the error word is pinned host memory, checked by the next call without a sync. CPU
     # (interpreted): checked right after the kernel.
     err = call.heap.kernel_err() if out.is_cuda else torch.zeros(1, dtype=torch.int32)
     fused.kernels().launch_reduce_chunks(out, src_table, flag_table, block_rows=block_rows, num_chunks=nch,
-                                         epoch=call.word, err=err, timeout_ns=int(timeout * 1e9), block=(bm, bn))
+                                         epoch=epoch, err=err, timeout_ns=int(timeout * 1e9), block=(bm, bn))
     bad = 0 if out.is_cuda else int(err.item())
     if bad:
         raise OverlapTimeout(cc.op, info.rank, bad - 1, "a reduced chunk", timeout, "fused reduction wait")

@@ -299,7 +299,7 @@ def _fused(cc: CallContext, call, h, y, w, between, weights=None):
             counters.zero_()  # (an interpreted kernel can stop half-way on an exception; a memset is free here)
         fused.kernels().launch_grouped_matmul_scatter(
             y, w, table, heap.ptr_table(call.slot, layout.header_bytes(W, L) + r * stride), counters,
-            heap.flag_table(call.slot, 0), epoch=call.word, rank=r, block=(bm, bn, bk))
+            heap.flag_table(call.slot, 0), epoch=call.epoch_word(), rank=r, block=(bm, bn, bk))
     if between is not None:
         between()
     return _collect(call, h, y.dtype, cols, weights)

@@ -399,7 +399,7 @@ def _consume_fused(cc: CallContext, call, h: layout.MoEHandle, dtype, cols: int,
     src_table = heap.region_table(call.slot, r, stride, W, layout.header_bytes(W, L))
     err = heap.kernel_err() if out.is_cuda else torch.zeros(1, dtype=torch.int32)
     fused.kernels().launch_grouped_matmul_wait(src_table, heap.flag_table(call.slot, 0), table, w, out, recv,
-                                               epoch=call.word, err=err, timeout_ns=int(timeout * 1e9),
+                                               epoch=call.epoch_word(), err=err, timeout_ns=int(timeout * 1e9),
                                                block=(bm, bn, bk))
     bad = 0 if out.is_cuda else int(err.item())
     if bad:

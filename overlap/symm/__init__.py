@@ -35,6 +35,9 @@ The buffer protocol (docs/design.md) as implemented here:
   (``symm``, ``fused``) touch flags. Before such a call at epoch ``E`` writes into slot ``s``, it
   waits until ``done[s][q]`` has reached the epoch of the previous data call on ``s`` for every
   ``q``; that epoch is the same on every rank, since every rank makes the same calls.
+* **Epoch words.** The fused kernels read the call's epoch from its slot's int32 device word
+  (`Call.epoch_word`, written on the current stream after that wait): like the slot's data, it is
+  rewritten only once every rank has finished the previous call on the slot.
 * **Re-base.** Flags are int32: the call that reaches `REBASE_EPOCH` (2^30) clears every flag
   of the group and restarts from epoch 1, all ranks together (`SymmHeap._rebase`).
 

@@ -36,6 +36,17 @@ class Call:
     def buffer(self, peer: int, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
         return self.heap.slot_tensor(peer, self.slot, dtype, shape, offset)
 
+    def epoch_word(self) -> torch.Tensor:
+        """This call's epoch as the int32 ``[1]`` tensor on the heap's device that the fused kernels read.
+
+        Written now on the current stream (a fill; on CPU a plain store), so launch the kernels on this
+        stream. It is the slot's word: call it after `wait_slot_free` (the next call on the slot rewrites it
+        only once every rank, this one included, has finished this call, after its kernels in stream order).
+        """
+        word = self.heap.epoch_words[self.slot : self.slot + 1]
+        word.fill_(self.word)
+        return word
+
     # Flag operations. CPU ranks: host stores and bounded host waits on the control pads.
     # GPU ranks: stream-ordered writes and waits (``overlap._C``) on the device flag words, on
     # `stream` (default: the current stream), so the host never blocks on the device.

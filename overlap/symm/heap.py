@@ -69,6 +69,10 @@ class SymmHeap:
         # makes the same calls, and whether a call uses the heap is part of its signature).
         self.last_data_epoch = [0] * NUM_SLOTS
         self._counters: dict[int, torch.Tensor] = {}
+        # Each slot's epoch word: the epoch of the call using the slot, which the fused kernels read (a word,
+        # not an int argument, so that Triton compiles one variant for every epoch). `Call.epoch_word` writes
+        # it in stream order; like the slot's data it is rewritten only once the slot is free again.
+        self.epoch_words = torch.zeros(NUM_SLOTS, dtype=torch.int32, device=self.device)
         self.in_flight = 0  # calls of this process that use heap data and have not finished
         shm.remove_stale_segments()
         # Bounded rendezvous through the store: agree on a run id so segment names are

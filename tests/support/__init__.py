@@ -13,6 +13,10 @@ its module's name and imports on every rank.
 * `failure_tasks`: the rank side of `test_failures.py`: the world layout, the injected kills and stalls,
   what each rank records.
 * `cuda_tools`: where ``cuobjdump`` is (on PATH or in Triton's wheel), for the tests that read SASS.
+* `launch_specs`: what the kernels' launchers would compile on an sm_90 GPU, without one: `recording()`
+  replaces every kernel by a recorder of Triton's specialization key and compile inputs.
+* `ptx_flow`: which branches of a PTX kernel can take different warps past different barriers (a wait loop
+  left on a per-thread clock or load), read from the text.
 * `aot_compile`: a script, run by `test_kernels_aot.py` in its own process (``TRITON_INTERPRET=0``), that
   compiles the Triton kernels for sm_90 and prints what their PTX shows as JSON; never imported.
 """

@@ -1,12 +1,16 @@
 """Compile overlap's Triton kernels ahead of time for sm_90 with no GPU; print a JSON report.
 
 Run in its own process with TRITON_INTERPRET=0 (kernels defined under the interpreter cannot be
-compiled). Used by tests/test_kernels_aot.py. Each kernel is compiled at the tiles and launch
-options its op uses (`overlap.ops.fused.fused_tiles`; the ops of `matmul_scatter_kernel` and
-`reduce_chunks_kernel` launch with Triton's default 4 warps and 3 stages), and the report says
-what the PTX shows: the GEMM on ``wgmma`` (bf16/f16, and tf32 for fp32 inputs), the flag
-protocol's system-scope release/acquire, the CTA barrier before the chunk count, the
-``%globaltimer`` bound of the waits.
+compiled). Used by tests/test_kernels_aot.py. Each kernel is compiled as its launcher launches it: the
+launcher runs with CPU tensors of realistic shapes under `launch_specs.recording`, and the variant Triton
+would compile for that launch on an sm_90 GPU (the same specialization: which ints are constants, which
+arguments divisible by 16) is compiled, at the tiles the ops use (`overlap.ops.fused.fused_tiles`'s
+defaults, Triton's default warps and stages; the all-gather kernel also at 8 warps). The report says what
+the PTX shows: the GEMM on ``wgmma`` (bf16/f16, and tf32 for fp32 inputs) fed by 16-byte loads, the flag
+protocol's system-scope release/acquire, the CTA barrier before the chunk count, the ``%globaltimer`` bound
+of the waits, and the branches that could take different warps past different barriers (`ptx_flow`: a wait
+loop that warps leave on different iterations). A kernel with the per-thread wait that overlap had before
+(`per_thread_wait_kernel`) is compiled too, to show that the analysis finds it.
 """
 
 import json
@@ -17,20 +21,36 @@ import time
 
 os.environ["TRITON_INTERPRET"] = "0"
 
-from overlap.kernels import ag_matmul, flags, mm_rs, moe  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from launch_specs import TARGET, recording  # noqa: E402
+from overlap.kernels import flags  # noqa: E402
+from ptx_flow import divergent_barriers, parse  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
-DEFAULT_OPTIONS = {"num_warps": 4, "num_stages": 3}  # Triton's defaults: how the ops launch mm_rs
+from overlap import kernels  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+W = 8  # ranks of the tables (the kernels are the same for any: W is not specialized on)
 
 
-def _compile(fn, signature: dict, constexprs: dict, options: dict) -> tuple[str, int]:
-    """PTX text and cubin size. The signature must name every parameter, in order: a kernel that
-    gains or loses one fails here instead of compiling something the op never launches."""
-    assert list(signature) == list(fn.arg_names), (list(signature), fn.arg_names)
-    kernel = compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET, options=options)
+def _compile(fn, signature: dict, constexprs: dict, attrs: dict, options: dict) -> tuple[str, int]:
+    """PTX text and cubin size of one variant."""
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    kernel = compile(src, target=TARGET, options=options)
     return kernel.asm["ptx"], len(kernel.asm.get("cubin", b""))
+
+
+def _compile_launch(launch_fn) -> tuple[dict, str, int]:
+    """Run `launch_fn` (one launcher call) under `recording`; compile the variant it launched."""
+    with recording() as recorders:
+        launch_fn()
+    launches = [launch for r in recorders.values() for launch in r.launches]
+    assert len(launches) == 1, [launch.kernel for launch in launches]
+    launch = launches[0]
+    ptx, cubin = _compile(launch.jit, launch.signature, launch.constexprs, launch.attrs, launch.options)
+    return {"kernel": launch.kernel, "key": launch.key, "num_warps": launch.options["num_warps"]}, ptx, cubin
 
 
 def _scoped(ptx: str, op: str, sems: tuple[str, ...]) -> bool:
@@ -52,6 +72,16 @@ def _wgmma_types(ptx: str) -> list[str]:
     """Input types of the wgmma instructions (``wgmma.mma_async...m64nNk16.f32.bf16.bf16`` -> bf16)."""
     found = re.findall(r"wgmma\.mma_async\S*\.f32\.(\w+)\.\w+\s", ptx)
     return sorted(set(found))
+
+
+def _loads(ptx: str) -> dict[str, int]:
+    """Global loads by width: 16-byte copies into shared memory (``cp.async ... 0x10``) and vector loads
+    (``ld.global.v4``/``.v2``) against 2-byte scalar loads (``ld.global.b16``: a GEMM without alignment)."""
+    return {
+        "cp_async_16": len(re.findall(r"cp\.async\.\w+\.shared\.global[^;]*,\s*0x10\s*(,|;)", ptx)),
+        "vector": len(re.findall(r"\bld\.global(?:\.\w+)*\.v[24]\.", ptx)),
+        "scalar_16bit": len(re.findall(r"\bld\.global(?:\.\w+)*\.[bu]16\b", ptx)),
+    }
 
 
 def _barrier_at_line(ptx: str, path_suffix: str, line: int) -> bool:
@@ -80,135 +110,122 @@ def _source_line(fn, needle: str) -> int:
     return first + next(i for i, text in enumerate(lines) if needle in text)
 
 
-def compile_ag_matmul(dtype: str, block: tuple[int, int, int]) -> dict:
-    t0 = time.time()
-    bm, bn, bk = block
-    signature = {
-        "out_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "ptr_table": "*i64", "flag_table": "*i64",
-        "epoch": "i32", "rank": "i32", "world_size": "i32", "abort_ptr": "*i32", "err_ptr": "*i32",
-        "timeout_ns": "i64", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
-        "stride_bk": "i32", "stride_bn": "i32", "stride_om": "i32", "stride_on": "i32",
-        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
-        "UPCAST": "constexpr", "INTERPRETED": "constexpr",
-    }
-    constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "UPCAST": False, "INTERPRETED": False}
-    ptx, cubin = _compile(ag_matmul.all_gather_matmul_kernel, signature, constexprs, {"num_warps": 8, "num_stages": 3})
+def _common(head: dict, dtype: str, block: tuple, ptx: str, cubin: int, t0: float) -> dict:
+    """What every row reports: the launch, the waits' loops (`ptx_flow`), the loads, the flag protocol."""
+    instrs, _ = parse(ptx)
     return {
-        "kernel": "all_gather_matmul_kernel", "dtype": dtype, "block": list(block),
-        "wgmma": "wgmma" in ptx, "globaltimer": "globaltimer" in ptx,
-        "acquire": ".acquire" in ptx, "sys_scope": ".sys" in ptx,
-        "cubin_bytes": cubin, "seconds": round(time.time() - t0, 2),
-    }
-
-
-def compile_matmul_scatter(dtype: str, block: tuple[int, int, int]) -> dict:
-    t0 = time.time()
-    bm, bn, bk = block
-    fn = mm_rs.matmul_scatter_kernel
-    # Ints are "i32" even where a launch passes 1 (NUM_DEST of the one-shot all-reduce, NCH, rank):
-    # the JIT specializes those to constants, which only removes code.
-    signature = {
-        "a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}",
-        "dst_table": "*i64", "counters_ptr": "*i32", "flag_table": "*i64", "FLAG_STRIDE": "i32",
-        "epoch": "i32", "rank": "i32",
-        "M": "i32", "N": "i32", "K": "i32", "MB": "i32", "NUM_DEST": "i32", "NCH": "i32",
-        "stride_am": "i32", "stride_bk": "i32", "stride_bn": "i32", "stride_dm": "i32",
-        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
-        "UPCAST": "constexpr",
-    }
-    constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "UPCAST": False}
-    ptx, cubin = _compile(fn, signature, constexprs, DEFAULT_OPTIONS)
-    barrier_line = _source_line(flags.count_and_release, "tl.debug_barrier()")
-    return {
-        "kernel": "matmul_scatter_kernel", "dtype": dtype, "block": list(block),
+        **head, "dtype": dtype, "block": list(block),
+        "divergent": [vars(d) for d in divergent_barriers(ptx)],
+        "bar_red": sum(i.op.startswith("bar.red") for i in instrs),
+        "globaltimer": "%globaltimer" in ptx,
+        "loads": _loads(ptx),
         "wgmma": "wgmma.mma_async" in ptx, "wgmma_types": _wgmma_types(ptx),
+        # the flag wait: a system-scope acquire (Triton 3.9 lowers atomic_add(p, 0) to ld.acquire)
+        "flag_acquire_sys": _scoped(ptx, "ld", ("acquire",)) or _scoped(ptx, "atom", ("acquire", "acq_rel")),
         # the chunk count (acq_rel) and the flag publication (release), both at system scope
         "count_acq_rel_sys": _scoped(ptx, "atom", ("acq_rel",)),
         "flag_release_sys": _scoped(ptx, "atom", ("release",)),
         "bar_sync": "bar.sync" in ptx or "barrier.sync" in ptx,
-        "debug_barrier": _barrier_at_line(ptx, "flags.py", barrier_line),
+        "debug_barrier": _barrier_at_line(ptx, "flags.py", _source_line(flags.count_and_release, "tl.debug_barrier()")),
         "cubin_bytes": cubin, "seconds": round(time.time() - t0, 2),
     }
+
+
+def _words(n: int = 1, value: int = 0) -> torch.Tensor:
+    return torch.full((n,), value, dtype=torch.int32)
+
+
+def _table() -> torch.Tensor:
+    return torch.zeros(W, dtype=torch.int64)
+
+
+def compile_ag_matmul(dtype: str, block: tuple[int, int, int], num_warps: int = 4) -> dict:
+    """The all-gather GEMM as the op launches it: a shard of 1024 x 4096 rows per rank, b [4096, 2048]."""
+    t0 = time.time()
+    b = torch.empty(4096, 2048, dtype=DTYPES[dtype])
+    head, ptx, cubin = _compile_launch(lambda: kernels.launch_all_gather_matmul(
+        b, _table(), _table(), rows=1024, epoch=_words(1, 3), rank=1, err=_words(), timeout_ns=30 * 10**9,
+        block=block, num_warps=num_warps))
+    return _common(head, dtype, block, ptx, cubin, t0)
+
+
+def compile_matmul_scatter(dtype: str, block: tuple[int, int, int]) -> dict:
+    """The reduce-scatter's producer: a [W * 512, 1024] @ [1024, 2048], 2 chunks per destination."""
+    t0 = time.time()
+    a, b = torch.empty(W * 512, 1024, dtype=DTYPES[dtype]), torch.empty(1024, 2048, dtype=DTYPES[dtype])
+    head, ptx, cubin = _compile_launch(lambda: kernels.launch_matmul_scatter(
+        a, b, _table(), _words(256), _table(), block_rows=512, num_chunks=2, flag_stride=16, epoch=_words(1, 3),
+        rank=1, block=block))
+    return _common(head, dtype, block, ptx, cubin, t0)
 
 
 def compile_reduce_chunks(dtype: str, block: tuple[int, int]) -> dict:
+    """The reduction of W partials of [512, 2048], 2 chunks."""
     t0 = time.time()
-    bm, bn = block
-    signature = {
-        "out_ptr": f"*{dtype}", "src_table": "*i64", "flag_table": "*i64",
-        "epoch": "i32", "abort_ptr": "*i32", "err_ptr": "*i32", "timeout_ns": "i64",
-        "M": "i32", "N": "i32", "MB": "i32", "NUM_SRC": "i32", "NCH": "i32",
-        "stride_sm": "i32", "stride_om": "i32", "stride_on": "i32",
-        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "INTERPRETED": "constexpr",
-    }
-    constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "INTERPRETED": False}
-    ptx, cubin = _compile(mm_rs.reduce_chunks_kernel, signature, constexprs, DEFAULT_OPTIONS)
-    return {
-        "kernel": "reduce_chunks_kernel", "dtype": dtype, "block": list(block),
-        # the flag wait: a system-scope acquire (Triton 3.9 lowers atomic_add(p, 0) to ld.acquire)
-        "flag_acquire_sys": _scoped(ptx, "ld", ("acquire",)) or _scoped(ptx, "atom", ("acquire", "acq_rel")),
-        "globaltimer": "%globaltimer" in ptx,
-        "cubin_bytes": cubin, "seconds": round(time.time() - t0, 2),
-    }
+    out = torch.empty(512, 2048, dtype=DTYPES[dtype])
+    head, ptx, cubin = _compile_launch(lambda: kernels.launch_reduce_chunks(
+        out, _table(), _table(), block_rows=512, num_chunks=2, epoch=_words(1, 3), err=_words(),
+        timeout_ns=30 * 10**9, block=block))
+    return _common(head, dtype, block, ptx, cubin, t0)
 
 
 def compile_moe_wait(dtype: str, block: tuple[int, int, int]) -> dict:
-    """The dispatch-direction grouped GEMM (`kernels/moe.py`), launched with Triton's defaults."""
+    """The dispatch-direction grouped GEMM: 1024 received rows of 2048 times 4 local experts' [2048, 1024]."""
     t0 = time.time()
-    bm, bn, bk = block
-    signature = {
-        "src_table": "*i64", "flag_table": "*i64", "tile_table": "*i32",
-        "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "rows_ptr": f"*{dtype}",
-        "epoch": "i32", "abort_ptr": "*i32", "err_ptr": "*i32", "timeout_ns": "i64",
-        "N": "i32", "K": "i32",
-        "stride_we": "i32", "stride_wk": "i32", "stride_wn": "i32", "stride_om": "i32", "stride_rm": "i32",
-        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "INTERPRETED": "constexpr",
-        "UPCAST": "constexpr",
-    }
-    constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "INTERPRETED": False, "UPCAST": False}
-    ptx, cubin = _compile(moe.grouped_matmul_wait_kernel, signature, constexprs, DEFAULT_OPTIONS)
-    return {
-        "kernel": "grouped_matmul_wait_kernel", "dtype": dtype, "block": list(block),
-        "wgmma": "wgmma.mma_async" in ptx, "wgmma_types": _wgmma_types(ptx),
-        "flag_acquire_sys": _scoped(ptx, "ld", ("acquire",)) or _scoped(ptx, "atom", ("acquire", "acq_rel")),
-        "globaltimer": "%globaltimer" in ptx,
-        "cubin_bytes": cubin, "seconds": round(time.time() - t0, 2),
-    }
+    d = DTYPES[dtype]
+    w, out = torch.empty(4, 2048, 1024, dtype=d), torch.empty(1024, 1024, dtype=d)
+    rows = torch.empty(1024, 2048, dtype=d)
+    tiles = torch.zeros(8, 6, dtype=torch.int32)
+    head, ptx, cubin = _compile_launch(lambda: kernels.launch_grouped_matmul_wait(
+        _table(), _table(), tiles, w, out, rows, epoch=_words(1, 3), err=_words(), timeout_ns=30 * 10**9, block=block))
+    return _common(head, dtype, block, ptx, cubin, t0)
 
 
 def compile_moe_scatter(dtype: str, block: tuple[int, int, int]) -> dict:
-    """The combine-direction grouped GEMM (`kernels/moe.py`), launched with Triton's defaults."""
+    """The combine-direction grouped GEMM: 1024 rows of 1024 times 4 local experts' [1024, 2048]."""
     t0 = time.time()
-    bm, bn, bk = block
-    fn = moe.grouped_matmul_scatter_kernel
-    signature = {
-        "y_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "tile_table": "*i32",
-        "dst_table": "*i64", "counters_ptr": "*i32", "flag_table": "*i64",
-        "epoch": "i32", "rank": "i32", "N": "i32", "K": "i32",
-        "stride_ym": "i32", "stride_we": "i32", "stride_wk": "i32", "stride_wn": "i32", "stride_dm": "i32",
-        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "UPCAST": "constexpr",
-    }
-    constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST": False}
-    ptx, cubin = _compile(fn, signature, constexprs, DEFAULT_OPTIONS)
-    return {
-        "kernel": "grouped_matmul_scatter_kernel", "dtype": dtype, "block": list(block),
-        "wgmma": "wgmma.mma_async" in ptx, "wgmma_types": _wgmma_types(ptx),
-        "count_acq_rel_sys": _scoped(ptx, "atom", ("acq_rel",)),
-        "flag_release_sys": _scoped(ptx, "atom", ("release",)),
-        "bar_sync": "bar.sync" in ptx or "barrier.sync" in ptx,
-        "debug_barrier": _barrier_at_line(ptx, "flags.py", _source_line(flags.count_and_release,
-                                                                          "tl.debug_barrier()")),
-        "cubin_bytes": cubin, "seconds": round(time.time() - t0, 2),
-    }
+    d = DTYPES[dtype]
+    y, w = torch.empty(1024, 1024, dtype=d), torch.empty(4, 1024, 2048, dtype=d)
+    tiles = torch.zeros(8, 7, dtype=torch.int32)
+    head, ptx, cubin = _compile_launch(lambda: kernels.launch_grouped_matmul_scatter(
+        y, w, tiles, _table(), _words(256), _table(), epoch=_words(1, 3), rank=1, block=block))
+    return _common(head, dtype, block, ptx, cubin, t0)
+
+
+@triton.jit
+def per_thread_wait_kernel(flag_ptr, err_ptr, out_ptr, epoch, timeout_ns, BLOCK: tl.constexpr):
+    """overlap's wait before issue 17 (each thread's clock and its own load of the error word decide when it
+    leaves; the flag's acquire is broadcast through shared memory with barriers), then a use of shared memory.
+    Compiled only to show that `ptx_flow` finds the divergent exit: never launched."""
+    ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    start = tl.extra.cuda.globaltimer()
+    now = start
+    failed = ready * 0
+    while ((ready - epoch) < 0) & (now - start < timeout_ns) & (failed == 0):
+        ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        now = tl.extra.cuda.globaltimer()
+        if now - start > 1_000_000:
+            failed = tl.load(err_ptr, volatile=True)
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(out_ptr + offs) + ready)
+
+
+def compile_per_thread_wait() -> dict:
+    t0 = time.time()
+    signature = {"flag_ptr": "*i32", "err_ptr": "*i32", "out_ptr": "*i32", "epoch": "i32", "timeout_ns": "i64",
+                 "BLOCK": "constexpr"}
+    ptx, cubin = _compile(per_thread_wait_kernel, signature, {"BLOCK": 256}, {}, {"num_warps": 4})
+    return _common({"kernel": "per_thread_wait_kernel", "key": "", "num_warps": 4}, "i32", (256,), ptx, cubin, t0)
 
 
 if __name__ == "__main__":
     # fused_tiles' defaults: 128x128x64 for 16-bit types, 128x64x32 for fp32 (TF32 on Hopper)
-    report = [compile_ag_matmul("bf16", (128, 128, 64)), compile_ag_matmul("fp16", (128, 128, 64)),
-              compile_ag_matmul("fp32", (128, 64, 32)),
+    report = [compile_ag_matmul("bf16", (128, 128, 64)), compile_ag_matmul("bf16", (128, 128, 64), num_warps=8),
+              compile_ag_matmul("fp16", (128, 128, 64)), compile_ag_matmul("fp32", (128, 64, 32)),
               compile_matmul_scatter("bf16", (128, 128, 64)), compile_matmul_scatter("fp16", (128, 128, 64)),
               compile_matmul_scatter("fp32", (128, 64, 32)),
               compile_reduce_chunks("bf16", (128, 128)), compile_reduce_chunks("fp32", (128, 64)),
               compile_moe_wait("bf16", (128, 128, 64)), compile_moe_wait("fp32", (128, 64, 32)),
-              compile_moe_scatter("bf16", (128, 128, 64)), compile_moe_scatter("fp32", (128, 64, 32))]
+              compile_moe_scatter("bf16", (128, 128, 64)), compile_moe_scatter("fp32", (128, 64, 32)),
+              compile_per_thread_wait()]
     json.dump(report, sys.stdout)
