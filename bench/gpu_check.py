@@ -86,7 +86,7 @@ import fcntl  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-from gpu_check_common import Report, log, set_log_file  # noqa: E402
+from gpu_check_common import Report, log, log_text, set_log_file  # noqa: E402
 from gpu_check_report import DOC_NAME, LOG_NAME, new_doc, report_sink, save_doc, summary, table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,7 +211,7 @@ def ensure_installed(args: argparse.Namespace, log_file) -> str | None:
 
 def finish(doc: dict, args: argparse.Namespace, code: int) -> int:
     """The table of every result, then the summary (the last lines of the output); returns `code`."""
-    print("\n" + table(doc["results"]) + "\n\n" + summary(doc, args.out), flush=True)
+    log_text("\n" + table(doc["results"]) + "\n\n" + summary(doc, args.out), sys.stdout)
     return code
 
 
@@ -256,6 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0")) if distributed else 0
     fresh = args.started_at is None  # not the re-exec after the install
     started = args.started_at = args.started_at or T0
+    if args.list:  # no record, no log
+        from gpu_check_groups import list_sections, ordered_groups, print_listing
+
+        problem = ensure_installed(args, None)
+        if problem is not None:
+            log(problem, started)
+            return 2
+        print_listing({g.name: list_sections(g, not args.cpu_smoke, args) for g in ordered_groups()})
+        return 0
     if rank == 0:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     log_file = set_log_file(Path(args.out) / LOG_NAME, append=not fresh) if rank == 0 else None
@@ -276,11 +285,6 @@ def main(argv: list[str] | None = None) -> int:
             save_doc(doc, paths)
             finish(doc, args, 2)
         return 2
-    if args.list:
-        from gpu_check_groups import list_sections, ordered_groups, print_listing
-
-        print_listing({g.name: list_sections(g, not args.cpu_smoke, args) for g in ordered_groups()})
-        return 0
     if rank == 0:
         log(f"mode {mode}, seed {args.seed}, torch {torch.__version__}, --out {args.out}", started)
     if distributed:

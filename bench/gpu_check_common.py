@@ -51,9 +51,9 @@ def set_log_file(path: str | os.PathLike | None, append: bool = True) -> TextIO 
     return _log_file
 
 
-def log_text(text: str) -> None:
-    """Raw text (a traceback) on stderr and in the log file."""
-    print(text, file=sys.stderr, end="" if text.endswith("\n") else "\n", flush=True)
+def log_text(text: str, stream: TextIO | None = None) -> None:
+    """Raw text (a traceback; the closing table) on `stream` (default stderr) and in the log file."""
+    print(text, file=stream or sys.stderr, end="" if text.endswith("\n") else "\n", flush=True)
     if _log_file is not None:
         _log_file.write(text if text.endswith("\n") else text + "\n")
         _log_file.flush()
