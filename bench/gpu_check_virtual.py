@@ -71,7 +71,8 @@ class Gate:
 
     def __init__(self, cuda: bool):
         self.cuda, self.opened = cuda, False
-        self.words = torch.zeros(2, dtype=torch.int32, pin_memory=cuda)  # [0] the gate, [1] its error word
+        # [0] the gate, [1] its error word: pinned host memory, which the device reads and the host writes
+        self.words = torch.zeros(2, dtype=torch.int32, pin_memory=cuda and torch.cuda.is_available())
         self.held, self.reported = 0, False
 
     def hold(self, stream: torch.cuda.Stream | None) -> None:
