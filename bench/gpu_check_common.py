@@ -1,32 +1,67 @@
-"""What both modes of bench/gpu_check.py share: the log, the results (Result, Report) and the numbers
-(tolerances, comparison, timing, benchmark shapes). Imports torch only, never overlap: the entry point
-imports this module before its self-install."""
+"""What every mode of bench/gpu_check.py shares: the log, the results of one process (`Result`, `Report`: run a
+section, record what it found, hand the record to a sink after every section, skip what `--only`, the clock or
+an unusable process rules out, the tests' hooks) and the numbers (tolerances, comparison, timing, benchmark
+shapes). Imports torch only, never overlap: the entry point imports this module before its self-install."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import math
-import platform
+import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
 STARTED = time.time()  # --time-limit counts from here (the install included; kept across the re-exec)
 # rtol, atol (docs/design.md). fp32 is CPU only: on GPUs the kernel's fp32 dot is TF32.
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (1.6e-2, 1e-2)}
+# Exit codes of a group's process (gpu_check_groups.run_group) besides 0 (every section of the group ran):
+EXIT_RESTART = 75  # a section left the process unusable (a sticky CUDA error, a stuck queue): rerun the rest elsewhere
+EXIT_DEADLINE = 124  # the process stopped itself at its deadline (its running section is recorded as a FAIL)
+# The texts of errors after which a CUDA context is unusable (every later call fails the same way).
+STICKY_ERRORS = ("illegal memory access", "illegal instruction", "misaligned address", "unspecified launch failure",
+                 "device-side assert", "CUDA error: an illegal", "cudaErrorIllegalAddress", "cudaErrorLaunchFailure",
+                 "context is destroyed", "uncorrectable ECC")
+_log_file: TextIO | None = None
 
 
 def log(msg: str, started: float | None = None) -> None:
+    """One progress line on stdout, and in the log file where this process keeps one (`set_log_file`)."""
     elapsed = "" if started is None else f" {time.time() - started:6.1f}s"
-    print(f"[gpu_check{elapsed}] {msg}", flush=True)
+    line = f"[gpu_check{elapsed}] {msg}"
+    print(line, flush=True)
+    if _log_file is not None:
+        _log_file.write(line + "\n")
+        _log_file.flush()
+
+
+def set_log_file(path: str | os.PathLike | None, append: bool = True) -> TextIO | None:
+    """Copy every later `log` line (and `log_text`) into `path` (None: stop); returns the open file."""
+    global _log_file
+    if _log_file is not None:
+        _log_file.close()
+    _log_file = None if path is None else open(path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
+    return _log_file
+
+
+def log_text(text: str, stream: TextIO | None = None) -> None:
+    """Raw text (a traceback; the closing table) on `stream` (default stderr) and in the log file."""
+    print(text, file=stream or sys.stderr, end="" if text.endswith("\n") else "\n", flush=True)
+    if _log_file is not None:
+        _log_file.write(text if text.endswith("\n") else text + "\n")
+        _log_file.flush()
+
+
+def deadline_margin(time_limit: float) -> float:
+    """Seconds before --time-limit at which a process stops itself: time to write the record and exit."""
+    return min(8.0, 0.1 * time_limit)
 
 
 # ==============================================================================================
@@ -42,18 +77,40 @@ class Result:
     tflops: float | None = None
     ratio: float | None = None
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
+    section: str | None = None  # the section that recorded it (`--only` with this name reruns it)
 
 
 class Report:
-    """The results of one run, the clock, and the rule that one section's failure hides no other."""
+    """The results of one process, the clock, and the rule that one section's failure hides no other.
+
+    A *section* is one `run` call: a name and a function that checks or times something and records
+    `Result`s with `add`. `run` skips a section (recording a SKIP) that `--only` leaves out, that would
+    start past the deadline, or that comes after a section which left the process unusable (`poisoned`: a
+    sticky CUDA error, a device queue that did not drain); in a group's process (`stop_when_poisoned`) it
+    records nothing then, and the runner reruns the rest of the group in a fresh process. After every
+    section (and before it: `running`) it calls `sink(self)`, which writes the record to disk. With `dry`
+    set (a list) it runs nothing and lists ``(section, skip reason or None)`` there instead.
+    """
 
     def __init__(self, args: argparse.Namespace, rank: int = 0):
+        self.args = args
         self.results: list[Result] = []
         self.started = args.started_at or STARTED
         self.time_limit = args.time_limit
-        self.only = [s for s in args.only.split(",") if s]
+        self.only: list[str] = list(args.only or [])
         self.rank = rank
-        self.stuck: str | None = None  # set when a device queue could not be drained: later sections skip
+        self.stuck: str | None = None  # set when a device queue could not be drained
+        self.poisoned: str | None = None  # set when this process cannot run another section soundly
+        self.stop_when_poisoned = False
+        self.selected_names: set[str] | None = None  # where set: exactly these sections run
+        self.done: set[str] = set()  # sections an earlier process of this run already ran
+        self.group = ""  # the group of sections this process runs (recorded with each section)
+        self.sections: list[dict[str, Any]] = []  # {name, group, status, seconds} of every section run here
+        self.running: str | None = None
+        self.running_since = 0.0
+        self.sink: Callable[[Report], None] | None = None
+        self.lock = threading.RLock()  # the sink and the deadline timer write the record one at a time
+        self.dry: list[tuple[str, str | None]] | None = None
 
     def log(self, msg: str) -> None:
         if self.rank == 0:
@@ -61,7 +118,7 @@ class Report:
 
     def add(self, name: str, status: str, value: str = "", *, tflops: float | None = None,
             ratio: float | None = None, **data: Any) -> Result:
-        result = Result(name, status, value, tflops, ratio, data)
+        result = Result(name, status, value, tflops, ratio, data, self.running or name)
         self.results.append(result)
         if self.rank == 0 or status == "FAIL":
             extra = f"  {fmt_rate(tflops)} TFLOP/s" if tflops else ""
@@ -69,86 +126,150 @@ class Report:
         return result
 
     def selected(self, section: str) -> bool:
-        return not self.only or any(s in section for s in self.only)
+        """Whether `section` runs: the runner's resolved list where it gave one, else every section whose name
+        equals or starts with one of ``--only``'s words (all without --only)."""
+        if self.selected_names is not None:
+            return section in self.selected_names
+        return not self.only or any(section.startswith(s) for s in self.only)
+
+    @property
+    def deadline(self) -> float:
+        """When this process stops itself (wall clock): --time-limit less `deadline_margin`."""
+        return self.started + self.time_limit - deadline_margin(self.time_limit)
 
     def over_time(self) -> bool:
-        return time.time() - self.started > self.time_limit
+        return time.time() > self.deadline
+
+    def _record(self) -> None:
+        if self.sink is not None:
+            with self.lock:
+                self.sink(self)
+
+    def _finish(self, section: str, status: str, seconds: float) -> None:
+        with self.lock:
+            self.sections.append({"name": section, "group": self.group, "status": status,
+                                  "seconds": round(seconds, 2)})
+            self.running = None
+            self._record()
 
     def run(self, section: str, fn: Callable[[], None], skip: str | None = None, check_time: bool = True) -> bool:
         """Run one section; an exception becomes a FAIL of that section (returns True), and the run goes on."""
-        if not self.selected(section):
+        if self.dry is not None:
+            self.dry.append((section, skip))
             return False
-        if skip is None and self.stuck:
-            skip = f"the device is stuck since: {self.stuck}"
+        if not self.selected(section) or section in self.done:
+            return False
+        if self.poisoned and self.stop_when_poisoned:
+            return False  # the runner reruns the rest of the group in a fresh process
+        if skip is None and self.poisoned:
+            skip = f"this process is unusable since: {self.poisoned}"
         if skip is None and check_time and self.over_time():
             skip = f"over --time-limit {self.time_limit:.0f} s"
         if skip is not None:
             self.add(section, "SKIP", skip)
+            self._finish(section, "SKIP", 0.0)
             return False
         self.log(f"-- {section}")
+        with self.lock:
+            self.running, self.running_since = section, time.time()
+            self._record()
+        failed = False
         try:
+            run_test_hooks(section, self)
             fn()
         except Exception as exc:  # noqa: BLE001 - one failing section must not hide the others
-            traceback.print_exc()
-            self.add(section, "FAIL", f"{type(exc).__name__}: {exc}".replace("\n", " ")[:300])
-            return True
-        return False
+            tb = traceback.format_exc()
+            log_text(tb)
+            text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+            self.add(section, "FAIL", text[:300], traceback=tb[-4000:])
+            if any(s in text for s in STICKY_ERRORS):
+                self.poisoned = f"{section}: {text[:200]}"
+            failed = True
+        if self.stuck and not self.poisoned:
+            self.poisoned = f"the device is stuck since: {self.stuck}"
+        self._finish(section, "FAIL" if failed else "ran", time.time() - self.running_since)
+        return failed
+
+    def expire(self) -> None:
+        """At the deadline (a timer thread): the running section becomes a FAIL, the record is written, and
+        the process ends with EXIT_DEADLINE (a section can run on in code no exception reaches)."""
+        with self.lock:
+            section = self.running
+            if section is not None:
+                spent = time.time() - self.running_since
+                self.add(section, "FAIL", f"--time-limit {self.time_limit:.0f} s reached {spent:.0f} s into this "
+                                          "section; the process stopped itself")
+                self.sections.append({"name": section, "group": self.group, "status": "FAIL",
+                                      "seconds": round(spent, 2)})
+                self.running = None
+            self.log(f"--time-limit {self.time_limit:.0f} s reached: stopping")
+            self._record()
+        sys.stdout.flush()
+        os._exit(EXIT_DEADLINE)
+
+    def arm_deadline(self) -> threading.Timer:
+        """Start the timer that calls `expire` at `deadline` (a daemon thread)."""
+        timer = threading.Timer(max(0.0, self.deadline - time.time()), self.expire)
+        timer.daemon = True
+        timer.start()
+        self.deadline_timer = timer
+        return timer
 
     @property
     def failed(self) -> bool:
         return any(r.status == "FAIL" for r in self.results)
 
-    def table(self) -> str:
-        rows = [("check", "status", "max err / time", "TFLOP/s", "ratio")]
-        for r in self.results:
-            rows.append((r.name, r.status, r.value[:72], fmt_rate(r.tflops) if r.tflops else "",
-                         f"{r.ratio:.2f}" if r.ratio else ""))
-        widths = [max(len(row[i]) for row in rows) for i in range(5)]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-        lines.insert(1, "-" * len(lines[0]))
-        counts = {s: sum(r.status == s for r in self.results) for s in ("PASS", "FAIL", "SKIP")}
-        lines.append(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped "
-                     f"in {time.time() - self.started:.0f} s")
-        return "\n".join(lines)
 
-    def write_json(self, path: str, mode: str, seed: int) -> None:
-        from overlap import signals  # imported by main() before any result is written
-        cuda = torch.cuda.is_available() and not mode.startswith("cpu-smoke")
-        try:
-            import triton
-
-            triton_version = triton.__version__
-        except ImportError:
-            triton_version = None
-        doc = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "mode": mode,
-            "argv": sys.argv,
-            "seed": seed,
-            "gpu": torch.cuda.get_device_name() if cuda else None,
-            "sm_count": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None,
-            "torch": torch.__version__,
-            "triton": triton_version,
-            "cuda": torch.version.cuda,
-            "python": platform.python_version(),
-            "overlap_C_has_cuda": bool(getattr(signals, "has_cuda", False)),
-            "elapsed_s": round(time.time() - self.started, 1),
-            "ok": not self.failed,
-            "results": [dataclasses.asdict(r) for r in self.results],
-        }
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(_finite(doc), indent=1, default=str))
+# ==============================================================================================
+# The tests' hooks: GPU_CHECK_TEST_HOOK="ACTION:ARG:SECTION-PREFIX[;...]", applied as a section starts
+# ==============================================================================================
 
 
-def _finite(x: Any) -> Any:
-    """Strict JSON: NaN and infinities (a poisoned output left unwritten) become strings."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_finite(v) for v in x]
-    return x
+def run_test_hooks(section: str, rep: Report) -> None:
+    """What tests/test_gpu_check.py makes a section do on CPU, to prove the runner's handling of it:
+    ``sleep:S`` (a slow section), ``stall:S`` (one that also ignores its own deadline timer), ``exit:N``
+    (the process dies with exit code N), ``raise`` (an exception),
+    ``fault`` (a sticky CUDA error: the process becomes unusable), ``snapshot:DIR`` (copy the record and the
+    log, as they are when this section starts, into DIR). Unset in real runs."""
+    spec = os.environ.get("GPU_CHECK_TEST_HOOK", "")
+    for hook in filter(None, spec.split(";")):
+        action, arg, prefix = (hook.split(":", 2) + ["", ""])[:3]
+        if not section.startswith(prefix):
+            continue
+        if action == "sleep":
+            time.sleep(float(arg))
+        elif action == "stall":
+            timer = getattr(rep, "deadline_timer", None)
+            if timer is not None:
+                timer.cancel()
+            time.sleep(float(arg))
+        elif action == "exit":
+            sys.stdout.flush()
+            os._exit(int(arg))
+        elif action == "raise":
+            raise RuntimeError(f"test hook: {section} raised")
+        elif action == "fault":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (test hook)")
+        elif action == "snapshot":
+            _snapshot(section, rep, Path(arg))
+        else:
+            raise ValueError(f"GPU_CHECK_TEST_HOOK: unknown action {action!r} in {hook!r}")
+
+
+def _snapshot(section: str, rep: Report, into: Path) -> None:
+    """Copy the run's record and log into `into`, once the log shows this section's start (the runner copies
+    a group's output into the log as it comes: once that line is there, every earlier one is)."""
+    out = Path(rep.args.out)
+    deadline = time.monotonic() + 20.0
+    while time.monotonic() < deadline:
+        log_path = out / "gpu_check.log"
+        if log_path.exists() and f"-- {section}" in log_path.read_text(errors="replace"):
+            break
+        time.sleep(0.05)
+    into.mkdir(parents=True, exist_ok=True)
+    for name in ("gpu_check.json", "gpu_check.log"):
+        if (out / name).exists():
+            (into / name).write_bytes((out / name).read_bytes())
 
 
 # ==============================================================================================

@@ -394,11 +394,13 @@ def run_distributed(rep: Report, cpu_smoke: bool) -> Dist:
     d = Dist(rep, timeout=30.0)
     dtype = torch.float32 if not d.cuda else torch.bfloat16
     rep.log(f"{d.world_size} ranks on {d.device.type}, {dtype_name(dtype)}")
-    for op_name, case in build_ops().items():
+    ops = build_ops()
+    for op_name, case in ops.items():  # every check before any timing
         for shape in case.smoke_shapes if cpu_smoke else case.check_shapes:
             for strategy in case.strategies:
                 name = f"{op_name} {strategy} fwd+bwd W={d.world_size} {fmt_shape(shape)}"
                 d.run(name, lambda n=name, c=case, s=shape, st=strategy: dist_check(d, n, c, s, st, dtype))
+    for op_name, case in ops.items():
         bench = [("tiny", case.smoke_shapes[0])] if cpu_smoke else case.bench_shapes(d.world_size)
         for label, shape in bench:
             name = f"{op_name} {label} {fmt_shape(shape)}"

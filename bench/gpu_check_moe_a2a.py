@@ -1,12 +1,12 @@
 """h. overlap.signals' MoE all-to-all kernels (csrc/cuda/moe_a2a.cu) on virtual ranks, with the ops' slot layout
-(`gpu_check_moe_group.MoEGroup`); run by `gpu_check_moe.run_moe_virtual` on GPUs only (the kernels need one)."""
+(`gpu_check_moe_group.MoEGroup`); run by `gpu_check_moe.run_a2a_checks` on GPUs only (the kernels need one)."""
 
 from __future__ import annotations
 
 import torch
 from gpu_check_common import Report
 from gpu_check_moe_group import Config, MoEGroup, staged_rows
-from gpu_check_virtual import KERNEL_TIMEOUT_NS, Device
+from gpu_check_virtual import Device
 
 from overlap import signals
 from overlap.ops import moe_cuda
@@ -14,10 +14,10 @@ from overlap.ops import moe_layout as layout
 
 
 def check_a2a_kernels(rep: Report, dev: Device, cfg: Config) -> None:
-    """Racing: every receiver's bounded waits (Call.wait_ready on GPUs) are issued first; then each source's
-    one dispatch launch on its own stream with `moe_cuda`'s tables. Regions bitwise against index_select,
-    each flag at the epoch exactly where its block has rows, counters back at 0, no wait timed out. Then
-    each rank's combine launch over its regions against `layout.weighted_sum` of the same rows."""
+    """Racing: each source's one dispatch launch on its own stream with `moe_cuda`'s tables, held by a gate;
+    then every receiver's bounded waits (Call.wait_ready on GPUs); then the gate opens. Regions bitwise
+    against index_select, each flag at the epoch exactly where its block has rows, counters back at 0, no wait
+    timed out. Then each rank's combine launch over its regions against `layout.weighted_sum` of the same rows."""
     name = f"h.moe a2a kernels {cfg.describe()}"
     epoch = 9
     g = MoEGroup.create(dev, cfg, stale=epoch - 1)
@@ -37,20 +37,26 @@ def check_a2a_kernels(rep: Report, dev: Device, cfg: Config) -> None:
         dst = torch.tensor([g.region(r, s).data_ptr() for r in range(W)], dtype=torch.int64, device=d)
         launches.append((s, h, table, dst, len(blocks), blocks[-1], chunks[-1], per_chunk))
     err = torch.zeros(W, dtype=torch.int32, device=d)
+    if dev.spin_guard(rep, name, 2 * W, 2 * W):  # a gate per source, a bounded wait per receiver
+        return
     waiters = [dev.stream() for _ in range(W)]
     dev.idle(name)
+    # The producers first, in host order (each source's launch held by a gate until every wait is issued), then
+    # the receivers' bounded waits (gpu_check_virtual's docstring: no wait queued in front of its producer).
+    gate = dev.gate()
+    for s, h, table, dst, n, num_sends, num_chunks, per_chunk in launches:
+        G = layout.expert_groups(cfg.num_local_experts, W)
+        stream = g.streams[s].cuda_stream if dev.cuda else 0
+        gate.hold(g.streams[s])
+        signals.moe_dispatch_rows(g.xs[s].data_ptr(), h.token_of.data_ptr(), num_sends, row_bytes,
+                             dst.data_ptr(), table.data_ptr(), table.data_ptr() + 8 * n, W * G, G, num_chunks,
+                             per_chunk, g.counters[s].data_ptr(), table.data_ptr() + 16 * n, epoch, stream)
     if dev.cuda:
         for r in range(W):
             for s in range(W):
                 for i in g.group_flags(s, r, r * F):
-                    signals.cuda_wait_flag_bounded(g.flag(s, i).data_ptr(), epoch, KERNEL_TIMEOUT_NS,
-                                              err[r : r + 1].data_ptr(), waiters[r].cuda_stream)
-    for s, h, table, dst, n, num_sends, num_chunks, per_chunk in launches:
-        G = layout.expert_groups(cfg.num_local_experts, W)
-        stream = g.streams[s].cuda_stream if dev.cuda else 0
-        signals.moe_dispatch_rows(g.xs[s].data_ptr(), h.token_of.data_ptr(), num_sends, row_bytes,
-                             dst.data_ptr(), table.data_ptr(), table.data_ptr() + 8 * n, W * G, G, num_chunks,
-                             per_chunk, g.counters[s].data_ptr(), table.data_ptr() + 16 * n, epoch, stream)
+                    dev.wait_flag(g.flag(s, i), epoch, waiters[r], err[r : r + 1])
+    gate.open()
     dev.settle([*g.streams, *waiters], g.dispatch_flags(), name)
     problems = []
     if err.any():

@@ -23,9 +23,8 @@ from gpu_check_moe_group import (
     expert_weights,
     launch_scatter,
     scatter_call,
-    shared_queues,
 )
-from gpu_check_virtual import KERNEL_TIMEOUT_NS, Device
+from gpu_check_virtual import Device
 
 from overlap import signals
 from overlap.ops import moe_layout as layout
@@ -132,7 +131,8 @@ def check_combine_ordered(rep: Report, dev: Device, cfg: Config) -> None:
 
 
 def check_combine_racing(rep: Report, dev: Device, cfg: Config) -> None:
-    """g. The sources' waits and copies first; the scatter kernels 20 ms later, rank W-1 first, rank 0 last."""
+    """g. The sources wait and copy; the scatter kernels run 20 ms later, rank W-1 first, rank 0 last (GPU: the
+    scatters are issued first, held by a gate until the sources' waits are issued)."""
     name = f"g.moe combine racing {cfg.describe()}"
     epoch, stale, W, F = 9, 8, cfg.world_size, layout.flags_per_peer(cfg.world_size)
     g = MoEGroup.create(dev, cfg, stale=stale)
@@ -170,20 +170,14 @@ def check_combine_racing(rep: Report, dev: Device, cfg: Config) -> None:
                               if needs0[s] and ends[s] <= last_due]
         note = "host waits in threads"
     else:
-        if shared_queues(rep, name, W):
+        if dev.spin_guard(rep, name, W + 1, W + 1):  # a wait per source at a time + the publisher's delay
             return
         pub = dev.stream()
         dev.distinct([*g.streams, pub])
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(W)]
-        for s in range(W):  # `_collect` on a GPU rank: stream-ordered bounded waits, then the copies
-            stream = g.streams[s]
-            for i in range(W):
-                d = (s - i) % W
-                for index in g.group_flags(s, d, s * F):
-                    signals.cuda_wait_flag_bounded(g.flag(d, index).data_ptr(), epoch, KERNEL_TIMEOUT_NS,
-                                              errs[s].data_ptr(), stream.cuda_stream)
-            collect(g, s, backs[s], stream)
-            ends[s].record(stream)
+        # The scatter kernels first, in host order (held by a gate until every source's waits are issued), then
+        # the sources' bounded waits, copies and end events (gpu_check_virtual's docstring).
+        gate = dev.gate()
+        gate.hold(pub)
         last_due = torch.cuda.Event(enable_timing=True)
         dev.delay(pub, int(first_delay_s * 1e9))
         with dev.on(pub):
@@ -193,6 +187,16 @@ def check_combine_racing(rep: Report, dev: Device, cfg: Config) -> None:
                 if d == 0:
                     last_due.record(pub)
                 launch_scatter(g, ci.calls[d], epoch)
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(W)]
+        for s in range(W):  # `_collect` on a GPU rank: the ops' bounded waits, then the copies
+            stream = g.streams[s]
+            for i in range(W):
+                d = (s - i) % W
+                for index in g.group_flags(s, d, s * F):
+                    dev.wait_flag(g.flag(d, index), epoch, stream, errs[s : s + 1])
+            collect(g, s, backs[s], stream)
+            ends[s].record(stream)
+        gate.open()
         dev.settle([*g.streams, pub], g.combine_flags(), name)
         after = [last_due.elapsed_time(ends[s]) for s in range(W) if needs0[s]]
         problems += [f"a source finished {-t:.3f} ms before rank 0's scatter started" for t in after if t <= 0]

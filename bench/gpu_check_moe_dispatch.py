@@ -21,7 +21,6 @@ from gpu_check_moe_group import (
     expert_mm64,
     expert_weights,
     launch_wait,
-    shared_queues,
     staged_rows,
     wait_call,
     write_counts,
@@ -104,7 +103,8 @@ def check_dispatch_ordered(rep: Report, dev: Device, cfg: Config) -> None:
 
 
 def check_dispatch_racing(rep: Report, dev: Device, cfg: Config) -> None:
-    """g. The wait kernels launch first and spin; the rows are copied in and flagged later, rank 0's last."""
+    """g. The wait kernels spin; the rows are copied in and flagged later, rank 0's last (GPU: the copies are
+    issued first, held by a gate until the wait kernels are issued)."""
     name = f"g.moe dispatch racing {cfg.describe()}"
     epoch, W = 9, cfg.world_size
     g = MoEGroup.create(dev, cfg, stale=epoch - 1)
@@ -139,19 +139,15 @@ def check_dispatch_racing(rep: Report, dev: Device, cfg: Config) -> None:
                      if needs_rank0(g, r) and calls[r].runs and t <= last_due[0]]
         note = "thread publisher"
     else:
-        cells = sum(c.grid for c in calls) + 1  # + the publisher's delay kernel
-        if cells >= dev.sm_count:
-            rep.add(name, "SKIP", f"{cells} spinning CTAs would leave no SM for the copies ({dev.sm_count} SMs)")
-            return
-        if shared_queues(rep, name, W):
+        cells = sum(c.grid for c in calls) + 1  # + the publisher's gate or delay kernel
+        if dev.spin_guard(rep, name, cells, W + 1):
             return
         pub = dev.stream()
         dev.distinct([*g.streams, pub])
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(W)]
-        for c in calls:
-            with dev.on(g.streams[c.rank]):
-                launch_wait(g, c, epoch, KERNEL_TIMEOUT_NS)
-                ends[c.rank].record()
+        # The copies first, in host order (held by a gate until every wait kernel is issued), then the wait
+        # kernels and their end events (gpu_check_virtual's docstring).
+        gate = dev.gate()
+        gate.hold(pub)
         last_due = torch.cuda.Event(enable_timing=True)  # before rank 0's first copy
         dev.delay(pub, int(first_delay_s * 1e9))
         for i, s in enumerate(reversed(range(W))):
@@ -161,6 +157,12 @@ def check_dispatch_racing(rep: Report, dev: Device, cfg: Config) -> None:
                 last_due.record(pub)
             for d in range(W):  # plain copies (memcpy, no SM needed) and stream-ordered flag writes
                 write_rows(g, s, d, epoch, staged=staged[s][d], stream=pub)
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(W)]
+        for c in calls:
+            with dev.on(g.streams[c.rank]):
+                launch_wait(g, c, epoch, KERNEL_TIMEOUT_NS)
+                ends[c.rank].record()
+        gate.open()
         dev.settle([*g.streams, pub], g.dispatch_flags(), name)
         after = [last_due.elapsed_time(ends[r]) for r in range(W) if needs_rank0(g, r) and calls[r].runs]
         problems += [f"a receiver finished {-t:.3f} ms before rank 0's rows were written" for t in after if t <= 0]
@@ -181,6 +183,8 @@ def check_dispatch_timeout(rep: Report, dev: Device, cfg: Config) -> None:
     write_rows(g, 1, 0, None)
     dev.idle(name)
     timeout_s = SHORT_TIMEOUT_NS / 1e9
+    if dev.spin_guard(rep, name, c.grid, 1):
+        return
     if dev.cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with dev.on(g.streams[0]):

@@ -12,11 +12,10 @@ picks. The layout math is the ops' own (`overlap.ops.moe_layout`: `route`, `MoEH
 they come straight from ``topk_idx`` (expert, then source rank, then pair order).
 
 Also here: what several sections share besides the ranks (the float64 reference of a grouped GEMM, the rows a
-source sends, the ops' default tiles, the hardware-queue rule of the racing checks), and what they do on the
-ranks: a source's copies of its counts and rows (as the op's ``symm``/``fused`` producer does), and the calls of
-the two grouped-GEMM kernels with the ops' own tile tables (`layout.dispatch_tile_table`,
-`layout.combine_tile_table`) through the ops' launchers (`overlap.kernels.launch_grouped_matmul_wait`,
-`launch_grouped_matmul_scatter`).
+source sends, the ops' default tiles), and what they do on the ranks: a source's copies of its counts and rows
+(as the op's ``symm``/``fused`` producer does), and the calls of the two grouped-GEMM kernels with the ops' own
+tile tables (`layout.dispatch_tile_table`, `layout.combine_tile_table`) through the ops' launchers
+(`overlap.kernels.launch_grouped_matmul_wait`, `launch_grouped_matmul_scatter`).
 
 Imports overlap: the entry point imports this module only after its self-install.
 """
@@ -25,11 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import types
 
 import torch
-from gpu_check_common import Report, dtype_name
+from gpu_check_common import dtype_name
 from gpu_check_virtual import Device, Tile
 from overlap.kernels import epoch_word, grouped_matmul_grid, launch_grouped_matmul_scatter, launch_grouped_matmul_wait
 
@@ -232,17 +230,6 @@ def staged_rows(g: MoEGroup, s: int, d: int) -> torch.Tensor:
 def op_tile(dev: Device, dtype: torch.dtype) -> tuple[int, int, int]:
     """The ops' default tiles (no plan tiles): `fused.fused_tiles`."""
     return fused.fused_tiles(0, 0, 0, not dev.cuda, dtype)
-
-
-def shared_queues(rep: Report, name: str, world_size: int) -> bool:
-    """SKIP (True) where the racing checks' streams may share hardware queues: a spinning consumer or a
-    held stream would then block the publisher queued behind it."""
-    connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
-    if connections is None or int(connections) >= world_size + 2:
-        return False
-    rep.add(name, "SKIP", f"CUDA_DEVICE_MAX_CONNECTIONS={connections}: streams share hardware queues, so a "
-                          "waiting stream would block the publisher")
-    return True
 
 
 # ==============================================================================================

@@ -74,8 +74,14 @@ def run_ops(rep: Report, device: torch.device) -> None:
         setup_failed = run_world(rep, 2, device, seed, label=two)
 
     rep.run(f"{two} processes on one {kind}", run_two)
-    if kind == "cpu" or setup_failed is not None or not rep.selected(two):
+    if rep.dry is not None or kind == "cpu" or setup_failed is not None or not rep.selected(two):
         rep.run(one, lambda: run_world(rep, 1, device, seed, label=one))
+
+
+def run_ops_section(rep: Report, dev) -> None:
+    """The ``ops`` group's entry (`gpu_check_groups.GROUPS`): `run_ops` on the group's device (a listing lists
+    the one-rank fallback too)."""
+    run_ops(rep, dev.device)
 
 
 def run_world(rep: Report, world_size: int, device: torch.device, seed: int, label: str) -> str | None:

@@ -1,7 +1,9 @@
 """One GPU, virtual ranks: the checks a-c and e and the timings of the fused all-gather GEMM kernel
 (`overlap.kernels.ag_matmul`), as bench/gpu_check.py's docstring tells; its virtual ranks are
-`gpu_check_tp_group.GatherGroup`. Between them, where they always ran, the checks d and the signal and copy
-timings of the virtual ranks' primitives (`gpu_check_virtual`).
+`gpu_check_tp_group.GatherGroup`. Its entries run three groups (`gpu_check_groups.GROUPS`): "ag" (a-c),
+"streams" (the checks d of the virtual ranks' primitives, `gpu_check_virtual`, and e) and "time_ag" (the
+signal and copy timings, then the kernel against cuBLAS). The racing checks issue their producers before
+their waiters, behind a host-released gate (`gpu_check_virtual`'s docstring says why).
 
 NCCL refuses two ranks of one communicator on one GPU, so W virtual ranks live in this process, each
 with its own stream, its own symmetric buffer (a plain device tensor) and its own int32 flag word; the
@@ -14,7 +16,6 @@ Imports overlap: the entry point imports this module only after its self-install
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from typing import Any
@@ -34,7 +35,7 @@ from gpu_check_virtual import (
 )
 from overlap.kernels import Watchdog
 
-from overlap import comm, signals
+from overlap import comm
 
 
 def judge(rep: Report, name: str, consumers: list[Consumer], ref: torch.Tensor, expect_err: int = 0,
@@ -80,11 +81,11 @@ def check_ordered(rep: Report, dev: Device, world_size: int, shape: tuple[int, i
 
 
 def check_racing(rep: Report, dev: Device, world_size: int, shape: tuple[int, int, int], dtype: torch.dtype) -> None:
-    """b. Consumers launch first and spin; the flags come later from another stream (a thread on CPU).
+    """b. Consumers spin; the flags come later from another stream (a thread on CPU).
 
     The data is in place beforehand, so only the flags gate the tiles. On a GPU the publisher
-    needs no SM (stream memory ops, plus a one-thread delay kernel); all consumer CTAs must
-    co-reside, or a spinning grid could keep the others from starting.
+    needs no SM (stream memory ops, plus one-thread gate and delay kernels); all consumer CTAs must
+    co-reside, or a spinning grid could keep the others from starting (`Device.spin_guard`).
     """
     m, k, n = shape
     name = f"b.racing W={world_size} {dtype_name(dtype)} {m}x{k}x{n}"
@@ -116,22 +117,15 @@ def check_racing(rep: Report, dev: Device, world_size: int, shape: tuple[int, in
         early = [] if finished > last_due[0] else ["consumers finished before the last flag was published"]
         judge(rep, name, consumers, ref, problems=early, note="thread publisher")
         return
-    cells = world_size * gather_grid(g, dev.tile) + 1  # + the publisher's delay kernel
-    if cells > dev.sm_count:
-        rep.add(name, "SKIP", f"{cells} CTAs cannot co-reside on {dev.sm_count} SMs")
-        return
-    connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
-    if connections is not None and int(connections) < world_size + 2:
-        rep.add(name, "SKIP", f"CUDA_DEVICE_MAX_CONNECTIONS={connections}: streams share hardware queues, "
-                              "so a spinning consumer would block the publisher")
+    cells = world_size * gather_grid(g, dev.tile) + 1  # + the publisher's gate or delay kernel
+    if dev.spin_guard(rep, name, cells, world_size + 1):
         return
     pub = dev.stream()
     dev.distinct([*g.streams, pub])  # a consumer sharing the publisher's stream would wait for itself
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(world_size)]
-    for r, c in enumerate(consumers):
-        with dev.on(g.streams[r]):
-            launch_gather(g, r, c, epoch, KERNEL_TIMEOUT_NS, dev.tile)
-            ends[r].record()
+    # The publisher first, in host order (held by a gate until every consumer is issued), then the consumers
+    # and their end events: no consumer can sit in a hardware queue in front of the flags it waits for.
+    gate = dev.gate()
+    gate.hold(pub)
     last_due = torch.cuda.Event(enable_timing=True)  # just before the last flag: every consumer needs it
     dev.delay(pub, int(first_delay_s * 1e9))
     for i, r in enumerate(reversed(range(world_size))):  # rank 0's flag last
@@ -140,6 +134,12 @@ def check_racing(rep: Report, dev: Device, world_size: int, shape: tuple[int, in
         if i == world_size - 1:
             last_due.record(pub)
         dev.publish(g.flags[r], epoch, pub)
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(world_size)]
+    for r, c in enumerate(consumers):
+        with dev.on(g.streams[r]):
+            launch_gather(g, r, c, epoch, KERNEL_TIMEOUT_NS, dev.tile)
+            ends[r].record()
+    gate.open()
     dev.settle([*g.streams, pub], g.flags, name)
     after_ms = [last_due.elapsed_time(e) for e in ends]  # > 0 unless a tile ignored its flag
     early = [f"rank {r} finished {-t:.3f} ms before the last flag" for r, t in enumerate(after_ms) if t <= 0]
@@ -157,6 +157,8 @@ def check_timeout(rep: Report, dev: Device, dtype: torch.dtype) -> None:
     c = new_consumer(g)
     g.fill_buffers()
     timeout_s = SHORT_TIMEOUT_NS / 1e9
+    if dev.spin_guard(rep, name, gather_grid(g, dev.tile), 1):
+        return
     if dev.cuda:
         dev.publish(g.flags[0], epoch, g.streams[0])
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -188,14 +190,17 @@ def check_symm_pipeline(rep: Report, dev: Device, world_size: int, shape: tuple[
                         dtype: torch.dtype, num_chunks: int = 2) -> None:
     """e. The ``symm`` strategy's GPU pipeline (`_symm_cuda`) on virtual ranks.
 
-    Rank r's main stream (after a rank-dependent delay, so peers really wait) copies its shard
-    into its buffer and flags it; its side stream waits on each peer's flag, copies the peer's
-    chunks into a local gathered tensor and records an event per chunk; the main stream runs the
-    local GEMM, then each chunk's GEMM after that chunk's event. Buffers start as NaN, so a copy
-    that outran its flag shows in the output.
+    Producers first, in host order, each held by a gate: rank r's main stream (after a rank-dependent delay,
+    so peers really wait) copies its shard into its buffer and flags it. Then the waiters: each side stream
+    waits (the ops' bounded wait, `Device.wait_flag`) on each peer's flag, copies the peer's chunks into a
+    local gathered tensor and records an event per chunk; each main stream runs the local GEMM, then each
+    chunk's GEMM after that chunk's event. Then the gate opens. Buffers start as NaN, so a copy that outran
+    its flag shows in the output; a wait that timed out shows in its error word.
     """
     m, k, n = shape
     name = f"e.symm-pipeline W={world_size} {dtype_name(dtype)} {m}x{k}x{n} chunks={num_chunks}"
+    if dev.spin_guard(rep, name, 3 * world_size, 2 * world_size):  # gates, delays, side waits
+        return
     epoch = 11
     g = GatherGroup.create(dev, world_size, m, k, n, dtype, stale=epoch - 1)
     ref = g.reference()
@@ -203,18 +208,22 @@ def check_symm_pipeline(rep: Report, dev: Device, world_size: int, shape: tuple[
     dev.distinct([*g.streams, *sides])
     consumers = [new_consumer(g) for _ in range(world_size)]
     fulls = [torch.empty(world_size * m, k, device=dev.device, dtype=dtype) for _ in range(world_size)]
+    errs = torch.zeros(world_size, dtype=torch.int32, device=dev.device)
     dev.idle(name)
     bounds = comm.chunk_bounds(m, num_chunks)
-    for r in range(world_size):
-        main, side, out, full = g.streams[r], sides[r], consumers[r].out, fulls[r]
-        dev.delay(main, (world_size - r) * 1_000_000)
+    gate = dev.gate()
+    for r in range(world_size):  # the producers
+        gate.hold(g.streams[r])
+        dev.delay(g.streams[r], (world_size - r) * 1_000_000)
         g.produce(r, epoch)
+    for r in range(world_size):  # the waiters
+        main, side, out, full = g.streams[r], sides[r], consumers[r].out, fulls[r]
         side.wait_stream(main)
         events = []
         with dev.on(side):
             for i in range(1, world_size):
                 p = (r + i) % world_size
-                signals.cuda_stream_wait_value32(g.flags[p].data_ptr(), epoch, side.cuda_stream)
+                dev.wait_flag(g.flags[p], epoch, side, errs[r : r + 1])
                 for lo, hi in bounds:
                     full[p * m + lo : p * m + hi].copy_(g.buffers[p][lo:hi], non_blocking=True)
                     ev = torch.cuda.Event()
@@ -225,8 +234,10 @@ def check_symm_pipeline(rep: Report, dev: Device, world_size: int, shape: tuple[
             for p, lo, hi, ev in events:
                 main.wait_event(ev)
                 torch.mm(full[p * m + lo : p * m + hi], g.b, out=out[p * m + lo : p * m + hi])
+    gate.open()
     dev.settle([*g.streams, *sides], g.flags, name)
-    judge(rep, name, consumers, ref)
+    timed_out = [r for r, e in enumerate(errs.tolist()) if e]
+    judge(rep, name, consumers, ref, problems=[f"ranks {timed_out}: a bounded wait timed out"] if timed_out else [])
 
 
 # ==============================================================================================
@@ -282,34 +293,47 @@ def time_fused_vs_cublas(rep: Report, dev: Device, label: str, world_size: int, 
 
 
 # ==============================================================================================
-# One process: virtual ranks on the GPU, or on the CPU under the interpreter (--cpu-smoke)
+# Entries (gpu_check_groups.GROUPS): the groups "ag", "streams" and "time_ag"
 # ==============================================================================================
 
 
-def run_all_gather_virtual(rep: Report, dev: Device) -> None:
-    """The all-gather sections a-e and the one-GPU timings, in order (d and the primitives' timings included)."""
-    gpu_only = None if dev.cuda else "GPU only"
+def shape_name(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape))
+
+
+def run_all_gather_checks(rep: Report, dev: Device) -> None:
+    """Group "ag": the all-gather sections a-c (the kernel's correctness), in order."""
     if dev.cuda:
         dtypes = (torch.bfloat16,)
         shapes = (((256, 1024, 512), "w.t()"), ((100, 1000, 300), "row-major"))
-        race_shape, pipe_shape = (128, 512, 256), (256, 512, 384)
+        race_shape = (128, 512, 256)
     else:
         dtypes = (torch.float32, torch.bfloat16)
         shapes = (((16, 32, 24), "w.t()"), ((24, 40, 64), "row-major"))
-        race_shape, pipe_shape = (16, 32, 32), (16, 32, 32)
+        race_shape = (16, 32, 32)
     for dtype in dtypes:
         for world_size in (2, 4):
             for shape, layout in shapes:
-                rep.run(f"a.ordered W={world_size} {dtype_name(dtype)} {shape}",
+                rep.run(f"a.ordered W={world_size} {dtype_name(dtype)} {shape_name(shape)}",
                         lambda w=world_size, s=shape, d=dtype, lay=layout: check_ordered(rep, dev, w, s, d, lay))
     for world_size in (2, 4) if dev.cuda else (2,):
         rep.run(f"b.racing W={world_size}", lambda w=world_size: check_racing(rep, dev, w, race_shape, dtypes[0]))
     rep.run("c.timeout", lambda: check_timeout(rep, dev, dtypes[0]))
+
+
+def run_stream_checks(rep: Report, dev: Device) -> None:
+    """Group "streams": the checks d (overlap.signals' waits) and e (the symm pipeline); GPU only."""
+    gpu_only = None if dev.cuda else "GPU only"
     rep.run("d.cuda_wait_flag_bounded", lambda: check_flag_wait_kernel(rep, dev), skip=gpu_only)
     rep.run("d.cuda_stream_wait_value32", lambda: check_stream_wait(rep, dev), skip=gpu_only)
     for world_size in (2, 4):
         rep.run(f"e.symm-pipeline W={world_size}",
-                lambda w=world_size: check_symm_pipeline(rep, dev, w, pipe_shape, dtypes[0]), skip=gpu_only)
+                lambda w=world_size: check_symm_pipeline(rep, dev, w, (256, 512, 384), torch.bfloat16), skip=gpu_only)
+
+
+def run_all_gather_timings(rep: Report, dev: Device) -> None:
+    """Group "time_ag": copy bandwidth, the cost of a signal, the fused kernel against cuBLAS; GPU only."""
+    gpu_only = None if dev.cuda else "GPU only"
     rep.run("time d2d copy", lambda: time_copy(rep, dev), skip=gpu_only)
     rep.run("time signal", lambda: time_signals(rep, dev), skip=gpu_only)
     for label, s in bench_shapes(8):  # W=8 virtual ranks

@@ -3,14 +3,15 @@
 `matmul_reduce_scatter` and `matmul_all_reduce` launch them (`scatter_and_reduce`, `reduce_sources`).
 
 The virtual ranks, their layouts (``rs``, ``ar2``, ``ar1``) and the kernels' launches are
-`gpu_check_tp_group`'s (`ScatterGroup`).
+`gpu_check_tp_group`'s (`ScatterGroup`). Its entries run the groups "rs" (the checks) and "time_rs".
 
 Checks, against float64 sums with a rounding bound (`gpu_check_common.compare_bound`):
 f. ordered: every scatter has finished before any reduction starts; then a second call on the same
    slots (fresh inputs, next epoch: the counters the first call reset, flags left at its epoch and its
    partials still in the slots must not pass for this call's). Also: counters back at 0, flags at the epoch.
-f. racing: the reductions launch first and spin; the scatters run later on another stream, rank 0's
-   last (on the CPU a thread plays the producers chunk by chunk: copy the rows, then publish the flag).
+f. racing: the reductions spin; the scatters run later on another stream, rank 0's last (GPU: issued before
+   the reductions, behind a host-released gate; CPU: a thread plays the producers chunk by chunk: copy the
+   rows, then publish the flag).
 f. timeout: rank 1 never scatters; rank 0's reduction gives up after its timeout with ``err == 2``.
 Timings (GPU): rank 0's scatter + reduction (peers' partials already delivered) against ``torch.mm``
 plus ``torch.sum`` of the received blocks, for the reduce-scatter and the one-shot all-reduce.
@@ -21,7 +22,6 @@ Imports overlap: the entry point imports this module only after its self-install
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 
@@ -88,11 +88,12 @@ def check_ordered(rep: Report, dev: Device, kind: str, world_size: int, shape: t
 
 def check_racing(rep: Report, dev: Device, kind: str, world_size: int, shape: tuple[int, int, int],
                  dtype: torch.dtype) -> None:
-    """f. racing: the reductions launch first and spin; the producers come later, rank 0's last.
+    """f. racing: the reductions spin; the producers come later, rank 0's last.
 
-    GPU: one publisher stream holds for 20 ms (a one-thread delay kernel), then runs every rank's
-    scatter kernel (rank W-1 first); every reduction needs rank 0's flags, so none may end before
-    rank 0's scatter starts. The spinning reductions must co-reside and leave SMs for the scatters.
+    GPU: one publisher stream, issued first and held by a gate until the reductions are issued, waits
+    20 ms (a one-thread delay kernel), then runs every rank's scatter kernel (rank W-1 first); every
+    reduction needs rank 0's flags, so none may end before rank 0's scatter starts. The spinning
+    reductions must co-reside and leave SMs for the scatters (`Device.spin_guard`).
     CPU: see `racing_on_cpu`."""
     rows, k, n = shape
     name = f"f.{kind} racing W={world_size} {dtype_name(dtype)} {rows}x{k}x{n}"
@@ -102,22 +103,15 @@ def check_racing(rep: Report, dev: Device, kind: str, world_size: int, shape: tu
     if not dev.cuda:
         racing_on_cpu(rep, g, name, epoch, first_delay_s, gap_s)
         return
-    cells = world_size * reduce_grid(g) + 1  # + the publisher's delay kernel
-    if cells >= dev.sm_count:
-        rep.add(name, "SKIP", f"{cells} spinning CTAs would leave no SM for the scatters ({dev.sm_count} SMs)")
-        return
-    connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
-    if connections is not None and int(connections) < world_size + 2:
-        rep.add(name, "SKIP", f"CUDA_DEVICE_MAX_CONNECTIONS={connections}: streams share hardware queues, "
-                              "so a spinning reduction would block the scatters")
+    cells = world_size * reduce_grid(g) + 1  # + the publisher's gate or delay kernel
+    if dev.spin_guard(rep, name, cells, world_size + 1):
         return
     pub = dev.stream()
     dev.distinct([*g.streams, pub])  # a reduction sharing the publisher's stream would wait for itself
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(world_size)]
-    for r in range(world_size):
-        with dev.on(g.streams[r]):
-            launch_reduce(g, r, epoch, KERNEL_TIMEOUT_NS)
-            ends[r].record()
+    # The producers first, in host order (held by a gate until every reduction is issued), then the reductions
+    # and their end events (gpu_check_virtual's docstring: no waiter in a hardware queue before its producer).
+    gate = dev.gate()
+    gate.hold(pub)
     last_due = torch.cuda.Event(enable_timing=True)  # just before rank 0's scatter: every reduction needs it
     dev.delay(pub, int(first_delay_s * 1e9))
     with dev.on(pub):
@@ -127,6 +121,12 @@ def check_racing(rep: Report, dev: Device, kind: str, world_size: int, shape: tu
             if p == 0:
                 last_due.record(pub)
             launch_scatter(g, p, epoch)
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(world_size)]
+    for r in range(world_size):
+        with dev.on(g.streams[r]):
+            launch_reduce(g, r, epoch, KERNEL_TIMEOUT_NS)
+            ends[r].record()
+    gate.open()
     dev.settle([*g.streams, pub], g.all_flag_words(), name)
     after_ms = [last_due.elapsed_time(e) for e in ends]  # > 0 unless a tile ignored a flag
     problems = [f"rank {r} finished {-t:.3f} ms before rank 0's scatter" for r, t in enumerate(after_ms) if t <= 0]
@@ -206,6 +206,8 @@ def check_timeout(rep: Report, dev: Device, dtype: torch.dtype) -> None:
     epoch = 5
     g = ScatterGroup.create(dev, Layout("rs", 2, 2 * m), k, n, dtype, num_chunks=1, stale=epoch - 1)
     timeout_s = SHORT_TIMEOUT_NS / 1e9
+    if dev.spin_guard(rep, name, reduce_grid(g), 1):
+        return
     if dev.cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with dev.on(g.streams[0]):
@@ -282,13 +284,12 @@ def time_fused_vs_torch(rep: Report, dev: Device, kind: str, label: str, world_s
 
 
 # ==============================================================================================
-# Entry: after the all-gather checks of gpu_check_tp_ag.run_all_gather_virtual
+# Entries (gpu_check_groups.GROUPS): the groups "rs" and "time_rs"
 # ==============================================================================================
 
 
-def run_reduce_scatter_virtual(rep: Report, dev: Device) -> None:
-    """The sections f and the reduce-scatter and one-shot all-reduce timings, in order."""
-    gpu_only = None if dev.cuda else "GPU only"
+def run_reduce_scatter_checks(rep: Report, dev: Device) -> None:
+    """Group "rs": the sections f, in order."""
     bf16 = torch.bfloat16
     if dev.cuda:
         ordered = [("rs", w, (w * 256, 512, 384), bf16, "w.t()") for w in (2, 3, 4)]
@@ -302,12 +303,17 @@ def run_reduce_scatter_virtual(rep: Report, dev: Device) -> None:
                    ("ar2", 3, (100, 32, 24), torch.float32, "w.t()"), ("ar1", 2, (40, 32, 24), bf16, "w.t()")]
         racing = [("rs", 2, (128, 32, 32)), ("ar1", 2, (64, 32, 32))]
     for kind, w, shape, dtype, layout in ordered:
-        rep.run(f"f.{kind} ordered W={w} {dtype_name(dtype)} {shape}",
+        rep.run(f"f.{kind} ordered W={w} {dtype_name(dtype)} {'x'.join(map(str, shape))}",
                 lambda a=(kind, w, shape, dtype, layout): check_ordered(rep, dev, *a))
     for kind, w, shape in racing:
         rep.run(f"f.{kind} racing W={w}", lambda a=(kind, w, shape): check_racing(rep, dev, *a, bf16 if dev.cuda
                                                                                   else torch.float32))
     rep.run("f.rs timeout", lambda: check_timeout(rep, dev, bf16 if dev.cuda else torch.float32))
+
+
+def run_reduce_scatter_timings(rep: Report, dev: Device) -> None:
+    """Group "time_rs": the reduce-scatter and one-shot all-reduce timings; GPU only."""
+    gpu_only = None if dev.cuda else "GPU only"
     for label, s in row_parallel_shapes(8):  # W=8 virtual ranks
         rows = 8 * s["m"]
         rep.run(f"time fused rs {label}",

@@ -1,9 +1,10 @@
 """Tests of bench/gpu_check.py without a GPU: its --help, and its --cpu-smoke mode, which runs the
-virtual-rank checks under the Triton interpreter (one process: the all-gather kernel, checks a-c, the
-reduce-scatter kernels, checks f, and the MoE grouped-GEMM kernels, checks g) and every op x strategy over
-gloo (two ranks under torchrun); and the layout of bench/: its modules import one another one way only
-(no cycle), and the GPU check's modules stay under 500 lines.
-Every run is a subprocess with a timeout: no test hangs.
+virtual-rank checks under the Triton interpreter (a process per group: the all-gather kernel, checks a-c, the
+reduce-scatter kernels, checks f, and the MoE grouped-GEMM kernels, checks g; the GPU-only groups recorded as
+skipped from their listing) and every op x strategy over gloo (two ranks under torchrun); and the layout of
+bench/: its modules import one another one way only (no cycle), and the GPU check's modules stay under 500
+lines. The runner's own behaviour (--only, the deadline, crashes, the record, the summary) is
+tests/test_gpu_check_runner.py's. Every run is a subprocess with a timeout: no test hangs.
 """
 
 import ast
@@ -19,9 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
 
 
-def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TRITON_INTERPRET")}
+def _run(args: list[str], timeout: float, **env_extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TRITON_INTERPRET", "GPU_CHECK_TEST_HOOK")}
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(env_extra)
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -33,22 +35,36 @@ def _check_table_and_json(proc: subprocess.CompletedProcess, path: Path) -> dict
     assert tail[-1].endswith(" s") and " passed, 0 failed" in tail[-1], out[-3000:]
     assert any(line.startswith("check ") and "status" in line for line in tail), out[-3000:]
     doc = json.loads(path.read_text())
-    assert doc["ok"] is True and doc["torch"] and "date" in doc
+    assert doc["ok"] is True and doc["complete"] is True and doc["torch"] and "date" in doc
+    assert doc["running"] is None
     return doc
 
 
 def test_help():
     proc = _run([str(SCRIPT), "--help"], timeout=60)
     assert proc.returncode == 0, proc.stderr
-    for option in ("--cpu-smoke", "--no-install", "--install", "--json", "--time-limit"):
+    for option in ("--cpu-smoke", "--no-install", "--install", "--json", "--time-limit", "--out", "--only", "--list"):
         assert option in proc.stdout
 
 
 def test_cpu_smoke_virtual_ranks(tmp_path):
-    path = tmp_path / "gpu_check.json"
-    proc = _run([str(SCRIPT), "--cpu-smoke", "--no-install", "--json", str(path)], timeout=90)
-    doc = _check_table_and_json(proc, path)
+    out = tmp_path / "out"
+    path = tmp_path / "copy.json"
+    proc = _run([str(SCRIPT), "--cpu-smoke", "--no-install", "--out", str(out), "--json", str(path)], timeout=150)
+    doc = _check_table_and_json(proc, out / "gpu_check.json")
+    assert json.loads(path.read_text())["results"] == doc["results"]  # --json: a copy of the record
     assert doc["mode"] == "cpu-smoke"
+    # a process per group with sections to run on CPU; the GPU-only groups recorded from their listing
+    assert [(p["group"], p["exit"]) for p in doc["processes"]] == [("ag", 0), ("rs", 0), ("moe", 0)], doc["processes"]
+    log = (out / "gpu_check.log").read_text()
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=32" in log and "PASS c.timeout" in log
+    # every correctness section before any timing
+    names = [r["name"] for r in doc["results"]]
+    timings = [i for i, n in enumerate(names) if n.startswith("time ")]
+    assert timings and min(timings) > max(i for i, n in enumerate(names) if not n.startswith("time ")), names
+    # every result belongs to a section of the record
+    sections = {s["name"] for s in doc["sections"]}
+    assert all(r["section"] in sections for r in doc["results"]), (sections, doc["results"])
     status = {r["name"]: r["status"] for r in doc["results"]}
     ordered = [n for n in status if n.startswith("a.ordered")]
     # fp32 and bf16, W=2 and 4, two shapes each
@@ -83,7 +99,7 @@ def test_cpu_smoke_virtual_ranks(tmp_path):
 def test_cpu_smoke_torchrun_two_ranks(tmp_path):
     path = tmp_path / "gpu_check.json"
     args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            str(SCRIPT), "--cpu-smoke", "--no-install", "--json", str(path)]
+            str(SCRIPT), "--cpu-smoke", "--no-install", "--out", str(tmp_path)]
     proc = _run(args, timeout=90)
     doc = _check_table_and_json(proc, path)
     assert doc["mode"] == "cpu-smoke-distributed"
@@ -101,6 +117,8 @@ def test_cpu_smoke_torchrun_two_ranks(tmp_path):
     for op, strategies in ops.items():
         assert len([r for r in timed if r["name"].startswith(f"time {op} ")]) == len(strategies), doc["results"]
     assert len(timed) == len(checks) and all(r["data"]["ms"] > 0 for r in timed), doc["results"]
+    names = [r["name"] for r in doc["results"]]
+    assert max(names.index(n) for n in checks) < min(names.index(r["name"]) for r in timed), names  # checks first
 
 
 # ----------------------------------------------------------------------------------------------

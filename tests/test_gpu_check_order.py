@@ -1,0 +1,429 @@
+"""The one-GPU check's device work, replayed without a GPU: it cannot deadlock itself through shared hardware
+queues, and its racing checks still race.
+
+Every correctness section of the GPU configuration (groups "ag", "streams", "rs", "moe", "a2a") and the signal
+timing run here against a recording device: fake streams and events, overlap.signals' stream operations and the
+kernel launches replaced by recorders that log, in host order, what each enqueues on which stream (a flag
+produced, a wait on a flag, a spinning kernel, a gate held or opened, an event recorded or waited for, a host
+synchronization). A small model of the device then replays each section's log:
+
+* **one hardware queue for every stream** (the worst case; ``CUDA_DEVICE_MAX_CONNECTIONS=1``): a queue starts
+  its commands in issue order; a command starts once its stream's previous command is complete; a stream wait
+  holds the queue until its flag is set; a kernel, once started, runs until the flags it waits for are set.
+  Every command must complete with no wait timing out (bounded waits count as unbounded here; only the waits
+  meant to time out, and the delay kernels, complete by themselves);
+* **a queue per stream** (``CUDA_DEVICE_MAX_CONNECTIONS=32``): the same, and in the racing sections every
+  waiter stream's first wait is armed (spinning, or a stream wait at its queue's head) before the first flag
+  it waits for is produced: the race the section exists for happens (e. races through its rank-dependent
+  delays, which the model does not time).
+
+The host issues commands in order; a host synchronization (`Device.settle`) lets it go on only once the events
+it polls are complete, and a gate opens when the host reaches its ``open`` (a host store to pinned memory).
+Before the producers-first order (issue 17, finding 2), b, d, e, h and the racing checks of f and g deadlocked
+with one queue. What this cannot prove: how the hardware really maps streams to queues, kernel timing, memory
+ordering (the GPU run proves those).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass
+class Op:
+    kind: str  # produce, spin, swait, hold, open, delay, done, record, dep, sync
+    stream: int | None  # None: a host operation (open, sync)
+    keys: frozenset = frozenset()  # flags produced or awaited
+    value: int = 0
+    deps: tuple[int, ...] = ()  # ops that must be complete first (events, wait_stream, a sync's events)
+    gate: int = 0  # the gate a hold waits on / an open opens
+
+
+class Recorder:
+    """The log of one section, and the fakes that write it."""
+
+    def __init__(self):
+        self.ops: list[Op] = []
+        self.flag_tensors: list[torch.Tensor] = []
+        self.gate_words: dict[int, int] = {}  # address of a gate word -> gate id
+        self.delay_words: set[int] = set()
+        self.moe_groups: list = []
+        self.ids = itertools.count(1)
+        self.current: list[FakeStream] = []
+        self.default = FakeStream(self)
+
+    def key(self, addr: int):
+        for i, t in enumerate(self.flag_tensors):
+            if t.data_ptr() <= addr < t.data_ptr() + t.numel() * t.element_size():
+                return ("flags", i)
+        return ("word", addr)
+
+    def tensor_key(self, t: torch.Tensor):
+        return self.key(t.data_ptr())
+
+    def stream_now(self) -> int:
+        return (self.current[-1] if self.current else self.default).cuda_stream
+
+    def last_on(self, stream: int) -> int | None:
+        return next((i for i in reversed(range(len(self.ops))) if self.ops[i].stream == stream), None)
+
+    def add(self, op: Op) -> int:
+        self.ops.append(op)
+        return len(self.ops) - 1
+
+
+class FakeStream:
+    def __init__(self, rec: Recorder, *args, **kwargs):
+        self.rec, self.cuda_stream = rec, next(rec.ids)
+
+    def wait_stream(self, other: FakeStream) -> None:
+        last = self.rec.last_on(other.cuda_stream)
+        self.rec.add(Op("dep", self.cuda_stream, deps=() if last is None else (last,)))
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.rec.add(Op("dep", self.cuda_stream, deps=() if event.op is None else (event.op,)))
+
+
+class FakeEvent:
+    def __init__(self, rec: Recorder, enable_timing: bool = False):
+        self.rec, self.op = rec, None
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        s = stream.cuda_stream if stream is not None else self.rec.stream_now()
+        self.op = self.rec.add(Op("record", s))
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return 1.0
+
+
+def fake_signals(rec: Recorder, short_ns: int):
+    def write(addr, value, stream):
+        rec.add(Op("produce", stream, frozenset([rec.key(addr)]), value))
+
+    def stream_wait(addr, value, stream):
+        rec.add(Op("swait", stream, frozenset([rec.key(addr)]), value))
+
+    def bounded(addr, value, timeout_ns, err_addr, stream):
+        if addr in rec.gate_words:
+            rec.add(Op("hold", stream, gate=rec.gate_words[addr]))
+        elif addr in rec.delay_words:
+            rec.add(Op("delay", stream))
+        elif timeout_ns <= short_ns:
+            rec.add(Op("done", stream))  # meant to time out: it completes by itself
+        else:
+            rec.add(Op("spin", stream, frozenset([rec.key(addr)]), value))
+
+    def store(addr, value):
+        rec.add(Op("open", None, gate=rec.gate_words[addr]))
+
+    def dispatch_rows(*args):
+        # (src_rows, row_index, num_sends, row_bytes, dst_table, block_offsets, chunk_offsets, num_blocks,
+        #  groups_per_dest, num_chunks, rows_per_chunk, counters, flag_addrs, epoch, stream): the kernel releases
+        #  flags of its source's pad (the counters name the source).
+        counters, epoch, stream = args[11], args[13], args[14]
+        source = next(g for g in rec.moe_groups for c in g.counters if c.data_ptr() == counters)
+        s = next(i for i, c in enumerate(source.counters) if c.data_ptr() == counters)
+        rec.add(Op("produce", stream, frozenset([rec.tensor_key(source.pads[s])]), epoch))
+
+    def combine_rows(*args):
+        rec.add(Op("record", args[-1]))
+
+    return types.SimpleNamespace(cuda_stream_write_value32=write, cuda_stream_wait_value32=stream_wait,
+                                 cuda_wait_flag_bounded=bounded, signal_store=store, moe_dispatch_rows=dispatch_rows,
+                                 moe_combine_rows=combine_rows, has_cuda=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The device model
+# ----------------------------------------------------------------------------------------------
+
+
+def replay(ops: list[Op], one_queue: bool) -> tuple[bool, dict[int, int], list[int], str]:
+    """(every command completed, the step at which each device command started (a stream wait: reached its
+    queue's head), completion order, why not).
+
+    The host issues one operation at a time and the device runs until it can go no further before the next one
+    (a slow host: the producers held by a gate then really wait for the host to open it)."""
+    started: dict[int, int] = {}
+    armed: dict[int, int] = {}  # stream waits: when each reached its queue's head (it holds its stream from then)
+    complete: set[int] = set()
+    running: set[int] = set()
+    flags: dict = {}
+    opened: set[int] = set()
+    order: list[int] = []
+    issued = 0
+    prev_on_stream: dict[int, int | None] = {}
+    last: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        if op.stream is not None:
+            prev_on_stream[i] = last.get(op.stream)
+            last[op.stream] = i
+
+    def holds(op: Op) -> bool:
+        return all(flags.get(k, -(1 << 62)) >= op.value for k in op.keys)
+
+    def finish(i: int) -> None:
+        complete.add(i)
+        order.append(i)
+        if ops[i].kind == "produce":
+            for k in ops[i].keys:
+                flags[k] = max(flags.get(k, -(1 << 62)), ops[i].value)
+
+    def run_device() -> None:
+        progress = True
+        while progress:
+            progress = False
+            for i in sorted(running):  # kernels that spin until their flags (or their gate)
+                op = ops[i]
+                if (op.kind == "hold" and op.gate in opened) or (op.kind == "spin" and holds(op)):
+                    running.discard(i)
+                    finish(i)
+                    progress = True
+            device = [i for i in range(issued) if ops[i].stream is not None]
+            queues = [device] if one_queue else [[i for i in device if ops[i].stream == s] for s in last]
+            for queue in queues:
+                for i in queue:
+                    if i in started:
+                        continue
+                    op, before = ops[i], prev_on_stream[i]
+                    if before is not None and before not in complete:
+                        break  # the queue's head waits for the previous command of its stream
+                    if op.kind == "swait" and i not in armed:
+                        armed[i] = len(started) + len(armed)  # at its queue's head: the stream is held on it
+                    if (op.kind == "swait" and not holds(op)) or (op.kind == "dep" and
+                                                                  not all(d in complete for d in op.deps)):
+                        break  # a stream wait holds its queue
+                    started[i] = len(started) + len(armed)
+                    progress = True
+                    if op.kind in ("spin", "hold"):
+                        running.add(i)  # started: it leaves the queue and spins
+                    else:
+                        finish(i)
+
+    for i, op in enumerate(ops):
+        run_device()
+        if op.kind == "sync" and not all(d in complete for d in op.deps):
+            missing = [j for j in range(i) if ops[j].stream is not None and j not in complete]
+            return False, started, order, f"host sync {i} never returns; stuck: " + \
+                str([(j, ops[j].kind, ops[j].stream) for j in missing[:6]])
+        issued = i + 1
+        if op.kind == "open":
+            opened.add(op.gate)
+        if op.stream is None:
+            complete.add(i)
+    run_device()
+    missing = [i for i, op in enumerate(ops) if i not in complete]
+    why = "" if not missing else f"stuck: {[(i, ops[i].kind, ops[i].stream) for i in missing[:6]]}"
+    return not missing, {**started, **armed}, order, why
+
+
+def race_kept(ops: list[Op], started: dict[int, int], order: list[int]) -> list[str]:
+    """Per waiter stream, its first wait must be armed before the first producer of a flag it waits for."""
+    problems = []
+    waits = [i for i, op in enumerate(ops) if op.kind in ("spin", "swait") and op.keys]
+    for stream in sorted({ops[i].stream for i in waits}):
+        first = next(i for i in waits if ops[i].stream == stream)
+        producers = [i for i in order if ops[i].kind == "produce" and ops[i].keys & ops[first].keys]
+        if producers and (first not in started or started[first] > started[producers[0]]):
+            problems.append(f"stream {stream}: its first wait (op {first}) starts after op {producers[0]} produced "
+                            "its flag: no race")
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------
+# The sections under the recorder
+# ----------------------------------------------------------------------------------------------
+
+# The sections whose waiters must all be armed before their producers run. (e. races through its rank-dependent
+# delays, which the model does not time: rank r's side stream starts waiting after its own shard is published.)
+RACING = ("b.racing", "d.", "f.rs racing", "f.ar1 racing", "g.moe dispatch racing", "g.moe combine racing",
+          "h.moe a2a")
+
+
+@pytest.fixture(scope="module")
+def replays():
+    """{section: (ops, one-queue result, per-stream result)} of every GPU correctness section."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    mp = pytest.MonkeyPatch()
+    try:
+        yield run_sections(mp)
+    finally:
+        mp.undo()
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def run_sections(mp: pytest.MonkeyPatch) -> dict[str, tuple]:
+    import argparse
+
+    import gpu_check_common
+    import gpu_check_moe
+    import gpu_check_moe_a2a
+    import gpu_check_moe_combine
+    import gpu_check_moe_dispatch
+    import gpu_check_moe_group
+    import gpu_check_tp_ag
+    import gpu_check_tp_group
+    import gpu_check_tp_rs
+    import gpu_check_virtual as virtual
+
+    holder = {"rec": Recorder()}
+
+    def rec() -> Recorder:
+        return holder["rec"]
+
+    sig = types.SimpleNamespace()  # forwards to the current recorder's fakes
+    for name in ("cuda_stream_write_value32", "cuda_stream_wait_value32", "cuda_wait_flag_bounded", "signal_store",
+                 "moe_dispatch_rows", "moe_combine_rows"):
+        setattr(sig, name, lambda *a, _n=name: getattr(fake_signals(rec(), virtual.SHORT_TIMEOUT_NS), _n)(*a))
+    for module in (virtual, gpu_check_moe_a2a, gpu_check_moe_combine, gpu_check_tp_rs):
+        mp.setattr(module, "signals", sig)
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        rec().current.append(stream)
+        try:
+            yield
+        finally:
+            rec().current.pop()
+
+    mp.setattr(torch.cuda, "Stream", lambda *a, **k: FakeStream(rec()))
+    mp.setattr(torch.cuda, "Event", lambda *a, **k: FakeEvent(rec(), *a, **k))
+    mp.setattr(torch.cuda, "stream", on_stream)
+    mp.setattr(torch.cuda, "current_stream", lambda *a, **k: rec().current[-1] if rec().current else rec().default)
+
+    def fake_poll(events, timeout_s):
+        rec().add(Op("sync", None, deps=tuple(e.op for e in events if e.op is not None)))
+        return True
+
+    mp.setattr(virtual, "poll", fake_poll)
+
+    def keys_of(tensors):
+        return frozenset(rec().tensor_key(t) for t in tensors)
+
+    def spin(keys, epoch, timeout_ns):
+        kind = "done" if timeout_ns <= virtual.SHORT_TIMEOUT_NS else "spin"
+        rec().add(Op(kind, rec().stream_now(), keys, epoch))
+
+    mp.setattr(gpu_check_tp_ag, "launch_gather", lambda g, r, c, epoch, t, tile: spin(keys_of(g.flags), epoch, t))
+    mp.setattr(gpu_check_tp_rs, "launch_reduce",
+               lambda g, r, epoch, t, watchdog=True: spin(keys_of(g.flags), epoch, t))
+    mp.setattr(gpu_check_tp_rs, "launch_scatter", lambda g, r, epoch: rec().add(
+        Op("produce", rec().stream_now(), keys_of([g.flags[r]]), epoch)))
+
+    def moe_wait(g, c, epoch, t, watchdog=True):
+        if c.runs:
+            sources = [g.pads[s] for s in range(g.world_size) if sum(g.handles[c.rank].recv_counts[s])]
+            spin(keys_of(sources), epoch, t)
+
+    mp.setattr(gpu_check_moe_dispatch, "launch_wait", moe_wait)
+    mp.setattr(gpu_check_moe_combine, "launch_scatter", lambda g, c, epoch: rec().add(
+        Op("produce", rec().stream_now(), keys_of([g.pads[c.rank]]), epoch)))
+
+    def track(cls, attr):  # register every group's flag tensors with the recorder
+        original = cls.create.__func__
+
+        def create(kls, *a, **k):
+            g = original(kls, *a, **k)
+            rec().flag_tensors += list(getattr(g, attr))
+            if attr == "pads":
+                rec().moe_groups.append(g)
+            return g
+
+        mp.setattr(cls, "create", classmethod(create))
+
+    track(gpu_check_tp_group.GatherGroup, "flags")
+    track(gpu_check_tp_group.ScatterGroup, "flags")
+    track(gpu_check_moe_group.MoEGroup, "pads")
+    original_gate = virtual.Device.gate
+
+    def gate(self):
+        g = original_gate(self)
+        rec().gate_words[g.words[0].data_ptr()] = len(rec().gate_words) + 1
+        return g
+
+    mp.setattr(virtual.Device, "gate", gate)
+
+    args = argparse.Namespace(started_at=None, time_limit=1e9, only=[], out="unused")
+    results: dict[str, tuple] = {}
+
+    class Rep(gpu_check_common.Report):
+        """Runs each section under a fresh recorder; the results (wrong here: nothing computes) stay quiet."""
+
+        def add(self, name, status, value="", **kw):
+            self.results.append(gpu_check_common.Result(name, status, value))
+
+        def run(self, section, fn, skip=None, check_time=True):
+            if skip is not None:
+                return False
+            holder["rec"] = Recorder()
+            holder["rec"].delay_words = {dev._delay_words[0].data_ptr()}
+            fn()
+            ops = holder["rec"].ops
+            results[section] = (ops, replay(ops, one_queue=True), replay(ops, one_queue=False),
+                                [r for r in self.results if r.status == "SKIP"])
+            return False
+
+    rep = Rep(args)
+    dev = virtual.Device(torch.device("cpu"), rep)
+    dev.cuda, dev.sm_count, dev.tile = True, 132, virtual.Tile(128, 128, 64)
+    entries = (gpu_check_tp_ag.run_all_gather_checks, gpu_check_tp_ag.run_stream_checks,
+               gpu_check_tp_rs.run_reduce_scatter_checks, gpu_check_moe.run_moe_checks, gpu_check_moe.run_a2a_checks)
+    for entry in entries:
+        entry(rep, dev)
+    rep.run("time signal", lambda: virtual.time_signals(rep, dev, pairs=3))
+    return results
+
+
+def test_every_gpu_correctness_section_was_replayed(replays):
+    prefixes = {name.split(" ")[0].split("=")[0] for name in replays}
+    for prefix in ("a.ordered", "b.racing", "c.timeout", "d.cuda_wait_flag_bounded", "d.cuda_stream_wait_value32",
+                   "e.symm-pipeline", "f.rs", "f.ar2", "f.ar1", "g.moe", "h.moe", "time"):
+        assert prefix in prefixes, sorted(replays)
+    assert len(replays) >= 40, sorted(replays)
+    for section, (ops, *_rest, skips) in replays.items():
+        assert not skips, (section, skips)  # nothing skipped itself: each ran its GPU path here
+        assert any(op.kind in ("spin", "swait", "done", "produce") for op in ops), (section, ops)
+
+
+def test_no_section_deadlocks_with_one_hardware_queue(replays):
+    stuck = {section: one[3] for section, (ops, one, per, _) in replays.items() if not one[0]}
+    assert not stuck, stuck
+
+
+def test_the_racing_sections_race_with_a_queue_per_stream(replays):
+    problems = {}
+    for section, (ops, _one, per, _) in replays.items():
+        assert per[0], (section, per[3])
+        if section.startswith(RACING):
+            found = race_kept(ops, per[1], per[2])
+            if found:
+                problems[section] = found
+    assert not problems, problems
+    racing = [s for s in replays if s.startswith(RACING)]
+    assert len(racing) >= 12, racing
+
+
+def test_the_model_finds_a_waiter_issued_before_its_producer():
+    """The replay's own check: a spinning consumer and its end event issued before the publisher, on one queue."""
+    flag = ("flags", 0)
+    ops = [Op("spin", 1, frozenset([flag]), 5), Op("record", 1), Op("produce", 2, frozenset([flag]), 5)]
+    assert not replay(ops, one_queue=True)[0] and replay(ops, one_queue=False)[0]
+    gated = [Op("hold", 2, gate=1), Op("produce", 2, frozenset([flag]), 5), Op("spin", 1, frozenset([flag]), 5),
+             Op("record", 1), Op("open", None, gate=1)]
+    assert replay(gated, one_queue=True)[0] and replay(gated, one_queue=False)[0]
+    assert not race_kept(gated, *replay(gated, one_queue=False)[1:3])
+    ungated = [Op("produce", 2, frozenset([flag]), 5), Op("spin", 1, frozenset([flag]), 5), Op("record", 1)]
+    assert race_kept(ungated, *replay(ungated, one_queue=False)[1:3])  # producers first without a gate: no race
