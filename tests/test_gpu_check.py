@@ -47,6 +47,10 @@ def test_help():
         assert option in proc.stdout
 
 
+def status_of(doc: dict) -> dict[str, str]:
+    return {r["name"]: r["status"] for r in doc["results"]}
+
+
 def test_cpu_smoke_virtual_ranks(tmp_path):
     out = tmp_path / "out"
     path = tmp_path / "copy.json"
@@ -55,7 +59,12 @@ def test_cpu_smoke_virtual_ranks(tmp_path):
     assert json.loads(path.read_text())["results"] == doc["results"]  # --json: a copy of the record
     assert doc["mode"] == "cpu-smoke"
     # a process per group with sections to run on CPU; the GPU-only groups recorded from their listing
-    assert [(p["group"], p["exit"]) for p in doc["processes"]] == [("ag", 0), ("rs", 0), ("moe", 0)], doc["processes"]
+    assert [(p["group"], p["exit"]) for p in doc["processes"]] == [("ag", 0), ("rs", 0), ("moe", 0), ("ops", 0)], \
+        doc["processes"]
+    # section i, the ops through their public API: two ranks, then one, every case passing
+    ops = {n: s for n, s in status_of(doc).items() if n.startswith("i.ops")}
+    assert any(n.startswith("i.ops W=2") for n in ops) and any(n.startswith("i.ops W=1") for n in ops), ops
+    assert set(ops.values()) == {"PASS"}, ops
     log = (out / "gpu_check.log").read_text()
     assert "CUDA_DEVICE_MAX_CONNECTIONS=32" in log and "PASS c.timeout" in log
     # every correctness section before any timing
