@@ -122,7 +122,8 @@ def _heap(world_size: int = 3, rank: int = 1) -> symm.SymmHeap:
     heap._ctrl_np = [t.numpy() for t in heap.ctrl]
     heap._ctrl_addr = [t.data_ptr() for t in heap.ctrl]
     heap._pad_dev = list(heap._ctrl_addr)
-    heap._cuda_flags = types.SimpleNamespace(addrs=lambda word: [0x1000 * (p + 1) + 4 * word for p in range(world_size)])
+    fake_addrs = [0x1000 * (p + 1) for p in range(world_size)]  # (never dereferenced: Recorder records)
+    heap._cuda_flags = types.SimpleNamespace(addrs=lambda word: [a + 4 * word for a in fake_addrs])
     heap.async_errors = torch.zeros(symm.MAX_PEERS + 1, dtype=torch.int32)
     heap.in_flight, heap.closed = 1, False
     return heap

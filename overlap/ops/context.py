@@ -251,14 +251,15 @@ def warn_device_connections(op: str) -> None:
         return
     now = "unset (the driver's default: several hardware queues)" if value is None else f"{value}"
     warn_once(
-        f"overlap.{op}: CUDA_DEVICE_MAX_CONNECTIONS is {now}. overlap's GPU symm/fused paths are correct and "
-        "bounded under any value: the symm pipelines' flag waits are stream-ordered (no SM; a GEMM cannot "
-        "starve them), each bounded by a host watchdog, the fused kernels' waits bounded in-kernel, and every flag a peer waits for is issued before this rank's waits of the "
-        "same phase. What the value changes is speed: with 1 (one hardware queue, which Megatron-core requires "
-        "for its sequence-parallel overlap) the GPU starts work of different streams in issue order, so a "
-        "transfer peers wait for is not queued behind a GEMM, but a flag wait also holds back every later "
-        "stream's work of the process until the flag arrives; with several queues the side stream's transfers "
-        "may start behind a GEMM. Measure both (not yet measured on a GPU). overlap never sets it itself. "
-        "(Shown once per process.)",
+        f"overlap.{op}: CUDA_DEVICE_MAX_CONNECTIONS is {now}. "
+        "overlap's GPU symm/fused paths are correct and bounded under any value: the symm pipelines' flag "
+        "waits are stream-ordered (no SM; a GEMM cannot starve them), each bounded by a host watchdog, the "
+        "fused kernels' waits bounded in-kernel, and every flag a peer waits for is issued before this rank's"
+        " waits of the same phase. What the value changes is speed: with 1 (one hardware queue, which "
+        "Megatron-core requires for its sequence-parallel overlap) the GPU starts work of different streams "
+        "in issue order, so a transfer peers wait for is not queued behind a GEMM, but a flag wait also holds"
+        " back every later stream's work of the process until the flag arrives; with several queues the side "
+        "stream's transfers may start behind a GEMM. Measure both (not yet measured on a GPU). overlap never "
+        "sets it itself. (Shown once per process.)",
         RuntimeWarning, key="CUDA_DEVICE_MAX_CONNECTIONS", stacklevel=3,
     )
