@@ -97,9 +97,9 @@ PYBIND11_MODULE(_C, m) {
         "Enqueue on `stream` a one-thread kernel that waits until *(int32*)addr >= value; "
         "if `timeout_ns` pass first it sets *(int32*)err_addr to 1 (when 0) and exits.");
 
-  m.def("cuda_host_register", &overlap::cuda_host_register, py::arg("addr"), py::arg("nbytes"),
+  m.def("cuda_host_register", &overlap::cuda_host_register, py::arg("addr"), py::arg("nbytes"), py::arg("device"),
         "Register the host memory [addr, addr + nbytes) (page-aligned, e.g. a mapped shared-memory segment) "
-        "as page-locked, mapped and portable (cudaHostRegister); return its device address, which "
+        "as page-locked, mapped and portable (cudaHostRegister, with `device` current); return its device address, which "
         "cuda_stream_wait_value32 / cuda_stream_write_value32 and kernels take.");
   m.def("cuda_host_unregister", &overlap::cuda_host_unregister, py::arg("addr"),
         "Undo cuda_host_register(addr, ...) (cudaHostUnregister).");

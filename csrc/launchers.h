@@ -42,8 +42,8 @@ void cuda_stream_wait_value32(uint64_t addr, int64_t value, uint64_t stream);
 void cuda_wait_flag_bounded(uint64_t addr, int64_t value, int64_t timeout_ns,
                             uint64_t err_addr, uint64_t stream);
 // Registers [addr, addr + nbytes) (page-locked host memory, e.g. a mapped POSIX shared-memory
-// segment) as mapped and portable for every device; returns its device address.
-uint64_t cuda_host_register(uint64_t addr, int64_t nbytes);
+// segment) as mapped and portable, with `device` current; returns its device address.
+uint64_t cuda_host_register(uint64_t addr, int64_t nbytes, int64_t device);
 void cuda_host_unregister(uint64_t addr);
 
 // csrc/watchdog.cpp: the host thread that bounds stream-ordered waits (no CUDA needed).

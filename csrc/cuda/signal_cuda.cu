@@ -158,15 +158,22 @@ void check_rt(cudaError_t e, const char* what, uint64_t addr) {
 // The control pads (POSIX shared memory every local rank maps) become flags the device reads and
 // writes: stream memory operations take device pointers, and registered host memory has one
 // (cudaHostGetDevicePointer). Mapped + portable: usable from every context of this process.
-uint64_t cuda_host_register(uint64_t addr, int64_t nbytes) {
+uint64_t cuda_host_register(uint64_t addr, int64_t nbytes, int64_t device) {
   require_device();
   check_flag_address(addr, "addr");
   if (nbytes <= 0) {
     throw std::invalid_argument(cat("overlap._C: nbytes must be > 0, got nbytes=", nbytes));
   }
-  int device = 0, supported = 0;
-  check_rt(cudaGetDevice(&device), "cudaGetDevice", addr);
-  check_rt(cudaDeviceGetAttribute(&supported, cudaDevAttrHostRegisterSupported, device),
+  int count = 0;
+  check_rt(cudaGetDeviceCount(&count), "cudaGetDeviceCount", addr);
+  if (device < 0 || device >= count) {
+    throw std::invalid_argument(cat("overlap._C: device must be in [0, ", count, "), got device=", device));
+  }
+  // This extension's (static) runtime keeps its own current device: make it the caller's, so that the
+  // registration uses that device's primary context (torch's) instead of creating one on device 0.
+  check_rt(cudaSetDevice(static_cast<int>(device)), "cudaSetDevice", addr);
+  int supported = 0;
+  check_rt(cudaDeviceGetAttribute(&supported, cudaDevAttrHostRegisterSupported, static_cast<int>(device)),
            "cudaDeviceGetAttribute(cudaDevAttrHostRegisterSupported)", addr);
   if (!supported) {
     throw std::runtime_error(cat("overlap._C: device ", device, " cannot register host memory "

@@ -286,7 +286,8 @@ class SymmHeap:
             if self._cuda_flags is None:
                 self._cuda_flags = _CudaFlags(self.group, self.world_size)
             if self._pad_dev is None:
-                self._pad_dev = [c.cuda_host_register(addr, CTRL_WORDS * 4) for addr in self._ctrl_addr]
+                index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+                self._pad_dev = [c.cuda_host_register(addr, CTRL_WORDS * 4, index) for addr in self._ctrl_addr]
             self.data = _cuda_data(self.group, NUM_SLOTS * slot_bytes, self.device)
         else:
             path = self._path(f"g{gen}", self.rank)
