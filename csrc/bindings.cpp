@@ -97,6 +97,26 @@ PYBIND11_MODULE(_C, m) {
         "Enqueue on `stream` a one-thread kernel that waits until *(int32*)addr >= value; "
         "if `timeout_ns` pass first it sets *(int32*)err_addr to 1 (when 0) and exits.");
 
+  m.def("cuda_host_register", &overlap::cuda_host_register, py::arg("addr"), py::arg("nbytes"), py::arg("device"),
+        "Register the host memory [addr, addr + nbytes) (page-aligned, e.g. a mapped shared-memory segment) "
+        "as page-locked, mapped and portable (cudaHostRegister, with `device` current); return its device address, which "
+        "cuda_stream_wait_value32 / cuda_stream_write_value32 and kernels take.");
+  m.def("cuda_host_unregister", &overlap::cuda_host_unregister, py::arg("addr"),
+        "Undo cuda_host_register(addr, ...) (cudaHostUnregister).");
+
+  // ---- the host watchdog of stream-ordered waits (host code: every build) ----
+  m.def("watchdog_arm", &overlap::watchdog_arm, py::arg("word_addr"), py::arg("value"), py::arg("timeout_s"),
+        py::arg("err_addr"), py::arg("abort_addr"), py::arg("peer"),
+        "Bound a stream-ordered wait on the host int32 at `word_addr` (>= value): if it has not reached "
+        "`value` after `timeout_s` seconds, a host thread sets *err_addr to 1 and *abort_addr to peer + 1 "
+        "(each only when 0), then raises the word to `value`, which releases the waiting stream.");
+  m.def("watchdog_pending", &overlap::watchdog_pending,
+        "Armed watchdog entries whose word has not yet reached its value.");
+  m.def("watchdog_fired", &overlap::watchdog_fired, "How many entries the watchdog has released (since import).");
+  m.def("watchdog_cancel", &overlap::watchdog_cancel, py::arg("addr"), py::arg("nbytes"),
+        "Drop every armed entry whose word, error or abort address lies in [addr, addr + nbytes) "
+        "(before that memory is unmapped or reset); return how many.");
+
   // ---- CUDA: MoE all-to-all within a node (overlap/ops/moe_cuda.py builds the tables) ----
   m.def("moe_dispatch_rows", &overlap::moe_dispatch_rows, py::arg("src_rows"), py::arg("row_index"),
         py::arg("num_sends"), py::arg("row_bytes"), py::arg("dst_table"), py::arg("block_offsets"),

@@ -41,6 +41,17 @@ void cuda_stream_write_value32(uint64_t addr, int64_t value, uint64_t stream);
 void cuda_stream_wait_value32(uint64_t addr, int64_t value, uint64_t stream);
 void cuda_wait_flag_bounded(uint64_t addr, int64_t value, int64_t timeout_ns,
                             uint64_t err_addr, uint64_t stream);
+// Registers [addr, addr + nbytes) (page-locked host memory, e.g. a mapped POSIX shared-memory
+// segment) as mapped and portable, with `device` current; returns its device address.
+uint64_t cuda_host_register(uint64_t addr, int64_t nbytes, int64_t device);
+void cuda_host_unregister(uint64_t addr);
+
+// csrc/watchdog.cpp: the host thread that bounds stream-ordered waits (no CUDA needed).
+void watchdog_arm(uint64_t word_addr, int64_t value, double timeout_s, uint64_t err_addr, uint64_t abort_addr,
+                  int64_t peer);
+int64_t watchdog_pending();
+int64_t watchdog_fired();
+int64_t watchdog_cancel(uint64_t addr, uint64_t nbytes);
 
 // csrc/cuda/moe_a2a.cu: the MoE all-to-all within a node (stubs in csrc/moe_a2a_stubs.cpp
 // throw when built without CUDA). Tables are int64 device arrays; see overlap/moe_a2a.cuh.

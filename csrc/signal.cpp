@@ -104,6 +104,8 @@ int cuda_device_count() { return 0; }
 void cuda_stream_write_value32(uint64_t, int64_t, uint64_t) { no_cuda(); }
 void cuda_stream_wait_value32(uint64_t, int64_t, uint64_t) { no_cuda(); }
 void cuda_wait_flag_bounded(uint64_t, int64_t, int64_t, uint64_t, uint64_t) { no_cuda(); }
+uint64_t cuda_host_register(uint64_t, int64_t, int64_t) { no_cuda(); }
+void cuda_host_unregister(uint64_t) { no_cuda(); }
 #endif
 
 }  // namespace overlap

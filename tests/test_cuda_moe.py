@@ -193,6 +193,10 @@ class EmulatedKernels:
         self.has_cuda = True
         self.launches = 0
 
+    def cuda_stream_write_value32(self, addr, value, stream):  # (in stream order: after the kernel above)
+        assert stream == 0
+        ctypes.c_int32.from_address(addr).value = value
+
     def moe_dispatch_rows(self, src_rows, row_index, num_sends, row_bytes, dst_table, block_offsets,
                           chunk_offsets, num_blocks, groups_per_dest, num_chunks, rows_per_chunk, counters,
                           flag_addrs, epoch, stream):
@@ -262,6 +266,8 @@ def _fake_call(h: layout.MoEHandle, need: int, epoch: int) -> symm.Call:
     heap.slot_bytes = (need + 4095) // 4096 * 4096
     heap.data = [torch.zeros(symm.NUM_SLOTS * heap.slot_bytes, dtype=torch.uint8) for _ in range(W)]
     heap._ptr_tables, heap._counters, heap._cuda_flags = {}, {}, _Flags(W)
+    heap._pads = _Flags(W)  # the control pads as the device sees them (`SymmHeap.pad_device_addr`)
+    heap._pad_dev = [t.data_ptr() for t in heap._pads.tensors]
     return symm.Call(heap, "test", epoch, 1.0, uses_heap=True, need=need)
 
 
@@ -342,6 +348,9 @@ def test_dispatch_launch_writes_what_the_torch_path_writes(monkeypatch, shape, d
             rows = sum(h.send_counts[d][e] for e in experts)
             word = heap._cuda_flags.tensors[r][heap.ready_word(call.slot, d * F + 1 + g)]
             assert int(word) == (epoch if rows else 0), f"flag of block ({d}, {g}) with {rows} rows: {int(word)}"
+            # ... and mirrored into the control pad, where the symm consumers' stream-ordered waits read it
+            pad = heap._pads.tensors[r][heap.ready_word(call.slot, d * F + 1 + g)]
+            assert int(pad) == (epoch if rows else 0), f"pad flag of block ({d}, {g}) with {rows} rows: {int(pad)}"
     assert not heap.counters(call.slot).any(), "the block counters were not left at zero"
 
 

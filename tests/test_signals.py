@@ -260,6 +260,8 @@ CUDA_CALLS = {
     "write": lambda a: _C.cuda_stream_write_value32(a, 1, 0),
     "wait": lambda a: _C.cuda_stream_wait_value32(a, 1, 0),
     "bounded_wait": lambda a: _C.cuda_wait_flag_bounded(a, 1, 1000, a + 4, 0),
+    "host_register": lambda a: _C.cuda_host_register(a, 4096, 0),
+    "host_unregister": lambda a: _C.cuda_host_unregister(a),
 }
 
 

@@ -146,4 +146,54 @@ void cuda_wait_flag_bounded(uint64_t addr, int64_t value, int64_t timeout_ns, ui
   }
 }
 
+namespace {
+void check_rt(cudaError_t e, const char* what, uint64_t addr) {
+  if (e == cudaSuccess) return;
+  cudaGetLastError();
+  throw std::runtime_error(cat("overlap._C: ", what, " failed: ", cudaGetErrorString(e), " (addr=0x", std::hex,
+                               addr, ")"));
+}
+}  // namespace
+
+// The control pads (POSIX shared memory every local rank maps) become flags the device reads and
+// writes: stream memory operations take device pointers, and registered host memory has one
+// (cudaHostGetDevicePointer). Mapped + portable: usable from every context of this process.
+uint64_t cuda_host_register(uint64_t addr, int64_t nbytes, int64_t device) {
+  require_device();
+  check_flag_address(addr, "addr");
+  if (nbytes <= 0) {
+    throw std::invalid_argument(cat("overlap._C: nbytes must be > 0, got nbytes=", nbytes));
+  }
+  int count = 0;
+  check_rt(cudaGetDeviceCount(&count), "cudaGetDeviceCount", addr);
+  if (device < 0 || device >= count) {
+    throw std::invalid_argument(cat("overlap._C: device must be in [0, ", count, "), got device=", device));
+  }
+  // This extension's (static) runtime keeps its own current device: make it the caller's, so that the
+  // registration uses that device's primary context (torch's) instead of creating one on device 0.
+  check_rt(cudaSetDevice(static_cast<int>(device)), "cudaSetDevice", addr);
+  int supported = 0;
+  check_rt(cudaDeviceGetAttribute(&supported, cudaDevAttrHostRegisterSupported, static_cast<int>(device)),
+           "cudaDeviceGetAttribute(cudaDevAttrHostRegisterSupported)", addr);
+  if (!supported) {
+    throw std::runtime_error(cat("overlap._C: device ", device, " cannot register host memory "
+                                 "(cudaDevAttrHostRegisterSupported = 0)"));
+  }
+  void* host = reinterpret_cast<void*>(addr);
+  check_rt(cudaHostRegister(host, static_cast<size_t>(nbytes), cudaHostRegisterMapped | cudaHostRegisterPortable),
+           "cudaHostRegister", addr);
+  void* dev = nullptr;
+  const cudaError_t e = cudaHostGetDevicePointer(&dev, host, 0);
+  if (e != cudaSuccess) {
+    cudaHostUnregister(host);
+    check_rt(e, "cudaHostGetDevicePointer", addr);
+  }
+  return reinterpret_cast<uint64_t>(dev);
+}
+
+void cuda_host_unregister(uint64_t addr) {
+  require_device();
+  check_rt(cudaHostUnregister(reinterpret_cast<void*>(addr)), "cudaHostUnregister", addr);
+}
+
 }  // namespace overlap

@@ -242,22 +242,24 @@ def _collective_handshake(op: str, pg, info: world.GroupInfo, signature: str, ti
 
 
 def warn_device_connections(op: str) -> None:
-    """Warn once per process, at the first GPU call that uses the symmetric heap (``symm``, ``fused``),
-    where CUDA_DEVICE_MAX_CONNECTIONS is not 1. overlap reads it and never sets it: it must be set before
-    CUDA initializes, and it changes every stream of the process, the user's own included."""
+    """Tell once per process, at the first GPU call that uses the symmetric heap (``symm``, ``fused``),
+    where CUDA_DEVICE_MAX_CONNECTIONS is not 1, what the setting changes. overlap reads it and never sets it:
+    it must be set before CUDA initializes, and it changes every stream of the process, the user's own
+    included. Correctness and bounded waits hold under any value (docs/design.md, "Stream-ordered waits")."""
     value = envs.cuda_device_max_connections()
     if value == 1:
         return
     now = "unset (the driver's default: several hardware queues)" if value is None else f"{value}"
     warn_once(
-        f"overlap.{op}: CUDA_DEVICE_MAX_CONNECTIONS is {now}. overlap's GPU symm/fused paths issue copies and "
-        "stream-ordered flag waits on a high-priority side stream while GEMMs run on the current stream, and "
-        "rely on the GPU starting them in the order they were issued "
-        "so that a transfer (which peers wait for) is not queued behind a GEMM that took every SM. Only "
-        "CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue) makes the GPU start kernels of different streams in "
-        "issue order; with more queues the transfers may start late (less overlap; results are the same). Set it "
-        "to 1 in the launch environment, before CUDA is initialized, as Megatron-core requires for its own "
-        "tensor-parallel overlap; note that one queue also makes unrelated streams of the process wait for each "
-        "other. overlap never sets it itself. (Shown once per process.)",
+        f"overlap.{op}: CUDA_DEVICE_MAX_CONNECTIONS is {now}. "
+        "overlap's GPU symm/fused paths are correct and bounded under any value: the symm pipelines' flag "
+        "waits are stream-ordered (no SM; a GEMM cannot starve them), each bounded by a host watchdog, the "
+        "fused kernels' waits bounded in-kernel, and every flag a peer waits for is issued before this rank's"
+        " waits of the same phase. What the value changes is speed: with 1 (one hardware queue, which "
+        "Megatron-core requires for its sequence-parallel overlap) the GPU starts work of different streams "
+        "in issue order, so a transfer peers wait for is not queued behind a GEMM, but a flag wait also holds"
+        " back every later stream's work of the process until the flag arrives; with several queues the side "
+        "stream's transfers may start behind a GEMM. Measure both (not yet measured on a GPU). overlap never "
+        "sets it itself. (Shown once per process.)",
         RuntimeWarning, key="CUDA_DEVICE_MAX_CONNECTIONS", stacklevel=3,
     )

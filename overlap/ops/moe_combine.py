@@ -300,9 +300,22 @@ def _fused(cc: CallContext, call, h, y, w, between, weights=None):
         fused.kernels().launch_grouped_matmul_scatter(
             y, w, table, heap.ptr_table(call.slot, layout.header_bytes(W, L) + r * stride), counters,
             heap.flag_table(call.slot, 0), epoch=call.epoch_word(), rank=r, block=(bm, bn, bk))
+        if y.is_cuda:  # the kernel released device flag words; `_collect`'s stream-ordered waits read the pads
+            _mirror_flags(call, h)
     if between is not None:
         between()
     return _collect(call, h, y.dtype, cols, weights)
+
+
+def _mirror_flags(call, h: layout.MoEHandle) -> None:
+    """GPU: publish, after the kernel in stream order, every flag the combine kernel released (those of the
+    (source, expert group) blocks with rows), for the peers' stream-ordered waits on the control pads."""
+    W, L = h.info.world_size, h.num_local_experts
+    F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
+    for s in range(W):
+        for g in range(G):
+            if sum(h.recv_counts[s][e] for e in layout.group_experts(g, L, G)):
+                call.signal_ready(s * F + 1 + g)
 
 
 def _collect(call, h: layout.MoEHandle, dtype: torch.dtype, cols: int,

@@ -126,8 +126,9 @@ def dispatch_rows(call, h: layout.MoEHandle, rows: torch.Tensor, row_of_send: to
     per_chunk = rows_per_chunk(row_bytes)
     chunks = chunk_offsets(blocks, per_chunk)
     heap = call.heap
-    # This rank's own ready flags (consumers read them through their peer mappings).
-    flags = [heap._cuda_flags.addrs(heap.ready_word(call.slot, i))[r] for i in block_flags(h)]
+    # This rank's own ready flags as the fused kernels see them (consumers read them through their peer mappings).
+    flag_index = block_flags(h)
+    flags = [heap.kernel_flag_addr(r, heap.ready_word(call.slot, i)) for i in flag_index]
     table = _device_table(blocks + chunks + flags, rows.device)
     n = len(blocks)
     dst = heap.ptr_table(call.slot, layout.header_bytes(W, L) + r * layout.region_stride(call, W, L))
@@ -139,6 +140,13 @@ def dispatch_rows(call, h: layout.MoEHandle, rows: torch.Tensor, row_of_send: to
         dst.data_ptr(), table.data_ptr(), table.data_ptr() + 8 * n, W * G, G, chunks[-1], per_chunk,
         counters.data_ptr(), table.data_ptr() + 16 * n, call.word, _stream(rows.device),
     )
+    # The same flags in the control pads, for the symm consumers' stream-ordered waits (`Call.wait_ready`:
+    # host memory, so that the host watchdog can bound them), in stream order after the kernel: a block's
+    # flag is due only where the block has rows, as in the kernel.
+    for i, index in enumerate(flag_index):
+        if blocks[i + 1] > blocks[i]:
+            _c().cuda_stream_write_value32(heap.pad_device_addr(r, heap.ready_word(call.slot, index)), call.word,
+                                           _stream(rows.device))
     return True
 
 

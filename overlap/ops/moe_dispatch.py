@@ -351,6 +351,9 @@ def _read_counts(call, h: layout.MoEHandle) -> None:
     for s in range(W):
         call.wait_ready(s, r * F, chunk="counts")
     h.recv_counts = call.buffer(r, torch.int32, (W, L)).tolist()
+    if h.info.device.type == "cuda":
+        # (a synchronisation: a wait the host watchdog released has reported first, so the counts are not used)
+        call.heap.check_async_errors(call.op, call.timeout)
 
 
 # ---- symm: consumer side (host loop) -------------------------------------------------------------

@@ -4,11 +4,13 @@ Per group (created lazily by the first call, through a bounded rendezvous on the
 store):
 
 * a **control pad** per rank in host POSIX shared memory (CPU and GPU alike): the per-call
-  handshake words (epoch, signature, bytes needed, a readable copy of the signature) and, on CPU
-  ranks, the data flags;
+  handshake words (epoch, signature, bytes needed, a readable copy of the signature) and the data
+  flags of `Call` (GPU ranks register every pad as mapped host memory: the ``symm`` pipelines'
+  stream-ordered waits poll them, and the host watchdog can release them; see `overlap.symm.call`);
 * a **data heap** per rank, split into a ring of `NUM_SLOTS` equal slots. CPU: a POSIX shared
   memory segment (`overlap.shm`) mapped by every local rank. CUDA: torch's ``_symmetric_memory``,
-  with the data flags in a separate symmetric allocation (flags never move when the heap grows);
+  with the fused kernels' flag words in a separate symmetric allocation (flags never move when the heap
+  grows; their in-kernel waits are atomics, which need device memory);
 * a per-process table of peer addresses (`SymmHeap.ptr_table`), which Triton kernels take.
 
 The buffer protocol (docs/design.md) as implemented here:
@@ -43,7 +45,9 @@ The buffer protocol (docs/design.md) as implemented here:
 
 Memory ordering: a producer writes its data with ordinary stores, then publishes the flag with
 a release store; a consumer reads the flag with an acquire load before it reads the data
-(``overlap._C`` on CPU, system-scope acquire in Triton, ``st.release``-like stream writes in CUDA).
+(``overlap._C`` on CPU, system-scope acquire in Triton, stream writes with a memory barrier in CUDA).
+On GPUs a `Call` publish writes both its pad word and its device word; a kernel's release of a flag that
+a ``symm`` consumer waits for is mirrored into the pad after the kernel, in stream order.
 """
 
 from __future__ import annotations

@@ -1,7 +1,15 @@
 """`Call`: one call's view of a group's symmetric heap: its epoch, its slot, and the flag operations on them.
 
-CPU ranks: host stores and bounded host waits on the control pads. GPU ranks: stream-ordered writes
-and bounded waits (``overlap._C``) on the device flag words, so the host never blocks on the device.
+CPU ranks: host stores and bounded host waits on the control pads. GPU ranks: stream-ordered writes and
+waits (``cuStreamWriteValue32`` / ``cuStreamWaitValue32``, no SM, no kernel) on the same control-pad words,
+registered as mapped host memory, so the host never blocks on the device; each wait is bounded by the host
+watchdog (``overlap._C.watchdog_arm``), which at the deadline reports the peer and releases the stream by
+writing the word itself (a GPU queue blocked by a stream wait is released by nothing else).
+
+Ordering (docs/design.md, "Stream-ordered waits"): with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` every stream of a
+process feeds one hardware queue in host order, so a wait enqueued before this rank's own publish of the same
+phase would hold that publish back. Every GPU pipeline enqueues the publishes of a phase before any wait of that
+phase (`overlap.ops` pipelines; tests/test_symm_stream_order.py records it).
 """
 
 from __future__ import annotations
@@ -11,7 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import OverlapTimeout
-from .layout import NUM_SLOTS, signals
+from .layout import NUM_SLOTS, W_ASYNC_ERR, signals
 
 
 class Call:
@@ -48,14 +56,15 @@ class Call:
         return word
 
     # Flag operations. CPU ranks: host stores and bounded host waits on the control pads.
-    # GPU ranks: stream-ordered writes and waits (``overlap._C``) on the device flag words, on
-    # `stream` (default: the current stream), so the host never blocks on the device.
+    # GPU ranks: stream-ordered writes and waits (``overlap._C``) on the control pads' words through
+    # their device addresses, on `stream` (default: the current stream), each wait bounded by the
+    # host watchdog, so the host never blocks on the device.
     def _cuda(self) -> bool:
         return self.heap.device.type == "cuda"
 
     def _flag_addr(self, owner: int, word: int) -> int:
         h = self.heap
-        return h._cuda_flags.addrs(word)[owner] if self._cuda() else h.ctrl_addr(owner, word)
+        return h.pad_device_addr(owner, word) if self._cuda() else h.ctrl_addr(owner, word)
 
     def wait_slot_free(self, stream: Any = None) -> None:
         """Wait until every rank has finished the previous call that used this slot's data."""
@@ -63,37 +72,48 @@ class Call:
         if prev <= 0 or not self.uses_heap:
             return
         h = self.heap
-        addrs = [self._flag_addr(h.rank, h.done_word(self.slot, q)) for q in range(self.world_size)]
         if self._cuda():
-            for q, addr in enumerate(addrs):
-                self._bounded_wait(addr, prev, q, stream)
+            for q in range(self.world_size):
+                self._bounded_wait(h.rank, h.done_word(self.slot, q), prev, q, stream)
             return
+        addrs = [self._flag_addr(h.rank, h.done_word(self.slot, q)) for q in range(self.world_size)]
         missing = signals().signal_wait_all(addrs, prev, self.timeout)
         if missing >= 0:
             raise OverlapTimeout(self.op, self.rank, missing, f"slot {self.slot}", self.timeout,
                                  "the peer did not finish the slot's previous call")
 
-    def _bounded_wait(self, addr: int, value: int, peer: int, stream: Any) -> None:
-        # A one-thread kernel that spins with a %globaltimer limit and, past it, records the
-        # failure in pinned memory (checked by the next call) instead of blocking the stream forever.
-        signals().cuda_wait_flag_bounded(addr, value, int(self.timeout * 1e9), self.heap.err_addr(peer),
-                                    stream_handle(stream))
+    def _bounded_wait(self, owner: int, word: int, value: int, peer: int, stream: Any) -> None:
+        # A stream-ordered wait (no SM: a main-stream GEMM cannot starve it) on `owner`'s pad word, then the
+        # watchdog entry that bounds it: past the deadline a host thread records the peer in the pinned
+        # error word and in this rank's pad (every rank's next call raises) and writes the word itself.
+        h = self.heap
+        c = signals()
+        c.cuda_stream_wait_value32(h.pad_device_addr(owner, word), value, stream_handle(stream))
+        c.watchdog_arm(h.ctrl_addr(owner, word), value, self.timeout, h.err_addr(peer),
+                       h.ctrl_addr(h.rank, W_ASYNC_ERR), peer)
 
     def signal_ready(self, index: int = 0, stream: Any = None) -> None:
+        """Publish this rank's ready flag `index` of this call (after the work enqueued before it on `stream`).
+
+        GPU ranks write two words: the pad's (for the stream-ordered waits of `wait_ready`) and the device
+        flag word (for the fused kernels' in-kernel waits, which poll device memory with atomics)."""
         h = self.heap
-        addr = self._flag_addr(h.rank, h.ready_word(self.slot, index))
+        word = h.ready_word(self.slot, index)
+        addr = self._flag_addr(h.rank, word)
         if self._cuda():
-            signals().cuda_stream_write_value32(addr, self.word, stream_handle(stream))
+            handle = stream_handle(stream)
+            signals().cuda_stream_write_value32(addr, self.word, handle)
+            signals().cuda_stream_write_value32(h.kernel_flag_addr(h.rank, word), self.word, handle)
         else:
             signals().signal_store(addr, self.word)
 
     def wait_ready(self, peer: int, index: int = 0, stream: Any = None, chunk: int | None = None) -> None:
         """Wait for `peer`'s ready flag `index` of this call; a timeout names `chunk` (default: `index`)."""
         h = self.heap
-        addr = self._flag_addr(peer, h.ready_word(self.slot, index))
+        word = h.ready_word(self.slot, index)
         if self._cuda():
-            self._bounded_wait(addr, self.word, peer, stream)
-        elif not signals().signal_wait(addr, self.word, self.timeout):
+            self._bounded_wait(peer, word, self.word, peer, stream)
+        elif not signals().signal_wait(self._flag_addr(peer, word), self.word, self.timeout):
             raise OverlapTimeout(self.op, self.rank, peer, index if chunk is None else chunk, self.timeout,
                                  "data never signalled ready")
 

@@ -31,6 +31,7 @@ from .layout import (
     SIG_TEXT_BYTES,
     SLOT_BASE,
     SLOT_STRIDE,
+    W_ASYNC_ERR,
     W_GEN_FAILED,
     W_GEN_MAPPED,
     W_GEN_READY,
@@ -99,9 +100,13 @@ class SymmHeap:
         # without synchronizing; `begin` checks it at the next call.
         self.async_errors = torch.zeros(MAX_PEERS + 1, dtype=torch.int32,
                                         pin_memory=self.device.type == "cuda")
-        # GPU flag words live in torch's symmetric memory, created with the first data heap:
-        # calls that use no heap (reference, pipelined) never need them, nor the CUDA half of _C.
+        # GPU ranks: the flags of `Call` (the side-stream pipelines' stream-ordered waits and writes) are the
+        # control pads' words, registered here as mapped host memory (`_pad_dev`: each pad's device address)
+        # so that the host watchdog can read and release them; the fused kernels' in-kernel waits use device
+        # flag words in torch's symmetric memory (`_cuda_flags`: their atomics need device memory). Both are
+        # created with the first data heap: calls that use no heap never need them, nor the CUDA half of _C.
         self._cuda_flags: _CudaFlags | None = None
+        self._pad_dev: list[int] | None = None
 
     @property
     def data_bytes(self) -> int:
@@ -116,6 +121,15 @@ class SymmHeap:
     # -- addresses of control words ---------------------------------------------------------
     def ctrl_addr(self, peer: int, word: int) -> int:
         return self._ctrl_addr[peer] + 4 * word
+
+    def pad_device_addr(self, peer: int, word: int) -> int:
+        """Device address of `word` of `peer`'s control pad (GPU ranks, once the heap has data)."""
+        return self._pad_dev[peer] + 4 * word
+
+    def kernel_flag_addr(self, peer: int, word: int) -> int:
+        """Address of `word` of `peer`'s flags as the fused kernels see them (`flag_table`): the device flag
+        word where the heap has them (GPU ranks), else the control pad's word (CPU ranks)."""
+        return self._cuda_flags.addrs(word)[peer] if self._cuda_flags is not None else self.ctrl_addr(peer, word)
 
     def ready_word(self, slot: int, index: int) -> int:
         assert 0 <= index < MAX_FLAGS, index
@@ -196,13 +210,22 @@ class SymmHeap:
         return self.async_errors[MAX_PEERS:]
 
     def check_async_errors(self, op: str, timeout: float) -> None:
-        """Raise if an earlier call's asynchronous wait gave up (the group is then unusable)."""
+        """Raise if an earlier call's asynchronous wait gave up (the group is then unusable).
+
+        Also when a peer's watchdog released one of its waits (its pad's `W_ASYNC_ERR` word): that release
+        may have let this rank's own wait on the same word through without data, so every rank raises."""
         bad = torch.nonzero(self.async_errors[:MAX_PEERS]).flatten().tolist()
         kernel = int(self.async_errors[MAX_PEERS])
         if bad or kernel:
             peer = bad[0] if bad else kernel - 1
             raise OverlapTimeout(op, self.rank, peer, "of an earlier call", timeout,
                                  "a stream-ordered or in-kernel wait passed its deadline")
+        for p, pad in enumerate(self._ctrl_np):
+            released = int(pad[W_ASYNC_ERR])
+            if released:
+                where = "this rank" if p == self.rank else f"rank {p}"
+                raise OverlapTimeout(op, self.rank, released - 1, "of an earlier call", timeout,
+                                     f"the host watchdog of {where} released a stream-ordered wait at its deadline")
 
     # -- re-basing epochs ---------------------------------------------------------------------
     def _rebase(self, op: str, timeout: float) -> int:
@@ -225,6 +248,7 @@ class SymmHeap:
 
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no queued wait or signal of ours is left
+            self._cancel_watchdog()  # (entries whose words are about to be cleared: all have arrived)
         # Every rank has passed this call's handshake wait (so nobody reads our epoch word any
         # more) and has finished every earlier call (so nobody writes our flags any more).
         barrier(W_REBASE_QUIET, "peer did not quiesce for the epoch re-base")
@@ -261,6 +285,9 @@ class SymmHeap:
             torch.cuda.synchronize(self.device)
             if self._cuda_flags is None:
                 self._cuda_flags = _CudaFlags(self.group, self.world_size)
+            if self._pad_dev is None:
+                index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+                self._pad_dev = [c.cuda_host_register(addr, CTRL_WORDS * 4, index) for addr in self._ctrl_addr]
             self.data = _cuda_data(self.group, NUM_SLOTS * slot_bytes, self.device)
         else:
             path = self._path(f"g{gen}", self.rank)
@@ -347,7 +374,22 @@ class SymmHeap:
 
         return self._table((slot, f"ready{index}"), addresses)
 
+    def _cancel_watchdog(self) -> None:
+        c = signals()
+        for addr in self._ctrl_addr:
+            c.watchdog_cancel(addr, CTRL_WORDS * 4)
+        c.watchdog_cancel(self.async_errors.data_ptr(), self.async_errors.numel() * 4)
+
     def close(self) -> None:
+        if not self.closed and self._pad_dev is not None:
+            # Nothing may touch the pads once unmapped: drop the watchdog's entries, then the registrations.
+            self._cancel_watchdog()
+            for addr in self._ctrl_addr:
+                try:
+                    signals().cuda_host_unregister(addr)
+                except RuntimeError as exc:  # (at exit the CUDA context may be gone already)
+                    log.debug("overlap: cudaHostUnregister of a control pad: %s", exc)
+            self._pad_dev = None
         self.closed = True
         self.data = []
         self.ctrl = []

@@ -21,6 +21,9 @@ W_GEN_MAPPED = 2  # heap generation this rank has mapped from every peer
 W_REBASE_QUIET = 3  # re-base rounds in which this rank has stopped touching flags
 W_REBASE_DONE = 4  # re-base rounds in which this rank has cleared its own flags
 W_GEN_FAILED = 5  # heap generation this rank failed to create (it still arrives at the barrier)
+#: peer + 1 of a stream-ordered wait of this rank that the host watchdog released at its deadline (GPU ranks;
+#: never cleared: every rank's next call raises). See `overlap.symm.call.Call`.
+W_ASYNC_ERR = 6
 
 #: Epochs stay below this: the call that reaches it re-bases every flag of the group to zero, so
 #: flags and epochs are always int32 values far apart from wrapping (see `SymmHeap._rebase`).
