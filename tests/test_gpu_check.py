@@ -9,23 +9,18 @@ tests/test_gpu_check_runner.py's. Every run is a subprocess with a timeout: no t
 
 import ast
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support.scripts import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
 
 
-def _run(args: list[str], timeout: float, **env_extra: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TRITON_INTERPRET", "GPU_CHECK_TEST_HOOK")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(env_extra)
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+_run = run_script
 
 
 def _check_table_and_json(proc: subprocess.CompletedProcess, path: Path) -> dict:

@@ -24,18 +24,14 @@ from pathlib import Path
 
 import pytest
 from support.harness import LATE_S
+from support.scripts import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
 SMOKE = [str(SCRIPT), "--cpu-smoke", "--no-install"]
 
 
-def _run(args: list[str], timeout: float, **env_extra: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TRITON_INTERPRET", "GPU_CHECK_TEST_HOOK")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(env_extra)
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+_run = run_script
 
 
 def _status(doc: dict) -> dict[str, str]:

@@ -17,6 +17,7 @@ its module's name and imports on every rank.
   replaces every kernel by a recorder of Triton's specialization key and compile inputs.
 * `ptx_flow`: which branches of a PTX kernel can take different warps past different barriers (a wait loop
   left on a per-thread clock or load), read from the text.
+* `scripts`: running the project's scripts as subprocesses with a clean environment and a timeout.
 * `aot_compile`: a script, run by `test_kernels_aot.py` in its own process (``TRITON_INTERPRET=0``), that
   compiles the Triton kernels for sm_90 and prints what their PTX shows as JSON; never imported.
 """
