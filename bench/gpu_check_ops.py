@@ -61,12 +61,13 @@ SETUP_BUDGET_S = {"cuda": 120.0, "cpu": 60.0}
 GRACE_S = 15.0  # after a rank failed, how long its peers get to report theirs beyond the call deadline
 
 
-def run_ops(rep: Report, device: torch.device) -> None:
+def run_ops(rep: Report, device: torch.device, prefix: str = PREFIX) -> None:
     """The section: on a GPU two processes on `device`, and one (the labelled fallback) where their set-up
-    failed or only the fallback is selected (``--only``); on the CPU (``--cpu-smoke``) two CPU ranks, then one."""
+    failed or only the fallback is selected (``--only``); on the CPU (``--cpu-smoke``) two CPU ranks, then one.
+    Its sections' names start with `prefix`."""
     kind = device.type
     seed = int(torch.randint(0, 2**31 - 1, ()))  # reproducible from the check's --seed
-    two, one = f"{PREFIX} W=2", f"{PREFIX} W=1" + ("" if kind == "cpu" else " fallback")
+    two, one = f"{prefix} W=2", f"{prefix} W=1" + ("" if kind == "cpu" else " fallback")
     setup_failed = None
 
     def run_two() -> None:
@@ -82,6 +83,19 @@ def run_ops_section(rep: Report, dev) -> None:
     """The ``ops`` group's entry (`gpu_check_groups.GROUPS`): `run_ops` on the group's device (a listing lists
     the one-rank fallback too)."""
     run_ops(rep, dev.device)
+
+
+def run_ops_section_one_queue(rep: Report, dev) -> None:
+    """The ``ops1`` group's entry: the same section under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (the group's
+    environment, which the rank processes inherit: every stream of a rank in one hardware queue), its sections
+    named ``i.ops 1-queue ...``. The setting only changes a GPU's queues, so on the CPU it is one SKIP (the
+    ``ops`` group runs the CPU ranks)."""
+    prefix = f"{PREFIX} 1-queue"
+    if dev.cuda:
+        run_ops(rep, dev.device, prefix)
+    else:
+        rep.run(prefix, lambda: None, skip="no CUDA: CUDA_DEVICE_MAX_CONNECTIONS=1 changes only a GPU's queues; "
+                                           "the CPU ranks run in the ops group")
 
 
 def run_world(rep: Report, world_size: int, device: torch.device, seed: int, label: str) -> str | None:

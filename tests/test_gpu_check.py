@@ -54,12 +54,23 @@ def test_cpu_smoke_virtual_ranks(tmp_path):
     assert json.loads(path.read_text())["results"] == doc["results"]  # --json: a copy of the record
     assert doc["mode"] == "cpu-smoke"
     # a process per group with sections to run on CPU; the GPU-only groups recorded from their listing
-    assert [(p["group"], p["exit"]) for p in doc["processes"]] == [("ag", 0), ("rs", 0), ("moe", 0), ("ops", 0)], \
-        doc["processes"]
-    # section i, the ops through their public API: two ranks, then one, every case passing
-    ops = {n: s for n, s in status_of(doc).items() if n.startswith("i.ops")}
+    assert [(p["group"], p["exit"]) for p in doc["processes"]] == [("ag", 0), ("rs", 0), ("moe", 0), ("ops", 0),
+                                                                   ("queues", 0), ("queues1", 0)], doc["processes"]
+    # section i, the ops through their public API: two ranks, then one, every case passing; its one-queue run
+    # (a GPU's queue setting) skipped without a process
+    ops = {n: s for n, s in status_of(doc).items() if n.startswith("i.ops") and not n.startswith("i.ops 1-queue")}
     assert any(n.startswith("i.ops W=2") for n in ops) and any(n.startswith("i.ops W=1") for n in ops), ops
     assert set(ops.values()) == {"PASS"}, ops
+    assert status_of(doc)["i.ops 1-queue"] == "SKIP"
+    # checks j: on CPU only the host half of the watchdog release runs (the real C++ watchdog on a /dev/shm
+    # page), in each queue setting's process; every device check is skipped for want of CUDA
+    queues = {n: s for n, s in status_of(doc).items() if n.startswith("j.")}
+    assert queues == {f"j.{q}-queue {c}": "PASS" if c == "watchdog release" else "SKIP"
+                      for q in ("32", "1") for c in ("register+wait", "watchdog release", "no starvation")}, queues
+    for q in ("32", "1"):
+        release = next(r for r in doc["results"] if r["name"] == f"j.{q}-queue watchdog release")
+        assert f"CUDA_DEVICE_MAX_CONNECTIONS={q}:" in release["value"], release
+        assert "err=1, abort=peer+1" in release["value"], release
     log = (out / "gpu_check.log").read_text()
     assert "CUDA_DEVICE_MAX_CONNECTIONS=32" in log and "PASS c.timeout" in log
     # every correctness section before any timing

@@ -1,11 +1,12 @@
 """The one-GPU check's device work, replayed without a GPU: it cannot deadlock itself through shared hardware
 queues, and its racing checks still race.
 
-Every correctness section of the GPU configuration (groups "ag", "streams", "rs", "moe", "a2a") and the signal
-timing run here against a recording device: fake streams and events, overlap.signals' stream operations and the
-kernel launches replaced by recorders that log, in host order, what each enqueues on which stream (a flag
-produced, a wait on a flag, a spinning kernel, a gate held or opened, an event recorded or waited for, a host
-synchronization). A small model of the device then replays each section's log:
+Every correctness section of the GPU configuration (groups "ag", "streams", "rs", "moe", "a2a", and "queues"
+and "queues1", checks j, whose host stores and host watchdog are modelled too) and the signal timing run here
+against a recording device: fake streams and events, overlap.signals' stream operations and the kernel launches
+replaced by recorders that log, in host order, what each enqueues on which stream (a flag produced, a wait on a
+flag, a spinning kernel, a gate held or opened, an event recorded or waited for, a host store, a watchdog entry, a
+host synchronization). A small model of the device then replays each section's log:
 
 * **one hardware queue for every stream** (the worst case; ``CUDA_DEVICE_MAX_CONNECTIONS=1``): a queue starts
   its commands in issue order; a command starts once its stream's previous command is complete; a stream wait
@@ -41,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclasses.dataclass
 class Op:
-    kind: str  # produce, spin, swait, hold, open, delay, done, record, dep, sync
+    kind: str  # produce, spin, swait, hold, open, delay, done, record, dep, sync, watch (a watchdog entry), note
     stream: int | None  # None: a host operation (open, sync)
     keys: frozenset = frozenset()  # flags produced or awaited
     value: int = 0
@@ -127,7 +128,13 @@ def fake_signals(rec: Recorder, short_ns: int):
             rec.add(Op("spin", stream, frozenset([rec.key(addr)]), value))
 
     def store(addr, value):
-        rec.add(Op("open", None, gate=rec.gate_words[addr]))
+        if addr in rec.gate_words:
+            rec.add(Op("open", None, gate=rec.gate_words[addr]))
+        else:  # a host store that releases a stream wait (checks j)
+            rec.add(Op("produce", None, frozenset([rec.key(addr)]), value))
+
+    def arm(word_addr, value, timeout_s, err_addr, abort_addr, peer):
+        rec.add(Op("watch", None, frozenset([rec.key(word_addr)]), value))
 
     def dispatch_rows(*args):
         # (src_rows, row_index, num_sends, row_bytes, dst_table, block_offsets, chunk_offsets, num_blocks,
@@ -143,7 +150,10 @@ def fake_signals(rec: Recorder, short_ns: int):
 
     return types.SimpleNamespace(cuda_stream_write_value32=write, cuda_stream_wait_value32=stream_wait,
                                  cuda_wait_flag_bounded=bounded, signal_store=store, moe_dispatch_rows=dispatch_rows,
-                                 moe_combine_rows=combine_rows, has_cuda=True)
+                                 moe_combine_rows=combine_rows, has_cuda=True, watchdog_arm=arm,
+                                 cuda_host_register=lambda addr, nbytes, device: addr,
+                                 cuda_host_unregister=lambda addr: None, watchdog_cancel=lambda addr, nbytes: 0,
+                                 watchdog_fired=lambda: 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,7 +166,10 @@ def replay(ops: list[Op], one_queue: bool) -> tuple[bool, dict[int, int], list[i
     queue's head), completion order, why not).
 
     The host issues one operation at a time and the device runs until it can go no further before the next one
-    (a slow host: the producers held by a gate then really wait for the host to open it)."""
+    (a slow host: the producers held by a gate then really wait for the host to open it). A host store
+    (``produce`` with no stream) sets its flag when the host reaches it; a host synchronization that cannot
+    return first fires every watchdog entry armed before it (``watch``: the host watchdog raises the word at
+    its deadline while the host blocks)."""
     started: dict[int, int] = {}
     armed: dict[int, int] = {}  # stream waits: when each reached its queue's head (it holds its stream from then)
     complete: set[int] = set()
@@ -165,6 +178,7 @@ def replay(ops: list[Op], one_queue: bool) -> tuple[bool, dict[int, int], list[i
     opened: set[int] = set()
     order: list[int] = []
     issued = 0
+    watches: list[int] = []  # armed watchdog entries not fired yet
     prev_on_stream: dict[int, int | None] = {}
     last: dict[int, int] = {}
     for i, op in enumerate(ops):
@@ -215,6 +229,12 @@ def replay(ops: list[Op], one_queue: bool) -> tuple[bool, dict[int, int], list[i
 
     for i, op in enumerate(ops):
         run_device()
+        if op.kind == "sync" and not all(d in complete for d in op.deps) and watches:
+            for w in watches:  # the host blocks past the deadlines: the watchdog releases the words
+                for k in ops[w].keys:
+                    flags[k] = max(flags.get(k, -(1 << 62)), ops[w].value)
+            watches.clear()
+            run_device()
         if op.kind == "sync" and not all(d in complete for d in op.deps):
             missing = [j for j in range(i) if ops[j].stream is not None and j not in complete]
             return False, started, order, f"host sync {i} never returns; stuck: " + \
@@ -222,8 +242,13 @@ def replay(ops: list[Op], one_queue: bool) -> tuple[bool, dict[int, int], list[i
         issued = i + 1
         if op.kind == "open":
             opened.add(op.gate)
+        if op.kind == "watch":
+            watches.append(i)
         if op.stream is None:
-            complete.add(i)
+            if op.kind == "produce":
+                finish(i)
+            else:
+                complete.add(i)
     run_device()
     missing = [i for i, op in enumerate(ops) if i not in complete]
     why = "" if not missing else f"stuck: {[(i, ops[i].kind, ops[i].stream) for i in missing[:6]]}"
@@ -274,6 +299,7 @@ def run_sections(mp: pytest.MonkeyPatch) -> dict[str, tuple]:
     import gpu_check_moe_combine
     import gpu_check_moe_dispatch
     import gpu_check_moe_group
+    import gpu_check_streams
     import gpu_check_tp_ag
     import gpu_check_tp_group
     import gpu_check_tp_rs
@@ -286,9 +312,10 @@ def run_sections(mp: pytest.MonkeyPatch) -> dict[str, tuple]:
 
     sig = types.SimpleNamespace()  # forwards to the current recorder's fakes
     for name in ("cuda_stream_write_value32", "cuda_stream_wait_value32", "cuda_wait_flag_bounded", "signal_store",
-                 "moe_dispatch_rows", "moe_combine_rows"):
+                 "moe_dispatch_rows", "moe_combine_rows", "watchdog_arm", "cuda_host_register", "cuda_host_unregister",
+                 "watchdog_cancel", "watchdog_fired"):
         setattr(sig, name, lambda *a, _n=name: getattr(fake_signals(rec(), virtual.SHORT_TIMEOUT_NS), _n)(*a))
-    for module in (virtual, gpu_check_moe_a2a, gpu_check_moe_combine, gpu_check_tp_rs):
+    for module in (virtual, gpu_check_moe_a2a, gpu_check_moe_combine, gpu_check_tp_rs, gpu_check_streams):
         mp.setattr(module, "signals", sig)
 
     @contextlib.contextmanager
@@ -309,6 +336,7 @@ def run_sections(mp: pytest.MonkeyPatch) -> dict[str, tuple]:
         return True
 
     mp.setattr(virtual, "poll", fake_poll)
+    queue_checks(mp, rec, gpu_check_streams)
 
     def keys_of(tensors):
         return frozenset(rec().tensor_key(t) for t in tensors)
@@ -380,17 +408,47 @@ def run_sections(mp: pytest.MonkeyPatch) -> dict[str, tuple]:
     dev = virtual.Device(torch.device("cpu"), rep)
     dev.cuda, dev.sm_count, dev.tile = True, 132, virtual.Tile(128, 128, 64)
     entries = (gpu_check_tp_ag.run_all_gather_checks, gpu_check_tp_ag.run_stream_checks,
-               gpu_check_tp_rs.run_reduce_scatter_checks, gpu_check_moe.run_moe_checks, gpu_check_moe.run_a2a_checks)
+               gpu_check_tp_rs.run_reduce_scatter_checks, gpu_check_moe.run_moe_checks, gpu_check_moe.run_a2a_checks,
+               gpu_check_streams.run_queue_checks_default, gpu_check_streams.run_queue_checks_one_queue)
     for entry in entries:
         entry(rep, dev)
     rep.run("time signal", lambda: virtual.time_signals(rep, dev, pairs=3))
     return results
 
 
+def queue_checks(mp: pytest.MonkeyPatch, rec, streams) -> None:
+    """Checks j (gpu_check_streams) under the recorder: their own queue setting assumed, pinned buffers as plain
+    host memory, the spinning kernel a `spin` on its release word, the bounded synchronize a host sync on
+    everything issued, small GEMMs, and no host polling (the model decides what completes)."""
+    mp.setattr(streams, "_wrong_connections", lambda rep, name, expected: False)
+    mp.setattr(streams, "_until", lambda predicate, timeout_s: True)
+    g = torch.Generator().manual_seed(0)
+    mp.setattr(streams, "_gemm_inputs", lambda dev: (torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g),
+                                                     torch.empty(8, 8)))
+    for name in ("zeros", "full"):
+        original = getattr(torch, name)
+        mp.setattr(torch, name, lambda *a, _f=original, pin_memory=False, **k: _f(*a, **k))
+
+    class Occupy:
+        def __getitem__(self, grid):
+            def launch(release, started, timeout_ns, num_warps):
+                rec().add(Op("spin", rec().stream_now(), frozenset([rec().tensor_key(release)]), 1))
+            return launch
+
+    mp.setattr(streams, "_occupy", Occupy())
+
+    def synchronize(dev, timeout_s):
+        rec().add(Op("sync", None, deps=tuple(i for i, op in enumerate(rec().ops) if op.stream is not None)))
+        return True, None
+
+    mp.setattr(streams, "_bounded_synchronize", synchronize)
+
+
 def test_every_gpu_correctness_section_was_replayed(replays):
     prefixes = {name.split(" ")[0].split("=")[0] for name in replays}
     for prefix in ("a.ordered", "b.racing", "c.timeout", "d.cuda_wait_flag_bounded", "d.cuda_stream_wait_value32",
-                   "e.symm-pipeline", "f.rs", "f.ar2", "f.ar1", "g.moe", "h.moe", "time"):
+                   "e.symm-pipeline", "f.rs", "f.ar2", "f.ar1", "g.moe", "h.moe", "time", "j.32-queue",
+                   "j.1-queue"):
         assert prefix in prefixes, sorted(replays)
     assert len(replays) >= 40, sorted(replays)
     for section, (ops, *_rest, skips) in replays.items():
@@ -414,6 +472,22 @@ def test_the_racing_sections_race_with_a_queue_per_stream(replays):
     assert not problems, problems
     racing = [s for s in replays if s.startswith(RACING)]
     assert len(racing) >= 12, racing
+
+
+def test_only_the_watchdog_frees_the_queue_a_wait_nobody_publishes_blocks(replays):
+    """Checks j: the waits of register+wait and no starvation are released by their publish (a stream write issued
+    before the wait, a host store) with the watchdog entries removed; the wait nobody publishes blocks the one
+    queue, the work of the other stream behind it, and the host's synchronize, until the watchdog fires."""
+    names = [f"j.{q}-queue {c}" for q in ("32", "1") for c in ("register+wait", "watchdog release", "no starvation")]
+    assert all(n in replays for n in names), sorted(replays)
+    for name in names:
+        ops = replays[name][0]
+        assert any(op.kind == "watch" for op in ops) and any(op.kind == "swait" for op in ops), (name, ops)
+        unwatched = [Op("note", None) if op.kind == "watch" else op for op in ops]
+        if "watchdog release" in name:
+            assert not replay(unwatched, one_queue=True)[0] and not replay(unwatched, one_queue=False)[0], name
+        else:
+            assert replay(unwatched, one_queue=True)[0] and replay(unwatched, one_queue=False)[0], name
 
 
 def test_the_model_finds_a_waiter_issued_before_its_producer():

@@ -195,6 +195,25 @@ def test_connections_are_32_when_torch_is_imported_in_every_process(tmp_path):
     assert "CUDA_DEVICE_MAX_CONNECTIONS=32 when torch was imported" in log
 
 
+def test_a_group_runs_under_its_own_connection_count(tmp_path):
+    """The one-queue group (`Group.env`) imports torch with CUDA_DEVICE_MAX_CONNECTIONS=1 whatever the run has
+    (the runner keeps 32), and its section checks the setting it names."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(PROBE)
+    probe = tmp_path / "probe.txt"
+    env = {"PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])]),
+           "PROBE_FILE": str(probe)}
+    proc = _run([*SMOKE, "--out", str(tmp_path / "out"), "--only", "j.1-queue watchdog release"], timeout=120, **env)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    seen = [eval(line) for line in probe.read_text().splitlines()]  # noqa: S307 - written by the probe above
+    group = [value for _, value, argv in seen if "--group" in argv]
+    runner = [value for _, value, argv in seen if "--group" not in argv]
+    assert group == ["1"] and runner == ["32"], seen
+    doc = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert _status(doc) == {"j.1-queue watchdog release": "PASS"}, doc["results"]
+
+
 # ----------------------------------------------------------------------------------------------
 # The summary; the install's plan
 # ----------------------------------------------------------------------------------------------
