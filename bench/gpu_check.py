@@ -44,6 +44,13 @@ correctness group before any timing group:
   host-built routing: the dispatch grouped GEMM that waits per block (ordered, racing, a block never flagged) and
   the combine grouped GEMM that stores into the sources' regions (ordered twice, racing).
 * ``a2a``: h. ``overlap.signals``' MoE all-to-all kernels (GPU only).
+* ``ops`` (``gpu_check_ops``): i. the ops themselves through their public API, every op of the op table x
+  {symm, fused} x {fwd, fwd+bwd}, in two rank processes sharing the device (a one-rank fallback), against the
+  table's float64 oracle, each call twice and bitwise equal; ``ops1``: the same under
+  ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (every stream of a rank in one hardware queue).
+* ``queues``, ``queues1`` (``gpu_check_streams``): j. under 32 and 1 hardware queues: a wait on a registered host
+  word behind its publish, the host watchdog releasing a wait nobody publishes, a wait that passes while a
+  kernel holds every SM.
 * ``time_ag``, ``time_rs``, ``time_moe``: device copy bandwidth and the cost of a stream-ordered signal; the fused
   kernels against cuBLAS / ``torch.mm`` (+ ``torch.sum``, ``torch._grouped_mm``) on 8192^3, Llama-3-70B TP=8,
   Mixtral-8x7B and DeepSeek-V3 EP=8 shapes.

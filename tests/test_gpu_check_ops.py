@@ -41,7 +41,7 @@ def _expected_cases() -> list[str]:
 def test_cpu_smoke_runs_every_op_on_two_ranks_and_on_one(tmp_path):
     path = tmp_path / "gpu_check.json"
     proc = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--cpu-smoke", "--no-install", "--only",
-                           "i.ops", "--json", str(path)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                           "ops", "--json", str(path)], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=150)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
@@ -177,7 +177,7 @@ def test_merge_reports_a_failed_setup_and_returns_why():
 def test_one_rank_runs_as_the_fallback_on_a_gpu_and_always_on_the_cpu(monkeypatch, kind, two_fails, expected):
     runs = []
 
-    def fake_run_world(rep, world_size, device, seed, label):
+    def fake_run_world(rep, world_size, device, seed, label, budget_s=None):
         runs.append((world_size, label))
         return "set-up failed" if world_size == 2 and two_fails else None
 
