@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 from support.harness import FALLBACK_TIMEOUT_S, LATE_S
-from support.tp_oracle import TOL, compare, expect_error, scaled
+from support.tp_oracle import TOL, compare, expect_error, scaled, silence
 
 # (rows per rank, middle dims, k, n, b layout): odd sizes, one row, 3-D inputs, transposed weight views.
 CASES = [
@@ -314,23 +314,11 @@ def test_symm_across_nodes_raises_and_auto_picks_pipelined(pools):
 
 def silent_peer(rank, world_size, strategy):
     """Rank 1 makes the call but never publishes its data; the others must time out naming it."""
-    import torch.distributed as dist
-
     import overlap
-    from overlap import symm
 
     a, b = torch.randn(4, 8), torch.randn(8, 3)
     overlap.all_gather_matmul(a, b, strategy=strategy)  # heap exists, everyone healthy
-    if rank == 1:
-        symm.Call.signal_ready = lambda self, *args, **kwargs: None
-
-        batch = dist.batch_isend_irecv
-
-        def receive_only(ops):
-            ops = [op for op in ops if getattr(op.op, "__name__", "") != "isend"]
-            return batch(ops) if ops else []
-
-        dist.batch_isend_irecv = receive_only
+    silence(1, rank)  # no ready flags, no sends from rank 1 from now on
     result = expect_error(overlap.all_gather_matmul, a, b, strategy=strategy, timeout=2.0)
     if rank == 1:
         time.sleep(3.0)  # stay alive until the others have timed out

@@ -8,10 +8,10 @@ fired proves every earlier deadline was served.
 
 import ctypes
 import time
-import types
 
 import pytest
 import torch
+from support.gpu_order import gpu_heap
 
 from overlap import signals, symm
 from overlap.errors import OverlapTimeout
@@ -114,19 +114,8 @@ def test_arm_checks_its_arguments(bad):
 
 
 def _heap(world_size: int = 3, rank: int = 1) -> symm.SymmHeap:
-    """A `SymmHeap` over control pads in this process's memory, as a GPU rank sees it (pads registered: their
-    device addresses are their host addresses here)."""
-    heap = object.__new__(symm.SymmHeap)
-    heap.rank, heap.world_size, heap.device = rank, world_size, torch.device("cuda")
-    heap.ctrl = [torch.zeros(layout.CTRL_WORDS, dtype=torch.int32) for _ in range(world_size)]
-    heap._ctrl_np = [t.numpy() for t in heap.ctrl]
-    heap._ctrl_addr = [t.data_ptr() for t in heap.ctrl]
-    heap._pad_dev = list(heap._ctrl_addr)
-    fake_addrs = [0x1000 * (p + 1) for p in range(world_size)]  # (never dereferenced: Recorder records)
-    heap._cuda_flags = types.SimpleNamespace(addrs=lambda word: [a + 4 * word for a in fake_addrs])
-    heap.async_errors = torch.zeros(symm.MAX_PEERS + 1, dtype=torch.int32)
-    heap.in_flight, heap.closed = 1, False
-    return heap
+    """A `SymmHeap` over control pads in this process's memory, as a GPU rank sees it (`support.gpu_order`)."""
+    return gpu_heap(world_size, rank, slot_bytes=4096)
 
 
 class Recorder:

@@ -175,9 +175,11 @@ def _gemms(p, x: torch.Tensor, b: torch.Tensor, g: torch.Tensor | None) -> Calla
     return compute
 
 
-def _plain(p, comm_fn, comm_label: str, x, b, g, comm_bytes: int) -> Plain:
-    return Plain(comm_fn, _gemms(p, x, b, g), "(comm alone)" if p.backward else comm_label,
-                 "(GEMMs alone)" if p.backward else "(GEMM alone)", comm_bytes)
+def _plain(p, comm_fn, comm_label: str, x, b, g, comm_bytes: int, same_in_backward: bool = False) -> Plain:
+    """`Plain` of a TP op: its collectives are labelled `comm_label` forward (and in fwd+bwd where the backward
+    adds none: `same_in_backward`), ``(comm alone)`` otherwise."""
+    label = comm_label if same_in_backward or not p.backward else "(comm alone)"
+    return Plain(comm_fn, _gemms(p, x, b, g), label, "(GEMMs alone)" if p.backward else "(GEMM alone)", comm_bytes)
 
 
 def plain_all_gather_matmul(p, every: list[OpInputs], rank: int, group, info, timeout: float,
@@ -219,6 +221,5 @@ def plain_matmul_all_reduce(p, every: list[OpInputs], rank: int, group, info, ti
     def comm_fn() -> None:  # the backward passes the gradient through: nothing more in fwd+bwd
         _wait(dist.all_reduce(partial, group=group, async_op=True), "all_reduce", info, timeout)
 
-    plain = _plain(p, comm_fn, "(all_reduce alone)", a_MK, b_KN, every[rank].grad_out, comm_bytes)
-    plain.comm_label = "(all_reduce alone)"
-    return plain
+    return _plain(p, comm_fn, "(all_reduce alone)", a_MK, b_KN, every[rank].grad_out, comm_bytes,
+                  same_in_backward=True)
