@@ -7,7 +7,7 @@ tensor laid out as `overlap.ops.moe_layout` lays out a slot: a header of ``W x L
 epoch: producer ``s`` flags ``d * F`` for its counts and ``d * F + 1 + g`` for its rows of expert group ``g``
 for rank ``d``) and its own flag counters. The routing is built on the host: random top-k with uneven loads
 (a ramp on the logits, or two hot experts per rank), uneven token counts (0 included), one expert nobody
-picks. The layout math is the ops' own (`overlap.ops.moe_layout`: `route`, `MoEHandle`, `heap_need`,
+picks. The layout math is the ops' own (`overlap.ops.moe_layout`: `route`, `MoELayout`, `heap_need`,
 `region_stride`, `group_of`, ...); the expected rows are not:
 they come straight from ``topk_idx`` (expert, then source rank, then pair order).
 
@@ -93,7 +93,7 @@ class MoEGroup:
     cfg: Config
     xs: list[torch.Tensor]  # [T_r, H] each rank's tokens
     topk: list[torch.Tensor]  # [T_r, K]
-    handles: list[layout.MoEHandle]  # each rank's layout; recv_counts from the senders' counts (host values)
+    handles: list[layout.MoELayout]  # each rank's layout; recv_counts from the senders' counts (host values)
     stride: int  # bytes between regions (`layout.region_stride` of the largest need of any rank)
     bufs: list[torch.Tensor | None]  # uint8 [header + W * stride] each rank's slot (None: not made)
     pads: list[torch.Tensor]  # int32 [MAX_FLAGS] each rank's ready flags
@@ -113,7 +113,7 @@ class MoEGroup:
             topk.append(make_topk(cfg, T, d))
             order, send_counts = layout.route("gpu_check", topk[r], E, W)
             context = CallContext("gpu_check", None, None, 30.0, Plan("fused"))  # no group: virtual ranks
-            handles.append(layout.MoEHandle(context, E, L, K, T, send_counts, order))
+            handles.append(layout.MoELayout(context, E, L, K, T, send_counts, order))
         for r, h in enumerate(handles):
             h.recv_counts = [handles[s].send_counts[r] for s in range(W)]
         row_bytes = cfg.hidden * xs[0].element_size()

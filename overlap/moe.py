@@ -12,6 +12,6 @@ layout and the handle: `overlap.ops.moe_layout`)::
 
 from .ops.moe_combine import combine, grouped_matmul_combine
 from .ops.moe_dispatch import dispatch, dispatch_grouped_matmul
-from .ops.moe_layout import MoEHandle
+from .ops.moe_handle import MoEHandle
 
 __all__ = ["MoEHandle", "combine", "dispatch", "dispatch_grouped_matmul", "grouped_matmul_combine"]

@@ -257,7 +257,7 @@ class _Flags:
         return [t.data_ptr() + 4 * word for t in self.tensors]
 
 
-def _fake_call(h: layout.MoEHandle, need: int, epoch: int) -> symm.Call:
+def _fake_call(h: layout.MoELayout, need: int, epoch: int) -> symm.Call:
     """A `symm.Call` of rank ``h.info.rank`` over a `symm.SymmHeap` whose W buffers are CPU tensors of this
     process (the heap's own address-table code runs unchanged)."""
     W = h.info.world_size
@@ -272,7 +272,7 @@ def _fake_call(h: layout.MoEHandle, need: int, epoch: int) -> symm.Call:
 
 
 def _handle(world_size: int, rank: int, num_tokens: int, top_k: int, num_local_experts: int,
-            gen: torch.Generator) -> layout.MoEHandle:
+            gen: torch.Generator) -> layout.MoELayout:
     E = world_size * num_local_experts
     # Skewed routing: expert 0 is hot, the last expert is never picked (an empty block).
     topk = torch.randint(0, max(E - 1, 1), (num_tokens, top_k), generator=gen)
@@ -280,7 +280,7 @@ def _handle(world_size: int, rank: int, num_tokens: int, top_k: int, num_local_e
     order, send_counts = layout.route("test", topk, E, world_size)
     info = types.SimpleNamespace(world_size=world_size, rank=rank, device=torch.device("cpu"))
     context = CallContext("test", None, info, 1.0)
-    return layout.MoEHandle(context, E, num_local_experts, top_k, num_tokens, send_counts, order)
+    return layout.MoELayout(context, E, num_local_experts, top_k, num_tokens, send_counts, order)
 
 
 SHAPES = [  # world size, rank, tokens, top_k, local experts
@@ -406,7 +406,7 @@ def test_combine_positions_locate_every_pair():
 def test_sums_on_device_only_for_gpu_symm_without_grad():
     plan = types.SimpleNamespace(strategy="symm")
     y, w = torch.randn(4, 8), torch.rand(2, 2)
-    assert not moe_cuda.sums_on_device(y, w, plan, y)  # CPU rows: the torch path
+    assert not moe_cuda.sums_on_device(y, w, plan, False)  # CPU rows: the torch path
 
 
 # ---- CUDA_DEVICE_MAX_CONNECTIONS ----------------------------------------------------------------------

@@ -209,7 +209,7 @@ def _handles(world_size: int, tokens: list[int], top_k: int, num_local_experts: 
         topk = torch.randint(0, max(E - 1, 1), (t, top_k), generator=gen)  # the last expert is never picked
         order, send_counts = layout.route("test", topk, E, world_size)
         context = CallContext("test", None, None, 1.0)
-        handles.append(layout.MoEHandle(context, E, num_local_experts, top_k, t, send_counts, order))
+        handles.append(layout.MoELayout(context, E, num_local_experts, top_k, t, send_counts, order))
     for r, h in enumerate(handles):
         h.recv_counts = [handles[s].send_counts[r] for s in range(world_size)]
     return handles

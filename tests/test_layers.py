@@ -284,7 +284,7 @@ def test_bench_uses_no_private_module_or_name():
 
 def test_the_checker_finds_private_uses_in_a_script(tmp_path):
     path = tmp_path / "script.py"
-    path.write_text("import torch._dynamo\nfrom overlap import _C, symm\nfrom overlap.ops.moe_layout import MoEHandle\n"
+    path.write_text("import torch._dynamo\nfrom overlap import _C, symm\nfrom overlap.ops.moe_layout import MoELayout\n"
                     "from overlap.ops import _gather\n\n\ndef f():\n    return symm._HEAPS, symm.heap_for, torch._C\n")
     found = _private_uses(path)
     assert len(found) == 3 and "_C" in found[0] and "_gather" in found[1] and "symm._HEAPS" in found[2], found

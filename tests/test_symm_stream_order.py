@@ -83,7 +83,7 @@ def test_matmul_all_reduce(monkeypatch, W, r, one_shot):
     _nontrivial(rec.ops, W)
 
 
-def _handles(W: int, T: int, K: int, L: int, seed: int) -> list[layout.MoEHandle]:
+def _handles(W: int, T: int, K: int, L: int, seed: int) -> list[layout.MoELayout]:
     handles = []
     for s in range(W):
         gen = torch.Generator().manual_seed(seed + s)
@@ -91,11 +91,11 @@ def _handles(W: int, T: int, K: int, L: int, seed: int) -> list[layout.MoEHandle
         topk = torch.randint(0, E, (T, K), generator=gen)
         order, send_counts = layout.route("test", topk, E, W)
         info = types.SimpleNamespace(world_size=W, rank=s, device=torch.device("cpu"))
-        handles.append(layout.MoEHandle(CallContext("test", None, info, 5.0), E, L, K, T, send_counts, order))
+        handles.append(layout.MoELayout(CallContext("test", None, info, 5.0), E, L, K, T, send_counts, order))
     return handles
 
 
-def _moe_heap(h: layout.MoEHandle, H: int):
+def _moe_heap(h: layout.MoELayout, H: int):
     W, r = h.info.world_size, h.info.rank
     need = layout.heap_need("symm", h.num_tokens, h.top_k, h.num_local_experts, h.send_splits, 4 * H, W)
     heap = gpu_heap(W, r, need + (1 << 12))

@@ -188,7 +188,7 @@ def test_problem_keys_of_calls_match_the_tuner(op):
     from overlap.ops import context, moe_layout
 
     if op == "moe":
-        p = moe_layout.moe_problem(24, 32, 48, 8, 2, torch.float32, (torch.zeros(1, requires_grad=True),))
+        p = moe_layout.moe_problem(24, 32, 48, 8, 2, torch.float32, True)
         want = plan_mod.Problem("moe", 24, 32, 48, "float32", True, 8, 2)
     else:
         a, b = torch.zeros(3 * 16, 64), torch.zeros(64, 128)

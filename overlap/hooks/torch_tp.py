@@ -51,7 +51,6 @@ import types
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -59,31 +58,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
-from .. import comm, envs
+from .. import envs
 from ..ops.all_gather_matmul import all_gather_matmul
+from ..ops.grad_sync import all_reduce_grad
 from ..ops.matmul_all_reduce import matmul_all_reduce
 from ..ops.matmul_reduce_scatter import matmul_reduce_scatter
 from ..plans import Plan
 from ..plans.auto import as_plan
 
 __all__ = ["ColwiseParallel", "RowwiseParallel"]
-
-
-class _AllReduceGrad(torch.autograd.Function):
-    """Identity forward; the backward sums the gradient over the group (Megatron's "copy to region")."""
-
-    @staticmethod
-    def forward(ctx, x, pg, timeout: float | None, what: str):
-        ctx.pg, ctx.timeout, ctx.what = pg, timeout, what
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()  # never all-reduce in place into a gradient someone else holds
-        work = dist.all_reduce(grad, group=ctx.pg, async_op=True)
-        comm.wait_work(work, ctx.what, dist.get_rank(ctx.pg), "any", "gradient all-reduce",
-                    envs.resolve_timeout(ctx.timeout), grad.device)
-        return grad, None, None, None
 
 
 def _norm(placement: Placement, ndim: int) -> Placement:
@@ -233,7 +216,7 @@ class ColwiseParallel(_LinearStyle):
                 y = y + bias.to(y.dtype)
         else:
             if mesh.size() > 1:
-                x = _AllReduceGrad.apply(x, pg, self.timeout, "torch_tp.ColwiseParallel")
+                x = all_reduce_grad(x, pg, self.timeout, "torch_tp.ColwiseParallel")
             y = F.linear(x, w_NK, bias)
         return self._output(y, mesh)
 
@@ -284,6 +267,6 @@ class RowwiseParallel(_LinearStyle):
             bias = mod.bias.to_local()
             if sequence_parallel and mesh.size() > 1:
                 # Each rank adds the bias to its own rows only: the full gradient is the sum over ranks.
-                bias = _AllReduceGrad.apply(bias, pg, self.timeout, "torch_tp.RowwiseParallel")
+                bias = all_reduce_grad(bias, pg, self.timeout, "torch_tp.RowwiseParallel")
             y = y + bias.to(y.dtype)
         return self._output(y, mesh)

@@ -44,8 +44,8 @@ import torch.distributed as dist
 from .. import comm
 from ..errors import OverlapTimeout
 from ..plans import Plan
-from . import _gather, fused
-from .context import CallContext, describe, prepare, record
+from . import _gather, fused, library
+from .context import CallContext, describe, record
 
 OP = "all_gather_matmul"
 
@@ -78,9 +78,7 @@ def all_gather_matmul(
         ValueError: ``symm``/``fused`` forced on a group that spans nodes.
         OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
     """
-    a, b, cc = prepare(OP, a, b, group, strategy, plan, timeout)
-    with record(OP), torch.autocast(cc.info.device.type, enabled=False):
-        return _AllGatherMatmul.apply(a, b, cc)
+    return library.tp_call(_op, OP, a, b, group, strategy, plan, timeout)
 
 
 def heap_bytes(chosen: Plan, a2: torch.Tensor) -> int:
@@ -103,26 +101,33 @@ def run(a2: torch.Tensor, b: torch.Tensor | None, cc: CallContext,
         call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
 
 
-class _AllGatherMatmul(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b, cc: CallContext):
-        # The handshake comes first (in `run`): nothing that can fail locally runs before the data.
+def _forward(a, b, group, strategy, plan, timeout, needs_grad):
+    """``overlap::all_gather_matmul``: the whole call (checks, plan, handshake, strategy) on this rank."""
+    cc = library.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad)
+    # The handshake comes first (in `run`): nothing that can fail locally runs before the data.
+    with record(OP), torch.autocast(cc.info.device.type, enabled=False):
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
         out2, _ = run(a2, b, cc)
-        ctx.save_for_backward(a, b)
-        ctx.call_context = cc
         return out2.view(cc.world_size * a.shape[0], *a.shape[1:-1], b.shape[1])
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        a, b = ctx.saved_tensors
-        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        cc = ctx.call_context.derive(op=f"{OP}.backward")
+
+def _fake(a, b, group, strategy, plan, timeout, needs_grad):
+    return a.new_empty((library.world_size(group) * a.shape[0], *a.shape[1:-1], b.shape[-1]))
+
+
+def _backward(grad_out, a, b, group, strategy, plan, timeout, need_a, need_b):
+    """``overlap::all_gather_matmul_backward``: ``(grad_a, grad_b)`` with the forward's plan."""
+    cc = library.tp_context(OP, a, b, group, strategy, plan, timeout, True).derive(op=f"{OP}.backward")
+    with torch.autocast(cc.info.device.type, enabled=False):
         if cc.plan.strategy == "reference":
             grad_a, grad_b = _reference_backward(cc, a, b, grad_out, need_a, need_b)
         else:
             grad_a, grad_b = _overlapped_backward(cc, a, b, grad_out, need_a, need_b)
-        return grad_a, grad_b, None
+    return library.grads_out(grad_a, grad_b, a, b)
+
+
+_backward_op = library.define(f"{OP}_backward", library.TP_BACKWARD_SCHEMA, _backward, library.tp_backward_fake)
+_op = library.define(OP, library.TP_SCHEMA, _forward, _fake, library.tp_backward(_backward_op), library.tp_save)
 
 
 def _reference_backward(cc: CallContext, a, b, grad_out, need_a, need_b):

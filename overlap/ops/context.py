@@ -165,13 +165,15 @@ def check_matmul_operands(op: str, a: Any, b: Any, device: torch.device) -> None
 
 
 def prepare(op: str, a: Any, b: Any, group, strategy: str, plan, timeout: float | None,
-            check: Callable[[torch.Tensor, torch.Tensor, world.GroupInfo], None] | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor, CallContext]:
-    """The TP ops' preamble: checks, autocast, plan and signature. Returns ``(a, b, context)``."""
+            check: Callable[[torch.Tensor, torch.Tensor, world.GroupInfo], None] | None = None,
+            needs_grad: bool | None = None, cast: bool = True) -> tuple[torch.Tensor, torch.Tensor, CallContext]:
+    """The TP ops' preamble: checks, autocast (unless `cast` is False: the custom op's caller cast them),
+    plan and signature. Returns ``(a, b, context)``. `needs_grad`: whether the call's backward will run (plan
+    files keep forward and forward+backward plans apart); None: read from grad mode and the inputs."""
 
     def decide(cc: CallContext) -> tuple[Plan, str, tuple[torch.Tensor, torch.Tensor]]:
         info = cc.info
-        a2, b2 = autocast_inputs(a, b)
+        a2, b2 = autocast_inputs(a, b) if cast else (a, b)
         check_matmul_operands(op, a2, b2, info.device)
         if check is not None:
             check(a2, b2, info)
@@ -181,7 +183,7 @@ def prepare(op: str, a: Any, b: Any, group, strategy: str, plan, timeout: float 
             rows = math.prod(a2.shape[:-1])
             dtype = str(a2.dtype).removeprefix("torch.")
             chosen = resolve_auto(op, shape_sig, info, rows, dtype, out_bytes=rows * b2.shape[1] * a2.element_size(),
-                                  problem=tp_problem(op, rows, a2, b2, info.world_size),
+                                  problem=tp_problem(op, rows, a2, b2, info.world_size, needs_grad),
                                   plan_file=plan_source(plan))
         check_plan_fits(op, chosen, info)
         if chosen.strategy == "fused":
@@ -192,12 +194,14 @@ def prepare(op: str, a: Any, b: Any, group, strategy: str, plan, timeout: float 
     return a, b, cc
 
 
-def tp_problem(op: str, rows: int, a: torch.Tensor, b: torch.Tensor, world_size: int) -> Problem | None:
+def tp_problem(op: str, rows: int, a: torch.Tensor, b: torch.Tensor, world_size: int,
+               needs_grad: bool | None = None) -> Problem | None:
     """The `overlap.plans.Problem` of a TP call (plan files are keyed by it), None where it has none."""
     m = op_spec(op).rows_per_rank(rows, world_size)
     if m is None:
         return None
-    backward = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+    backward = needs_grad if needs_grad is not None else (
+        torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
     try:
         return Problem(op, m, a.shape[-1], b.shape[1], str(a.dtype).removeprefix("torch."), backward)
     except ValueError:  # a call the model does not describe: no plan file entry can match it

@@ -43,8 +43,8 @@ import torch.distributed as dist
 
 from .. import comm, symm
 from ..plans import Plan
-from . import fused
-from .context import CallContext, prepare, record
+from . import fused, library
+from .context import CallContext, record
 from .matmul_reduce_scatter import region_bytes, scatter_and_reduce
 
 OP = "matmul_all_reduce"
@@ -76,9 +76,7 @@ def matmul_all_reduce(
         ValueError: ``symm``/``fused`` forced on a group that spans nodes.
         OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
     """
-    a, b, cc = prepare(OP, a, b, group, strategy, plan, timeout)
-    with record(OP), torch.autocast(cc.info.device.type, enabled=False):
-        return _MatmulAllReduce.apply(a, b, cc)
+    return library.tp_call(_op, OP, a, b, group, strategy, plan, timeout)
 
 
 def _layout(rows: int, n: int, dtype: torch.dtype, world_size: int) -> tuple[int, int, int]:
@@ -107,22 +105,30 @@ def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
         call.finish()
 
 
-class _MatmulAllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b, cc: CallContext):
+def _forward(a, b, group, strategy, plan, timeout, needs_grad):
+    """``overlap::matmul_all_reduce``: the whole call (checks, plan, handshake, strategy) on this rank."""
+    cc = library.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad)
+    with record(OP), torch.autocast(cc.info.device.type, enabled=False):
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
-        out2 = run(a2, b, cc)
-        ctx.save_for_backward(a, b)
-        return out2.view(*a.shape[:-1], b.shape[1])
+        return run(a2, b, cc).view(*a.shape[:-1], b.shape[1])
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        a, b = ctx.saved_tensors
-        k, n = b.shape
-        g2 = grad_out.reshape(-1, n)
-        grad_a = torch.mm(g2, b.t()).view(a.shape) if ctx.needs_input_grad[0] else None
-        grad_b = torch.mm(a.reshape(-1, k).t(), g2) if ctx.needs_input_grad[1] else None
-        return grad_a, grad_b, None
+
+def _fake(a, b, group, strategy, plan, timeout, needs_grad):
+    return a.new_empty((*a.shape[:-1], b.shape[-1]))
+
+
+def _backward(ctx, grad_out):
+    """Output and loss are replicated: the output gradient passes through the all-reduce unchanged, so the
+    gradients are local GEMMs (no transfer: plain torch code that the compiler traces)."""
+    a, b = ctx.saved_tensors
+    k, n = b.shape
+    g2 = grad_out.reshape(-1, n)
+    grad_a = torch.mm(g2, b.t()).view(a.shape) if ctx.needs_input_grad[0] else None
+    grad_b = torch.mm(a.reshape(-1, k).t(), g2) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None, None, None, None, None
+
+
+_op = library.define(OP, library.TP_SCHEMA, _forward, _fake, _backward, library.tp_save)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -47,8 +47,8 @@ import torch.distributed as dist
 from .. import comm, symm
 from ..errors import OverlapTimeout
 from ..plans import Plan
-from . import fused
-from .context import CallContext, describe, prepare, record
+from . import fused, library
+from .context import CallContext, describe, record
 
 OP = "matmul_reduce_scatter"
 
@@ -79,9 +79,7 @@ def matmul_reduce_scatter(
         ValueError: ``symm``/``fused`` forced on a group that spans nodes.
         OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
     """
-    a, b, cc = prepare(OP, a, b, group, strategy, plan, timeout, check=_check_rows)
-    with record(OP), torch.autocast(cc.info.device.type, enabled=False):
-        return _MatmulReduceScatter.apply(a, b, cc)
+    return library.tp_call(_op, OP, a, b, group, strategy, plan, timeout, check=_check_rows)
 
 
 def _check_rows(a: torch.Tensor, b: torch.Tensor, info) -> None:
@@ -112,34 +110,39 @@ def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
         call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
 
 
-class _MatmulReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b, cc: CallContext):
+def _forward(a, b, group, strategy, plan, timeout, needs_grad):
+    """``overlap::matmul_reduce_scatter``: the whole call (checks, plan, handshake, strategy) on this rank."""
+    cc = library.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad, _check_rows)
+    with record(OP), torch.autocast(cc.info.device.type, enabled=False):
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
         out2 = run(a2, b, cc)
-        ctx.save_for_backward(a, b)
-        ctx.call_context = cc
         return out2.view(a.shape[0] // cc.world_size, *a.shape[1:-1], b.shape[1])
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        from . import all_gather_matmul
 
-        a, b = ctx.saved_tensors
-        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        k, n = b.shape
-        g2 = grad_out.reshape(-1, n).contiguous()
-        a2 = a.reshape(-1, k)
-        cc = ctx.call_context
-        op = f"{OP}.backward"
-        cc = cc.derive(op=op, signature=f"{op}(g={describe(g2)}, a={describe(a)}, b={tuple(b.shape)}, "
-                                        f"grads={int(need_a)}{int(need_b)}, plan={cc.plan.describe()})")
-        with record(op):
-            out2, gathered = all_gather_matmul.run(g2, b.t() if need_a else None, cc, keep_gathered=need_b)
-            # One GEMM over every gathered row: it rounds exactly as the unfused weight gradient does.
-            grad_b = torch.mm(a2.t(), gathered) if need_b else None
-        grad_a = out2.view(a.shape) if need_a else None
-        return grad_a, grad_b, None
+def _fake(a, b, group, strategy, plan, timeout, needs_grad):
+    return a.new_empty((a.shape[0] // library.world_size(group), *a.shape[1:-1], b.shape[-1]))
+
+
+def _backward(grad_out, a, b, group, strategy, plan, timeout, need_a, need_b):
+    """``overlap::matmul_reduce_scatter_backward``: ``(grad_a, grad_b)`` with the forward's plan."""
+    from . import all_gather_matmul
+
+    cc = library.tp_context(OP, a, b, group, strategy, plan, timeout, True, _check_rows)
+    k, n = b.shape
+    g2 = grad_out.reshape(-1, n).contiguous()
+    a2 = a.reshape(-1, k)
+    op = f"{OP}.backward"
+    cc = cc.derive(op=op, signature=f"{op}(g={describe(g2)}, a={describe(a)}, b={tuple(b.shape)}, "
+                                    f"grads={int(need_a)}{int(need_b)}, plan={cc.plan.describe()})")
+    with record(op), torch.autocast(cc.info.device.type, enabled=False):
+        out2, gathered = all_gather_matmul.run(g2, b.t() if need_a else None, cc, keep_gathered=need_b)
+        # One GEMM over every gathered row: it rounds exactly as the unfused weight gradient does.
+        grad_b = torch.mm(a2.t(), gathered) if need_b else None
+    return library.grads_out(out2.view(a.shape) if need_a else None, grad_b, a, b)
+
+
+_backward_op = library.define(f"{OP}_backward", library.TP_BACKWARD_SCHEMA, _backward, library.tp_backward_fake)
+_op = library.define(OP, library.TP_SCHEMA, _forward, _fake, library.tp_backward(_backward_op), library.tp_save)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -41,15 +41,16 @@ import torch.distributed as dist
 
 from .. import comm
 from ..plans import Plan
-from . import fused, moe_cuda
+from . import fused, library, moe_cuda, moe_handle
 from . import moe_layout as layout
 from .context import CallContext, autocast_inputs, describe, preamble, record
+from .moe_handle import MoEHandle
 
 OP_COMBINE = "combine"
 OP_MM_COMBINE = "grouped_matmul_combine"
 
 
-def combine(y_recv: torch.Tensor, topk_weights: torch.Tensor, handle: layout.MoEHandle, strategy: str = "auto",
+def combine(y_recv: torch.Tensor, topk_weights: torch.Tensor, handle: MoEHandle, strategy: str = "auto",
             plan=None, timeout: float | None = None) -> torch.Tensor:
     """Return every row of `y_recv` to its token and sum a token's rows weighted by `topk_weights`.
 
@@ -66,15 +67,10 @@ def combine(y_recv: torch.Tensor, topk_weights: torch.Tensor, handle: layout.MoE
         TypeError / ValueError: shapes that do not match the handle, dtypes, devices, plan; on this rank
             before any data moves, peers raise at once. OverlapMismatchError, OverlapTimeout: as elsewhere.
     """
-    y, _, handle, cc = _prepare(OP_COMBINE, y_recv, None, topk_weights, handle, strategy, plan, timeout)
-    with record(cc.op):
-        if moe_cuda.sums_on_device(y, topk_weights, cc.plan, y):
-            return run(handle, y, None, cc, weights=topk_weights)
-        back = _ToSources.apply(y, handle, cc)
-        return layout.weighted_sum(back, topk_weights, y.dtype)
+    return _call(OP_COMBINE, y_recv, None, topk_weights, handle, strategy, plan, timeout)
 
 
-def grouped_matmul_combine(h: torch.Tensor, w2, topk_weights: torch.Tensor, handle: layout.MoEHandle,
+def grouped_matmul_combine(h: torch.Tensor, w2, topk_weights: torch.Tensor, handle: MoEHandle,
                            strategy: str = "auto", plan=None, timeout: float | None = None) -> torch.Tensor:
     """`combine` of ``h_e @ w2[e]``: each source's rows multiplied, then sent while the next are multiplied.
 
@@ -88,46 +84,62 @@ def grouped_matmul_combine(h: torch.Tensor, w2, topk_weights: torch.Tensor, hand
 
     Raises: as `combine`; also for a `w2` of the wrong shape, dtype or device.
     """
-    y, w2, handle, cc = _prepare(OP_MM_COMBINE, h, w2, topk_weights, handle, strategy, plan, timeout)
-    with record(cc.op), torch.autocast(handle.info.device.type, enabled=False):
-        if moe_cuda.sums_on_device(y, topk_weights, cc.plan, y, w2):
-            return run(handle, y, w2, cc, weights=topk_weights)
-        back = _ToSourcesMM.apply(y, w2, handle, cc)
-    return layout.weighted_sum(back, topk_weights, y.dtype)
+    return _call(OP_MM_COMBINE, h, w2, topk_weights, handle, strategy, plan, timeout)
 
 
-def _prepare(op, y, w, topk_weights, handle, strategy, plan, timeout):
-    """Local checks, autocast, plan and signature in the handle's group (`overlap.ops.context.preamble`: a
-    local mistake raises on every rank). Returns ``(y, w, handle, context of this call)``."""
-    if not isinstance(handle, layout.MoEHandle):
+def _call(op, y, w, topk_weights, handle, strategy, plan, timeout) -> torch.Tensor:
+    """Both combines' public path: the arguments as the custom op takes them (autocast and a list of
+    weights stacked here, where torch.compile traces it), then ``overlap::moe_combine``. Arguments of the
+    wrong types raise through the op's checks (which tell the peers) instead."""
+    if not isinstance(handle, MoEHandle):
         raise TypeError(f"overlap.moe.{op}: handle must come from overlap.moe.dispatch, got {type(handle).__name__}")
+    args = library.call_args(None, strategy, plan, timeout)
+    if w is not None:
+        w = layout.stacked(w)
+    if args is None or not library.tensors(y, topk_weights) or (w is not None and not library.tensors(w)):
+        h = moe_handle.layout_of(handle.key, op)
+        _prepare(op, y, w, topk_weights, h, strategy, plan, timeout, "")  # raises, peers told
+        raise TypeError(f"overlap.moe.{op}: unsupported arguments")  # pragma: no cover - _prepare raised
+    if w is not None:
+        y, w = autocast_inputs(y, w)
+    out, _ = _op(y, w, topk_weights, handle.key, *args[1:], layout.grad_flags(y, w, topk_weights))
+    return out
+
+
+def _prepare(op, y, w, topk_weights, h: layout.MoELayout, strategy, plan, timeout, grads: str):
+    """Local checks, plan and signature in the dispatch's group (`overlap.ops.context.preamble`: a local
+    mistake raises on every rank). `grads`: `layout.grad_flags` of ``(y, w, topk_weights)``. Returns ``(y,
+    w, layout with this call's deadline, context of this call)``."""
 
     def decide(cc: CallContext):
-        nonlocal y, w
+        nonlocal w
         info = cc.info
         layout.check_tokens(op, y, info.device, "the expert rows")
-        if y.shape[0] != handle.num_recv:
-            raise ValueError(f"overlap.moe.{op}: the handle's dispatch gave this rank {handle.num_recv} rows, "
+        if y.shape[0] != h.num_recv:
+            raise ValueError(f"overlap.moe.{op}: the handle's dispatch gave this rank {h.num_recv} rows, "
                              f"got {describe(y)}")
         if w is not None:
-            L = handle.num_local_experts
-            if isinstance(w, (list, tuple)):
-                w = layout.check_weights(op, w, L, y.shape[1], w[0].dtype if w else y.dtype, y.device, "w2")
-            y, w = autocast_inputs(y, w)
-            w = layout.check_weights(op, w, L, y.shape[1], y.dtype, y.device, "w2")
-        _check_weights_of_topk(op, topk_weights, handle, info.device)
-        problem = None if w is None else layout.moe_problem(handle.num_tokens, w.shape[2], y.shape[1],
-                                                        handle.num_experts, handle.top_k, y.dtype, (y, w))
-        chosen = layout.resolve_plan(op, strategy, plan, info, y.dtype, allow_fused=w is not None, problem=problem)
-        return chosen, layout.call_signature(f"moe.{op}", handle, y, w, chosen, grads=(y, w)), None
+            w = layout.check_weights(op, w, h.num_local_experts, y.shape[1], y.dtype, y.device, "w2")
+        _check_weights_of_topk(op, topk_weights, h, info.device)
+        chosen = _plan(op, h, y, w, strategy, plan, info, "1" in grads[:2])
+        return chosen, layout.call_signature(f"moe.{op}", h, y, w, chosen, grads=grads[:2]), None
 
-    cc, _ = preamble(f"moe.{op}", handle.group, timeout, decide)
-    if cc.timeout != handle.timeout:  # this call's deadline (and its backward's); the dispatch keeps its own
-        handle = dataclasses.replace(handle, context=handle.context.derive(timeout=cc.timeout))
-    return y, w, handle, cc
+    cc, _ = preamble(f"moe.{op}", h.group, timeout, decide)
+    return y, w, _with_deadline(h, cc.timeout), cc
 
 
-def _check_weights_of_topk(op: str, topk_weights: Any, handle: layout.MoEHandle, device: torch.device) -> None:
+def _plan(op, h: layout.MoELayout, y, w, strategy, plan, info, needs_grad: bool) -> Plan:
+    problem = None if w is None else layout.moe_problem(h.num_tokens, w.shape[2], y.shape[1], h.num_experts,
+                                                    h.top_k, y.dtype, needs_grad)
+    return layout.resolve_plan(op, strategy, plan, info, y.dtype, allow_fused=w is not None, problem=problem)
+
+
+def _with_deadline(h: layout.MoELayout, timeout: float) -> layout.MoELayout:
+    """The layout with a combine's deadline (its backward's too); the dispatch keeps its own."""
+    return h if timeout == h.timeout else dataclasses.replace(h, context=h.context.derive(timeout=timeout))
+
+
+def _check_weights_of_topk(op: str, topk_weights: Any, handle: layout.MoELayout, device: torch.device) -> None:
     if not isinstance(topk_weights, torch.Tensor):
         raise TypeError(f"overlap.moe.{op}: topk_weights must be a tensor, got {type(topk_weights).__name__}")
     if not topk_weights.is_floating_point():
@@ -139,46 +151,91 @@ def _check_weights_of_topk(op: str, topk_weights: Any, handle: layout.MoEHandle,
         raise ValueError(f"overlap.moe.{op}: topk_weights is on {topk_weights.device}, the group computes on {device}")
 
 
-class _ToSources(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, handle, cc: CallContext):
-        ctx.handle, ctx.chosen = handle, cc.plan
-        return run(handle, y, None, cc)
-
-    @staticmethod
-    def backward(ctx, grad_back):
-        from . import moe_dispatch
-
-        h, chosen = ctx.handle, ctx.chosen
-        op = f"moe.{OP_COMBINE}.backward"
-        grad_back = grad_back.contiguous()
-        grad_y, _ = moe_dispatch.run(h, grad_back, h.order, None, layout.follow_up(h, op, grad_back, None, chosen))
-        return grad_y, None, None
+# ----------------------------------------------------------------------------------------------
+# The custom ops: ``overlap::moe_combine`` (both combines) and its backward
+# ----------------------------------------------------------------------------------------------
 
 
-class _ToSourcesMM(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, w2, handle, cc: CallContext):
-        ctx.save_for_backward(y, w2)
-        ctx.handle, ctx.chosen = handle, cc.plan
-        return run(handle, y, w2, cc)
+def _forward(y, w, topk_weights, key, strategy, plan, timeout, grads):
+    """``(out, back)``: out ``[T, N]`` is the weighted sum; back ``[T*K, N]`` the rows returned to their pairs,
+    kept where autograd will need it (the weights' gradient), else 0 elements."""
+    op = OP_COMBINE if w is None else OP_MM_COMBINE
+    y, w, h, cc = _prepare(op, y, w, topk_weights, moe_handle.layout_of(key, op), strategy, library.plan_of(plan),
+                           timeout, grads)
+    needs_grad = "1" in grads
+    with record(cc.op), torch.autocast(h.info.device.type, enabled=False):
+        if moe_cuda.sums_on_device(y, topk_weights, cc.plan, needs_grad):
+            return run(h, y, w, cc, weights=topk_weights), y.new_empty(0)
+        back = run(h, y, w, cc)
+        return layout.weighted_sum(back, topk_weights, y.dtype), back if needs_grad else y.new_empty(0)
 
-    @staticmethod
-    def backward(ctx, grad_back):
-        from . import moe_dispatch
 
-        y, w2 = ctx.saved_tensors
-        h, chosen = ctx.handle, ctx.chosen
-        need_y, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        op = f"moe.{OP_MM_COMBINE}.backward"
-        grad_back = grad_back.contiguous()
-        w_t = w2.transpose(1, 2) if need_y else None
+def _fake(y, w, topk_weights, key, strategy, plan, timeout, grads):
+    T, K = topk_weights.shape
+    cols = y.shape[1] if w is None else w.shape[2]
+    return y.new_empty((T, cols)), y.new_empty((T * K, cols) if "1" in grads else (0,))
+
+
+def _save(ctx, inputs, output) -> None:
+    y, w, topk_weights, key, strategy, plan, timeout, _ = inputs
+    ctx.save_for_backward(y, w, topk_weights, key, output[1])
+    ctx.call_args = (strategy, plan, timeout)
+
+
+def _autograd_backward(ctx, grad_out, _grad_back):
+    """The weighted sum's gradients here (torch code the compiler traces), the rows' through the backward op."""
+    y, w, topk_weights, key, back = ctx.saved_tensors
+    need_y, need_w, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    (T, K), N = topk_weights.shape, grad_out.shape[-1]
+    acc = torch.float64 if torch.float64 in (back.dtype, topk_weights.dtype) else torch.float32
+    g = grad_out.to(acc).unsqueeze(1)  # [T, 1, N]
+    grad_t = (back.view(T, K, N).to(acc) * g).sum(-1).to(topk_weights.dtype) if need_t else None
+    grad_y = grad_w = None
+    if need_y or need_w:
+        grad_back = (g * topk_weights.to(acc).unsqueeze(-1)).reshape(T * K, N).to(back.dtype)
+        grad_y, grad_w = _backward_op(grad_back, y, w, key, *ctx.call_args, need_y, need_w)
+    return grad_y if need_y else None, grad_w if need_w else None, grad_t, None, None, None, None, None
+
+
+def _backward(grad_back, y, w, key, strategy, plan, timeout, need_y, need_w):
+    """``overlap::moe_combine_backward``: the rows' gradients to the experts (the dispatch direction), fused
+    with ``grad_back @ w[e].T`` where the combine multiplied; the weight gradient from the rows that arrive."""
+    from .. import envs
+    from . import moe_dispatch
+
+    op = OP_COMBINE if w is None else OP_MM_COMBINE
+    h = moe_handle.layout_of(key, f"{op}.backward")
+    h = _with_deadline(h, envs.resolve_timeout(timeout))
+    chosen = _plan(op, h, y, w, strategy, library.plan_of(plan), h.info, True)
+    grad_back = grad_back.contiguous()
+    with torch.autocast(h.info.device.type, enabled=False):
+        if w is None:
+            cc = layout.follow_up(h, f"moe.{op}.backward", grad_back, None, chosen)
+            grad_y, _ = moe_dispatch.run(h, grad_back, h.order, None, cc)
+            return library.grads_out(grad_y, None, y, y)
+        w_t = w.transpose(1, 2) if need_y else None
         if w_t is None and chosen.strategy == "fused":
             chosen = Plan("symm", chosen.num_chunks)  # no GEMM to fuse: the rows alone travel as in symm
-        cc = layout.follow_up(h, op, grad_back, w_t, chosen)
+        cc = layout.follow_up(h, f"moe.{op}.backward", grad_back, w_t, chosen)
         grad_rows, grad_y = moe_dispatch.run(h, grad_back, h.order, w_t, cc, keep_rows=True)
-        grad_w = layout.grouped_weight_grad(y, grad_rows, h, w2) if need_w else None
-        return grad_y, grad_w, None, None
+        grad_w = layout.grouped_weight_grad(y, grad_rows, h, w) if need_w else None
+    return library.grads_out(grad_y if need_y else None, grad_w, y, y)
+
+
+def _backward_fake(grad_back, y, w, key, strategy, plan, timeout, need_y, need_w):
+    return (y.new_empty(y.shape if need_y else (0,)), y.new_empty(w.shape if need_w and w is not None else (0,)))
+
+
+_backward_op = library.define(
+    "moe_combine_backward",
+    "(Tensor grad, Tensor y, Tensor? w, Tensor key, str strategy, str plan, float? timeout, bool need_y, "
+    "bool need_w) -> (Tensor, Tensor)",
+    _backward, _backward_fake)
+_op = library.define(
+    "moe_combine",
+    "(Tensor y, Tensor? w, Tensor topk_weights, Tensor key, str strategy, str plan, float? timeout, str grads) "
+    "-> (Tensor, Tensor)",
+    _forward, _fake, _autograd_backward, _save)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,7 +243,7 @@ class _ToSourcesMM(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 
 
-def run(h: layout.MoEHandle, y: torch.Tensor, w: torch.Tensor | None, cc: CallContext,
+def run(h: layout.MoELayout, y: torch.Tensor, w: torch.Tensor | None, cc: CallContext,
         between: Callable[[], None] | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Return each expert-order row of `y` (times its expert's ``w[e]`` where `w` is given, ``[L, H, N]``
     any strides) to the rank of its token; one call on every rank (`cc`: its op, plan, signature).
@@ -208,7 +265,7 @@ def run(h: layout.MoEHandle, y: torch.Tensor, w: torch.Tensor | None, cc: CallCo
     return back if weights is not None else back.index_select(0, h.inv_order)
 
 
-def _rows_for(h: layout.MoEHandle, y: torch.Tensor, w: torch.Tensor | None, s: int, into: torch.Tensor) -> None:
+def _rows_for(h: layout.MoELayout, y: torch.Tensor, w: torch.Tensor | None, s: int, into: torch.Tensor) -> None:
     """`into` = the rows of source `s` (in `s`'s send order), each block times its expert's weight."""
     for e in range(h.num_local_experts):
         c = h.recv_counts[s][e]
@@ -307,7 +364,7 @@ def _fused(cc: CallContext, call, h, y, w, between, weights=None):
     return _collect(call, h, y.dtype, cols, weights)
 
 
-def _mirror_flags(call, h: layout.MoEHandle) -> None:
+def _mirror_flags(call, h: layout.MoELayout) -> None:
     """GPU: publish, after the kernel in stream order, every flag the combine kernel released (those of the
     (source, expert group) blocks with rows), for the peers' stream-ordered waits on the control pads."""
     W, L = h.info.world_size, h.num_local_experts
@@ -318,7 +375,7 @@ def _mirror_flags(call, h: layout.MoEHandle) -> None:
                 call.signal_ready(s * F + 1 + g)
 
 
-def _collect(call, h: layout.MoEHandle, dtype: torch.dtype, cols: int,
+def _collect(call, h: layout.MoELayout, dtype: torch.dtype, cols: int,
              weights: torch.Tensor | None = None) -> torch.Tensor:
     """Wait for every rank's results for our rows (flag by flag) and copy them out, in send order.
     With `weights` (GPUs): after the same waits, the combine kernel sums them into ``[T, cols]``."""

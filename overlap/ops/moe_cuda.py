@@ -37,7 +37,7 @@ MAX_TOP_K = 1024  # the combine kernel keeps K addresses and weights in shared m
 # ----------------------------------------------------------------------------------------------
 
 
-def dispatch_blocks(h: layout.MoEHandle) -> list[int]:
+def dispatch_blocks(h: layout.MoELayout) -> list[int]:
     """``[W*G + 1]`` first send position of each block, then ``P``. Block ``d*G + g`` holds the rows the
     CPU path writes with ``index_select`` for destination ``d`` and expert group ``g``; ``[d*G]`` is
     ``send_offsets[d]``."""
@@ -62,14 +62,14 @@ def chunk_offsets(blocks: list[int], rows_per_chunk: int) -> list[int]:
     return [*out, at]
 
 
-def block_flags(h: layout.MoEHandle) -> list[int]:
+def block_flags(h: layout.MoELayout) -> list[int]:
     """``[W*G]`` ready-flag index of each block: ``d*F + 1 + g`` (`moe_layout`'s flag layout)."""
     W, L = len(h.send_counts), h.num_local_experts
     F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
     return [d * F + 1 + g for d in range(W) for g in range(G)]
 
 
-def combine_positions(h: layout.MoEHandle) -> tuple[torch.Tensor, list[int]]:
+def combine_positions(h: layout.MoELayout) -> tuple[torch.Tensor, list[int]]:
     """``(pos, send_offsets)``: ``pos`` ``[P]`` (int64, on the tokens' device) is the send position of
     pair ``t*K + k``, ``send_offsets`` ``[W + 1]`` the first send position of each destination, then ``P``.
     The pair's row is row ``pos - send_offsets[d]`` of region ``d`` of this rank's buffer, ``d`` the last
@@ -102,7 +102,7 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
-def dispatch_rows(call, h: layout.MoEHandle, rows: torch.Tensor, row_of_send: torch.Tensor) -> bool:
+def dispatch_rows(call, h: layout.MoELayout, rows: torch.Tensor, row_of_send: torch.Tensor) -> bool:
     """Write ``rows[row_of_send[i]]`` into this rank's region of every destination's buffer in this call's
     slot and release each block's flag, with one kernel on the current stream. Rows are ``[N, H]``, any
     dtype; ``row_of_send`` int64 ``[P]``. Returns False (after warning once) where the kernel cannot take
@@ -150,14 +150,13 @@ def dispatch_rows(call, h: layout.MoEHandle, rows: torch.Tensor, row_of_send: to
     return True
 
 
-def sums_on_device(y: torch.Tensor, topk_weights: torch.Tensor, chosen, *grads) -> bool:
+def sums_on_device(y: torch.Tensor, topk_weights: torch.Tensor, chosen, needs_grad: bool) -> bool:
     """Whether a combine returns through `combine_rows`: GPU rows, ``symm`` or ``fused``, and no gradient
-    needed for `topk_weights` or `grads` (the expert rows, weights). Warns once where only the dtype or
-    the build stands in the way."""
+    needed (`needs_grad`: for `topk_weights`, the expert rows or the weights). Warns once where only the
+    dtype or the build stands in the way."""
     if not y.is_cuda or chosen.strategy not in ("symm", "fused"):
         return False
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                       for t in (topk_weights, *grads)):
+    if needs_grad:
         return False  # autograd needs the pair rows (weights' gradient): the torch path forms them
     reason = None
     if not _c().has_cuda:
@@ -173,7 +172,7 @@ def sums_on_device(y: torch.Tensor, topk_weights: torch.Tensor, chosen, *grads) 
     return True
 
 
-def combine_rows(call, h: layout.MoEHandle, dtype: torch.dtype, cols: int, topk_weights: torch.Tensor) -> torch.Tensor:
+def combine_rows(call, h: layout.MoELayout, dtype: torch.dtype, cols: int, topk_weights: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_k topk_weights[t, k] * row(t, k)`` ``[T, cols]`` in `dtype`, the rows read from this
     rank's regions of this call's slot, on the current stream. The caller has enqueued the waits on every
     flag of this rank's rows before it."""

@@ -40,16 +40,17 @@ import torch.distributed as dist
 
 from .. import comm
 from ..errors import OverlapTimeout
-from . import fused, moe_cuda
+from . import fused, library, moe_cuda, moe_handle
 from . import moe_layout as layout
 from .context import CallContext, autocast_inputs, preamble, record
+from .moe_handle import MoEHandle
 
 OP_DISPATCH = "dispatch"
 OP_DISPATCH_MM = "dispatch_grouped_matmul"
 
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | None = None,
-             strategy: str = "auto", plan=None, timeout: float | None = None) -> tuple[torch.Tensor, layout.MoEHandle]:
+             strategy: str = "auto", plan=None, timeout: float | None = None) -> tuple[torch.Tensor, MoEHandle]:
     """Send every (token, expert) pair's row to the rank that holds the expert.
 
     Args:
@@ -71,15 +72,12 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: d
         OverlapMismatchError: ranks made different calls (hidden size, experts, top-k, dtype, plan).
         OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
     """
-    x, _, handle = _prepare(OP_DISPATCH, x, topk_idx, num_experts, None, group, strategy, plan, timeout)
-    with record(f"moe.{OP_DISPATCH}"):
-        x_recv = _Dispatch.apply(x, handle)
-    return x_recv, handle
+    return _call(OP_DISPATCH, x, topk_idx, None, num_experts, group, strategy, plan, timeout)
 
 
 def dispatch_grouped_matmul(x: torch.Tensor, topk_idx: torch.Tensor, w1, num_experts: int,
                             group: dist.ProcessGroup | None = None, strategy: str = "auto", plan=None,
-                            timeout: float | None = None) -> tuple[torch.Tensor, layout.MoEHandle]:
+                            timeout: float | None = None) -> tuple[torch.Tensor, MoEHandle]:
     """`dispatch`, then ``h_e = x_recv_e @ w1[e]`` for every local expert, each block multiplied on arrival.
 
     Args:
@@ -91,92 +89,137 @@ def dispatch_grouped_matmul(x: torch.Tensor, topk_idx: torch.Tensor, w1, num_exp
 
     Raises: as `dispatch`; also for a `w1` of the wrong shape, dtype or device.
     """
-    x, w1, handle = _prepare(OP_DISPATCH_MM, x, topk_idx, num_experts, w1, group, strategy, plan, timeout)
-    with record(f"moe.{OP_DISPATCH_MM}"), torch.autocast(handle.info.device.type, enabled=False):
-        h = _DispatchGroupedMatmul.apply(x, w1, handle)
-    return h, handle
+    return _call(OP_DISPATCH_MM, x, topk_idx, w1, num_experts, group, strategy, plan, timeout)
 
 
-def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout):
-    """Local checks, autocast, plan, routing and signature (`overlap.ops.context.preamble`: a local mistake
-    raises on every rank). Returns ``(x, w, handle)``; the handle holds the dispatch's call context."""
+def _call(op, x, topk_idx, w, num_experts, group, strategy, plan, timeout) -> tuple[torch.Tensor, MoEHandle]:
+    """Both dispatches' public path: the arguments as the custom op takes them (autocast and a list of
+    weights stacked here, where torch.compile traces it), then ``overlap::moe_dispatch``. Arguments of the
+    wrong types raise through the op's checks (which tell the peers) instead."""
+    args = library.call_args(group, strategy, plan, timeout)
+    if w is not None:
+        w = layout.stacked(w)
+    if (args is None or not library.tensors(x, topk_idx) or (w is not None and not library.tensors(w))
+            or isinstance(num_experts, bool) or not isinstance(num_experts, int)):
+        _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, "")  # raises, peers told
+        raise TypeError(f"overlap.moe.{op}: unsupported arguments")  # pragma: no cover - _prepare raised
+    if w is not None:
+        x, w = autocast_inputs(x, w)
+    grads = layout.grad_flags(x) if w is None else layout.grad_flags(x, w)
+    out, _, key = _op(x, topk_idx, w, num_experts, *args, grads)
+    return out, MoEHandle(key, num_experts, num_experts // dist.get_world_size(group), topk_idx.shape[1])
+
+
+def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, grads: str):
+    """Local checks, plan, routing and signature (`overlap.ops.context.preamble`: a local mistake raises on
+    every rank). `grads`: `layout.grad_flags` of ``x`` (and ``w``), read by the caller. Returns ``(x, w,
+    layout)``; the layout holds the dispatch's call context."""
 
     def decide(cc: CallContext):
-        nonlocal x, w
+        nonlocal w
         info = cc.info
         L = layout.check_experts(op, num_experts, info.world_size)
         layout.check_tokens(op, x, info.device)
         if w is not None:
-            if isinstance(w, (list, tuple)):
-                w = layout.check_weights(op, w, L, x.shape[1], w[0].dtype if w else x.dtype, x.device, "w1")
-            x, w = autocast_inputs(x, w)
             w = layout.check_weights(op, w, L, x.shape[1], x.dtype, x.device, "w1")
         layout.check_topk_idx(op, topk_idx, x.shape[0], x.device)
         problem = None if w is None else layout.moe_problem(x.shape[0], x.shape[1], w.shape[2], num_experts,
-                                                        topk_idx.shape[1], x.dtype, (x, w))
+                                                        topk_idx.shape[1], x.dtype, "1" in grads)
         chosen = layout.resolve_plan(op, strategy, plan, info, x.dtype, allow_fused=w is not None, problem=problem)
         order, send_counts = layout.route(op, topk_idx, num_experts, info.world_size)
         sig = layout.signature(f"moe.{op}", x.shape[1], None if w is None else w.shape[2], num_experts,
-                               topk_idx.shape[1], x.dtype, chosen, info, grads=(x, w))
+                               topk_idx.shape[1], x.dtype, chosen, info, grads)
         return chosen, sig, (L, order, send_counts)
 
     cc, (L, order, send_counts) = preamble(f"moe.{op}", group, timeout, decide)
-    handle = layout.MoEHandle(cc, num_experts, L, topk_idx.shape[1], x.shape[0], send_counts, order)
-    return x, w, handle
+    h = layout.MoELayout(cc, num_experts, L, topk_idx.shape[1], x.shape[0], send_counts, order)
+    return x, w, h
 
 
-class _Dispatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, handle):
-        recv, _ = run(handle, x, handle.token_of, None, handle.context, counts=True)
-        ctx.handle = handle
-        return recv
-
-    @staticmethod
-    def backward(ctx, grad_recv):
-        from . import moe_combine
-
-        h = ctx.handle
-        op = f"moe.{OP_DISPATCH}.backward"
-        grad_recv = grad_recv.contiguous()
-        back = moe_combine.run(h, grad_recv, None, layout.follow_up(h, op, grad_recv, None, h.plan))
-        return _sum_copies(back, h), None
+# ----------------------------------------------------------------------------------------------
+# The custom ops: ``overlap::moe_dispatch`` (both dispatches) and its backward
+# ----------------------------------------------------------------------------------------------
 
 
-class _DispatchGroupedMatmul(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w1, handle):
-        recv, h = run(handle, x, handle.token_of, w1, handle.context, counts=True, keep_rows=True)
-        ctx.save_for_backward(recv, w1)
-        ctx.handle = handle
-        return h
+def _forward(x, topk_idx, w, num_experts, group, strategy, plan, timeout, grads):
+    """``(out, rows, key)``: out is ``x_recv`` (no `w`) or ``h``; rows is ``x_recv`` where the weight
+    gradient will need it (else 0 elements); key names the layout (`overlap.ops.moe_handle`)."""
+    op = OP_DISPATCH if w is None else OP_DISPATCH_MM
+    x, w, h = _prepare(op, x, topk_idx, num_experts, w, library.group_of(group), strategy, library.plan_of(plan),
+                       timeout, grads)
+    with record(f"moe.{op}"), torch.autocast(h.info.device.type, enabled=False):
+        keep = w is not None and grads[1] == "1"
+        recv, out = run(h, x, h.token_of, w, h.context, counts=True, keep_rows=keep)
+    if w is None:
+        return recv, x.new_empty(0), moe_handle.register(h)
+    return out, recv if keep else x.new_empty(0), moe_handle.register(h)
 
-    @staticmethod
-    def backward(ctx, grad_h):
-        from . import moe_combine
 
-        recv, w1 = ctx.saved_tensors
-        h = ctx.handle
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = grad_h.contiguous()
-        grad_w: list[torch.Tensor] = []
+def _fake(x, topk_idx, w, num_experts, group, strategy, plan, timeout, grads):
+    rows = torch.library.get_ctx().new_dynamic_size()  # data-dependent: the routing of every rank
+    cols = x.shape[1] if w is None else w.shape[2]
+    keep = w is not None and grads[1] == "1"
+    return (x.new_empty((rows, cols)), x.new_empty((rows, x.shape[1]) if keep else (0,)),
+            torch.empty(1, dtype=torch.int64))
 
-        def weight_grad() -> None:  # runs while the input-gradient rows travel
-            if need_w:
-                grad_w.append(layout.grouped_weight_grad(recv, grad_h, h, w1))
 
-        grad_x = None
+def _save(ctx, inputs, output) -> None:
+    x, topk_idx, w, *_ = inputs
+    _, rows, key = output
+    ctx.save_for_backward(topk_idx, rows, w, key)
+
+
+def _autograd_backward(ctx, grad_out, _grad_rows, _grad_key):
+    topk_idx, rows, w, key = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    grad_x, grad_w = _backward_op(grad_out, topk_idx, rows, w, key, need_x, need_w)
+    return (grad_x if need_x else None, None, grad_w if need_w else None) + (None,) * 6
+
+
+def _backward(grad_out, topk_idx, rows, w, key, need_x, need_w):
+    """``overlap::moe_dispatch_backward``: each row's gradient back to its token (the combine direction),
+    fused with ``grad_h_e @ w[e].T`` where the dispatch multiplied; the weight gradient meanwhile."""
+    from . import moe_combine
+
+    op = OP_DISPATCH if w is None else OP_DISPATCH_MM
+    h = moe_handle.layout_of(key, f"{op}.backward")
+    grad_out = grad_out.contiguous()
+    grad_w: list[torch.Tensor] = []
+
+    def weight_grad() -> None:  # runs while the input-gradient rows travel
+        if need_w:
+            grad_w.append(layout.grouped_weight_grad(rows, grad_out, h, w))
+
+    grad_x = None
+    with torch.autocast(h.info.device.type, enabled=False):
         if need_x:
-            w_t = w1.transpose(1, 2)
-            op = f"moe.{OP_DISPATCH_MM}.backward"
-            back = moe_combine.run(h, grad_h, w_t, layout.follow_up(h, op, grad_h, w_t, h.plan), between=weight_grad)
+            w_t = None if w is None else w.transpose(1, 2)
+            cc = layout.follow_up(h, f"moe.{op}.backward", grad_out, w_t, h.plan)
+            back = moe_combine.run(h, grad_out, w_t, cc, between=weight_grad)
             grad_x = _sum_copies(back, h)
         else:
             weight_grad()
-        return grad_x, grad_w[0] if need_w else None, None
+    return library.grads_out(grad_x, grad_w[0] if need_w else None, grad_out, grad_out)
 
 
-def _sum_copies(back: torch.Tensor, h: layout.MoEHandle) -> torch.Tensor:
+def _backward_fake(grad_out, topk_idx, rows, w, key, need_x, need_w):
+    hidden = grad_out.shape[1] if w is None else w.shape[1]
+    return (grad_out.new_empty((topk_idx.shape[0], hidden) if need_x else (0,)),
+            grad_out.new_empty(w.shape if need_w and w is not None else (0,)))
+
+
+_backward_op = library.define(
+    "moe_dispatch_backward",
+    "(Tensor grad, Tensor topk_idx, Tensor rows, Tensor? w, Tensor key, bool need_x, bool need_w) -> (Tensor, Tensor)",
+    _backward, _backward_fake)
+_op = library.define(
+    "moe_dispatch",
+    "(Tensor x, Tensor topk_idx, Tensor? w, int num_experts, str group, str strategy, str plan, float? timeout, "
+    "str grads) -> (Tensor, Tensor, Tensor)",
+    _forward, _fake, _autograd_backward, _save)
+
+
+def _sum_copies(back: torch.Tensor, h: layout.MoELayout) -> torch.Tensor:
     """``grad_x[t] = sum_k back[t*K + k]`` (fp32 for 16-bit rows, ``k`` in order)."""
     T, K = h.num_tokens, h.top_k
     acc = torch.float32 if back.dtype in (torch.float16, torch.bfloat16) else back.dtype
@@ -188,7 +231,7 @@ def _sum_copies(back: torch.Tensor, h: layout.MoEHandle) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-def run(h: layout.MoEHandle, rows: torch.Tensor, row_of_send: torch.Tensor, w: torch.Tensor | None, cc: CallContext,
+def run(h: layout.MoELayout, rows: torch.Tensor, row_of_send: torch.Tensor, w: torch.Tensor | None, cc: CallContext,
         counts: bool = False, keep_rows: bool = False,
         between: Callable[[], None] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Send ``rows[row_of_send[i]]`` (send position ``i``) to its expert's rank; one call on every rank.
@@ -300,7 +343,7 @@ def _fused(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
 
 
 @contextlib.contextmanager
-def _produced(call, h: layout.MoEHandle, rows, row_of_send, counts: bool):
+def _produced(call, h: layout.MoELayout, rows, row_of_send, counts: bool):
     """Write this rank's counts (a dispatch) and rows into every destination's region of this rank,
     flagging each; the body runs meanwhile (CPU ranks: the rows are written by the copy engine)."""
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
@@ -345,7 +388,7 @@ def _produced(call, h: layout.MoEHandle, rows, row_of_send, counts: bool):
         comm.drain([future])
 
 
-def _read_counts(call, h: layout.MoEHandle) -> None:
+def _read_counts(call, h: layout.MoELayout) -> None:
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
     F = layout.flags_per_peer(W)
     for s in range(W):
@@ -359,7 +402,7 @@ def _read_counts(call, h: layout.MoEHandle) -> None:
 # ---- symm: consumer side (host loop) -------------------------------------------------------------
 
 
-def _consume(call, h: layout.MoEHandle, dtype, cols: int, w):
+def _consume(call, h: layout.MoELayout, dtype, cols: int, w):
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
     F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
     device = h.info.device
@@ -387,7 +430,7 @@ def _consume(call, h: layout.MoEHandle, dtype, cols: int, w):
 # ---- fused: consumer side (Triton grouped GEMM waiting per block) -------------------------------
 
 
-def _consume_fused(cc: CallContext, call, h: layout.MoEHandle, dtype, cols: int, w):
+def _consume_fused(cc: CallContext, call, h: layout.MoELayout, dtype, cols: int, w):
     chosen, timeout = cc.plan, cc.timeout
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
     device = h.info.device

@@ -43,7 +43,7 @@ from .fused import check_fused_available
 
 
 @dataclasses.dataclass(eq=False)
-class MoEHandle:
+class MoELayout:
     """The layout of one dispatch, needed by the matching combine and by both backwards.
 
     Attributes (host values unless noted):
@@ -230,6 +230,15 @@ def check_weights(op: str, w: Any, num_local_experts: int, rows: int, dtype: tor
     return w
 
 
+def stacked(w: Any) -> Any:
+    """A list or tuple of equal-shaped ``[in, out]`` tensors stacked into ``[L, in, out]``; anything else as
+    it is (`check_weights` says what is wrong with it)."""
+    if (isinstance(w, (list, tuple)) and w and all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in w)
+            and len({(tuple(t.shape), t.dtype, t.device) for t in w}) == 1):
+        return torch.stack(list(w))
+    return w
+
+
 def route(op: str, topk_idx: torch.Tensor, num_experts: int, world_size: int) -> tuple[torch.Tensor, list[list[int]]]:
     """Send order and per-(rank, local expert) counts of this rank's pairs; raises on bad expert ids.
 
@@ -273,9 +282,9 @@ def resolve_plan(op: str, strategy: str, plan, info: world.GroupInfo, dtype: tor
 
 
 def moe_problem(tokens: int, hidden: int, ffn: int, num_experts: int, top_k: int, dtype: torch.dtype,
-                grads: tuple[Any, ...]) -> Problem | None:
-    """The `overlap.plans.Problem` of a grouped-GEMM MoE call (plan files are keyed by it)."""
-    backward = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in grads)
+                backward: bool) -> Problem | None:
+    """The `overlap.plans.Problem` of a grouped-GEMM MoE call (plan files are keyed by it); `backward`:
+    whether the call's backward will run."""
     try:
         return Problem("moe", max(tokens, 1), hidden, ffn, str(dtype).removeprefix("torch."), backward,
                                 num_experts, top_k)
@@ -316,7 +325,7 @@ def region_stride(call, world_size: int, num_local_experts: int) -> int:
     return (call.need - header_bytes(world_size, num_local_experts)) // world_size // 16 * 16
 
 
-def region(call, h: MoEHandle, owner: int, source: int, dtype: torch.dtype, cols: int) -> torch.Tensor:
+def region(call, h: MoELayout, owner: int, source: int, dtype: torch.dtype, cols: int) -> torch.Tensor:
     """Region `source` of `owner`'s buffer in this call's slot, as ``[capacity, cols]`` rows."""
     W, L = h.info.world_size, h.num_local_experts
     stride = region_stride(call, W, L)
@@ -334,7 +343,7 @@ def group_experts(g: int, num_local_experts: int, num_groups: int) -> range:
 # ----------------------------------------------------------------------------------------------
 
 
-def dispatch_tile_table(h: MoEHandle, rank: int, block_m: int, device: torch.device) -> torch.Tensor:
+def dispatch_tile_table(h: MoELayout, rank: int, block_m: int, device: torch.device) -> torch.Tensor:
     """The tiles of rank `rank`'s dispatch-direction kernel (`overlap.kernels.moe.launch_grouped_matmul_wait`).
 
     One entry per `block_m` rows of each (source, local expert) block, sources from this rank down (``r``,
@@ -358,7 +367,7 @@ def dispatch_tile_table(h: MoEHandle, rank: int, block_m: int, device: torch.dev
     return torch.tensor(tiles, dtype=torch.int32, device=device).view(-1, 6)
 
 
-def combine_tile_table(h: MoEHandle, rank: int, block_m: int, tiles_n: int, device: torch.device) -> torch.Tensor:
+def combine_tile_table(h: MoELayout, rank: int, block_m: int, tiles_n: int, device: torch.device) -> torch.Tensor:
     """The tiles of rank `rank`'s combine-direction kernel (`overlap.kernels.moe.launch_grouped_matmul_scatter`).
 
     One entry per `block_m` rows of each (source, local expert) block, sources from ``r + 1`` (peers first,
@@ -387,34 +396,39 @@ def combine_tile_table(h: MoEHandle, rank: int, block_m: int, tiles_n: int, devi
 
 
 def signature(op: str, hidden: int, out: int | None, num_experts: int, top_k: int, dtype: torch.dtype,
-              chosen: Plan, info: world.GroupInfo, grads: tuple[Any, ...] = ()) -> str:
+              chosen: Plan, info: world.GroupInfo, grads: str = "") -> str:
     """The call signature: everything ranks must agree on (token counts may differ, so they are not in it).
 
-    `grads`: the tensors whose gradients the backward computes; whether each requires grad is part of the
+    `grads`: one ``0``/``1`` per tensor whose gradient the backward computes (`grad_flags`); part of the
     signature, since the backward communicates only where autograd calls it (ranks that disagree would
     leave each other waiting in the backward: they raise in the forward instead)."""
     cols = f"h={hidden}" + (f"->{out}" if out is not None else "")
-    flags = "".join(str(int(torch.is_grad_enabled() and isinstance(t, torch.Tensor) and t.requires_grad))
-                    for t in grads)
     return (f"{op}({cols}, experts={num_experts}, top_k={top_k}, {str(dtype).removeprefix('torch.')}, "
-            f"plan={chosen.describe()}, ring={info.slowest_link}{', grads=' + flags if grads else ''})")
+            f"plan={chosen.describe()}, ring={info.slowest_link}{', grads=' + grads if grads else ''})")
 
 
-def call_signature(op: str, h: MoEHandle, rows: torch.Tensor, w: torch.Tensor | None, chosen: Plan,
-                   grads: tuple[Any, ...] = ()) -> str:
+def grad_flags(*tensors: Any) -> str:
+    """``"1"`` per tensor autograd will ask a gradient for, else ``"0"`` (read where the op is called: inside
+    a custom op autograd is off)."""
+    return "".join(str(int(torch.is_grad_enabled() and isinstance(t, torch.Tensor) and t.requires_grad))
+                   for t in tensors)
+
+
+def call_signature(op: str, h: MoELayout, rows: torch.Tensor, w: torch.Tensor | None, chosen: Plan,
+                   grads: str = "") -> str:
     """`signature` of a call that follows a dispatch (a combine, a backward)."""
     return signature(op, rows.shape[1], None if w is None else w.shape[2], h.num_experts, h.top_k, rows.dtype,
                      chosen, h.info, grads)
 
 
-def follow_up(h: MoEHandle, op: str, rows: torch.Tensor, w: torch.Tensor | None, chosen: Plan,
-              grads: tuple[Any, ...] = ()) -> CallContext:
+def follow_up(h: MoELayout, op: str, rows: torch.Tensor, w: torch.Tensor | None, chosen: Plan,
+              grads: str = "") -> CallContext:
     """The context of a call that follows the dispatch of `h` (a combine, a backward): its op, plan and
     signature in the dispatch's group and deadline."""
     return h.context.derive(op=op, plan=chosen, signature=call_signature(op, h, rows, w, chosen, grads))
 
 
-def exchange_counts(handle: MoEHandle, cc: CallContext) -> None:
+def exchange_counts(handle: MoELayout, cc: CallContext) -> None:
     """``recv_counts`` from every rank's ``send_counts`` with one ``all_to_all_single`` (bounded wait)."""
     info, W, L = handle.info, handle.info.world_size, handle.num_local_experts
     send = torch.tensor([c for row in handle.send_counts for c in row], dtype=torch.int64, device=info.device)
@@ -424,7 +438,7 @@ def exchange_counts(handle: MoEHandle, cc: CallContext) -> None:
     handle.recv_counts = [flat[s * L : (s + 1) * L] for s in range(W)]
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, handle: MoEHandle) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, handle: MoELayout) -> torch.Tensor:
     """``out_e = x_e @ w[e]`` for the expert-order blocks of ``x`` (one GEMM per local expert)."""
     out = x.new_empty((x.shape[0], w.shape[2]))
     at = 0
@@ -435,7 +449,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, handle: MoEHandle) -> torch.Ten
     return out
 
 
-def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, handle: MoEHandle, like: torch.Tensor) -> torch.Tensor:
+def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, handle: MoELayout, like: torch.Tensor) -> torch.Tensor:
     """``grad_w[e] = x_e.T @ grad_e`` over every row of local expert ``e`` (zeros for an expert with none)."""
     grad_w = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
     at = 0

@@ -55,6 +55,19 @@ class Plan:
     def chunks_for(self, link_class: str) -> int:
         return dict(self.num_chunks).get(link_class, DEFAULT_CHUNKS[link_class])
 
+    def encode(self) -> str:
+        """Every field as text, for the string arguments of the ops' custom ops (`decode` reverses it).
+        Plain string formatting, so that torch.compile traces it at a call site."""
+        chunks = ",".join(f"{k}={v}" for k, v in self.num_chunks)
+        return f"{self.strategy};{chunks};{self.block_m};{self.block_n};{self.block_k};{int(self.one_shot)}"
+
+    @classmethod
+    def decode(cls, text: str) -> Plan:
+        """The plan `encode` wrote."""
+        strategy, chunks, bm, bn, bk, one_shot = text.split(";")
+        pairs = tuple((link, int(n)) for link, _, n in (c.partition("=") for c in chunks.split(",") if c))
+        return cls(strategy, pairs, int(bm), int(bn), int(bk), one_shot == "1")
+
     def describe(self) -> str:
         """Canonical text of the plan (part of every call signature)."""
         chunks = ",".join(f"{k}={v}" for k, v in self.num_chunks)

@@ -1,0 +1,219 @@
+"""The ops as `torch.library` custom ops: what torch.compile sees of a call.
+
+A public op (``overlap.all_gather_matmul``, ...) is a thin function that turns its arguments into the
+values a custom op can take (tensors, strings, numbers) and calls ``torch.ops.overlap.<name>``; the custom
+op runs the op's whole eager path (checks, plan, handshake, strategy). The compiler sees:
+
+* a **fake implementation** per op (output shapes and dtypes only: no rank communicates while a graph is
+  traced, and a dynamic sequence length stays symbolic);
+* **registered autograd** whose backward is itself a custom op (``<name>_backward``), so the backward's
+  transfers are as opaque to the compiler as the forward's;
+* an **ordered effect** on every op (`torch._higher_order_ops.effects`): AOTAutograd threads an effect
+  token through them, so a compiled graph issues the calls on every rank in the program's order and never
+  drops one whose result is unused; peers that run the same program meet in the same calls.
+
+Arguments that a custom op cannot take are passed as text: the group by its name
+(`torch.distributed.ProcessGroup.group_name`, ``""`` for the default group), the plan as `plan_arg`
+writes it. A call whose arguments are not of the accepted types never reaches the custom op: the op's own
+checks raise the error on this rank and tell the peers (`overlap.ops.context.preamble`).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..plans import Plan, PlanFile
+
+NAMESPACE = "overlap"
+
+try:  # the ordered effect; private in torch, present with these names from 2.4 through 2.13
+    from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+except ImportError:  # pragma: no cover - a torch without effect tokens: eager is unaffected
+    _EffectType = _register_effectful_op = None
+
+
+def group_arg(group: Any) -> str | None:
+    """The custom op's text for `group` (None: not a process group, the op's checks will say so)."""
+    if group is None:
+        return ""
+    if isinstance(group, dist.ProcessGroup):
+        return group.group_name
+    return None
+
+
+def group_of(name: str) -> dist.ProcessGroup | None:
+    """The process group `group_arg` named (None: the default group)."""
+    if not name:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+_PLAN_FILES: weakref.WeakValueDictionary[str, PlanFile] = weakref.WeakValueDictionary()
+
+
+def plan_arg(plan: Any) -> str | None:
+    """The custom op's text for an op's ``plan=`` (None: not a plan, the op's checks will say so).
+
+    ``""`` no plan; ``"plan:..."`` a `Plan` (or a dict of its fields) by `Plan.encode`; ``"path:..."`` a plan
+    file's path; ``"file:<id>"`` a `PlanFile` object, held in a per-process table while it lives."""
+    if plan is None:
+        return ""
+    if isinstance(plan, Plan):
+        return "plan:" + plan.encode()
+    if isinstance(plan, Mapping):
+        try:
+            return "plan:" + Plan(**plan).encode()
+        except (TypeError, ValueError):
+            return None
+    if isinstance(plan, (str, os.PathLike)):
+        return "path:" + os.fspath(plan)
+    if isinstance(plan, PlanFile):
+        key = f"file:{id(plan)}"
+        _PLAN_FILES[key] = plan
+        return key
+    return None
+
+
+def plan_of(text: str) -> Plan | PlanFile | str | None:
+    """The ``plan=`` value `plan_arg` wrote."""
+    kind, _, rest = text.partition(":")
+    if not text:
+        return None
+    if kind == "plan":
+        return Plan.decode(rest)
+    if kind == "path":
+        return rest
+    plan_file = _PLAN_FILES.get(text)
+    if plan_file is None:
+        raise ValueError(f"overlap: the plan file object of this call ({text}) no longer exists")
+    return plan_file
+
+
+def call_args(group: Any, strategy: Any, plan: Any, timeout: Any) -> tuple[str, str, str, float | None] | None:
+    """``(group, strategy, plan, timeout)`` as custom-op arguments, or None where one of them is of a type
+    the ops do not take (the caller then lets the op's checks raise on this rank)."""
+    g, p = group_arg(group), plan_arg(plan)
+    ok_timeout = timeout is None or (isinstance(timeout, (int, float)) and not isinstance(timeout, bool))
+    if g is None or p is None or not isinstance(strategy, str) or not ok_timeout:
+        return None
+    return g, strategy, p, None if timeout is None else float(timeout)
+
+
+def tensors(*values: Any) -> bool:
+    """Whether every value is a tensor (else the op's checks raise, as the custom op would not)."""
+    return all(isinstance(v, torch.Tensor) for v in values)
+
+
+def needs_grad(*values: torch.Tensor) -> bool:
+    """Whether autograd will ask this call for a gradient (plans are tuned for forward or forward+backward)."""
+    return torch.is_grad_enabled() and any(v.requires_grad for v in values)
+
+
+def define(name: str, schema: str, impl: Callable, fake: Callable, backward: Callable | None = None,
+           setup_context: Callable | None = None) -> Any:
+    """Define ``overlap::<name>`` with `schema` (no ``self`` name), its implementation, its fake and, where
+    given, its autograd (`backward`, `setup_context` as `torch.library.register_autograd` takes them), as an
+    ordered side effect. Defined once per process (a re-imported module keeps the first definition: torch
+    2.11 refuses a second fake). Returns the op's overload packet (``torch.ops.overlap.<name>``)."""
+    packet = getattr(torch.ops, NAMESPACE)
+    if not hasattr(packet, name):
+        op = torch.library.custom_op(f"{NAMESPACE}::{name}", _counted(name, impl), mutates_args=(), schema=schema)
+        op.register_fake(fake)
+        if backward is not None:
+            op.register_autograd(backward, setup_context=setup_context)
+        if _register_effectful_op is not None:
+            _register_effectful_op(getattr(packet, name).default, _EffectType.ORDERED)
+    return getattr(packet, name)
+
+
+CALLS: collections.Counter[str] = collections.Counter()
+"""How many times each custom op ran in this process (eager or compiled), by name."""
+RECENT: collections.deque[str] = collections.deque(maxlen=64)
+"""The names of the last custom ops that ran in this process, oldest first (the order a graph issued them)."""
+
+
+def _counted(name: str, impl: Callable) -> Callable:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        CALLS[name] += 1
+        RECENT.append(name)
+        return impl(*args, **kwargs)
+
+    run.__name__ = run.__qualname__ = getattr(impl, "__name__", name)
+    return run
+
+
+def world_size(group_name: str) -> int:
+    """The size of the group `group_arg` named, for a fake implementation (no communication)."""
+    pg = group_of(group_name)
+    return dist.get_world_size(pg)
+
+
+# ----------------------------------------------------------------------------------------------
+# The tensor-parallel ops: one signature for the three, forward and backward
+# ----------------------------------------------------------------------------------------------
+
+TP_SCHEMA = "(Tensor a, Tensor b, str group, str strategy, str plan, float? timeout, bool needs_grad) -> Tensor"
+TP_BACKWARD_SCHEMA = ("(Tensor grad, Tensor a, Tensor b, str group, str strategy, str plan, float? timeout, "
+                      "bool need_a, bool need_b) -> (Tensor, Tensor)")
+
+
+def tp_call(packet: Any, op: str, a: Any, b: Any, group: Any, strategy: Any, plan: Any, timeout: Any,
+            check: Callable | None = None) -> torch.Tensor:
+    """A TP op's public function: its arguments as the custom op takes them (autocast applied here, where
+    torch.compile traces it), then the custom op. Arguments of the wrong types raise through the op's
+    checks (which tell the peers) instead."""
+    from .context import autocast_inputs, prepare
+
+    args = call_args(group, strategy, plan, timeout)
+    if args is None or not tensors(a, b):
+        prepare(op, a, b, group, strategy, plan, timeout, check)  # raises this rank's error, peers told
+        raise TypeError(f"overlap.{op}: unsupported arguments")  # pragma: no cover - prepare raised
+    a, b = autocast_inputs(a, b)
+    return packet(a, b, *args, needs_grad(a, b))
+
+
+def tp_context(op: str, a: torch.Tensor, b: torch.Tensor, group: str, strategy: str, plan: str,
+               timeout: float | None, needs_grad: bool, check: Callable | None = None):
+    """Inside a TP custom op: the call context (checks, plan, signature) of the public call."""
+    from .context import prepare
+
+    return prepare(op, a, b, group_of(group), strategy, plan_of(plan), timeout, check, needs_grad=needs_grad,
+                   cast=False)[2]
+
+
+def tp_save(ctx: Any, inputs: tuple, output: Any) -> None:
+    """`setup_context` of the TP ops: the operands and the call's arguments."""
+    a, b, group, strategy, plan, timeout, _ = inputs
+    ctx.save_for_backward(a, b)
+    ctx.call_args = (group, strategy, plan, timeout)
+
+
+def tp_backward(backward_packet: Any) -> Callable:
+    """The autograd backward of a TP op whose gradients a ``<op>_backward`` custom op computes."""
+
+    def backward(ctx: Any, grad: torch.Tensor):
+        a, b = ctx.saved_tensors
+        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_a, grad_b = backward_packet(grad, a, b, *ctx.call_args, need_a, need_b)
+        return grad_a if need_a else None, grad_b if need_b else None, None, None, None, None, None
+
+    return backward
+
+
+def tp_backward_fake(grad, a, b, group, strategy, plan, timeout, need_a, need_b):
+    """The fake of every ``<op>_backward``: the gradients have the operands' shapes (0 elements: not asked)."""
+    return (a.new_empty(a.shape if need_a else (0,)), b.new_empty(b.shape if need_b else (0,)))
+
+
+def grads_out(grad_a: torch.Tensor | None, grad_b: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor):
+    """A backward op's outputs: a 0-element tensor stands for a gradient nobody asked for."""
+    return (grad_a if grad_a is not None else a.new_empty(0), grad_b if grad_b is not None else b.new_empty(0))

@@ -1,0 +1,105 @@
+"""`MoEHandle`: what a dispatch returns for its combine and the backward, as torch.compile can trace it.
+
+A dispatch's layout (`overlap.ops.moe_layout.MoELayout`: counts per rank and expert, the send order, the
+call context) lives on the host, in a per-process table; the handle holds the key of its entry as a small
+CPU tensor, which the MoE custom ops take as an input. The handle is a pytree (its one tensor, the key; the
+expert counts as static fields), so a compiled graph passes it from a dispatch to its combine like any
+tensor. The entry is dropped when the key tensor is freed (the handle and every saved backward that holds
+it gone).
+
+In eager code the handle also answers the layout's questions (``tokens_per_expert``, ``expert_offsets``,
+``num_recv``, ``plan``, ...) from the table; inside a compiled region those are data-dependent host values
+and are not available.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import weakref
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from .moe_layout import MoELayout
+
+_LAYOUTS: dict[int, MoELayout] = {}
+_SERIAL = itertools.count(1)
+_LOCK = threading.Lock()
+
+
+def register(layout: MoELayout) -> torch.Tensor:
+    """A new key tensor for `layout` (int64 ``[1]`` on the CPU); the entry lives as long as the tensor."""
+    with _LOCK:
+        serial = next(_SERIAL)
+        _LAYOUTS[serial] = layout
+    key = torch.tensor([serial], dtype=torch.int64)
+    weakref.finalize(key, _drop, serial)
+    return key
+
+
+def _drop(serial: int) -> None:
+    with _LOCK:
+        _LAYOUTS.pop(serial, None)
+
+
+def layout_of(key: torch.Tensor, op: str) -> MoELayout:
+    """The layout a key tensor names (ValueError for a key this process does not hold)."""
+    if not isinstance(key, torch.Tensor) or key.numel() != 1 or key.dtype != torch.int64:
+        raise TypeError(f"overlap.moe.{op}: the handle's key must be the int64 tensor a dispatch returned")
+    serial = int(key.item())  # a CPU tensor: no device synchronization
+    with _LOCK:
+        layout = _LAYOUTS.get(serial)
+    if layout is None:
+        raise ValueError(f"overlap.moe.{op}: the handle's dispatch (#{serial}) is not known in this process; "
+                         "pass the handle a dispatch returned here")
+    return layout
+
+
+def live_layouts() -> int:
+    """How many dispatch layouts this process holds (tests: handles are not leaked)."""
+    with _LOCK:
+        return len(_LAYOUTS)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEHandle:
+    """The layout of one dispatch, for the matching combine and the backward (from `overlap.moe.dispatch`).
+
+    Fields: ``key`` (int64 ``[1]`` CPU tensor naming the layout in this process), ``num_experts``,
+    ``num_local_experts``, ``top_k``. In eager code every attribute of the layout can be read here:
+    ``tokens_per_expert`` (``[L]``, rows of each local expert in the dispatch's output), ``expert_offsets``
+    (``[L][W]``, first row of block ``(expert, source)``), ``num_recv``, ``recv_counts``, ``send_counts``,
+    ``num_tokens``, ``plan``, ``group``, ``timeout``.
+    """
+
+    key: torch.Tensor
+    num_experts: int
+    num_local_experts: int
+    top_k: int
+
+    @property
+    def layout(self) -> MoELayout:
+        """The dispatch's host layout (eager code only)."""
+        return layout_of(self.key, "handle")
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name in ("key", "num_experts", "num_local_experts", "top_k"):
+            raise AttributeError(name)
+        return getattr(layout_of(self.key, "handle"), name)
+
+
+def _flatten(h: MoEHandle) -> tuple[list[torch.Tensor], tuple[int, int, int]]:
+    return [h.key], (h.num_experts, h.num_local_experts, h.top_k)
+
+
+def _unflatten(children: Any, context: tuple[int, int, int]) -> MoEHandle:
+    return MoEHandle(children[0], *context)
+
+
+try:
+    pytree.register_pytree_node(MoEHandle, _flatten, _unflatten, serialized_type_name="overlap.moe.MoEHandle")
+except ValueError:  # pragma: no cover - registered already (the module imported twice)
+    pass
