@@ -119,19 +119,22 @@ def needs_grad(*values: torch.Tensor) -> bool:
 
 
 def define(name: str, schema: str, impl: Callable, fake: Callable, backward: Callable | None = None,
-           setup_context: Callable | None = None) -> Any:
+           setup_context: Callable | None = None, ordered: bool = True) -> Any:
     """Define ``overlap::<name>`` with `schema` (no ``self`` name), its implementation, its fake and, where
     given, its autograd (`backward`, `setup_context` as `torch.library.register_autograd` takes them), as an
-    ordered side effect. Defined once per process (a re-imported module keeps the first definition: torch
-    2.11 refuses a second fake). Returns the op's overload packet (``torch.ops.overlap.<name>``)."""
+    ordered side effect (`ordered`), else as a side effect graphs never drop but may order by their data
+    alone. Defined once per process (a re-imported module keeps the first definition: torch 2.11 refuses a
+    second fake). Returns the op's overload packet (``torch.ops.overlap.<name>``)."""
     packet = getattr(torch.ops, NAMESPACE)
     if not hasattr(packet, name):
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", _counted(name, impl), mutates_args=(), schema=schema)
         op.register_fake(fake)
         if backward is not None:
             op.register_autograd(backward, setup_context=setup_context)
-        if _register_effectful_op is not None:
+        if ordered and _register_effectful_op is not None:
             _register_effectful_op(getattr(packet, name).default, _EffectType.ORDERED)
+        else:
+            torch.fx.node.has_side_effect(getattr(packet, name).default)
     return getattr(packet, name)
 
 

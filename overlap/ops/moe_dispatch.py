@@ -216,7 +216,9 @@ _op = library.define(
     "moe_dispatch",
     "(Tensor x, Tensor topk_idx, Tensor? w, int num_experts, str group, str strategy, str plan, float? timeout, "
     "str grads) -> (Tensor, Tensor, Tensor)",
-    _forward, _fake, _autograd_backward, _save)
+    # Not an ordered effect: inductor (torch 2.13) cannot schedule an effectful op whose output has a
+    # data-dependent size. Never dropped (a side effect); its data orders it before its combine.
+    _forward, _fake, _autograd_backward, _save, ordered=False)
 
 
 def _sum_copies(back: torch.Tensor, h: layout.MoELayout) -> torch.Tensor:

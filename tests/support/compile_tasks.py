@@ -1,0 +1,215 @@
+"""Rank tasks of the torch.compile tests (`tests/test_compile.py`): eager against compiled on fresh inputs.
+
+Every task builds this rank's inputs from a seed, runs a function eagerly (outputs and gradients), compiles it
+with ``fullgraph=True`` (a graph break raises) and runs it again on the same inputs; it returns what the test
+asserts: whether the compiled run is bitwise eager's, the graph breaks `torch._dynamo.explain` reports, and
+the custom ops that ran, in order (`overlap.ops.library.RECENT`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+TP_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+
+
+def _draw(seed: int, rank: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1009 + rank)
+
+
+def tp_inputs(op: str, world_size: int, g: torch.Generator, dtype=torch.float32, rows: int = 3):
+    """``(a, w)`` of `op` on one rank: ``a`` 3-D with grad, ``w`` a weight ``[n, k]`` passed as ``w.t()``."""
+    k, n = 8, 6
+    m = rows * world_size if op == "matmul_reduce_scatter" else rows
+    a = torch.randn(m, 2, k, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(n, k, generator=g).to(dtype).requires_grad_()
+    return a, w
+
+
+def _grads(fn: Callable, inputs: tuple[torch.Tensor, ...], seed: int) -> tuple[torch.Tensor, list]:
+    out = fn(*inputs)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32).to(out.dtype)
+    out.backward(g)
+    grads = [t.grad.clone() if t.grad is not None else None for t in inputs]
+    for t in inputs:
+        t.grad = None
+    return out.detach(), grads
+
+
+def eager_vs_compiled(fn: Callable, inputs: tuple[torch.Tensor, ...], seed: int, backend: str = "aot_eager",
+                      explain: bool = True) -> dict[str, Any]:
+    """Run `fn` eagerly and compiled (``fullgraph=True``) on `inputs`, forward and backward."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    want, want_grads = _grads(fn, inputs, seed)
+    breaks = torch._dynamo.explain(fn)(*inputs).graph_break_count if explain else None
+    torch._dynamo.reset()
+    got, got_grads = _grads(torch.compile(fn, backend=backend, fullgraph=True), inputs, seed)
+    torch._dynamo.reset()
+    same = torch.equal(got, want) and all((a is None and b is None) or torch.equal(a, b)
+                                          for a, b in zip(got_grads, want_grads))
+    diff = max([(got.double() - want.double()).abs().max().item()]
+               + [(a.double() - b.double()).abs().max().item() for a, b in zip(got_grads, want_grads)
+                  if a is not None and b is not None and a.numel()])
+    return {"bitwise": same, "max_diff": diff, "breaks": breaks}
+
+
+def tp_ops(rank: int, world_size: int, seed: int, strategies: tuple[str, ...], explain_strategy: str) -> list:
+    """Every TP op x strategy: compiled against eager. Returns ``[(op, strategy, result), ...]``."""
+    import overlap
+
+    out = []
+    for op in TP_OPS:
+        fn_op = getattr(overlap, op)
+        for strategy in strategies:
+            a, w = tp_inputs(op, world_size, _draw(seed, rank))
+
+            def fn(a, w, fn_op=fn_op, strategy=strategy):
+                return fn_op(a, w.t(), strategy=strategy)
+
+            out.append((op, strategy, eager_vs_compiled(fn, (a, w), seed, explain=strategy == explain_strategy)))
+    return out
+
+
+def tp_inductor(rank: int, world_size: int, seed: int) -> dict[str, Any]:
+    """One TP block (gather-GEMM, GELU, GEMM-scatter) with the inductor backend: within tolerance of eager."""
+    import torch.nn.functional as F
+
+    import overlap
+
+    g = _draw(seed, rank)
+    a = torch.randn(3, 2, 8, generator=g).requires_grad_()
+    w1 = torch.randn(12, 8, generator=g).requires_grad_()
+    w2 = torch.randn(8, 12, generator=g).requires_grad_()
+
+    def block(a, w1, w2):
+        h = F.gelu(overlap.all_gather_matmul(a, w1.t(), strategy="symm"))
+        return overlap.matmul_reduce_scatter(h * 0.5 + 1.0, w2.t(), strategy="symm")
+
+    return eager_vs_compiled(block, (a, w1, w2), seed, backend="inductor", explain=False)
+
+
+def order(rank: int, world_size: int, seed: int, backend: str) -> dict[str, Any]:
+    """Two independent calls, the first one's result unused: the ops that ran, eager then compiled."""
+    import torch._dynamo
+
+    import overlap
+    from overlap.ops import library
+
+    g = _draw(seed, rank)
+    x = torch.randn(4, 8, generator=g)
+    y = torch.randn(2, 8, generator=g)
+    b = torch.randn(8, 5, generator=g)
+
+    def two_calls(x, y, b):
+        overlap.matmul_all_reduce(x, b, strategy="symm")  # result unused: must still run, first
+        return overlap.all_gather_matmul(y, b, strategy="pipelined")
+
+    torch._dynamo.reset()
+    library.RECENT.clear()
+    want = two_calls(x, y, b)
+    eager = list(library.RECENT)
+    compiled_fn = torch.compile(two_calls, backend=backend, fullgraph=True)
+    compiled_fn(x, y, b)  # compiles and runs
+    library.RECENT.clear()
+    got = compiled_fn(x, y, b)
+    torch._dynamo.reset()
+    return {"eager": eager, "compiled": list(library.RECENT), "bitwise": torch.equal(got, want)}
+
+
+def dynamic_rows(rank: int, world_size: int, seed: int) -> dict[str, Any]:
+    """A sequence length marked dynamic: one graph for several lengths, each matching eager."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    import overlap
+
+    counter = CompileCounterWithBackend("aot_eager")
+    w = torch.randn(6, 8, generator=_draw(seed, rank)).requires_grad_()
+
+    def fn(a, w):
+        return overlap.matmul_reduce_scatter(overlap.all_gather_matmul(a, w.t(), strategy="symm"), w,
+                                             strategy="symm")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=counter, fullgraph=True)
+    same = []
+    for rows in (2, 3, 5):
+        a = torch.randn(rows, 2, 8, generator=_draw(seed + rows, rank)).requires_grad_()
+        torch._dynamo.mark_dynamic(a, 0)
+        want, want_grads = _grads(fn, (a, w), seed)
+        got, got_grads = _grads(compiled, (a, w), seed)
+        same.append(torch.equal(got, want) and all(torch.equal(p, q) for p, q in zip(got_grads, want_grads)))
+    torch._dynamo.reset()
+    return {"frames": counter.frame_count, "bitwise": same}
+
+
+def moe_inputs(rank: int, world_size: int, seed: int, tokens: int | None = None):
+    """``(x, topk_idx, w1, w2, topk_weights, num_experts)`` of one rank: token counts differ between ranks."""
+    g = _draw(seed, rank)
+    E, K, H, F = 2 * world_size, 2, 8, 6
+    L = E // world_size
+    T = 3 + 2 * rank if tokens is None else tokens
+    x = torch.randn(T, H, generator=g).requires_grad_()
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.empty(0, K, dtype=torch.int64)
+    w1 = torch.randn(L, H, F, generator=g).requires_grad_()
+    w2 = torch.randn(L, F, H, generator=g).requires_grad_()
+    tw = torch.rand(T, K, generator=g).requires_grad_()
+    return x, idx, w1, w2, tw, E
+
+
+def moe_ops(rank: int, world_size: int, seed: int, strategies: tuple[str, ...], backend: str = "aot_eager") -> list:
+    """The four MoE ops in one layer (grouped-matmul pair, then the plain pair): compiled against eager."""
+    import torch._dynamo
+    import torch.nn.functional as Fn
+
+    import overlap
+
+    out = []
+    for strategy in strategies:
+        x, idx, w1, w2, tw, E = moe_inputs(rank, world_size, seed)
+        mm_strategy = strategy
+
+        def layer(x, w1, w2, tw, idx=idx, E=E, strategy=strategy, mm_strategy=mm_strategy):
+            h, handle = overlap.moe.dispatch_grouped_matmul(x, idx, w1, E, strategy=mm_strategy)
+            y = overlap.moe.grouped_matmul_combine(Fn.gelu(h), w2, tw, handle, strategy=mm_strategy)
+            rows, handle2 = overlap.moe.dispatch(x, idx, E, strategy="symm" if strategy == "fused" else strategy)
+            return y + overlap.moe.combine(rows * 2.0, tw, handle2, strategy="symm" if strategy == "fused" else strategy)
+
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):  # for explain (not fullgraph)
+            out.append((strategy, eager_vs_compiled(layer, (x, w1, w2, tw), seed, backend=backend,
+                                                    explain=backend == "aot_eager")))
+    return out
+
+
+def moe_module(rank: int, world_size: int, seed: int, strategy: str) -> dict[str, Any]:
+    """`overlap.nn.ExpertParallelMLP` compiled whole: outputs and every parameter's gradient against eager."""
+    import torch._dynamo
+
+    from overlap.nn import ExpertParallelMLP
+
+    torch.manual_seed(seed)  # the router: replicated, equal on every rank
+    mlp = ExpertParallelMLP(hidden_size=8, ffn_hidden_size=6, num_experts=2 * world_size, top_k=2,
+                            activation="silu_glu", strategy=strategy)
+    x = torch.randn(3 + rank, 2, 8, generator=_draw(seed, rank))
+
+    def run(fn):
+        y = fn(x)
+        y.backward(torch.ones_like(y))
+        grads = [p.grad.clone() for p in mlp.parameters()]
+        mlp.zero_grad(set_to_none=True)
+        return y.detach(), grads
+
+    torch._dynamo.reset()
+    want, want_grads = run(mlp)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):  # explain does not trace fullgraph
+        breaks = torch._dynamo.explain(mlp)(x).graph_break_count
+    torch._dynamo.reset()
+    got, got_grads = run(torch.compile(mlp, backend="aot_eager", fullgraph=True))
+    torch._dynamo.reset()
+    diff = max([(got - want).abs().max().item()] + [(a - b).abs().max().item() for a, b in zip(got_grads, want_grads)])
+    return {"breaks": breaks, "max_diff": diff}
