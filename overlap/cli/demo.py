@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import tempfile
+import textwrap
 import time
 
 _DESCRIPTION = (
@@ -25,6 +26,14 @@ _DESCRIPTION = (
     "timed) and the peak memory of each run. The model's heads, ffn size, experts and sequence length must "
     "divide by the number of ranks."
 )
+
+_EPILOG = """\
+examples:
+  overlap demo
+  overlap demo --steps 50 --strategy pipelined --json demo.json --plot demo.png
+  overlap demo --nproc 4 --seq-len 64 --batch 4
+  torchrun --nproc-per-node 8 -m overlap.cli demo --heads 8 --experts 8
+"""
 
 
 def _int_at_least(lowest: int):
@@ -56,7 +65,9 @@ def add_parser(sub, nproc_help: str) -> argparse.ArgumentParser:
 
     defaults = ModelConfig()
     demo = sub.add_parser("demo", help="train a small GPT-style model with torch's tensor parallelism and with "
-                          "overlap's, and compare losses, step time and memory", description=_DESCRIPTION)
+                          "overlap's, and compare losses, step time and memory",
+                          description=textwrap.fill(_DESCRIPTION, 100), epilog=_EPILOG,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     positive = _int_at_least(1)
     demo.add_argument("--nproc", type=positive, default=None, metavar="N", help=nproc_help)
     demo.add_argument("--steps", type=_int_at_least(2), default=30, metavar="N",
