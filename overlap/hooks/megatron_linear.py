@@ -45,6 +45,7 @@ from torch.nn import Parameter
 
 from .. import comm, envs
 from ..errors import warn_once
+from ..nn.collectives import GatherLastDim, SplitLastDim
 from ..ops.all_gather_matmul import all_gather_matmul
 from ..ops.matmul_all_reduce import matmul_all_reduce
 from ..ops.matmul_reduce_scatter import matmul_reduce_scatter
@@ -154,47 +155,6 @@ class _LinearAllReduceInputGrad(torch.autograd.Function):
         rank = dist.get_rank(ctx.group)
         comm.wait_work(work, "ColumnParallelLinear", rank, "all", "all", ctx.timeout, grad_x.device)
         return grad_x, grad_w, None, None
-
-
-def _all_gather_last_dim(x: torch.Tensor, group, timeout: float, what: str) -> torch.Tensor:
-    W = dist.get_world_size(group)
-    x = x.contiguous()
-    out = x.new_empty((W * x.shape[0], *x.shape[1:]))  # rank q's tensor at rows q*len ...
-    comm.wait_work(comm.all_gather_async(out, x, group), what, dist.get_rank(group), "all", "all", timeout, x.device)
-    return torch.cat(out.chunk(W, dim=0), dim=-1)
-
-
-def _own_last_dim_slice(x: torch.Tensor, group) -> torch.Tensor:
-    W, r = dist.get_world_size(group), dist.get_rank(group)
-    size = x.shape[-1] // W
-    return x[..., r * size : (r + 1) * size].contiguous()
-
-
-class _GatherLastDim(torch.autograd.Function):
-    """Forward: all-gather along the last dim; backward: this rank's slice of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group, timeout: float) -> torch.Tensor:
-        ctx.group = group
-        return _all_gather_last_dim(x, group, timeout, "ColumnParallelLinear(gather_output)")
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _own_last_dim_slice(grad, ctx.group), None, None
-
-
-class _ScatterLastDim(torch.autograd.Function):
-    """Forward: this rank's slice of the last dim; backward: all-gather of the gradient along it."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group, timeout: float) -> torch.Tensor:
-        ctx.group, ctx.timeout = group, timeout
-        return _own_last_dim_slice(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        what = "RowParallelLinear(input_is_parallel=False)"
-        return _all_gather_last_dim(grad, ctx.group, ctx.timeout, what), None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -415,7 +375,7 @@ class ColumnParallelLinear(_ParallelLinear):
             out = out + self.bias
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather and self.world_size > 1:
-            out = _GatherLastDim.apply(out, self.tp_group, self._resolve_timeout())
+            out = GatherLastDim.apply(out, self.tp_group, self.timeout, "ColumnParallelLinear(gather_output)")
         return out, (self.bias if self.skip_bias_add else None)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
@@ -466,7 +426,7 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = input_
         if not self.input_is_parallel and self.world_size > 1:
-            x = _ScatterLastDim.apply(x, self.tp_group, self._resolve_timeout())
+            x = SplitLastDim.apply(x, self.tp_group, self.timeout, "RowParallelLinear(input_is_parallel=False)")
         w = self._weight_for_op(self.weight)
         if self.sequence_parallel:
             out = matmul_reduce_scatter(x, w.t(), **self._op_kwargs())

@@ -13,7 +13,8 @@ later be swapped for a traceable op without touching the layers:
 * `SplitLastDim`: this rank's slice of the last dim forward (``input_is_parallel=False``), an
   all-gather of the gradient along it backward.
 
-Every wait is deadlined (`overlap.comm.wait_work`) and names the layer that waited.
+`overlap.hooks.megatron`'s layers use the last two as well. Every wait is deadlined
+(`overlap.comm.wait_work`) and names the layer that waited.
 """
 
 from __future__ import annotations
