@@ -29,7 +29,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("plans", ("overlap.plans",)),
     ("kernels", ("overlap.kernels",)),
     ("ops", ("overlap.ops", "overlap.moe")),
-    ("tuning, modules, hooks, benchmarks", ("overlap.tune", "overlap.nn", "overlap.hooks", "overlap.benchmarks")),
+    ("tuning, modules, hooks, benchmarks, demo",
+     ("overlap.tune", "overlap.nn", "overlap.hooks", "overlap.benchmarks", "overlap.demo")),
     ("command line, and the package's own namespace", ("overlap.cli", "=overlap")),
 ]
 
@@ -88,6 +89,13 @@ def _layer(module: str) -> int:
 
 
 GRAPH = {name: sorted({mod for _, mod in _imports(name, path) if mod != name}) for name, path in MODULES.items()}
+
+
+def test_demo_is_imported_only_by_the_command_line():
+    """``overlap.demo`` (the model and training of ``overlap demo``) is no library: only ``overlap.cli`` uses it."""
+    users = [name for name, deps in GRAPH.items() if not name.startswith(("overlap.demo", "overlap.cli"))
+             and any(d == "overlap.demo" or d.startswith("overlap.demo.") for d in deps)]
+    assert not users, f"modules outside the command line import overlap.demo: {users}"
 
 
 def test_every_module_has_a_layer():

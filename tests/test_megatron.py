@@ -1,4 +1,4 @@
-"""overlap.nn and overlap.hooks.megatron against the real megatron-core (pinned in the test extras).
+"""overlap.hooks.megatron (its layers, patch, specs) against the real megatron-core (pinned in the test extras).
 
 Models are stacks of Megatron-core MLP blocks (``ColumnParallelLinear`` fc1, GELU,
 ``RowParallelLinear`` fc2, with biases) built from Megatron's own spec on CPU ranks. Megatron-core
@@ -86,7 +86,6 @@ def _step(model, x, grad_out):
 
 def patched_vs_unpatched(rank, world_size, seed, sequence_parallel, strategy):
     import overlap.hooks.megatron as om
-    from overlap import nn as onn
 
     ps = _megatron(world_size)
     group = ps.get_tensor_model_parallel_group()
@@ -95,7 +94,7 @@ def patched_vs_unpatched(rank, world_size, seed, sequence_parallel, strategy):
     replaced = om.patch(model, strategy=strategy)
     kinds = sorted(type(r.replacement).__name__ for r in replaced)
     assert kinds == ["ColumnParallelLinear"] * LAYERS + ["RowParallelLinear"] * LAYERS, kinds
-    assert all(isinstance(m, (onn.ColumnParallelLinear, onn.RowParallelLinear))
+    assert all(isinstance(m, (om.ColumnParallelLinear, om.RowParallelLinear))
                for b in model.blocks for m in (b.linear_fc1, b.linear_fc2))
     # The very same parameter tensors, and Megatron's attributes on them.
     for r in replaced:
@@ -156,8 +155,8 @@ def built_from_spec(rank, world_size, seed, sequence_parallel):
     _megatron(world_size)
     ref = _build(world_size, seed, False)
     ours = _build(world_size, seed, sequence_parallel, spec_fn=replace_in_spec)
-    assert type(ours.blocks[0].linear_fc1).__module__ == "overlap.nn.linear"
-    assert OverlapSpecProvider().column_parallel_linear().__module__ == "overlap.nn.linear"
+    assert type(ours.blocks[0].linear_fc1).__module__ == "overlap.hooks.megatron_linear"
+    assert OverlapSpecProvider().column_parallel_linear().__module__ == "overlap.hooks.megatron_linear"
     sd_ref, sd = ref.state_dict(), ours.state_dict()
     assert list(sd) == list(sd_ref), (list(sd), list(sd_ref))
     for key in sd:
@@ -201,15 +200,15 @@ def gather_output_and_main_grad(rank, world_size, seed):
     """gather_output=True, input_is_parallel=False, skip_bias_add=False, and gradient accumulation into
     main_grad (Megatron's protocol), against the unsharded layers built from the master weights
     (Megatron-core's own gather/scatter of the last dim call torch.cuda on CPU)."""
-    from overlap import nn as onn
+    from overlap.hooks import megatron as om
 
     _megatron(world_size)
     config = _config(world_size, False)
     init = torch.nn.init.xavier_normal_
     torch.manual_seed(seed)
-    col = onn.ColumnParallelLinear(H, F, config=config, init_method=init, bias=True, gather_output=True,
+    col = om.ColumnParallelLinear(H, F, config=config, init_method=init, bias=True, gather_output=True,
                                    keep_master_weight_for_test=True)
-    row = onn.RowParallelLinear(F, H, config=config, init_method=init, bias=True, input_is_parallel=False,
+    row = om.RowParallelLinear(F, H, config=config, init_method=init, bias=True, input_is_parallel=False,
                                 skip_bias_add=False, keep_master_weight_for_test=True)
     with torch.no_grad():  # non-zero biases, the same on every rank
         gen = torch.Generator().manual_seed(seed + 2)
@@ -261,24 +260,24 @@ def test_gather_output_scatter_input_and_main_grad(pools, seed, world_size):
 
 
 def unsupported_arguments(rank, world_size):
-    from overlap import nn as onn
+    from overlap.hooks import megatron as om
 
     _megatron(world_size)
     init = torch.nn.init.xavier_normal_
     raised = {}
     for what, kwargs in (("is_expert", {"is_expert": True}),):
         try:
-            onn.ColumnParallelLinear(H, F, config=_config(world_size, False), init_method=init, **kwargs)
+            om.ColumnParallelLinear(H, F, config=_config(world_size, False), init_method=init, **kwargs)
         except NotImplementedError as exc:
             raised[what] = str(exc)
     try:
         config = _config(world_size, False)
         config.defer_embedding_wgrad_compute = True  # (Megatron's config refuses it without pipelining)
-        onn.ColumnParallelLinear(H, F, config=config, init_method=init)
+        om.ColumnParallelLinear(H, F, config=config, init_method=init)
     except NotImplementedError as exc:
         raised["defer_embedding_wgrad_compute"] = str(exc)
     try:
-        onn.ColumnParallelLinear(H, F + 1, config=_config(world_size, False), init_method=init)
+        om.ColumnParallelLinear(H, F + 1, config=_config(world_size, False), init_method=init)
     except ValueError as exc:
         raised["indivisible"] = str(exc)
     return raised

@@ -173,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
             return _tune(args, args.subparser)
         if args.command == "bench":
             return _bench(args, args.subparser)
+        if args.command == "demo":
+            from .demo import run as run_demo
+
+            return run_demo(args, args.subparser)
     except KeyboardInterrupt:
         print(f"overlap {args.command}: interrupted", file=sys.stderr)
         return 130

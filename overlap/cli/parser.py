@@ -291,4 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(subparser=bench)
     info.set_defaults(subparser=info)
+    from .demo import add_parser as add_demo_parser  # overlap demo: its options live in overlap/cli/demo.py
+
+    add_demo_parser(sub, nproc_help)
     return parser

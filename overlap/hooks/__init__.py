@@ -1,8 +1,9 @@
 """Ways into existing models, without changing their numbers.
 
-* `overlap.hooks.megatron`: ``patch(model)`` swaps every Megatron-core ``ColumnParallelLinear`` and
-  ``RowParallelLinear`` of a built model for `overlap.nn`'s (same parameter tensors), ``unpatch``
-  restores them; a layer-spec helper builds new Megatron-core models with them.
+* `overlap.hooks.megatron`: Megatron-core-compatible ``ColumnParallelLinear`` and ``RowParallelLinear``
+  (`overlap.hooks.megatron_linear`); ``patch(model)`` swaps every Megatron-core layer of those names in a
+  built model for them (same parameter tensors), ``unpatch`` restores them; a layer-spec helper builds
+  new Megatron-core models with them. Megatron-core is imported when patching or building specs.
 * `overlap.hooks.torch_tp`: parallel styles for ``torch.distributed.tensor.parallel.parallelize_module``
   whose linear layers run through the fused ops.
 

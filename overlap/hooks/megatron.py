@@ -1,20 +1,25 @@
-"""Megatron-core integration: patch a built model, or build new ones with `overlap.nn`'s layers.
+"""Megatron-core integration: its parallel linear layers, overlapped; patch a built model; build new ones.
 
-``patch(model)`` replaces, in place, every Megatron-core ``ColumnParallelLinear`` and
-``RowParallelLinear`` of `model` by `overlap.nn`'s, sharing the very same parameter tensors (so the
-optimizer, the distributed-data-parallel buffers and checkpoints keep working), and returns what it
-replaced; ``unpatch(model, replaced)`` puts the originals back. Only those two exact classes are
-replaced: subclasses and Transformer Engine's layers may do more than their base, so they are left
-alone and named in a warning. Hooks registered on a replaced module do not carry over.
+``ColumnParallelLinear`` and ``RowParallelLinear`` (defined in `overlap.hooks.megatron_linear`) take
+Megatron-core's constructor arguments (``config=``, ``init_method=``, ...) and return ``(output,
+output_bias)`` as Megatron's do. ``patch(model)`` replaces, in place, every Megatron-core
+``ColumnParallelLinear`` and ``RowParallelLinear`` of `model` by them, sharing the very same parameter
+tensors (so the optimizer, the distributed-data-parallel buffers and checkpoints keep working), and
+returns what it replaced; ``unpatch(model, replaced)`` puts the originals back. Only those two exact
+classes are replaced: subclasses and Transformer Engine's layers may do more than their base, so they
+are left alone and named in a warning. Hooks registered on a replaced module do not carry over.
 
-For new models, `OverlapSpecProvider` is Megatron-core's local backend with `overlap.nn`'s layers,
+For new models, `OverlapSpecProvider` is Megatron-core's local backend with these layers,
 and `replace_in_spec` rewrites any ``ModuleSpec`` tree (e.g. ``get_gpt_layer_local_spec()``)::
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from overlap.hooks.megatron import replace_in_spec
     spec = replace_in_spec(get_gpt_layer_local_spec())
 
-Requires megatron-core (tested with 0.16.1).
+`patch`, `unpatch`, `replace_in_spec`, `OverlapSpecProvider` and ``REPLACEMENTS`` need megatron-core
+(tested with 0.16.1), imported when one of them is first used, not with this module: importing
+megatron-core warns where Transformer Engine and Apex are missing, and a user of the plain layers
+(`overlap.nn`) should not see that.
 """
 
 from __future__ import annotations
@@ -25,21 +30,51 @@ from typing import Any
 
 import torch
 
-from ..nn import ColumnParallelLinear, RowParallelLinear
 from ..plans import Plan
+from .megatron_linear import ColumnParallelLinear, RowParallelLinear
 
-try:
+# REPLACEMENTS and OverlapSpecProvider are made on first use (`__getattr__`).
+__all__ = ["ColumnParallelLinear", "Replaced", "RowParallelLinear", "patch", "replace_in_spec", "unpatch"]
+
+
+def _replacements() -> dict[type, type]:
+    """Megatron-core class -> overlap's replacement (imports megatron-core)."""
+    try:
+        from megatron.core.tensor_parallel import layers
+    except ImportError as exc:  # pragma: no cover - exercised only without megatron-core
+        raise ImportError("overlap.hooks.megatron needs megatron-core (pip install megatron-core)") from exc
+    return {layers.ColumnParallelLinear: ColumnParallelLinear, layers.RowParallelLinear: RowParallelLinear}
+
+
+def _spec_provider() -> type:
+    """`OverlapSpecProvider`, a subclass of megatron-core's ``LocalSpecProvider``."""
+    _replacements()  # the clear ImportError without megatron-core
     from megatron.core.models.backends import LocalSpecProvider
-    from megatron.core.tensor_parallel import layers as _mcore_layers
-    from megatron.core.transformer.spec_utils import ModuleSpec
-except ImportError as exc:  # pragma: no cover - exercised only without megatron-core
-    raise ImportError("overlap.hooks.megatron needs megatron-core (pip install megatron-core)") from exc
 
-#: Megatron-core class -> overlap's replacement
-REPLACEMENTS: dict[type, type] = {
-    _mcore_layers.ColumnParallelLinear: ColumnParallelLinear,
-    _mcore_layers.RowParallelLinear: RowParallelLinear,
-}
+    class OverlapSpecProvider(LocalSpecProvider):
+        """Megatron-core's local (non-Transformer-Engine) backend, with overlap's parallel linear layers."""
+
+        def column_parallel_linear(self) -> type:
+            return ColumnParallelLinear
+
+        def row_parallel_linear(self) -> type:
+            return RowParallelLinear
+
+    OverlapSpecProvider.__module__ = __name__
+    return OverlapSpecProvider
+
+
+_MADE: dict[str, Any] = {}
+_MAKERS = {"REPLACEMENTS": _replacements, "OverlapSpecProvider": _spec_provider}
+
+
+def __getattr__(name: str) -> Any:
+    """``REPLACEMENTS`` (Megatron-core class -> overlap's) and ``OverlapSpecProvider``, made on first use."""
+    if name not in _MAKERS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _MADE:
+        _MADE[name] = _MAKERS[name]()
+    return _MADE[name]
 
 
 @dataclasses.dataclass
@@ -71,14 +106,15 @@ def patch(model: torch.nn.Module, plan: Plan | dict | None = None, strategy: str
     Expert layers (``is_expert=True``) are left alone (overlap's MoE ops cover them), as are
     subclasses of the two classes; both are named in a warning.
     """
-    if isinstance(model, tuple(REPLACEMENTS)):
+    replacements = __getattr__("REPLACEMENTS")
+    if isinstance(model, tuple(replacements)):
         raise ValueError("overlap.hooks.megatron.patch: pass the model that contains the layer, not the layer")
     done: list[Replaced] = []
     skipped: list[str] = []
     for name, module in list(model.named_modules()):
-        target = REPLACEMENTS.get(type(module))
+        target = replacements.get(type(module))
         if target is None:
-            if isinstance(module, tuple(REPLACEMENTS)):
+            if isinstance(module, tuple(replacements)):
                 skipped.append(f"{name} ({type(module).__name__}: a subclass)")
             continue
         if getattr(module, "is_expert", False):
@@ -111,8 +147,11 @@ def replace_in_spec(spec: Any) -> Any:
 
     Walks ``ModuleSpec.module`` and ``.submodules`` (a dataclass of specs or classes), recursively.
     """
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    replacements = __getattr__("REPLACEMENTS")
     if isinstance(spec, type):
-        return REPLACEMENTS.get(spec, spec)
+        return replacements.get(spec, spec)
     if isinstance(spec, ModuleSpec):
         subs = spec.submodules
         return dataclasses.replace(spec, module=replace_in_spec(spec.module),
@@ -123,13 +162,3 @@ def replace_in_spec(spec: Any) -> Any:
     if isinstance(spec, (list, tuple)):
         return type(spec)(replace_in_spec(s) for s in spec)
     return spec
-
-
-class OverlapSpecProvider(LocalSpecProvider):
-    """Megatron-core's local (non-Transformer-Engine) backend, with overlap's parallel linear layers."""
-
-    def column_parallel_linear(self) -> type:
-        return ColumnParallelLinear
-
-    def row_parallel_linear(self) -> type:
-        return RowParallelLinear

@@ -1,5 +1,10 @@
-"""Drop-in torch modules whose collectives run through `overlap`'s ops (see `overlap.nn.linear`,
-`overlap.nn.moe`)."""
+"""Drop-in torch modules whose collectives run through `overlap`'s ops.
+
+* `ColumnParallelLinear`, `RowParallelLinear` (`overlap.nn.linear`): tensor-parallel linear layers in
+  plain torch (``nn.Linear``'s arguments plus ``group``, ``sequence_parallel``, ...), returning a tensor.
+  The Megatron-core-compatible layers of the same names are `overlap.hooks.megatron`'s.
+* `ExpertParallelMLP` (`overlap.nn.moe`): a top-k routed MoE MLP with its experts over an expert-parallel group.
+"""
 
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .moe import ExpertParallelMLP

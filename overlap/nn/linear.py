@@ -1,478 +1,227 @@
-"""Drop-in ``ColumnParallelLinear`` and ``RowParallelLinear`` for Megatron-core models.
+"""Tensor-parallel linear layers in plain torch: no Megatron config, a tensor out, ``nn.Linear``'s numbers.
 
-They take Megatron-core's constructor arguments, create the same parameters (names, shapes,
-dtypes, tensor-parallel attributes, initial values from the same random draws), keep the same
-``state_dict``/``sharded_state_dict`` keys, and return ``(output, output_bias)`` as Megatron's do;
-the collectives run through the overlapped ops:
+``ColumnParallelLinear`` splits ``out_features`` over the group (rank ``r`` holds output features
+``r*out/W ... (r+1)*out/W - 1``: rows of the weight, and of the bias); ``RowParallelLinear`` splits
+``in_features`` (columns of the weight; the bias is whole on every rank and added once, after the
+reduction). Stacked column then row, they are a Megatron-style tensor-parallel MLP::
 
-======================================  =====================================================
-Megatron mode                           here
-======================================  =====================================================
-column, sequence parallel               `overlap.all_gather_matmul` (backward: its overlapped
-                                        reduce-scatter of the input gradient)
-column, no sequence parallel            local GEMM; backward: all-reduce of the input
-                                        gradient in flight during the weight-gradient GEMM
-column, ``gather_output=True``          the above, then an all-gather along the last dim
-row, sequence parallel                  `overlap.matmul_reduce_scatter`
-row, no sequence parallel               `overlap.matmul_all_reduce`
-row, ``input_is_parallel=False``        the input split along its last dim first
-======================================  =====================================================
+    up = overlap.nn.ColumnParallelLinear(1024, 4096, sequence_parallel=True)
+    down = overlap.nn.RowParallelLinear(4096, 1024, sequence_parallel=True)
+    y = down(torch.nn.functional.gelu(up(x)))  # x, y: [s/W, b, 1024], this rank's slice of the sequence
 
-Weight gradients go into ``weight.main_grad`` when ``config.gradient_accumulation_fusion`` is set and
-the parameter has one (Megatron's distributed optimizer sets it up), with Megatron's
-``grad_added_to_main_grad`` protocol; otherwise into ``.grad`` as usual. Megatron-core is not needed
-to import or use the modules (``config`` is read by attribute: a ``ModelParallelConfig``, a
-``TransformerConfig`` or any object with those fields); ``sharded_state_dict`` and the default
-``tp_group`` (Megatron's tensor-parallel group) use it where it is installed.
+Activations are ``[s, b, h]`` (Megatron's layout: the sequence is dim 0); ``[tokens, h]`` works too.
+What runs (``W`` ranks, ``w`` this rank's weight shard):
 
-Arguments whose effect is not implemented raise ``NotImplementedError`` naming them
-(``is_expert=True``: expert layers belong to `overlap`'s MoE ops; deferred embedding weight
-gradients; CPU activation offloading). ``tp_comm_buffer_name`` is accepted and unused, as in
-Megatron's own modules; ``config.tp_comm_overlap`` (Transformer Engine's userbuffers) is replaced by
-`overlap`'s own overlap, with a warning once.
+=========================================  ===========================================================
+layer                                      forward; backward
+=========================================  ===========================================================
+column, ``sequence_parallel=True``          `overlap.all_gather_matmul` of ``[s/W, b, in]``: ``[s, b, out/W]``;
+                                            its overlapped reduce-scatter of the input gradient
+column, ``sequence_parallel=False``         ``x @ w.T`` on the whole ``[s, b, in]``; the input gradient
+                                            all-reduced (`collectives.AllReduceInBackward`)
+column, ``gather_output=True``              then every rank's columns gathered: ``[s, b, out]``
+row, ``sequence_parallel=True``             `overlap.matmul_reduce_scatter` of ``[s, b, in/W]``:
+                                            ``[s/W, b, out]``; the bias gradient all-reduced
+row, ``sequence_parallel=False``            `overlap.matmul_all_reduce`: ``[s, b, out]`` on every rank
+row, ``input_is_parallel=False``            the whole ``[s, b, in]`` in, this rank's columns taken first
+=========================================  ===========================================================
+
+Initialization: exactly the slice of ``torch.nn.Linear(in_features, out_features, bias, device=device,
+dtype=dtype)`` built from the same random state (the layer builds that whole layer once, then keeps its
+part), so seeding every rank alike (``torch.manual_seed(s)``) gives the same numbers as a single-process
+``nn.Linear`` built after the same seed. After backward, each parameter's ``.grad`` is the matching slice
+of that ``nn.Linear``'s gradient (the loss being the sum over ranks of each rank's part of the output's
+loss, as with any data split), with no extra reduction: the row-parallel bias under sequence parallelism
+is all-reduced inside backward.
+
+The Megatron-core-compatible layers (``config=``, ``init_method=``, ``(output, bias)`` out) are
+`overlap.hooks.megatron`'s. Passing ``config=`` here still builds one of those, with a
+``DeprecationWarning``, for one release.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.nn import Parameter
 
-from .. import comm, envs
-from ..errors import warn_once
+from .. import envs, world
 from ..ops.all_gather_matmul import all_gather_matmul
 from ..ops.matmul_all_reduce import matmul_all_reduce
 from ..ops.matmul_reduce_scatter import matmul_reduce_scatter
 from ..plans import Plan
+from ..plans.auto import as_plan
+from .collectives import AllReduceInBackward, GatherLastDim, SplitLastDim
 
 
-def _cfg(config: Any, name: str, default: Any) -> Any:
-    return getattr(config, name, default)
+def _megatron_layer(name: str, args: tuple, kwargs: dict[str, Any]) -> torch.nn.Module:
+    """The deprecated ``config=`` path: `overlap.hooks.megatron`'s layer of the same name."""
+    warnings.warn(f"overlap.nn.{name}(..., config=...) is deprecated and will be removed in the next release: "
+                  f"use overlap.hooks.megatron.{name} for Megatron-core's arguments (it returns (output, bias)), "
+                  f"or overlap.nn.{name} without config", DeprecationWarning, stacklevel=3)
+    from ..hooks import megatron_linear
+
+    return getattr(megatron_linear, name)(*args, **kwargs)
 
 
-def _default_tp_group(is_expert: bool) -> dist.ProcessGroup:
-    """Megatron's tensor-parallel group where Megatron's parallel state is initialized, else the world."""
-    try:
-        from megatron.core import parallel_state
-    except ImportError:
-        return dist.group.WORLD
-    if not parallel_state.model_parallel_is_initialized():
-        return dist.group.WORLD
-    if is_expert:
-        return parallel_state.get_expert_tensor_parallel_group()
-    return parallel_state.get_tensor_model_parallel_group()
+def _positive_int(layer: str, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"overlap.nn.{layer}: {name} must be a positive int, got {value!r}")
+    return value
 
 
-def _set_tp_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
-    tensor.tensor_model_parallel = is_parallel
-    tensor.partition_dim = dim
-    tensor.partition_stride = stride
+class _TensorParallelLinear(torch.nn.Module):
+    """What both layers share: the checks, the group, the slice of a full ``nn.Linear``, the op arguments."""
 
+    def __new__(cls, *args: Any, **kwargs: Any):
+        if kwargs.get("config") is not None:
+            return _megatron_layer(cls.__name__, args, kwargs)
+        return super().__new__(cls)
 
-def _init_cpu(weight: Parameter, full_shape: tuple[int, int], dim: int, init_method: Callable, stride: int,
-              rank: int, world_size: int, params_dtype: torch.dtype) -> torch.Tensor:
-    """Megatron's CPU initialization: draw the whole fp32 master weight, keep this rank's strided part.
-
-    The same draws as Megatron-core's, so a model built with these modules starts from the same
-    numbers as one built with Megatron's. Returns the master weight.
-    """
-    master = torch.empty(full_shape, dtype=torch.float)
-    init_method(master)
-    master = master.to(params_dtype)
-    per_stride = weight.shape[dim] // stride
-    pieces = torch.split(master, per_stride, dim=dim)[rank::world_size]
-    with torch.no_grad():
-        weight.copy_(torch.cat(pieces, dim=dim))
-    return master
-
-
-def _init_device(weight: Parameter, init_method: Callable, is_expert: bool) -> None:
-    """Megatron's device initialization: under its CUDA RNG tracker where Megatron is installed."""
-    try:
-        from megatron.core.tensor_parallel.random import (
-            get_cuda_rng_tracker,
-            get_expert_parallel_rng_tracker_name,
-        )
-    except ImportError:
-        init_method(weight)
-        return
-    name = get_expert_parallel_rng_tracker_name() if is_expert else None
-    with get_cuda_rng_tracker().fork(*(() if name is None else (name,))):
-        init_method(weight)
-
-
-# ----------------------------------------------------------------------------------------------
-# Autograd pieces
-# ----------------------------------------------------------------------------------------------
-
-
-class _IntoMainGrad(torch.autograd.Function):
-    """Identity on the weight; its gradient is added to ``weight.main_grad`` (Megatron's protocol)."""
-
-    @staticmethod
-    def forward(ctx, weight: torch.Tensor) -> torch.Tensor:
-        ctx.weight = weight
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        weight = ctx.weight
-        weight.main_grad.add_(grad.to(weight.main_grad.dtype))
-        if not hasattr(weight, "grad_added_to_main_grad"):
-            return None
-        # Megatron's DDP reads grad_added_to_main_grad and ignores .grad; a dummy keeps its hooks
-        # on the main backward thread, as Megatron's own layers do.
-        weight.grad_added_to_main_grad = True
-        make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-        return make(weight.main_grad.shape, dtype=grad.dtype, device=grad.device)
-
-
-class _LinearAllReduceInputGrad(torch.autograd.Function):
-    """``x @ w.T`` with a replicated input: backward all-reduces the input gradient while the
-    weight-gradient GEMM runs (Megatron's column-parallel layer without sequence parallelism)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group, timeout: float) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.timeout = group, timeout
-        return torch.matmul(x, weight.t())
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        grad_x = grad_out.matmul(weight)
-        work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            g2 = grad_out.reshape(-1, grad_out.shape[-1])
-            grad_w = g2.t().matmul(x.reshape(-1, x.shape[-1]))  # overlaps the all-reduce
-        rank = dist.get_rank(ctx.group)
-        comm.wait_work(work, "ColumnParallelLinear", rank, "all", "all", ctx.timeout, grad_x.device)
-        return grad_x, grad_w, None, None
-
-
-def _all_gather_last_dim(x: torch.Tensor, group, timeout: float, what: str) -> torch.Tensor:
-    W = dist.get_world_size(group)
-    x = x.contiguous()
-    out = x.new_empty((W * x.shape[0], *x.shape[1:]))  # rank q's tensor at rows q*len ...
-    comm.wait_work(comm.all_gather_async(out, x, group), what, dist.get_rank(group), "all", "all", timeout, x.device)
-    return torch.cat(out.chunk(W, dim=0), dim=-1)
-
-
-def _own_last_dim_slice(x: torch.Tensor, group) -> torch.Tensor:
-    W, r = dist.get_world_size(group), dist.get_rank(group)
-    size = x.shape[-1] // W
-    return x[..., r * size : (r + 1) * size].contiguous()
-
-
-class _GatherLastDim(torch.autograd.Function):
-    """Forward: all-gather along the last dim; backward: this rank's slice of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group, timeout: float) -> torch.Tensor:
-        ctx.group = group
-        return _all_gather_last_dim(x, group, timeout, "ColumnParallelLinear(gather_output)")
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _own_last_dim_slice(grad, ctx.group), None, None
-
-
-class _ScatterLastDim(torch.autograd.Function):
-    """Forward: this rank's slice of the last dim; backward: all-gather of the gradient along it."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group, timeout: float) -> torch.Tensor:
-        ctx.group, ctx.timeout = group, timeout
-        return _own_last_dim_slice(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        what = "RowParallelLinear(input_is_parallel=False)"
-        return _all_gather_last_dim(grad, ctx.group, ctx.timeout, what), None, None
-
-
-# ----------------------------------------------------------------------------------------------
-# The modules
-# ----------------------------------------------------------------------------------------------
-
-
-class _ParallelLinear(torch.nn.Module):
-    """What both modules share: config checks, the group, the plan, main_grad, state-dict extras."""
-
-    _partition_dim: int  # of the weight
-
-    def _setup(self, input_size: int, output_size: int, config: Any, is_expert: bool, tp_group,
-               skip_bias_add: bool, strategy: str, plan: Plan | dict | None, timeout: float | None,
-               unsupported: dict[str, bool]) -> None:
+    def _setup(self, in_features: int, out_features: int, split: int, group, sequence_parallel: bool,
+               strategy: str, plan: Plan | dict | None, timeout: float | None) -> None:
         name = type(self).__name__
-        if is_expert:
-            unsupported["is_expert=True (expert layers run through overlap's MoE ops)"] = True
-        if _cfg(config, "cpu_offloading", False):
-            unsupported["config.cpu_offloading"] = True
-        bad = [k for k, v in unsupported.items() if v]
-        if bad:
-            raise NotImplementedError(f"overlap.nn.{name}: not implemented: {', '.join(bad)}")
-        if _cfg(config, "tp_comm_overlap", False):
-            warn_once(f"overlap.nn.{name}: config.tp_comm_overlap (Transformer Engine's userbuffers) is not used; "
-                      "overlap's own ops overlap the communication instead", key="tp_comm_overlap")
-        self.input_size, self.output_size = input_size, output_size
-        self.config = config
-        self.is_expert = is_expert
-        self.expert_parallel = _cfg(config, "expert_model_parallel_size", 1) > 1
-        self.skip_bias_add = skip_bias_add
-        self.tp_group = tp_group if tp_group is not None else _default_tp_group(is_expert)
-        self.world_size = dist.get_world_size(self.tp_group)
-        self.rank = dist.get_rank(self.tp_group)
+        self.in_features = _positive_int(name, "in_features", in_features)
+        self.out_features = _positive_int(name, "out_features", out_features)
+        as_plan(strategy, plan)  # a bad strategy or plan raises here, not at the first forward
+        if timeout is not None:
+            envs.resolve_timeout(timeout)
         self.strategy, self.plan, self.timeout = strategy, plan, timeout
-        self.gradient_accumulation_fusion = bool(_cfg(config, "gradient_accumulation_fusion", False))
-        self.sequence_parallel = bool(_cfg(config, "sequence_parallel", False))
-        if self.sequence_parallel and self.world_size <= 1:
-            warnings.warn(f"overlap.nn.{name}: sequence_parallel is set with a tensor-parallel size of 1; "
-                          "disabling sequence parallelism", stacklevel=3)
-            self.sequence_parallel = False
-        self._default_extra_state()
+        self.group = world.resolve_group(group)
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.sequence_parallel = bool(sequence_parallel)
+        which = "out_features" if split == 0 else "in_features"
+        size = out_features if split == 0 else in_features
+        if size % self.world_size:
+            raise ValueError(f"overlap.nn.{name}: {which}={size} must divide by the group's size {self.world_size}")
 
-    def _default_extra_state(self) -> None:
-        """Megatron's modules give checkpoints an empty ``_extra_state`` (Transformer Engine
-        compatibility): a checkpoint without the key loads too."""
-        self._register_load_state_dict_pre_hook(
-            lambda state_dict, prefix, *args, **kwargs: state_dict.setdefault(f"{prefix}_extra_state")
-        )
-
-    def _placement(self) -> tuple[torch.dtype, torch.device, bool]:
-        """``(dtype, device, cpu_init)`` of new parameters, as Megatron's config asks (CPU without a GPU)."""
-        cpu_init = _cfg(self.config, "use_cpu_initialization", False) or not torch.cuda.is_available()
-        device = torch.device("cpu") if cpu_init else torch.device("cuda", torch.cuda.current_device())
-        return _cfg(self.config, "params_dtype", torch.float32), device, cpu_init
-
-    def _make_weight(self, shape: tuple[int, int], full_shape: tuple[int, int], init_method: Callable,
-                     stride: int, keep_master_weight_for_test: bool) -> Parameter:
-        config = self.config
-        dtype, device, cpu_init = self._placement()
-        weight = Parameter(torch.empty(shape, dtype=dtype, device=device))
-        _set_tp_attributes(weight, True, self._partition_dim, stride)
-        if _cfg(config, "perform_initialization", True):
-            if cpu_init:
-                master = _init_cpu(weight, full_shape, self._partition_dim, init_method, stride, self.rank,
-                                   self.world_size, dtype)
-                if keep_master_weight_for_test:
-                    self.master_weight = master
+    def _parameters_from_linear(self, bias: bool, split: int, dtype, device) -> None:
+        """This rank's slice (rows for ``split=0``, columns for ``1``) of a freshly built full ``nn.Linear``."""
+        full = torch.nn.Linear(self.in_features, self.out_features, bias=bias, device=device, dtype=dtype)
+        part = full.weight.shape[split] // self.world_size
+        own = slice(self.rank * part, (self.rank + 1) * part)
+        with torch.no_grad():
+            weight = full.weight[own] if split == 0 else full.weight[:, own]
+            self.weight = Parameter(weight.clone())
+            if bias:
+                self.bias = Parameter((full.bias[own] if split == 0 else full.bias).clone())
             else:
-                _init_device(weight, init_method, self.is_expert)
-        weight.allreduce = not (self.is_expert and self.expert_parallel)
-        return weight
-
-    def _make_bias(self, size: int) -> Parameter:
-        dtype, device, _ = self._placement()
-        bias = Parameter(torch.empty(size, dtype=dtype, device=device))
-        if _cfg(self.config, "perform_initialization", True):
-            with torch.no_grad():
-                bias.zero_()  # Megatron always starts biases at zero
-        bias.allreduce = not (self.is_expert and self.expert_parallel)
-        return bias
-
-    def _weight_for_op(self, weight: torch.Tensor) -> torch.Tensor:
-        """`weight`, routed into ``main_grad`` where Megatron's gradient accumulation fusion asks for it."""
-        if self.gradient_accumulation_fusion and weight.requires_grad and hasattr(weight, "main_grad"):
-            return _IntoMainGrad.apply(weight)
-        return weight
+                self.register_parameter("bias", None)
 
     def _op_kwargs(self) -> dict[str, Any]:
-        return {"group": self.tp_group, "strategy": self.strategy, "plan": self.plan, "timeout": self.timeout}
+        return {"group": self.group, "strategy": self.strategy, "plan": self.plan, "timeout": self.timeout}
 
-    def _sharded_state_dict(self, prefix: str, axes: dict[str, int], sharded_offsets, metadata):
-        try:
-            from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-        except ImportError as exc:
-            raise ImportError(f"overlap.nn.{type(self).__name__}.sharded_state_dict needs megatron-core") from exc
-        state_dict = self.state_dict(prefix="", keep_vars=True)
-        kwargs = {"tp_group": self.tp_group}
-        if metadata is not None and "dp_cp_group" in metadata:
-            kwargs["dp_cp_group"] = metadata["dp_cp_group"]
-        return make_sharded_tensors_for_checkpoint(state_dict, prefix, axes, sharded_offsets, **kwargs)
-
-    def set_extra_state(self, state: Any) -> None:
-        """Extra state is ignored (as Megatron's modules do)."""
-
-    def get_extra_state(self) -> None:
-        """None, as Megatron's modules (keeps the ``_extra_state`` key of their checkpoints)."""
-        return None
-
-    def backward_dw(self) -> None:
-        """Megatron's deferred weight-gradient hook: weight gradients are never deferred here."""
-
-    def _resolve_timeout(self) -> float:
-        return envs.resolve_timeout(self.timeout)
-
-    @classmethod
-    def from_megatron(cls, original: torch.nn.Module, strategy: str = "auto", plan=None,
-                      timeout: float | None = None) -> _ParallelLinear:
-        """This module in place of Megatron's `original`, sharing its very parameters (no copy, no init)."""
-        if getattr(original, "is_expert", False):
-            raise NotImplementedError(f"overlap.nn.{cls.__name__}: is_expert=True layers are not replaced")
-        return cls._adopt(original, strategy, plan, timeout)
+    def _what(self) -> str:
+        return f"overlap.nn.{type(self).__name__}"
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.input_size}, out_features={self.output_size}, bias={self.bias is not None}, "
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"TP={self.world_size}, sequence_parallel={self.sequence_parallel}, strategy={self.strategy!r}")
 
-    @classmethod
-    def _adopt(cls, original: torch.nn.Module, strategy: str, plan, timeout) -> _ParallelLinear:
-        """A new module of this class sharing `original`'s parameters (no copy, no initialization)."""
-        new = cls.__new__(cls)
-        torch.nn.Module.__init__(new)
-        for key, value in vars(original).items():
-            if key.startswith("_"):
-                continue
-            setattr(new, key, value)
-        for name in ("weight", "bias"):  # the very Parameter objects (or None)
-            new.register_parameter(name, getattr(original, name, None))
-        if _cfg(new.config, "defer_embedding_wgrad_compute", False) and cls is ColumnParallelLinear:
-            raise NotImplementedError(f"overlap.nn.{cls.__name__}: not implemented: "
-                                      "config.defer_embedding_wgrad_compute")
-        new.world_size = dist.get_world_size(new.tp_group)
-        new.rank = dist.get_rank(new.tp_group)
-        new.strategy, new.plan, new.timeout = strategy, plan, timeout
-        new.gradient_accumulation_fusion = bool(_cfg(new.config, "gradient_accumulation_fusion", False))
-        new._default_extra_state()
-        return new
 
+class ColumnParallelLinear(_TensorParallelLinear):
+    """``y = x @ W.T + b`` with ``W``'s rows (``out_features``) split over `group` (see the module docstring).
 
-class ColumnParallelLinear(_ParallelLinear):
-    """Megatron-core's ``ColumnParallelLinear`` (``Y = X A + b``, ``A`` split along its columns),
-    its collectives overlapped with its GEMMs. See the module docstring for the modes.
+    Args:
+        in_features, out_features: of the whole layer (``out_features`` must divide by the group's size).
+        bias: add a bias (this rank's ``out_features/W`` part).
+        group: the tensor-parallel group (default: the world).
+        sequence_parallel: the input is this rank's slice of the sequence ``[s/W, b, in]`` (dim 0),
+            gathered by `overlap.all_gather_matmul` behind the GEMM; otherwise the whole ``[s, b, in]``,
+            the same on every rank.
+        gather_output: return ``[s, b, out]`` (every rank's columns) instead of ``[s, b, out/W]``.
+        strategy, plan, timeout: of the op (defaults: ``"auto"``, none, ``OVERLAP_TIMEOUT_S``).
+        dtype, device: of the parameters (defaults: torch's, CPU), as for ``nn.Linear``.
 
-    Args: those of Megatron-core's ``ColumnParallelLinear`` (``input_size, output_size, *, config,
-    init_method, bias, gather_output, stride, keep_master_weight_for_test, skip_bias_add,
-    skip_weight_param_allocation, embedding_activation_buffer, grad_output_buffer, is_expert,
-    tp_comm_buffer_name, disable_grad_reduce, tp_group``), then `overlap`'s: ``strategy``, ``plan``,
-    ``timeout`` of the ops (defaults: ``"auto"``, none, ``OVERLAP_TIMEOUT_S``).
+    Returns a tensor. ``config=`` (deprecated) builds `overlap.hooks.megatron.ColumnParallelLinear` instead.
 
-    Input: ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism). Returns ``(output, output_bias)``:
-    ``output`` is ``[s, b, output_size/tp]`` (``[s, b, output_size]`` when gathered), ``output_bias``
-    the bias when ``skip_bias_add`` else None.
+    Raises:
+        ValueError: sizes that are not positive ints, ``out_features`` not divisible by the group's size,
+            a bad strategy/plan/timeout (here, before any communication); the op's errors in forward.
     """
 
-    _partition_dim = 0
-
-    def __init__(self, input_size: int, output_size: int, *, config: Any, init_method: Callable,
-                 bias: bool = True, gather_output: bool = False, stride: int = 1,
-                 keep_master_weight_for_test: bool = False, skip_bias_add: bool = False,
-                 skip_weight_param_allocation: bool = False, embedding_activation_buffer: list | None = None,
-                 grad_output_buffer: list | None = None, is_expert: bool = False,
-                 tp_comm_buffer_name: str | None = None, disable_grad_reduce: bool = False, tp_group=None,
-                 strategy: str = "auto", plan: Plan | dict | None = None, timeout: float | None = None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, group: dist.ProcessGroup | None = None,
+                 sequence_parallel: bool = False, gather_output: bool = False, *, strategy: str = "auto",
+                 plan: Plan | dict | None = None, timeout: float | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
         super().__init__()
-        defer = bool(_cfg(config, "defer_embedding_wgrad_compute", False))
-        self._setup(input_size, output_size, config, is_expert, tp_group, skip_bias_add, strategy, plan, timeout,
-                    {"config.defer_embedding_wgrad_compute (embedding_activation_buffer, grad_output_buffer)": defer})
-        del tp_comm_buffer_name, embedding_activation_buffer, grad_output_buffer  # unused, as in Megatron
-        self.gather_output = gather_output
-        self.disable_grad_reduce = disable_grad_reduce
-        if output_size % self.world_size:
-            raise ValueError(f"overlap.nn.ColumnParallelLinear: output_size={output_size} is not divisible by "
-                             f"the tensor-parallel size {self.world_size}")
-        self.output_size_per_partition = output_size // self.world_size
-        self.explicit_expert_comm = False
-        if skip_weight_param_allocation:
-            self.weight = None
+        self._setup(in_features, out_features, 0, group, sequence_parallel, strategy, plan, timeout)
+        self.gather_output = bool(gather_output)
+        self.out_features_per_partition = out_features // self.world_size
+        self._parameters_from_linear(bias, 0, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parallel = self.world_size > 1
+        if parallel and self.sequence_parallel:
+            y = all_gather_matmul(x, self.weight.t(), **self._op_kwargs())
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
         else:
-            self.weight = self._make_weight((self.output_size_per_partition, input_size), (output_size, input_size),
-                                            init_method, stride, keep_master_weight_for_test)
-        if bias:
-            self.bias = self._make_bias(self.output_size_per_partition)
-            _set_tp_attributes(self.bias, True, 0, stride)
-        else:
-            self.register_parameter("bias", None)
-        self.allreduce_dgrad = self.world_size > 1 and not self.sequence_parallel and not disable_grad_reduce
+            if parallel:
+                x = AllReduceInBackward.apply(x, self.group, self.timeout, self._what())
+            y = F.linear(x, self.weight, self.bias)
+        if parallel and self.gather_output:
+            y = GatherLastDim.apply(y, self.group, self.timeout, f"{self._what()}(gather_output=True)")
+        return y
 
-    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
-                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if weight is None:
-            if self.weight is None:
-                raise RuntimeError("overlap.nn.ColumnParallelLinear: weight was not supplied to forward and "
-                                   "skip_weight_param_allocation is True")
-            weight = self.weight
-        elif tuple(weight.shape) != (self.output_size_per_partition, self.input_size):
-            raise RuntimeError(f"overlap.nn.ColumnParallelLinear: supplied weight's shape is {tuple(weight.shape)}, "
-                               f"not {(self.output_size_per_partition, self.input_size)} as expected")
-        w = self._weight_for_op(weight)
-        if self.sequence_parallel:
-            out = all_gather_matmul(input_, w.t(), **self._op_kwargs())
-        elif self.allreduce_dgrad:
-            out = _LinearAllReduceInputGrad.apply(input_, w, self.tp_group, self._resolve_timeout())
-        else:
-            out = torch.matmul(input_, w.t())
-        if self.bias is not None and not self.skip_bias_add:
-            out = out + self.bias
-        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
-        if gather and self.world_size > 1:
-            out = _GatherLastDim.apply(out, self.tp_group, self._resolve_timeout())
-        return out, (self.bias if self.skip_bias_add else None)
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
-        """Megatron's: weight and bias sharded along axis 0."""
-        return self._sharded_state_dict(prefix, {"weight": 0, "bias": 0}, sharded_offsets, metadata)
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", gather_output={self.gather_output}"
 
 
-class RowParallelLinear(_ParallelLinear):
-    """Megatron-core's ``RowParallelLinear`` (``Y = X A + b``, ``A`` split along its rows), its
-    reduction overlapped with its GEMM. See the module docstring for the modes.
+class RowParallelLinear(_TensorParallelLinear):
+    """``y = x @ W.T + b`` with ``W``'s columns (``in_features``) split over `group` (see the module docstring).
 
-    Args: those of Megatron-core's ``RowParallelLinear`` (``input_size, output_size, *, config,
-    init_method, bias, input_is_parallel, skip_bias_add, stride, keep_master_weight_for_test,
-    is_expert, tp_comm_buffer_name, tp_group``), then ``strategy``, ``plan``, ``timeout``.
+    Args:
+        in_features, out_features: of the whole layer (``in_features`` must divide by the group's size).
+        bias: add a bias (whole, replicated; added once after the reduction).
+        group: the tensor-parallel group (default: the world).
+        sequence_parallel: return this rank's slice of the sequence ``[s/W, b, out]``, reduce-scattered
+            by `overlap.matmul_reduce_scatter` (``s`` must divide by the group's size); otherwise the
+            whole ``[s, b, out]``, all-reduced by `overlap.matmul_all_reduce`, the same on every rank.
+        input_is_parallel: the input is this rank's features ``[s, b, in/W]`` (as a column-parallel
+            layer leaves them); ``False``: the whole ``[s, b, in]``, of which this rank takes its part
+            (not with sequence parallelism).
+        strategy, plan, timeout: of the op (defaults: ``"auto"``, none, ``OVERLAP_TIMEOUT_S``).
+        dtype, device: of the parameters (defaults: torch's, CPU), as for ``nn.Linear``.
 
-    Input: ``[s, b, input_size/tp]`` (``[s, b, input_size]`` when not ``input_is_parallel``). Returns
-    ``(output, output_bias)``: ``[s, b, output_size]`` (``[s/tp, b, output_size]`` with sequence
-    parallelism; the bias is then marked ``sequence_parallel`` for Megatron's gradient reduction).
+    Returns a tensor. ``config=`` (deprecated) builds `overlap.hooks.megatron.RowParallelLinear` instead.
+
+    Raises:
+        ValueError: sizes that are not positive ints, ``in_features`` not divisible by the group's size,
+            ``sequence_parallel`` with ``input_is_parallel=False``, a bad strategy/plan/timeout (here);
+            the op's errors in forward.
     """
 
-    _partition_dim = 1
-
-    def __init__(self, input_size: int, output_size: int, *, config: Any, init_method: Callable, bias: bool,
-                 input_is_parallel: bool, skip_bias_add: bool, stride: int = 1,
-                 keep_master_weight_for_test: bool = False, is_expert: bool = False,
-                 tp_comm_buffer_name: str | None = None, tp_group=None,
-                 strategy: str = "auto", plan: Plan | dict | None = None, timeout: float | None = None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, group: dist.ProcessGroup | None = None,
+                 sequence_parallel: bool = False, input_is_parallel: bool = True, *, strategy: str = "auto",
+                 plan: Plan | dict | None = None, timeout: float | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
         super().__init__()
-        self._setup(input_size, output_size, config, is_expert, tp_group, skip_bias_add, strategy, plan, timeout, {})
-        del tp_comm_buffer_name
-        self.input_is_parallel = input_is_parallel
+        self._setup(in_features, out_features, 1, group, sequence_parallel, strategy, plan, timeout)
         if self.sequence_parallel and not input_is_parallel:
-            raise RuntimeError("overlap.nn.RowParallelLinear: sequence_parallel needs input_is_parallel=True")
-        if input_size % self.world_size:
-            raise ValueError(f"overlap.nn.RowParallelLinear: input_size={input_size} is not divisible by the "
-                             f"tensor-parallel size {self.world_size}")
-        self.input_size_per_partition = input_size // self.world_size
-        self.explicit_expert_comm = False
-        self.weight = self._make_weight((output_size, self.input_size_per_partition), (output_size, input_size),
-                                        init_method, stride, keep_master_weight_for_test)
-        if bias:
-            self.bias = self._make_bias(output_size)
-            self.bias.sequence_parallel = self.sequence_parallel
-        else:
-            self.register_parameter("bias", None)
+            raise ValueError("overlap.nn.RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
+        self.input_is_parallel = bool(input_is_parallel)
+        self.in_features_per_partition = in_features // self.world_size
+        self._parameters_from_linear(bias, 1, dtype, device)
 
-    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = input_
-        if not self.input_is_parallel and self.world_size > 1:
-            x = _ScatterLastDim.apply(x, self.tp_group, self._resolve_timeout())
-        w = self._weight_for_op(self.weight)
-        if self.sequence_parallel:
-            out = matmul_reduce_scatter(x, w.t(), **self._op_kwargs())
-        else:
-            out = matmul_all_reduce(x, w.t(), **self._op_kwargs())
-        if self.skip_bias_add:
-            return out, self.bias
-        return (out + self.bias if self.bias is not None else out), None
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        if not self.input_is_parallel:
+            x = SplitLastDim.apply(x, self.group, self.timeout, f"{self._what()}(input_is_parallel=False)")
+        op = matmul_reduce_scatter if self.sequence_parallel else matmul_all_reduce
+        y = op(x, self.weight.t(), **self._op_kwargs())
+        if self.bias is None:
+            return y
+        bias = self.bias
+        if self.sequence_parallel:  # each rank adds it to its own rows: the gradient is the sum over ranks
+            bias = AllReduceInBackward.apply(bias, self.group, self.timeout, f"{self._what()}(bias gradient)")
+        return y + bias.to(y.dtype)
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
-        """Megatron's: weight sharded along axis 1, bias replicated."""
-        return self._sharded_state_dict(prefix, {"weight": 1}, sharded_offsets, metadata)
-
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", input_is_parallel={self.input_is_parallel}"

@@ -1,0 +1,151 @@
+"""``overlap demo``: its parser (`add_parser`, registered by `overlap.cli.parser`) and what it does around
+its ranks (`run`): check the arguments before any rank starts (exit 2), train on the ranks
+(`overlap.demo.train.train_rank`), then print the report and write ``--json``/``--plot`` (rank 0).
+
+The training, model and report live in `overlap.demo`, imported when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import textwrap
+import time
+
+_DESCRIPTION = (
+    "Train a small GPT-style model (embedding; attention and MLP blocks with sequence-parallel tensor "
+    "parallelism over the ranks; an MoE block with its experts over the ranks) twice from the same seed and "
+    "data: once with torch's own tensor-parallel styles (ColwiseParallel, RowwiseParallel, SequenceParallel) "
+    "and plain all-to-alls for the MoE block, once with overlap's (overlap.hooks.torch_tp's styles, "
+    "overlap.nn.ExpertParallelMLP) on --strategy. The data is a fixed token stream from a seeded Markov chain "
+    "(nothing is downloaded). Prints every step's loss side by side with their largest relative difference, "
+    "the step-time ratio (median and p25..p75 of the slowest rank's step times; step 0 is a warm-up and not "
+    "timed) and the peak memory of each run. The model's heads, ffn size, experts and sequence length must "
+    "divide by the number of ranks."
+)
+
+_EPILOG = """\
+examples:
+  overlap demo
+  overlap demo --steps 50 --strategy pipelined --json demo.json --plot demo.png
+  overlap demo --nproc 4 --seq-len 64 --batch 4
+  torchrun --nproc-per-node 8 -m overlap.cli demo --heads 8 --experts 8
+"""
+
+
+def _int_at_least(lowest: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lowest}, got {text!r}") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lowest}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
+def add_parser(sub, nproc_help: str) -> argparse.ArgumentParser:
+    """Add ``demo`` to the ``overlap`` command's subparsers `sub`."""
+    from ..demo.config import ModelConfig  # no torch: the defaults only
+
+    defaults = ModelConfig()
+    demo = sub.add_parser("demo", help="train a small GPT-style model with torch's tensor parallelism and with "
+                          "overlap's, and compare losses, step time and memory",
+                          description=textwrap.fill(_DESCRIPTION, 100), epilog=_EPILOG,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    positive = _int_at_least(1)
+    demo.add_argument("--nproc", type=positive, default=None, metavar="N", help=nproc_help)
+    demo.add_argument("--steps", type=_int_at_least(2), default=30, metavar="N",
+                      help="training steps of each run (default: %(default)s)")
+    demo.add_argument("--strategy", default="auto",
+                      help="overlap's strategy: auto, reference, pipelined, symm or fused (default: %(default)s)")
+    demo.add_argument("--json", default=None, metavar="PATH", help="write the losses, step times, memory and "
+                      "summary there as JSON")
+    demo.add_argument("--plot", default=None, metavar="PATH", help="draw the loss curves overlaid and the step "
+                      "times of both runs there (format from the suffix: .png, .svg, .pdf); needs matplotlib")
+    demo.add_argument("--seed", type=_int_at_least(0), default=0, help="seed of the model and the data "
+                      "(default: %(default)s)")
+    demo.add_argument("--lr", type=_positive_float, default=1e-2, help="AdamW's learning rate (default: %(default)s)")
+    for name, what in (("hidden", "hidden size"), ("heads", "attention heads"), ("ffn", "MLP and expert ffn size"),
+                       ("layers", "attention + MLP layers"), ("experts", "experts of the MoE block"),
+                       ("top_k", "experts per token"), ("seq_len", "sequence length"), ("batch", "sequences per step"),
+                       ("vocab", "vocabulary size")):
+        demo.add_argument(f"--{name.replace('_', '-')}", type=positive, default=getattr(defaults, name), metavar="N",
+                          help=f"{what} (default: %(default)s)")
+    demo.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
+                      help="deadline in seconds of each wait on a peer (default: OVERLAP_TIMEOUT_S, 300)")
+    demo.set_defaults(subparser=demo)
+    return demo
+
+
+def _check_output(parser: argparse.ArgumentParser, option: str, path: str | None) -> None:
+    if path is not None:
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            parser.error(f"{option}: folder {folder} does not exist")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``overlap demo``: exit 0, 1 (a rank failed) or 2 (arguments, checked before the ranks start)."""
+    from ..demo import report
+    from ..demo.config import DemoConfig, ModelConfig
+    from ..demo.train import train_rank
+    from ..plans import STRATEGIES
+    from .ranks import num_ranks, on_ranks
+
+    if args.strategy not in ("auto", *STRATEGIES):
+        parser.error(f"--strategy: expected auto or one of {', '.join(STRATEGIES)}, got {args.strategy!r}")
+    _check_output(parser, "--json", args.json)
+    _check_output(parser, "--plot", args.plot)
+    if args.plot:
+        try:
+            report.require_matplotlib()
+        except ImportError as exc:
+            parser.error(str(exc))
+    model = ModelConfig(vocab=args.vocab, hidden=args.hidden, heads=args.heads, ffn=args.ffn, layers=args.layers,
+                        experts=args.experts, top_k=args.top_k, seq_len=args.seq_len, batch=args.batch)
+    world_size = num_ranks(args.nproc)
+    problems = model.problems(world_size)
+    if problems:
+        parser.error(f"the model does not divide over {world_size} ranks: " + "; ".join(problems))
+    config = DemoConfig(model=model, steps=args.steps, lr=args.lr, seed=args.seed, strategy=args.strategy,
+                        timeout=args.timeout)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="overlap-demo-") as tmp:
+        out_path = os.path.join(tmp, "results.json")
+        code, in_place = on_ranks("demo", train_rank, (config, out_path), args.nproc)
+        if code != 0:
+            return code
+        if in_place is None:  # locally started ranks: rank 0 left the results in the file
+            with open(out_path) as f:
+                results = json.load(f)
+        else:
+            results = in_place
+    if in_place is not None and int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    derived = report.summary(results)
+    print("\n".join(report.lines(results, derived)), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**results, "summary": derived}, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        report.plot(results, args.plot)
+        print(f"wrote {args.plot}")
+    print(f"overlap demo: done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return 0
