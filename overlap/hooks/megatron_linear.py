@@ -45,8 +45,8 @@ from torch.nn import Parameter
 
 from .. import comm, envs
 from ..errors import warn_once
-from ..nn.collectives import GatherLastDim, SplitLastDim
 from ..ops.all_gather_matmul import all_gather_matmul
+from ..ops.collectives import gather_last_dim, split_last_dim
 from ..ops.matmul_all_reduce import matmul_all_reduce
 from ..ops.matmul_reduce_scatter import matmul_reduce_scatter
 from ..plans import Plan
@@ -375,7 +375,7 @@ class ColumnParallelLinear(_ParallelLinear):
             out = out + self.bias
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather and self.world_size > 1:
-            out = GatherLastDim.apply(out, self.tp_group, self.timeout, "ColumnParallelLinear(gather_output)")
+            out = gather_last_dim(out, self.tp_group, self.timeout, "ColumnParallelLinear(gather_output)")
         return out, (self.bias if self.skip_bias_add else None)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
@@ -426,7 +426,7 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = input_
         if not self.input_is_parallel and self.world_size > 1:
-            x = SplitLastDim.apply(x, self.tp_group, self.timeout, "RowParallelLinear(input_is_parallel=False)")
+            x = split_last_dim(x, self.tp_group, self.timeout, "RowParallelLinear(input_is_parallel=False)")
         w = self._weight_for_op(self.weight)
         if self.sequence_parallel:
             out = matmul_reduce_scatter(x, w.t(), **self._op_kwargs())

@@ -60,7 +60,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from .. import envs
 from ..ops.all_gather_matmul import all_gather_matmul
-from ..ops.grad_sync import all_reduce_grad
+from ..ops.collectives import all_reduce_grad
 from ..ops.matmul_all_reduce import matmul_all_reduce
 from ..ops.matmul_reduce_scatter import matmul_reduce_scatter
 from ..plans import Plan

@@ -18,7 +18,7 @@ layer                                      forward; backward
 column, ``sequence_parallel=True``          `overlap.all_gather_matmul` of ``[s/W, b, in]``: ``[s, b, out/W]``;
                                             its overlapped reduce-scatter of the input gradient
 column, ``sequence_parallel=False``         ``x @ w.T`` on the whole ``[s, b, in]``; the input gradient
-                                            all-reduced (`collectives.AllReduceInBackward`)
+                                            all-reduced (`overlap.ops.collectives.all_reduce_grad`)
 column, ``gather_output=True``              then every rank's columns gathered: ``[s, b, out]``
 row, ``sequence_parallel=True``             `overlap.matmul_reduce_scatter` of ``[s, b, in/W]``:
                                             ``[s/W, b, out]``; the bias gradient all-reduced
@@ -51,11 +51,11 @@ from torch.nn import Parameter
 
 from .. import envs, world
 from ..ops.all_gather_matmul import all_gather_matmul
+from ..ops.collectives import all_reduce_grad, gather_last_dim, split_last_dim
 from ..ops.matmul_all_reduce import matmul_all_reduce
 from ..ops.matmul_reduce_scatter import matmul_reduce_scatter
 from ..plans import Plan
 from ..plans.auto import as_plan
-from .collectives import AllReduceInBackward, GatherLastDim, SplitLastDim
 
 
 def _megatron_layer(name: str, args: tuple, kwargs: dict[str, Any]) -> torch.nn.Module:
@@ -163,10 +163,10 @@ class ColumnParallelLinear(_TensorParallelLinear):
                 y = y + self.bias.to(y.dtype)
         else:
             if parallel:
-                x = AllReduceInBackward.apply(x, self.group, self.timeout, self._what())
+                x = all_reduce_grad(x, self.group, self.timeout, self._what())
             y = F.linear(x, self.weight, self.bias)
         if parallel and self.gather_output:
-            y = GatherLastDim.apply(y, self.group, self.timeout, f"{self._what()}(gather_output=True)")
+            y = gather_last_dim(y, self.group, self.timeout, f"{self._what()}(gather_output=True)")
         return y
 
     def extra_repr(self) -> str:
@@ -213,14 +213,14 @@ class RowParallelLinear(_TensorParallelLinear):
         if self.world_size == 1:
             return F.linear(x, self.weight, self.bias)
         if not self.input_is_parallel:
-            x = SplitLastDim.apply(x, self.group, self.timeout, f"{self._what()}(input_is_parallel=False)")
+            x = split_last_dim(x, self.group, self.timeout, f"{self._what()}(input_is_parallel=False)")
         op = matmul_reduce_scatter if self.sequence_parallel else matmul_all_reduce
         y = op(x, self.weight.t(), **self._op_kwargs())
         if self.bias is None:
             return y
         bias = self.bias
         if self.sequence_parallel:  # each rank adds it to its own rows: the gradient is the sum over ranks
-            bias = AllReduceInBackward.apply(bias, self.group, self.timeout, f"{self._what()}(bias gradient)")
+            bias = all_reduce_grad(bias, self.group, self.timeout, f"{self._what()}(bias gradient)")
         return y + bias.to(y.dtype)
 
     def extra_repr(self) -> str:

@@ -155,7 +155,7 @@ def moe_inputs(rank: int, world_size: int, seed: int, tokens: int | None = None)
     L = E // world_size
     T = 3 + 2 * rank if tokens is None else tokens
     x = torch.randn(T, H, generator=g).requires_grad_()
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.empty(0, K, dtype=torch.int64)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)] or [torch.empty(0, K, dtype=torch.int64)])
     w1 = torch.randn(L, H, F, generator=g).requires_grad_()
     w2 = torch.randn(L, F, H, generator=g).requires_grad_()
     tw = torch.rand(T, K, generator=g).requires_grad_()
@@ -172,13 +172,13 @@ def moe_ops(rank: int, world_size: int, seed: int, strategies: tuple[str, ...], 
     out = []
     for strategy in strategies:
         x, idx, w1, w2, tw, E = moe_inputs(rank, world_size, seed)
-        mm_strategy = strategy
+        plain = "symm" if strategy == "fused" else strategy  # plain dispatch/combine have no fused form
 
-        def layer(x, w1, w2, tw, idx=idx, E=E, strategy=strategy, mm_strategy=mm_strategy):
-            h, handle = overlap.moe.dispatch_grouped_matmul(x, idx, w1, E, strategy=mm_strategy)
-            y = overlap.moe.grouped_matmul_combine(Fn.gelu(h), w2, tw, handle, strategy=mm_strategy)
-            rows, handle2 = overlap.moe.dispatch(x, idx, E, strategy="symm" if strategy == "fused" else strategy)
-            return y + overlap.moe.combine(rows * 2.0, tw, handle2, strategy="symm" if strategy == "fused" else strategy)
+        def layer(x, w1, w2, tw, idx=idx, E=E, strategy=strategy, plain=plain):
+            h, handle = overlap.moe.dispatch_grouped_matmul(x, idx, w1, E, strategy=strategy)
+            y = overlap.moe.grouped_matmul_combine(Fn.gelu(h), w2, tw, handle, strategy=strategy)
+            rows, handle2 = overlap.moe.dispatch(x, idx, E, strategy=plain)
+            return y + overlap.moe.combine(rows * 2.0, tw, handle2, strategy=plain)
 
         with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):  # for explain (not fullgraph)
             out.append((strategy, eager_vs_compiled(layer, (x, w1, w2, tw), seed, backend=backend,
