@@ -155,7 +155,8 @@ def moe_inputs(rank: int, world_size: int, seed: int, tokens: int | None = None)
     L = E // world_size
     T = 3 + 2 * rank if tokens is None else tokens
     x = torch.randn(T, H, generator=g).requires_grad_()
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)] or [torch.empty(0, K, dtype=torch.int64)])
+    rows = [torch.randperm(E, generator=g)[:K] for _ in range(T)]
+    idx = torch.stack(rows) if rows else torch.empty(0, K, dtype=torch.int64)
     w1 = torch.randn(L, H, F, generator=g).requires_grad_()
     w2 = torch.randn(L, F, H, generator=g).requires_grad_()
     tw = torch.rand(T, K, generator=g).requires_grad_()
