@@ -43,10 +43,10 @@ import torch
 import torch.distributed as dist
 from torch.nn import Parameter
 
-from .. import comm, envs
+from .. import envs
 from ..errors import warn_once
 from ..ops.all_gather_matmul import all_gather_matmul
-from ..ops.collectives import gather_last_dim, split_last_dim
+from ..ops.collectives import gather_last_dim, linear_all_reduce_dgrad, split_last_dim
 from ..ops.matmul_all_reduce import matmul_all_reduce
 from ..ops.matmul_reduce_scatter import matmul_reduce_scatter
 from ..plans import Plan
@@ -131,30 +131,6 @@ class _IntoMainGrad(torch.autograd.Function):
         weight.grad_added_to_main_grad = True
         make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
         return make(weight.main_grad.shape, dtype=grad.dtype, device=grad.device)
-
-
-class _LinearAllReduceInputGrad(torch.autograd.Function):
-    """``x @ w.T`` with a replicated input: backward all-reduces the input gradient while the
-    weight-gradient GEMM runs (Megatron's column-parallel layer without sequence parallelism)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group, timeout: float) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.timeout = group, timeout
-        return torch.matmul(x, weight.t())
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        grad_x = grad_out.matmul(weight)
-        work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            g2 = grad_out.reshape(-1, grad_out.shape[-1])
-            grad_w = g2.t().matmul(x.reshape(-1, x.shape[-1]))  # overlaps the all-reduce
-        rank = dist.get_rank(ctx.group)
-        comm.wait_work(work, "ColumnParallelLinear", rank, "all", "all", ctx.timeout, grad_x.device)
-        return grad_x, grad_w, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -368,7 +344,7 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.sequence_parallel:
             out = all_gather_matmul(input_, w.t(), **self._op_kwargs())
         elif self.allreduce_dgrad:
-            out = _LinearAllReduceInputGrad.apply(input_, w, self.tp_group, self._resolve_timeout())
+            out = linear_all_reduce_dgrad(input_, w, self.tp_group, self._resolve_timeout(), "ColumnParallelLinear")
         else:
             out = torch.matmul(input_, w.t())
         if self.bias is not None and not self.skip_bias_add:

@@ -18,7 +18,8 @@ layer                                      forward; backward
 column, ``sequence_parallel=True``          `overlap.all_gather_matmul` of ``[s/W, b, in]``: ``[s, b, out/W]``;
                                             its overlapped reduce-scatter of the input gradient
 column, ``sequence_parallel=False``         ``x @ w.T`` on the whole ``[s, b, in]``; the input gradient
-                                            all-reduced (`overlap.ops.collectives.all_reduce_grad`)
+                                            all-reduced during the weight-gradient GEMM
+                                            (`overlap.ops.collectives.linear_all_reduce_dgrad`)
 column, ``gather_output=True``              then every rank's columns gathered: ``[s, b, out]``
 row, ``sequence_parallel=True``             `overlap.matmul_reduce_scatter` of ``[s, b, in/W]``:
                                             ``[s/W, b, out]``; the bias gradient all-reduced
@@ -51,7 +52,7 @@ from torch.nn import Parameter
 
 from .. import envs, world
 from ..ops.all_gather_matmul import all_gather_matmul
-from ..ops.collectives import all_reduce_grad, gather_last_dim, split_last_dim
+from ..ops.collectives import all_reduce_grad, gather_last_dim, linear_all_reduce_dgrad, split_last_dim
 from ..ops.matmul_all_reduce import matmul_all_reduce
 from ..ops.matmul_reduce_scatter import matmul_reduce_scatter
 from ..plans import Plan
@@ -161,9 +162,11 @@ class ColumnParallelLinear(_TensorParallelLinear):
             y = all_gather_matmul(x, self.weight.t(), **self._op_kwargs())
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
+        elif parallel:  # replicated input: its gradient all-reduced during the weight-gradient GEMM
+            y = linear_all_reduce_dgrad(x, self.weight, self.group, self.timeout, self._what())
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
         else:
-            if parallel:
-                x = all_reduce_grad(x, self.group, self.timeout, self._what())
             y = F.linear(x, self.weight, self.bias)
         if parallel and self.gather_output:
             y = gather_last_dim(y, self.group, self.timeout, f"{self._what()}(gather_output=True)")

@@ -10,6 +10,8 @@ Where a collective meets a GEMM the layers call the fused ops. What is left is h
   layer's ``gather_output``); backward: this rank's slice of the gradient.
 * `split_last_dim`: this rank's slice of the last dim (a row-parallel layer's ``input_is_parallel=False``);
   backward: the gradient gathered along it.
+* `linear_all_reduce_dgrad`: ``x @ w.T`` with a replicated input; backward all-reduces the input gradient
+  while the weight-gradient GEMM runs (Megatron's column-parallel layer without sequence parallelism).
 
 The transfers are the custom ops ``overlap::all_reduce`` and ``overlap::all_gather_last_dim`` (bounded waits
 naming the layer that waited; ordered like the other ops under torch.compile); the slicing around them is
@@ -43,6 +45,12 @@ def split_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None = None, time
     """This rank's slice of the last dim of `x` (which divides by the group's size); backward: the gradient
     gathered along it."""
     return _SplitLastDim.apply(x, _name(group, what), timeout, what)
+
+
+def linear_all_reduce_dgrad(x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None = None,
+                            timeout: float | None = None, what: str = "linear_all_reduce_dgrad") -> torch.Tensor:
+    """``x @ weight.T``; backward: ``grad_x`` summed over `group` (in flight during the weight-gradient GEMM)."""
+    return _LinearAllReduceDgrad.apply(x, weight, _name(group, what), timeout, what)
 
 
 def _name(group, what: str) -> str:
@@ -92,6 +100,20 @@ class _SplitLastDim(torch.autograd.Function):
         return _gather_op(grad, *ctx.call_args), None, None, None
 
 
+class _LinearAllReduceDgrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, group: str, timeout: float | None, what: str):
+        ctx.save_for_backward(x, weight)
+        ctx.call_args = (group, timeout, what)
+        return torch.matmul(x, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x, grad_w = _dgrad_op(grad_out, x, weight, *ctx.call_args, ctx.needs_input_grad[1])
+        return grad_x, grad_w if ctx.needs_input_grad[1] else None, None, None, None
+
+
 # ----------------------------------------------------------------------------------------------
 # The custom ops
 # ----------------------------------------------------------------------------------------------
@@ -120,6 +142,24 @@ def _all_gather_last_dim(x: torch.Tensor, group: str, timeout: float | None, wha
     return torch.cat(out.chunk(world_size, dim=0), dim=-1)
 
 
+def _linear_dgrad(grad_out, x, weight, group: str, timeout: float | None, what: str, need_w: bool):
+    """``overlap::linear_all_reduce_dgrad``: ``(sum over ranks of grad_out @ w, grad_out.T @ x)``, the
+    all-reduce in flight while the weight gradient is computed (0 elements where it is not needed)."""
+    pg = library.group_of(group)
+    grad_x = grad_out.matmul(weight)
+    work = dist.all_reduce(grad_x, group=pg, async_op=True)
+    grad_w = weight.new_empty(0)
+    if need_w:
+        grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+    _wait(work, pg, what, timeout, grad_x.device)
+    return grad_x, grad_w
+
+
+def _linear_dgrad_fake(grad_out, x, weight, group, timeout, what, need_w):
+    return (grad_out.new_empty((*grad_out.shape[:-1], weight.shape[1])),
+            weight.new_empty(weight.shape if need_w else (0,)))
+
+
 def _same_shape(x, group, timeout, what):
     return x.new_empty(x.shape)
 
@@ -131,3 +171,7 @@ def _gathered_shape(x, group, timeout, what):
 _SCHEMA = "(Tensor x, str group, float? timeout, str what) -> Tensor"
 _all_reduce_op = library.define("all_reduce", _SCHEMA, _all_reduce, _same_shape)
 _gather_op = library.define("all_gather_last_dim", _SCHEMA, _all_gather_last_dim, _gathered_shape)
+_dgrad_op = library.define(
+    "linear_all_reduce_dgrad",
+    "(Tensor grad_out, Tensor x, Tensor weight, str group, float? timeout, str what, bool need_w) -> (Tensor, Tensor)",
+    _linear_dgrad, _linear_dgrad_fake)
