@@ -79,5 +79,15 @@ def test_moe_inductor_within_tolerance(pools, seed):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_expert_parallel_mlp_compiles(pools, seed, world_size):
     for rank, r in enumerate(pools(world_size).run(compile_tasks.moe_module, seed, "symm", timeout=300)):
-        assert r["breaks"] == 0, f"rank {rank}: {r['breaks']} graph breaks"
+        assert r["breaks"] == 0, f"rank {rank}: graph breaks {r['reasons']}"
         assert r["max_diff"] <= 1e-5, f"rank {rank}: compiled module differs from eager by {r['max_diff']}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("task", [compile_tasks.nn_layers, compile_tasks.torch_tp_styles], ids=["nn", "torch_tp"])
+def test_layers_compile(pools, seed, world_size, task):
+    strategy = "symm" if world_size == 2 else "pipelined"
+    for rank, modes in enumerate(pools(world_size).run(task, seed, strategy, timeout=300)):
+        for mode, r in modes.items():
+            assert r["breaks"] == 0, f"rank {rank} {mode}: graph breaks {r['reasons']}"
+            assert r["max_diff"] <= 1e-5, f"rank {rank} {mode}: compiled differs from eager by {r['max_diff']}"

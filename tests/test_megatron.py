@@ -363,3 +363,90 @@ def test_transformer_layer_with_attention(pools, seed, world_size):
         assert errors.pop("replaced") == 4, errors  # qkv, proj, fc1, fc2
         bad = {k: v for k, v in errors.items() if not v <= 1e-5}
         assert not bad, f"rank {rank}: {bad}"
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.compile: no graph break inside overlap's code
+# ----------------------------------------------------------------------------------------------
+
+
+def compiled_patched(rank, world_size, seed, sequence_parallel):
+    """A patched Megatron stack: the graph breaks torch._dynamo.explain reports (each with the file it broke
+    in), and the compiled model against eager (outputs and every gradient)."""
+    import torch._dynamo
+
+    import overlap.hooks.megatron as om
+
+    _megatron(world_size)
+    model = _build(world_size, seed, sequence_parallel)
+    om.patch(model, strategy="symm")
+    rows = S // world_size if sequence_parallel else S
+    x = torch.randn(rows, B, H, generator=torch.Generator().manual_seed(seed + rank))
+    g = torch.randn(rows, B, H, generator=torch.Generator().manual_seed(seed + 7))
+
+    def run(fn):
+        y, gx = _step(fn, x, g)
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return [y, gx, *grads]
+
+    torch._dynamo.reset()
+    eager = run(model)
+    explained = torch._dynamo.explain(model)(x)
+    torch._dynamo.reset()
+    compiled = run(torch.compile(model, backend="aot_eager"))
+    torch._dynamo.reset()
+    breaks = [(str(r.reason).splitlines()[0], r.user_stack[-1].filename if r.user_stack else "")
+              for r in explained.break_reasons]
+    return {"breaks": breaks, "max_diff": max((a - b).abs().max().item() for a, b in zip(compiled, eager, strict=True))}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_patched_model_compiles_without_breaks_in_overlap(pools, seed, sequence_parallel):
+    import overlap
+
+    package = str(__import__("pathlib").Path(overlap.__file__).parent)
+    for rank, r in enumerate(pools(2).run(compiled_patched, seed, sequence_parallel, timeout=300)):
+        ours = [b for b in r["breaks"] if b[1].startswith(package)]
+        assert not ours, f"rank {rank}: graph breaks in overlap's code: {ours}"
+        assert r["max_diff"] <= 1e-5, f"rank {rank}: compiled patched model differs from eager by {r['max_diff']}"
+
+
+def compiled_attention_layer(rank, world_size, seed):
+    """A patched Megatron-core transformer layer (attention + MLP, the CPU stand-ins of `attention_layer`):
+    the graph breaks torch._dynamo.explain reports, each with the file it broke in."""
+    import torch._dynamo
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    import overlap.hooks.megatron as om
+
+    ps = _megatron(world_size)
+    saved = ps.get_global_memory_buffer, tensor_parallel.get_cuda_rng_tracker
+    ps.get_global_memory_buffer = lambda: _CPUBuffer()
+    tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: _NoFork()
+    try:
+        config = _config(world_size, False)
+        config.attention_dropout = config.hidden_dropout = 0.0
+        torch.manual_seed(seed)
+        layer = build_module(get_gpt_layer_local_spec(), config=config, layer_number=1)
+        om.patch(layer, strategy="symm")
+        x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(seed))
+        causal = torch.triu(torch.ones(S, S), diagonal=1).bool()[None, None]
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(layer)(x, attention_mask=causal)
+        torch._dynamo.reset()
+    finally:
+        ps.get_global_memory_buffer, tensor_parallel.get_cuda_rng_tracker = saved
+    return [(str(r.reason).splitlines()[0], r.user_stack[-1].filename if r.user_stack else "")
+            for r in explained.break_reasons]
+
+
+def test_patched_transformer_layer_breaks_only_in_megatron(pools, seed):
+    import overlap
+
+    package = str(__import__("pathlib").Path(overlap.__file__).parent)
+    for rank, breaks in enumerate(pools(2).run(compiled_attention_layer, seed, timeout=300)):
+        ours = [b for b in breaks if b[1].startswith(package)]
+        assert not ours, f"rank {rank}: graph breaks in overlap's code: {ours}"

@@ -37,14 +37,14 @@ def all_reduce_grad(x: torch.Tensor, group: dist.ProcessGroup | None = None, tim
 def gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None = None, timeout: float | None = None,
                     what: str = "gather_last_dim") -> torch.Tensor:
     """Every rank's `x` side by side along the last dim (rank order); backward: this rank's slice."""
-    return _GatherLastDim.apply(x, _name(group, what), timeout, what)
+    return _GatherLastDim.apply(x, _name(group, what), timeout, what, _where(group))
 
 
 def split_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None = None, timeout: float | None = None,
                    what: str = "split_last_dim") -> torch.Tensor:
     """This rank's slice of the last dim of `x` (which divides by the group's size); backward: the gradient
     gathered along it."""
-    return _SplitLastDim.apply(x, _name(group, what), timeout, what)
+    return _SplitLastDim.apply(x, _name(group, what), timeout, what, _where(group))
 
 
 def linear_all_reduce_dgrad(x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None = None,
@@ -60,9 +60,13 @@ def _name(group, what: str) -> str:
     return name
 
 
-def _own_slice(x: torch.Tensor, group: str) -> torch.Tensor:
-    pg = library.group_of(group)
-    world_size, rank = dist.get_world_size(pg), dist.get_rank(pg)
+def _where(group) -> tuple[int, int]:
+    """``(rank, world size)`` in `group` (read where the compiler folds them to constants)."""
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _own_slice(x: torch.Tensor, where: tuple[int, int]) -> torch.Tensor:
+    rank, world_size = where
     size = x.shape[-1] // world_size
     return x[..., rank * size : (rank + 1) * size].contiguous()
 
@@ -80,24 +84,24 @@ class _AllReduceGrad(torch.autograd.Function):
 
 class _GatherLastDim(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group: str, timeout: float | None, what: str):
-        ctx.group = group
+    def forward(ctx, x, group: str, timeout: float | None, what: str, where: tuple[int, int]):
+        ctx.where = where
         return _gather_op(x, group, timeout, what)
 
     @staticmethod
     def backward(ctx, grad):
-        return _own_slice(grad, ctx.group), None, None, None
+        return _own_slice(grad, ctx.where), None, None, None, None
 
 
 class _SplitLastDim(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group: str, timeout: float | None, what: str):
+    def forward(ctx, x, group: str, timeout: float | None, what: str, where: tuple[int, int]):
         ctx.call_args = (group, timeout, what)
-        return _own_slice(x, group)
+        return _own_slice(x, where)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_op(grad, *ctx.call_args), None, None, None
+        return _gather_op(grad, *ctx.call_args), None, None, None, None
 
 
 class _LinearAllReduceDgrad(torch.autograd.Function):

@@ -187,30 +187,91 @@ def moe_ops(rank: int, world_size: int, seed: int, strategies: tuple[str, ...], 
     return out
 
 
-def moe_module(rank: int, world_size: int, seed: int, strategy: str) -> dict[str, Any]:
-    """`overlap.nn.ExpertParallelMLP` compiled whole: outputs and every parameter's gradient against eager."""
+def module_eager_vs_compiled(model: torch.nn.Module, x: torch.Tensor, seed: int, backend: str = "aot_eager",
+                             explain_config: dict | None = None) -> dict[str, Any]:
+    """`model` eagerly and compiled whole (``fullgraph=True``): the output, the input's and every parameter's
+    gradient (DTensor gradients compared by their local shards), with the largest difference."""
     import torch._dynamo
 
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def run(fn):
+        xi = x.detach().clone().requires_grad_()
+        y = local(fn(xi))
+        g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=y.dtype)
+        y.backward(g)
+        grads = [xi.grad] + [local(p.grad).clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return y.detach(), grads
+
+    torch._dynamo.reset()
+    want, want_grads = run(model)
+    with torch._dynamo.config.patch(**(explain_config or {})):
+        explained = torch._dynamo.explain(model)(x)
+    torch._dynamo.reset()
+    got, got_grads = run(torch.compile(model, backend=backend, fullgraph=True))
+    torch._dynamo.reset()
+    diff = max([(got - want).abs().max().item()]
+               + [(a - b).abs().max().item() for a, b in zip(got_grads, want_grads, strict=True)])
+    return {"breaks": explained.graph_break_count, "max_diff": diff,
+            "reasons": [str(r.reason).splitlines()[0] for r in explained.break_reasons]}
+
+
+def moe_module(rank: int, world_size: int, seed: int, strategy: str) -> dict[str, Any]:
+    """`overlap.nn.ExpertParallelMLP` compiled whole: outputs and every parameter's gradient against eager."""
     from overlap.nn import ExpertParallelMLP
 
     torch.manual_seed(seed)  # the router: replicated, equal on every rank
     mlp = ExpertParallelMLP(hidden_size=8, ffn_hidden_size=6, num_experts=2 * world_size, top_k=2,
                             activation="silu_glu", strategy=strategy)
     x = torch.randn(3 + rank, 2, 8, generator=_draw(seed, rank))
+    # (explain traces without fullgraph: it needs the flag fullgraph implies for the dispatch's row count)
+    return module_eager_vs_compiled(mlp, x, seed, explain_config={"capture_dynamic_output_shape_ops": True})
 
-    def run(fn):
-        y = fn(x)
-        y.backward(torch.ones_like(y))
-        grads = [p.grad.clone() for p in mlp.parameters()]
-        mlp.zero_grad(set_to_none=True)
-        return y.detach(), grads
 
-    torch._dynamo.reset()
-    want, want_grads = run(mlp)
-    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):  # explain does not trace fullgraph
-        breaks = torch._dynamo.explain(mlp)(x).graph_break_count
-    torch._dynamo.reset()
-    got, got_grads = run(torch.compile(mlp, backend="aot_eager", fullgraph=True))
-    torch._dynamo.reset()
-    diff = max([(got - want).abs().max().item()] + [(a - b).abs().max().item() for a, b in zip(got_grads, want_grads)])
-    return {"breaks": breaks, "max_diff": diff}
+def nn_layers(rank: int, world_size: int, seed: int, strategy: str) -> dict[str, dict[str, Any]]:
+    """`overlap.nn`'s column and row layers in an MLP, in each mode, compiled whole against eager."""
+    from torch import nn
+
+    from overlap.nn import ColumnParallelLinear, RowParallelLinear
+
+    modes = {
+        "sequence_parallel": (dict(sequence_parallel=True), dict(sequence_parallel=True), 2),
+        "replicated": ({}, {}, 2 * world_size),
+        "gather_output": (dict(gather_output=True), dict(input_is_parallel=False), 2 * world_size),
+    }
+    out = {}
+    for name, (col_kw, row_kw, rows) in modes.items():
+        torch.manual_seed(seed)
+        model = nn.Sequential(ColumnParallelLinear(8, 6 * world_size, strategy=strategy, **col_kw), nn.GELU(),
+                              RowParallelLinear(6 * world_size, 8, strategy=strategy, **row_kw))
+        x = torch.randn(rows, 2, 8, generator=_draw(seed, rank))
+        out[name] = module_eager_vs_compiled(model, x, seed)
+    return out
+
+
+def torch_tp_styles(rank: int, world_size: int, seed: int, strategy: str) -> dict[str, dict[str, Any]]:
+    """`overlap.hooks.torch_tp`'s styles on an MLP (sequence-parallel and replicated), compiled whole."""
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from overlap.hooks.torch_tp import ColwiseParallel, RowwiseParallel
+
+    mesh = DeviceMesh("cpu", list(range(world_size)))
+    plans = {
+        "sequence_parallel": ({"0": ColwiseParallel(input_layouts=Shard(0), strategy=strategy),
+                               "2": RowwiseParallel(output_layouts=Shard(0), strategy=strategy)}, 2),
+        "replicated": ({"0": ColwiseParallel(strategy=strategy), "2": RowwiseParallel(strategy=strategy)},
+                       2 * world_size),
+    }
+    out = {}
+    for name, (plan, rows) in plans.items():
+        torch.manual_seed(seed)
+        model = parallelize_module(nn.Sequential(nn.Linear(8, 6 * world_size), nn.GELU(),
+                                                 nn.Linear(6 * world_size, 8)), mesh, plan)
+        x = torch.randn(rows, 2, 8, generator=_draw(seed, rank))
+        out[name] = module_eager_vs_compiled(model, x, seed)
+    return out
