@@ -121,6 +121,36 @@ def test_handle_layout(pools, seed):
     pools(3).run(layout_task, seed)
 
 
+def handle_lifetime_task(rank, world_size, seed):
+    """A dispatch's host layout lives while its handle or a saved backward holds the key, no longer."""
+    import gc
+
+    import overlap
+    from overlap.ops import moe_handle
+
+    case = Case((5, 7, 2)[:world_size], 8, 8, 2 * world_size, 2, "random")
+    xs, idxs, *_ = make_inputs(case, seed, world_size, torch.float32)
+    gc.collect()
+    before = moe_handle.live_layouts()
+    x = xs[rank].clone().requires_grad_()
+    rows, h = overlap.moe.dispatch(x, idxs[rank], case.experts, strategy="symm")
+    y = overlap.moe.combine(rows * 2.0, torch.ones(x.shape[0], 2), h, strategy="symm")
+    held = moe_handle.live_layouts() - before
+    del h, rows
+    gc.collect()
+    by_graph = moe_handle.live_layouts() - before  # the autograd graph still holds the key
+    y.sum().backward()
+    del y
+    gc.collect()
+    return held, by_graph, moe_handle.live_layouts() - before, torch.equal(x.grad, torch.full_like(x, 4.0))
+
+
+def test_handle_lifetime(pools, seed):
+    for rank, (held, by_graph, after, grad_ok) in enumerate(pools(2).run(handle_lifetime_task, seed)):
+        assert (held, by_graph, after) == (1, 1, 0), f"rank {rank}: layouts held {held}, {by_graph}, then {after}"
+        assert grad_ok, f"rank {rank}: d(sum 2 * combine(dispatch(x)))/dx with unit weights is not 2 * top_k"
+
+
 def steady_state(rank, world_size, seed):
     """Back-to-back calls with changing routings, token counts and strategies; after the first calls
     at the largest token count, the symmetric heap never grows again (buffers sized for the worst case)."""

@@ -10,7 +10,8 @@ op runs the op's whole eager path (checks, plan, handshake, strategy). The compi
   transfers are as opaque to the compiler as the forward's;
 * an **ordered effect** on every op (`torch._higher_order_ops.effects`): AOTAutograd threads an effect
   token through them, so a compiled graph issues the calls on every rank in the program's order and never
-  drops one whose result is unused; peers that run the same program meet in the same calls.
+  drops one whose result is unused; peers that run the same program meet in the same calls. (The MoE
+  dispatch, whose output size depends on data, is a plain side effect: see `define`.)
 
 Arguments that a custom op cannot take are passed as text: the group by its name
 (`torch.distributed.ProcessGroup.group_name`, ``""`` for the default group), the plan as `plan_arg`
