@@ -81,6 +81,21 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false", "no")
 
 
+def set_triton_interpret() -> None:
+    """Set TRITON_INTERPRET=1 where torch sees no GPU and the user has not set it (imports torch: call it
+    where torch is needed anyway). `overlap` calls it before any of its Triton kernels is defined: on
+    ``import overlap`` where torch is already imported, on first use of an op or module, and in
+    ``overlap.kernels``' own import."""
+    global TRITON_INTERPRET_SET_BY_OVERLAP
+    if triton_interpret_set_by_user():
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+        TRITON_INTERPRET_SET_BY_OVERLAP = True
+
+
 def cuda_device_max_connections() -> int | None:
     """CUDA_DEVICE_MAX_CONNECTIONS as an int; None when unset or not an integer (the driver's default then)."""
     raw = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip()
@@ -90,5 +105,5 @@ def cuda_device_max_connections() -> int | None:
         return None
 
 
-#: True when `import overlap` set TRITON_INTERPRET itself (no GPU, not set by the user).
+#: True when overlap (`set_triton_interpret`) set TRITON_INTERPRET itself (no GPU, not set by the user).
 TRITON_INTERPRET_SET_BY_OVERLAP = False

@@ -66,6 +66,57 @@ def test_console_script_next_to_interpreter():
         assert option in proc.stdout, f"{option} missing from bench --help:\n{proc.stdout}"
 
 
+_NO_TORCH = textwrap.dedent("""\
+    import sys
+    from overlap.cli import main
+    try:
+        code = main(sys.argv[1:])
+    except SystemExit as exc:
+        code = exc.code
+    print("torch imported:", "torch" in sys.modules, file=sys.stderr)
+    sys.exit(code)
+""")
+
+
+@pytest.mark.parametrize(
+    "args, code",
+    [
+        (("--help",), 0),
+        (("--version",), 0),
+        (("bench", "--help"), 0),
+        (("tune", "--help"), 0),
+        (("info", "--help"), 0),
+        (("bench", "--shape", "3x4"), 2),
+        (("bench", "--plot", "x.bmpx"), 2),
+        (("bench", "--json", "/no/such/folder/x.json"), 2),
+        (("bench", "--strategies", "reference,warp"), 2),
+        (("info", "--nproc", "0"), 2),
+    ],
+)
+def test_help_version_and_argument_errors_do_not_import_torch(args, code):
+    """``overlap --help``, ``--version`` and argument errors answer without loading torch (quick start-up)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _NO_TORCH, *args], capture_output=True, text=True, timeout=60,
+                          env=env)
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    assert "torch imported: False" in proc.stderr, proc.stderr
+
+
+def test_plot_format_and_unwritable_folder_exit_2(tmp_path):
+    from overlap.benchmarks import command
+
+    with pytest.raises(ValueError, match="--plot: the suffix"):
+        command.check_outputs(None, str(tmp_path / "x.bmpx"), None)
+    with pytest.raises(ValueError, match="is a folder"):
+        command.check_outputs(str(tmp_path), None, None)
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.access(locked, os.W_OK):  # root writes anywhere
+        pytest.skip("running as root: no folder is unwritable")
+    with pytest.raises(ValueError, match="--json: .* is not writable"):
+        command.check_outputs(str(locked / "x.json"), None, None)
+
+
 def test_bad_shape_exits_2():
     proc = overlap_cmd("bench", "--shape", "3x4")
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)

@@ -1,23 +1,25 @@
 """The ``overlap`` command line: its parser (`build_parser`), help texts and argument types.
 
 `overlap.cli` parses with it and runs the commands; `selection` reads a repeatable list option back.
+It imports no torch (nor anything that does): ``overlap --help``, ``--version`` and argument errors
+answer in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from ..benchmarks.cases import (
+from ..benchmarks.models import TP_PRESETS, parse_tp_preset
+from ..benchmarks.names import (
     BENCH_OPS,
-    DTYPES,
+    DTYPE_NAMES,
     MODES,
     MOE_PRESETS,
     MoEShape,
-    all_strategy_labels,
+    all_bench_labels,
     parse_moe_shape,
     parse_shape,
 )
-from ..benchmarks.models import TP_PRESETS, parse_tp_preset
 from ..version import __version__
 
 _DESCRIPTION = "overlap: hide tensor- and expert-parallel communication behind the GEMMs around it."
@@ -109,7 +111,7 @@ def _names(known: tuple[str, ...], what: str):
     return parse
 
 
-_strategies = _names(all_strategy_labels(), "strategies among")
+_strategies = _names(all_bench_labels(), "strategies among")
 _ops = _names(BENCH_OPS, "ops among")
 _modes = _names(MODES, "modes among")
 
@@ -240,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--dtype",
-        choices=tuple(DTYPES),
+        choices=DTYPE_NAMES,
         default=None,
         help="dtype of the cases (default: float32 for --shape, presets included, else each built-in case's own)",
     )
@@ -249,9 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=_strategies,
         default=None,
         metavar="LIST",
-        help=f"comma-separated strategies (default: those of {','.join(all_strategy_labels())} that apply to the "
-        "ops selected), each run for the ops it applies to (the +one_shot ones: matmul_all_reduce); reference, "
-        "the baseline, always runs",
+        help=f"comma-separated strategies (default: those of {','.join(all_bench_labels())} that apply to the "
+        "ops selected), each run for the ops it applies to (the +one_shot ones: matmul_all_reduce); torch (the "
+        "plain torch.distributed collective and torch.matmul, the baseline of the speedups) and reference (the "
+        "project's plain strategy, the correctness baseline) always run; auto is the default strategy",
     )
     bench.add_argument(
         "--warmup",
