@@ -6,7 +6,7 @@ Public API (docs/design.md): `all_gather_matmul`, `matmul_reduce_scatter`, `matm
 parallelism; `overlap.nn` (drop-in modules) and `overlap.hooks` (Megatron-core, torch TP). No init call:
 a group's symmetric heap is created by its first call.
 
-``import overlap`` is cheap: it sets up the ``overlap`` logger and nothing else; every name above is
+``import overlap`` is cheap: it sets up the ``overlap`` logger (`overlap.logs`) and nothing else; every name above is
 imported when first used (PEP 562 `__getattr__`), so ``overlap --help`` never loads torch.
 
 Where no GPU exists and the user has not set ``TRITON_INTERPRET``, `overlap` sets it to 1 so that the
@@ -19,39 +19,13 @@ defined, so this also affects Triton kernels defined afterwards.
 from __future__ import annotations
 
 import importlib as _importlib
-import logging as _logging
 import sys as _sys
 
 from . import envs as _envs
+from . import logs as _logs
 from .version import __version__ as __version__
 
-
-class _RankFilter(_logging.Filter):
-    """Adds ``rank`` to every record: `` rank N`` once torch.distributed is initialized, else empty.
-    Reads torch.distributed only where torch is already imported (never imports it for a log line)."""
-
-    def filter(self, record: _logging.LogRecord) -> bool:
-        record.rank = ""
-        torch = _sys.modules.get("torch")
-        dist = getattr(torch, "distributed", None) if torch is not None else None
-        try:
-            if dist is not None and dist.is_available() and dist.is_initialized():
-                record.rank = f" rank {dist.get_rank()}"
-        except Exception:  # noqa: BLE001 - a log line never fails for want of a rank
-            pass
-        return True
-
-
-#: the format of the ``overlap`` logger's handler: ``[overlap INFO rank 1] message``
-LOG_FORMAT = "[overlap %(levelname)s%(rank)s] %(message)s"
-
-_log = _logging.getLogger("overlap")
-if not _log.handlers:
-    _handler = _logging.StreamHandler()
-    _handler.setFormatter(_logging.Formatter(LOG_FORMAT))
-    _handler.addFilter(_RankFilter())
-    _log.addHandler(_handler)
-_log.setLevel(getattr(_logging, _envs.log_level(), _logging.WARNING))
+_logs.configure()  # the ``overlap`` logger: OVERLAP_LOG's level, lines with the rank
 
 if "torch" in _sys.modules:  # torch is loaded already: costs nothing now, and covers Triton kernels defined next
     _envs.set_triton_interpret()

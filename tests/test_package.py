@@ -74,6 +74,12 @@ def test_log_lines_carry_the_rank_once_distributed_is_up(tmp_path):
     assert handler.filter(record)
     before = handler.format(record)
     assert before == "[overlap INFO] auto chose symm", before
+    choice = logging.LogRecord("overlap", logging.INFO, __file__, 1, "overlap.%s: auto chose %s for %s (%s)",
+                               ("moe", "pipelined[network=2,shm=4]", "sig(plan=pipelined[network=2,shm=4])",
+                                "default heuristic"), None)
+    assert handler.filter(choice)
+    assert handler.format(choice) == ("[overlap INFO] overlap.moe: auto chose pipelined (shm x4, network x2) for "
+                                      "sig(plan=pipelined[network=2,shm=4]) (default heuristic)")
     if dist.is_initialized():
         pytest.skip("a process group is already up in this process")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
@@ -82,3 +88,18 @@ def test_log_lines_carry_the_rank_once_distributed_is_up(tmp_path):
         assert handler.format(record) == "[overlap INFO rank 0] auto chose symm"
     finally:
         dist.destroy_process_group()
+
+
+def test_plan_labels_are_readable():
+    from overlap.logs import readable_plan
+
+    assert overlap.Plan("symm").label(("shm",)) == "symm (shm x1)"
+    assert overlap.Plan("symm", num_chunks={"shm": 2}).label() == "symm (shm x2)"
+    assert overlap.Plan("pipelined", num_chunks={"shm": 4, "network": 2}).label() == "pipelined (shm x4, network x2)"
+    assert overlap.Plan("reference").label(("shm",)) == "reference"
+    fused = overlap.Plan("fused", block_m=128, block_n=64, block_k=32, one_shot=True)
+    assert fused.label() == "fused (tile 128x64x32, one-shot)"
+    assert overlap.Plan("symm").describe() == "symm[]"  # the signature's text is unchanged
+    for plan in (overlap.Plan("symm"), overlap.Plan("pipelined", num_chunks={"shm": 4, "network": 2}), fused):
+        assert readable_plan(plan.describe()) == plan.label(), plan
+    assert readable_plan("not a plan") == "not a plan"
