@@ -11,8 +11,9 @@ imported when first used (PEP 562 `__getattr__`), so ``overlap --help`` never lo
 
 Where no GPU exists and the user has not set ``TRITON_INTERPRET``, `overlap` sets it to 1 so that the
 ``fused`` strategy's Triton kernels run interpreted on CPU ranks: at ``import overlap`` where torch is
-already imported, else when an op, module or kernel of `overlap` is first used, always before any of
-its kernels is defined (`envs.set_triton_interpret`). Triton reads the variable when a kernel is
+already imported, else when a module of `overlap` that uses torch is first imported (`overlap.world`,
+which they all import first, and `overlap.kernels`), always before Triton is imported by `overlap`
+(`envs.set_triton_interpret`). Triton reads the variable when a kernel is
 defined, so this also affects Triton kernels defined afterwards.
 """
 

@@ -16,7 +16,7 @@ from overlap import world
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 MODES = ("fwd", "fwd+bwd")
 MOE_GRADS = ("grad_x", "grad_w1", "grad_w2", "grad_topk_weights")
-STRATEGY_LABELS = ("reference", "pipelined", "symm", "fused (interpreted)")
+STRATEGY_LABELS = ("torch", "reference", "pipelined", "symm", "fused (interpreted)", "auto")
 ONE_SHOT_LABELS = ("pipelined+one_shot", "symm+one_shot", "fused+one_shot (interpreted)")
 
 
@@ -185,7 +185,10 @@ def test_bench_every_op_and_mode_with_json(tmp_path):
                 assert len(lines) == 1, f"want one line for {op} {mode} {label}:\n{proc.stdout}"
     assert "symm+one_shot" not in proc.stdout.split("matmul_all_reduce")[0], proc.stdout  # not for other ops
     for scope in ("fwd", "fwd+bwd", "all"):
-        assert f"geomean speedup over reference, {scope}: " in proc.stdout, proc.stdout
+        line = rf"geomean speedup over torch, {re.escape(scope)}: reference .* auto "
+        assert re.search(line, proc.stdout), proc.stdout
+    assert re.search(r"^auto slower than torch beyond the spreads \(p25..p75 apart\) in \d of 6 case\(s\)", proc.stdout,
+                     re.M), proc.stdout
     assert "machine: CPU" in proc.stdout and "note: fwd+bwd:" in proc.stdout, proc.stdout
     assert "[1/6] all_gather_matmul 16x24x8 float32 fwd:" in proc.stderr, proc.stderr
     assert "[6/6] matmul_all_reduce 16x24x8 float32 fwd+bwd:" in proc.stderr, proc.stderr
@@ -205,7 +208,11 @@ def test_bench_every_op_and_mode_with_json(tmp_path):
                 assert (r["m"], r["k"], r["n"], r["backward"]) == (16, 24, 8, mode == "fwd+bwd"), r
                 want = {"out", "grad_a", "grad_b"} if mode == "fwd+bwd" else {"out"}
                 assert set(r["tolerance"]) == want, r  # the gradients are checked too
-            assert rows[(op, mode, "reference")]["speedup"] == 1.0
+            assert rows[(op, mode, "torch")]["speedup"] == 1.0
+            assert rows[(op, mode, "reference")]["speedup_vs_reference"] == 1.0
+            assert rows[(op, mode, "torch")]["plan"] == "torch.distributed + torch.matmul"
+            assert rows[(op, mode, "symm")]["plan"] == "symm (shm x1)"
+            assert rows[(op, mode, "auto")]["plan"].startswith("symm (shm x1"), rows[(op, mode, "auto")]  # CPU ranks
             fused = rows[(op, mode, "fused")]
             assert fused["interpreted"] and not fused["in_summary"], fused
             assert rows[(op, mode, "symm")]["in_summary"]
@@ -220,10 +227,13 @@ def test_bench_every_op_and_mode_with_json(tmp_path):
     assert rows[("all_gather_matmul", "fwd+bwd", "(comm alone)")]["context"] == "comm"
     assert rows[("matmul_reduce_scatter", "fwd+bwd", "(GEMMs alone)")]["context"] == "compute"
 
-    summary = data["summary"]  # interpreted fused is left out
-    assert set(summary) == {"pipelined", "symm", "pipelined+one_shot", "symm+one_shot"}, summary
+    summary = data["summary"]  # interpreted fused is left out; reference and auto are in (over torch)
+    assert set(summary) == {"reference", "pipelined", "symm", "auto", "pipelined+one_shot", "symm+one_shot"}, summary
     assert summary["symm"]["cases"] == 6 and summary["symm"]["by_mode"]["fwd+bwd"]["cases"] == 3, summary
     assert summary["symm+one_shot"]["cases"] == 2, summary
+    assert summary["auto"]["cases"] == 6 and summary["auto"]["geomean_speedup_vs_reference"] > 0, summary
+    slower = data["auto_vs_torch"]
+    assert slower["compared"] == 6 and slower["slower"] == len(slower["cases"]), slower
 
 
 def test_bench_op_mode_strategy_selection():
@@ -260,16 +270,17 @@ def test_bench_op_mode_strategy_selection():
     ], proc.stderr
     for shape in ("8x16x8", "12x8x16"):
         for op, labels in (
-            ("all_gather_matmul", ("reference", "pipelined")),
-            ("matmul_all_reduce", ("reference", "pipelined", "symm+one_shot")),
+            ("all_gather_matmul", ("torch", "reference", "pipelined")),
+            ("matmul_all_reduce", ("torch", "reference", "pipelined", "symm+one_shot")),
         ):
             case = f"{op} {shape} bfloat16 fwd+bwd"
             for label in labels:
                 assert len(result_lines(proc.stdout, case, label)) == 1, f"{case} {label}:\n{proc.stdout}"
             assert not result_lines(proc.stdout, case, "symm"), proc.stdout  # not asked for
+            assert not result_lines(proc.stdout, case, "auto"), proc.stdout
     assert "matmul_reduce_scatter" not in proc.stdout and " fwd " not in proc.stdout, proc.stdout
-    assert re.search(r"geomean speedup over reference, fwd\+bwd: .*symm\+one_shot \S+x \(2\)", proc.stdout)
-    assert "over reference, all:" not in proc.stdout, proc.stdout  # one mode: no overall line
+    assert re.search(r"geomean speedup over torch, fwd\+bwd: .*symm\+one_shot \S+x \(2\)", proc.stdout)
+    assert "over torch, all:" not in proc.stdout, proc.stdout  # one mode: no overall line
 
 
 def test_bench_rank_error_exits_1():
@@ -407,13 +418,14 @@ def test_bench_moe_every_strategy_with_json(tmp_path):
         assert re.search(rf"note: {re.escape(case)}: routed rows per rank max/mean \d", proc.stdout), proc.stdout
     assert "all_gather_matmul" not in proc.stdout and "one_shot" not in proc.stdout, proc.stdout
     assert "note: moe: one MoE layer's experts" in proc.stdout, proc.stdout
-    assert "[2/2] moe 24,16,40,4,2 float32 fwd+bwd: reference, pipelined, symm, fused" in proc.stderr, proc.stderr
+    assert "[2/2] moe 24,16,40,4,2 float32 fwd+bwd: torch, reference, pipelined, symm, fused, auto" in proc.stderr, (
+        proc.stderr)
 
     data = json.loads(path.read_text())
     assert data["config"]["ops"] == ["moe"] and data["config"]["cases"][0]["dims"]["experts"] == 4
     rows = {(r["mode"], r["strategy"]): r for r in data["results"]}
     for mode in MODES:
-        for s in ("reference", "pipelined", "symm", "fused"):
+        for s in ("torch", "reference", "pipelined", "symm", "fused", "auto"):
             r = rows[(mode, s)]
             assert r["status"] == "ok" and r["speedup"] > 0 and r["median_ms"] > 0, r
             assert (r["tokens"], r["hidden"], r["ffn"], r["experts"], r["top_k"]) == (24, 16, 40, 4, 2), r
@@ -422,7 +434,7 @@ def test_bench_moe_every_strategy_with_json(tmp_path):
         assert rows[(mode, "fused")]["interpreted"] and not rows[(mode, "fused")]["in_summary"]
         context = {r["context"]: r for r in data["results"] if r["mode"] == mode and "context" in r}
         assert context["comm"]["comm_gbps"] > 0 and context["compute"]["compute_tflops"] > 0, context
-    assert set(data["summary"]) == {"pipelined", "symm"}, data["summary"]
+    assert set(data["summary"]) == {"reference", "pipelined", "symm", "auto"}, data["summary"]
     assert data["summary"]["symm"]["by_family"]["moe"]["cases"] == 2, data["summary"]
 
 

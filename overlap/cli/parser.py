@@ -190,18 +190,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="check and time every strategy of the ops against reference",
-        description="Benchmark the ops on the ranks: for each case (op, shape, dtype, mode), check every "
-        "strategy against 'reference' (the output, and in fwd+bwd the gradients of every input; a mismatch "
-        "fails the command), warm up, then time interleaved repeats between barriers. Prints one line per "
-        "strategy and case (median ms, p25..p75, TFLOP/s, speedup over reference, overlap efficiency = "
-        "(T_ref - T) / min(T_comm, T_compute)), the plain collectives and the GEMMs alone for context, and "
-        "the geometric-mean speedup per strategy and mode, then per op. A progress bar on stderr names the case "
-        "and strategy being checked or timed. --plot draws the results, --compare sets them against an earlier "
-        "--json file. matmul_all_reduce also runs each strategy's "
-        "one-shot variant (label '+one_shot'). Op 'moe' is one MoE layer's experts on the expert-parallel "
-        "group (overlap.moe.dispatch_grouped_matmul, gelu, overlap.moe.grouped_matmul_combine) with a fixed, "
-        "uneven routing; its gradients of x, w1, w2 and topk_weights are checked. Interpreted 'fused' (CPU "
-        "ranks) runs only where every dim <= 128 and is left out of the summary.",
+        description="Benchmark the ops on the ranks: for each case (op, shape, dtype, mode), check "
+        "'reference' and 'torch' (the op in plain torch: torch.distributed collectives and torch.matmul, no code of "
+        "overlap on its timed path) against the op's result computed locally, and every strategy and 'auto' (the "
+        "default strategy) against 'reference' (the output, and in fwd+bwd the gradients of every input; a mismatch "
+        "fails the command), warm up, then time interleaved repeats between barriers. Prints one line per row and "
+        "case (median ms, p25..p75, TFLOP/s, speedup over torch, speedup over reference, overlap efficiency = "
+        "(T_ref - T) / min(T_comm, T_compute), the plan it ran: auto's choice), the plain collectives and the GEMMs "
+        "alone for context, the geometric-mean speedup over torch per strategy and mode, then per op (reference "
+        "and auto included), and a line counting the cases where auto was slower than torch beyond the spreads "
+        "(p25..p75 apart; also in --json). A progress bar on stderr names the case and strategy being checked or "
+        "timed. --plot draws the results, --compare sets them against an earlier --json file. matmul_all_reduce "
+        "also runs each strategy's one-shot variant (label '+one_shot'). Op 'moe' is one MoE layer's experts on the "
+        "expert-parallel group (overlap.moe.dispatch_grouped_matmul, gelu, overlap.moe.grouped_matmul_combine) "
+        "with a fixed, uneven routing; its gradients of x, w1, w2 and topk_weights are checked. Interpreted "
+        "'fused' (CPU ranks) runs only where every dim <= 128 and is left out of the summary and the plot.",
     )
     bench.add_argument("--nproc", type=_positive_int, default=None, metavar="N", help=nproc_help)
     bench.add_argument(
@@ -251,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_strategies,
         default=None,
         metavar="LIST",
-        help=f"comma-separated strategies (default: those of {','.join(all_bench_labels())} that apply to the "
+        help=f"comma-separated strategies (default: those of {', '.join(all_bench_labels())} that apply to the "
         "ops selected), each run for the ops it applies to (the +one_shot ones: matmul_all_reduce); torch (the "
         "plain torch.distributed collective and torch.matmul, the baseline of the speedups) and reference (the "
         "project's plain strategy, the correctness baseline) always run; auto is the default strategy",
@@ -271,8 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot",
         default=None,
         metavar="PATH",
-        help="write a figure of the results there (format from the suffix: .png, .svg, .pdf): time per strategy "
-        "per case and overlap efficiency per strategy; needs matplotlib",
+        help="write a figure of the results there (format from the suffix: .png, .svg, .pdf, ...; checked before "
+        "anything starts): median time per row and case, and the speedup over torch per row and case (a linear "
+        "axis; auto's plan under each case); needs matplotlib",
     )
     bench.add_argument(
         "--compare",
