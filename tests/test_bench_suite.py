@@ -340,10 +340,10 @@ def test_pytest_benchmark_wrappers_report_rank_measured_times(tmp_path):
         capture_output=True, text=True, timeout=120, env=env, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert re.search(r"\b15 passed\b", proc.stdout), proc.stdout[-2000:]  # 6 labels + 9 (with +one_shot)
+    assert re.search(r"\b19 passed\b", proc.stdout), proc.stdout[-2000:]  # 8 labels + 11 (with +one_shot)
     benchmarks = json.loads(out.read_text())["benchmarks"]
     by = {b["param"]: b for b in benchmarks}
-    assert len(by) == 15, sorted(by)
+    assert len(by) == 19, sorted(by)
     for b in benchmarks:
         info, stats = b["extra_info"], b["stats"]
         # pytest-benchmark's statistics are the ranks' own: the slowest rank's time of each round
@@ -351,6 +351,8 @@ def test_pytest_benchmark_wrappers_report_rank_measured_times(tmp_path):
         assert stats["rounds"] == len(info["rank_times_ms"]) and b["group"] == info["case"]
     ag = "all_gather_matmul-32x64x64-float32-fwd-"
     assert by[ag + "symm"]["extra_info"]["speedup"] > 0 and "efficiency" in by[ag + "symm"]["extra_info"]
+    assert by[ag + "symm"]["extra_info"]["speedup_vs_reference"] > 0
+    assert by[ag + "torch"]["extra_info"]["speedup"] == 1.0 and by[ag + "auto"]["extra_info"]["speedup"] > 0
     assert by[ag + "comm-alone"]["extra_info"]["strategy"] == "(all_gather alone)"
     fused = by[ag + "fused"]
     assert fused["extra_info"]["interpreted"] and fused["stats"]["rounds"] == 2
