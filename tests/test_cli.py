@@ -357,6 +357,41 @@ def test_bench_mismatch_under_torchrun_fails(tmp_path):
     assert "did not match reference" in proc.stderr, proc.stderr
 
 
+_WRONG_TORCH = """
+    import sys
+
+    import torch.distributed as dist
+
+    from overlap.benchmarks import workloads
+    from overlap.cli import main
+
+    right = workloads.torch_call
+
+    def wrong(op, group, *args):
+        fn = right(op, group, *args)
+
+        def call(*leaves):
+            out = fn(*leaves)
+            return out + 1.0 if dist.get_rank() == 0 else out  # wrong on one rank: every rank must agree
+
+        return call
+
+    workloads.torch_call = wrong  # where the workload builds its torch row
+    sys.exit(main(["bench", "--op", "matmul_all_reduce", "--mode", "fwd", "--shape", "16x8x8",
+                   "--strategies", "reference,symm", "--warmup", "0", "--iters", "2", "--timeout", "30"]))
+"""
+
+
+def test_bench_torch_row_is_checked_against_the_oracle(tmp_path):
+    """The torch row is checked against the op's result computed locally, like reference: a wrong one fails."""
+    proc = _run_torchrun(tmp_path, _WRONG_TORCH)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    case = "matmul_all_reduce 16x8x8 float32 fwd"
+    assert re.search(rf"{case}\s+torch\s+FAILED\s+rank 0: torch vs the local matmul_all_reduce \(out\)", proc.stdout), (
+        proc.stdout)
+    assert re.search(rf"{case}\s+symm\s+\d", proc.stdout), proc.stdout  # the others are still checked and timed
+
+
 def test_bench_gradient_mismatch_fails(tmp_path):
     """fwd+bwd checks the gradients too: a right output with a wrong grad_a fails the strategy."""
     proc = _run_torchrun(tmp_path, _WRONG_GRAD)
