@@ -51,8 +51,17 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 
 __all__ = sorted(_LAZY)
 
+#: the package's submodules, also imported on first use as attributes (``overlap.ops.function`` after a bare
+#: ``import overlap``, as when the package imported them all)
+_SUBMODULES = ("benchmarks", "cli", "comm", "envs", "errors", "kernels", "logs", "ops", "plans", "pool", "shm",
+               "signals", "symm", "tune", "version", "world")
+
 
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        value = _importlib.import_module(f".{name}", __name__)
+        globals()[name] = value
+        return value
     if name not in _LAZY:
         raise AttributeError(f"module 'overlap' has no attribute {name!r}")
     module, attr = _LAZY[name]
