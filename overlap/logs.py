@@ -1,10 +1,11 @@
 """The ``overlap`` logger's set-up (`configure`, applied by ``import overlap``): its level from
 ``OVERLAP_LOG``, one handler whose lines read ``[overlap INFO rank 1] message``.
 
-`RankFilter` adds the rank once torch.distributed is initialized (read when a line is written, and
+`OverlapFormatter` adds the rank once torch.distributed is initialized (read when a line is written, and
 only where torch is already imported: a log line never imports torch). It also makes the plan in
-``auto``'s choice readable: ``auto chose symm (shm x2)`` rather than the plan's signature text
-``symm[shm=2]`` (`readable_plan`; the signature that follows keeps the exact text).
+``auto``'s choice readable, in this handler's lines only (the record is left as it was made):
+``auto chose symm (shm x2)`` rather than the plan's signature text ``symm[shm=2]`` (`readable_plan`;
+the signature that follows keeps the exact text).
 """
 
 from __future__ import annotations
@@ -40,23 +41,32 @@ def readable_plan(text: str) -> str:
     return f"{found.group(1)} ({', '.join(parts)})" if parts else found.group(1)
 
 
-class RankFilter(logging.Filter):
-    """Adds ``rank`` to every record (`` rank N`` once torch.distributed is initialized, else empty) and
-    writes ``auto``'s plan readably (`readable_plan`)."""
+def _rank() -> str:
+    """`` rank N`` once torch.distributed is initialized, else empty; never imports torch."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return f" rank {dist.get_rank()}"
+    except Exception:  # noqa: BLE001 - a log line never fails for want of a rank
+        pass
+    return ""
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = ""
-        torch = sys.modules.get("torch")
-        dist = getattr(torch, "distributed", None) if torch is not None else None
-        try:
-            if dist is not None and dist.is_available() and dist.is_initialized():
-                record.rank = f" rank {dist.get_rank()}"
-        except Exception:  # noqa: BLE001 - a log line never fails for want of a rank
-            pass
+
+class OverlapFormatter(logging.Formatter):
+    """`LOG_FORMAT` with the rank (`_rank`) and ``auto``'s plan written readably (`readable_plan`), on a
+    copy of the record: other handlers of the logger (a user's, a test's) see the record as it was made."""
+
+    def __init__(self) -> None:
+        super().__init__(LOG_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        record = logging.makeLogRecord(record.__dict__)
+        record.rank = _rank()
         if record.msg == AUTO_CHOICE and isinstance(record.args, tuple) and len(record.args) == 4:
             op, plan, signature, how = record.args
             record.args = (op, readable_plan(str(plan)), signature, how)
-        return True
+        return super().format(record)
 
 
 def configure() -> logging.Logger:
@@ -64,8 +74,7 @@ def configure() -> logging.Logger:
     log = logging.getLogger("overlap")
     if not log.handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(LOG_FORMAT))
-        handler.addFilter(RankFilter())
+        handler.setFormatter(OverlapFormatter())
         log.addHandler(handler)
     log.setLevel(getattr(logging, envs.log_level(), logging.WARNING))
     return log

@@ -72,20 +72,18 @@ def test_log_lines_carry_the_rank_once_distributed_is_up(tmp_path):
 
     handler = next(h for h in logging.getLogger("overlap").handlers if isinstance(h, logging.StreamHandler))
     record = logging.LogRecord("overlap", logging.INFO, __file__, 1, "auto chose %s", ("symm",), None)
-    assert handler.filter(record)
     before = handler.format(record)
     assert before == "[overlap INFO] auto chose symm", before
     choice = logging.LogRecord("overlap", logging.INFO, __file__, 1, "overlap.%s: auto chose %s for %s (%s)",
                                ("moe", "pipelined[network=2,shm=4]", "sig(plan=pipelined[network=2,shm=4])",
                                 "default heuristic"), None)
-    assert handler.filter(choice)
     assert handler.format(choice) == ("[overlap INFO] overlap.moe: auto chose pipelined (shm x4, network x2) for "
                                       "sig(plan=pipelined[network=2,shm=4]) (default heuristic)")
+    assert choice.getMessage().startswith("overlap.moe: auto chose pipelined[network=2,shm=4] for")  # untouched
     if dist.is_initialized():
         pytest.skip("a process group is already up in this process")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
-        assert handler.filter(record)
         assert handler.format(record) == "[overlap INFO rank 0] auto chose symm"
     finally:
         dist.destroy_process_group()
