@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="check and time every strategy of the ops against reference",
+        help="check every strategy of the ops, then time them against the ops in plain torch",
         description="Benchmark the ops on the ranks: for each case (op, shape, dtype, mode), check "
         "'reference' and 'torch' (the op in plain torch: torch.distributed collectives and torch.matmul, no code of "
         "overlap on its timed path) against the op's result computed locally, and every strategy and 'auto' (the "
