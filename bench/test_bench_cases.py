@@ -1,15 +1,16 @@
 """pytest-benchmark wrappers of the benchmark cases: ``pytest bench/ --benchmark-only``.
 
 The same cases as ``overlap bench`` (`overlap.benchmarks.cases.suite_cases`; ``--overlap-suite``:
-``quick`` by default, ``default`` for all of ``overlap bench``'s, ``tiny`` for a smoke test), one
-test per case and label: ``reference``, every strategy, and the plain collectives and the GEMMs
-alone (``comm-alone``, ``compute-alone``). The timing happens inside the ranks: each round is one
-call timed on every rank between barriers, the slowest rank's time counts, and the benchmarks'
-timer is a `RankClock` that reads exactly those times (`overlap.benchmarks.session`), so
+``quick`` by default, ``default`` for all of ``overlap bench``'s, ``tiny`` for a smoke test), one test
+per case and label: ``torch`` (the op in plain torch), ``reference``, every strategy, ``auto``, and the
+plain collectives and the GEMMs alone (``comm-alone``, ``compute-alone``). The timing happens inside the
+ranks: each round is one call timed on every rank between barriers, the slowest rank's time counts, and
+the benchmarks' timer is a `RankClock` that reads exactly those times (`overlap.benchmarks.session`), so
 pytest-benchmark's min/median/mean are the ranks' own. ``extra_info`` adds the ranks' median and
-p25..p75, TFLOP/s or GB/s, and the speedup over ``reference`` and the overlap efficiency where the
-case's reference and context labels ran earlier in the session (they run first). Each case is
-checked against ``reference`` before its first timing; a strategy that does not match fails its test.
+p25..p75, TFLOP/s or GB/s, and the speedup over ``torch`` (and over ``reference``) and the overlap
+efficiency where the case's torch, reference and context labels ran earlier in the session (they run
+first). Each case is checked against ``reference`` before its first timing; a strategy that does not
+match fails its test.
 
 Not collected by ``pytest`` or ``pytest tests`` (``testpaths`` is ``tests``). Without
 ``--benchmark-only`` the tests run the same way; with ``--benchmark-disable`` each runs one

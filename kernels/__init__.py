@@ -8,6 +8,10 @@ GPU check call the launchers, never a kernel directly. What the launchers share:
 `compat` adapts the supported Triton versions (applied here, before any kernel is defined).
 """
 
+from overlap import envs as _envs
+
+_envs.set_triton_interpret()  # where no GPU exists: before Triton is imported and any kernel below defined
+
 from .compat import fix_interpreter_index
 
 fix_interpreter_index()

@@ -1,62 +1,77 @@
 """overlap: communication/compute overlap for tensor- and expert-parallel training.
 
 Public API (docs/design.md): `all_gather_matmul`, `matmul_reduce_scatter`, `matmul_all_reduce`, `Plan`,
-`PlanFile`, `reserve`, `release`, `OverlapTimeout`, `OverlapMismatchError`; `overlap.moe` (`dispatch`, `combine`,
-`dispatch_grouped_matmul`, `grouped_matmul_combine`) for expert parallelism. No init call: a
-group's symmetric heap is created by its first call.
+`PlanFile`, `STRATEGIES`, `reserve`, `release`, `OverlapError`, `OverlapTimeout`, `OverlapMismatchError`;
+`overlap.moe` (`dispatch`, `combine`, `dispatch_grouped_matmul`, `grouped_matmul_combine`) for expert
+parallelism; `overlap.nn` (drop-in modules) and `overlap.hooks` (Megatron-core, torch TP). No init call:
+a group's symmetric heap is created by its first call.
 
-Where no GPU exists and the user has not set ``TRITON_INTERPRET``, importing `overlap` sets it to
-1 so that the ``fused`` strategy's Triton kernels run interpreted on CPU ranks. Triton reads the
-variable when a kernel is defined, so this affects Triton kernels defined after this import.
+``import overlap`` is cheap: it sets up the ``overlap`` logger (`overlap.logs`) and nothing else; every name above is
+imported when first used (PEP 562 `__getattr__`), so ``overlap --help`` never loads torch.
+
+Where no GPU exists and the user has not set ``TRITON_INTERPRET``, `overlap` sets it to 1 so that the
+``fused`` strategy's Triton kernels run interpreted on CPU ranks: at ``import overlap`` where torch is
+already imported, else when a module of `overlap` that uses torch is first imported (`overlap.world`,
+which they all import first, and `overlap.kernels`), always before Triton is imported by `overlap`
+(`envs.set_triton_interpret`). Triton reads the variable when a kernel is
+defined, so this also affects Triton kernels defined afterwards.
 """
 
 from __future__ import annotations
 
-import logging as _logging
-import os as _os
+import importlib as _importlib
+import sys as _sys
 
 from . import envs as _envs
+from . import logs as _logs
 from .version import __version__ as __version__
 
+_logs.configure()  # the ``overlap`` logger: OVERLAP_LOG's level, lines with the rank
 
-def _set_triton_interpret() -> None:
-    if _envs.triton_interpret_set_by_user():
-        return
-    import torch
+if "torch" in _sys.modules:  # torch is loaded already: costs nothing now, and covers Triton kernels defined next
+    _envs.set_triton_interpret()
 
-    if not torch.cuda.is_available():
-        _os.environ["TRITON_INTERPRET"] = "1"
-        _envs.TRITON_INTERPRET_SET_BY_OVERLAP = True
+#: public name -> (module, attribute or None for the module itself), imported on first use
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "all_gather_matmul": (".ops.all_gather_matmul", "all_gather_matmul"),
+    "matmul_reduce_scatter": (".ops.matmul_reduce_scatter", "matmul_reduce_scatter"),
+    "matmul_all_reduce": (".ops.matmul_all_reduce", "matmul_all_reduce"),
+    "moe": (".moe", None),
+    "nn": (".nn", None),
+    "hooks": (".hooks", None),
+    "Plan": (".plans", "Plan"),
+    "PlanFile": (".plans", "PlanFile"),
+    "STRATEGIES": (".plans", "STRATEGIES"),
+    "reserve": (".symm", "reserve"),
+    "release": (".symm", "release"),
+    "OverlapError": (".errors", "OverlapError"),
+    "OverlapMismatchError": (".errors", "OverlapMismatchError"),
+    "OverlapTimeout": (".errors", "OverlapTimeout"),
+}
+
+__all__ = sorted(_LAZY)
+
+#: the package's submodules, also imported on first use as attributes (``overlap.ops.function`` after a bare
+#: ``import overlap``, as when the package imported them all)
+_SUBMODULES = ("benchmarks", "cli", "comm", "envs", "errors", "kernels", "logs", "ops", "plans", "pool", "shm",
+               "signals", "symm", "tune", "version", "world")
 
 
-_set_triton_interpret()
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        value = _importlib.import_module(f".{name}", __name__)
+        globals()[name] = value
+        return value
+    if name not in _LAZY:
+        raise AttributeError(f"module 'overlap' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    if module != ".errors":
+        _envs.set_triton_interpret()  # before anything that may define a Triton kernel
+    mod = _importlib.import_module(module, __name__)
+    value = mod if attr is None else getattr(mod, attr)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
-_log = _logging.getLogger("overlap")
-if not _log.handlers:
-    _handler = _logging.StreamHandler()
-    _handler.setFormatter(_logging.Formatter("[overlap %(levelname)s] %(message)s"))
-    _log.addHandler(_handler)
-_log.setLevel(getattr(_logging, _envs.log_level(), _logging.WARNING))
 
-from . import moe  # noqa: E402  (overlap.moe: the MoE ops)
-from .errors import OverlapError, OverlapMismatchError, OverlapTimeout  # noqa: E402
-from .ops.all_gather_matmul import all_gather_matmul  # noqa: E402
-from .ops.matmul_all_reduce import matmul_all_reduce  # noqa: E402
-from .ops.matmul_reduce_scatter import matmul_reduce_scatter  # noqa: E402
-from .plans import STRATEGIES, Plan, PlanFile  # noqa: E402
-from .symm import release, reserve  # noqa: E402
-
-__all__ = [
-    "STRATEGIES",
-    "OverlapError",
-    "OverlapMismatchError",
-    "OverlapTimeout",
-    "Plan",
-    "PlanFile",
-    "all_gather_matmul",
-    "matmul_all_reduce",
-    "matmul_reduce_scatter",
-    "moe",
-    "release",
-    "reserve",
-]
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,6 +1,7 @@
 """Every environment variable `overlap` reads, in one place.
 
-The README's environment table lists the same names; keep the two in step.
+The README's environment table lists the same names (`tests/test_facts.py` compares them); the build-time
+ones are read by ``setup.py``, torchrun's (``GROUP_RANK``, ``LOCAL_WORLD_SIZE``, ...) by `overlap.world`.
 Values are read when asked for (not at import), so tests and launchers can set them late.
 """
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-#: name -> (default, meaning). The README table is generated from the same text by hand.
+#: name -> (default, meaning): every variable the user may set; the README's table has one row per name.
 VARIABLES: dict[str, tuple[str, str]] = {
     "OVERLAP_TIMEOUT_S": ("300", "deadline in seconds of every wait on a peer (per-call `timeout=` wins)"),
     "OVERLAP_LOG": ("warning", "log level of the `overlap` logger: debug, info (plans and fallbacks), warning"),
@@ -17,6 +18,8 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "OVERLAP_CACHE_DIR": ("~/.cache/overlap", "where `overlap info --probe` / `overlap tune` cache machine profiles"),
     "OVERLAP_SHM_DIR": ("/dev/shm", "where CPU symmetric memory segments are created (then unlinked at once)"),
     "OVERLAP_BUILD_CUDA": ("1", "build time: 0 skips the CUDA half of overlap._C even where nvcc exists"),
+    "MAX_JOBS": ("2", "build time: parallel compile jobs of overlap._C"),
+    "CMAKE_ARGS": ("", "build time: extra arguments for CMake's configure step"),
     "TRITON_INTERPRET": ("", "set to 1 by overlap before its kernels are imported when no GPU exists"),
     "CUDA_DEVICE_MAX_CONNECTIONS": ("", "read, never set, by overlap: GPU ranks warn once where it is not 1"),
 }
@@ -81,6 +84,21 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false", "no")
 
 
+def set_triton_interpret() -> None:
+    """Set TRITON_INTERPRET=1 where torch sees no GPU and the user has not set it (imports torch: call it
+    where torch is needed anyway). `overlap` calls it before any of its Triton kernels is defined: on
+    ``import overlap`` where torch is already imported, on first use of an op or module, and in
+    ``overlap.kernels``' own import."""
+    global TRITON_INTERPRET_SET_BY_OVERLAP
+    if triton_interpret_set_by_user():
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+        TRITON_INTERPRET_SET_BY_OVERLAP = True
+
+
 def cuda_device_max_connections() -> int | None:
     """CUDA_DEVICE_MAX_CONNECTIONS as an int; None when unset or not an integer (the driver's default then)."""
     raw = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip()
@@ -90,5 +108,5 @@ def cuda_device_max_connections() -> int | None:
         return None
 
 
-#: True when `import overlap` set TRITON_INTERPRET itself (no GPU, not set by the user).
+#: True when overlap (`set_triton_interpret`) set TRITON_INTERPRET itself (no GPU, not set by the user).
 TRITON_INTERPRET_SET_BY_OVERLAP = False

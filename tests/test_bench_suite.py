@@ -181,19 +181,59 @@ def test_plot_without_matplotlib_is_a_clear_usage_error(monkeypatch, capsys, tmp
     assert "--plot needs matplotlib" in capsys.readouterr().err
 
 
-def test_plot_draws_times_and_efficiencies(tmp_path):
+def test_plot_draws_times_and_speedups_over_torch(tmp_path):
     pytest.importorskip("matplotlib")
     from overlap.benchmarks.plot import plot
 
     case = "all_gather_matmul 8x8x8 float32 fwd"
-    rows = [_row(case, "reference", 10.0, speedup=1.0, efficiency=0.0), _row(case, "symm", 8.0, efficiency=0.5),
-            _row(case, "pipelined", 30.0, efficiency=-20.0), _row(case, "fused", 900.0, interpreted=True),
+    rows = [_row(case, "torch", 10.0, speedup=1.0), _row(case, "reference", 12.0, speedup=0.83),
+            _row(case, "symm", 8.0, speedup=1.25), _row(case, "pipelined", 1.0, speedup=10.0),
+            _row(case, "fused", 900.0, speedup=0.01, interpreted=True),
+            _row(case, "auto", 8.0, speedup=1.25, plan="symm (shm x1)"),
             _row(case, "(all_gather alone)", 4.0, context="comm")]
     plot(_payload(rows), str(tmp_path / "p.svg"))
     svg = (tmp_path / "p.svg").read_text()
-    assert "overlap efficiency" in svg and "-20.0" in svg  # the clipped efficiency is labelled with its value
+    assert "speedup over torch" in svg and "10.0x" in svg  # the clipped speedup is labelled with its value
+    assert "auto: symm (shm x1)" in svg and "left off" in svg  # auto's plan; interpreted fused not drawn
+    assert "overlap efficiency" not in svg
     with pytest.raises(ValueError, match="nothing to plot"):
         plot(_payload([]), str(tmp_path / "q.png"))
+    with pytest.raises(ValueError, match="nothing to plot"):  # interpreted fused alone: nothing to draw
+        plot(_payload([_row(case, "fused", 900.0, interpreted=True)]), str(tmp_path / "q.png"))
+
+
+def test_auto_slower_than_torch_counts_cases_whose_spreads_do_not_overlap():
+    from overlap.benchmarks.report import auto_vs_torch, auto_vs_torch_line
+
+    a, b, c, d = (f"op {n}x8x8 float32 fwd" for n in (1, 2, 3, 4))
+    rows = [
+        _row(a, "torch", 10.0, spread=0.05), _row(a, "auto", 12.0, spread=0.05),  # 11.4 > 10.5: slower
+        _row(b, "torch", 10.0, spread=0.05), _row(b, "auto", 11.0, spread=0.05),  # 10.45 < 10.5: within
+        _row(c, "torch", 10.0, spread=0.05), _row(c, "auto", 5.0, spread=0.05),  # faster
+        _row(d, "torch", 10.0), {"case": d, "strategy": "auto", "status": "FAILED"},  # not timed: not compared
+        _row(a, "(comm alone)", 99.0, context="comm"),
+    ]
+    result = auto_vs_torch(rows)
+    assert result == {"slower": 1, "compared": 3, "cases": [a]}
+    assert auto_vs_torch_line(result) == (
+        f"auto slower than torch beyond the spreads (p25..p75 apart) in 1 of 3 case(s): {a}")
+    none = auto_vs_torch(rows[2:6])
+    assert none == {"slower": 0, "compared": 2, "cases": []}
+    assert auto_vs_torch_line(none).endswith("in 0 of 2 case(s) (goal: none)")
+
+
+def test_summary_is_over_torch_and_includes_reference_and_auto():
+    from overlap.benchmarks.report import summary
+
+    case = "all_gather_matmul 8x8x8 float32 fwd"
+    base = {"op": "all_gather_matmul", "mode": "fwd", "in_summary": True}
+    rows = [dict(base, case=case, strategy="torch", speedup=1.0, speedup_vs_reference=2.0),
+            dict(base, case=case, strategy="reference", speedup=0.5, speedup_vs_reference=1.0),
+            dict(base, case=case, strategy="auto", speedup=2.0, speedup_vs_reference=4.0),
+            dict(base, case=case, strategy="fused", speedup=0.01, speedup_vs_reference=0.02, in_summary=False)]
+    out = summary(rows)
+    assert list(out) == ["reference", "auto"], out
+    assert out["auto"]["geomean_speedup"] == 2.0 and out["auto"]["geomean_speedup_vs_reference"] == 4.0
 
 
 class _Stream(io.StringIO):
@@ -238,7 +278,7 @@ def test_bench_presets_progress_compare_and_plot(tmp_path):
     proc = overlap_cmd(*args, "--shape", "llama3-8b", "16x24x8", "--op", "all_gather_matmul,matmul_reduce_scatter",
                        "--json", str(first))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    cases = re.findall(r"^\[\d+/6\] (.*?): reference", proc.stderr, re.M)
+    cases = re.findall(r"^\[\d+/6\] (.*?): torch, reference, symm \(", proc.stderr, re.M)
     assert cases == [
         "all_gather_matmul llama3-8b/qkv:512x256x192 float32 fwd",
         "all_gather_matmul llama3-8b/mlp-up:512x256x896 float32 fwd",
@@ -252,8 +292,8 @@ def test_bench_presets_progress_compare_and_plot(tmp_path):
                      re.M), proc.stderr
     assert re.search(r"^\[#{24}\] 100% 6/6 done in [\d.]+ s$", proc.stderr, re.M), proc.stderr
     geomeans = [ln for ln in proc.stdout.splitlines() if ln.startswith("geomean speedup")]
-    assert re.match(r"geomean speedup over reference, op all_gather_matmul, fwd: symm \S+x \(3\)$", geomeans[-2])
-    assert re.match(r"geomean speedup over reference, op matmul_reduce_scatter, fwd: symm \S+x \(3\)$", geomeans[-1])
+    for op, line in (("all_gather_matmul", geomeans[-2]), ("matmul_reduce_scatter", geomeans[-1])):
+        assert re.match(rf"geomean speedup over torch, op {op}, fwd: reference \S+x \(3\), symm \S+x \(3\)$", line)
     data = json.loads(first.read_text())
     rows = [r for r in data["results"] if r["strategy"] == "symm"]
     assert [(r["preset"], r["layer"]) for r in rows][:2] == [("llama3-8b", "qkv"), ("llama3-8b", "mlp-up")]
@@ -300,10 +340,10 @@ def test_pytest_benchmark_wrappers_report_rank_measured_times(tmp_path):
         capture_output=True, text=True, timeout=120, env=env, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert re.search(r"\b15 passed\b", proc.stdout), proc.stdout[-2000:]  # 6 labels + 9 (with +one_shot)
+    assert re.search(r"\b19 passed\b", proc.stdout), proc.stdout[-2000:]  # 8 labels + 11 (with +one_shot)
     benchmarks = json.loads(out.read_text())["benchmarks"]
     by = {b["param"]: b for b in benchmarks}
-    assert len(by) == 15, sorted(by)
+    assert len(by) == 19, sorted(by)
     for b in benchmarks:
         info, stats = b["extra_info"], b["stats"]
         # pytest-benchmark's statistics are the ranks' own: the slowest rank's time of each round
@@ -311,6 +351,8 @@ def test_pytest_benchmark_wrappers_report_rank_measured_times(tmp_path):
         assert stats["rounds"] == len(info["rank_times_ms"]) and b["group"] == info["case"]
     ag = "all_gather_matmul-32x64x64-float32-fwd-"
     assert by[ag + "symm"]["extra_info"]["speedup"] > 0 and "efficiency" in by[ag + "symm"]["extra_info"]
+    assert by[ag + "symm"]["extra_info"]["speedup_vs_reference"] > 0
+    assert by[ag + "torch"]["extra_info"]["speedup"] == 1.0 and by[ag + "auto"]["extra_info"]["speedup"] > 0
     assert by[ag + "comm-alone"]["extra_info"]["strategy"] == "(all_gather alone)"
     fused = by[ag + "fused"]
     assert fused["extra_info"]["interpreted"] and fused["stats"]["rounds"] == 2

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: module). The package's ``__init__`` (the public namespace) sits at the top with the command line, which
 #: reads ``overlap.__file__`` for ``overlap info``.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("facts", ("overlap.envs", "overlap.errors", "overlap.version")),
+    ("facts", ("overlap.envs", "overlap.errors", "overlap.logs", "overlap.version")),
     ("world", ("overlap.world", "overlap.shm", "overlap.pool")),
     ("signals", ("overlap._C", "overlap.signals")),
     ("comm", ("overlap.comm",)),

@@ -7,43 +7,32 @@ computes (`workloads`), one runner (`runner`: each case checked by `checks`, the
 
 ``overlap bench`` runs them on locally started ranks (or in place under torchrun); the
 pytest-benchmark wrappers in the top-level ``bench/`` run the same cases on a standing pool of
-ranks (`session`), and the other ``bench/`` scripts reuse them too.
+ranks (`session`), and the other ``bench/`` scripts reuse them too. What the command line needs before
+any rank starts (op, mode and strategy names, shape parsers) is `names`, which does not import torch;
+this package's names are imported on first use.
 """
 
-from .cases import (
-    BENCH_OPS,
-    MODES,
-    MOE_OPS,
-    MOE_PRESETS,
-    OPS,
-    SUITES,
-    Case,
-    MoECase,
-    MoEShape,
-    default_cases,
-    parse_moe_shape,
-    parse_shape,
-    preset_cases,
-    suite_cases,
-)
-from .models import TP_PRESETS, DenseModel, tp_problems
+import importlib as _importlib
 
-__all__ = [
-    "BENCH_OPS",
-    "MODES",
-    "MOE_OPS",
-    "MOE_PRESETS",
-    "OPS",
-    "SUITES",
-    "TP_PRESETS",
-    "Case",
-    "DenseModel",
-    "MoECase",
-    "MoEShape",
-    "default_cases",
-    "parse_moe_shape",
-    "parse_shape",
-    "preset_cases",
-    "suite_cases",
-    "tp_problems",
-]
+#: public name -> the submodule defining it, imported on first use (PEP 562): the command line's parser
+#: imports `names` and `models` without loading torch through `cases`
+_LAZY = {
+    **dict.fromkeys(("BENCH_OPS", "MODES", "MOE_OPS", "MOE_PRESETS", "MoEShape", "parse_moe_shape", "parse_shape"),
+                    "names"),
+    **dict.fromkeys(("OPS", "SUITES", "Case", "MoECase", "default_cases", "preset_cases", "suite_cases"), "cases"),
+    **dict.fromkeys(("TP_PRESETS", "DenseModel", "tp_problems"), "models"),
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'overlap.benchmarks' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -35,6 +35,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from .definitions import (
+    AUTO,
     BENCH_OPS,
     DTYPES,
     INTERPRETED_FUSED_MAX_DIM,
@@ -42,12 +43,15 @@ from .definitions import (
     MOE_OPS,
     MOE_PRESETS,
     OPS,
+    TORCH,
     VARIANTS,
     AnyCase,
     Case,
     MoECase,
     MoEShape,
+    all_bench_labels,
     all_strategy_labels,
+    bench_labels,
     label_plan,
     parse_moe_shape,
     parse_shape,
@@ -63,7 +67,11 @@ __all__ = [
     "preset_cases",
     "suite_cases",
     # `definitions`'
+    "AUTO",
     "BENCH_OPS",
+    "TORCH",
+    "all_bench_labels",
+    "bench_labels",
     "DTYPES",
     "INTERPRETED_FUSED_MAX_DIM",
     "MODES",
@@ -215,7 +223,8 @@ def suite_cases(
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
-    """What `runner.run` measures. `strategies` always gets ``reference`` (the baseline) put first.
+    """What `runner.run` measures. `strategies` always gets ``torch`` (the baseline of the speedups: plain
+    torch, `baseline`) and ``reference`` (the correctness baseline) put first; ``auto`` is the default strategy.
 
     Without `cases`, the default cases (`default_cases`) of `ops` in `modes` run; given
     cases must be of those ops and modes. Each strategy label runs for the ops it applies to
@@ -227,7 +236,7 @@ class BenchConfig:
     modes: tuple[str, ...] = MODES
     cases: tuple[AnyCase, ...] = ()  # empty: the default cases of `ops` x `modes` for the ranks' device type
     dtype: str | None = None  # overrides the dtype of the default cases
-    strategies: tuple[str, ...] = all_strategy_labels()
+    strategies: tuple[str, ...] = all_bench_labels()
     warmup: int = 3
     iters: int = 10
     timeout: float | None = None  # per-call deadline of the ops (None: OVERLAP_TIMEOUT_S)
@@ -248,14 +257,14 @@ class BenchConfig:
         if wrong:
             raise ValueError(f"cases {wrong} are not of ops {self.ops} in modes {self.modes}")
         ops = {c.op for c in self.cases} or set(self.ops)
-        known = all_strategy_labels()
+        known = all_bench_labels()
         unknown = [s for s in self.strategies if s not in known]
         if unknown:
             raise ValueError(f"unknown strategies {unknown}; known: {known}")
-        idle = [s for s in self.strategies if not any(s in strategy_labels(op) for op in ops)]
+        idle = [s for s in self.strategies if not any(s in bench_labels(op) for op in ops)]
         if idle:
             raise ValueError(f"strategies {idle} apply to none of the ops benchmarked ({', '.join(sorted(ops))})")
-        strategies = ("reference", *dict.fromkeys(s for s in self.strategies if s != "reference"))
+        strategies = (TORCH, "reference", *dict.fromkeys(s for s in self.strategies if s not in (TORCH, "reference")))
         object.__setattr__(self, "strategies", strategies)
         object.__setattr__(self, "cases", tuple(self.cases))
         if self.warmup < 0 or self.iters < 1:

@@ -2,15 +2,17 @@
 every rank (`check_case`) before `timing` times any.
 
 The inputs are fresh and random, seeded per rank and case (`workloads` says how they are drawn
-and scaled; never zeros), so every rank can regenerate every rank's inputs: ``reference`` is
-checked against the op's result computed locally (`workloads.Expected`), then every strategy
-against ``reference``, with `torch.testing.assert_close` at `tolerance`: the forward output, and in
-``fwd+bwd`` also the gradient of every input (``grad_a`` and ``grad_b``; moe: ``grad_x``,
+and scaled; never zeros), so every rank can regenerate every rank's inputs: ``reference`` and
+``torch`` (the op in plain torch, `baseline`) are checked against the op's result computed locally
+(`workloads.Expected`), then every strategy and ``auto`` against ``reference``, with
+`torch.testing.assert_close` at `tolerance`: the forward output, and in ``fwd+bwd`` also the
+gradient of every input (``grad_a`` and ``grad_b``; moe: ``grad_x``,
 ``grad_w1``, ``grad_w2``, ``grad_topk_weights``). The verdicts of all ranks are gathered, so every
 rank agrees on which strategies to time. A mismatch marks the strategy (and so its case) FAILED;
-it is not timed. A wrong ``reference`` is still the baseline of the others.
+it is not timed. A wrong ``reference`` or ``torch`` is still timed, as a baseline of the others.
 
-The labels a case runs (`strategies_for`) are the run's labels of its op; ``symm`` and ``fused``
+The labels a case runs (`strategies_for`) are the run's labels of its op (``torch`` and ``reference``
+first, ``auto`` last); ``symm`` and ``fused``
 only within one node, and ``fused`` under the Triton interpreter (`fused_interpreted`) only where
 the case fits it (`definitions.INTERPRETED_FUSED_MAX_DIM`).
 """
@@ -27,9 +29,11 @@ import torch.distributed as dist
 
 from .. import envs, world
 from ..ops import fused
+from ..plans import Plan
+from ..plans.auto import resolve_auto
 from . import report
 from .cases import BenchConfig
-from .definitions import AnyCase, strategy_labels
+from .definitions import AUTO, TORCH, AnyCase, bench_labels, label_plan
 from .progress import Progress, quiet
 from .workloads import Expected, Workload, build, strategy_fn
 
@@ -96,7 +100,7 @@ def strategies_for(case: AnyCase, config: BenchConfig, info: world.GroupInfo) ->
     run, notes = [], []
     interpreted = fused_interpreted(info.device)
     for label in config.strategies:
-        if label not in strategy_labels(case.op):
+        if label not in bench_labels(case.op):
             continue  # a variant of another op
         s = report.base_strategy(case.op, label)
         if s in ("symm", "fused") and not info.single_node:
@@ -108,12 +112,35 @@ def strategies_for(case: AnyCase, config: BenchConfig, info: world.GroupInfo) ->
     return run, notes
 
 
+def plan_labels(case: AnyCase, labels: list[str], info: world.GroupInfo) -> dict[str, str]:
+    """The plan each row label runs, as `overlap.Plan.label` writes it for the link classes of the group
+    (``auto``: the plan it resolves to for this case, as the op's own call resolves it; ``torch``: what it is)."""
+    links = tuple(sorted({info.link_class(p) for p in range(info.world_size) if p != info.rank}))
+    spec, W = case.problem.spec, info.world_size
+    out = {}
+    for label in labels:
+        strategy, fields = label_plan(case.op, label)
+        if label == TORCH:
+            out[label] = "torch.distributed + torch.matmul"
+            continue
+        if strategy == AUTO:
+            rows = None if spec.family == "moe" else spec.in_rows(case.problem.m, W)
+            itemsize = case.torch_dtype.itemsize
+            out_bytes = 0 if rows is None else spec.out_rows(case.problem.m, W) * case.problem.n * itemsize
+            op = "dispatch_grouped_matmul" if spec.family == "moe" else case.op
+            plan = resolve_auto(op, f"overlap bench {case.name}", info, rows, case.dtype, out_bytes, case.problem)
+        else:
+            plan = Plan(strategy, **fields)
+        out[label] = plan.label(links)
+    return out
+
+
 @dataclasses.dataclass
 class Checked:
     """One case on this rank after its correctness check (`check_case`): what there is to time."""
 
     case: AnyCase
-    labels: list[str]  # the strategy labels run for the case, reference first
+    labels: list[str]  # the row labels run for the case: torch, reference, the strategies, auto
     failed: dict[str, str]  # label -> the lowest failing rank's message (the same on every rank)
     notes: list[str]
     work: Workload
@@ -121,6 +148,7 @@ class Checked:
     fns: dict[str, Callable[[], Any]]  # what is timed: the collectives alone, the GEMMs alone, the labels that passed
     slow: set[str]  # labels under the Triton interpreter: no warm-up, at most timing.INTERPRETED_ITERS repeats
     interpreted: bool  # whether fused runs under the interpreter on these ranks
+    plans: dict[str, str] = dataclasses.field(default_factory=dict)  # label -> the plan it runs (`plan_labels`)
 
     def units(self, config: BenchConfig) -> int:
         """Steps of the case for a progress bar: one per label checked, per warm-up round, per repeat."""
@@ -149,15 +177,18 @@ def check_case(
     tols = _tolerances(case, work.expected, device.type, labels)
 
     errors: dict[str, str] = {}
+    oracle = [e.value for e in work.expected]
     progress(0.0, f"{case.name}: checking reference")
     y_ref = calls["reference"]()
-    err = _compare(
-        y_ref, [e.value for e in work.expected], tols["reference"], f"rank {rank}: reference vs the local {case.op}"
-    )
-    if err:
-        errors["reference"] = err
+    for label, y in (("reference", y_ref), (TORCH, calls[TORCH]() if TORCH in calls else None)):
+        err = y is not None and _compare(y, oracle, tols[label], f"rank {rank}: {label} vs the local {case.op}")
+        if err:
+            errors[label] = err
+    del oracle
     work.expected.clear()
-    for i, label in enumerate(labels[1:], 1):
+    for i, label in enumerate(labels, 1):
+        if label in ("reference", TORCH):
+            continue
         progress(i / units, f"{case.name}: checking {report.display_label(case.op, label, interpreted)}")
         err = _compare(calls[label](), y_ref, tols[label], f"rank {rank}: {label} vs reference")
         if err:
@@ -171,7 +202,8 @@ def check_case(
             failed.setdefault(s, text)  # the lowest failing rank's message
 
     fns: dict[str, Callable[[], Any]] = {work.comm_label: work.comm, work.compute_label: work.compute}
-    # A wrong reference is still the baseline of the others; a wrong strategy is not timed.
-    fns.update({s: calls[s] for s in labels if s == "reference" or s not in failed})
+    # A wrong reference or torch is still a baseline of the others; a wrong strategy is not timed.
+    fns.update({s: calls[s] for s in labels if s in ("reference", TORCH) or s not in failed})
     slow = {label for label in fns if label in labels and report.is_interpreted(case.op, label, interpreted)}
-    return Checked(case, labels, failed, notes + work.notes, work, tols, fns, slow, interpreted)
+    return Checked(case, labels, failed, notes + work.notes, work, tols, fns, slow, interpreted,
+                   plan_labels(case, labels, info))

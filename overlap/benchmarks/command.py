@@ -15,9 +15,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import compare
-from .cases import preset_cases
-from .definitions import BENCH_OPS, MOE_OPS, AnyCase, Case, MoECase, MoEShape
 from .models import TP_PRESETS, tp_problem
+from .names import BENCH_OPS, MOE_OPS, MoEShape
+
+#: the suffixes ``--plot`` writes (matplotlib's raster and vector formats most people open)
+PLOT_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg", "eps", "ps", "webp", "tif", "tiff")
 
 
 def is_moe_shape(shape: tuple) -> bool:
@@ -28,7 +30,7 @@ def is_moe_shape(shape: tuple) -> bool:
 def cases_of(
     ops: Sequence[str] | None, modes: Sequence[str], shapes: Sequence[tuple] | None, dtype: str | None,
     world_size: int,
-) -> tuple[tuple[str, ...], tuple[AnyCase, ...]]:
+) -> tuple[tuple[str, ...], tuple[Any, ...]]:
     """``(ops, cases)`` of the command line: `ops` as selected (None: every op, or with `shapes` the
     ops they are for); the cases of `shapes` in `dtype` (default float32) for `world_size` ranks,
     grouped by op, then shape (a preset's layers in order), then mode; no cases without shapes (the
@@ -48,8 +50,11 @@ def cases_of(
         kinds = " or ".join(dict.fromkeys("T,H,F,E,K or a preset" if op in MOE_OPS else "MxKxN or a preset"
                                           for op in missing))
         raise ValueError(f"--shape gives no shape for {', '.join(missing)} ({kinds})")
+    from .cases import preset_cases  # torch: only once the arguments are known to be right
+    from .definitions import Case, MoECase
+
     dtype = dtype or "float32"
-    cases: list[AnyCase] = []
+    cases: list[Any] = []
     for op in ops:
         for shape in by_kind[op in MOE_OPS]:
             if op in MOE_OPS:
@@ -64,16 +69,36 @@ def cases_of(
     return ops, tuple(dict.fromkeys(cases))
 
 
+def check_output_path(option: str, path: str) -> None:
+    """Raise ValueError naming `option` where `path` cannot be written: its folder is missing or not
+    writable, or the path is a folder."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{option}: folder {folder} does not exist")
+    if os.path.isdir(path):
+        raise ValueError(f"{option}: {path} is a folder, not a file")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{option}: {path} is not writable")
+
+
+def check_plot_format(path: str) -> None:
+    """Raise ValueError where `path`'s suffix is not a format of `PLOT_FORMATS`."""
+    suffix = os.path.splitext(path)[1].lower().lstrip(".")
+    if suffix not in PLOT_FORMATS:
+        raise ValueError(f"--plot: the suffix gives the format, one of {', '.join('.' + f for f in PLOT_FORMATS)}; "
+                         f"got {path!r}")
+
+
 def check_outputs(json_path: str | None, plot_path: str | None, compare_path: str | None) -> dict[str, Any] | None:
     """Check ``--json``, ``--plot`` and ``--compare`` before any rank starts; returns the payload of
-    `compare_path` (None without). Raises ValueError naming the option: a missing folder, no
-    matplotlib for ``--plot``, an earlier file that is not ``overlap bench --json``'s."""
+    `compare_path` (None without). Raises ValueError naming the option: a folder that is missing or not
+    writable, a plot format matplotlib does not write (`PLOT_FORMATS`), no matplotlib for ``--plot``, an
+    earlier file that is not ``overlap bench --json``'s. Imports no torch."""
     for option, path in (("--json", json_path), ("--plot", plot_path)):
         if path is not None:
-            folder = os.path.dirname(os.path.abspath(path))
-            if not os.path.isdir(folder):
-                raise ValueError(f"{option}: folder {folder} does not exist")
+            check_output_path(option, path)
     if plot_path is not None:
+        check_plot_format(plot_path)
         from .plot import require_matplotlib
 
         try:

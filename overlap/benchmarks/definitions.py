@@ -100,59 +100,61 @@ import torch
 from ..plans import OPS as OP_TABLE
 from ..plans import STRATEGIES, Problem, ops_of
 from .models import LAYERS, TP_PRESETS
+from .names import (
+    AUTO,
+    BENCH_OPS,
+    DTYPE_NAMES,
+    INTERPRETED_FUSED_MAX_DIM,
+    MODES,
+    MOE_OPS,
+    MOE_PRESETS,
+    STRATEGY_NAMES,
+    TORCH,
+    TP_OPS,
+    VARIANT_FLAGS,
+    MoEShape,
+    all_bench_labels,
+    all_strategy_labels,
+    bench_labels,
+    parse_moe_shape,
+    parse_shape,
+    strategy_labels,
+    variant_labels,
+)
+
+__all__ = [
+    "AUTO", "BENCH_OPS", "DTYPES", "INTERPRETED_FUSED_MAX_DIM", "MODES", "MOE_OPS", "MOE_PRESETS", "OPS", "TORCH",
+    "VARIANTS", "AnyCase", "Case", "MoECase", "MoEShape", "all_bench_labels", "all_strategy_labels", "bench_labels",
+    "label_plan", "parse_moe_shape", "parse_shape", "strategy_labels",
+]
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 #: the tensor-parallel ops of the op table, each benchmarked as ``overlap.<op>`` at a shape ``m x k x n``
 #: (`Case`; bench/soak.py runs these too, by that name)
-OPS = ops_of("tp")
+OPS = TP_OPS
 
-#: the MoE layer (`MoECase`): ``overlap.moe.dispatch_grouped_matmul``, gelu, ``grouped_matmul_combine``
-MOE_OPS = ops_of("moe")
-
-#: every op the runner knows how to benchmark: every op of the table
-BENCH_OPS = tuple(OP_TABLE)
-
-#: ``fwd``: the forward alone; ``fwd+bwd``: forward, then backward of the fresh output
-MODES = ("fwd", "fwd+bwd")
+# `names` spells out what the command line needs without torch; it must be the op table's.
+_TABLE = (ops_of("tp"), ops_of("moe"), STRATEGIES, {n: s.variants for n, s in OP_TABLE.items() if s.variants},
+          tuple(DTYPES))
+if _TABLE != (TP_OPS, MOE_OPS, STRATEGY_NAMES, VARIANT_FLAGS, DTYPE_NAMES):  # pragma: no cover - a maintenance slip
+    raise ImportError(f"overlap.benchmarks.names is out of step with the op table: {_TABLE}")
 
 #: strategy labels beyond `plan.STRATEGIES`, per op: label -> (strategy, fields of its `overlap.Plan`)
 #: (an op's `OpSpec.variants`: ``matmul_all_reduce``'s ``one_shot``)
 VARIANTS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
-    name: {f"{s}+{v}": (s, {v: True}) for v in spec.variants for s in STRATEGIES if s != "reference"}
-    for name, spec in OP_TABLE.items() if spec.variants
+    op: {label: (s, {flag: True}) for label, (s, flag) in variant_labels(op).items()} for op in VARIANT_FLAGS
 }
-
-#: the Triton interpreter runs a GEMM tile by tile in numpy: only tiny shapes finish in time
-INTERPRETED_FUSED_MAX_DIM = 128
-
-
-def strategy_labels(op: str) -> tuple[str, ...]:
-    """The strategy labels `op` can be benchmarked under, each variant after its strategy."""
-    variants = VARIANTS.get(op, {})
-    return tuple(label for s in STRATEGIES for label in (s, *(v for v in variants if variants[v][0] == s)))
-
-
-def all_strategy_labels() -> tuple[str, ...]:
-    """Every label of every op, in `plan.STRATEGIES` order, each variant after its strategy."""
-    return tuple(
-        dict.fromkeys(
-            label
-            for s in STRATEGIES
-            for op in BENCH_OPS
-            for label in strategy_labels(op)
-            if label_plan(op, label)[0] == s
-        )
-    )
 
 
 def label_plan(op: str, label: str) -> tuple[str, dict[str, Any]]:
-    """``(strategy, Plan fields)`` of a strategy label of `op`; raises ValueError for an unknown label."""
-    if label in STRATEGIES:
+    """``(strategy, Plan fields)`` of a row label of `op` (``torch`` and ``auto`` are their own strategy);
+    raises ValueError for an unknown label."""
+    if label in STRATEGIES or label in (TORCH, AUTO):
         return label, {}
     if label in VARIANTS.get(op, {}):
         return VARIANTS[op][label]
-    raise ValueError(f"{op} has no strategy label {label!r}; known: {strategy_labels(op)}")
+    raise ValueError(f"{op} has no strategy label {label!r}; known: {bench_labels(op)}")
 
 
 class _CaseNames:
@@ -240,49 +242,6 @@ class Case(_CaseNames):
 
 
 @dataclasses.dataclass(frozen=True)
-class MoEShape:
-    """An MoE layer's shape: `tokens` per rank, `hidden`, expert FFN width `ffn`, `experts` in all,
-    `top_k` experts per token (``T,H,F,E,K`` in the module docstring)."""
-
-    tokens: int
-    hidden: int
-    ffn: int
-    experts: int
-    top_k: int
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{f.name} must be an int >= 1, got {v!r}")
-        if self.top_k > self.experts:
-            raise ValueError(
-                f"top_k ({self.top_k}) must be at most experts ({self.experts}): a token's experts are distinct"
-            )
-
-    @property
-    def spec(self) -> str:
-        """``"T,H,F,E,K"``, as `parse_moe_shape` reads it."""
-        return ",".join(str(v) for v in dataclasses.astuple(self))
-
-
-#: name -> (shape, what it is); the scaling is explained in the module docstring
-MOE_PRESETS: dict[str, tuple[MoEShape, str]] = {
-    "mixtral": (MoEShape(512, 128, 448, 8, 2), "Mixtral-8x7B (4096, 14336, 8 experts, top-2), hidden and FFN at 1/32"),
-    "deepseek-v3": (
-        MoEShape(512, 224, 64, 32, 8),
-        "DeepSeek-V3 (7168, 2048, 256 routed experts, top-8), hidden and FFN at 1/32, 32 experts",
-    ),
-    "tiny": (MoEShape(32, 32, 64, 4, 2), f"every dim <= {INTERPRETED_FUSED_MAX_DIM}, for interpreted fused"),
-    "mixtral-full": (MoEShape(4096, 4096, 14336, 8, 2), "Mixtral-8x7B at full width, 4096 tokens per rank"),
-    "deepseek-v3-full": (
-        MoEShape(4096, 7168, 2048, 256, 8),
-        "DeepSeek-V3 at full width with its 256 routed experts, 4096 tokens per rank",
-    ),
-}
-
-
-@dataclasses.dataclass(frozen=True)
 class MoECase(_CaseNames):
     """One MoE benchmark case: the layer of op ``moe`` at `dims` in `dtype` (a name of `DTYPES`),
     forward only or, with `backward`, forward plus backward. `preset` names a `MOE_PRESETS` entry
@@ -338,37 +297,3 @@ class MoECase(_CaseNames):
 AnyCase = Case | MoECase
 
 
-def parse_shape(text: str) -> tuple[int, int, int]:
-    """``"MxKxN"`` -> ``(m, k, n)``, each a positive int. Raises ValueError otherwise."""
-    parts = text.lower().split("x")
-    if len(parts) != 3:
-        raise ValueError(f"shape must be MxKxN (three positive ints joined by 'x'), got {text!r}")
-    try:
-        m, k, n = (int(p) for p in parts)
-    except ValueError:
-        raise ValueError(f"shape must be MxKxN (three positive ints joined by 'x'), got {text!r}") from None
-    if min(m, k, n) < 1:
-        raise ValueError(f"every dim of the shape must be >= 1, got {text!r}")
-    return m, k, n
-
-
-def parse_moe_shape(text: str) -> tuple[MoEShape, str]:
-    """A preset name of `MOE_PRESETS` or ``"T,H,F,E,K"`` -> ``(shape, preset name or "")``.
-    Raises ValueError otherwise."""
-    name = text.strip().lower()
-    if name in MOE_PRESETS:
-        return MOE_PRESETS[name][0], name
-    parts = name.split(",")
-    what = (
-        f"an MoE shape must be T,H,F,E,K (tokens per rank, hidden, expert FFN, experts, top-k: five positive "
-        f"ints joined by ',') or a preset among {', '.join(MOE_PRESETS)}, got {text!r}"
-    )
-    if len(parts) != 5:
-        raise ValueError(what)
-    try:
-        values = [int(p) for p in parts]
-    except ValueError:
-        raise ValueError(what) from None
-    if min(values) < 1:
-        raise ValueError(f"every dim of the MoE shape must be >= 1, got {text!r}")
-    return MoEShape(*values), ""

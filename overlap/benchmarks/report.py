@@ -2,9 +2,13 @@
 footnotes, the JSON file (`runner` measures; this module says what the measurements are).
 
 Strategy labels are shown as the runner ran them: interpreted ``fused`` gets ``(interpreted)``
-(`display_label`) and stays out of the geometric means (rows with ``in_summary`` false). The
-geometric-mean speedups over ``reference`` (`summary`, `summary_lines`) are per mode, over all
-modes, per op family (tensor-parallel, moe) where a run has both, and per op, last.
+(`display_label`) and stays out of the geometric means (rows with ``in_summary`` false); the ``plan``
+column is the plan each row ran (``auto``'s choice among them), written by `overlap.Plan.label`.
+Speedups are over ``torch`` (the op in plain torch, `baseline`), with the speedup over ``reference``
+beside them. The geometric-mean speedups (`summary`, `summary_lines`) are per mode, over all modes,
+per op family (tensor-parallel, moe) where a run has both, and per op, last; they include
+``reference`` and ``auto``. `auto_vs_torch` counts the cases where ``auto`` was slower than ``torch``
+beyond the spreads (the goal is none).
 """
 
 from __future__ import annotations
@@ -14,7 +18,18 @@ import math
 import os
 from typing import Any
 
-from .definitions import INTERPRETED_FUSED_MAX_DIM, MODES, MOE_OPS, VARIANTS, AnyCase, label_plan, strategy_labels
+from .definitions import (
+    AUTO,
+    INTERPRETED_FUSED_MAX_DIM,
+    MODES,
+    MOE_OPS,
+    TORCH,
+    VARIANTS,
+    AnyCase,
+    all_bench_labels,
+    bench_labels,
+    label_plan,
+)
 
 
 def base_strategy(op: str, label: str) -> str:
@@ -40,16 +55,19 @@ def geomean(values: list[float]) -> float:
 class Table:
     """Aligned text table printed row by row (widths fixed up front from the cases and labels)."""
 
-    HEADS = ("case", "strategy", "median ms", "p25..p75 ms", "TFLOP/s", "GB/s", "speedup", "overlap eff")
+    HEADS = ("case", "strategy", "median ms", "p25..p75 ms", "TFLOP/s", "GB/s", "speedup", "vs ref", "overlap eff",
+             "plan")
 
     def __init__(self, cases: tuple[AnyCase, ...], strategies: tuple[str, ...], interpreted: bool):
         self.w_case = max(len(self.HEADS[0]), *(len(c.name) for c in cases))
-        labels = [display_label(c.op, s, interpreted) for c in cases for s in strategies if s in strategy_labels(c.op)]
+        labels = [display_label(c.op, s, interpreted) for c in cases for s in strategies if s in bench_labels(c.op)]
         self.w_strategy = max(len(self.HEADS[1]), len("(reduce_scatter alone)"), *map(len, labels))
 
     def line(self, case: str, strategy: str, *cols: str) -> str:
-        widths = (10, 15, 8, 7, 8, 11)
-        tail = " ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))
+        widths = (10, 15, 8, 7, 8, 7, 11)
+        tail = " ".join(c.rjust(w) for c, w in zip(cols, widths, strict=False))
+        if len(cols) > len(widths):  # the plan, left-aligned last
+            tail += "  " + cols[-1]
         return f"{case:<{self.w_case}}  {strategy:<{self.w_strategy}} {tail}".rstrip()
 
     def header(self) -> str:
@@ -62,9 +80,9 @@ class Table:
         spread = f"{r['p25_ms']:.2f}..{r['p75_ms']:.2f}"
         dash = "-"
         if r.get("context") == "comm":
-            cols = (f"{r['median_ms']:.3f}", spread, dash, f"{r['comm_gbps']:.3g}", dash, dash)
+            cols = (f"{r['median_ms']:.3f}", spread, dash, f"{r['comm_gbps']:.3g}", dash, dash, dash)
         elif r.get("context") == "compute":
-            cols = (f"{r['median_ms']:.3f}", spread, f"{r['compute_tflops']:.3g}", dash, dash, dash)
+            cols = (f"{r['median_ms']:.3f}", spread, f"{r['compute_tflops']:.3g}", dash, dash, dash, dash)
         else:
             cols = (
                 f"{r['median_ms']:.3f}",
@@ -72,9 +90,14 @@ class Table:
                 f"{r['tflops']:.3g}",
                 dash,
                 f"{r['speedup']:.2f}x",
+                f"{r['speedup_vs_reference']:.2f}x",
                 f"{r['efficiency']:+.2f}",
+                r.get("plan", ""),
             )
         return self.line(r["case"], name, *cols)
+
+
+_ORDER = all_bench_labels()
 
 
 def family(op: str) -> str:
@@ -83,19 +106,23 @@ def family(op: str) -> str:
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Geometric-mean speedup per strategy label over the cases where it passed (interpreted fused
-    left out): over all cases, per mode (``by_mode``), per op family (``by_family``, `family`) and
-    per op (``by_op``)."""
+    """Geometric-mean speedup over ``torch`` per row label (``reference`` and ``auto`` included) over the
+    cases where it passed (interpreted fused left out): over all cases, per mode (``by_mode``), per op
+    family (``by_family``, `family`) and per op (``by_op``); over all cases also the geometric mean of
+    the speedups over ``reference`` (``geomean_speedup_vs_reference``)."""
     per: dict[str, dict[str, dict[str, list[float]]]] = {}
+    vs_ref: dict[str, list[float]] = {}
     for r in rows:
-        if r.get("in_summary") and r["strategy"] != "reference" and "speedup" in r:
+        if r.get("in_summary") and r["strategy"] != TORCH and "speedup" in r:
             scopes = per.setdefault(r["strategy"], {"by_mode": {}, "by_family": {}, "by_op": {}})
             for scope, key in (("by_mode", r["mode"]), ("by_family", family(r["op"])), ("by_op", r["op"])):
                 scopes[scope].setdefault(key, []).append(r["speedup"])
+            vs_ref.setdefault(r["strategy"], []).append(r["speedup_vs_reference"])
     out = {}
-    for s, scopes in per.items():
+    for s, scopes in sorted(per.items(), key=lambda kv: _ORDER.index(kv[0]) if kv[0] in _ORDER else len(_ORDER)):
         every = [v for mode in MODES for v in scopes["by_mode"].get(mode, [])]
-        out[s] = {"geomean_speedup": geomean(every), "cases": len(every)}
+        out[s] = {"geomean_speedup": geomean(every), "cases": len(every),
+                  "geomean_speedup_vs_reference": geomean(vs_ref[s])}
         for scope, groups in scopes.items():
             out[s][scope] = {key: {"geomean_speedup": geomean(v), "cases": len(v)} for key, v in groups.items()}
     return out
@@ -116,14 +143,35 @@ def summary_lines(
     for scope, get in scopes:
         parts = [f"{s} {v['geomean_speedup']:.2f}x ({v['cases']})" for s in results if (v := get(s))]
         if parts:
-            lines.append(f"geomean speedup over reference, {scope}: " + ", ".join(parts))
+            lines.append(f"geomean speedup over torch, {scope}: " + ", ".join(parts))
     return lines
+
+
+def auto_vs_torch(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The cases where ``auto`` was slower than ``torch`` beyond the spreads: ``auto``'s p25 above
+    ``torch``'s p75 (their interquartile ranges do not overlap). ``{"slower": count, "compared": cases with
+    both timed, "cases": [names]}``; the goal is none."""
+    timed = {(r["case"], r["strategy"]): r for r in rows if "p25_ms" in r and "context" not in r}
+    cases = list(dict.fromkeys(case for case, label in timed if label == AUTO and (case, TORCH) in timed))
+    slower = [c for c in cases if timed[(c, AUTO)]["p25_ms"] > timed[(c, TORCH)]["p75_ms"]]
+    return {"slower": len(slower), "compared": len(cases), "cases": slower}
+
+
+def auto_vs_torch_line(result: dict[str, Any]) -> str:
+    """One line of `auto_vs_torch`'s result."""
+    text = (f"auto slower than torch beyond the spreads (p25..p75 apart) in {result['slower']} of "
+            f"{result['compared']} case(s)")
+    return text + (": " + "; ".join(result["cases"]) if result["cases"] else " (goal: none)")
 
 
 def notes(config: Any, interpreted: bool, interpreted_iters: int) -> list[str]:
     """The footnotes that apply to a run of `config` (a `cases.BenchConfig`; `interpreted`: whether
     fused runs under the Triton interpreter there, timed in at most `interpreted_iters` repeats)."""
-    lines = []
+    lines = [
+        "torch = the op in plain torch (torch.distributed collectives and torch.matmul, no code of overlap on "
+        "its timed path), the baseline of 'speedup'; 'vs ref' = the speedup over reference; auto = the default "
+        "strategy, its plan in the plan column"
+    ]
     ops = {c.op for c in config.cases}
     if any(c.backward for c in config.cases):
         lines.append(

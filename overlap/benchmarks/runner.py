@@ -14,11 +14,13 @@ layer, ``T,H,F,E,K``, a dtype, a mode), `run_case`:
 3. Timing (`timing`): warm-up, then `iters` interleaved repeats of the plain collectives alone, the
    GEMMs alone, ``reference`` and each strategy, every call between barriers; the time of a repeat
    is the maximum over ranks, a label's time the median over repeats, with p25..p75 as the spread.
-4. One row per strategy, then the case's two context rows (`case_rows`).
+4. One row per label (``torch``: the op in plain torch, `baseline`; ``reference``; each strategy;
+   ``auto``, the default strategy), then the case's two context rows (`case_rows`).
 
-Reported per strategy (docs/design.md "Measuring"): TFLOP/s (`Case.flops`: 1 GEMM forward, 3 in
+Reported per row (docs/design.md "Measuring"): TFLOP/s (`Case.flops`: 1 GEMM forward, 3 in
 ``fwd+bwd``; `MoECase.flops`: the mean over ranks of the grouped GEMMs), speedup
-``= T_ref / T_strategy`` and overlap efficiency ``= (T_ref - T_strategy) / min(T_comm, T_compute)``,
+``= T_torch / T_strategy`` and beside it ``T_ref / T_strategy``, the plan it ran (`checks.plan_labels`:
+``auto``'s choice), and overlap efficiency ``= (T_ref - T_strategy) / min(T_comm, T_compute)``,
 the share of the smaller of the two costs that was hidden (1.0 is the limit). ``T_comm`` and
 ``T_compute`` are the plain collectives alone and the GEMMs alone of the same mode (`workloads`): in
 ``fwd+bwd`` every collective and every GEMM of the unfused forward and backward, so the efficiency
@@ -26,8 +28,10 @@ there is that of the whole training step of the op. Interpreted ``fused`` runs o
 is at most `cases.INTERPRETED_FUSED_MAX_DIM`, is labelled ``(interpreted)``, is timed without warm-up
 in at most `timing.INTERPRETED_ITERS` of the repeats (a call costs 0.1-1 s) and is left out of the
 geometric means. ``matmul_all_reduce`` also runs the ``+one_shot`` variant of each strategy
-(`cases.VARIANTS`), a label of its own. The geometric means are per mode over every op, per op
-family (tensor-parallel, moe) where a run has both, and per op, last. Default cases that do not
+(`cases.VARIANTS`), a label of its own. The geometric means (over ``torch``) are per mode over every
+op, per op family (tensor-parallel, moe) where a run has both, and per op, last; then one line
+(and ``auto_vs_torch`` in the JSON) counts the cases where ``auto`` was slower than ``torch`` beyond
+the spreads (`report.auto_vs_torch`). Default cases that do not
 fit the ranks (MoE experts that do not split evenly, a Llama-3 layer whose heads do not) are left
 out with a note; given ones raise ValueError.
 
@@ -55,7 +59,7 @@ from ..version import __version__
 from . import report
 from .cases import BenchConfig, default_cases
 from .checks import Checked, check_case, fused_interpreted, strategies_for
-from .definitions import MODES, AnyCase, label_plan
+from .definitions import MODES, TORCH, AnyCase, label_plan
 from .progress import Progress, ProgressBar, quiet
 from .timing import INTERPRETED_ITERS, time_case
 
@@ -122,7 +126,7 @@ def case_rows(checked: Checked, stats: dict[str, dict[str, Any]], world_size: in
     case, work, W = checked.case, checked.work, world_size
     comm_label, compute_label = work.comm_label, work.compute_label
     t_comm, t_compute = stats[comm_label]["median_ms"], stats[compute_label]["median_ms"]
-    t_ref = stats["reference"]["median_ms"]
+    t_ref, t_torch = stats["reference"]["median_ms"], stats[TORCH]["median_ms"]
     base = {
         "op": case.op,
         "mode": case.mode,
@@ -143,6 +147,7 @@ def case_rows(checked: Checked, stats: dict[str, dict[str, Any]], world_size: in
             base,
             strategy=s,
             plan_fields=label_plan(case.op, s)[1],
+            plan=checked.plans.get(s, ""),
             label=report.display_label(case.op, s, checked.interpreted),
             interpreted=is_interp,
             status="FAILED" if s in checked.failed else "ok",
@@ -155,7 +160,8 @@ def case_rows(checked: Checked, stats: dict[str, dict[str, Any]], world_size: in
             row.update(stats[s])
             row.update(
                 tflops=case.flops(W) / (t * 1e-3) / 1e12,
-                speedup=t_ref / t,
+                speedup=t_torch / t,
+                speedup_vs_reference=t_ref / t,
                 efficiency=(t_ref - t) / min(t_comm, t_compute),
             )
         rows.append(row)
@@ -261,6 +267,8 @@ def run(config: BenchConfig, group: dist.ProcessGroup | None = None) -> list[dic
     ops = tuple(dict.fromkeys(c.op for c in config.cases))
     for line in report.summary_lines(results, modes, families, ops):
         out(line)
+    slower = report.auto_vs_torch(rows)
+    out(report.auto_vs_torch_line(slower))
     failed = [r for r in rows if r.get("status") == "FAILED"]
     if failed:
         out(f"FAILED: {len(failed)} strategy/case pair(s) did not match reference")
@@ -276,6 +284,7 @@ def run(config: BenchConfig, group: dist.ProcessGroup | None = None) -> list[dic
                 "seed": seed,
                 "results": rows,
                 "summary": results,
+                "auto_vs_torch": slower,
             },
         )
     return rows

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..pool import RankPool
 from .cases import BenchConfig
-from .definitions import BENCH_OPS, MODES, AnyCase, all_strategy_labels, label_plan, strategy_labels
+from .definitions import BENCH_OPS, MODES, TORCH, AnyCase, all_bench_labels, bench_labels, label_plan
 from .timing import INTERPRETED_ITERS, summarize
 
 #: the test-facing names of the two context labels (their table labels differ per op and mode)
@@ -43,15 +43,15 @@ def device_type_for(nproc: int) -> str:
 
 
 def case_labels(case: AnyCase, device_type: str) -> list[str]:
-    """What a session can time for `case`: the two context labels, ``reference``, then every strategy
-    label of its op (interpreted ``fused`` only where the case fits the interpreter, as the runner)."""
+    """What a session can time for `case`: the two context labels, ``torch``, ``reference``, every strategy
+    label of its op, ``auto`` (interpreted ``fused`` only where the case fits the interpreter, as the runner)."""
     import torch
 
     from .checks import fused_interpreted
 
     interpreted = fused_interpreted(torch.device(device_type))
     labels = [
-        label for label in strategy_labels(case.op)
+        label for label in bench_labels(case.op)
         if label_plan(case.op, label)[0] != "fused" or not interpreted or case.fits_interpreted_fused
     ]
     return [COMM_ALONE, COMPUTE_ALONE, *labels]
@@ -142,7 +142,7 @@ class BenchSession:
         self.nproc = nproc
         self.seed = random.SystemRandom().randrange(2**31) if seed is None else seed
         self.clock = clock if clock is not None else RankClock()
-        self.config = BenchConfig(ops=BENCH_OPS, modes=MODES, strategies=all_strategy_labels(), timeout=timeout,
+        self.config = BenchConfig(ops=BENCH_OPS, modes=MODES, strategies=all_bench_labels(), timeout=timeout,
                                   progress=False)
         self.pool = RankPool(nproc)
         self.cases: dict[AnyCase, CaseState] = {}
@@ -191,7 +191,7 @@ class BenchSession:
 
     def extra_info(self, case: AnyCase, label: str) -> dict[str, Any]:
         """What the rounds of `label` mean: the ranks' median and spread, TFLOP/s or GB/s, and, where this
-        session has timed them, the speedup over reference and the overlap efficiency (`runner`)."""
+        session has timed them, the speedup over torch and over reference and the overlap efficiency (`runner`)."""
         state = self.check(case)
         check, stats = state.check, state.stats.get(label)
         info: dict[str, Any] = {
@@ -213,9 +213,11 @@ class BenchSession:
         if label == COMPUTE_ALONE:
             return info
         info["interpreted"] = label in check["interpreted"]
-        ref = state.stats.get("reference")
+        ref, base = state.stats.get("reference"), state.stats.get(TORCH)
+        if base is not None:
+            info["speedup"] = base["median_ms"] / t
         if ref is not None:
-            info["speedup"] = ref["median_ms"] / t
+            info["speedup_vs_reference"] = ref["median_ms"] / t
             comm, compute = state.stats.get(COMM_ALONE), state.stats.get(COMPUTE_ALONE)
             if comm is not None and compute is not None:
                 smaller = min(comm["median_ms"], compute["median_ms"])

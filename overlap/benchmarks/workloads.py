@@ -17,7 +17,8 @@ import torch
 
 from .. import ops, world
 from ..plans import Expected, OpInputs, Plan, SeededDraw
-from .definitions import AnyCase, label_plan
+from .baseline import torch_call
+from .definitions import TORCH, AnyCase, label_plan
 
 __all__ = ["Expected", "Workload", "build", "strategy_fn"]
 
@@ -27,6 +28,7 @@ class Workload:
     """One case's tensors on this rank and the functions the runner checks and times."""
 
     op: Callable[..., torch.Tensor]  # op(*inputs, strategy=, plan=, timeout=): the table entry's call
+    torch_op: Callable[..., torch.Tensor]  # torch_op(*inputs): the op in plain torch (`baseline`), the torch row
     inputs: tuple[torch.Tensor, ...]  # leaves that require grad in fwd+bwd: (a, b); moe: (x, w1, w2, topk_weights)
     grad_out: torch.Tensor | None  # fwd+bwd only
     expected: list[Expected]  # out, then in fwd+bwd the gradient of each input, in order
@@ -56,21 +58,27 @@ def build(case: AnyCase, seed: int, case_index: int, info: world.GroupInfo, pg, 
         return spec.call(ops.function, OpInputs(leaves, mine.grad_out, mine.routing, mine.num_experts), pg, **kwargs)
 
     # The collectives and GEMMs alone read the inputs, leaves that require grad in fwd+bwd: no autograd.
-    return Workload(op, mine.leaves, mine.grad_out, expected, torch.no_grad()(plain.comm),
-                    torch.no_grad()(plain.compute), plain.comm_label, plain.compute_label, plain.comm_bytes,
+    return Workload(op, torch_call(case.op, pg, mine.routing, mine.num_experts), mine.leaves, mine.grad_out,
+                    expected, torch.no_grad()(plain.comm), torch.no_grad()(plain.compute), plain.comm_label,
+                    plain.compute_label, plain.comm_bytes,
                     [f"{case.name}: {note}" for note in plain.notes])
 
 
 def strategy_fn(w: Workload, case: AnyCase, label: str, timeout: float | None) -> Callable[[], list[torch.Tensor]]:
-    """One timed call of strategy `label`: ``[out]``, or in fwd+bwd ``[out, gradient of each input]`` (the
-    backward of a fresh output with the fixed `Workload.grad_out`, gradients not accumulated)."""
+    """One timed call of row `label` (``torch``: `Workload.torch_op`; ``auto``: ``strategy="auto"``):
+    ``[out]``, or in fwd+bwd ``[out, gradient of each input]`` (the backward of a fresh output with the fixed
+    `Workload.grad_out`, gradients not accumulated)."""
     strategy, fields = label_plan(case.op, label)
     kwargs = {"strategy": strategy, "plan": Plan(strategy, **fields) if fields else None, "timeout": timeout}
+    if label == TORCH:  # plain torch: nothing of overlap on the timed path
+        call, kwargs = w.torch_op, {}
+    else:
+        call = w.op
     if not case.backward:
-        return lambda: [w.op(*w.inputs, **kwargs)]
+        return lambda: [call(*w.inputs, **kwargs)]
 
     def forward_backward() -> list[torch.Tensor]:
-        out = w.op(*w.inputs, **kwargs)
+        out = call(*w.inputs, **kwargs)
         return [out.detach(), *torch.autograd.grad(out, w.inputs, w.grad_out)]
 
     return forward_backward

@@ -20,10 +20,11 @@ import sys
 import tempfile
 from typing import Any
 
-from ..benchmarks.cases import BENCH_OPS, MODES, all_strategy_labels, strategy_labels
-from . import info
+from ..benchmarks.names import BENCH_OPS, MODES, all_bench_labels, bench_labels
 from .parser import build_parser, selection
-from .ranks import num_ranks, on_ranks
+
+# Nothing here imports torch before a command runs: the ranks (`ranks`), `info` and the benchmark's
+# modules are imported by the command that needs them, so --help, --version and argument errors are quick.
 
 # ----------------------------------------------------------------------------------------------
 # overlap bench
@@ -48,11 +49,16 @@ def _bench_rank(config: Any, status_path: str) -> tuple[int, list[str]]:
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..benchmarks import command
-    from ..benchmarks.runner import BenchConfig
 
     modes = selection(args.mode, MODES)
     try:
-        earlier = command.check_outputs(args.json, args.plot, args.compare)
+        earlier = command.check_outputs(args.json, args.plot, args.compare)  # before torch is even imported
+    except ValueError as exc:
+        parser.error(str(exc))
+    from ..benchmarks.cases import BenchConfig
+    from .ranks import num_ranks, on_ranks
+
+    try:
         ops, cases = command.cases_of(selection(args.op, BENCH_OPS) if args.op else None, modes, args.shape,
                                       args.dtype, num_ranks(args.nproc))
     except ValueError as exc:
@@ -67,7 +73,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 cases=cases,
                 dtype=args.dtype,
                 strategies=args.strategies
-                or tuple(s for s in all_strategy_labels() if any(s in strategy_labels(op) for op in ops)),
+                or tuple(s for s in all_bench_labels() if any(s in bench_labels(op) for op in ops)),
                 warmup=args.warmup,
                 iters=args.iters,
                 timeout=args.timeout,
@@ -122,6 +128,7 @@ def _tune_rank(config: Any, status_path: str) -> None:
 
 def _tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..tune.command import TuneConfig, parse_shape
+    from .ranks import on_ranks
 
     if not args.shape and not args.model:
         parser.error("give --shape (one or more) or --model")
@@ -153,6 +160,9 @@ def _tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if (args.refresh or args.quick) and not args.probe:
         parser.error("--refresh and --quick go with --probe")
+    from . import info
+    from .ranks import on_ranks
+
     code = on_ranks("info", info.info_rank, (), args.nproc)[0]
     if code == 0 and args.probe:
         code = on_ranks("info --probe", info.probe_rank, (args.refresh, args.quick), args.nproc)[0]

@@ -1,23 +1,25 @@
 """The ``overlap`` command line: its parser (`build_parser`), help texts and argument types.
 
 `overlap.cli` parses with it and runs the commands; `selection` reads a repeatable list option back.
+It imports no torch (nor anything that does): ``overlap --help``, ``--version`` and argument errors
+answer in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from ..benchmarks.cases import (
+from ..benchmarks.models import TP_PRESETS, parse_tp_preset
+from ..benchmarks.names import (
     BENCH_OPS,
-    DTYPES,
+    DTYPE_NAMES,
     MODES,
     MOE_PRESETS,
     MoEShape,
-    all_strategy_labels,
+    all_bench_labels,
     parse_moe_shape,
     parse_shape,
 )
-from ..benchmarks.models import TP_PRESETS, parse_tp_preset
 from ..version import __version__
 
 _DESCRIPTION = "overlap: hide tensor- and expert-parallel communication behind the GEMMs around it."
@@ -109,7 +111,7 @@ def _names(known: tuple[str, ...], what: str):
     return parse
 
 
-_strategies = _names(all_strategy_labels(), "strategies among")
+_strategies = _names(all_bench_labels(), "strategies among")
 _ops = _names(BENCH_OPS, "ops among")
 _modes = _names(MODES, "modes among")
 
@@ -187,19 +189,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="check and time every strategy of the ops against reference",
-        description="Benchmark the ops on the ranks: for each case (op, shape, dtype, mode), check every "
-        "strategy against 'reference' (the output, and in fwd+bwd the gradients of every input; a mismatch "
-        "fails the command), warm up, then time interleaved repeats between barriers. Prints one line per "
-        "strategy and case (median ms, p25..p75, TFLOP/s, speedup over reference, overlap efficiency = "
-        "(T_ref - T) / min(T_comm, T_compute)), the plain collectives and the GEMMs alone for context, and "
-        "the geometric-mean speedup per strategy and mode, then per op. A progress bar on stderr names the case "
-        "and strategy being checked or timed. --plot draws the results, --compare sets them against an earlier "
-        "--json file. matmul_all_reduce also runs each strategy's "
-        "one-shot variant (label '+one_shot'). Op 'moe' is one MoE layer's experts on the expert-parallel "
-        "group (overlap.moe.dispatch_grouped_matmul, gelu, overlap.moe.grouped_matmul_combine) with a fixed, "
-        "uneven routing; its gradients of x, w1, w2 and topk_weights are checked. Interpreted 'fused' (CPU "
-        "ranks) runs only where every dim <= 128 and is left out of the summary.",
+        help="check every strategy of the ops, then time them against the ops in plain torch",
+        description="Benchmark the ops on the ranks: for each case (op, shape, dtype, mode), check "
+        "'reference' and 'torch' (the op in plain torch: torch.distributed collectives and torch.matmul, no code of "
+        "overlap on its timed path) against the op's result computed locally, and every strategy and 'auto' (the "
+        "default strategy) against 'reference' (the output, and in fwd+bwd the gradients of every input; a mismatch "
+        "fails the command), warm up, then time interleaved repeats between barriers. Prints one line per row and "
+        "case (median ms, p25..p75, TFLOP/s, speedup over torch, speedup over reference, overlap efficiency = "
+        "(T_ref - T) / min(T_comm, T_compute), the plan it ran: auto's choice), the plain collectives and the GEMMs "
+        "alone for context, the geometric-mean speedup over torch per strategy and mode, then per op (reference "
+        "and auto included), and a line counting the cases where auto was slower than torch beyond the spreads "
+        "(p25..p75 apart; also in --json). A progress bar on stderr names the case and strategy being checked or "
+        "timed. --plot draws the results, --compare sets them against an earlier --json file. matmul_all_reduce "
+        "also runs each strategy's one-shot variant (label '+one_shot'). Op 'moe' is one MoE layer's experts on the "
+        "expert-parallel group (overlap.moe.dispatch_grouped_matmul, gelu, overlap.moe.grouped_matmul_combine) "
+        "with a fixed, uneven routing; its gradients of x, w1, w2 and topk_weights are checked. Interpreted "
+        "'fused' (CPU ranks) runs only where every dim <= 128 and is left out of the summary and the plot.",
     )
     bench.add_argument("--nproc", type=_positive_int, default=None, metavar="N", help=nproc_help)
     bench.add_argument(
@@ -240,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--dtype",
-        choices=tuple(DTYPES),
+        choices=DTYPE_NAMES,
         default=None,
         help="dtype of the cases (default: float32 for --shape, presets included, else each built-in case's own)",
     )
@@ -249,9 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=_strategies,
         default=None,
         metavar="LIST",
-        help=f"comma-separated strategies (default: those of {','.join(all_strategy_labels())} that apply to the "
-        "ops selected), each run for the ops it applies to (the +one_shot ones: matmul_all_reduce); reference, "
-        "the baseline, always runs",
+        help=f"comma-separated strategies (default: those of {', '.join(all_bench_labels())} that apply to the "
+        "ops selected), each run for the ops it applies to (the +one_shot ones: matmul_all_reduce); torch (the "
+        "plain torch.distributed collective and torch.matmul, the baseline of the speedups) and reference (the "
+        "project's plain strategy, the correctness baseline) always run; auto is the default strategy",
     )
     bench.add_argument(
         "--warmup",
@@ -268,8 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot",
         default=None,
         metavar="PATH",
-        help="write a figure of the results there (format from the suffix: .png, .svg, .pdf): time per strategy "
-        "per case and overlap efficiency per strategy; needs matplotlib",
+        help="write a figure of the results there (format from the suffix: .png, .svg, .pdf, ...; checked before "
+        "anything starts): median time per row and case, and the speedup over torch per row and case (a linear "
+        "axis; auto's plan under each case); needs matplotlib",
     )
     bench.add_argument(
         "--compare",

@@ -68,6 +68,20 @@ class Plan:
         pairs = tuple((link, int(n)) for link, _, n in (c.partition("=") for c in chunks.split(",") if c))
         return cls(strategy, pairs, int(bm), int(bn), int(bk), one_shot == "1")
 
+    def label(self, links: tuple[str, ...] = ()) -> str:
+        """Readable text of the plan for people (tables, plots, logs), e.g. ``symm (shm x2)``,
+        ``pipelined (shm x4, network x2)``, ``fused (tile 128x128x64, one-shot)``: the chunks per link
+        class of `links` (the classes the call's transfers use, default chunks included) and of any class
+        set in `num_chunks`. Not part of any signature (`describe` is)."""
+        chunks = dict(self.num_chunks)
+        classes = [c for c in LINK_CLASSES if c in links or c in chunks]
+        parts = [f"{c} x{self.chunks_for(c)}" for c in classes] if self.strategy != "reference" else []
+        if self.block_m:
+            parts.append(f"tile {self.block_m}x{self.block_n}x{self.block_k}")
+        if self.one_shot:
+            parts.append("one-shot")
+        return f"{self.strategy} ({', '.join(parts)})" if parts else self.strategy
+
     def describe(self) -> str:
         """Canonical text of the plan (part of every call signature)."""
         chunks = ",".join(f"{k}={v}" for k, v in self.num_chunks)

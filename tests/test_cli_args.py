@@ -1,0 +1,161 @@
+"""The ``overlap`` command line before any rank starts: start-up, help, version and argument errors (exit
+code 2), run as a user runs them (in a subprocess, with a deadline) or through `overlap.cli.main` in process.
+The commands on ranks are `test_cli.py`'s."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+
+
+def overlap_cmd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``python -m overlap.cli ARGS`` with this interpreter, one torch thread, a deadline."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "overlap.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def test_version():
+    import overlap
+
+    proc = overlap_cmd("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"overlap {overlap.__version__}"
+
+
+def test_help_lists_commands():
+    proc = overlap_cmd("--help")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^\s+info\s", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^\s+bench\s", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^\s+tune\s", proc.stdout, re.M), proc.stdout
+
+
+def test_console_script_next_to_interpreter():
+    script = os.path.join(os.path.dirname(sys.executable), "overlap")
+    if not os.path.exists(script):
+        pytest.skip(f"no console script at {script} (overlap not installed in this environment)")
+    proc = subprocess.run([script, "bench", "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    options = ("--nproc", "--op", "--mode", "--shape", "--dtype", "--strategies", "--warmup", "--iters", "--json")
+    moe = ("moe", "T,H,F,E,K", "mixtral = 512,128,448,8,2", "deepseek-v3 = 512,224,64,32,8", "tiny")
+    for option in (*options, "--timeout", "fwd+bwd", "symm+one_shot", *OPS, *moe):
+        assert option in proc.stdout, f"{option} missing from bench --help:\n{proc.stdout}"
+
+
+_NO_TORCH = textwrap.dedent("""\
+    import sys
+    from overlap.cli import main
+    try:
+        code = main(sys.argv[1:])
+    except SystemExit as exc:
+        code = exc.code
+    print("torch imported:", "torch" in sys.modules, file=sys.stderr)
+    sys.exit(code)
+""")
+
+
+@pytest.mark.parametrize(
+    "args, code",
+    [
+        (("--help",), 0),
+        (("--version",), 0),
+        (("bench", "--help"), 0),
+        (("tune", "--help"), 0),
+        (("info", "--help"), 0),
+        (("bench", "--shape", "3x4"), 2),
+        (("bench", "--plot", "x.bmpx"), 2),
+        (("bench", "--json", "/no/such/folder/x.json"), 2),
+        (("bench", "--strategies", "reference,warp"), 2),
+        (("info", "--nproc", "0"), 2),
+    ],
+)
+def test_help_version_and_argument_errors_do_not_import_torch(args, code):
+    """``overlap --help``, ``--version`` and argument errors answer without loading torch (quick start-up)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _NO_TORCH, *args], capture_output=True, text=True, timeout=60,
+                          env=env)
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    assert "torch imported: False" in proc.stderr, proc.stderr
+
+
+def test_plot_format_and_unwritable_folder_exit_2(tmp_path):
+    from overlap.benchmarks import command
+
+    with pytest.raises(ValueError, match="--plot: the suffix"):
+        command.check_outputs(None, str(tmp_path / "x.bmpx"), None)
+    with pytest.raises(ValueError, match="is a folder"):
+        command.check_outputs(str(tmp_path), None, None)
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.access(locked, os.W_OK):  # root writes anywhere
+        pytest.skip("running as root: no folder is unwritable")
+    with pytest.raises(ValueError, match="--json: .* is not writable"):
+        command.check_outputs(str(locked / "x.json"), None, None)
+
+
+def test_bad_shape_exits_2():
+    proc = overlap_cmd("bench", "--shape", "3x4")
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "MxKxN" in proc.stderr and "'3x4'" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("bench", "--shape", "0x4x4"),
+        ("bench", "--shape", "8x8x8", "3x4x"),
+        ("bench", "--strategies", "reference,warp"),
+        ("bench", "--op", "all_gather_matmul,matmul_transpose"),
+        ("bench", "--op", ","),
+        ("bench", "--mode", "bwd"),
+        ("bench", "--op", "all_gather_matmul", "--mode", "fwd", "--mode", "fwd+bwd+fwd"),
+        ("bench", "--op", "all_gather_matmul", "--op", "matmul_reduce_scatter", "--strategies", "symm+one_shot"),
+        ("bench", "--dtype", "float64"),
+        ("bench", "--shape", "8,8,8,4"),
+        ("bench", "--shape", "8,8,8,4,5"),  # top-k beyond the experts
+        ("bench", "--shape", "8,8,8,0,1"),
+        ("bench", "--shape", "mixtral-8x7b"),  # not a preset
+        ("bench", "--op", "moe", "--shape", "8x8x8"),  # no MoE shape for moe
+        ("bench", "--op", "moe,all_gather_matmul", "--shape", "mixtral"),  # no MxKxN for all_gather_matmul
+        ("bench", "--op", "moe", "--strategies", "symm+one_shot"),
+        ("bench", "--iters", "0"),
+        ("bench", "--timeout", "-1"),
+        ("info", "--nproc", "0"),
+        ("tune",),
+    ],
+)
+def test_bad_arguments_exit_2_in_process(args, capsys):
+    """The same argparse path, in process (no ranks are started before the arguments are checked)."""
+    from overlap.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    assert exc.value.code == 2, args
+    assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--shape", "all_gather_matmul:64x128"), "needs"),
+        (("--shape", "conv2d:1x2x3"), "unknown op"),
+        (("--shape", "moe:8x8x8:4:2:int8"), "neither a dtype"),
+        (("--nproc", "2"), "give --shape"),
+    ],
+)
+def test_tune_bad_arguments_exit_2(args, message, capsys):
+    from overlap.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["tune", *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
