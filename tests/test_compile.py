@@ -91,3 +91,11 @@ def test_layers_compile(pools, seed, world_size, task):
         for mode, r in modes.items():
             assert r["breaks"] == 0, f"rank {rank} {mode}: graph breaks {r['reasons']}"
             assert r["max_diff"] <= 1e-5, f"rank {rank} {mode}: compiled differs from eager by {r['max_diff']}"
+
+
+def test_opcheck(pools, seed):
+    """torch's own checks of a custom op: its schema, its fake implementation against the real one (shapes,
+    strides, dtypes, no aliasing), its autograd registration."""
+    for rank, results in enumerate(pools(2).run(compile_tasks.opchecks, seed, timeout=300)):
+        bad = {name: r for name, r in results.items() if r != "ok"}
+        assert not bad, f"rank {rank}: {bad}"
