@@ -64,11 +64,12 @@ class CallContext:
         ``finish()`` must run when this rank is done with the call, also on error paths."""
         world.CALLER.set(self.op)
         info = self.info
-        if info.single_node:
-            if need_bytes > 0 and info.device.type == "cuda":
-                warn_device_connections(self.op)
-            return symm.heap_for(self.pg, self.timeout).begin(self.op, self.signature, need_bytes, self.timeout)
-        return _collective_handshake(self.op, self.pg, info, self.signature, self.timeout, post_only=False)
+        with record("handshake"):
+            if info.single_node:
+                if need_bytes > 0 and info.device.type == "cuda":
+                    warn_device_connections(self.op)
+                return symm.heap_for(self.pg, self.timeout).begin(self.op, self.signature, need_bytes, self.timeout)
+            return _collective_handshake(self.op, self.pg, info, self.signature, self.timeout, post_only=False)
 
     def fail(self, exc: Exception) -> NoReturn:
         """Post a poisoned signature, so that peers already waiting in this call raise at once instead of
@@ -97,6 +98,11 @@ def preamble(op: str, group, timeout: float | None,
 
     A TypeError/ValueError raised by `decide` or a bad `timeout` is a local mistake: posted to the peers,
     then raised here (`CallContext.fail`)."""
+    with record("preamble"):
+        return _preamble(op, group, timeout, decide)
+
+
+def _preamble(op: str, group, timeout: float | None, decide: Callable[[CallContext], tuple[Plan, str, Any]]):
     pg = world.resolve_group(group)
     world.CALLER.set(op)  # set-up rendezvous of this call (group facts, heap) name the op on timeout
     error = None

@@ -1,0 +1,24 @@
+"""bench/overhead.py runs and reports every row (no timing is asserted: the machine may be busy)."""
+
+from __future__ import annotations
+
+import json
+
+from support.scripts import run_script
+
+
+def test_overhead_script_reports_every_row(tmp_path):
+    out = tmp_path / "o.json"
+    done = run_script(["bench/overhead.py", "--iters", "5", "--warmup", "1", "--profiled", "5", "--json", str(out)],
+                      timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for row in ("op (median)", "gemm alone", "plain torch ag+mm", "protocol = op - gemm", "preamble", "handshake"):
+        assert row in done.stdout, (row, done.stdout)
+    record = json.loads(out.read_text())["rank0_us"]
+    assert {"op", "gemm", "torch", "preamble", "handshake", "op_profiled"} <= record.keys(), record
+    assert record["preamble"] > 0 and record["handshake"] > 0, record  # the op's ranges were seen
+
+
+def test_overhead_script_rejects_a_bad_shape():
+    done = run_script(["bench/overhead.py", "--shape", "32x64"], timeout=120)
+    assert done.returncode == 2 and "MxKxN" in done.stderr, done.stderr
