@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import moe_op, tp_ops
+from . import moe_op, plain_torch, tp_ops
 from .opdata import DTYPES, Expected, OpInputs, Plain, SeededDraw
 
 FAMILIES = ("tp", "moe")
@@ -42,6 +42,8 @@ class OpSpec:
     plain: ``(p, every, rank, group, info, timeout, comm_bytes) -> Plain``: collectives and GEMMs alone.
     call: ``(lookup, inputs, group, **kwargs) -> out``; ``lookup("module.function")`` returns the public
         function of ``overlap.ops`` (`overlap.ops.function`), looked up at call time.
+    plain_torch: ``(group, routing, num_experts) -> fn(*leaves)``: the op in plain torch (`plain_torch`), the
+        benchmarks' baseline.
     variants: `Plan` flags beyond the strategy that apply (``one_shot``).
     label: a short name for plots.
     """
@@ -59,6 +61,7 @@ class OpSpec:
     oracle: Callable[..., list[Expected]]
     plain: Callable[..., Plain]
     call: Callable[..., torch.Tensor]
+    plain_torch: Callable[..., Callable[..., torch.Tensor]]
     variants: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -86,7 +89,8 @@ def _tp(name: str, label: str, in_rows, out_rows, reduction, per_peer_elements, 
         flops=lambda p, W: (3 if p.backward else 1) * 2 * W * p.m * p.k * p.n,
         bytes_per_peer=lambda p, W: per_peer_elements(p) * ITEMSIZE[p.dtype],
         inputs=tp_ops.tp_inputs(in_rows, out_rows, reduction, replicated),
-        call=tp_ops.tp_call(f"{name}.{name}"), variants=variants, **fns)
+        call=tp_ops.tp_call(f"{name}.{name}"), plain_torch=getattr(plain_torch, f"torch_{name}"), variants=variants,
+        **fns)
 
 
 def _moe_bytes_per_peer(p, W: int) -> float:
@@ -106,7 +110,7 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
     OpSpec("moe", "moe", "moe", in_rows=lambda m, W: m, out_rows=lambda m, W: m,
            flops=lambda p, W: (3 if p.backward else 1) * 4 * p.m * p.top_k * p.k * p.n,
            bytes_per_peer=_moe_bytes_per_peer, chunked=moe_op.chunked, cost=moe_op.cost, inputs=moe_op.inputs,
-           oracle=moe_op.oracle, plain=moe_op.plain, call=moe_op.call),
+           oracle=moe_op.oracle, plain=moe_op.plain, call=moe_op.call, plain_torch=plain_torch.torch_moe),
 )}
 
 
