@@ -15,6 +15,8 @@ import tempfile
 import textwrap
 import time
 
+from .argtypes import int_at_least, positive_float
+
 _DESCRIPTION = (
     "Train a small GPT-style model (embedding; attention and MLP blocks with sequence-parallel tensor "
     "parallelism over the ranks; an MoE block with its experts over the ranks) twice from the same seed and "
@@ -36,27 +38,7 @@ examples:
 """
 
 
-def _int_at_least(lowest: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lowest}, got {text!r}") from None
-        if value < lowest:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lowest}, got {value}")
-        return value
-
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
+_positive_float = positive_float()
 
 
 def add_parser(sub, nproc_help: str) -> argparse.ArgumentParser:
@@ -68,9 +50,9 @@ def add_parser(sub, nproc_help: str) -> argparse.ArgumentParser:
                           "overlap's, and compare losses, step time and memory",
                           description=textwrap.fill(_DESCRIPTION, 100), epilog=_EPILOG,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    positive = _int_at_least(1)
+    positive = int_at_least(1)
     demo.add_argument("--nproc", type=positive, default=None, metavar="N", help=nproc_help)
-    demo.add_argument("--steps", type=_int_at_least(2), default=30, metavar="N",
+    demo.add_argument("--steps", type=int_at_least(2), default=30, metavar="N",
                       help="training steps of each run (default: %(default)s)")
     demo.add_argument("--strategy", default="auto",
                       help="overlap's strategy: auto, reference, pipelined, symm or fused (default: %(default)s)")
@@ -78,7 +60,7 @@ def add_parser(sub, nproc_help: str) -> argparse.ArgumentParser:
                       "summary there as JSON")
     demo.add_argument("--plot", default=None, metavar="PATH", help="draw the loss curves overlaid and the step "
                       "times of both runs there (format from the suffix: .png, .svg, .pdf); needs matplotlib")
-    demo.add_argument("--seed", type=_int_at_least(0), default=0, help="seed of the model and the data "
+    demo.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the model and the data "
                       "(default: %(default)s)")
     demo.add_argument("--lr", type=_positive_float, default=1e-2, help="AdamW's learning rate (default: %(default)s)")
     for name, what in (("hidden", "hidden size"), ("heads", "attention heads"), ("ffn", "MLP and expert ffn size"),

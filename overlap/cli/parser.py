@@ -21,6 +21,7 @@ from ..benchmarks.names import (
     parse_shape,
 )
 from ..version import __version__
+from .argtypes import int_at_least, positive_float
 
 _DESCRIPTION = "overlap: hide tensor- and expert-parallel communication behind the GEMMs around it."
 
@@ -49,31 +50,11 @@ examples:
 # ----------------------------------------------------------------------------------------------
 
 
-def _int_at_least(lowest: int, what: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < lowest:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
-        return value
-
-    return parse
+_positive_int = int_at_least(1, "a positive integer")
+_non_negative_int = int_at_least(0, "an integer >= 0")
 
 
-_positive_int = _int_at_least(1, "a positive integer")
-_non_negative_int = _int_at_least(0, "an integer >= 0")
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value}")
-    return value
+_positive_float = positive_float("a positive number of seconds")
 
 
 def _shape(text: str) -> tuple[int, int, int] | tuple[MoEShape, str] | tuple[str, str]:

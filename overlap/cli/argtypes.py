@@ -1,0 +1,38 @@
+"""Argument types of the command line: each raises argparse.ArgumentTypeError, which argparse turns into
+exit code 2 with the message."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+
+def int_at_least(lowest: int, what: str | None = None) -> Callable[[str], int]:
+    """An int >= `lowest` (`what` names it in the message, default "an integer >= lowest")."""
+    what = what or f"an integer >= {lowest}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse
+
+
+def positive_float(what: str = "a positive number") -> Callable[[str], float]:
+    """A float > 0."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse
