@@ -52,7 +52,7 @@ def eager_vs_compiled(fn: Callable, inputs: tuple[torch.Tensor, ...], seed: int,
     torch._dynamo.reset()
     same = torch.equal(got, want) and all((a is None and b is None) or torch.equal(a, b)
                                           for a, b in zip(got_grads, want_grads))
-    diff = max([(got.double() - want.double()).abs().max().item()]
+    diff = max([(got.double() - want.double()).abs().max().item() if got.numel() else 0.0]
                + [(a.double() - b.double()).abs().max().item() for a, b in zip(got_grads, want_grads)
                   if a is not None and b is not None and a.numel()])
     return {"bitwise": same, "max_diff": diff, "breaks": breaks}
@@ -275,3 +275,92 @@ def torch_tp_styles(rank: int, world_size: int, seed: int, strategy: str) -> dic
         x = torch.randn(rows, 2, 8, generator=_draw(seed, rank))
         out[name] = module_eager_vs_compiled(model, x, seed)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# MoE with a fixed bound (max_tokens_per_rank): static shapes, no data-dependent size anywhere
+# ----------------------------------------------------------------------------------------------
+
+
+def _static_shapes(fn: Callable, inputs: tuple) -> dict[str, Any]:
+    """Graph breaks `torch._dynamo.explain` counts WITHOUT ``capture_dynamic_output_shape_ops`` and the
+    symbolic sizes in the captured graphs (none: every tensor of the graph has a static shape)."""
+    import torch._dynamo
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=False):
+        breaks = torch._dynamo.explain(fn)(*inputs).graph_break_count
+        torch._dynamo.reset()
+        torch.compile(fn, backend=keep, fullgraph=True)(*inputs)
+    torch._dynamo.reset()
+    values = [(node, node.meta.get("example_value")) for gm in graphs for node in gm.graph.nodes]
+    tensors = [(node, v) for node, v in values if isinstance(v, torch.Tensor)]
+    symbolic = [str(node) for node, v in tensors if not all(isinstance(d, int) for d in v.shape)]
+    return {"static_breaks": breaks, "symbolic": symbolic, "graphs": len(graphs), "tensors": len(tensors)}
+
+
+def _dynamic_control(rank: int, world_size: int, seed: int) -> dict[str, Any]:
+    """`_static_shapes` of the unbounded layer: its data-dependent row count shows as symbolic sizes (the
+    check can tell the difference; explain's break count alone cannot: a custom op's dynamic size needs no
+    ``capture_dynamic_output_shape_ops``)."""
+    import overlap
+
+    x, idx, w1, w2, tw, E = moe_inputs(rank, world_size, seed)
+
+    def layer(x, w1, w2, tw):
+        h, handle = overlap.moe.dispatch_grouped_matmul(x, idx, w1, E, strategy="symm")
+        return overlap.moe.grouped_matmul_combine(h, w2, tw, handle, strategy="symm")
+
+    return _static_shapes(layer, (x, w1, w2, tw))
+
+
+def moe_bounded(rank: int, world_size: int, seed: int, strategies: tuple[str, ...], backend: str = "aot_eager") -> list:
+    """The MoE layer with ``max_tokens_per_rank`` (a bias on every expert row: the padding rows turn nonzero
+    and must not count; the handle's count tensors read in the graph): static shapes, compiled against eager.
+    One rank has 0 tokens at W=3."""
+    import torch.nn.functional as Fn
+
+    import overlap
+
+    out = []
+    for strategy in strategies:
+        x, idx, w1, w2, tw, E = moe_inputs(rank, world_size, seed, tokens=0 if rank == 2 else None)
+        bias = torch.randn(w1.shape[2], generator=_draw(seed + 1, rank)).requires_grad_()
+        plain = "symm" if strategy == "fused" else strategy
+        bound = 3 + 2 * world_size
+
+        def layer(x, w1, w2, tw, bias, idx=idx, E=E, strategy=strategy, plain=plain, bound=bound):
+            h, handle = overlap.moe.dispatch_grouped_matmul(x, idx, w1, E, strategy=strategy,
+                                                            max_tokens_per_rank=bound)
+            y = overlap.moe.grouped_matmul_combine(Fn.gelu(h) + bias, w2, tw, handle, strategy=strategy)
+            rows, handle2 = overlap.moe.dispatch(x, idx, E, strategy=plain, max_tokens_per_rank=bound)
+            same = handle.tokens_per_expert.sum() == handle2.num_recv  # the count tensors, in the graph
+            return y * same + overlap.moe.combine(rows * 2.0 + 1.0, tw, handle2, strategy=plain)
+
+        inputs = (x, w1, w2, tw, bias)
+        result = eager_vs_compiled(layer, inputs, seed, backend=backend, explain=False)
+        if backend == "aot_eager":
+            result.update(_static_shapes(layer, inputs))
+        out.append((strategy, result))
+    if backend == "aot_eager":
+        out.append(("unbounded control", _dynamic_control(rank, world_size, seed)))
+    return out
+
+
+def moe_module_bounded(rank: int, world_size: int, seed: int, strategy: str) -> dict[str, Any]:
+    """`overlap.nn.ExpertParallelMLP(max_tokens_per_rank=...)` compiled whole, static shapes, against eager."""
+    from overlap.nn import ExpertParallelMLP
+
+    torch.manual_seed(seed)
+    mlp = ExpertParallelMLP(hidden_size=8, ffn_hidden_size=6, num_experts=2 * world_size, top_k=2,
+                            activation="silu_glu", strategy=strategy, max_tokens_per_rank=2 * (3 + world_size))
+    x = torch.randn(3 + rank, 2, 8, generator=_draw(seed, rank))
+    result = module_eager_vs_compiled(mlp, x, seed)
+    result.update(_static_shapes(mlp, (x,)))
+    return result
