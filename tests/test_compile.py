@@ -136,3 +136,12 @@ def test_expert_parallel_mlp_bounded_compiles_static(pools, seed, world_size):
         assert r["breaks"] == 0, f"rank {rank}: graph breaks {r['reasons']}"
         assert r["max_diff"] == 0.0, f"rank {rank}: compiled module differs from eager by {r['max_diff']}"
         _assert_static(rank, "ExpertParallelMLP(max_tokens_per_rank=...)", r)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_moe_bounded_dispatch_is_ordered(pools, seed, backend):
+    for rank, r in enumerate(pools(2).run(compile_tasks.moe_bounded_order, seed, backend, timeout=600)):
+        assert r["effects"] == [True, False], f"rank {rank}: ordered effects (bounded, unbounded) {r['effects']}"
+        assert r["eager"] == ["moe_dispatch_bounded", "matmul_all_reduce"], f"rank {rank}: eager ran {r['eager']}"
+        assert r["compiled"] == r["eager"], f"rank {rank}: compiled ran {r['compiled']}, eager {r['eager']}"
+        assert r["bitwise"], f"rank {rank}: compiled result differs from eager"

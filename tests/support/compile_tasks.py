@@ -364,3 +364,34 @@ def moe_module_bounded(rank: int, world_size: int, seed: int, strategy: str) -> 
     result = module_eager_vs_compiled(mlp, x, seed)
     result.update(_static_shapes(mlp, (x,)))
     return result
+
+
+def moe_bounded_order(rank: int, world_size: int, seed: int, backend: str) -> dict[str, Any]:
+    """A bounded dispatch whose result is unused, then a TP op: compiled, both run, in the program's order
+    (the bounded dispatch is an ordered effect; the unbounded one is not)."""
+    import torch._dynamo
+    from torch._higher_order_ops.effects import _get_effect
+
+    import overlap
+    from overlap.ops import library
+
+    x, idx, w1, _, _, E = moe_inputs(rank, world_size, seed)
+    x = x.detach()
+    b = torch.randn(8, 5, generator=_draw(seed, rank))
+
+    def two_calls(x, b):
+        overlap.moe.dispatch(x, idx, E, strategy="symm", max_tokens_per_rank=8)  # unused: still runs, first
+        return overlap.matmul_all_reduce(x[:3], b, strategy="pipelined")  # (3 rows on every rank)
+
+    torch._dynamo.reset()
+    library.RECENT.clear()
+    want = two_calls(x, b)
+    eager = list(library.RECENT)
+    compiled_fn = torch.compile(two_calls, backend=backend, fullgraph=True)
+    compiled_fn(x, b)
+    library.RECENT.clear()
+    got = compiled_fn(x, b)
+    torch._dynamo.reset()
+    effects = [_get_effect(torch.ops.overlap.moe_dispatch_bounded.default) is not None,
+               _get_effect(torch.ops.overlap.moe_dispatch.default) is not None]
+    return {"eager": eager, "compiled": list(library.RECENT), "bitwise": torch.equal(got, want), "effects": effects}
