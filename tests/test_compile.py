@@ -145,3 +145,9 @@ def test_moe_bounded_dispatch_is_ordered(pools, seed, backend):
         assert r["eager"] == ["moe_dispatch_bounded", "matmul_all_reduce"], f"rank {rank}: eager ran {r['eager']}"
         assert r["compiled"] == r["eager"], f"rank {rank}: compiled ran {r['compiled']}, eager {r['eager']}"
         assert r["bitwise"], f"rank {rank}: compiled result differs from eager"
+
+
+def test_moe_bounded_opcheck(pools, seed):
+    """torch's own checks of the bounded dispatch (its fake's static row count against the real output)."""
+    for rank, results in enumerate(pools(2).run(compile_tasks.bounded_opchecks, seed, timeout=300)):
+        assert results == {"grouped": "ok", "plain": "ok", "combine": "ok"}, f"rank {rank}: {results}"

@@ -150,6 +150,11 @@ def module_task(rank, world_size, seed, strategy):
             assert "max_tokens_per_rank=9" in repr(mlp)
     for got, want in zip(results[1], results[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # Rank 1 over the bound (10 tokens of [5, 2, 8]): ValueError on every rank, then the module works on.
+    x = torch.randn(5 if rank == 1 else 1, 2, 8)
+    with pytest.raises(ValueError, match="more than max_tokens_per_rank=9" if rank == 1 else "invalid input"):
+        mlp(x)
+    assert mlp(x[:4]).shape == x[:4].shape
     for bad in (0, -1, True, 2.0):
         with pytest.raises(ValueError, match="max_tokens_per_rank"):
             ExpertParallelMLP(8, 6, 2 * world_size, 2, max_tokens_per_rank=bad)

@@ -395,3 +395,28 @@ def moe_bounded_order(rank: int, world_size: int, seed: int, backend: str) -> di
     effects = [_get_effect(torch.ops.overlap.moe_dispatch_bounded.default) is not None,
                _get_effect(torch.ops.overlap.moe_dispatch.default) is not None]
     return {"eager": eager, "compiled": list(library.RECENT), "bitwise": torch.equal(got, want), "effects": effects}
+
+
+def bounded_opchecks(rank: int, world_size: int, seed: int) -> dict[str, str]:
+    """`torch.library.opcheck` (schema, fake against real, autograd registration) on the bounded dispatch, both
+    forms, and on the combine of its padded rows."""
+    from overlap.ops import moe_bound, moe_combine  # noqa: F401  (each module defines its custom ops)
+
+    ops = torch.ops.overlap
+    x, idx, w1, w2, tw, E = moe_inputs(rank, world_size, seed)
+    bound = 3 + 2 * world_size
+    cases = {
+        "grouped": (ops.moe_dispatch_bounded.default, (x, idx, w1, E, bound, "", "symm", "", None, "11")),
+        "plain": (ops.moe_dispatch_bounded.default, (x, idx, None, E, bound, "", "pipelined", "", None, "1")),
+    }
+    h, _, key, *_ = ops.moe_dispatch_bounded(x.detach(), idx, w1.detach(), E, bound, "", "symm", "", None, "00")
+    cases["combine"] = (ops.moe_combine.default, (h.detach().requires_grad_(), w2, tw, key, "symm", "", None, "111"))
+    out = {}
+    for name, (op, args) in cases.items():
+        try:
+            torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration",
+                                                        "test_faketensor"))
+            out[name] = "ok"
+        except Exception as exc:  # noqa: BLE001 - reported per op
+            out[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return out
