@@ -21,12 +21,13 @@ every rank's routing (a data-dependent size: torch.compile needs an unbacked sym
 Today the bounded ops run the exact-count transfer of every strategy (the counts still travel to the
 host inside the op) and then place the rows into the bounded output; what the bound gives is static
 shapes, so the custom op's fake returns a fixed row count and the bounded dispatch is an ordered effect
-like every other op (`overlap.ops.library`). The custom op here, ``overlap::moe_dispatch_bounded``, shares
-the unbounded dispatch's implementation and backward (`overlap.ops.moe_dispatch`).
+like every other op (`overlap.ops.library`). The custom op, ``overlap::moe_dispatch_bounded`` (`define`,
+called by `overlap.ops.moe_dispatch`), shares the unbounded dispatch's implementation and backward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -98,14 +99,33 @@ def exact(rows: torch.Tensor, h: layout.MoELayout) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-def _forward(x, topk_idx, w, num_experts, bound, group, strategy, plan, timeout, grads):
-    from . import moe_dispatch
+def define(forward: Callable, backward_op: Any) -> Any:
+    """Define ``overlap::moe_dispatch_bounded`` around the unbounded dispatch's `forward` (exact rows, given
+    the bound for its checks and signature) and its backward op `backward_op` (which reads only the first
+    ``num_recv`` rows of a bounded gradient). Returns the op's overload packet."""
 
-    out, rows, key = moe_dispatch.forward(x, topk_idx, w, num_experts, group, strategy, plan, timeout, grads, bound)
-    h = moe_handle.layout_of(key, "dispatch")
-    cap = capacity(h.info.world_size, bound, h.top_k, h.num_local_experts)
-    rows = padded(rows, cap) if rows.dim() == 2 else rows
-    return (padded(out, cap), rows, key, *device_layout(h, x.device))
+    def bounded(x, topk_idx, w, num_experts, bound, group, strategy, plan, timeout, grads):
+        out, rows, key = forward(x, topk_idx, w, num_experts, group, strategy, plan, timeout, grads, bound)
+        h = moe_handle.layout_of(key, "dispatch")
+        cap = capacity(h.info.world_size, bound, h.top_k, h.num_local_experts)
+        rows = padded(rows, cap) if rows.dim() == 2 else rows
+        return (padded(out, cap), rows, key, *device_layout(h, x.device))
+
+    def save(ctx, inputs, output) -> None:
+        x, topk_idx, w, *_ = inputs
+        ctx.save_for_backward(topk_idx, output[1], w, output[2])
+
+    def autograd_backward(ctx, grad_out, *_grads):
+        topk_idx, rows, w, key = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        grad_x, grad_w = backward_op(grad_out, topk_idx, rows, w, key, need_x, need_w)
+        return (grad_x if need_x else None, None, grad_w if need_w else None) + (None,) * 7
+
+    return library.define(
+        "moe_dispatch_bounded",
+        "(Tensor x, Tensor topk_idx, Tensor? w, int num_experts, int bound, str group, str strategy, str plan, "
+        "float? timeout, str grads) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        bounded, _fake, autograd_backward, save)  # static shapes: an ordered effect like every other op
 
 
 def _fake(x, topk_idx, w, num_experts, bound, group, strategy, plan, timeout, grads):
@@ -117,24 +137,3 @@ def _fake(x, topk_idx, w, num_experts, bound, group, strategy, plan, timeout, gr
     counts = torch.empty(L, dtype=torch.int64, device=x.device)
     return (x.new_empty((cap, cols)), x.new_empty((cap, x.shape[1]) if keep else (0,)),
             torch.empty(1, dtype=torch.int64), counts, counts.new_empty((L, W)), counts.new_empty(()))
-
-
-def _save(ctx, inputs, output) -> None:
-    x, topk_idx, w, *_ = inputs
-    ctx.save_for_backward(topk_idx, output[1], w, output[2])
-
-
-def _autograd_backward(ctx, grad_out, *_grads):
-    from . import moe_dispatch
-
-    topk_idx, rows, w, key = ctx.saved_tensors
-    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
-    grad_x, grad_w = moe_dispatch.backward_op(grad_out, topk_idx, rows, w, key, need_x, need_w)
-    return (grad_x if need_x else None, None, grad_w if need_w else None) + (None,) * 7
-
-
-dispatch_op = library.define(
-    "moe_dispatch_bounded",
-    "(Tensor x, Tensor topk_idx, Tensor? w, int num_experts, int bound, str group, str strategy, str plan, "
-    "float? timeout, str grads) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-    _forward, _fake, _autograd_backward, _save)  # static shapes: an ordered effect like every other op

@@ -122,7 +122,7 @@ def _call(op, x, topk_idx, w, num_experts, group, strategy, plan, timeout, bound
     if bound is None:
         out, _, key = _op(x, topk_idx, w, num_experts, *args, grads)
         return out, MoEHandle(key, num_experts, L, topk_idx.shape[1])
-    out, _, key, *tensors = moe_bound.dispatch_op(x, topk_idx, w, num_experts, bound, *args, grads)
+    out, _, key, *tensors = _bounded_op(x, topk_idx, w, num_experts, bound, *args, grads)
     return out, MoEHandle(key, num_experts, L, topk_idx.shape[1], bound, tuple(tensors))
 
 
@@ -240,6 +240,7 @@ _op = library.define(
     # data-dependent size. Never dropped (a side effect); its data orders it before its combine. (With a
     # bound the sizes are static: `overlap.ops.moe_bound`'s op is ordered.)
     forward, _fake, _autograd_backward, _save, ordered=False)
+_bounded_op = moe_bound.define(forward, backward_op)  # ``overlap::moe_dispatch_bounded`` (max_tokens_per_rank)
 
 
 def _sum_copies(back: torch.Tensor, h: layout.MoELayout) -> torch.Tensor:
