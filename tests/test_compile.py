@@ -103,6 +103,7 @@ def _assert_static(rank: int, what: str, r: dict) -> None:
     assert r["static_breaks"] == 0, f"rank {rank} {what}: {r['static_breaks']} graph breaks"
     assert r["graphs"] == 1 and r["tensors"] > 0, f"rank {rank} {what}: {r}"
     assert not r["symbolic"], f"rank {rank} {what}: symbolic sizes at {r['symbolic']}"
+    assert (r["graphs_without_fullgraph"], r["ops_without_fullgraph"]) == (1, r["ops"]), f"rank {rank} {what}: {r}"
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -113,8 +114,9 @@ def test_moe_bounded_compiles_static_bitwise(pools, seed, world_size):
         for strategy, r in cases[:-1]:
             assert r["bitwise"], f"rank {rank} moe {strategy}: compiled differs from eager by {r['max_diff']}"
             _assert_static(rank, f"bounded moe {strategy}", r)
-        control = cases[-1][1]  # without the bound the check sees the data-dependent row count
+        control = cases[-1][1]  # without the bound the checks see the data-dependent row count
         assert control["symbolic"], f"rank {rank}: the unbounded layer shows no symbolic size: {control}"
+        assert control["ops_without_fullgraph"] < control["ops"], f"rank {rank}: unbounded layer {control}"
 
 
 def test_moe_bounded_fused_interpreted_compiles(pools, seed):

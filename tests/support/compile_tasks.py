@@ -283,26 +283,37 @@ def torch_tp_styles(rank: int, world_size: int, seed: int, strategy: str) -> dic
 
 
 def _static_shapes(fn: Callable, inputs: tuple) -> dict[str, Any]:
-    """Graph breaks `torch._dynamo.explain` counts WITHOUT ``capture_dynamic_output_shape_ops`` and the
-    symbolic sizes in the captured graphs (none: every tensor of the graph has a static shape)."""
+    """All WITHOUT ``capture_dynamic_output_shape_ops``: the graph breaks `torch._dynamo.explain` counts; the
+    symbolic sizes in the graph captured with ``fullgraph=True`` (none: every tensor has a static shape);
+    the graphs and ops captured without ``fullgraph`` (a data-dependent size there is a graph break that
+    explain does not count in torch 2.13, but the first graph then holds fewer ops)."""
     import torch._dynamo
 
-    graphs = []
+    full, partial = [], []
 
-    def keep(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    def keeper(into: list) -> Callable:
+        def keep(gm, example_inputs):
+            into.append(gm)
+            return gm.forward
+
+        return keep
+
+    def ops(graphs: list) -> int:
+        return sum(node.op == "call_function" for gm in graphs for node in gm.graph.nodes)
 
     torch._dynamo.reset()
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=False):
         breaks = torch._dynamo.explain(fn)(*inputs).graph_break_count
         torch._dynamo.reset()
-        torch.compile(fn, backend=keep, fullgraph=True)(*inputs)
+        torch.compile(fn, backend=keeper(full), fullgraph=True)(*inputs)
+        torch._dynamo.reset()
+        torch.compile(fn, backend=keeper(partial))(*inputs)
     torch._dynamo.reset()
-    values = [(node, node.meta.get("example_value")) for gm in graphs for node in gm.graph.nodes]
+    values = [(node, node.meta.get("example_value")) for gm in full for node in gm.graph.nodes]
     tensors = [(node, v) for node, v in values if isinstance(v, torch.Tensor)]
     symbolic = [str(node) for node, v in tensors if not all(isinstance(d, int) for d in v.shape)]
-    return {"static_breaks": breaks, "symbolic": symbolic, "graphs": len(graphs), "tensors": len(tensors)}
+    return {"static_breaks": breaks, "symbolic": symbolic, "graphs": len(full), "tensors": len(tensors),
+            "ops": ops(full), "graphs_without_fullgraph": len(partial), "ops_without_fullgraph": ops(partial)}
 
 
 def _dynamic_control(rank: int, world_size: int, seed: int) -> dict[str, Any]:
