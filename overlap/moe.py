@@ -8,6 +8,9 @@ layout and the handle: `overlap.ops.moe_layout`)::
 
     x_recv, handle = overlap.moe.dispatch(x, topk_idx, num_experts)                # rows alone
     y = overlap.moe.combine(expert_fn(x_recv), topk_weights, handle)
+
+With ``max_tokens_per_rank=B`` the dispatches return ``W * B * min(K, L)`` rows (zero padding after the
+received ones) and the handle's counts as tensors: static shapes for torch.compile (`overlap.ops.moe_bound`).
 """
 
 from .ops.moe_combine import combine, grouped_matmul_combine

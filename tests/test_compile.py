@@ -99,3 +99,65 @@ def test_opcheck(pools, seed):
     for rank, results in enumerate(pools(2).run(compile_tasks.opchecks, seed, timeout=300)):
         bad = {name: r for name, r in results.items() if r != "ok"}
         assert not bad, f"rank {rank}: {bad}"
+
+
+# ----------------------------------------------------------------------------------------------
+# MoE with max_tokens_per_rank: static shapes (no data-dependent size), no graph break without
+# capture_dynamic_output_shape_ops, bitwise eager
+# ----------------------------------------------------------------------------------------------
+
+
+def _assert_static(rank: int, what: str, r: dict) -> None:
+    assert r["static_breaks"] == 0, f"rank {rank} {what}: {r['static_breaks']} graph breaks"
+    assert r["graphs"] == 1 and r["tensors"] > 0, f"rank {rank} {what}: {r}"
+    assert not r["symbolic"], f"rank {rank} {what}: symbolic sizes at {r['symbolic']}"
+    assert (r["graphs_without_fullgraph"], r["ops_without_fullgraph"]) == (1, r["ops"]), f"rank {rank} {what}: {r}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_moe_bounded_compiles_static_bitwise(pools, seed, world_size):
+    results = pools(world_size).run(compile_tasks.moe_bounded, seed, STRATEGIES, timeout=300)
+    for rank, cases in enumerate(results):
+        assert [s for s, _ in cases] == [*STRATEGIES, "unbounded control"]
+        for strategy, r in cases[:-1]:
+            assert r["bitwise"], f"rank {rank} moe {strategy}: compiled differs from eager by {r['max_diff']}"
+            _assert_static(rank, f"bounded moe {strategy}", r)
+        control = cases[-1][1]  # without the bound the checks see the data-dependent row count
+        assert control["symbolic"], f"rank {rank}: the unbounded layer shows no symbolic size: {control}"
+        assert control["ops_without_fullgraph"] < control["ops"], f"rank {rank}: unbounded layer {control}"
+
+
+def test_moe_bounded_fused_interpreted_compiles(pools, seed):
+    for rank, cases in enumerate(pools(2).run(compile_tasks.moe_bounded, seed, ("fused",), timeout=600)):
+        r = cases[0][1]
+        assert r["bitwise"], f"rank {rank} moe fused: {r}"
+        _assert_static(rank, "bounded moe fused", r)
+
+
+def test_moe_bounded_inductor_within_tolerance(pools, seed):
+    for rank, cases in enumerate(pools(2).run(compile_tasks.moe_bounded, seed, ("symm",), "inductor", timeout=600)):
+        for strategy, r in cases:
+            assert r["max_diff"] <= 1e-4, f"rank {rank} moe {strategy}: inductor differs by {r['max_diff']}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_expert_parallel_mlp_bounded_compiles_static(pools, seed, world_size):
+    for rank, r in enumerate(pools(world_size).run(compile_tasks.moe_module_bounded, seed, "symm", timeout=300)):
+        assert r["breaks"] == 0, f"rank {rank}: graph breaks {r['reasons']}"
+        assert r["max_diff"] == 0.0, f"rank {rank}: compiled module differs from eager by {r['max_diff']}"
+        _assert_static(rank, "ExpertParallelMLP(max_tokens_per_rank=...)", r)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_moe_bounded_dispatch_is_ordered(pools, seed, backend):
+    for rank, r in enumerate(pools(2).run(compile_tasks.moe_bounded_order, seed, backend, timeout=600)):
+        assert r["effects"] == [True, False], f"rank {rank}: ordered effects (bounded, unbounded) {r['effects']}"
+        assert r["eager"] == ["moe_dispatch_bounded", "matmul_all_reduce"], f"rank {rank}: eager ran {r['eager']}"
+        assert r["compiled"] == r["eager"], f"rank {rank}: compiled ran {r['compiled']}, eager {r['eager']}"
+        assert r["bitwise"], f"rank {rank}: compiled result differs from eager"
+
+
+def test_moe_bounded_opcheck(pools, seed):
+    """torch's own checks of the bounded dispatch (its fake's static row count against the real output)."""
+    for rank, results in enumerate(pools(2).run(compile_tasks.bounded_opchecks, seed, timeout=300)):
+        assert results == {"grouped": "ok", "plain": "ok", "combine": "ok"}, f"rank {rank}: {results}"

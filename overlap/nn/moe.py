@@ -75,6 +75,10 @@ class ExpertParallelMLP(torch.nn.Module):
         activation: ``"gelu"``, ``"relu"``, ``"silu"`` or ``"silu_glu"`` (``silu(h[:, :F]) * h[:, F:]`` with
             ``w1`` of ``2F`` columns).
         strategy, plan, timeout: of the MoE ops (defaults: ``"auto"``, none, ``OVERLAP_TIMEOUT_S``).
+        max_tokens_per_rank: None (exact row counts), or ``B``, the most tokens (``s * b`` for 3-D inputs)
+            any rank passes to one forward, the same on every rank: the MoE ops then run with static shapes
+            (`overlap.ops.moe_bound`; torch.compile needs no data-dependent size), and a forward with more
+            tokens on any rank raises ValueError on every rank.
         dtype, device: of the parameters (defaults: torch's default dtype, CPU).
 
     Forward: ``x`` ``[T, H]`` or ``[s, b, H]`` holds this rank's own tokens (``T`` may differ between ranks,
@@ -99,7 +103,7 @@ class ExpertParallelMLP(torch.nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *,
                  group: dist.ProcessGroup | None = None, activation: str = "gelu", strategy: str = "auto",
                  plan: Plan | dict | None = None, timeout: float | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, max_tokens_per_rank: int | None = None):
         super().__init__()
         name = "overlap.nn.ExpertParallelMLP"
         self.hidden_size = _positive_int("hidden_size", hidden_size)
@@ -121,6 +125,9 @@ class ExpertParallelMLP(torch.nn.Module):
         as_plan(strategy, plan)  # a bad strategy or plan raises here, not at the first forward
         envs.resolve_timeout(timeout)
         self.strategy, self.plan, self.timeout = strategy, plan, timeout
+        if max_tokens_per_rank is not None:
+            _positive_int("max_tokens_per_rank", max_tokens_per_rank)
+        self.max_tokens_per_rank = max_tokens_per_rank
 
         factory = {"dtype": dtype, "device": device}
         L, H, F = self.num_local_experts, hidden_size, ffn_hidden_size
@@ -168,7 +175,8 @@ class ExpertParallelMLP(torch.nn.Module):
         x2d = x.reshape(-1, self.hidden_size)
         topk_idx, topk_weights = self.route(x2d)
         kwargs = {"strategy": self.strategy, "plan": self.plan, "timeout": self.timeout}
-        h, handle = dispatch_grouped_matmul(x2d, topk_idx, self.w1, self.num_experts, group=self.group, **kwargs)
+        h, handle = dispatch_grouped_matmul(x2d, topk_idx, self.w1, self.num_experts, group=self.group,
+                                            max_tokens_per_rank=self.max_tokens_per_rank, **kwargs)
         h = ACTIVATIONS[self.activation][0](h)
         y = grouped_matmul_combine(h, self.w2, topk_weights, handle, **kwargs)
         return y.view(x.shape[:-1] + (y.shape[-1],))
@@ -194,4 +202,5 @@ class ExpertParallelMLP(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"num_experts={self.num_experts}, num_local_experts={self.num_local_experts}, top_k={self.top_k}, "
-                f"activation={self.activation!r}, EP={self.world_size}, strategy={self.strategy!r}")
+                f"activation={self.activation!r}, EP={self.world_size}, strategy={self.strategy!r}"
+                + ("" if self.max_tokens_per_rank is None else f", max_tokens_per_rank={self.max_tokens_per_rank}"))

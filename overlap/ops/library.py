@@ -11,7 +11,8 @@ op runs the op's whole eager path (checks, plan, handshake, strategy). The compi
 * an **ordered effect** on every op (`torch._higher_order_ops.effects`): AOTAutograd threads an effect
   token through them, so a compiled graph issues the calls on every rank in the program's order and never
   drops one whose result is unused; peers that run the same program meet in the same calls. (The MoE
-  dispatch, whose output size depends on data, is a plain side effect: see `define`.)
+  dispatch without ``max_tokens_per_rank``, whose output size depends on data, is a plain side effect: see
+  `define`; with it, ``moe_dispatch_bounded`` has static sizes and is ordered: `overlap.ops.moe_bound`.)
 
 Arguments that a custom op cannot take are passed as text: the group by its name
 (`torch.distributed.ProcessGroup.group_name`, ``""`` for the default group), the plan as `plan_arg`

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..plans import Plan
-from . import fused, library, moe_cuda, moe_handle
+from . import fused, library, moe_bound, moe_cuda, moe_handle
 from . import moe_layout as layout
 from .context import CallContext, autocast_inputs, describe, preamble, record
 from .moe_handle import MoEHandle
@@ -55,7 +55,9 @@ def combine(y_recv: torch.Tensor, topk_weights: torch.Tensor, handle: MoEHandle,
     """Return every row of `y_recv` to its token and sum a token's rows weighted by `topk_weights`.
 
     Args:
-        y_recv: ``[R, H]`` in the row order of the `dispatch` that made `handle` (``R = handle.num_recv``).
+        y_recv: ``[R, H]`` in the row order of the `dispatch` that made `handle` (``R = handle.num_recv``;
+            with the dispatch's ``max_tokens_per_rank``, its bounded row count: only the first
+            ``handle.num_recv`` rows are read, the others get a zero gradient).
         topk_weights: ``[T, K]`` floating weights of this rank's tokens (any float dtype; summed in fp32).
         handle: from `dispatch` / `dispatch_grouped_matmul` on the same group.
         strategy, plan, timeout: ``reference``, ``pipelined``, ``symm`` or ``auto``; timeout as elsewhere.
@@ -115,8 +117,10 @@ def _prepare(op, y, w, topk_weights, h: layout.MoELayout, strategy, plan, timeou
         nonlocal w
         info = cc.info
         layout.check_tokens(op, y, info.device, "the expert rows")
-        if y.shape[0] != h.num_recv:
-            raise ValueError(f"overlap.moe.{op}: the handle's dispatch gave this rank {h.num_recv} rows, "
+        rows = h.num_recv if h.max_tokens_per_rank is None else moe_bound.capacity(
+            info.world_size, h.max_tokens_per_rank, h.top_k, h.num_local_experts)
+        if y.shape[0] != rows:
+            raise ValueError(f"overlap.moe.{op}: the handle's dispatch gave this rank {rows} rows, "
                              f"got {describe(y)}")
         if w is not None:
             w = layout.check_weights(op, w, h.num_local_experts, y.shape[1], y.dtype, y.device, "w2")
@@ -162,6 +166,7 @@ def _forward(y, w, topk_weights, key, strategy, plan, timeout, grads):
     op = OP_COMBINE if w is None else OP_MM_COMBINE
     y, w, h, cc = _prepare(op, y, w, topk_weights, moe_handle.layout_of(key, op), strategy, library.plan_of(plan),
                            timeout, grads)
+    y = moe_bound.exact(y, h)  # (a bounded dispatch's padding rows are never read)
     needs_grad = "1" in grads
     with record(cc.op), torch.autocast(h.info.device.type, enabled=False):
         if moe_cuda.sums_on_device(y, topk_weights, cc.plan, needs_grad):
@@ -208,18 +213,19 @@ def _backward(grad_back, y, w, key, strategy, plan, timeout, need_y, need_w):
     h = _with_deadline(h, envs.resolve_timeout(timeout))
     chosen = _plan(op, h, y, w, strategy, library.plan_of(plan), h.info, True)
     grad_back = grad_back.contiguous()
+    padded_y, y = y, moe_bound.exact(y, h)  # a bounded dispatch's padding rows: a zero gradient
     with torch.autocast(h.info.device.type, enabled=False):
         if w is None:
             cc = layout.follow_up(h, f"moe.{op}.backward", grad_back, None, chosen)
             grad_y, _ = moe_dispatch.run(h, grad_back, h.order, None, cc)
-            return library.grads_out(grad_y, None, y, y)
+            return library.grads_out(moe_bound.grad_padded(grad_y, padded_y), None, y, y)
         w_t = w.transpose(1, 2) if need_y else None
         if w_t is None and chosen.strategy == "fused":
             chosen = Plan("symm", chosen.num_chunks)  # no GEMM to fuse: the rows alone travel as in symm
         cc = layout.follow_up(h, f"moe.{op}.backward", grad_back, w_t, chosen)
         grad_rows, grad_y = moe_dispatch.run(h, grad_back, h.order, w_t, cc, keep_rows=True)
         grad_w = layout.grouped_weight_grad(y, grad_rows, h, w) if need_w else None
-    return library.grads_out(grad_y if need_y else None, grad_w, y, y)
+    return library.grads_out(moe_bound.grad_padded(grad_y, padded_y) if need_y else None, grad_w, y, y)
 
 
 def _backward_fake(grad_back, y, w, key, strategy, plan, timeout, need_y, need_w):

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..errors import OverlapTimeout
-from . import fused, library, moe_cuda, moe_handle
+from . import fused, library, moe_bound, moe_cuda, moe_handle
 from . import moe_layout as layout
 from .context import CallContext, autocast_inputs, preamble, record
 from .moe_handle import MoEHandle
@@ -50,7 +50,8 @@ OP_DISPATCH_MM = "dispatch_grouped_matmul"
 
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | None = None,
-             strategy: str = "auto", plan=None, timeout: float | None = None) -> tuple[torch.Tensor, MoEHandle]:
+             strategy: str = "auto", plan=None, timeout: float | None = None,
+             max_tokens_per_rank: int | None = None) -> tuple[torch.Tensor, MoEHandle]:
     """Send every (token, expert) pair's row to the rank that holds the expert.
 
     Args:
@@ -60,6 +61,11 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: d
         num_experts: ``E``, divisible by the group's size.
         group, strategy, plan, timeout: as for `overlap.all_gather_matmul`; strategies ``reference``,
             ``pipelined``, ``symm`` (``auto`` picks one).
+        max_tokens_per_rank: ``B``, None (exact row counts) or a bound on every rank's ``T``, the same on
+            every rank: ``x_recv`` is then ``[W * B * min(K, L), H]``, the rows packed at the front and zero
+            padding after them, and the handle's ``tokens_per_expert``, ``expert_offsets`` and ``num_recv``
+            are int64 tensors on the tokens' device (`overlap.ops.moe_bound`). Static shapes for
+            torch.compile; the counts still travel to the host inside the op.
 
     Returns:
         ``(x_recv, handle)``: ``x_recv`` ``[R, H]`` holds the rows of this rank's experts grouped by local
@@ -68,49 +74,59 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: d
 
     Raises:
         TypeError / ValueError: bad arguments (shapes, dtypes, expert ids out of range, ``num_experts``
-            not divisible by the world size), on this rank before any data moves; peers raise at once.
-        OverlapMismatchError: ranks made different calls (hidden size, experts, top-k, dtype, plan).
+            not divisible by the world size, more than ``max_tokens_per_rank`` tokens), on this rank before
+            any data moves; peers raise at once (OverlapMismatchError, a ValueError).
+        OverlapMismatchError: ranks made different calls (hidden size, experts, top-k, dtype, plan, bound).
         OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
     """
-    return _call(OP_DISPATCH, x, topk_idx, None, num_experts, group, strategy, plan, timeout)
+    return _call(OP_DISPATCH, x, topk_idx, None, num_experts, group, strategy, plan, timeout, max_tokens_per_rank)
 
 
 def dispatch_grouped_matmul(x: torch.Tensor, topk_idx: torch.Tensor, w1, num_experts: int,
                             group: dist.ProcessGroup | None = None, strategy: str = "auto", plan=None,
-                            timeout: float | None = None) -> tuple[torch.Tensor, MoEHandle]:
+                            timeout: float | None = None,
+                            max_tokens_per_rank: int | None = None) -> tuple[torch.Tensor, MoEHandle]:
     """`dispatch`, then ``h_e = x_recv_e @ w1[e]`` for every local expert, each block multiplied on arrival.
 
     Args:
-        x, topk_idx, num_experts, group, strategy, plan, timeout: as for `dispatch`; ``fused`` is available.
+        x, topk_idx, num_experts, group, strategy, plan, timeout, max_tokens_per_rank: as for `dispatch`;
+            ``fused`` is available.
         w1: ``[L, H, F]`` (any strides) or a list of ``L`` tensors ``[H, F]``: this rank's experts, in order.
 
     Returns:
-        ``(h, handle)``: ``h`` ``[R, F]`` in `dispatch`'s row order (no activation applied).
+        ``(h, handle)``: ``h`` ``[R, F]`` in `dispatch`'s row order (no activation applied; with
+        ``max_tokens_per_rank``, ``[W * B * min(K, L), F]`` with zero padding rows).
 
     Raises: as `dispatch`; also for a `w1` of the wrong shape, dtype or device.
     """
-    return _call(OP_DISPATCH_MM, x, topk_idx, w1, num_experts, group, strategy, plan, timeout)
+    return _call(OP_DISPATCH_MM, x, topk_idx, w1, num_experts, group, strategy, plan, timeout, max_tokens_per_rank)
 
 
-def _call(op, x, topk_idx, w, num_experts, group, strategy, plan, timeout) -> tuple[torch.Tensor, MoEHandle]:
+def _call(op, x, topk_idx, w, num_experts, group, strategy, plan, timeout, bound) -> tuple[torch.Tensor, MoEHandle]:
     """Both dispatches' public path: the arguments as the custom op takes them (autocast and a list of
-    weights stacked here, where torch.compile traces it), then ``overlap::moe_dispatch``. Arguments of the
-    wrong types raise through the op's checks (which tell the peers) instead."""
+    weights stacked here, where torch.compile traces it), then ``overlap::moe_dispatch`` (with a `bound`,
+    ``overlap::moe_dispatch_bounded``). Arguments of the wrong types raise through the op's checks (which
+    tell the peers) instead."""
     args = library.call_args(group, strategy, plan, timeout)
     if w is not None:
         w = layout.stacked(w)
     if (args is None or not library.tensors(x, topk_idx) or (w is not None and not library.tensors(w))
-            or isinstance(num_experts, bool) or not isinstance(num_experts, int)):
-        _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, "")  # raises, peers told
+            or isinstance(num_experts, bool) or not isinstance(num_experts, int)
+            or (bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)))):
+        _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, "", bound)  # raises, peers told
         raise TypeError(f"overlap.moe.{op}: unsupported arguments")  # pragma: no cover - _prepare raised
     if w is not None:
         x, w = autocast_inputs(x, w)
     grads = layout.grad_flags(x) if w is None else layout.grad_flags(x, w)
-    out, _, key = _op(x, topk_idx, w, num_experts, *args, grads)
-    return out, MoEHandle(key, num_experts, num_experts // dist.get_world_size(group), topk_idx.shape[1])
+    L = num_experts // dist.get_world_size(group)
+    if bound is None:
+        out, _, key = _op(x, topk_idx, w, num_experts, *args, grads)
+        return out, MoEHandle(key, num_experts, L, topk_idx.shape[1])
+    out, _, key, *tensors = _bounded_op(x, topk_idx, w, num_experts, bound, *args, grads)
+    return out, MoEHandle(key, num_experts, L, topk_idx.shape[1], bound, tuple(tensors))
 
 
-def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, grads: str):
+def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, grads: str, bound=None):
     """Local checks, plan, routing and signature (`overlap.ops.context.preamble`: a local mistake raises on
     every rank). `grads`: `layout.grad_flags` of ``x`` (and ``w``), read by the caller. Returns ``(x, w,
     layout)``; the layout holds the dispatch's call context."""
@@ -123,16 +139,19 @@ def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, gr
         if w is not None:
             w = layout.check_weights(op, w, L, x.shape[1], x.dtype, x.device, "w1")
         layout.check_topk_idx(op, topk_idx, x.shape[0], x.device)
+        moe_bound.check_bound(op, bound, x.shape[0])
         problem = None if w is None else layout.moe_problem(x.shape[0], x.shape[1], w.shape[2], num_experts,
                                                         topk_idx.shape[1], x.dtype, "1" in grads)
         chosen = layout.resolve_plan(op, strategy, plan, info, x.dtype, allow_fused=w is not None, problem=problem)
         order, send_counts = layout.route(op, topk_idx, num_experts, info.world_size)
+        moe_bound.check_rows(op, bound, send_counts, topk_idx.shape[1], L)
         sig = layout.signature(f"moe.{op}", x.shape[1], None if w is None else w.shape[2], num_experts,
-                               topk_idx.shape[1], x.dtype, chosen, info, grads)
+                               topk_idx.shape[1], x.dtype, chosen, info, grads) + moe_bound.signature_part(bound)
         return chosen, sig, (L, order, send_counts)
 
     cc, (L, order, send_counts) = preamble(f"moe.{op}", group, timeout, decide)
-    h = layout.MoELayout(cc, num_experts, L, topk_idx.shape[1], x.shape[0], send_counts, order)
+    h = layout.MoELayout(cc, num_experts, L, topk_idx.shape[1], x.shape[0], send_counts, order,
+                         max_tokens_per_rank=bound)
     return x, w, h
 
 
@@ -141,12 +160,13 @@ def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, gr
 # ----------------------------------------------------------------------------------------------
 
 
-def _forward(x, topk_idx, w, num_experts, group, strategy, plan, timeout, grads):
+def forward(x, topk_idx, w, num_experts, group, strategy, plan, timeout, grads, bound=None):
     """``(out, rows, key)``: out is ``x_recv`` (no `w`) or ``h``; rows is ``x_recv`` where the weight
-    gradient will need it (else 0 elements); key names the layout (`overlap.ops.moe_handle`)."""
+    gradient will need it (else 0 elements); key names the layout (`overlap.ops.moe_handle`). Exact row
+    counts, also with a `bound` (`overlap.ops.moe_bound` pads them)."""
     op = OP_DISPATCH if w is None else OP_DISPATCH_MM
     x, w, h = _prepare(op, x, topk_idx, num_experts, w, library.group_of(group), strategy, library.plan_of(plan),
-                       timeout, grads)
+                       timeout, grads, bound)
     with record(f"moe.{op}"), torch.autocast(h.info.device.type, enabled=False):
         keep = w is not None and grads[1] == "1"
         recv, out = run(h, x, h.token_of, w, h.context, counts=True, keep_rows=keep)
@@ -172,7 +192,7 @@ def _save(ctx, inputs, output) -> None:
 def _autograd_backward(ctx, grad_out, _grad_rows, _grad_key):
     topk_idx, rows, w, key = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
-    grad_x, grad_w = _backward_op(grad_out, topk_idx, rows, w, key, need_x, need_w)
+    grad_x, grad_w = backward_op(grad_out, topk_idx, rows, w, key, need_x, need_w)
     return (grad_x if need_x else None, None, grad_w if need_w else None) + (None,) * 6
 
 
@@ -183,7 +203,7 @@ def _backward(grad_out, topk_idx, rows, w, key, need_x, need_w):
 
     op = OP_DISPATCH if w is None else OP_DISPATCH_MM
     h = moe_handle.layout_of(key, f"{op}.backward")
-    grad_out = grad_out.contiguous()
+    grad_out, rows = moe_bound.exact(grad_out, h).contiguous(), moe_bound.exact(rows, h)  # (padding: never read)
     grad_w: list[torch.Tensor] = []
 
     def weight_grad() -> None:  # runs while the input-gradient rows travel
@@ -208,7 +228,7 @@ def _backward_fake(grad_out, topk_idx, rows, w, key, need_x, need_w):
             grad_out.new_empty(w.shape if need_w and w is not None else (0,)))
 
 
-_backward_op = library.define(
+backward_op = library.define(
     "moe_dispatch_backward",
     "(Tensor grad, Tensor topk_idx, Tensor rows, Tensor? w, Tensor key, bool need_x, bool need_w) -> (Tensor, Tensor)",
     _backward, _backward_fake)
@@ -217,8 +237,10 @@ _op = library.define(
     "(Tensor x, Tensor topk_idx, Tensor? w, int num_experts, str group, str strategy, str plan, float? timeout, "
     "str grads) -> (Tensor, Tensor, Tensor)",
     # Not an ordered effect: inductor (torch 2.13) cannot schedule an effectful op whose output has a
-    # data-dependent size. Never dropped (a side effect); its data orders it before its combine.
-    _forward, _fake, _autograd_backward, _save, ordered=False)
+    # data-dependent size. Never dropped (a side effect); its data orders it before its combine. (With a
+    # bound the sizes are static: `overlap.ops.moe_bound`'s op is ordered.)
+    forward, _fake, _autograd_backward, _save, ordered=False)
+_bounded_op = moe_bound.define(forward, backward_op)  # ``overlap::moe_dispatch_bounded`` (max_tokens_per_rank)
 
 
 def _sum_copies(back: torch.Tensor, h: layout.MoELayout) -> torch.Tensor:

@@ -53,6 +53,7 @@ class MoELayout:
         tokens_per_expert: ``[L]``: rows of each local expert in ``x_recv`` (all sources).
         expert_offsets: ``[L][W]``: first row of block ``(e, s)`` in ``x_recv``.
         order: int64 tensor ``[P]`` (on the tokens' device): the pair at each send position.
+        max_tokens_per_rank: the dispatch's bound ``B`` (`overlap.ops.moe_bound`), None for exact counts.
         context: the dispatch's `overlap.ops.context.CallContext` (group, group facts, plan, deadline);
             the matching combine and the backward passes run in contexts derived from it.
         group, info, plan, timeout: the context's.
@@ -66,6 +67,7 @@ class MoELayout:
     send_counts: list[list[int]]
     order: torch.Tensor
     recv_counts: list[list[int]] = dataclasses.field(default_factory=list)
+    max_tokens_per_rank: int | None = None
 
     @property
     def group(self) -> Any:

@@ -166,10 +166,17 @@ def router_grad_spread(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor
 
 
 def check_moe(rank: int, world_size: int, strategy, dtype: torch.dtype, seed: int, cases: list[Case],
-              forms: tuple[str, ...] = ("plain", "grouped"), act: str = "gelu") -> list[str]:
+              forms: tuple[str, ...] = ("plain", "grouped"), act: str = "gelu", slack: int | None = None) -> list[str]:
     """Every case through the plain ops (dispatch, expert_fn, combine) and the grouped-GEMM ops, forward
-    and backward, against the dense oracle. Returns what was checked."""
+    and backward, against the dense oracle. Returns what was checked.
+
+    `slack`: None, or the ops run with ``max_tokens_per_rank`` = the case's largest token count + `slack`;
+    the padding rows are then checked zero, given nonzero values before the combine (the plain expert
+    function adds a bias; the grouped form adds a tensor that is nonzero on them only), which must change
+    no result, and checked to get a zero gradient (`moe_bound_checks`)."""
     import overlap
+
+    from .moe_bound_checks import Bounded
 
     done = []
     activation = {"gelu": torch.nn.functional.gelu, "relu": torch.relu}[act]
@@ -186,11 +193,12 @@ def check_moe(rank: int, world_size: int, strategy, dtype: torch.dtype, seed: in
         wt64 = [t.to(torch.float64).requires_grad_(True) for t in weights]
         w1_64 = w1.to(torch.float64).requires_grad_(True)
         w2_64 = w2.to(torch.float64).requires_grad_(True)
+        bounded = Bounded(case, slack, world_size, rank, ids, ctx)
         if "plain" in forms:
-            x_recv, handle = overlap.moe.dispatch(x, idxs[rank], E, **_how(_plain(strategy)))
-            close("x_recv", x_recv, want_rows, dtype, ctx)
-            assert handle.tokens_per_expert == [ids.count(e) for e in range(rank * L, (rank + 1) * L)], ctx
-            local_ids = torch.tensor(ids, dtype=torch.int64) - 0
+            x_recv, handle = overlap.moe.dispatch(x, idxs[rank], E, **_how(_plain(strategy)), **bounded.kwargs)
+            close("x_recv", bounded.rows(x_recv, handle), want_rows, dtype, ctx)
+            assert bounded.host(handle).tokens_per_expert == [ids.count(e) for e in range(rank * L, (rank + 1) * L)]
+            local_ids = bounded.expert_ids()
             y = overlap.moe.combine(expert_fn(x_recv, local_ids), wt, handle, **_how(_plain(strategy)))
             # oracle: sum_k w * expert_fn(x, e)
             outs = []
@@ -202,6 +210,7 @@ def check_moe(rank: int, world_size: int, strategy, dtype: torch.dtype, seed: in
             close("grad x (plain)", x.grad, x64[rank].grad, dtype, ctx)
             spread = weight_grad_spread(xs[rank], idxs[rank], grads[rank], lambda xr, e: expert_fn(xr.abs(), e))
             close("grad topk_weights (plain)", wt.grad, wt64[rank].grad, dtype, ctx, spread)
+            bounded.zero_grad_on_padding(x_recv)
             done.append(f"plain {case}")
             x.grad = wt.grad = None
             for t in (*x64, *wt64):
@@ -209,12 +218,14 @@ def check_moe(rank: int, world_size: int, strategy, dtype: torch.dtype, seed: in
         if "grouped" in forms:
             w1_local = w1[rank * L : (rank + 1) * L].clone().requires_grad_(True)
             w2_local = w2[rank * L : (rank + 1) * L].clone().requires_grad_(True)
-            h, handle = overlap.moe.dispatch_grouped_matmul(x, idxs[rank], w1_local, E, **_how(strategy))
+            h, handle = overlap.moe.dispatch_grouped_matmul(x, idxs[rank], w1_local, E, **_how(strategy),
+                                                            **bounded.kwargs)
             want_h = torch.stack([r.to(torch.float64) @ w1[e].to(torch.float64) for r, e in zip(want_rows, ids,
                                                                                                 strict=True)]) \
                 if ids else torch.empty(0, case.ffn, dtype=torch.float64)
-            close("h", h, want_h, dtype, ctx)
-            y = overlap.moe.grouped_matmul_combine(activation(h), w2_local, wt, handle, **_how(strategy))
+            close("h", bounded.rows(h, handle), want_h, dtype, ctx)
+            junk = bounded.junk(h)  # nonzero on the padding rows only (none without a bound)
+            y = overlap.moe.grouped_matmul_combine(activation(h) + junk, w2_local, wt, handle, **_how(strategy))
             outs = dense(x64, idxs, wt64, w1_64, w2_64, activation)
             close("grouped output", y, outs[rank], dtype, ctx)
             y.backward(grads[rank])
@@ -225,6 +236,7 @@ def check_moe(rank: int, world_size: int, strategy, dtype: torch.dtype, seed: in
             close("grad topk_weights", wt.grad, wt64[rank].grad, dtype, ctx, spread)
             close("grad w1", w1_local.grad, w1_64.grad[rank * L : (rank + 1) * L], dtype, ctx)
             close("grad w2", w2_local.grad, w2_64.grad[rank * L : (rank + 1) * L], dtype, ctx)
+            bounded.zero_grad_on_padding(h, junk)
             done.append(f"grouped {case}")
     return done
 
