@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -121,7 +122,7 @@ def test_a_wrong_op_fails_the_oracle_and_an_unrepeatable_one_the_repeat(tmp_path
 
 
 def _report() -> Report:
-    return Report(argparse.Namespace(started_at=None, time_limit=420.0, only=""))
+    return Report(argparse.Namespace(started_at=time.time(), time_limit=420.0, only=""))
 
 
 def _case(name: str, status: str = "PASS", value: str = "max 1e-7 from float64, repeat bitwise",
