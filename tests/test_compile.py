@@ -10,6 +10,7 @@ compiles with inductor (CPU), whose fused code around the ops rounds differently
 from __future__ import annotations
 
 import pytest
+import torch
 from support import compile_tasks
 
 STRATEGIES = ("reference", "pipelined", "symm")
@@ -161,3 +162,26 @@ def test_moe_bounded_opcheck(pools, seed):
     """torch's own checks of the bounded dispatch (its fake's static row count against the real output)."""
     for rank, results in enumerate(pools(2).run(compile_tasks.bounded_opchecks, seed, timeout=300)):
         assert results == {"grouped": "ok", "plain": "ok", "combine": "ok"}, f"rank {rank}: {results}"
+
+
+def test_every_op_is_an_ordered_effect_but_the_unbounded_dispatch():
+    """Order under compile rests on the effect registration: a torch whose effect API moved would lose it
+    silently (`overlap.ops.library` falls back to plain side effects), so it is checked here."""
+    from torch._higher_order_ops.effects import _EffectType, _get_effect
+
+    from overlap.ops import (  # noqa: F401  (each module defines its custom ops)
+        all_gather_matmul,
+        collectives,
+        matmul_all_reduce,
+        matmul_reduce_scatter,
+        moe_combine,
+        moe_dispatch,
+    )
+
+    ns = torch.ops.overlap
+    names = [n for n in dir(ns) if isinstance(getattr(ns, n), torch._ops.OpOverloadPacket)]
+    assert {"all_gather_matmul", "moe_combine", "moe_dispatch", "all_reduce"} <= set(names), names
+    for name in names:
+        effect = _get_effect(getattr(torch.ops.overlap, name).default)
+        want = None if name == "moe_dispatch" else _EffectType.ORDERED
+        assert effect == want, f"overlap::{name}: effect {effect}, want {want}"

@@ -108,16 +108,18 @@ def _forward(a, b, group, strategy, plan, timeout, needs_grad):
     with record(OP), torch.autocast(cc.info.device.type, enabled=False):
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
         out2, _ = run(a2, b, cc)
-        return out2.view(cc.world_size * a.shape[0], *a.shape[1:-1], b.shape[1])
+        out = out2.view(cc.world_size * a.shape[0], *a.shape[1:-1], b.shape[1])
+    return out, library.context_out(cc, needs_grad)
 
 
 def _fake(a, b, group, strategy, plan, timeout, needs_grad):
-    return a.new_empty((library.world_size(group) * a.shape[0], *a.shape[1:-1], b.shape[-1]))
+    out = a.new_empty((library.world_size(group) * a.shape[0], *a.shape[1:-1], b.shape[-1]))
+    return out, library.context_fake(needs_grad)
 
 
-def _backward(grad_out, a, b, group, strategy, plan, timeout, need_a, need_b):
-    """``overlap::all_gather_matmul_backward``: ``(grad_a, grad_b)`` with the forward's plan."""
-    cc = library.tp_context(OP, a, b, group, strategy, plan, timeout, True).derive(op=f"{OP}.backward")
+def _backward(grad_out, a, b, context, need_a, need_b):
+    """``overlap::all_gather_matmul_backward``: ``(grad_a, grad_b)`` in the forward's call context."""
+    cc = library.kept(context, f"{OP}.backward").derive(op=f"{OP}.backward")
     with torch.autocast(cc.info.device.type, enabled=False):
         if cc.plan.strategy == "reference":
             grad_a, grad_b = _reference_backward(cc, a, b, grad_out, need_a, need_b)

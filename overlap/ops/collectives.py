@@ -49,7 +49,11 @@ def split_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None = None, time
 
 def linear_all_reduce_dgrad(x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None = None,
                             timeout: float | None = None, what: str = "linear_all_reduce_dgrad") -> torch.Tensor:
-    """``x @ weight.T``; backward: ``grad_x`` summed over `group` (in flight during the weight-gradient GEMM)."""
+    """``x @ weight.T``; backward: ``grad_x`` summed over `group` (in flight during the weight-gradient GEMM).
+    Under autocast both operands are cast first (torch's rule for matmul), so forward and backward agree."""
+    from .context import autocast_inputs
+
+    x, weight = autocast_inputs(x, weight)
     return _LinearAllReduceDgrad.apply(x, weight, _name(group, what), timeout, what)
 
 
@@ -150,12 +154,14 @@ def _linear_dgrad(grad_out, x, weight, group: str, timeout: float | None, what: 
     """``overlap::linear_all_reduce_dgrad``: ``(sum over ranks of grad_out @ w, grad_out.T @ x)``, the
     all-reduce in flight while the weight gradient is computed (0 elements where it is not needed)."""
     pg = library.group_of(group)
-    grad_x = grad_out.matmul(weight)
-    work = dist.all_reduce(grad_x, group=pg, async_op=True)
-    grad_w = weight.new_empty(0)
-    if need_w:
-        grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
-    _wait(work, pg, what, timeout, grad_x.device)
+    with torch.autocast(grad_out.device.type, enabled=False):  # the operands are in the forward's dtype
+        grad_out = grad_out.to(weight.dtype)
+        grad_x = grad_out.matmul(weight)
+        work = dist.all_reduce(grad_x, group=pg, async_op=True)
+        grad_w = weight.new_empty(0)
+        if need_w:
+            grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+        _wait(work, pg, what, timeout, grad_x.device)
     return grad_x, grad_w
 
 

@@ -23,7 +23,9 @@ checks raise the error on this rank and tell the peers (`overlap.ops.context.pre
 from __future__ import annotations
 
 import collections
+import itertools
 import os
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -140,6 +142,51 @@ def define(name: str, schema: str, impl: Callable, fake: Callable, backward: Cal
     return getattr(packet, name)
 
 
+# ----------------------------------------------------------------------------------------------
+# Host objects a graph passes between custom ops: a key tensor names each
+# ----------------------------------------------------------------------------------------------
+
+_KEPT: dict[int, Any] = {}
+_SERIAL = itertools.count(1)
+_LOCK = threading.Lock()
+
+
+def keep(obj: Any) -> torch.Tensor:
+    """A new key (int64 ``[1]`` CPU tensor) for `obj`, a host object a later custom op needs (a forward's call
+    context for its backward, a dispatch's layout for its combine). The entry lives as long as the key tensor:
+    a graph, an autograd node or a handle that holds the key keeps it. Serials are never reused."""
+    with _LOCK:
+        serial = next(_SERIAL)
+        _KEPT[serial] = obj
+    key = torch.tensor([serial], dtype=torch.int64)
+    weakref.finalize(key, _drop, serial)
+    return key
+
+
+def _drop(serial: int) -> None:
+    with _LOCK:
+        _KEPT.pop(serial, None)
+
+
+def kept(key: Any, what: str) -> Any:
+    """The object `keep` gave `key` (TypeError for a tensor that is no key, ValueError for a key this process
+    does not hold); `what` names the caller in the message."""
+    if not isinstance(key, torch.Tensor) or key.numel() != 1 or key.dtype != torch.int64 or key.is_cuda:
+        raise TypeError(f"overlap.{what}: expected the int64 key tensor an overlap op returned")
+    serial = int(key.item())  # a CPU tensor: no device synchronization
+    with _LOCK:
+        obj = _KEPT.get(serial)
+    if obj is None:
+        raise ValueError(f"overlap.{what}: key #{serial} is not known in this process (it was made elsewhere)")
+    return obj
+
+
+def kept_objects(kind: type) -> int:
+    """How many objects of `kind` this process keeps (tests: nothing leaks)."""
+    with _LOCK:
+        return sum(isinstance(obj, kind) for obj in _KEPT.values())
+
+
 CALLS: collections.Counter[str] = collections.Counter()
 """How many times each custom op ran in this process (eager or compiled), by name."""
 RECENT: collections.deque[str] = collections.deque(maxlen=64)
@@ -166,9 +213,9 @@ def world_size(group_name: str) -> int:
 # The tensor-parallel ops: one signature for the three, forward and backward
 # ----------------------------------------------------------------------------------------------
 
-TP_SCHEMA = "(Tensor a, Tensor b, str group, str strategy, str plan, float? timeout, bool needs_grad) -> Tensor"
-TP_BACKWARD_SCHEMA = ("(Tensor grad, Tensor a, Tensor b, str group, str strategy, str plan, float? timeout, "
-                      "bool need_a, bool need_b) -> (Tensor, Tensor)")
+TP_SCHEMA = ("(Tensor a, Tensor b, str group, str strategy, str plan, float? timeout, bool needs_grad) "
+             "-> (Tensor, Tensor)")
+TP_BACKWARD_SCHEMA = "(Tensor grad, Tensor a, Tensor b, Tensor context, bool need_a, bool need_b) -> (Tensor, Tensor)"
 
 
 def tp_call(packet: Any, op: str, a: Any, b: Any, group: Any, strategy: Any, plan: Any, timeout: Any,
@@ -183,7 +230,7 @@ def tp_call(packet: Any, op: str, a: Any, b: Any, group: Any, strategy: Any, pla
         prepare(op, a, b, group, strategy, plan, timeout, check)  # raises this rank's error, peers told
         raise TypeError(f"overlap.{op}: unsupported arguments")  # pragma: no cover - prepare raised
     a, b = autocast_inputs(a, b)
-    return packet(a, b, *args, needs_grad(a, b))
+    return packet(a, b, *args, needs_grad(a, b))[0]
 
 
 def tp_context(op: str, a: torch.Tensor, b: torch.Tensor, group: str, strategy: str, plan: str,
@@ -195,26 +242,35 @@ def tp_context(op: str, a: torch.Tensor, b: torch.Tensor, group: str, strategy: 
                    cast=False)[2]
 
 
+def context_out(cc: Any, needs_grad: bool) -> torch.Tensor:
+    """A forward's second output: the key of its call context where a backward will run (its plan, deadline and
+    signature, exactly: the backward never resolves them again), else an empty tensor."""
+    return keep(cc) if needs_grad else torch.empty(0, dtype=torch.int64)
+
+
+def context_fake(needs_grad: bool) -> torch.Tensor:
+    return torch.empty(1 if needs_grad else 0, dtype=torch.int64)
+
+
 def tp_save(ctx: Any, inputs: tuple, output: Any) -> None:
-    """`setup_context` of the TP ops: the operands and the call's arguments."""
-    a, b, group, strategy, plan, timeout, _ = inputs
-    ctx.save_for_backward(a, b)
-    ctx.call_args = (group, strategy, plan, timeout)
+    """`setup_context` of the TP ops: the operands and the forward's call context."""
+    a, b, *_ = inputs
+    ctx.save_for_backward(a, b, output[1])
 
 
 def tp_backward(backward_packet: Any) -> Callable:
     """The autograd backward of a TP op whose gradients a ``<op>_backward`` custom op computes."""
 
-    def backward(ctx: Any, grad: torch.Tensor):
-        a, b = ctx.saved_tensors
+    def backward(ctx: Any, grad: torch.Tensor, _grad_context: Any):
+        a, b, context = ctx.saved_tensors
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_a, grad_b = backward_packet(grad, a, b, *ctx.call_args, need_a, need_b)
+        grad_a, grad_b = backward_packet(grad, a, b, context, need_a, need_b)
         return grad_a if need_a else None, grad_b if need_b else None, None, None, None, None, None
 
     return backward
 
 
-def tp_backward_fake(grad, a, b, group, strategy, plan, timeout, need_a, need_b):
+def tp_backward_fake(grad, a, b, context, need_a, need_b):
     """The fake of every ``<op>_backward``: the gradients have the operands' shapes (0 elements: not asked)."""
     return (a.new_empty(a.shape if need_a else (0,)), b.new_empty(b.shape if need_b else (0,)))
 

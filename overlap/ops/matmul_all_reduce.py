@@ -110,14 +110,20 @@ def _forward(a, b, group, strategy, plan, timeout, needs_grad):
     cc = library.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad)
     with record(OP), torch.autocast(cc.info.device.type, enabled=False):
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
-        return run(a2, b, cc).view(*a.shape[:-1], b.shape[1])
+        out = run(a2, b, cc).view(*a.shape[:-1], b.shape[1])
+    return out, torch.empty(0, dtype=torch.int64)  # (its backward communicates nothing: no context kept)
 
 
 def _fake(a, b, group, strategy, plan, timeout, needs_grad):
-    return a.new_empty((*a.shape[:-1], b.shape[-1]))
+    return a.new_empty((*a.shape[:-1], b.shape[-1])), torch.empty(0, dtype=torch.int64)
 
 
-def _backward(ctx, grad_out):
+def _save(ctx, inputs, output) -> None:
+    a, b, *_ = inputs
+    ctx.save_for_backward(a, b)
+
+
+def _backward(ctx, grad_out, _grad_context):
     """Output and loss are replicated: the output gradient passes through the all-reduce unchanged, so the
     gradients are local GEMMs (no transfer: plain torch code that the compiler traces)."""
     a, b = ctx.saved_tensors
@@ -128,7 +134,7 @@ def _backward(ctx, grad_out):
     return grad_a, grad_b, None, None, None, None, None
 
 
-_op = library.define(OP, library.TP_SCHEMA, _forward, _fake, _backward, library.tp_save)
+_op = library.define(OP, library.TP_SCHEMA, _forward, _fake, _backward, _save)
 
 
 # ----------------------------------------------------------------------------------------------

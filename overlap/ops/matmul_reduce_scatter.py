@@ -115,19 +115,20 @@ def _forward(a, b, group, strategy, plan, timeout, needs_grad):
     cc = library.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad, _check_rows)
     with record(OP), torch.autocast(cc.info.device.type, enabled=False):
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
-        out2 = run(a2, b, cc)
-        return out2.view(a.shape[0] // cc.world_size, *a.shape[1:-1], b.shape[1])
+        out = run(a2, b, cc).view(a.shape[0] // cc.world_size, *a.shape[1:-1], b.shape[1])
+    return out, library.context_out(cc, needs_grad)
 
 
 def _fake(a, b, group, strategy, plan, timeout, needs_grad):
-    return a.new_empty((a.shape[0] // library.world_size(group), *a.shape[1:-1], b.shape[-1]))
+    out = a.new_empty((a.shape[0] // library.world_size(group), *a.shape[1:-1], b.shape[-1]))
+    return out, library.context_fake(needs_grad)
 
 
-def _backward(grad_out, a, b, group, strategy, plan, timeout, need_a, need_b):
-    """``overlap::matmul_reduce_scatter_backward``: ``(grad_a, grad_b)`` with the forward's plan."""
+def _backward(grad_out, a, b, context, need_a, need_b):
+    """``overlap::matmul_reduce_scatter_backward``: ``(grad_a, grad_b)`` in the forward's call context."""
     from . import all_gather_matmul
 
-    cc = library.tp_context(OP, a, b, group, strategy, plan, timeout, True, _check_rows)
+    cc = library.kept(context, f"{OP}.backward")
     k, n = b.shape
     g2 = grad_out.reshape(-1, n).contiguous()
     a2 = a.reshape(-1, k)

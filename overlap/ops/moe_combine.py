@@ -104,7 +104,7 @@ def _call(op, y, w, topk_weights, handle, strategy, plan, timeout) -> torch.Tens
         raise TypeError(f"overlap.moe.{op}: unsupported arguments")  # pragma: no cover - _prepare raised
     if w is not None:
         y, w = autocast_inputs(y, w)
-    out, _ = _op(y, w, topk_weights, handle.key, *args[1:], layout.grad_flags(y, w, topk_weights))
+    out, _, _ = _op(y, w, topk_weights, handle.key, *args[1:], layout.grad_flags(y, w, topk_weights))
     return out
 
 
@@ -161,35 +161,37 @@ def _check_weights_of_topk(op: str, topk_weights: Any, handle: layout.MoELayout,
 
 
 def _forward(y, w, topk_weights, key, strategy, plan, timeout, grads):
-    """``(out, back)``: out ``[T, N]`` is the weighted sum; back ``[T*K, N]`` the rows returned to their pairs,
-    kept where autograd will need it (the weights' gradient), else 0 elements."""
+    """``(out, back, context)``: out ``[T, N]`` is the weighted sum; back ``[T*K, N]`` the rows returned to
+    their pairs, kept where autograd will need it (the weights' gradient), else 0 elements; context the key of
+    this call's plan and layout for the backward (`library.context_out`)."""
     op = OP_COMBINE if w is None else OP_MM_COMBINE
     y, w, h, cc = _prepare(op, y, w, topk_weights, moe_handle.layout_of(key, op), strategy, library.plan_of(plan),
                            timeout, grads)
     y = moe_bound.exact(y, h)  # (a bounded dispatch's padding rows are never read)
     needs_grad = "1" in grads
+    context = library.context_out((cc.plan, h), needs_grad)
     with record(cc.op), torch.autocast(h.info.device.type, enabled=False):
         if moe_cuda.sums_on_device(y, topk_weights, cc.plan, needs_grad):
-            return run(h, y, w, cc, weights=topk_weights), y.new_empty(0)
+            return run(h, y, w, cc, weights=topk_weights), y.new_empty(0), context
         back = run(h, y, w, cc)
-        return layout.weighted_sum(back, topk_weights, y.dtype), back if needs_grad else y.new_empty(0)
+        return layout.weighted_sum(back, topk_weights, y.dtype), back if needs_grad else y.new_empty(0), context
 
 
 def _fake(y, w, topk_weights, key, strategy, plan, timeout, grads):
     T, K = topk_weights.shape
     cols = y.shape[1] if w is None else w.shape[2]
-    return y.new_empty((T, cols)), y.new_empty((T * K, cols) if "1" in grads else (0,))
+    return (y.new_empty((T, cols)), y.new_empty((T * K, cols) if "1" in grads else (0,)),
+            library.context_fake("1" in grads))
 
 
 def _save(ctx, inputs, output) -> None:
-    y, w, topk_weights, key, strategy, plan, timeout, _ = inputs
-    ctx.save_for_backward(y, w, topk_weights, key, output[1])
-    ctx.call_args = (strategy, plan, timeout)
+    y, w, topk_weights, *_ = inputs
+    ctx.save_for_backward(y, w, topk_weights, output[1], output[2])
 
 
-def _autograd_backward(ctx, grad_out, _grad_back):
+def _autograd_backward(ctx, grad_out, _grad_back, _grad_context):
     """The weighted sum's gradients here (torch code the compiler traces), the rows' through the backward op."""
-    y, w, topk_weights, key, back = ctx.saved_tensors
+    y, w, topk_weights, back, context = ctx.saved_tensors
     need_y, need_w, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
     (T, K), N = topk_weights.shape, grad_out.shape[-1]
     acc = torch.float64 if torch.float64 in (back.dtype, topk_weights.dtype) else torch.float32
@@ -198,20 +200,18 @@ def _autograd_backward(ctx, grad_out, _grad_back):
     grad_y = grad_w = None
     if need_y or need_w:
         grad_back = (g * topk_weights.to(acc).unsqueeze(-1)).reshape(T * K, N).to(back.dtype)
-        grad_y, grad_w = _backward_op(grad_back, y, w, key, *ctx.call_args, need_y, need_w)
+        grad_y, grad_w = _backward_op(grad_back, y, w, context, need_y, need_w)
     return grad_y if need_y else None, grad_w if need_w else None, grad_t, None, None, None, None, None
 
 
-def _backward(grad_back, y, w, key, strategy, plan, timeout, need_y, need_w):
+def _backward(grad_back, y, w, context, need_y, need_w):
     """``overlap::moe_combine_backward``: the rows' gradients to the experts (the dispatch direction), fused
-    with ``grad_back @ w[e].T`` where the combine multiplied; the weight gradient from the rows that arrive."""
-    from .. import envs
+    with ``grad_back @ w[e].T`` where the combine multiplied; the weight gradient from the rows that arrive.
+    The forward's plan and layout (with the combine's deadline) come from its context key."""
     from . import moe_dispatch
 
     op = OP_COMBINE if w is None else OP_MM_COMBINE
-    h = moe_handle.layout_of(key, f"{op}.backward")
-    h = _with_deadline(h, envs.resolve_timeout(timeout))
-    chosen = _plan(op, h, y, w, strategy, library.plan_of(plan), h.info, True)
+    chosen, h = library.kept(context, f"moe.{op}.backward")
     grad_back = grad_back.contiguous()
     padded_y, y = y, moe_bound.exact(y, h)  # a bounded dispatch's padding rows: a zero gradient
     with torch.autocast(h.info.device.type, enabled=False):
@@ -228,19 +228,18 @@ def _backward(grad_back, y, w, key, strategy, plan, timeout, need_y, need_w):
     return library.grads_out(moe_bound.grad_padded(grad_y, padded_y) if need_y else None, grad_w, y, y)
 
 
-def _backward_fake(grad_back, y, w, key, strategy, plan, timeout, need_y, need_w):
+def _backward_fake(grad_back, y, w, context, need_y, need_w):
     return (y.new_empty(y.shape if need_y else (0,)), y.new_empty(w.shape if need_w and w is not None else (0,)))
 
 
 _backward_op = library.define(
     "moe_combine_backward",
-    "(Tensor grad, Tensor y, Tensor? w, Tensor key, str strategy, str plan, float? timeout, bool need_y, "
-    "bool need_w) -> (Tensor, Tensor)",
+    "(Tensor grad, Tensor y, Tensor? w, Tensor context, bool need_y, bool need_w) -> (Tensor, Tensor)",
     _backward, _backward_fake)
 _op = library.define(
     "moe_combine",
     "(Tensor y, Tensor? w, Tensor topk_weights, Tensor key, str strategy, str plan, float? timeout, str grads) "
-    "-> (Tensor, Tensor)",
+    "-> (Tensor, Tensor, Tensor)",
     _forward, _fake, _autograd_backward, _save)
 
 

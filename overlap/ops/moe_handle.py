@@ -17,53 +17,31 @@ device, readable in a compiled region too; their host lists stay at ``handle.lay
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import threading
-import weakref
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
+from . import library
 from .moe_layout import MoELayout
-
-_LAYOUTS: dict[int, MoELayout] = {}
-_SERIAL = itertools.count(1)
-_LOCK = threading.Lock()
 
 
 def register(layout: MoELayout) -> torch.Tensor:
-    """A new key tensor for `layout` (int64 ``[1]`` on the CPU); the entry lives as long as the tensor."""
-    with _LOCK:
-        serial = next(_SERIAL)
-        _LAYOUTS[serial] = layout
-    key = torch.tensor([serial], dtype=torch.int64)
-    weakref.finalize(key, _drop, serial)
-    return key
-
-
-def _drop(serial: int) -> None:
-    with _LOCK:
-        _LAYOUTS.pop(serial, None)
+    """A new key tensor for `layout` (`overlap.ops.library.keep`): the entry lives as long as the tensor."""
+    return library.keep(layout)
 
 
 def layout_of(key: torch.Tensor, op: str) -> MoELayout:
     """The layout a key tensor names (ValueError for a key this process does not hold)."""
-    if not isinstance(key, torch.Tensor) or key.numel() != 1 or key.dtype != torch.int64:
-        raise TypeError(f"overlap.moe.{op}: the handle's key must be the int64 tensor a dispatch returned")
-    serial = int(key.item())  # a CPU tensor: no device synchronization
-    with _LOCK:
-        layout = _LAYOUTS.get(serial)
-    if layout is None:
-        raise ValueError(f"overlap.moe.{op}: the handle's dispatch (#{serial}) is not known in this process; "
-                         "pass the handle a dispatch returned here")
+    layout = library.kept(key, f"moe.{op}: the handle's key")
+    if not isinstance(layout, MoELayout):
+        raise TypeError(f"overlap.moe.{op}: the handle's key names no dispatch")
     return layout
 
 
 def live_layouts() -> int:
     """How many dispatch layouts this process holds (tests: handles are not leaked)."""
-    with _LOCK:
-        return len(_LAYOUTS)
+    return library.kept_objects(MoELayout)
 
 
 @dataclasses.dataclass(frozen=True)
