@@ -1,6 +1,7 @@
 """overlap: communication/compute overlap for tensor- and expert-parallel training.
 
-Public API (docs/design.md): `all_gather_matmul`, `matmul_reduce_scatter`, `matmul_all_reduce`, `Plan`,
+Public API (docs/design.md): `all_gather_matmul`, `matmul_reduce_scatter`, `matmul_all_reduce`,
+`all_gather_weight_matmul` (the weight-side gather of FSDP), `Plan`,
 `PlanFile`, `reserve`, `release`, `OverlapTimeout`, `OverlapMismatchError`; `overlap.moe` (`dispatch`, `combine`,
 `dispatch_grouped_matmul`, `grouped_matmul_combine`) for expert parallelism. No init call: a
 group's symmetric heap is created by its first call.
@@ -41,6 +42,7 @@ _log.setLevel(getattr(_logging, _envs.log_level(), _logging.WARNING))
 from . import moe  # noqa: E402  (overlap.moe: the MoE ops)
 from .errors import OverlapError, OverlapMismatchError, OverlapTimeout  # noqa: E402
 from .ops.all_gather_matmul import all_gather_matmul  # noqa: E402
+from .ops.all_gather_weight_matmul import all_gather_weight_matmul  # noqa: E402
 from .ops.matmul_all_reduce import matmul_all_reduce  # noqa: E402
 from .ops.matmul_reduce_scatter import matmul_reduce_scatter  # noqa: E402
 from .plans import STRATEGIES, Plan, PlanFile  # noqa: E402
@@ -54,6 +56,7 @@ __all__ = [
     "Plan",
     "PlanFile",
     "all_gather_matmul",
+    "all_gather_weight_matmul",
     "matmul_all_reduce",
     "matmul_reduce_scatter",
     "moe",

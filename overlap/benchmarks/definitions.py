@@ -130,7 +130,9 @@ INTERPRETED_FUSED_MAX_DIM = 128
 def strategy_labels(op: str) -> tuple[str, ...]:
     """The strategy labels `op` can be benchmarked under, each variant after its strategy."""
     variants = VARIANTS.get(op, {})
-    return tuple(label for s in STRATEGIES for label in (s, *(v for v in variants if variants[v][0] == s)))
+    implemented = OP_TABLE[op].strategies if op in OP_TABLE else STRATEGIES
+    return tuple(label for s in STRATEGIES if s in implemented
+                 for label in (s, *(v for v in variants if variants[v][0] == s)))
 
 
 def all_strategy_labels() -> tuple[str, ...]:
