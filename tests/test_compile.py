@@ -26,6 +26,16 @@ def test_tp_ops_compile_bitwise(pools, seed, world_size):
                 assert r["breaks"] == 0, f"rank {rank} {op}: {r['breaks']} graph breaks"
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_weight_gather_compiles_bitwise(pools, seed, world_size):
+    """all_gather_weight_matmul: no graph break, compiled (aot_eager) results and gradients bitwise eager's."""
+    for rank, cases in enumerate(pools(world_size).run(compile_tasks.weight_gather, seed, STRATEGIES, timeout=300)):
+        assert [s for s, _ in cases] == list(STRATEGIES)
+        for strategy, r in cases:
+            assert r["bitwise"], f"rank {rank} {strategy}: compiled differs from eager by {r['max_diff']}"
+            assert r["breaks"] == 0, f"rank {rank} {strategy}: {r['breaks']} graph breaks"
+
+
 def test_tp_fused_interpreted_compiles(pools, seed):
     results = pools(2).run(compile_tasks.tp_ops, seed, ("fused",), "fused", timeout=600)
     for rank, cases in enumerate(results):

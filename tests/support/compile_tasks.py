@@ -75,6 +75,22 @@ def tp_ops(rank: int, world_size: int, seed: int, strategies: tuple[str, ...], e
     return out
 
 
+def weight_gather(rank: int, world_size: int, seed: int, strategies: tuple[str, ...]) -> list:
+    """``all_gather_weight_matmul`` (a weight shard ``[n, k]`` passed as ``w.t()``) x strategy, compiled against
+    eager, forward and backward. Returns ``[(strategy, result), ...]``."""
+    import overlap
+
+    out = []
+    for strategy in strategies:
+        a, w = tp_inputs("all_gather_weight_matmul", world_size, _draw(seed, rank))
+
+        def fn(a, w, strategy=strategy):
+            return overlap.all_gather_weight_matmul(a, w.t(), strategy=strategy)
+
+        out.append((strategy, eager_vs_compiled(fn, (a, w), seed)))
+    return out
+
+
 def tp_inductor(rank: int, world_size: int, seed: int) -> dict[str, Any]:
     """One TP block (gather-GEMM, GELU, GEMM-scatter) with the inductor backend: within tolerance of eager."""
     import torch.nn.functional as F
