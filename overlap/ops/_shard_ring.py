@@ -5,7 +5,8 @@ no block once its GEMMs have run. So ``symm`` never materializes the whole weigh
 ``x2`` (``[n, k]``, rows of the weight ``w``) is copied into its heap slot and flagged once; a copy engine
 (a worker thread on CPU ranks, a side stream on GPUs) pulls peer ``rank+1``'s shard, in chunks for the
 link to it, into one of two local buffers while the GEMMs read the other, then ``rank+2``'s into the first
-once its GEMMs are done, and so on. Each peer's shard is read from that peer once per call.
+once its GEMMs are done, and so on (two ranks: one buffer, there is one peer). Each peer's shard is read from
+that peer once per call.
 
 `ShardRing.chunks` yields ``(lo, hi, rows)`` in a fixed order: this rank's own rows first (``x2`` itself),
 then each peer's chunks from ``rank+1`` on, each only once it has arrived; ``lo, hi`` are rows of the
@@ -42,7 +43,7 @@ class ShardRing:
         self.call, self.x2, self.cc, self.info = call, x2, cc, cc.info
         self.n, self.k = x2.shape
         self.cuda = x2.is_cuda
-        self.ring = x2.new_empty((2, self.n, self.k)) if cc.world_size > 1 else None
+        self.ring = x2.new_empty((min(2, cc.world_size - 1), self.n, self.k)) if cc.world_size > 1 else None
         self.futures: list = []  # CPU copy-engine futures (drained by close)
         self.finished = False
         self.bytes_from_peers = 0
@@ -57,10 +58,10 @@ class ShardRing:
         self.pending = {1: self._issue(1)} if self.cc.world_size > 1 else {}
 
     def _issue(self, i: int) -> list:
-        """Issue the pulls of peer ``rank+i`` into ring buffer ``i % 2``: ``[(lo, hi, handle)]``."""
+        """Issue the pulls of peer ``rank+i`` into its ring buffer: ``[(lo, hi, handle)]``."""
         info, call, n = self.info, self.call, self.n
         p = (info.rank + i) % info.world_size
-        dst = self.ring[i % 2]
+        dst = self._buffer(i)
         bounds = comm.chunk_bounds(n, self.cc.plan.chunks_for(info.link_class(p)))
         self.bytes_from_peers += self.x2.numel() * self.x2.element_size()
         out = []
@@ -88,6 +89,10 @@ class ShardRing:
         self.ring.record_stream(side)
         return out
 
+    def _buffer(self, i: int) -> torch.Tensor:
+        """The ring buffer of peer ``rank+i`` (``i >= 1``): peers i and i+1 never share one."""
+        return self.ring[(i - 1) % self.ring.shape[0]]
+
     def chunks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
         W, r, n = self.info.world_size, self.info.rank, self.n
         yield r * n, (r + 1) * n, self.x2
@@ -101,7 +106,7 @@ class ShardRing:
                     torch.cuda.current_stream().wait_event(handle)
                 else:
                     comm.result(handle, self.cc.timeout)
-                yield lo, hi, self.ring[i % 2][lo - base : hi - base]
+                yield lo, hi, self._buffer(i)[lo - base : hi - base]
 
     def close(self) -> None:
         comm.drain(self.futures)
