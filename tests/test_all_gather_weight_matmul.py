@@ -35,6 +35,17 @@ def test_matches_float64(pools, seed, world_size, dtype, strategy):
     assert all(len(r) == len(CASES) for r in results)
 
 
+FUSED_CASES = [(5, (), 24, 19, "weight.t()"), (4, (2,), 48, 40, "contiguous")]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_interpreted_matches_float64(pools, seed, world_size, dtype):
+    """The Triton kernel (interpreted on CPU ranks): tiles read each shard from its owner's buffer."""
+    results = pools(world_size).run(check, "fused", dtype, seed, FUSED_CASES, timeout=60.0)
+    assert all(len(r) == len(FUSED_CASES) for r in results)
+
+
 @pytest.mark.parametrize("strategy", ["reference", "pipelined", "symm"])
 def test_float64(pools, seed, strategy):
     assert all(len(r) == 2 for r in pools(2).run(check, strategy, torch.float64, seed, CASES[:2]))
@@ -64,23 +75,27 @@ def bytes_task(rank, world_size):
     import overlap
     from overlap.ops import all_gather_weight_matmul as mod
 
-    a, b = torch.randn(4, 8), torch.randn(8, 3)
-    shard = 8 * 3 * 4
+    a, b = torch.randn(4, 32), torch.randn(32, 16)
+    shard = 32 * 16 * 4
+
+    def read(fn) -> float:
+        before = sum(mod.BYTES_FROM_PEERS.values())
+        fn()
+        return (sum(mod.BYTES_FROM_PEERS.values()) - before) / shard
+
     out = {}
-    for strategy in ("pipelined", "symm"):
-        before = mod.BYTES_FROM_PEERS[strategy]
-        overlap.all_gather_weight_matmul(a, b, strategy=strategy)
-        fwd = mod.BYTES_FROM_PEERS[strategy] - before
+    for strategy in ("pipelined", "symm", "fused"):
+        fwd = read(lambda s=strategy: overlap.all_gather_weight_matmul(a, b, strategy=s))
         a2, b2 = a.clone().requires_grad_(), b.clone().requires_grad_()
-        before = mod.BYTES_FROM_PEERS[strategy]
-        overlap.all_gather_weight_matmul(a2, b2, strategy=strategy).sum().backward()
-        out[strategy] = (fwd / shard, (mod.BYTES_FROM_PEERS[strategy] - before) / shard)
+        both = read(lambda s=strategy, a2=a2, b2=b2: overlap.all_gather_weight_matmul(a2, b2, strategy=s).sum()
+                    .backward())
+        out[strategy] = (fwd, both)
     return out
 
 
 def test_each_peer_shard_read_once_per_gather(pools):
     for res in pools(3).run(bytes_task):
-        assert res == {"pipelined": (2.0, 4.0), "symm": (2.0, 4.0)}, res
+        assert res == {"pipelined": (2.0, 4.0), "symm": (2.0, 4.0), "fused": (2.0, 4.0)}, res
 
 
 # ----------------------------------------------------------------------------------------------
@@ -97,7 +112,7 @@ def bad_inputs(rank, world_size, strategy):
         "k_mismatch": expect_error(f, a, torch.randn(7, 5), strategy=strategy),
         "dtype_mismatch": expect_error(f, a, b.double(), strategy=strategy),
         "bad_strategy": expect_error(f, a, b, strategy="fastest"),
-        "fused": expect_error(f, a, b, strategy="fused"),
+        "fused_fp64": expect_error(f, a.double(), b.double(), strategy="fused"),
         # One rank's shard has another shape: every rank raises a ValueError (OverlapMismatchError is one).
         "shard_differs": expect_error(f, a, torch.randn(8, 5 + (rank == 1)), strategy=strategy, timeout=20),
         # One rank's local mistake: that rank raises ValueError, the others learn it at once.
@@ -108,13 +123,13 @@ def bad_inputs(rank, world_size, strategy):
     return res
 
 
-@pytest.mark.parametrize("strategy", ["reference", "pipelined", "symm"])
+@pytest.mark.parametrize("strategy", ["reference", "pipelined", "symm", "fused"])
 def test_bad_input_raises_on_every_rank(pools, strategy):
     for rank, res in enumerate(pools(3).run(bad_inputs, strategy, timeout=120)):
         assert res["k_mismatch"][0] == "ValueError" and "k=7" in res["k_mismatch"][1], res["k_mismatch"]
         assert res["dtype_mismatch"][0] == "TypeError", res["dtype_mismatch"]
         assert res["bad_strategy"][0] == "ValueError" and "fastest" in res["bad_strategy"][1]
-        assert res["fused"][0] == "ValueError" and "not implemented" in res["fused"][1], res["fused"]
+        assert res["fused_fp64"][0] == "TypeError" and "fused" in res["fused_fp64"][1], res["fused_fp64"]
         kind, msg, secs = res["shard_differs"]
         assert kind == "OverlapMismatchError" and issubclass(_mismatch(), ValueError), res["shard_differs"]
         assert "b=(8, 5)" in msg and "b=(8, 6)" in msg and secs < FALLBACK_TIMEOUT_S, res["shard_differs"]
@@ -155,7 +170,8 @@ def silent_peer(rank, world_size, strategy, backward):
     return result
 
 
-@pytest.mark.parametrize(("strategy", "backward"), [("pipelined", False), ("symm", False), ("symm", True)])
+@pytest.mark.parametrize(("strategy", "backward"),
+                         [("pipelined", False), ("symm", False), ("symm", True), ("fused", False)])
 def test_silent_peer_times_out(strategy, backward):
     from support.harness import run_isolated
 

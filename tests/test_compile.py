@@ -36,6 +36,12 @@ def test_weight_gather_compiles_bitwise(pools, seed, world_size):
             assert r["breaks"] == 0, f"rank {rank} {strategy}: {r['breaks']} graph breaks"
 
 
+def test_weight_gather_fused_interpreted_compiles(pools, seed):
+    for rank, cases in enumerate(pools(2).run(compile_tasks.weight_gather, seed, ("fused",), timeout=600)):
+        for strategy, r in cases:
+            assert r["bitwise"] and r["breaks"] == 0, f"rank {rank} {strategy}: {r}"
+
+
 def test_tp_fused_interpreted_compiles(pools, seed):
     results = pools(2).run(compile_tasks.tp_ops, seed, ("fused",), "fused", timeout=600)
     for rank, cases in enumerate(results):

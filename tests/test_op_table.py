@@ -164,8 +164,9 @@ def test_an_op_without_a_strategy_never_gets_it(monkeypatch):
     from overlap.plans import auto
     from overlap.world import GroupInfo
 
-    op = "all_gather_weight_matmul"
-    assert "fused" not in op_spec(op).strategies
+    op = "twin_without_fused"
+    twin = dataclasses.replace(OPS["all_gather_weight_matmul"], name=op, strategies=("reference", "pipelined", "symm"))
+    monkeypatch.setitem(OPS, op, twin)
     p = Problem(op, 256, 64, 32, "bfloat16")
     topology = costmodel.Topology("cuda", 4, 1, (4,), (("nvlink", 3),))
     assert all(plan.strategy != "fused" for plan in costmodel.candidates(p, topology))

@@ -21,7 +21,11 @@ Strategies (same results; `reference` is the oracle):
 * ``symm``: the shard is copied into the symmetric heap once and flagged; a copy engine streams every
   peer's shard through a two-shard local ring (`overlap.ops._shard_ring`), the GEMMs of one shard running
   while the next is pulled: no whole-size weight outside the heap. Ranks of one node.
-* ``fused``: not implemented yet (the op table lists this op's strategies; forcing it raises ValueError).
+* ``fused``: one Triton kernel (`overlap.kernels.ag_weight_matmul`): tiles of output columns wait on the
+  flag of the shard they read and load it straight from the owner's symmetric buffer, the tiles of one
+  shard scheduled together, this rank's first: the whole weight is never materialized. Ranks of one node;
+  on CPU ranks it runs interpreted (correct, slow: for tests at small sizes). Its backward gathers as
+  ``symm`` does and computes ``grad_b_shard`` with the fused reduce-scatter kernels.
 
 Each peer's shard is read from that peer once per forward call (`bytes_from_peers` counts it: ``(W-1)``
 shards) and once more in backward (the re-gather, as FSDP does: only the local shard is saved).
@@ -47,8 +51,9 @@ import collections
 import torch
 import torch.distributed as dist
 
+from ..errors import OverlapTimeout
 from ..plans import Plan
-from . import _gather, _shard_ring, library, matmul_reduce_scatter
+from . import _gather, _shard_ring, fused, library, matmul_reduce_scatter
 from .context import CallContext, describe, record
 
 OP = "all_gather_weight_matmul"
@@ -73,7 +78,7 @@ def all_gather_weight_matmul(
         b_shard: ``[k, n]``, this rank's block of columns of the weight, any strides (a weight
             ``w[W*n, k]`` sharded by rows is passed as ``w_shard.t()``); the same shape on every rank.
         group: process group (default: the world); every rank of it must make the same call.
-        strategy: ``"auto"`` (default), ``"reference"``, ``"pipelined"`` or ``"symm"``.
+        strategy: ``"auto"`` (default), ``"reference"``, ``"pipelined"``, ``"symm"`` or ``"fused"``.
         plan: an `overlap.Plan` (overrides `strategy`'s defaults, e.g. chunk counts), or a plan file.
         timeout: seconds any wait on a peer may take (default ``OVERLAP_TIMEOUT_S``, 300).
 
@@ -85,7 +90,7 @@ def all_gather_weight_matmul(
             moves; peers already in the call raise `OverlapMismatchError` at once.
         OverlapMismatchError (a ValueError): ranks made different calls (shapes of ``a`` or ``b_shard``,
             dtype, plan), on every rank.
-        ValueError: ``symm`` forced on a group that spans nodes; ``fused`` (not implemented for this op).
+        ValueError: ``symm``/``fused`` forced on a group that spans nodes.
         OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
     """
     return library.tp_call(_op, OP, a, b_shard, group, strategy, plan, timeout)
@@ -112,6 +117,8 @@ def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
     """One forward call on every rank: the handshake, then each block of columns as its shard is there."""
     call = cc.begin(heap_bytes(cc.plan, b))
     try:
+        if cc.plan.strategy == "fused":
+            return _fused(cc, call, a2, b)
         g = _start_gather(cc.plan.strategy, call, _rows_of(b), cc)
         try:
             out = a2.new_empty((a2.shape[0], cc.world_size * b.shape[1]))
@@ -171,7 +178,7 @@ def _overlapped_backward(cc: CallContext, a2, b, g2, need_a, need_b):
 
     Returns ``(grad_a [M, k], grad_b as [n, k])`` (None where not asked)."""
     chosen = cc.plan
-    kind = chosen.strategy
+    kind = "symm" if chosen.strategy == "fused" else chosen.strategy  # fused gathers the weight as symm does
     shard_NK = _rows_of(b)
     gT = g2.t().contiguous() if need_b else None  # [W*n, M]: rows of the weight gradient's GEMM
     gather = None
@@ -209,3 +216,28 @@ def _blocks_times(g2: torch.Tensor, gather) -> torch.Tensor:
         else:
             acc += part
     return acc.to(g2.dtype) if low else acc
+
+
+def _fused(cc: CallContext, call, a2: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The fused kernel: this rank's shard into its heap slot, flagged once; tiles read every shard in place."""
+    kernels = fused.kernels()
+    r, timeout = cc.rank, cc.timeout
+    shard = _rows_of(b)
+    n, k = shard.shape
+    heap = call.heap
+    call.wait_slot_free()
+    call.buffer(r, shard.dtype, (n, k)).copy_(shard)
+    call.signal_ready()
+    BYTES_FROM_PEERS["fused"] += (cc.world_size - 1) * shard.numel() * shard.element_size()
+    # GPU: the kernel's error word is pinned host memory, checked by the next call without a sync. CPU
+    # (interpreted): checked right after the kernel.
+    err = heap.kernel_err() if a2.is_cuda else torch.zeros(1, dtype=torch.int32)
+    tile = fused.fused_tiles(cc.plan.block_m, cc.plan.block_n, cc.plan.block_k, fused.interpreted(), a2.dtype)
+    a_rows = a2 if a2.shape[1] == 1 or a2.stride(1) == 1 else a2.contiguous()
+    out = kernels.launch_all_gather_weight_matmul(a_rows, heap.ptr_table(call.slot), heap.flag_table(call.slot, 0),
+                                                  n=n, epoch=call.epoch_word(), rank=r, err=err,
+                                                  timeout_ns=int(timeout * 1e9), block=tile)
+    bad = 0 if a2.is_cuda else int(err.item())
+    if bad:
+        raise OverlapTimeout(cc.op, r, bad - 1, f"shard {bad - 1}", timeout, "fused kernel tile wait")
+    return out

@@ -114,7 +114,7 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
     # The weight-side gather (FSDP): a [m, k] per rank, b_shard [k, n] (this rank's columns), out [m, W*n].
     _tp("all_gather_weight_matmul", "AG(W)+MM", in_rows=lambda m, W: m, out_rows=lambda m, W: m,
         reduction=lambda k, W: k, per_peer_elements=lambda p: p.k * p.n * (3 if p.backward else 1),
-        out_cols=lambda n, W: W * n, strategies=("reference", "pipelined", "symm")),
+        out_cols=lambda n, W: W * n),
     OpSpec("moe", "moe", "moe", in_rows=lambda m, W: m, out_rows=lambda m, W: m,
            flops=lambda p, W: (3 if p.backward else 1) * 4 * p.m * p.top_k * p.k * p.n,
            bytes_per_peer=_moe_bytes_per_peer, chunked=moe_op.chunked, cost=moe_op.cost, inputs=moe_op.inputs,

@@ -54,7 +54,7 @@ def chunked_matmul_reduce_scatter(strategy: str, backward: bool, topology) -> tu
 
 
 def chunked_all_gather_weight_matmul(strategy: str, backward: bool, topology) -> tuple[str, ...]:
-    if strategy == "reference":
+    if strategy == "reference" or (strategy == "fused" and not backward):  # fused: one flag per shard
         return ()
     links = _pairwise(topology)  # each peer's shard pulled or exchanged in chunks for the link to it
     if backward and strategy != "pipelined":  # grad_b's flagged reduce-scatter: the slowest link's count
