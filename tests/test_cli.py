@@ -13,7 +13,7 @@ import pytest
 
 from overlap import world
 
-OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_gather_weight_matmul")
 MODES = ("fwd", "fwd+bwd")
 MOE_GRADS = ("grad_x", "grad_w1", "grad_w2", "grad_topk_weights")
 STRATEGY_LABELS = ("reference", "pipelined", "symm", "fused (interpreted)")
@@ -62,8 +62,10 @@ def test_console_script_next_to_interpreter():
     assert proc.returncode == 0, proc.stderr
     options = ("--nproc", "--op", "--mode", "--shape", "--dtype", "--strategies", "--warmup", "--iters", "--json")
     moe = ("moe", "T,H,F,E,K", "mixtral = 512,128,448,8,2", "deepseek-v3 = 512,224,64,32,8", "tiny")
+    # argparse wraps the text at the terminal's width (lines also break after a hyphen): read it unwrapped
+    text = re.sub(r"-\s+", "-", " ".join(proc.stdout.split()))
     for option in (*options, "--timeout", "fwd+bwd", "symm+one_shot", *OPS, *moe):
-        assert option in proc.stdout, f"{option} missing from bench --help:\n{proc.stdout}"
+        assert option in text, f"{option} missing from bench --help:\n{proc.stdout}"
 
 
 def test_bad_shape_exits_2():
@@ -136,8 +138,9 @@ def test_bench_every_op_and_mode_with_json(tmp_path):
     for scope in ("fwd", "fwd+bwd", "all"):
         assert f"geomean speedup over reference, {scope}: " in proc.stdout, proc.stdout
     assert "machine: CPU" in proc.stdout and "note: fwd+bwd:" in proc.stdout, proc.stdout
-    assert "[1/6] all_gather_matmul 16x24x8 float32 fwd:" in proc.stderr, proc.stderr
-    assert "[6/6] matmul_all_reduce 16x24x8 float32 fwd+bwd:" in proc.stderr, proc.stderr
+    assert "[1/8] all_gather_matmul 16x24x8 float32 fwd:" in proc.stderr, proc.stderr
+    assert "[6/8] matmul_all_reduce 16x24x8 float32 fwd+bwd:" in proc.stderr, proc.stderr
+    assert "[8/8] all_gather_weight_matmul 16x24x8 float32 fwd+bwd:" in proc.stderr, proc.stderr
 
     data = json.loads(path.read_text())
     assert data["machine"]["world_size"] == 2 and data["machine"]["backend"] == "gloo"
@@ -171,7 +174,7 @@ def test_bench_every_op_and_mode_with_json(tmp_path):
 
     summary = data["summary"]  # interpreted fused is left out
     assert set(summary) == {"pipelined", "symm", "pipelined+one_shot", "symm+one_shot"}, summary
-    assert summary["symm"]["cases"] == 6 and summary["symm"]["by_mode"]["fwd+bwd"]["cases"] == 3, summary
+    assert summary["symm"]["cases"] == 8 and summary["symm"]["by_mode"]["fwd+bwd"]["cases"] == 4, summary
     assert summary["symm+one_shot"]["cases"] == 2, summary
 
 
