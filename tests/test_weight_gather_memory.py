@@ -67,3 +67,36 @@ def test_weight_never_whole_under_symm(pools, seed, world_size):
         # gradient transposed, grad_a); no whole-size weight nor weight gradient (fewer bytes from four ranks)
         assert both <= ring + shard + 3 * out + ROWS * K * 4 + 8192, (rank, figures)
         assert world_size < 4 or both < whole, (rank, figures)
+
+
+def fused_task(rank, world_size):
+    """The fused forward on a fresh group (its heap sized by this call alone): peak bytes, heap bytes."""
+    import torch.distributed as dist
+
+    import overlap
+    from overlap import symm
+
+    group = dist.new_group(backend="gloo")
+    try:
+        a, w = torch.randn(ROWS, K), torch.randn(N, K)
+        with torch.no_grad():
+            overlap.all_gather_weight_matmul(a, w.t(), group=group, strategy="fused")  # heap created and sized
+            peak, _ = peak_allocated(lambda: overlap.all_gather_weight_matmul(a, w.t(), group=group, strategy="fused"))
+            y = overlap.all_gather_weight_matmul(a, w.t(), group=group, strategy="fused")
+        own = slice(rank * N, (rank + 1) * N)
+        torch.testing.assert_close(y[:, own], a @ w.t(), rtol=1e-5, atol=1e-4)  # this rank's block
+        return peak, symm.NUM_SLOTS * symm.heap_for(group).slot_bytes
+    finally:
+        overlap.release(group)
+        dist.destroy_process_group(group)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fused_forward_holds_the_output_alone(pools, world_size):
+    """Interpreted fused forward: nothing allocated but the output (the kernel reads every shard in place), one
+    shard per heap slot."""
+    out, shard = ROWS * world_size * N * 4, K * N * 4
+    for rank, (peak, heap) in enumerate(pools(world_size).run(fused_task, timeout=300)):
+        print(f"\n[memory]   rank {rank} fused forward {peak / 1024:.1f} KiB, heap {heap / 1024:.1f} KiB (4 slots)")
+        assert peak <= out + 4096, (rank, peak, out)
+        assert heap == 4 * shard, (rank, heap, shard)
