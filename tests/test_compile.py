@@ -100,7 +100,8 @@ def test_expert_parallel_mlp_compiles(pools, seed, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("task", [compile_tasks.nn_layers, compile_tasks.torch_tp_styles], ids=["nn", "torch_tp"])
+@pytest.mark.parametrize("task", [compile_tasks.nn_layers, compile_tasks.torch_tp_styles, compile_tasks.sharded_layers],
+                         ids=["nn", "torch_tp", "sharded"])
 def test_layers_compile(pools, seed, world_size, task):
     strategy = "symm" if world_size == 2 else "pipelined"
     for rank, modes in enumerate(pools(world_size).run(task, seed, strategy, timeout=300)):

@@ -267,6 +267,19 @@ def nn_layers(rank: int, world_size: int, seed: int, strategy: str) -> dict[str,
     return out
 
 
+def sharded_layers(rank: int, world_size: int, seed: int, strategy: str) -> dict[str, dict[str, Any]]:
+    """`overlap.nn.ShardedLinear` (FSDP: weights and biases sharded by rows) in an MLP, compiled whole."""
+    from torch import nn
+
+    from overlap.nn import ShardedLinear
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(ShardedLinear(8, 6 * world_size, strategy=strategy), nn.GELU(),
+                          ShardedLinear(6 * world_size, 4 * world_size, strategy=strategy))
+    x = torch.randn(3, 2, 8, generator=_draw(seed, rank))  # every rank its own batch
+    return {"fsdp": module_eager_vs_compiled(model, x, seed)}
+
+
 def torch_tp_styles(rank: int, world_size: int, seed: int, strategy: str) -> dict[str, dict[str, Any]]:
     """`overlap.hooks.torch_tp`'s styles on an MLP (sequence-parallel and replicated), compiled whole."""
     from torch import nn
