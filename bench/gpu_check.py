@@ -34,7 +34,9 @@ correctness group before any timing group:
 
 * ``ag`` (``gpu_check_tp_ag``): the fused all-gather GEMM (``kernels/ag_matmul.py``) against
   ``torch.cat(shards) @ b`` in float64, outputs NaN-poisoned: a. ordered (flags set before the consumers launch),
-  b. racing (flags published later from another stream), c. a flag never set (the kernel's bounded wait fires).
+  b. racing (flags published later from another stream), c. a flag never set (the kernel's bounded wait fires);
+  a.weight-ordered: the weight-side kernel (``kernels/ag_weight_matmul.py``, ``all_gather_weight_matmul``'s
+  fused) against ``a @ torch.cat(shards).T``, its shards flagged before the consumers launch.
 * ``streams``: d. ``overlap.signals``' bounded flag-wait kernel and stream-ordered wait/write, e. the ``symm``
   pipeline (side-stream bounded waits and copies, per-chunk events, per-chunk GEMMs).
 * ``rs`` (``gpu_check_tp_rs``): f. the fused reduce-scatter kernels (``kernels/mm_rs.py``) in the layouts of

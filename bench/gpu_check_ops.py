@@ -2,7 +2,8 @@
 
 The other one-GPU checks launch the kernels on virtual ranks of one process; only the torchrun section runs the
 ops themselves, and it needs a GPU per rank. This section runs every op of the op table (``overlap.plans.OPS``:
-``all_gather_matmul``, ``matmul_reduce_scatter``, ``matmul_all_reduce`` and its ``one_shot`` variant, the MoE
+``all_gather_matmul``, ``matmul_reduce_scatter``, ``matmul_all_reduce`` and its ``one_shot`` variant, the weight-side
+``all_gather_weight_matmul``, the MoE
 layer ``dispatch_grouped_matmul`` + gelu + ``grouped_matmul_combine``) x {``symm``, ``fused``} x {forward under
 ``no_grad``, forward and backward} on ranks that are **processes sharing one GPU**, so that everything between
 an op call and its kernels runs as it does in training: the symmetric heap in torch's CUDA symmetric memory

@@ -1,5 +1,7 @@
 """One GPU, virtual ranks: the checks a-c and e and the timings of the fused all-gather GEMM kernel
-(`overlap.kernels.ag_matmul`), as bench/gpu_check.py's docstring tells; its virtual ranks are
+(`overlap.kernels.ag_matmul`), as bench/gpu_check.py's docstring tells, and check a of the weight-side one
+(`overlap.kernels.ag_weight_matmul`, ``all_gather_weight_matmul``'s fused strategy: the virtual ranks' shards
+are rows of the weight); its virtual ranks are
 `gpu_check_tp_group.GatherGroup`. Its entries run three groups (`gpu_check_groups.GROUPS`): "ag" (a-c),
 "streams" (the checks d of the virtual ranks' primitives, `gpu_check_virtual`, and e) and "time_ag" (the
 signal and copy timings, then the kernel against cuBLAS). The racing checks issue their producers before
@@ -33,7 +35,7 @@ from gpu_check_virtual import (
     time_copy,
     time_signals,
 )
-from overlap.kernels import Watchdog
+from overlap.kernels import Watchdog, epoch_word, launch_all_gather_weight_matmul
 
 from overlap import comm
 
@@ -78,6 +80,39 @@ def check_ordered(rep: Report, dev: Device, world_size: int, shape: tuple[int, i
             launch_gather(g, r, c, epoch, KERNEL_TIMEOUT_NS, dev.tile)
     dev.settle(g.streams, g.flags, name)
     judge(rep, name, consumers, ref)
+
+
+def check_weight_ordered(rep: Report, dev: Device, world_size: int, shape: tuple[int, int, int],
+                         dtype: torch.dtype) -> None:
+    """a. The weight-side kernel: every shard (``[n, k]``, rows of the weight) copied and flagged before any
+    consumer launches; each rank's ``a @ cat(shards).T`` against float64 (one ``a`` for every virtual rank)."""
+    m, k, n = shape
+    name = f"a.weight-ordered W={world_size} {dtype_name(dtype)} {m}x{k}x{n}"
+    epoch, d = 7, dev.device
+    g = GatherGroup.create(dev, world_size, n, k, 16, dtype, stale=epoch - 1)  # its shards: n rows each
+    a = torch.randn(m, k, device=d, dtype=dtype)
+    ref = a.double() @ torch.cat(g.shards).double().t()
+    consumers = [Consumer(torch.full((m, world_size * n), math.nan, device=d, dtype=dtype),
+                          torch.zeros(1, dtype=torch.int32, device=d), torch.zeros(1, dtype=torch.int32, device=d))
+                 for _ in range(world_size)]
+    for r in range(world_size):
+        g.produce(r, epoch)
+    dev.settle(g.streams, g.flags, name)
+    for r, c in enumerate(consumers):
+        with dev.on(g.streams[r]):
+            launch_weight_gather(g, r, c, a, epoch, KERNEL_TIMEOUT_NS, dev.tile)
+    dev.settle(g.streams, g.flags, name)
+    judge(rep, name, consumers, ref)
+
+
+def launch_weight_gather(g: GatherGroup, rank: int, c: Consumer, a: torch.Tensor, epoch: int, timeout_ns: int,
+                         tile: Tile) -> None:
+    """Virtual rank `rank`'s weight-side kernel on the current stream, through the launcher the op calls (its
+    shards: the group's, rows of the weight)."""
+    launch_all_gather_weight_matmul(a, g.ptr_table, g.flag_table, n=g.shards[0].shape[0],
+                                    epoch=epoch_word(epoch, a.device), rank=rank, err=c.err, timeout_ns=timeout_ns,
+                                    block=(tile.block_m, tile.block_n, tile.block_k), out=c.out, abort=c.abort,
+                                    watchdog=False, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 def check_racing(rep: Report, dev: Device, world_size: int, shape: tuple[int, int, int], dtype: torch.dtype) -> None:
@@ -316,6 +351,10 @@ def run_all_gather_checks(rep: Report, dev: Device) -> None:
             for shape, layout in shapes:
                 rep.run(f"a.ordered W={world_size} {dtype_name(dtype)} {shape_name(shape)}",
                         lambda w=world_size, s=shape, d=dtype, lay=layout: check_ordered(rep, dev, w, s, d, lay))
+    weight_shape = (256, 1024, 384) if dev.cuda else (20, 32, 24)
+    for world_size in (2, 4):
+        rep.run(f"a.weight-ordered W={world_size} {dtype_name(dtypes[0])} {shape_name(weight_shape)}",
+                lambda w=world_size: check_weight_ordered(rep, dev, w, weight_shape, dtypes[0]))
     for world_size in (2, 4) if dev.cuda else (2,):
         rep.run(f"b.racing W={world_size}", lambda w=world_size: check_racing(rep, dev, w, race_shape, dtypes[0]))
     rep.run("c.timeout", lambda: check_timeout(rep, dev, dtypes[0]))

@@ -19,6 +19,11 @@ fix_interpreter_index()
 # ruff: noqa: E402  (the kernels below are defined after the fix)
 
 from .ag_matmul import all_gather_matmul_grid, all_gather_matmul_kernel, launch_all_gather_matmul
+from .ag_weight_matmul import (
+    all_gather_weight_matmul_grid,
+    all_gather_weight_matmul_kernel,
+    launch_all_gather_weight_matmul,
+)
 from .host import Watchdog, epoch_word
 from .mm_rs import (
     chunk_count,
@@ -41,12 +46,15 @@ __all__ = [
     "Watchdog",
     "all_gather_matmul_grid",
     "all_gather_matmul_kernel",
+    "all_gather_weight_matmul_grid",
+    "all_gather_weight_matmul_kernel",
     "chunk_count",
     "epoch_word",
     "grouped_matmul_grid",
     "grouped_matmul_scatter_kernel",
     "grouped_matmul_wait_kernel",
     "launch_all_gather_matmul",
+    "launch_all_gather_weight_matmul",
     "launch_grouped_matmul_scatter",
     "launch_grouped_matmul_wait",
     "launch_matmul_scatter",

@@ -1,6 +1,7 @@
 """overlap: communication/compute overlap for tensor- and expert-parallel training.
 
-Public API (docs/design.md): `all_gather_matmul`, `matmul_reduce_scatter`, `matmul_all_reduce`, `Plan`,
+Public API (docs/design.md): `all_gather_matmul`, `matmul_reduce_scatter`, `matmul_all_reduce`,
+`all_gather_weight_matmul` (the weight-side gather of FSDP), `Plan`,
 `PlanFile`, `STRATEGIES`, `reserve`, `release`, `OverlapError`, `OverlapTimeout`, `OverlapMismatchError`;
 `overlap.moe` (`dispatch`, `combine`, `dispatch_grouped_matmul`, `grouped_matmul_combine`) for expert
 parallelism; `overlap.nn` (drop-in modules) and `overlap.hooks` (Megatron-core, torch TP). No init call:
@@ -36,6 +37,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "all_gather_matmul": (".ops.all_gather_matmul", "all_gather_matmul"),
     "matmul_reduce_scatter": (".ops.matmul_reduce_scatter", "matmul_reduce_scatter"),
     "matmul_all_reduce": (".ops.matmul_all_reduce", "matmul_all_reduce"),
+    "all_gather_weight_matmul": (".ops.all_gather_weight_matmul", "all_gather_weight_matmul"),
     "moe": (".moe", None),
     "nn": (".nn", None),
     "hooks": (".hooks", None),

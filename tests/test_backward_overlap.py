@@ -10,14 +10,11 @@
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import tempfile
-from concurrent.futures import Future
 
 import pytest
 import torch
+from support.memory import peak_allocated
 from support.tp_oracle import (
     AGM,
     MAR,
@@ -239,71 +236,6 @@ def test_mixed_ops_back_to_back(pools, seed, world_size):
 # ----------------------------------------------------------------------------------------------
 
 MEMORY_CASES = {AGM: (256, (), 128, 256, "weight.t()"), MRS: (128, (), 256, 128, "weight.t()")}
-
-
-class _LazyFuture(Future):
-    """Runs its task on the thread that asks for its result (so the profiler sees its allocations)."""
-
-    def __init__(self, fn, args, kwargs):
-        super().__init__()
-        self._task = (fn, args, kwargs)
-
-    def _run(self):
-        if self._task is not None:
-            fn, args, kwargs = self._task
-            self._task = None
-            try:
-                self.set_result(fn(*args, **kwargs))
-            except BaseException as exc:  # noqa: BLE001 - kept in the future like an executor does
-                self.set_exception(exc)
-
-    def result(self, timeout=None):
-        self._run()
-        return super().result(timeout)
-
-    def exception(self, timeout=None):
-        self._run()
-        return super().exception(timeout)
-
-
-class _CallingThreadEngine:
-    def submit(self, fn, *args, **kwargs):
-        return _LazyFuture(fn, args, kwargs)
-
-
-def peak_allocated(fn) -> tuple[int, int]:
-    """(peak, end) bytes allocated by `fn` on this thread above what was allocated before it.
-
-    torch's profiler reports every CPU allocation and free made while profiling on the profiling
-    thread (``[memory]`` events: "Bytes", negative for a free, and the allocator's running "Total
-    Allocated", whose baseline carries over from earlier sessions); the op's CPU copy engine is
-    replaced by one that runs its copies on this thread, so they count too."""
-    from overlap import comm
-
-    engine = comm.copy_engine
-    comm.copy_engine = _CallingThreadEngine
-    try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            fn()
-    finally:
-        comm.copy_engine = engine
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    finally:
-        os.remove(path)
-    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
-    running, peak, baselines = 0, 0, set()
-    for e in memory:
-        running += e["args"]["Bytes"]
-        peak = max(peak, running)
-        baselines.add(e["args"]["Total Allocated"] - running)
-    # The running sum and the allocator's total move together (a check that no event was missed).
-    assert len(baselines) <= 1, f"profiler memory events disagree with the allocator's total: {sorted(baselines)}"
-    return peak, running
 
 
 def memory_task(rank, world_size, seed, op, strategies):

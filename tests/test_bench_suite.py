@@ -58,8 +58,14 @@ def test_llama_full_size_tensor_parallel_shapes():
         ("mlp-up", "all_gather_matmul"): (512, 4096, 2 * 14336 // 8),  # gate and up fused
         ("mlp-down", "matmul_reduce_scatter"): (512, 14336 // 8, 4096),
         ("mlp-down", "matmul_all_reduce"): (512, 14336 // 8, 4096),
+        # FSDP: every projection's weight sharded by rows (its output features), each rank its own tokens
+        ("qkv", "all_gather_weight_matmul"): (512, 4096, (4096 + 2 * 8 * 128) // 8),
+        ("attn-out", "all_gather_weight_matmul"): (512, 4096, 4096 // 8),
+        ("mlp-up", "all_gather_weight_matmul"): (512, 4096, 2 * 14336 // 8),
+        ("mlp-down", "all_gather_weight_matmul"): (512, 14336, 4096 // 8),
     }
-    seventy = {layer: dims for layer, op, dims in tp_problems(LLAMA3_70B, 8) if op != "matmul_all_reduce"}
+    seventy = {layer: dims for layer, op, dims in tp_problems(LLAMA3_70B, 8)
+               if op not in ("matmul_all_reduce", "all_gather_weight_matmul")}
     assert seventy == {"qkv": (1024, 8192, 1280), "attn-out": (1024, 1024, 8192), "mlp-up": (1024, 8192, 7168),
                        "mlp-down": (1024, 3584, 8192)}
 
@@ -71,7 +77,9 @@ def test_preset_cases_expand_for_every_op_and_mode():
         (op, layer, dims, mode)
         for op, layers in (("all_gather_matmul", (("qkv", (512, 256, 192)), ("mlp-up", (512, 256, 896)))),
                            ("matmul_reduce_scatter", (("attn-out", (512, 128, 256)), ("mlp-down", (512, 448, 256)))),
-                           ("matmul_all_reduce", (("attn-out", (512, 128, 256)), ("mlp-down", (512, 448, 256)))))
+                           ("matmul_all_reduce", (("attn-out", (512, 128, 256)), ("mlp-down", (512, 448, 256)))),
+                           ("all_gather_weight_matmul", (("qkv", (512, 256, 192)), ("attn-out", (512, 256, 128)),
+                                                         ("mlp-up", (512, 256, 896)), ("mlp-down", (512, 896, 128)))))
         for layer, dims in layers
         for mode in ("fwd", "fwd+bwd")
     ]
@@ -96,21 +104,22 @@ def test_default_cases_are_the_llama_layer_and_a_tiny_shape():
     cases = default_cases(OPS, "cpu", world_size=2)
     for op in OPS:
         mine = [c for c in cases if c.op == op]
-        assert [c.mode for c in mine] == ["fwd", "fwd+bwd"] * 3, mine
-        assert [c.preset for c in mine[:4]] == ["llama3-8b"] * 4 and not mine[4].preset
-        assert [c.fits_interpreted_fused for c in mine] == [False] * 4 + [True] * 2
-    assert len(default_cases(world_size=2)) == 24  # and the 6 MoE cases
+        layers = 4 if op == "all_gather_weight_matmul" else 2  # FSDP: every projection; TP: two per op
+        assert [c.mode for c in mine] == ["fwd", "fwd+bwd"] * (layers + 1), mine
+        assert [c.preset for c in mine[:2 * layers]] == ["llama3-8b"] * 2 * layers and not mine[2 * layers].preset
+        assert [c.fits_interpreted_fused for c in mine] == [False] * 2 * layers + [True] * 2
+    assert len(default_cases(world_size=2)) == 34  # and the 6 MoE cases
     left_out: list[str] = []
     three = default_cases(OPS, "cpu", world_size=3, left_out=left_out)
-    assert all(not c.preset for c in three) and len(three) == 6, three  # only the tiny shape fits 3 ranks
+    assert all(not c.preset for c in three) and len(three) == 8, three  # only the tiny shape fits 3 ranks
     assert left_out == ["llama3-8b: heads (32), kv_heads (8), ffn (896), tokens (1024) do not divide by the "
                         "tensor-parallel size 3 (the ranks)"]
     gpu = default_cases("all_gather_matmul", "cuda", world_size=8)
     assert {c.preset for c in gpu} == {"llama3-8b-full", "llama3-70b-full", ""}
     quick, tiny = suite_cases("quick"), suite_cases("tiny")
     assert set(SUITES) == {"quick", "default", "tiny"} and suite_cases("default") == default_cases()
-    assert all(c.mode == "fwd" and not c.fits_interpreted_fused for c in quick) and len(quick) == 8
-    assert all(c.mode == "fwd" and c.fits_interpreted_fused for c in tiny) and len(tiny) == 4
+    assert all(c.mode == "fwd" and not c.fits_interpreted_fused for c in quick) and len(quick) == 12
+    assert all(c.mode == "fwd" and c.fits_interpreted_fused for c in tiny) and len(tiny) == 5
 
 
 def test_shape_argument_takes_presets(capsys):

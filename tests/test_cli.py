@@ -11,7 +11,7 @@ import textwrap
 
 from overlap import world
 
-OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_gather_weight_matmul")
 MODES = ("fwd", "fwd+bwd")
 MOE_GRADS = ("grad_x", "grad_w1", "grad_w2", "grad_topk_weights")
 STRATEGY_LABELS = ("torch", "reference", "pipelined", "symm", "fused (interpreted)", "auto")
@@ -68,8 +68,9 @@ def test_bench_every_op_and_mode_with_json(tmp_path):
     assert re.search(r"^auto slower than torch beyond the spreads \(p25..p75 apart\) in \d of 6 case\(s\)", proc.stdout,
                      re.M), proc.stdout
     assert "machine: CPU" in proc.stdout and "note: fwd+bwd:" in proc.stdout, proc.stdout
-    assert "[1/6] all_gather_matmul 16x24x8 float32 fwd:" in proc.stderr, proc.stderr
-    assert "[6/6] matmul_all_reduce 16x24x8 float32 fwd+bwd:" in proc.stderr, proc.stderr
+    assert "[1/8] all_gather_matmul 16x24x8 float32 fwd:" in proc.stderr, proc.stderr
+    assert "[6/8] matmul_all_reduce 16x24x8 float32 fwd+bwd:" in proc.stderr, proc.stderr
+    assert "[8/8] all_gather_weight_matmul 16x24x8 float32 fwd+bwd:" in proc.stderr, proc.stderr
 
     data = json.loads(path.read_text())
     assert data["machine"]["world_size"] == 2 and data["machine"]["backend"] == "gloo"

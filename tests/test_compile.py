@@ -27,6 +27,22 @@ def test_tp_ops_compile_bitwise(pools, seed, world_size):
                 assert r["breaks"] == 0, f"rank {rank} {op}: {r['breaks']} graph breaks"
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_weight_gather_compiles_bitwise(pools, seed, world_size):
+    """all_gather_weight_matmul: no graph break, compiled (aot_eager) results and gradients bitwise eager's."""
+    for rank, cases in enumerate(pools(world_size).run(compile_tasks.weight_gather, seed, STRATEGIES, timeout=300)):
+        assert [s for s, _ in cases] == list(STRATEGIES)
+        for strategy, r in cases:
+            assert r["bitwise"], f"rank {rank} {strategy}: compiled differs from eager by {r['max_diff']}"
+            assert r["breaks"] == 0, f"rank {rank} {strategy}: {r['breaks']} graph breaks"
+
+
+def test_weight_gather_fused_interpreted_compiles(pools, seed):
+    for rank, cases in enumerate(pools(2).run(compile_tasks.weight_gather, seed, ("fused",), timeout=600)):
+        for strategy, r in cases:
+            assert r["bitwise"] and r["breaks"] == 0, f"rank {rank} {strategy}: {r}"
+
+
 def test_tp_fused_interpreted_compiles(pools, seed):
     results = pools(2).run(compile_tasks.tp_ops, seed, ("fused",), "fused", timeout=600)
     for rank, cases in enumerate(results):
@@ -85,7 +101,8 @@ def test_expert_parallel_mlp_compiles(pools, seed, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("task", [compile_tasks.nn_layers, compile_tasks.torch_tp_styles], ids=["nn", "torch_tp"])
+@pytest.mark.parametrize("task", [compile_tasks.nn_layers, compile_tasks.torch_tp_styles, compile_tasks.sharded_layers],
+                         ids=["nn", "torch_tp", "sharded"])
 def test_layers_compile(pools, seed, world_size, task):
     strategy = "symm" if world_size == 2 else "pipelined"
     for rank, modes in enumerate(pools(world_size).run(task, seed, strategy, timeout=300)):

@@ -49,7 +49,8 @@ def test_cpu_smoke_runs_every_op_on_two_ranks_and_on_one(tmp_path):
     results = json.loads(path.read_text())["results"]
     status = {r["name"]: r["status"] for r in results}
     ops = _expected_cases()
-    assert {"all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce[one_shot]", "moe"} <= set(ops)
+    assert {"all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce[one_shot]", "all_gather_weight_matmul",
+            "moe"} <= set(ops)
     for label in ("i.ops W=2", "i.ops W=1"):
         assert status.pop(f"{label} setup") == "PASS", out[-3000:]
         for op in ops:

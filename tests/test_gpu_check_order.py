@@ -346,6 +346,8 @@ def run_sections(mp: pytest.MonkeyPatch) -> dict[str, tuple]:
         rec().add(Op(kind, rec().stream_now(), keys, epoch))
 
     mp.setattr(gpu_check_tp_ag, "launch_gather", lambda g, r, c, epoch, t, tile: spin(keys_of(g.flags), epoch, t))
+    mp.setattr(gpu_check_tp_ag, "launch_weight_gather",
+               lambda g, r, c, a, epoch, t, tile: spin(keys_of(g.flags), epoch, t))
     mp.setattr(gpu_check_tp_rs, "launch_reduce",
                lambda g, r, epoch, t, watchdog=True: spin(keys_of(g.flags), epoch, t))
     mp.setattr(gpu_check_tp_rs, "launch_scatter", lambda g, r, epoch: rec().add(

@@ -79,6 +79,14 @@ def test_all_gather_matmul_compiles_once_for_every_call_and_rank():
     _one_key("all_gather_matmul_kernel", calls)
 
 
+def test_all_gather_weight_matmul_compiles_once_for_every_call_and_rank():
+    calls = [lambda w=w, r=r, e=e, s=s, t=t, m=m: kernels.launch_all_gather_weight_matmul(
+        torch.empty(m, 512, dtype=torch.bfloat16), torch.zeros(w, dtype=i64), torch.zeros(w, dtype=i64), n=256,
+        epoch=_epoch(e, s), rank=r, err=torch.zeros(1, dtype=i32), timeout_ns=t, block=(128, 128, 64))
+        for (w, r, e, s, t), m in zip(_per_call(), itertools.cycle((1, 16, 100, 1024)))]
+    _one_key("all_gather_weight_matmul_kernel", calls)
+
+
 def test_matmul_scatter_compiles_once_for_every_call_rank_and_layout():
     """Reduce-scatter (one block per rank) and one-shot all-reduce (one block), any chunk count and flag
     stride, uneven last blocks."""

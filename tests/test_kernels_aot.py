@@ -17,11 +17,12 @@ import torch
 
 pytest.importorskip("triton")
 
-WAITING = ("all_gather_matmul_kernel", "reduce_chunks_kernel", "grouped_matmul_wait_kernel")
-GEMMS = ("all_gather_matmul_kernel", "matmul_scatter_kernel", "grouped_matmul_wait_kernel",
-         "grouped_matmul_scatter_kernel")
-ALL = ("all_gather_matmul_kernel", "matmul_scatter_kernel", "reduce_chunks_kernel", "grouped_matmul_wait_kernel",
-       "grouped_matmul_scatter_kernel")
+WAITING = ("all_gather_matmul_kernel", "all_gather_weight_matmul_kernel", "reduce_chunks_kernel",
+           "grouped_matmul_wait_kernel")
+GEMMS = ("all_gather_matmul_kernel", "all_gather_weight_matmul_kernel", "matmul_scatter_kernel",
+         "grouped_matmul_wait_kernel", "grouped_matmul_scatter_kernel")
+ALL = ("all_gather_matmul_kernel", "all_gather_weight_matmul_kernel", "matmul_scatter_kernel", "reduce_chunks_kernel",
+       "grouped_matmul_wait_kernel", "grouped_matmul_scatter_kernel")
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,18 @@ def test_ag_matmul_compiles_for_sm90_with_wgmma(report):
     assert {r["dtype"] for r in rows} == {"bf16", "fp16", "fp32"} and {r["num_warps"] for r in rows} == {4, 8}
     for r in rows:
         assert r["wgmma"], f"no wgmma in the PTX of {r}"
+        assert r["globaltimer"], f"the bounded wait does not read %globaltimer: {r}"
+        assert r["flag_acquire_sys"], f"the flag load is not a system-scope acquire: {r}"
+        assert r["cubin_bytes"] > 0, r
+
+
+def test_ag_weight_matmul_compiles_for_sm90_with_wgmma(report):
+    """The weight-side gather's kernel: its shards loaded from the owners' buffers feed wgmma."""
+    rows = _of(report, "all_gather_weight_matmul_kernel")
+    assert {r["dtype"] for r in rows} == {"bf16", "fp32"}
+    wgmma_type = {"bf16": "bf16", "fp32": "tf32"}
+    for r in rows:
+        assert r["wgmma"] and r["wgmma_types"] == [wgmma_type[r["dtype"]]], f"GEMM not on wgmma {r['dtype']}: {r}"
         assert r["globaltimer"], f"the bounded wait does not read %globaltimer: {r}"
         assert r["flag_acquire_sys"], f"the flag load is not a system-scope acquire: {r}"
         assert r["cubin_bytes"] > 0, r

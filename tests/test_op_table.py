@@ -44,10 +44,13 @@ def test_every_entry_agrees_with_itself(op, world_size, backward):
         assert spec.rows_per_rank(a.shape[0], world_size) == p.m
         assert (inputs.grad_out is not None) == backward
         if backward:
-            assert inputs.grad_out.shape == (spec.out_rows(p.m, world_size), p.n if spec.family == "tp" else p.k)
+            cols = spec.out_cols(p.n, world_size) if spec.family == "tp" else p.k
+            assert inputs.grad_out.shape == (spec.out_rows(p.m, world_size), cols)
     expected = spec.oracle(p, every, world_size - 1)
     out = expected[0]
     assert out.what == "out" and out.value.shape[0] == spec.out_rows(p.m, world_size), (op, out.value.shape)
+    if spec.family == "tp":
+        assert out.value.shape[1] == spec.out_cols(p.n, world_size), (op, out.value.shape)
     assert [e.what for e in expected[1:]] == ([f"grad_{n}" for n in ("a", "b")] if spec.family == "tp" else
                                               ["grad_x", "grad_w1", "grad_w2", "grad_topk_weights"])[:len(expected) - 1]
     assert len(expected) == (1 + len(every[0].leaves) if backward else 1)
@@ -149,7 +152,32 @@ def test_a_float64_oracle_stays_float64(op):
     if op_spec(op).family == "tp":  # out against the plain float64 sum of every rank's partial
         if op == "all_gather_matmul":
             want = torch.cat([e.leaves[0] for e in every]) @ every[1].leaves[1]
+        elif op == "all_gather_weight_matmul":
+            want = every[1].leaves[0] @ torch.cat([e.leaves[1] for e in every], dim=1)
         else:
             rows = slice(p.m, 2 * p.m) if op == "matmul_reduce_scatter" else slice(None)
             want = sum(e.leaves[0][rows] @ e.leaves[1] for e in every)
         torch.testing.assert_close(expected[0].value, want, rtol=1e-13, atol=1e-13)
+
+
+
+def test_an_op_without_a_strategy_never_gets_it(monkeypatch):
+    """An entry's `OpSpec.strategies`: the cost model predicts inf for the others, candidates leave them out,
+    ``auto``'s heuristic turns them into symm (here where it would pick fused) and forcing one raises."""
+    from overlap.plans import auto
+    from overlap.world import GroupInfo
+
+    op = "twin_without_fused"
+    twin = dataclasses.replace(OPS["all_gather_weight_matmul"], name=op, strategies=("reference", "pipelined", "symm"))
+    monkeypatch.setitem(OPS, op, twin)
+    p = Problem(op, 256, 64, 32, "bfloat16")
+    topology = costmodel.Topology("cuda", 4, 1, (4,), (("nvlink", 3),))
+    assert all(plan.strategy != "fused" for plan in costmodel.candidates(p, topology))
+    assert costmodel.predict(p, Plan("fused"), topology, costmodel.default_profile("cuda")).total_s == float("inf")
+    info = GroupInfo(0, 4, (0, 1, 2, 3), ("n",) * 4, (1, 2, 3, 4), "nccl", torch.device("cuda", 0), (True,) * 4)
+    monkeypatch.setattr(auto, "gpu_symmetric_memory", lambda: True)
+    monkeypatch.delenv("OVERLAP_PLAN", raising=False)
+    assert auto.resolve_auto("all_gather_matmul", "sig", info, 256, "bfloat16").strategy == "fused"
+    assert auto.resolve_auto(op, "sig", info, 256, "bfloat16").strategy == "symm"
+    with pytest.raises(ValueError, match="not implemented for this op"):
+        auto.check_plan_fits(op, Plan("fused"), info)

@@ -51,7 +51,7 @@ TOPOLOGIES = [
     Topology("cuda", 16, 2, 8, (("nvlink", 7), ("network", 8))),
     Topology("cuda", 12, 3, 4, (("nvlink", 1), ("pcie", 2), ("network", 8))),
 ]
-OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "moe")
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_gather_weight_matmul", "moe")
 
 
 def rel_le(a: float, b: float) -> bool:

@@ -38,7 +38,7 @@ def test_soak_nothing_grows_and_release_cleans_up(pools):
     pool = pools(2)
     records = pool.run(soak_task, 50, timeout=150)
     cases = [(c["op"], c["strategy"]) for c in records[0]["cases"]]
-    assert len(cases) == 3 * 3 + 2, cases
+    assert len(cases) == 4 * 3 + 2, cases  # four TP ops x three strategies, and the two one-shot variants
     found = soak.problems(records)
     assert not found, "soak found growth or leftovers:\n" + "\n".join(found) + "\n" + soak.table(records)
     for rec in records:

@@ -16,7 +16,15 @@ from support import gpu_order
 from support.gpu_order import check_order, gpu_call, gpu_heap, on_gpu
 
 from overlap import symm
-from overlap.ops import _gather, matmul_all_reduce, matmul_reduce_scatter, moe_combine, moe_cuda, moe_dispatch
+from overlap.ops import (
+    _gather,
+    _shard_ring,
+    matmul_all_reduce,
+    matmul_reduce_scatter,
+    moe_combine,
+    moe_cuda,
+    moe_dispatch,
+)
 from overlap.ops import moe_layout as layout
 from overlap.ops.context import CallContext
 
@@ -54,6 +62,25 @@ def test_all_gather(monkeypatch, W, r):
         g.post()
     check_order(rec.ops)
     _nontrivial(rec.ops, W)
+    assert ("write", "done") in {op[:2] for op in rec.ops}
+
+
+@pytest.mark.parametrize("W,r", RANKS, ids=IDS)
+def test_weight_shard_ring(monkeypatch, W, r):
+    """all_gather_weight_matmul's symm: the shard published first; each peer's pulls issued as the ring goes
+    round (after the GEMMs of the buffer they refill), the done flags after the last."""
+    heap = gpu_heap(W, r, 1 << 16)
+    call = gpu_call(heap)
+    rec = _record(monkeypatch, heap, call)
+    with gpu_order.fake_cuda(monkeypatch):
+        ring = _shard_ring.start(call, on_gpu(torch.randn(5, 4)), _context(W, r))
+        blocks = [(lo, hi) for lo, hi, _ in ring.chunks()]
+        ring.close()
+    check_order(rec.ops)
+    _nontrivial(rec.ops, W)
+    edges = sorted(blocks)  # every row of the whole weight once, this rank's own block first
+    assert blocks[0] == (5 * r, 5 * r + 5) and edges[0][0] == 0 and edges[-1][1] == 5 * W
+    assert all(a[1] == b[0] for a, b in zip(edges, edges[1:])), blocks
     assert ("write", "done") in {op[:2] for op in rec.ops}
 
 

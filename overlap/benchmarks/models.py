@@ -53,17 +53,21 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..plans import op_spec
+
 #: the CPU presets' widths (hidden, FFN, head dim) are the real ones divided by this
 CPU_WIDTH_SCALE = 16
 #: ... and their tokens per micro-batch divided by this
 CPU_TOKEN_SCALE = 4
 
-#: (layer, ops it is a problem of), in the order a layer runs them
+#: (layer, ops it is a problem of), in the order a layer runs them: tensor parallelism (Megatron's column and
+#: row layers) and, for every projection, its weight sharded by rows over the ranks (FSDP), gathered by
+#: ``all_gather_weight_matmul``
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("qkv", ("all_gather_matmul",)),
-    ("attn-out", ("matmul_reduce_scatter", "matmul_all_reduce")),
-    ("mlp-up", ("all_gather_matmul",)),
-    ("mlp-down", ("matmul_reduce_scatter", "matmul_all_reduce")),
+    ("qkv", ("all_gather_matmul", "all_gather_weight_matmul")),
+    ("attn-out", ("matmul_reduce_scatter", "matmul_all_reduce", "all_gather_weight_matmul")),
+    ("mlp-up", ("all_gather_matmul", "all_gather_weight_matmul")),
+    ("mlp-down", ("matmul_reduce_scatter", "matmul_all_reduce", "all_gather_weight_matmul")),
 )
 
 
@@ -130,21 +134,28 @@ def tp_problem(model: DenseModel, world_size: int) -> str | None:
 
 
 def tp_problems(model: DenseModel, world_size: int) -> list[tuple[str, str, tuple[int, int, int]]]:
-    """``[(layer, op, (m, k, n)), ...]`` of `model` at TP = `world_size`, in `LAYERS` order, per op
-    in the order the layer lists them (see the module docstring). Raises ValueError where
-    `tp_problem` gives a reason."""
+    """``[(layer, op, (m, k, n)), ...]`` of `model` at TP = `world_size` (``all_gather_weight_matmul``: its
+    weights sharded over `world_size` ranks), in `LAYERS` order, per op in the order the layer lists them
+    (see the module docstring). Raises ValueError where `tp_problem` gives a reason."""
     why = tp_problem(model, world_size)
     if why:
         raise ValueError(why)
     W, H, hd = world_size, model.hidden, model.head_dim
-    m = model.tokens // W
-    dims = {
-        "qkv": (m, H, (model.heads + 2 * model.kv_heads) * hd // W),
-        "attn-out": (m, H // W, H),
-        "mlp-up": (m, H, (2 if model.gated else 1) * model.ffn // W),
-        "mlp-down": (m, model.ffn // W, H),
+    m = model.tokens // W  # tensor parallelism: a slice of the sequence; FSDP: each rank's own batch
+    whole = {  # (in, out) features of each projection's whole weight
+        "qkv": (H, (model.heads + 2 * model.kv_heads) * hd),
+        "attn-out": (H, H),
+        "mlp-up": (H, (2 if model.gated else 1) * model.ffn),
+        "mlp-down": (model.ffn, H),
     }
-    return [(layer, op, dims[layer]) for layer, ops in LAYERS for op in ops]
+
+    def dims(layer: str, op: str) -> tuple[int, int, int]:
+        k, n = whole[layer]
+        # the op table says which dim a rank holds a slice of: the row-parallel ops take every rank's rows
+        # of the input (their reduction is split), the others a slice of the weight's output features
+        return (m, k // W, n) if op_spec(op).in_rows(1, W) > 1 else (m, k, n // W)
+
+    return [(layer, op, dims(layer, op)) for layer, ops in LAYERS for op in ops]
 
 
 def parse_tp_preset(text: str) -> str | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 #: the tensor-parallel ops (the op table's family ``tp``), then the MoE layer (family ``moe``)
-TP_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+TP_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_gather_weight_matmul")
 MOE_OPS = ("moe",)
 BENCH_OPS = TP_OPS + MOE_OPS
 

@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
         "the best-predicted few on every rank (interleaved, the slowest rank's medians), let rank 0 pick the "
         "fastest (never one slower than reference) and write a plan file. Use it with OVERLAP_PLAN=FILE or "
         "plan='FILE'. Shapes: OP:MxKxN[:DTYPE][:fwd|fwd+bwd] (OP all_gather_matmul, matmul_reduce_scatter, "
-        "matmul_all_reduce; the per-rank GEMM is [W*m, k] @ [k, n] as in overlap bench) or "
+        "matmul_all_reduce, all_gather_weight_matmul; the per-rank GEMM is [W*m, k] @ [k, n] as in overlap "
+        "bench, all_gather_weight_matmul's [m, k] @ [k, W*n]) or "
         "moe:TxHxF:EXPERTS:TOPK[:DTYPE][:fwd|fwd+bwd]. A model: hidden=H,ffn=F,tokens=S[,heads=A,kv_heads=B]"
         "[,experts=E,topk=K][,gated=1][,dtype=D], one transformer layer with TP = the number of ranks and "
         "sequence parallelism.",
@@ -215,13 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="cases, for every mode selected (default: the built-in cases of the ops for the ranks' device). "
         "MxKxN, for every tensor-parallel op selected: the GEMM of each rank is [W*M, K] @ [K, N] (W ranks); "
         "all_gather_matmul's a is [M, K] per rank, matmul_reduce_scatter's and matmul_all_reduce's a is "
-        "[W*M, K] (K: this rank's slice) and their outputs [M, N] and [W*M, N]. "
+        "[W*M, K] (K: this rank's slice) and their outputs [M, N] and [W*M, N]; all_gather_weight_matmul's a is "
+        "[M, K] per rank, its weight shard [K, N] and its output [M, W*N] (the GEMM [M, K] @ [K, W*N]). "
         "T,H,F,E,K or a preset name, for moe: T tokens per rank, hidden H, expert FFN width F, E experts "
         "(E must divide by the number of ranks), top-K; presets: "
         + "; ".join(f"{name} = {shape.spec} ({about})" for name, (shape, about) in MOE_PRESETS.items())
         + ". A model preset, for the tensor-parallel ops: one layer's projections at tensor-parallel size W with "
         "sequence parallelism (qkv and mlp-up for all_gather_matmul, attn-out and mlp-down for "
-        "matmul_reduce_scatter and matmul_all_reduce); presets: "
+        "matmul_reduce_scatter and matmul_all_reduce), and all four with their weights sharded over the W ranks "
+        "(FSDP) for all_gather_weight_matmul; presets: "
         + "; ".join(f"{name} ({about})" for name, (_, about) in TP_PRESETS.items()),
     )
     bench.add_argument(

@@ -4,9 +4,12 @@
   plain torch (``nn.Linear``'s arguments plus ``group``, ``sequence_parallel``, ...), returning a tensor.
   The Megatron-core-compatible layers of the same names are `overlap.hooks.megatron`'s.
 * `ExpertParallelMLP` (`overlap.nn.moe`): a top-k routed MoE MLP with its experts over an expert-parallel group.
+* `ShardedLinear` (`overlap.nn.sharded`): an ``nn.Linear`` whose weight and bias are sharded by rows over a
+  data-parallel group (FSDP / ZeRO-3), gathered behind the GEMM by `overlap.all_gather_weight_matmul`.
 """
 
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .moe import ExpertParallelMLP
+from .sharded import ShardedLinear
 
-__all__ = ["ColumnParallelLinear", "ExpertParallelMLP", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "ExpertParallelMLP", "RowParallelLinear", "ShardedLinear"]

@@ -107,6 +107,8 @@ def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int | 
         plan = Plan("fused")
     else:
         plan = Plan("symm")
+    if op in OPS and plan.strategy not in OPS[op].strategies:  # an op without fused (OpSpec.strategies)
+        plan = Plan("symm")
     if _takes_one_shot(op) and plan.strategy != "reference":
         one_shot = out_bytes <= ONE_SHOT_MAX_BYTES or rows_per_rank < 2 * info.world_size
         plan = dataclasses.replace(plan, one_shot=one_shot)
@@ -166,6 +168,9 @@ def check_plan_fits(op: str, plan: Plan, info: GroupInfo) -> None:
     if plan.one_shot and not _takes_one_shot(op):
         takers = ", ".join(name for name in OPS if _takes_one_shot(name))
         raise ValueError(f"overlap.{op}: plan.one_shot applies only to {takers}, got {plan.describe()}")
+    if op in OPS and plan.strategy not in OPS[op].strategies:
+        raise ValueError(f"overlap.{op}: strategy {plan.strategy!r} is not implemented for this op; it has "
+                         f"{OPS[op].strategies} and 'auto'")
     if plan.strategy in ("symm", "fused") and not info.single_node:
         raise ValueError(
             f"overlap.{op}: strategy {plan.strategy!r} needs the ranks of one node, but this group spans "

@@ -357,7 +357,8 @@ def predict(problem: Problem, plan: Plan, topology: Topology, profile: Profile) 
       uneven MoE routing, contention beyond sharing this rank's link time, the little overlap inside
       reference's backward (a plain collective in flight during a GEMM): reference is modelled serial.
 
-    `symm`/`fused` across nodes and `fused` on CPU ranks (interpreted) predict ``inf``. Raises ValueError
+    `symm`/`fused` across nodes, `fused` on CPU ranks (interpreted) and a strategy the op does not implement
+    (`OpSpec.strategies`) predict ``inf``. Raises ValueError
     where `profile` lacks a link class of `topology` or the dtype's GEMM fit (and float32's), where
     ``one_shot`` is set for an op without that variant (`OpSpec.variants`), or the experts do not divide by
     the ranks. Each op's schedule is its table entry's `OpSpec.cost` (`optable`).
@@ -368,6 +369,8 @@ def predict(problem: Problem, plan: Plan, topology: Topology, profile: Profile) 
         raise ValueError(f"predict: plan.one_shot applies only to {', '.join(takers)}, got {problem.op}")
     if spec.family == "moe" and problem.experts % W:
         raise ValueError(f"predict: {problem.experts} experts do not divide over {W} ranks")
+    if plan.strategy not in spec.strategies:
+        return Prediction(math.inf, math.inf, math.inf, f"{plan.describe()}: not implemented for {problem.op}")
     if plan.strategy in ("symm", "fused") and topology.num_nodes > 1:
         return Prediction(math.inf, math.inf, math.inf, f"{plan.describe()}: needs the ranks of one node")
     if plan.strategy == "fused" and topology.device == "cpu":
@@ -391,7 +394,7 @@ def candidates(problem: Problem, topology: Topology, device_type: str | None = N
         return [Plan("reference")]
     strategies = ["pipelined"] + (["symm"] + (["fused"] if device != "cpu" else []) if topology.num_nodes == 1 else [])
     plans = [Plan("reference")]
-    for strategy in strategies:
+    for strategy in (s for s in strategies if s in spec.strategies):
         links = spec.chunked(strategy, problem.backward, topology)
         if len(links) > 2:
             counts = [(o,) * (len(links) - 1) + (s,) for o in CHUNK_CHOICES for s in CHUNK_CHOICES]

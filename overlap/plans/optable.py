@@ -22,6 +22,7 @@ import torch
 
 from . import moe_op, plain_torch, tp_ops
 from .opdata import DTYPES, Expected, OpInputs, Plain, SeededDraw
+from .plan import STRATEGIES
 
 FAMILIES = ("tp", "moe")
 #: bytes per element of every dtype a problem may have
@@ -46,6 +47,10 @@ class OpSpec:
         benchmarks' baseline.
     variants: `Plan` flags beyond the strategy that apply (``one_shot``).
     label: a short name for plots.
+    out_cols: ``(n, W) -> columns`` of a rank's output (``n``, but ``W * n`` where the gathered operand is
+        the weight's columns).
+    strategies: the strategies the op implements (`Plan.STRATEGIES` unless it says otherwise); ``auto``
+        never picks another, forcing one raises ValueError, the tuner and the benchmark skip the rest.
     """
 
     name: str
@@ -63,9 +68,11 @@ class OpSpec:
     call: Callable[..., torch.Tensor]
     plain_torch: Callable[..., Callable[..., torch.Tensor]]
     variants: tuple[str, ...] = ()
+    out_cols: Callable[[int, int], int] = lambda n, W: n
+    strategies: tuple[str, ...] = STRATEGIES
 
     def __post_init__(self) -> None:
-        assert self.family in FAMILIES, self
+        assert self.family in FAMILIES and set(self.strategies) <= set(STRATEGIES), self
 
     def rows_per_rank(self, rows: int, world_size: int) -> int | None:
         """The ``m`` of a call whose input has `rows` rows, None where no ``m`` gives that many."""
@@ -82,15 +89,16 @@ class OpSpec:
         return {link: int(count * per_peer) for link, count in topology.links}
 
 
-def _tp(name: str, label: str, in_rows, out_rows, reduction, per_peer_elements, variants=(), replicated=False):
+def _tp(name: str, label: str, in_rows, out_rows, reduction, per_peer_elements, variants=(), replicated=False,
+        out_cols=lambda n, W: n, strategies=STRATEGIES):
     fns = {kind: getattr(tp_ops, f"{kind}_{name}") for kind in ("chunked", "cost", "oracle", "plain")}
     return OpSpec(
         name, "tp", label, in_rows, out_rows,
         flops=lambda p, W: (3 if p.backward else 1) * 2 * W * p.m * p.k * p.n,
         bytes_per_peer=lambda p, W: per_peer_elements(p) * ITEMSIZE[p.dtype],
-        inputs=tp_ops.tp_inputs(in_rows, out_rows, reduction, replicated),
+        inputs=tp_ops.tp_inputs(in_rows, out_rows, reduction, replicated, out_cols),
         call=tp_ops.tp_call(f"{name}.{name}"), plain_torch=getattr(plain_torch, f"torch_{name}"), variants=variants,
-        **fns)
+        out_cols=out_cols, strategies=strategies, **fns)
 
 
 def _moe_bytes_per_peer(p, W: int) -> float:
@@ -107,6 +115,10 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
     _tp("matmul_all_reduce", "MM+AR", in_rows=lambda m, W: W * m, out_rows=lambda m, W: W * m,
         reduction=lambda k, W: W * k, per_peer_elements=lambda p: 2 * p.m * p.n, variants=("one_shot",),
         replicated=True),
+    # The weight-side gather (FSDP): a [m, k] per rank, b_shard [k, n] (this rank's columns), out [m, W*n].
+    _tp("all_gather_weight_matmul", "AG(W)+MM", in_rows=lambda m, W: m, out_rows=lambda m, W: m,
+        reduction=lambda k, W: k, per_peer_elements=lambda p: p.k * p.n * (3 if p.backward else 1),
+        out_cols=lambda n, W: W * n),
     OpSpec("moe", "moe", "moe", in_rows=lambda m, W: m, out_rows=lambda m, W: m,
            flops=lambda p, W: (3 if p.backward else 1) * 4 * p.m * p.top_k * p.k * p.n,
            bytes_per_peer=_moe_bytes_per_peer, chunked=moe_op.chunked, cost=moe_op.cost, inputs=moe_op.inputs,

@@ -14,6 +14,9 @@ them (TP ``(a, b)``, moe ``(x, w1, w2, topk_weights)``):
   ``all_gather_into_tensor(g)``, ``grad_a = full_g @ b.T``, ``grad_b = a.T @ full_g``.
 * ``matmul_all_reduce``: ``a @ b``, then ``all_reduce``; backward ``g @ b.T`` and ``a.T @ g`` (the output is
   replicated: no communication).
+* ``all_gather_weight_matmul``: ``all_gather_into_tensor`` of the weight shards (``b_shard.T`` rows), then
+  ``a @ full``; backward gathers the weight again, ``grad_a = g @ full.T``, ``grad_b_shard`` this rank's block
+  of ``reduce_scatter_tensor(a.T @ g)`` (over the blocks of columns, as rows of the transpose).
 * ``moe``: the counts per expert by ``all_to_all_single``, the rows (sorted by expert) by
   ``all_to_all_single``, one ``torch.matmul`` per local expert and gelu between, the results back by
   ``all_to_all_single`` (the combine direction), the weighted sum over each token's experts in fp32. Its
@@ -90,6 +93,21 @@ class _MatmulAllReduce(torch.autograd.Function):
         return torch.matmul(g, b.t()), torch.matmul(a.t(), g), None
 
 
+class _AllGatherWeightMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, group):
+        ctx.save_for_backward(a, b)
+        ctx.group = group
+        return torch.matmul(a, _gather_rows(b.t(), group).t())
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        full_t = _gather_rows(b.t(), ctx.group)  # [W*n, k]: only the shard was saved, gathered again
+        grad_b = _scatter_rows(torch.matmul(g.t(), a), ctx.group).t()  # rows of (a.T @ g).T, this rank's block
+        return torch.matmul(g, full_t), grad_b, None
+
+
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` of rows with split sizes; its backward sends the gradients the reverse way."""
 
@@ -145,6 +163,10 @@ def torch_matmul_reduce_scatter(group, routing=None, num_experts: int = 0) -> Ca
 
 def torch_matmul_all_reduce(group, routing=None, num_experts: int = 0) -> Callable[..., torch.Tensor]:
     return lambda a, b: _MatmulAllReduce.apply(a, b, group)
+
+
+def torch_all_gather_weight_matmul(group, routing=None, num_experts: int = 0) -> Callable[..., torch.Tensor]:
+    return lambda a, b: _AllGatherWeightMatmul.apply(a, b, group)
 
 
 def torch_moe(group, routing=None, num_experts: int = 0) -> Callable[..., torch.Tensor]:

@@ -6,7 +6,9 @@ Shapes are a `Problem`'s ``m x k x n``: every rank's GEMM is ``[W*m, k] @ [k, n]
 * ``all_gather_matmul``: ``a`` ``[m, k]`` per rank (sharded on rows), ``b`` ``[k, n]``, out ``[W*m, n]``;
 * ``matmul_reduce_scatter``: ``a`` ``[W*m, k]``, ``b`` ``[k, n]`` (the rank's slice of the reduction), out
   ``[m, n]``: this rank's rows of the sum over ranks;
-* ``matmul_all_reduce``: as matmul_reduce_scatter, out ``[W*m, n]``: the whole sum, replicated.
+* ``matmul_all_reduce``: as matmul_reduce_scatter, out ``[W*m, n]``: the whole sum, replicated;
+* ``all_gather_weight_matmul`` (the weight-side gather of FSDP): ``a`` ``[m, k]`` per rank (its own data),
+  ``b`` ``[k, n]`` this rank's block of the weight's columns, out ``[m, W*n]`` = ``a @ cat_q(b_q, dim=1)``.
 
 Inputs (`inputs`): ``a`` standard normal; ``b`` standard normal scaled by ``1/sqrt(reduction length)`` like
 an initialized weight (``k`` for all_gather_matmul, ``W*k`` for the row-parallel ops), so outputs are of
@@ -51,6 +53,15 @@ def chunked_matmul_reduce_scatter(strategy: str, backward: bool, topology) -> tu
     return (topology.slowest_link,)  # flagged chunks of one reduction
 
 
+def chunked_all_gather_weight_matmul(strategy: str, backward: bool, topology) -> tuple[str, ...]:
+    if strategy == "reference" or (strategy == "fused" and not backward):  # fused: one flag per shard
+        return ()
+    links = _pairwise(topology)  # each peer's shard pulled or exchanged in chunks for the link to it
+    if backward and strategy != "pipelined":  # grad_b's flagged reduce-scatter: the slowest link's count
+        links = tuple(dict.fromkeys((*links, topology.slowest_link)))
+    return links
+
+
 def chunked_matmul_all_reduce(strategy: str, backward: bool, topology) -> tuple[str, ...]:
     return () if strategy == "reference" else (topology.slowest_link,)
 
@@ -74,6 +85,15 @@ def cost_matmul_reduce_scatter(x, p) -> None:
         x.serial(gemm=x.weight_gradient(p.m, p.k, p.n))
 
 
+def cost_all_gather_weight_matmul(x, p) -> None:
+    # The gathered operand is the weight ([n, k] per peer), the GEMM per peer shard [m, k] @ [k, n]:
+    # all_gather_matmul's pipeline with the roles of m and n swapped.
+    x.ag_mm(p.n, p.k, p.m)
+    if p.backward:  # re-gather the weight (posted first) beside grad_b = reduce_scatter(g.T @ a), then grad_a
+        x.mm_rs(p.n, p.m, p.k, lead=x.gather_again(p.n, p.k))
+        x.serial(gemm=x.weight_gradient(p.m, p.k, p.n))
+
+
 def cost_matmul_all_reduce(x, p) -> None:
     x.mm_ar(p.m, p.k, p.n)
     if p.backward:  # the gradient passes through: two local GEMMs
@@ -86,14 +106,17 @@ def cost_matmul_all_reduce(x, p) -> None:
 
 
 def tp_inputs(in_rows: Callable[[int, int], int], out_rows: Callable[[int, int], int],
-              reduction: Callable[[int, int], int], replicated: bool) -> Callable[..., OpInputs]:
+              reduction: Callable[[int, int], int], replicated: bool,
+              out_cols: Callable[[int, int], int] = lambda n, W: n) -> Callable[..., OpInputs]:
     """The input builder of a TP op from its row counts (``(m, W) -> rows``), its reduction length
-    (``(k, W) -> length``) and whether its output (hence its gradient) is the same on every rank."""
+    (``(k, W) -> length``), whether its output (hence its gradient) is the same on every rank, and its
+    output's columns (``(n, W) -> columns``)."""
 
     def inputs(p, world_size: int, draw: SeededDraw) -> OpInputs:
         a = draw.normal("a", in_rows(p.m, world_size), p.k)
         b = draw.normal("b", p.k, p.n, scale=reduction(p.k, world_size) ** -0.5)
-        g = draw.normal("grad_out", out_rows(p.m, world_size), p.n, shared=replicated) if p.backward else None
+        cols = out_cols(p.n, world_size)
+        g = draw.normal("grad_out", out_rows(p.m, world_size), cols, shared=replicated) if p.backward else None
         return OpInputs((a, b), g)
 
     return inputs
@@ -150,6 +173,20 @@ def oracle_matmul_all_reduce(p, every: list[OpInputs], rank: int) -> list[Expect
         grad_out = every[rank].grad_out  # replicated output and loss: one gradient for every rank
         expected.append(Expected("grad_a", grad_out @ b_KN.t(), p.n))
         expected.append(Expected("grad_b", a_MK.t() @ grad_out, W * p.m))
+    return expected
+
+
+def oracle_all_gather_weight_matmul(p, every: list[OpInputs], rank: int) -> list[Expected]:
+    W, n = len(every), p.n
+    a_MK = every[rank].leaves[0]
+    full_KN = torch.cat([e.leaves[1] for e in every], dim=1)  # every rank's shard: the whole weight
+    expected = [Expected("out", a_MK @ full_KN, p.k)]
+    if p.backward:
+        grad_out = every[rank].grad_out
+        expected.append(Expected("grad_a", grad_out @ full_KN.t(), W * n))
+        # grad_b = this rank's columns of sum_q a_q.T @ g_q (a reduce-scatter with sum).
+        parts = (e.leaves[0].t() @ e.grad_out[:, rank * n : (rank + 1) * n] for e in every)
+        expected.append(Expected("grad_b", fp32_sum(parts).to(a_MK.dtype), W * p.m))
     return expected
 
 
@@ -223,3 +260,20 @@ def plain_matmul_all_reduce(p, every: list[OpInputs], rank: int, group, info, ti
 
     return _plain(p, comm_fn, "(all_reduce alone)", a_MK, b_KN, every[rank].grad_out, comm_bytes,
                   same_in_backward=True)
+
+
+def plain_all_gather_weight_matmul(p, every: list[OpInputs], rank: int, group, info, timeout: float,
+                                   comm_bytes: int) -> Plain:
+    a_MK, b_KN = every[rank].leaves
+    full_KN = torch.cat([e.leaves[1] for e in every], dim=1)
+    shard_NK = b_KN.t().contiguous()
+    gathered = torch.zeros((len(every) * p.n, p.k), dtype=a_MK.dtype, device=a_MK.device)  # zeros: see above
+    partial, grad_shard = torch.zeros_like(gathered), torch.zeros_like(shard_NK)
+
+    def comm_fn() -> None:
+        _wait(comm.all_gather_async(gathered, shard_NK, group), "all_gather", info, timeout)
+        if p.backward:  # backward gathers the weight again, then reduce-scatters its gradient
+            _wait(comm.all_gather_async(gathered, shard_NK, group), "all_gather", info, timeout)
+            _wait(comm.reduce_scatter_async(grad_shard, partial, group), "reduce_scatter", info, timeout)
+
+    return _plain(p, comm_fn, "(all_gather alone)", a_MK, full_KN, every[rank].grad_out, comm_bytes)

@@ -9,6 +9,8 @@ its module's name and imports on every rank.
   deadline margins every timing assertion uses (`FALLBACK_TIMEOUT_S`, `LATE_S`, `raised_by_deadline`).
 * `tp_oracle`: the tensor-parallel ops' inputs, float64 oracles (forward and backward), tolerances,
   comparisons and error capture (`expect_error`).
+* `weight_oracle`: ``all_gather_weight_matmul``'s float64 oracle (the weight-side gather) and its checks.
+* `memory`: `peak_allocated`, the peak CPU memory a function allocates on the calling thread (torch's profiler).
 * `moe_oracle`: the MoE ops' dense float64 oracle and the rank tasks that check every strategy against it.
 * `failure_tasks`: the rank side of `test_failures.py`: the world layout, the injected kills and stalls,
   what each rank records.

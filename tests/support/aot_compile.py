@@ -149,6 +149,16 @@ def compile_ag_matmul(dtype: str, block: tuple[int, int, int], num_warps: int = 
     return _common(head, dtype, block, ptx, cubin, t0)
 
 
+def compile_ag_weight_matmul(dtype: str, block: tuple[int, int, int]) -> dict:
+    """The weight-side all-gather GEMM as the op launches it: a [2048, 4096] per rank, shards [1024, 4096]."""
+    t0 = time.time()
+    a = torch.empty(2048, 4096, dtype=DTYPES[dtype])
+    head, ptx, cubin = _compile_launch(lambda: kernels.launch_all_gather_weight_matmul(
+        a, _table(), _table(), n=1024, epoch=_words(1, 3), rank=1, err=_words(), timeout_ns=30 * 10**9,
+        block=block))
+    return _common(head, dtype, block, ptx, cubin, t0)
+
+
 def compile_matmul_scatter(dtype: str, block: tuple[int, int, int]) -> dict:
     """The reduce-scatter's producer: a [W * 512, 1024] @ [1024, 2048], 2 chunks per destination."""
     t0 = time.time()
@@ -222,6 +232,7 @@ if __name__ == "__main__":
     # fused_tiles' defaults: 128x128x64 for 16-bit types, 128x64x32 for fp32 (TF32 on Hopper)
     report = [compile_ag_matmul("bf16", (128, 128, 64)), compile_ag_matmul("bf16", (128, 128, 64), num_warps=8),
               compile_ag_matmul("fp16", (128, 128, 64)), compile_ag_matmul("fp32", (128, 64, 32)),
+              compile_ag_weight_matmul("bf16", (128, 128, 64)), compile_ag_weight_matmul("fp32", (128, 64, 32)),
               compile_matmul_scatter("bf16", (128, 128, 64)), compile_matmul_scatter("fp16", (128, 128, 64)),
               compile_matmul_scatter("fp32", (128, 64, 32)),
               compile_reduce_chunks("bf16", (128, 128)), compile_reduce_chunks("fp32", (128, 64)),

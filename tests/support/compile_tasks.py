@@ -75,6 +75,22 @@ def tp_ops(rank: int, world_size: int, seed: int, strategies: tuple[str, ...], e
     return out
 
 
+def weight_gather(rank: int, world_size: int, seed: int, strategies: tuple[str, ...]) -> list:
+    """``all_gather_weight_matmul`` (a weight shard ``[n, k]`` passed as ``w.t()``) x strategy, compiled against
+    eager, forward and backward. Returns ``[(strategy, result), ...]``."""
+    import overlap
+
+    out = []
+    for strategy in strategies:
+        a, w = tp_inputs("all_gather_weight_matmul", world_size, _draw(seed, rank))
+
+        def fn(a, w, strategy=strategy):
+            return overlap.all_gather_weight_matmul(a, w.t(), strategy=strategy)
+
+        out.append((strategy, eager_vs_compiled(fn, (a, w), seed)))
+    return out
+
+
 def tp_inductor(rank: int, world_size: int, seed: int) -> dict[str, Any]:
     """One TP block (gather-GEMM, GELU, GEMM-scatter) with the inductor backend: within tolerance of eager."""
     import torch.nn.functional as F
@@ -249,6 +265,19 @@ def nn_layers(rank: int, world_size: int, seed: int, strategy: str) -> dict[str,
         x = torch.randn(rows, 2, 8, generator=_draw(seed, rank))
         out[name] = module_eager_vs_compiled(model, x, seed)
     return out
+
+
+def sharded_layers(rank: int, world_size: int, seed: int, strategy: str) -> dict[str, dict[str, Any]]:
+    """`overlap.nn.ShardedLinear` (FSDP: weights and biases sharded by rows) in an MLP, compiled whole."""
+    from torch import nn
+
+    from overlap.nn import ShardedLinear
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(ShardedLinear(8, 6 * world_size, strategy=strategy), nn.GELU(),
+                          ShardedLinear(6 * world_size, 4 * world_size, strategy=strategy))
+    x = torch.randn(3, 2, 8, generator=_draw(seed, rank))  # every rank its own batch
+    return {"fsdp": module_eager_vs_compiled(model, x, seed)}
 
 
 def torch_tp_styles(rank: int, world_size: int, seed: int, strategy: str) -> dict[str, dict[str, Any]]:

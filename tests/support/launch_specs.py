@@ -29,6 +29,7 @@ BACKEND = CUDABackend(TARGET)
 #: the modules of overlap.kernels with kernels, and their kernels
 KERNELS = {
     "ag_matmul": ("all_gather_matmul_kernel",),
+    "ag_weight_matmul": ("all_gather_weight_matmul_kernel",),
     "mm_rs": ("matmul_scatter_kernel", "reduce_chunks_kernel"),
     "moe": ("grouped_matmul_wait_kernel", "grouped_matmul_scatter_kernel"),
 }
