@@ -53,8 +53,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..plans import op_spec
-
 #: the CPU presets' widths (hidden, FFN, head dim) are the real ones divided by this
 CPU_WIDTH_SCALE = 16
 #: ... and their tokens per micro-batch divided by this
@@ -148,6 +146,8 @@ def tp_problems(model: DenseModel, world_size: int) -> list[tuple[str, str, tupl
         "mlp-up": (H, (2 if model.gated else 1) * model.ffn),
         "mlp-down": (model.ffn, H),
     }
+
+    from ..plans import op_spec  # (here: the command line imports this module without torch)
 
     def dims(layer: str, op: str) -> tuple[int, int, int]:
         k, n = whole[layer]

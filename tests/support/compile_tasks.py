@@ -311,6 +311,7 @@ def opchecks(rank: int, world_size: int, seed: int) -> dict[str, str]:
     dispatch), each on this rank's inputs. Every rank runs the same checks, so the calls meet."""
     from overlap.ops import (  # noqa: F401  (each module defines its custom ops)
         all_gather_matmul,
+        all_gather_weight_matmul,
         collectives,
         library,
         matmul_all_reduce,
@@ -329,6 +330,7 @@ def opchecks(rank: int, world_size: int, seed: int) -> dict[str, str]:
         "all_gather_matmul": (ops.all_gather_matmul.default, (a3, b, *tp)),
         "matmul_reduce_scatter": (ops.matmul_reduce_scatter.default, (a3, b, *tp)),
         "matmul_all_reduce": (ops.matmul_all_reduce.default, (a3, b, *tp)),
+        "all_gather_weight_matmul": (ops.all_gather_weight_matmul.default, (a3, b, *tp)),
         "all_reduce": (ops.all_reduce.default, (a3, "", None, "opcheck")),
         "all_gather_last_dim": (ops.all_gather_last_dim.default, (a3, "", None, "opcheck")),
         "moe_dispatch": (ops.moe_dispatch.default, (x, idx, w1, E, "", "symm", "", None, "11")),
