@@ -171,35 +171,47 @@ def silent_peer(rank, world_size, strategy, backward):
 
 
 @pytest.mark.parametrize(("strategy", "backward"),
-                         [("pipelined", False), ("symm", False), ("symm", True), ("fused", False)])
+                         [("pipelined", False), ("symm", False), ("symm", True), ("fused", False), ("fused", True)])
 def test_silent_peer_times_out(strategy, backward):
+    """Backward (symm, fused): the weight gradient's ring stalls at rank 1; rank 2 (its successor) waits for its
+    accumulator, rank 0 for rank 2's, which waits for rank 1: both name rank 1."""
     from support.harness import run_isolated
 
     results = run_isolated(3, silent_peer, strategy, backward, timeout=90)
     for rank in (0, 2):
         kind, msg, secs = results[rank]
+        print(f"[silent] {strategy} backward={backward} rank {rank}: {kind} after {secs:.2f} s: {msg[:200]}")
         assert kind == "OverlapTimeout" and "peer 1" in msg, (rank, results[rank])
         assert 1.5 < secs <= 2.0 + LATE_S, (rank, secs)
 
 
-def killed_peer(rank, world_size):
+def killed_peer(rank, world_size, strategy, backward):
+    """Rank 2 dies before a forward, or (backward) inside the backward's weight-gradient ring, after its
+    handshake: the ring's first rank to miss its accumulator is rank 0, and rank 1 waits for rank 0."""
     import signal
 
     import overlap
+    from overlap.ops import _grad_ring
 
-    a, b = torch.randn(4, 8), torch.randn(8, 3)
-    overlap.all_gather_weight_matmul(a, b, strategy="symm")
+    a, b = torch.randn(4, 8, requires_grad=backward), torch.randn(8, 3, requires_grad=backward)
+    overlap.all_gather_weight_matmul(a, b, strategy=strategy)
+    if backward:
+        y = overlap.all_gather_weight_matmul(a, b, strategy=strategy, timeout=2.0)
+        if rank == 2:
+            _grad_ring._Ring.run = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+        return expect_error(y.sum().backward)
     if rank == 2:
         os.kill(os.getpid(), signal.SIGKILL)
-    return expect_error(overlap.all_gather_weight_matmul, a, b, strategy="symm", timeout=2.0)
+    return expect_error(overlap.all_gather_weight_matmul, a, b, strategy=strategy, timeout=2.0)
 
 
-def test_killed_peer_times_out():
+@pytest.mark.parametrize(("strategy", "backward"), [("symm", False), ("symm", True), ("fused", True)])
+def test_killed_peer_times_out(strategy, backward):
     from support.harness import RankError, RankPool
 
     pool = RankPool(3)
     try:
-        pool.send(killed_peer)
+        pool.send(killed_peer, strategy, backward)
         with pytest.raises(RankError, match="rank 2 died") as info:
             pool.collect(60, "killed_peer")
     finally:
@@ -207,4 +219,5 @@ def test_killed_peer_times_out():
     for rank in (0, 1):
         kind, msg, secs = info.value.results[rank]
         assert kind == "OverlapTimeout" and "peer 2" in msg, (rank, kind, msg)
+        assert not backward or "weight gradient's ring" in msg, (rank, msg)
         assert secs <= 2.0 + LATE_S, secs

@@ -1,26 +1,30 @@
 """Memory of all_gather_weight_matmul on CPU ranks, measured with torch's profiler (`support.memory`): forward
 and forward+backward, every strategy against ``reference`` (which materializes the whole weight and its whole
-gradient); the symmetric heap reported beside (shared memory, not in the profiler's figures).
+gradient); the symmetric heap reported beside (shared memory, not in the profiler's figures): its size (4 slots)
+and the bytes of their slots the calls of one forward+backward touched (`support.memory.HeapUse`).
 
-Run with ``-s`` to see the table the README quotes. The assertions are on bytes, never on times: ``symm``
-holds at most two shards of the weight outside the heap (one at two ranks) and never the whole weight or
-the whole weight gradient; ``reference`` holds both.
+Run with ``-s`` to see the table the README quotes. The assertions are on bytes, never on times: ``symm`` and
+``fused`` hold at most two shards of the weight outside the heap (one at two ranks) and never the whole weight
+or the whole weight gradient; in the heap, a forward+backward touches at most two shards (the forward's, the
+backward's re-gather's) and two chunk regions (the weight gradient's ring), one shard per slot;
+``reference`` holds the whole weight and its whole gradient.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from support.memory import peak_allocated
+from support.memory import HeapUse, peak_allocated
 from support.weight_oracle import b_of, oracle
 
 ROWS, K, N = 16, 256, 128  # per rank: a [16, 256], one shard [256, 128] fp32 = 128 KiB
+SHARD = K * N * 4
+CALLS = ("forward", "backward's re-gather", "grad_b ring")  # the heap calls of one forward+backward
 STRATEGIES = ("reference", "pipelined", "symm")
 
 
 def memory_task(rank, world_size, seed):
     import overlap
-    from overlap import symm
 
     case = (ROWS, (), K, N, "weight.t()")
     inputs, want = oracle(seed, world_size, case, torch.float32)
@@ -39,64 +43,97 @@ def memory_task(rank, world_size, seed):
         both = peak_allocated(step)
         torch.testing.assert_close(w_leaf.grad.t(), want[rank][2].float(), rtol=1e-4, atol=1e-4)
         figures[strategy] = (fwd[0], both[0])
-    heap = symm.heap_for(None)
-    figures["heap"] = symm.NUM_SLOTS * heap.slot_bytes
     return figures
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_weight_never_whole_under_symm(pools, seed, world_size):
     results = pools(world_size).run(memory_task, seed, timeout=120)
-    shard = K * N * 4
-    whole = world_size * shard
+    whole = world_size * SHARD
     print(f"\n[memory] all_gather_weight_matmul W={world_size}, a [{ROWS}, {K}], shard [{K}, {N}] fp32 "
-          f"({shard // 1024} KiB, whole weight {whole // 1024} KiB); peak bytes allocated per rank")
+          f"({SHARD // 1024} KiB, whole weight {whole // 1024} KiB); peak bytes allocated per rank")
     for rank, figures in enumerate(results):
         for strategy in STRATEGIES:
             fwd, both = figures[strategy]
             print(f"[memory]   rank {rank} {strategy:9s} forward {fwd / 1024:8.1f} KiB   "
                   f"forward+backward {both / 1024:8.1f} KiB")
-        print(f"[memory]   rank {rank} symmetric heap (all 4 slots): {figures['heap'] / 1024:.1f} KiB")
         ref_fwd, ref_both = figures["reference"]
         assert ref_fwd >= whole and ref_both >= 2 * whole, figures  # the whole weight, then its whole gradient
-        fwd, both = figures["symm"]
-        ring = min(2, world_size - 1) * shard
-        out = ROWS * world_size * N * 4
-        assert fwd <= ring + out + 4096, (rank, figures)  # two shards at most (one at two ranks), and the output
-        # backward: the ring again, this rank's gradient shard, activation-sized buffers (output, its
-        # gradient transposed, grad_a); no whole-size weight nor weight gradient (fewer bytes from four ranks)
-        assert both <= ring + shard + 3 * out + ROWS * K * 4 + 8192, (rank, figures)
-        assert world_size < 4 or both < whole, (rank, figures)
+        _assert_outside_heap(rank, world_size, *figures["symm"], figures)
 
 
-def fused_task(rank, world_size):
-    """The fused forward on a fresh group (its heap sized by this call alone): peak bytes, heap bytes."""
+def _assert_outside_heap(rank, world_size, fwd, both, figures):
+    """symm and fused outside the heap: no whole-size weight nor weight gradient."""
+    ring = min(2, world_size - 1) * SHARD
+    out = ROWS * world_size * N * 4
+    assert fwd <= ring + out + 4096, (rank, figures)  # two shards at most (one at two ranks), and the output
+    # backward: the gather's ring again, this rank's gradient shard, activation-sized buffers (output, grad_a,
+    # a's gradient), chunk temporaries; no whole-size weight nor weight gradient (fewer bytes from four ranks)
+    assert both <= ring + SHARD + 3 * out + ROWS * K * 4 + 8192, (rank, figures)
+    assert world_size < 4 or both < world_size * SHARD, (rank, figures)
+
+
+def heap_task(rank, world_size, strategy):
+    """Forward and forward+backward on a fresh group (its heap sized by these calls alone): peak bytes
+    allocated, the heap's slot size, and the bytes of its slot each call of one forward+backward touched."""
     import torch.distributed as dist
 
     import overlap
-    from overlap import symm
+    from overlap import Plan, symm, world
+    from overlap.ops import _grad_ring
 
     group = dist.new_group(backend="gloo")
     try:
-        a, w = torch.randn(ROWS, K), torch.randn(N, K)
+        lay = _grad_ring.layout(Plan(strategy), world.group_info(group), N, K, torch.float32)
+        a, w, g = torch.randn(ROWS, K), torch.randn(N, K), torch.randn(ROWS, world_size * N)
+        a_leaf, w_leaf = a.clone().requires_grad_(), w.clone().requires_grad_()
+
+        def step():
+            overlap.all_gather_weight_matmul(a_leaf, w_leaf.t(), group=group, strategy=strategy).backward(g)
+
+        step()  # heap created and sized, first-call work done
         with torch.no_grad():
-            overlap.all_gather_weight_matmul(a, w.t(), group=group, strategy="fused")  # heap created and sized
-            peak, _ = peak_allocated(lambda: overlap.all_gather_weight_matmul(a, w.t(), group=group, strategy="fused"))
-            y = overlap.all_gather_weight_matmul(a, w.t(), group=group, strategy="fused")
-        own = slice(rank * N, (rank + 1) * N)
-        torch.testing.assert_close(y[:, own], a @ w.t(), rtol=1e-5, atol=1e-4)  # this rank's block
-        return peak, symm.NUM_SLOTS * symm.heap_for(group).slot_bytes
+            fwd, _ = peak_allocated(lambda: overlap.all_gather_weight_matmul(a, w.t(), group=group, strategy=strategy))
+        a_leaf.grad = w_leaf.grad = None
+        with HeapUse() as use:
+            both, _ = peak_allocated(step)
+        every_a = [torch.empty(ROWS, K) for _ in range(world_size)]
+        every_g = [torch.empty(ROWS, world_size * N) for _ in range(world_size)]
+        dist.all_gather(every_a, a, group=group)
+        dist.all_gather(every_g, g, group=group)
+        want = sum(ga.double().t() @ aa.double() for ga, aa in zip(every_g, every_a))[rank * N : (rank + 1) * N]
+        torch.testing.assert_close(w_leaf.grad.double(), want, rtol=1e-4, atol=1e-4)
+        return fwd, both, symm.heap_for(group).slot_bytes, use.calls, (len(lay.bounds), lay.region_bytes)
     finally:
         overlap.release(group)
         dist.destroy_process_group(group)
 
 
+@pytest.mark.parametrize("strategy", ["symm", "fused"])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_fused_forward_holds_the_output_alone(pools, world_size):
-    """Interpreted fused forward: nothing allocated but the output (the kernel reads every shard in place), one
-    shard per heap slot."""
-    out, shard = ROWS * world_size * N * 4, K * N * 4
-    for rank, (peak, heap) in enumerate(pools(world_size).run(fused_task, timeout=300)):
-        print(f"\n[memory]   rank {rank} fused forward {peak / 1024:.1f} KiB, heap {heap / 1024:.1f} KiB (4 slots)")
-        assert peak <= out + 4096, (rank, peak, out)
-        assert heap == 4 * shard, (rank, heap, shard)
+def test_heap_holds_two_shards_plus_chunks(pools, world_size, strategy):
+    """symm and fused (interpreted) forward+backward: one shard per heap slot; the calls of one forward+backward
+    touch at most two shards (the forward's own, the backward re-gather's own) and two chunk regions (the weight
+    gradient's ring); outside the heap, no whole-size weight nor weight gradient (fused's forward: the output
+    alone, its kernel reads every shard in place)."""
+    from overlap import symm
+
+    out = ROWS * world_size * N * 4
+    timeout = 300 if strategy == "fused" else 120
+    results = pools(world_size).run(heap_task, strategy, timeout=timeout)
+    num_chunks, region = results[0][4]
+    chunks = 2 * region
+    print(f"\n[memory] {strategy} W={world_size}, shard {SHARD // 1024} KiB, weight-gradient ring of "
+          f"{num_chunks} chunks per block: two regions of {region // 1024} KiB")
+    for rank, (fwd, both, slot, calls, _lay) in enumerate(results):
+        used = sum(nbytes for _op, nbytes in calls)
+        print(f"[memory]   rank {rank} {strategy:5s} forward {fwd / 1024:7.1f} KiB  forward+backward "
+              f"{both / 1024:7.1f} KiB  heap {symm.NUM_SLOTS * slot / 1024:.0f} KiB (4 slots of {slot / 1024:.0f});"
+              f" touched in forward+backward {used / 1024:.0f} KiB: "
+              + ", ".join(f"{what} {n / 1024:.0f}" for what, (_op, n) in zip(CALLS, calls)))
+        assert slot == SHARD, (rank, slot)  # one shard per slot: the ring's pair of chunks fits in it
+        assert [n for _op, n in calls] == [SHARD, SHARD, chunks], (rank, calls)  # forward, re-gather, grad ring
+        assert used <= 2 * SHARD + chunks and chunks <= SHARD, (rank, calls)
+        _assert_outside_heap(rank, world_size, fwd, both, (fwd, both))
+        if strategy == "fused":
+            assert fwd <= out + 4096, (rank, fwd, out)

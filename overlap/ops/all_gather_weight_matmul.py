@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from ..errors import OverlapTimeout
 from ..plans import Plan
-from . import _gather, _shard_ring, fused, library, matmul_reduce_scatter
+from . import _gather, _grad_ring, _shard_ring, fused, library, matmul_reduce_scatter
 from .context import CallContext, describe, record
 
 OP = "all_gather_weight_matmul"
@@ -180,9 +180,11 @@ def _overlapped_backward(cc: CallContext, a2, b, g2, need_a, need_b):
 
     Returns ``(grad_a [M, k], grad_b as [n, k])`` (None where not asked)."""
     chosen = cc.plan
-    kind = "symm" if chosen.strategy == "fused" else chosen.strategy  # fused gathers the weight as symm does
+    heap_ring = chosen.strategy in ("symm", "fused")  # grad_b through the ring of two chunk regions
+    kind = "symm" if heap_ring else chosen.strategy  # fused gathers the weight as symm does
     shard_NK = _rows_of(b)
-    gT = g2.t().contiguous() if need_b else None  # [W*n, M]: rows of the weight gradient's GEMM
+    k, n = b.shape
+    lay = _grad_ring.layout(chosen, cc.info, n, k, g2.dtype) if heap_ring and need_b else None
     gather = None
     grad_a = grad_b = None
     try:
@@ -190,20 +192,31 @@ def _overlapped_backward(cc: CallContext, a2, b, g2, need_a, need_b):
             gather_cc = cc.derive(signature=f"{cc.op}.gather(b={describe(b)}, plan={chosen.describe()})")
             # The heap cannot grow while this gather is in flight: size it for grad_b's call too.
             need = heap_bytes(chosen, b)
-            if need_b:
-                need = max(need, matmul_reduce_scatter.heap_bytes(chosen, gT, a2.shape[1], cc.world_size))
+            if lay is not None:
+                need = max(need, _grad_ring.heap_bytes(lay, cc.world_size))
             gather = _start_gather(kind, gather_cc.begin(need), shard_NK, gather_cc)
         if need_b:
             grad_cc = cc.derive(signature=f"{cc.op}.grad_b(g={describe(g2)}, a={describe(a2)}, "
                                           f"plan={chosen.describe()})")
-            # grad_w = g.T @ a ([W*n, k]) reduce-scattered by rows: this rank's [n, k].
-            grad_b = matmul_reduce_scatter.run(gT, a2.contiguous(), grad_cc)
+            if lay is None:  # grad_w = g.T @ a ([W*n, k]) reduce-scattered by rows: this rank's [n, k]
+                grad_b = matmul_reduce_scatter.run(g2.t().contiguous(), a2.contiguous(), grad_cc)
+            else:
+                grad_b = _ring_grad_b(grad_cc, g2, a2, n, lay)
         if need_a:
             grad_a = _blocks_times(g2, gather)
     finally:
         if gather is not None:
             gather.close()
     return grad_a, grad_b
+
+
+def _ring_grad_b(cc: CallContext, g2, a2, n: int, lay) -> torch.Tensor:
+    """``grad_b_shard`` (``[n, k]``) through `_grad_ring`: its own call, two chunk regions of the heap."""
+    call = cc.begin(_grad_ring.heap_bytes(lay, cc.world_size))
+    try:
+        return _grad_ring.reduce_scatter(cc, call, g2, a2.contiguous(), n, lay)
+    finally:
+        call.finish()
 
 
 def _blocks_times(g2: torch.Tensor, gather) -> torch.Tensor:

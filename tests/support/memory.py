@@ -79,3 +79,39 @@ def peak_allocated(fn) -> tuple[int, int]:
     # The running sum and the allocator's total move together (a check that no event was missed).
     assert len(baselines) <= 1, f"profiler memory events disagree with the allocator's total: {sorted(baselines)}"
     return peak, running
+
+
+class HeapUse:
+    """The bytes of its heap slot each call touched on this rank, recorded while in a ``with`` block.
+
+    Every strategy reaches the heap through `overlap.symm.Call.buffer` (a view of a peer's or its own
+    slot at an offset; the fused kernels read the same regions through address tables): the end of the
+    furthest view a call took is the part of its slot it uses. `calls` lists ``(op, bytes)`` per call, in
+    call order."""
+
+    def __init__(self):
+        self._extent: dict[int, list] = {}
+
+    def __enter__(self) -> HeapUse:
+        from overlap import symm
+
+        self._buffer = buffer = symm.Call.buffer
+        extent = self._extent
+
+        def recording(call, peer, dtype, shape, offset=0):
+            view = buffer(call, peer, dtype, shape, offset)
+            entry = extent.setdefault(call.epoch, [call.op, 0])
+            entry[1] = max(entry[1], offset + view.numel() * view.element_size())
+            return view
+
+        symm.Call.buffer = recording
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from overlap import symm
+
+        symm.Call.buffer = self._buffer
+
+    @property
+    def calls(self) -> list[tuple[str, int]]:
+        return [(op, nbytes) for _epoch, (op, nbytes) in sorted(self._extent.items())]
