@@ -18,6 +18,7 @@ from support.gpu_order import check_order, gpu_call, gpu_heap, on_gpu
 from overlap import symm
 from overlap.ops import (
     _gather,
+    _grad_ring,
     _shard_ring,
     matmul_all_reduce,
     matmul_reduce_scatter,
@@ -82,6 +83,27 @@ def test_weight_shard_ring(monkeypatch, W, r):
     assert blocks[0] == (5 * r, 5 * r + 5) and edges[0][0] == 0 and edges[-1][1] == 5 * W
     assert all(a[1] == b[0] for a, b in zip(edges, edges[1:])), blocks
     assert ("write", "done") in {op[:2] for op in rec.ops}
+
+
+@pytest.mark.parametrize("W,r", RANKS, ids=IDS)
+def test_weight_gradient_ring(monkeypatch, W, r):
+    """all_gather_weight_matmul's symm/fused backward, the weight gradient's ring: one phase per send ``t``
+    (its data flag ``t`` and the release of the region it read, flag ``T + t - 1``), each issued after the waits
+    of its own operation only (the successor's release of send ``t - 2``, the predecessor's send ``t - 1``)."""
+    heap = gpu_heap(W, r, 1 << 16)
+    call = gpu_call(heap)
+    rec = _record(monkeypatch, heap, call)
+    cc = _context(W, r)
+    n, k = 5, 4
+    lay = _grad_ring.layout(cc.plan, cc.info, n, k, torch.float32)
+    with gpu_order.fake_cuda(monkeypatch):
+        _grad_ring.reduce_scatter(cc, call, on_gpu(torch.randn(6, W * n)), on_gpu(torch.randn(6, k)), n, lay)
+    sends = len(lay.bounds) * (W - 1)
+    check_order(rec.ops, phase=lambda index: index + 1 if index < sends else index - sends + 2)
+    _nontrivial(rec.ops, W)
+    waits = [op[3] for op in rec.ops if op[:2] == ("wait", "ready")]
+    # every send but the first two waits for a released region; every step but the first of a chunk for data
+    assert sorted(waits) == sorted([sends + t for t in range(sends - 2)] + list(range(sends))), waits
 
 
 @pytest.mark.parametrize("W,r", RANKS, ids=IDS)
