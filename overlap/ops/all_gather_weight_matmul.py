@@ -24,8 +24,7 @@ Strategies (same results; `reference` is the oracle):
 * ``fused``: one Triton kernel (`overlap.kernels.ag_weight_matmul`): tiles of output columns wait on the
   flag of the shard they read and load it straight from the owner's symmetric buffer, the tiles of one
   shard scheduled together, this rank's first: the whole weight is never materialized. Ranks of one node;
-  on CPU ranks it runs interpreted (correct, slow: for tests at small sizes). Its backward gathers as
-  ``symm`` does and computes ``grad_b_shard`` with the fused reduce-scatter kernels.
+  on CPU ranks it runs interpreted (correct, slow: for tests at small sizes). Its backward is ``symm``'s.
 
 Each peer's shard is read from that peer once per forward call (`bytes_from_peers` counts it: ``(W-1)``
 shards) and once more in backward (the re-gather, as FSDP does: only the local shard is saved).
@@ -34,11 +33,13 @@ Autograd (the design's convention, a sum): ``grad_a = grad_out @ all_gather(b_sh
 ``grad_b_shard`` = this rank's block of columns of ``sum over ranks of a_r.T @ grad_out_r`` (a
 reduce-scatter with sum). torch's FSDP2 averages gradients over the data-parallel ranks by default: for
 its mean, scale the loss (or ``grad_b_shard``) by ``1/W``. Backward posts the re-gather of the weight first,
-computes ``grad_b_shard`` by `matmul_reduce_scatter` with the forward's plan while it flies (its own
-transfers hidden behind its GEMMs; under ``symm`` each destination's partial goes straight into the
-owner's heap: no whole-size weight gradient outside the heap), then ``grad_a`` block by block as the
-shards are there, 16-bit partials summed in fp32 in a fixed order. ``reference`` does the same with plain
-collectives (the whole weight and the whole weight gradient, each in flight during the other's GEMM).
+computes ``grad_b_shard`` while it flies, then ``grad_a`` block by block as the shards are there, 16-bit
+partials summed in fp32 in a fixed order. ``grad_b_shard``: under ``symm`` and ``fused`` through a ring of
+two chunk regions in the heap (`overlap.ops._grad_ring`, its own call beside the re-gather's: each block's
+accumulator travels round the ring, each rank adding its partial, its GEMM hidden behind the transfer; no
+whole-size weight gradient anywhere, two chunks of it in the heap); under ``pipelined`` by
+`matmul_reduce_scatter` with the forward's plan. ``reference`` does the same with plain collectives (the
+whole weight and the whole weight gradient, each in flight during the other's GEMM).
 
 Concurrency and aliasing: calls on one group are issued by one thread, in the same order on every rank;
 ``a`` and ``b_shard`` are only read; the output is a new tensor.
