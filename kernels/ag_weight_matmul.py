@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import host
-from .flags import matmul_tile, wait_flag
+from .flags import matmul_tile, rank_major_tile, wait_rank_buffer
 
 
 # Not specialized on: values that differ between ranks or calls, and M (rows only mask and offset). The
@@ -48,25 +48,13 @@ def all_gather_weight_matmul_kernel(
     UPCAST: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     # ---- which tile: shard-major, own shard first ---------------------------------------------
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    tiles_per_shard = tiles_m * tiles_n
-    src = (rank + pid // tiles_per_shard) % world_size
-    tile = pid % tiles_per_shard
-    group_size = GROUP_M * tiles_n
-    first_m = (tile // group_size) * GROUP_M
-    rows_in_group = min(tiles_m - first_m, GROUP_M)
-    tile_m = first_m + (tile % group_size) % rows_in_group
-    tile_n = (tile % group_size) // rows_in_group
+    src, tile_m, tile_n = rank_major_tile(tl.program_id(0), rank, world_size, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
-    # ---- wait for the shard this tile reads ---------------------------------------------------
-    epoch = tl.load(epoch_ptr)
-    flag_ptr = tl.load(flag_table + src).to(tl.pointer_type(tl.int32))
-    wait_flag(flag_ptr, epoch, abort_ptr, err_ptr, src, timeout_ns, INTERPRETED)
+    # ---- wait for the shard this tile reads, then load it straight from the owner's buffer -----
+    w_ptr = wait_rank_buffer(ptr_table, flag_table, src, epoch_ptr, abort_ptr, err_ptr, timeout_ns, a_ptr,
+                             INTERPRETED)
 
-    # ---- GEMM tile: b[k, n] = shard[n, k], loaded straight from the owner's buffer ----------------
-    w_ptr = tl.multiple_of(tl.load(ptr_table + src).to(tl.pointer_type(a_ptr.dtype.element_ty)), 16)
+    # ---- GEMM tile: b[k, n] = shard[n, k] ---------------------------------------------------------
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)

@@ -1,4 +1,6 @@
-"""Primitives shared by the kernels: a bounded acquire-wait, a count-then-release signal, a GEMM tile.
+"""Primitives shared by the kernels: a bounded acquire-wait, a count-then-release signal, a GEMM tile, and the
+two steps every gather kernel takes before its GEMM (which tile of which rank's block, wait for that rank's
+buffer).
 
 Flags are int32 words holding a call's epoch; "reached" is a non-negative int32 difference, so
 epochs compare correctly modulo 2^32 (as in ``overlap._C``). System scope throughout: the other
@@ -95,3 +97,43 @@ def matmul_tile(a_ptrs, b_ptrs, row_ok, offs_k, offs_n, N, K, stride_bk,
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
     return acc
+
+
+@triton.jit
+def rank_major_tile(pid, rank, world_size, M, N,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """``(src, tile_m, tile_n)`` of program `pid` in a launch over every rank's ``[M, N]`` block of the output,
+    rank-major from this rank's own block (``rank``, ``rank + 1``, ...), ``BLOCK_M x BLOCK_N`` tiles.
+
+    Own block first: its tiles need no peer. Then ``rank + 1`` on: every rank publishes at about the same
+    time, and starting at the next rank spreads the readers over the producers. Within a block, groups of
+    `GROUP_M` row tiles sweep the columns together, so the tiles of the operand they share stay in L2.
+    """
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_block = tiles_m * tiles_n
+    src = (rank + pid // tiles_per_block) % world_size
+    tile = pid % tiles_per_block
+    group_size = GROUP_M * tiles_n
+    first_m = (tile // group_size) * GROUP_M
+    rows_in_group = min(tiles_m - first_m, GROUP_M)
+    tile_m = first_m + (tile % group_size) % rows_in_group
+    tile_n = (tile % group_size) // rows_in_group
+    return src, tile_m, tile_n
+
+
+@triton.jit
+def wait_rank_buffer(ptr_table, flag_table, src, epoch_ptr, abort_ptr, err_ptr, timeout_ns, like_ptr,
+                     INTERPRETED: tl.constexpr):
+    """Wait (`wait_flag`) until rank `src`'s ready flag (``flag_table[src]``) reaches the call's epoch
+    (``*epoch_ptr``), then return rank `src`'s buffer (``ptr_table[src]``) as a pointer to `like_ptr`'s
+    element type.
+
+    The acquire in the wait orders the caller's loads from the buffer after the producer's stores. Buffers
+    are 16-byte aligned (`overlap.symm` asserts it); saying so lets the compiler use wide, pipelined loads
+    for a pointer that comes out of a table.
+    """
+    epoch = tl.load(epoch_ptr)
+    flag_ptr = tl.load(flag_table + src).to(tl.pointer_type(tl.int32))
+    wait_flag(flag_ptr, epoch, abort_ptr, err_ptr, src, timeout_ns, INTERPRETED)
+    return tl.multiple_of(tl.load(ptr_table + src).to(tl.pointer_type(like_ptr.dtype.element_ty)), 16)
