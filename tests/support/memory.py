@@ -1,9 +1,10 @@
 """Peak CPU memory of a piece of code on the calling thread, as torch's profiler reports it.
 
-`peak_allocated` runs a function under ``torch.profiler.profile(profile_memory=True)`` with the op's CPU copy
-engine replaced by one that runs its copies on the calling thread (so they count), and sums the profiler's
-``[memory]`` events. The symmetric heap (POSIX shared memory mapped by the ranks) is not an allocation of
-torch's and never appears in these figures: tests report it beside them.
+`peak_allocated` (and `profile`, which also gives the largest single allocation) runs a function under
+``torch.profiler.profile(profile_memory=True)`` with the op's CPU copy engine replaced by one that runs its
+copies on the calling thread (so they count), and sums the profiler's ``[memory]`` events. The symmetric heap
+(POSIX shared memory mapped by the ranks) is not an allocation of torch's and never appears in these figures:
+tests report it beside them (`HeapUse`: the bytes of its slot each call touched).
 """
 
 from __future__ import annotations
@@ -47,7 +48,14 @@ class _CallingThreadEngine:
 
 
 def peak_allocated(fn) -> tuple[int, int]:
-    """(peak, end) bytes allocated by `fn` on this thread above what was allocated before it.
+    """(peak, end) bytes allocated by `fn` on this thread above what was allocated before it (`profile`)."""
+    peak, end, _largest = profile(fn)
+    return peak, end
+
+
+def profile(fn) -> tuple[int, int, int]:
+    """(peak, end, largest): bytes allocated by `fn` on this thread above what was allocated before it, at the
+    peak and at the end, and the largest single allocation.
 
     torch's profiler reports every CPU allocation and free made while profiling on the profiling
     thread (``[memory]`` events: "Bytes", negative for a free, and the allocator's running "Total
@@ -71,14 +79,15 @@ def peak_allocated(fn) -> tuple[int, int]:
     finally:
         os.remove(path)
     memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
-    running, peak, baselines = 0, 0, set()
+    running, peak, largest, baselines = 0, 0, 0, set()
     for e in memory:
         running += e["args"]["Bytes"]
         peak = max(peak, running)
+        largest = max(largest, e["args"]["Bytes"])
         baselines.add(e["args"]["Total Allocated"] - running)
     # The running sum and the allocator's total move together (a check that no event was missed).
     assert len(baselines) <= 1, f"profiler memory events disagree with the allocator's total: {sorted(baselines)}"
-    return peak, running
+    return peak, running, largest
 
 
 class HeapUse:
