@@ -14,7 +14,7 @@ import pytest
 import torch
 from support.harness import FALLBACK_TIMEOUT_S, LATE_S
 from support.tp_oracle import expect_error, silence
-from support.weight_oracle import check
+from support.weight_oracle import check, oracle
 
 OP = "all_gather_weight_matmul"
 
@@ -97,6 +97,27 @@ def bytes_task(rank, world_size):
 def test_each_peer_shard_read_once_per_gather(pools):
     for res in pools(3).run(bytes_task):
         assert res == {"pipelined": (2.0, 4.0), "symm": (2.0, 4.0), "fused": (2.0, 4.0)}, res
+
+
+def one_gradient_task(rank, world_size, seed):
+    """Only the weight's gradient (symm, fused: the ring's call alone, no re-gather), then only the input's."""
+    import overlap
+
+    case = (6, (), 20, 7, "weight.t()")
+    inputs, want = oracle(seed, world_size, case, torch.float32)
+    a, w, g = inputs[rank]
+    for strategy in ("pipelined", "symm", "fused"):
+        w_leaf = w.clone().requires_grad_()
+        overlap.all_gather_weight_matmul(a, w_leaf.t(), strategy=strategy).backward(g)
+        torch.testing.assert_close(w_leaf.grad.t().double(), want[rank][2], rtol=1e-4, atol=1e-4)
+        a_leaf = a.clone().requires_grad_()
+        overlap.all_gather_weight_matmul(a_leaf, w.t(), strategy=strategy).backward(g)
+        torch.testing.assert_close(a_leaf.grad.double(), want[rank][1], rtol=1e-4, atol=1e-4)
+    return True
+
+
+def test_one_gradient_at_a_time(pools, seed):
+    assert pools(3).run(one_gradient_task, seed, timeout=120) == [True] * 3
 
 
 # ----------------------------------------------------------------------------------------------
