@@ -156,3 +156,38 @@ def test_a_silent_peer_in_the_steady_state_times_out_naming_it(seed, op):
         pool.close()
     assert kind == "OverlapTimeout", msg
     assert "for peer 1" in msg, msg
+
+
+def capture_task(rank, world_size, seed):
+    """Under a (patched) CUDA graph capture every call raises before its handshake, naming what to do."""
+    from unittest import mock
+
+    import overlap
+    from overlap import symm
+
+    def capturing():
+        return mock.patch("torch.cuda.is_initialized", return_value=True), mock.patch(
+            "torch.cuda.is_current_stream_capturing", return_value=True)
+
+    a, b, want = _inputs(AGM, seed, world_size, rank, (5, (), 12, 7, "contiguous"))  # (a signature of its own)
+    overlap.reserve(None, 1 << 16)  # (the first call's bytes fit: it fails for being first)
+    seen = {}
+    first, second = capturing()
+    with first, second:
+        seen["first"] = expect_error(call, AGM, a, b, "symm")
+    call(AGM, a, b, "symm")  # the warm-up, outside the capture
+    rows = symm.heap_if_open().slot_bytes // (4 * a.shape[1]) + 1
+    first, second = capturing()
+    with first, second:
+        seen["warmed"] = expect_error(call, AGM, a, b, "symm")
+        seen["growth"] = expect_error(call, AGM, torch.randn(rows, a.shape[1]), b, "symm")
+    compare(f"after the capture errors, rank {rank}", [call(AGM, a, b, "symm")], want, torch.float32)
+    return seen
+
+
+def test_calls_under_cuda_graph_capture_raise_naming_what_to_do(pools, seed):
+    for rank, seen in enumerate(pools(2).run(capture_task, seed, timeout=120)):
+        for key, want in (("first", "warm-up call"), ("warmed", "epochs advanced on the device"),
+                          ("growth", "overlap.reserve(group,")):
+            kind, msg, _ = seen[key]
+            assert kind == "RuntimeError" and "CUDA graph" in msg and want in msg, (rank, key, kind, msg)

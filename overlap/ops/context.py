@@ -238,6 +238,10 @@ _HEADER_BYTES = 256
 
 def _collective_handshake(op: str, pg, info: world.GroupInfo, signature: str, timeout: float,
                           post_only: bool) -> _CollectiveCall:
+    if not post_only and world.capturing():
+        raise RuntimeError(f"overlap.{op}: cannot be captured in a CUDA graph: a group across nodes agrees on "
+                           "every call with a collective whose result the host reads. Run overlap's ops "
+                           "outside the captured region.")
     symm.handshake.COUNTS["rendezvous"] += 1
     epoch = _EPOCHS.get(id(pg), 0) + 1
     _EPOCHS[id(pg)] = epoch

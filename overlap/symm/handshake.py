@@ -23,7 +23,10 @@ that used the slot; the ring of the heap stays whole either way.
 from __future__ import annotations
 
 import collections
+import functools
 import time
+
+import numpy as np
 
 from ..errors import OverlapMismatchError
 from .layout import HS_BASE, HS_RING, HS_STRIDE, NUM_SLOTS, SIG_TEXT_BYTES, W_HS_EPOCH, signals
@@ -52,12 +55,18 @@ def entry_word(epoch: int) -> int:
 def post(heap, epoch: int, lo: int, hi: int, need: int, signature: str) -> None:
     """Write this rank's entry of `epoch`, then publish the epoch (release)."""
     entry = entry_word(epoch)
-    text = signature.encode()[:SIG_TEXT_BYTES].ljust(SIG_TEXT_BYTES, b"\0")
     mine = heap.pad(heap.rank)
     mine[entry + _LO : entry + _TEXT] = (lo, hi, need & 0x7FFFFFFF, need >> 31)
-    mine[entry + _TEXT : entry + HS_STRIDE].view("u1")[:] = list(text)
+    mine[entry + _TEXT : entry + HS_STRIDE] = _text_words(signature)
     mine[entry + _TAG] = epoch
     signals().signal_store(heap.ctrl_addr(heap.rank, W_HS_EPOCH), epoch)
+
+
+@functools.lru_cache(maxsize=1024)
+def _text_words(signature: str) -> np.ndarray:
+    """The signature's readable copy as the entry's int32 words (truncated, zero-padded)."""
+    raw = signature.encode()[:SIG_TEXT_BYTES].ljust(SIG_TEXT_BYTES, b"\0")
+    return np.frombuffer(raw, dtype=np.int32)
 
 
 def posted(heap, peer: int, epoch: int) -> bool:

@@ -161,6 +161,8 @@ class SymmHeap:
         if steady:  # the bytes are part of what ranks agree on (they are not compared in the steady state)
             signature = f"{signature} [slot={need_bytes}]"
         lo, hi = signature_hash(signature)
+        if not post_only and world.capturing():
+            raise self._capture_error(op, (lo, hi, need_bytes) in self.warmed, need_bytes)
         fast = (steady and not post_only and self.device.type == "cpu" and not envs.check_every_call()
                 and (lo, hi, need_bytes) in self.warmed and self.epoch + 1 < REBASE_EPOCH)
         self.epoch += 1
@@ -207,6 +209,20 @@ class SymmHeap:
             assert self.in_flight == 0, f"overlap.{op}: heap growth with {self.in_flight} call(s) in flight"
             self._grow(need, op, timeout)
         return self._open(op, epoch, timeout, need)
+
+    def _capture_error(self, op: str, warmed: bool, need: int) -> RuntimeError:
+        """Why this call cannot run under CUDA graph capture, and what to do (checked before the handshake:
+        every rank captures the same calls, so every rank raises the same error)."""
+        if need > self.slot_bytes:
+            what = (f"it needs a heap slot of {need} bytes (now {self.slot_bytes}), and growth is a host "
+                    f"rendezvous; call overlap.reserve(group, {need}) before capturing")
+        elif not warmed:
+            what = "this is its first call with this signature; make a warm-up call with the same arguments first"
+        else:
+            what = ("its epochs are host integers that a replay would reuse; replaying overlap calls needs "
+                    "epochs advanced on the device, which this version does not have")
+        return RuntimeError(f"overlap.{op}: cannot be captured in a CUDA graph: {what}. "
+                            "Run overlap's ops outside the captured region for now.")
 
     def _open(self, op: str, epoch: int, timeout: float, need: int, check=None) -> Call:
         slot = epoch % NUM_SLOTS

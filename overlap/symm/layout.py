@@ -6,6 +6,7 @@ protocol they serve.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 NUM_SLOTS = 4
@@ -44,6 +45,7 @@ def signals():
     return module
 
 
+@functools.lru_cache(maxsize=1024)
 def signature_hash(text: str) -> tuple[int, int]:
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     lo = int.from_bytes(digest[:4], "little", signed=True)
