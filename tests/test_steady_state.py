@@ -52,20 +52,27 @@ def steady_task(rank, world_size, seed, op):
     from overlap import symm
 
     a, b, want = _inputs(op, seed, world_size, rank, CASE)
-    for _ in range(3):  # warm-up: the first call is a full handshake
+    leaf_a, leaf_b = a.clone().requires_grad_(), b.clone().requires_grad_()
+    for _ in range(3):  # warm-up: the first call of each signature (forward, backward's) is a full handshake
         call(op, a, b, "symm")
-    before = symm.host_sync_counts()
-    with _Counting() as counting:
-        for _ in range(100):
-            out = call(op, a, b, "symm")
-    after = symm.host_sync_counts()
+        call(op, leaf_a, leaf_b, "symm").sum().backward()
+    counts = []
+    for backward in (False, True):
+        before = symm.host_sync_counts()
+        with _Counting() as counting:
+            for _ in range(100 if not backward else 20):
+                if backward:
+                    call(op, leaf_a, leaf_b, "symm").sum().backward()
+                else:
+                    out = call(op, a, b, "symm")
+        after = symm.host_sync_counts()
+        counts.append(({k: after[k] - before[k] for k in after}, counting.counts))
     compare(f"{op} steady, rank {rank}", [out], want, torch.float32)
     with _env("OVERLAP_CHECK_EVERY_CALL", "1"):
         for _ in range(5):
             call(op, a, b, "symm")
     checked = symm.host_sync_counts()
-    return ({k: after[k] - before[k] for k in after}, counting.counts,
-            checked["rendezvous"] - after["rendezvous"])
+    return counts, checked["rendezvous"] - after["rendezvous"]
 
 
 class _env:
@@ -89,9 +96,14 @@ class _env:
 
 @pytest.mark.parametrize("op", [AGM, MRS, MAR])
 def test_warmed_calls_make_no_rendezvous_and_no_host_copy(pools, seed, op):
-    for rank, (delta, copies, checked) in enumerate(pools(2).run(steady_task, seed, op, timeout=180)):
-        assert delta == {"rendezvous": 0, "steady": 100, "ring_wait": delta["ring_wait"]}, (rank, delta)
+    for rank, (counts, checked) in enumerate(pools(2).run(steady_task, seed, op, timeout=180)):
+        (forward, copies), (both, copies_both) = counts
+        assert forward["rendezvous"] == 0 and forward["steady"] == 100, (rank, forward)
         assert copies == {"item": 0, "tolist": 0, "cpu": 0}, (rank, copies)
+        # forward + backward: the backward's transfers are steady calls too (matmul_all_reduce's backward
+        # communicates nothing)
+        assert both["rendezvous"] == 0 and both["steady"] >= 20, (rank, both)
+        assert copies_both == {"item": 0, "tolist": 0, "cpu": 0}, (rank, copies_both)
         assert checked == 5, (rank, checked)
 
 

@@ -180,7 +180,7 @@ def kept(key: Any, what: str) -> Any:
     does not hold); `what` names the caller in the message."""
     if not isinstance(key, torch.Tensor) or key.numel() != 1 or key.dtype != torch.int64 or key.is_cuda:
         raise TypeError(f"overlap.{what}: expected the int64 key tensor an overlap op returned")
-    serial = int(key.item())  # a CPU tensor: no device synchronization
+    serial = int(key.numpy()[0])  # a CPU tensor: no device synchronization
     with _LOCK:
         obj = _KEPT.get(serial)
     if obj is None:
