@@ -7,15 +7,21 @@ median over ``--iters`` calls (after ``--warmup``) of:
 * ``gemm``: ``torch.matmul`` on the gathered input alone (no communication);
 * ``torch``: plain torch, ``all_gather_into_tensor`` then ``torch.matmul`` (no code of this project);
 
-and, from a profiled run of the same calls (torch's profiler, the op's ``overlap.*`` ranges, mean CPU time
-per call): ``preamble`` (checks, plan, signature), ``handshake`` (the cross-rank agreement and the slot),
-and the rest of the op (dispatch, the copy engine's hop, the waits for peers' chunks, the GEMMs). The
-protocol per call is ``op - gemm``; against plain torch, ``op - torch``. Each rank's timings are taken
-between barriers; the table shows rank 0's. Results go to stdout (``--json PATH`` as well).
+then, from a second run of the same calls under torch's profiler (the op's ``overlap.*`` ranges; mean wall
+time per call, which the profiler inflates), the op broken down into: ``preamble`` (checks, plan,
+signature), ``handshake`` (the agreement and the slot: a full rendezvous on a first call, a post in the
+steady state), ``waits`` (wall time inside the flag waits for peers: `overlap.symm.handshake.wait_checked`,
+wrapped for that run), ``copy-engine hop`` (waits for the copy engine's thread; 0 where a small gather is
+pulled inline), ``dispatch`` (torch's custom-op dispatch, autograd wrapper, the op's Python outside its
+ranges) and the rest (copies and GEMMs, the strategy's Python). Also the host synchronizations per call
+(`overlap.symm.host_sync_counts`). The protocol per call is ``op - gemm``; against plain torch,
+``op - torch``. Each rank's timings are taken between barriers; the table shows rank 0's. Results go to
+stdout (``--json PATH`` as well).
 
 usage:
   python bench/overhead.py                       # 2 CPU ranks
   python bench/overhead.py --nproc 3 --shape 32x64x64 --strategy pipelined --iters 2000 --json before.json
+  OVERLAP_CHECK_EVERY_CALL=1 python bench/overhead.py   # every call a full handshake (no steady state)
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import statistics
 import sys
 import time
 
-RANGES = ("overlap.preamble", "overlap.handshake")
+RANGES = ("overlap.preamble", "overlap.handshake", "overlap.all_gather_matmul", "bench.call")
 
 
 def _median_us(fn, iters: int) -> float:
@@ -38,12 +44,36 @@ def _median_us(fn, iters: int) -> float:
     return statistics.median(times) * 1e6
 
 
+class _Timed:
+    """Wall time spent inside `fn` (a wrapper installed on a module attribute for the profiled run)."""
+
+    def __init__(self, module, name: str):
+        self.module, self.name, self.total = module, name, 0.0
+        self.inner = getattr(module, name)
+
+    def __call__(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.total += time.perf_counter() - t
+
+    def __enter__(self):
+        setattr(self.module, self.name, self)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self.module, self.name, self.inner)
+
+
 def _rank(args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     import overlap
+    from overlap import comm, symm
+    from overlap.symm import handshake
 
     m, k, n = args.m, args.k, args.n
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -66,16 +96,25 @@ def _rank(args: argparse.Namespace) -> dict:
         for _ in range(args.warmup):
             fn()
         dist.barrier()
+        if name == "op":
+            before = symm.host_sync_counts()
         out[name] = _median_us(fn, args.iters)
+        if name == "op":
+            after = symm.host_sync_counts()
+            out["rendezvous_per_call"] = (after["rendezvous"] - before["rendezvous"]) / args.iters
+            out["steady_per_call"] = (after["steady"] - before["steady"]) / args.iters
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU]) as prof, _Timed(handshake, "wait_checked") as waits, \
+            _Timed(comm, "result") as hop:
         for _ in range(args.profiled):
-            op()
-    totals = {e.key: e.cpu_time_total / max(e.count, 1) for e in prof.key_averages()}
-    calls = {e.key: e.count for e in prof.key_averages()}
+            with record_function("bench.call"):
+                op()
+    totals = {e.key: e.cpu_time_total for e in prof.key_averages()}
     for key in RANGES:
-        out[key.removeprefix("overlap.")] = totals.get(key, 0.0) * calls.get(key, 0) / args.profiled
-    out["op_profiled"] = totals.get("overlap.all_gather_matmul", 0.0)
+        out[key.removeprefix("overlap.").removeprefix("bench.")] = totals.get(key, 0.0) / args.profiled
+    out["waits"] = waits.total * 1e6 / args.profiled
+    out["hop"] = hop.total * 1e6 / args.profiled
+    out["op_profiled"] = out.pop("call")
     dist.barrier()
     return out
 
@@ -101,15 +140,20 @@ def main(argv: list[str] | None = None) -> int:
 
     with RankPool(args.nproc) as pool:
         r = pool.run(_rank, args)[0]
+    inner = r["all_gather_matmul"]  # the op's range: handshake, waits, hop, copies and GEMMs
     rows = [
         ("op (median)", r["op"]), ("gemm alone (median)", r["gemm"]), ("plain torch ag+mm (median)", r["torch"]),
         ("protocol = op - gemm", r["op"] - r["gemm"]), ("op - plain torch", r["op"] - r["torch"]),
-        ("  preamble (profiled mean)", r["preamble"]), ("  handshake (profiled mean)", r["handshake"]),
-        ("  rest of the op (profiled mean)", r["op_profiled"] - r["preamble"] - r["handshake"]),
+        ("profiled call (mean)", r["op_profiled"]),
+        ("  preamble", r["preamble"]), ("  handshake", r["handshake"]), ("  waits for peers", r["waits"]),
+        ("  copy-engine hop", r["hop"]),
+        ("  dispatch", r["op_profiled"] - r["preamble"] - inner),
+        ("  copies, GEMMs, the rest", inner - r["handshake"] - r["waits"] - r["hop"]),
+        ("host rendezvous per call", r["rendezvous_per_call"]), ("steady-state calls per call", r["steady_per_call"]),
     ]
     print(f"all_gather_matmul {args.shape} fp32 forward, {args.strategy}, {args.nproc} ranks (rank 0, us per call)")
     for name, us in rows:
-        print(f"  {name:34s} {us:9.1f}")
+        print(f"  {name:34s} {us:9.1f}" if "per call" not in name else f"  {name:34s} {us:9.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rank0_us": r}, f, indent=1)

@@ -193,6 +193,12 @@ _ENGINE_PID = -1
 _ENGINE_LOCK = threading.Lock()
 
 
+#: CPU ranks: a `symm` gather that pulls at most this many bytes from its peers copies them on the calling
+#: thread (as the consumer reaches each chunk) instead of the copy engine's: the engine's wake-up (tens of
+#: microseconds, more on a busy machine) costs more than it hides below this size.
+INLINE_COPY_BYTES = 256 * 1024
+
+
 def copy_engine() -> ThreadPoolExecutor:
     global _ENGINE, _ENGINE_PID
     with _ENGINE_LOCK:

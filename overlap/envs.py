@@ -16,6 +16,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "OVERLAP_NODE_ID": ("", "node identity of this rank; overrides torchrun's GROUP_RANK and the hostname"),
     "OVERLAP_PLAN": ("", "path of a plan file written by `overlap tune`; `auto` looks calls up in it"),
     "OVERLAP_CACHE_DIR": ("~/.cache/overlap", "where `overlap info --probe` / `overlap tune` cache machine profiles"),
+    "OVERLAP_CHECK_EVERY_CALL": ("0", "1: every call runs the full cross-rank handshake (no steady state)"),
     "OVERLAP_SHM_DIR": ("/dev/shm", "where CPU symmetric memory segments are created (then unlinked at once)"),
     "OVERLAP_BUILD_CUDA": ("1", "build time: 0 skips the CUDA half of overlap._C even where nvcc exists"),
     "MAX_JOBS": ("2", "build time: parallel compile jobs of overlap._C"),
@@ -69,6 +70,11 @@ def plan_path() -> str | None:
 def cache_dir() -> str:
     """Where machine profiles are cached (OVERLAP_CACHE_DIR, ``~`` expanded)."""
     return os.path.expanduser(_get("OVERLAP_CACHE_DIR"))
+
+
+def check_every_call() -> bool:
+    """OVERLAP_CHECK_EVERY_CALL=1: no steady state; every call's signature is agreed by a full handshake."""
+    return _get("OVERLAP_CHECK_EVERY_CALL").strip() not in ("", "0")
 
 
 def shm_dir() -> str:

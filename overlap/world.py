@@ -129,6 +129,12 @@ class GroupInfo:
 _INFOS: dict[int, tuple[dist.ProcessGroup, GroupInfo]] = {}
 
 
+def capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a CUDA graph (False where CUDA was never
+    initialized in this process: no query, no initialization)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def group_device(group: dist.ProcessGroup) -> torch.device:
     backend = dist.get_backend(group)
     if "nccl" in str(backend).lower() and torch.cuda.is_available():

@@ -318,7 +318,8 @@ def test_killed_rank_during_backward(worlds, variant, strategy):
     k, results = world.kill(strategy, "backward")
     op = op_of(variant)
     if op == MAR:
-        # Its backward communicates nothing: it completes, and the next call times out at the handshake.
+        # Its backward communicates nothing: it completes, and the next call times out at the handshake (in
+        # the steady state, where there is no rendezvous, its first wait for the dead rank says the same).
         _check_killed(world, k, results, op)
         for r, res in enumerate(results):
             assert res.get("backward_ok"), (r, res)

@@ -12,10 +12,13 @@ def test_overhead_script_reports_every_row(tmp_path):
     done = run_script(["bench/overhead.py", "--iters", "5", "--warmup", "1", "--profiled", "5", "--json", str(out)],
                       timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    for row in ("op (median)", "gemm alone", "plain torch ag+mm", "protocol = op - gemm", "preamble", "handshake"):
+    for row in ("op (median)", "gemm alone", "plain torch ag+mm", "protocol = op - gemm", "preamble", "handshake",
+                "waits for peers", "copy-engine hop", "dispatch", "host rendezvous per call"):
         assert row in done.stdout, (row, done.stdout)
     record = json.loads(out.read_text())["rank0_us"]
-    assert {"op", "gemm", "torch", "preamble", "handshake", "op_profiled"} <= record.keys(), record
+    want = {"op", "gemm", "torch", "preamble", "handshake", "waits", "hop", "op_profiled", "rendezvous_per_call"}
+    assert want <= record.keys(), record
+    assert record["rendezvous_per_call"] == 0 and record["steady_per_call"] == 1, record  # warmed symm calls
     assert record["preamble"] > 0 and record["handshake"] > 0, record  # the op's ranges were seen
 
 

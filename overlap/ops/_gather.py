@@ -18,7 +18,9 @@ Kinds (a strategy's transport):
   so every send meets its receive at the same step even where a backend serializes steps, as NCCL
   does), each step cut into ``num_chunks[link]`` pieces, all posted at once.
 * ``symm``: this rank's rows are copied into its heap slot and flagged; a copy engine (a worker
-  thread on CPU ranks, a side stream on GPUs) pulls every peer's chunks into a local buffer.
+  thread on CPU ranks, a side stream on GPUs) pulls every peer's chunks into a local buffer. On CPU
+  ranks a gather of at most `overlap.comm.INLINE_COPY_BYTES` is pulled by the calling thread instead,
+  each chunk when `Gather.chunks` reaches it (a thread's wake-up costs more than such a copy).
 
 Row coordinates are those of the gathered tensor ``[W*m, k]``: rank ``p``'s rows are
 ``p*m ... (p+1)*m``. The caller has made the call's handshake (`CallContext.begin`) with
@@ -29,6 +31,7 @@ op's name for errors.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -125,11 +128,18 @@ class _Symm(Gather):
         call.signal_ready(stream=main)
         self.full = full = x2.new_empty((W * m, k))
         if not cuda:
-            engine = comm.copy_engine()
+            # A small gather is pulled by this thread as `chunks` reaches each piece: handing it to the copy
+            # engine's thread would cost more (a wake-up) than the copy it hides (`comm.INLINE_COPY_BYTES`).
+            inline = (W - 1) * x2.numel() * x2.element_size() <= comm.INLINE_COPY_BYTES
+            engine = None if inline else comm.copy_engine()
             for i in range(1, W):
                 p = (r + i) % W
                 for j, (lo, hi) in enumerate(comm.chunk_bounds(m, chunks_for(info.link_class(p)))):
-                    fut = engine.submit(_pull, call, p, lo, hi, full[p * m + lo : p * m + hi], m, j == 0)
+                    args = (call, p, lo, hi, full[p * m + lo : p * m + hi], m, j == 0)
+                    if inline:
+                        self.pending.append((p * m + lo, p * m + hi, functools.partial(_pull, *args)))
+                        continue
+                    fut = engine.submit(_pull, *args)
                     self.futures.append(fut)
                     self.pending.append((p * m + lo, p * m + hi, fut))
             return
@@ -157,6 +167,8 @@ class _Symm(Gather):
         for lo, hi, handle in self.pending:
             if self.x2.is_cuda:
                 torch.cuda.current_stream().wait_event(handle)
+            elif isinstance(handle, functools.partial):  # an inline pull (a small gather)
+                handle()
             else:
                 comm.result(handle, self.cc.timeout)
             yield lo, hi, self.full[lo:hi]

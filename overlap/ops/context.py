@@ -57,18 +57,21 @@ class CallContext:
         """This context with some fields replaced (`op`, `signature`, `plan`, ...)."""
         return dataclasses.replace(self, **changes)
 
-    def begin(self, need_bytes: int = 0):
+    def begin(self, need_bytes: int = 0, steady: bool = False):
         """The handshake on every rank: check the signatures, size the heap for `need_bytes` per slot.
 
         Returns the call (`overlap.symm.Call` on one node; a collective epoch across nodes) whose
-        ``finish()`` must run when this rank is done with the call, also on error paths."""
+        ``finish()`` must run when this rank is done with the call, also on error paths. `steady`: the
+        strategy waits on every peer's flags through the `Call` and `need_bytes` is fixed by the signature,
+        so a warmed signature skips the rendezvous (`overlap.symm.handshake`)."""
         world.CALLER.set(self.op)
         info = self.info
         with record("handshake"):
             if info.single_node:
                 if need_bytes > 0 and info.device.type == "cuda":
                     warn_device_connections(self.op)
-                return symm.heap_for(self.pg, self.timeout).begin(self.op, self.signature, need_bytes, self.timeout)
+                return symm.heap_for(self.pg, self.timeout).begin(self.op, self.signature, need_bytes, self.timeout,
+                                                                  steady=steady)
             return _collective_handshake(self.op, self.pg, info, self.signature, self.timeout, post_only=False)
 
     def fail(self, exc: Exception) -> NoReturn:
@@ -235,6 +238,11 @@ _HEADER_BYTES = 256
 
 def _collective_handshake(op: str, pg, info: world.GroupInfo, signature: str, timeout: float,
                           post_only: bool) -> _CollectiveCall:
+    if not post_only and world.capturing():
+        raise RuntimeError(f"overlap.{op}: cannot be captured in a CUDA graph: a group across nodes agrees on "
+                           "every call with a collective whose result the host reads. Run overlap's ops "
+                           "outside the captured region.")
+    symm.handshake.COUNTS["rendezvous"] += 1
     epoch = _EPOCHS.get(id(pg), 0) + 1
     _EPOCHS[id(pg)] = epoch
     raw = signature.encode()[:_HEADER_BYTES].ljust(_HEADER_BYTES, b"\0")
@@ -244,7 +252,7 @@ def _collective_handshake(op: str, pg, info: world.GroupInfo, signature: str, ti
     comm.wait_work(work, op, info.rank, "any", "signature", timeout, info)  # host-side check: needs the data
     if post_only:
         return _CollectiveCall(epoch)
-    rows = [bytes(row) for row in every.view(info.world_size, _HEADER_BYTES).cpu().numpy()]
+    rows = [bytes(row) for row in every.view(info.world_size, _HEADER_BYTES).cpu().numpy()]  # (across nodes)
     differ = {p: row.rstrip(b"\0").decode(errors="replace") for p, row in enumerate(rows) if row != raw}
     if differ:
         raise OverlapMismatchError.of(op, epoch, info.rank, signature, differ)

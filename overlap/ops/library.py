@@ -23,6 +23,7 @@ checks raise the error on this rank and tell the peers (`overlap.ops.context.pre
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import os
 import threading
@@ -87,13 +88,19 @@ def plan_arg(plan: Any) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=256)
+def _decoded(text: str) -> Plan:
+    """`Plan.decode`, once per text (plans are immutable)."""
+    return Plan.decode(text)
+
+
 def plan_of(text: str) -> Plan | PlanFile | str | None:
     """The ``plan=`` value `plan_arg` wrote."""
     kind, _, rest = text.partition(":")
     if not text:
         return None
     if kind == "plan":
-        return Plan.decode(rest)
+        return _decoded(rest)
     if kind == "path":
         return rest
     plan_file = _PLAN_FILES.get(text)
@@ -173,7 +180,7 @@ def kept(key: Any, what: str) -> Any:
     does not hold); `what` names the caller in the message."""
     if not isinstance(key, torch.Tensor) or key.numel() != 1 or key.dtype != torch.int64 or key.is_cuda:
         raise TypeError(f"overlap.{what}: expected the int64 key tensor an overlap op returned")
-    serial = int(key.item())  # a CPU tensor: no device synchronization
+    serial = int(key.numpy()[0])  # a CPU tensor: no device synchronization
     with _LOCK:
         obj = _KEPT.get(serial)
     if obj is None:

@@ -103,7 +103,7 @@ def heap_bytes(chosen: Plan, a2: torch.Tensor, n: int, world_size: int) -> int:
 def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
     """One call on every rank (`cc`: its op, group, plan, deadline, signature): the handshake, then the
     strategy; returns ``[M / W, n]``."""
-    call = cc.begin(heap_bytes(cc.plan, a2, b.shape[1], cc.world_size))
+    call = cc.begin(heap_bytes(cc.plan, a2, b.shape[1], cc.world_size), steady=cc.plan.strategy == "symm")
     try:
         return STRATEGIES[cc.plan.strategy](cc, call, a2, b)
     finally:

@@ -25,6 +25,7 @@ Default heuristic (`resolve_auto`, where no plan file covers a call):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -58,6 +59,12 @@ def as_plan(strategy: str, plan) -> Plan | None:
         raise ValueError(f"strategy={strategy!r} contradicts plan= a plan file (which is for strategy='auto')")
     if strategy == "auto":
         return None
+    return _named_plan(strategy)
+
+
+@functools.lru_cache(maxsize=64)
+def _named_plan(strategy: str) -> Plan:
+    """``Plan(strategy)``, made once per name (plans are immutable; an unknown name raises every time)."""
     return Plan(strategy)
 
 

@@ -16,16 +16,19 @@ store):
 The buffer protocol (docs/design.md) as implemented here:
 
 * **Handshake.** Every call on a group (any strategy, any op) starts with `SymmHeap.begin`:
-  the group's epoch advances by one, each rank posts ``(signature, bytes needed)`` under the
-  new epoch and waits until every peer has posted the same epoch. Each rank then compares every
-  peer's signature with its own, so a disagreement raises `OverlapMismatchError` on every rank,
-  on every call, with every signature in the message; nothing else has been exchanged, so the
-  group stays usable. A rank whose own arguments are wrong posts a poisoned signature without
-  waiting (``post_only``) and raises; its peers raise at once. Such a rank can run several calls
+  the group's epoch advances by one and each rank posts ``(signature, bytes needed)`` under the
+  new epoch. In a **full handshake** it then waits until every peer has posted the same epoch and
+  compares every peer's signature with its own, so a disagreement raises `OverlapMismatchError` on
+  every rank, with every signature in the message; nothing else has been exchanged, so the group
+  stays usable. A **steady-state** call (``symm`` strategies of the TP ops on CPU ranks, once this
+  rank has seen the signature pass a full handshake) posts and goes on: its signature is checked in
+  the data waits (`overlap.symm.handshake`), and a peer that made another call still makes it raise
+  `OverlapMismatchError`. A rank whose own arguments are wrong posts a poisoned signature without
+  waiting (``post_only``) and raises; its peers raise at once. Ranks can run several calls
   ahead, so every call first waits until its peers are within the ring (a peer that posted epoch
   ``E - 3`` has read every entry of ``E - 4``): a ring of four entries per rank is never
   overwritten before it is read.
-* **Growth.** All ranks now know the same ``need``; if a slot is smaller, every rank grows
+* **Growth.** After a full handshake all ranks know the same ``need``; if a slot is smaller, every rank grows
   together (a shared-memory rendezvous on the control pad): new segments are created, mapped by
   every peer, then unlinked at once, so ``/dev/shm`` holds nothing even if a rank is later killed.
   A rank that cannot allocate says so in its pad and every rank raises, keeping the old heap.
@@ -60,6 +63,7 @@ import torch
 
 from .. import envs, world
 from ..errors import OverlapTimeout
+from . import handshake
 from .call import Call
 from .heap import SymmHeap
 from .layout import MAX_FLAGS, MAX_PEERS, NUM_SLOTS, REBASE_EPOCH, signature_hash
@@ -67,7 +71,7 @@ from .layout import MAX_FLAGS, MAX_PEERS, NUM_SLOTS, REBASE_EPOCH, signature_has
 log = logging.getLogger("overlap")
 
 __all__ = ["MAX_FLAGS", "MAX_PEERS", "NUM_SLOTS", "REBASE_EPOCH", "Call", "SymmHeap", "heap_for", "heap_if_open",
-           "release", "reserve", "signature_hash"]
+           "host_sync_counts", "release", "reserve", "signature_hash"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -95,6 +99,14 @@ def heap_if_open(group: Any = None) -> SymmHeap | None:
     pg = world.resolve_group(group)
     entry = _HEAPS.get(id(pg))
     return entry[1] if entry is not None and entry[0] is pg and not entry[1].closed else None
+
+
+def host_sync_counts() -> dict[str, int]:
+    """This process's host synchronizations between ranks so far, by kind (`overlap.symm.handshake.COUNTS`):
+    ``rendezvous`` (full handshakes: the call waited on the host until every peer had started it),
+    ``steady`` (calls that skipped it: a warmed signature, checked in the data), ``ring_wait`` (steady calls
+    that waited for a peer more than three calls behind)."""
+    return {k: handshake.COUNTS[k] for k in ("rendezvous", "steady", "ring_wait")}
 
 
 def reserve(group: Any = None, nbytes: int = 0, timeout: float | None = None) -> None:

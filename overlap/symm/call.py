@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import OverlapTimeout
+from . import handshake
 from .layout import NUM_SLOTS, W_ASYNC_ERR, signals
 
 
@@ -30,7 +31,7 @@ class Call:
     """
 
     def __init__(self, heap: Any, op: str, epoch: int, timeout: float, uses_heap: bool = True,
-                 prev_data_epoch: int = 0, need: int = 0):
+                 prev_data_epoch: int = 0, need: int = 0, check: handshake.SignatureCheck | None = None):
         self.heap, self.op, self.epoch, self.timeout = heap, op, epoch, timeout
         # The largest slot size any rank asked for in this call (the same on every rank): ops whose
         # ranks need different amounts (MoE: token counts differ) lay the slot out from it.
@@ -39,6 +40,8 @@ class Call:
         self.slot = epoch % NUM_SLOTS
         self.rank, self.world_size = heap.rank, heap.world_size
         self.uses_heap, self.prev_data_epoch = uses_heap, prev_data_epoch
+        # A steady-state call (no rendezvous at its start) checks the peers' signatures in its waits.
+        self.check = check
         self._finished = False
 
     def buffer(self, peer: int, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
@@ -77,10 +80,18 @@ class Call:
                 self._bounded_wait(h.rank, h.done_word(self.slot, q), prev, q, stream)
             return
         addrs = [self._flag_addr(h.rank, h.done_word(self.slot, q)) for q in range(self.world_size)]
-        missing = signals().signal_wait_all(addrs, prev, self.timeout)
+        missing = handshake.wait_checked(self.check, addrs, prev, self.timeout)
         if missing >= 0:
+            self._raise_unstarted(missing)
             raise OverlapTimeout(self.op, self.rank, missing, f"slot {self.slot}", self.timeout,
                                  "the peer did not finish the slot's previous call")
+
+    def _raise_unstarted(self, peer: int) -> None:
+        """A steady-state wait timed out on a peer that never posted this call: say so, as a full handshake
+        would have (the handshake moved into the data waits)."""
+        if self.check is not None and not handshake.posted(self.heap, peer, self.epoch):
+            raise OverlapTimeout(self.op, self.rank, peer, "handshake", self.timeout,
+                                 "the peer never started this call")
 
     def _bounded_wait(self, owner: int, word: int, value: int, peer: int, stream: Any) -> None:
         # A stream-ordered wait (no SM: a main-stream GEMM cannot starve it) on `owner`'s pad word, then the
@@ -113,9 +124,13 @@ class Call:
         word = h.ready_word(self.slot, index)
         if self._cuda():
             self._bounded_wait(peer, word, self.word, peer, stream)
-        elif not signals().signal_wait(self._flag_addr(peer, word), self.word, self.timeout):
+            return
+        if handshake.wait_checked(self.check, [self._flag_addr(peer, word)], self.word, self.timeout) >= 0:
+            self._raise_unstarted(peer)
             raise OverlapTimeout(self.op, self.rank, peer, index if chunk is None else chunk, self.timeout,
                                  "data never signalled ready")
+        if self.check is not None:  # the peer's entry of this call was posted before this flag
+            self.check.verify(peer)
 
     def finish(self, stream: Any = None) -> None:
         """Tell every rank (this one included) that this rank is done with the slot.
@@ -128,6 +143,8 @@ class Call:
         self._finished = True
         self.heap.in_flight -= 1
         h = self.heap
+        if self.check is not None and self.check.pending:
+            h.defer_check(self.check)
         for q in range(self.world_size):
             addr = self._flag_addr(q, h.done_word(self.slot, self.rank))
             if self._cuda():

@@ -17,18 +17,16 @@ import torch.distributed as dist
 
 from .. import envs, shm, world
 from ..errors import OverlapMismatchError, OverlapTimeout
+from . import handshake
 from .call import Call
 from .layout import (
     ALIGN,
     CTRL_WORDS,
-    HS_BASE,
     HS_RING,
-    HS_STRIDE,
     MAX_FLAGS,
     MAX_PEERS,
     NUM_SLOTS,
     REBASE_EPOCH,
-    SIG_TEXT_BYTES,
     SLOT_BASE,
     SLOT_STRIDE,
     W_ASYNC_ERR,
@@ -100,6 +98,8 @@ class SymmHeap:
         # without synchronizing; `begin` checks it at the next call.
         self.async_errors = torch.zeros(MAX_PEERS + 1, dtype=torch.int32,
                                         pin_memory=self.device.type == "cuda")
+        self.warmed = handshake.Warmed()  # signatures of this rank's full handshakes (the steady state)
+        self.pending: list[handshake.SignatureCheck] = []
         # GPU ranks: the flags of `Call` (the side-stream pipelines' stream-ordered waits and writes) are the
         # control pads' words, registered here as mapped host memory (`_pad_dev`: each pad's device address)
         # so that the host watchdog can read and release them; the fused kernels' in-kernel waits use device
@@ -139,54 +139,68 @@ class SymmHeap:
         return SLOT_BASE + slot * SLOT_STRIDE + MAX_FLAGS + reader
 
     # -- the per-call handshake ---------------------------------------------------------------
-    def begin(self, op: str, signature: str, need_bytes: int, timeout: float, post_only: bool = False) -> Call:
-        """Start a call: advance the epoch, check signatures on every rank, grow if needed.
+    def pad(self, peer: int):
+        """`peer`'s control pad as a numpy int32 array (this process's mapping)."""
+        return self._ctrl_np[peer]
+
+    def begin(self, op: str, signature: str, need_bytes: int, timeout: float, post_only: bool = False,
+              steady: bool = False) -> Call:
+        """Start a call: advance the epoch, agree on the signature, grow if needed (`overlap.symm.handshake`).
 
         ``need_bytes`` is what one slot must hold for this call; 0 means the call uses no heap
         data (reference, pipelined), and then it touches no data flag either. ``post_only``
         publishes the signature and returns None without waiting (a rank that is about to raise
-        on its own bad input uses it, so its peers fail fast too).
+        on its own bad input uses it, so its peers fail fast too). ``steady``: the caller's strategy
+        checks the signature in its data waits (`Call.wait_ready`) and ``need_bytes`` is fixed by the
+        signature, so once the signature has passed a full handshake on this rank, later calls skip the
+        rendezvous (CPU ranks; GPU ranks always run the full handshake).
         """
         if self.closed:
             raise RuntimeError("overlap: this group's symmetric heap was released; it cannot be used again")
         self.check_async_errors(op, timeout)
-        c = signals()
+        if steady:  # the bytes are part of what ranks agree on (they are not compared in the steady state)
+            signature = f"{signature} [slot={need_bytes}]"
+        lo, hi = signature_hash(signature)
+        if not post_only and world.capturing():
+            raise self._capture_error(op, (lo, hi, need_bytes) in self.warmed, need_bytes)
+        fast = (steady and not post_only and self.device.type == "cpu" and not envs.check_every_call()
+                and (lo, hi, need_bytes) in self.warmed and self.epoch + 1 < REBASE_EPOCH)
         self.epoch += 1
         epoch = self.epoch
         peers = [p for p in range(self.world_size) if p != self.rank]
-        if epoch > HS_RING - 1:
-            # A rank that skipped waiting (post_only: its own input was bad) in earlier calls can be
-            # several calls ahead, also in the valid call that follows: never overwrite a ring entry a
-            # slower peer has yet to read (a peer that posted `oldest` has read every entry before it).
-            oldest = epoch - HS_RING + 1
-            missing = c.signal_wait_all([self.ctrl_addr(p, W_HS_EPOCH) for p in peers], oldest, timeout)
-            if missing >= 0:
-                raise OverlapTimeout(op, self.rank, peers[missing], "handshake", timeout,
-                                     f"the peer is more than {HS_RING - 1} calls behind")
-        entry = HS_BASE + (epoch % HS_RING) * HS_STRIDE
-        lo, hi = signature_hash(signature)
-        text = signature.encode()[:SIG_TEXT_BYTES].ljust(SIG_TEXT_BYTES, b"\0")
-        mine = self._ctrl_np[self.rank]
-        mine[entry : entry + 4] = (lo, hi, need_bytes & 0x7FFFFFFF, need_bytes >> 31)
-        mine[entry + 4 : entry + HS_STRIDE].view("u1")[:] = list(text)
-        # Release: the entry above is visible to a peer that sees the new epoch.
-        c.signal_store(self.ctrl_addr(self.rank, W_HS_EPOCH), epoch)
+        self._ring_guard(op, epoch, peers, timeout, fast)
+        try:
+            if not post_only:  # (a rank with bad input raises its own error)
+                self._resolve_pending()
+        except OverlapMismatchError:
+            # Tell the peers at once (they raise at this call), leave the slot whole, then raise.
+            handshake.post(self, epoch, 0, 0, 0, f"<rank {self.rank}: ranks disagreed on an earlier call>")
+            handshake.abandon(self, epoch)
+            raise
+        handshake.post(self, epoch, lo, hi, need_bytes, signature)
         if post_only:
+            handshake.abandon(self, epoch)
             return None
-        missing = c.signal_wait_all([self.ctrl_addr(p, W_HS_EPOCH) for p in peers], epoch, timeout)
+        if fast:
+            return self._steady(op, epoch, lo, hi, signature, need_bytes, timeout, peers)
+        handshake.COUNTS["rendezvous"] += 1
+        missing = signals().signal_wait_all([self.ctrl_addr(p, W_HS_EPOCH) for p in peers], epoch, timeout)
         if missing >= 0:
             raise OverlapTimeout(op, self.rank, peers[missing], "handshake", timeout,
                                  "the peer never started this call")
         need = need_bytes
         differ = {}
         for p in peers:
-            words = self._ctrl_np[p][entry : entry + 4].copy()
-            if (int(words[0]), int(words[1])) != (lo, hi):
-                raw = bytes(self._ctrl_np[p][entry + 4 : entry + HS_STRIDE].view("u1"))
-                differ[p] = raw.rstrip(bytes(1)).decode(errors="replace")
-            need = max(need, int(words[2]) | (int(words[3]) << 31))
+            got = handshake.entry_of(self, p, epoch)
+            if got is None or got[:2] != (lo, hi):
+                differ[p] = handshake.text_of(self, p, epoch)
+            else:
+                need = max(need, got[2])
         if differ:  # nothing was exchanged and no slot was used: the group stays usable
+            handshake.abandon(self, epoch)
             raise OverlapMismatchError.of(op, epoch, self.rank, signature, differ)
+        if need == need_bytes:
+            self.warmed.add(lo, hi, need)
         if epoch >= REBASE_EPOCH and self.in_flight == 0:  # (same on every rank: same calls in flight)
             epoch = self._rebase(op, timeout)
         if need > self.slot_bytes:
@@ -194,12 +208,79 @@ class SymmHeap:
             # (an op that nests calls, like an overlapped backward, sizes its first call for both).
             assert self.in_flight == 0, f"overlap.{op}: heap growth with {self.in_flight} call(s) in flight"
             self._grow(need, op, timeout)
+        return self._open(op, epoch, timeout, need)
+
+    def _capture_error(self, op: str, warmed: bool, need: int) -> RuntimeError:
+        """Why this call cannot run under CUDA graph capture, and what to do (checked before the handshake:
+        every rank captures the same calls, so every rank raises the same error)."""
+        if need > self.slot_bytes:
+            what = (f"it needs a heap slot of {need} bytes (now {self.slot_bytes}), and growth is a host "
+                    f"rendezvous; call overlap.reserve(group, {need}) before capturing")
+        elif not warmed:
+            what = "this is its first call with this signature; make a warm-up call with the same arguments first"
+        else:
+            what = ("its epochs are host integers that a replay would reuse; replaying overlap calls needs "
+                    "epochs advanced on the device, which this version does not have")
+        return RuntimeError(f"overlap.{op}: cannot be captured in a CUDA graph: {what}. "
+                            "Run overlap's ops outside the captured region for now.")
+
+    def _open(self, op: str, epoch: int, timeout: float, need: int, check=None) -> Call:
         slot = epoch % NUM_SLOTS
         prev = self.last_data_epoch[slot]
         if need > 0:
             self.last_data_epoch[slot] = epoch
             self.in_flight += 1
-        return Call(self, op, epoch, timeout, uses_heap=need > 0, prev_data_epoch=prev, need=need)
+        return Call(self, op, epoch, timeout, uses_heap=need > 0, prev_data_epoch=prev, need=need, check=check)
+
+    def _steady(self, op: str, epoch: int, lo: int, hi: int, signature: str, need: int, timeout: float,
+                peers: list[int]) -> Call:
+        """A warmed signature: no rendezvous. The peers that have already posted this call are compared now,
+        the others in the data waits (`overlap.symm.handshake`)."""
+        handshake.COUNTS["steady"] += 1
+        check = handshake.SignatureCheck(self, op, epoch, lo, hi, signature)
+        try:
+            for p in peers:
+                check.verify(p)
+        except OverlapMismatchError:
+            handshake.abandon(self, epoch)
+            raise
+        return self._open(op, epoch, timeout, need, check)
+
+    def _ring_guard(self, op: str, epoch: int, peers: list[int], timeout: float, fast: bool) -> None:
+        """Never overwrite a handshake entry a peer has yet to read.
+
+        A rank that skipped waiting (post_only: its own input was bad; or the steady state) can be several
+        calls ahead of a peer: before posting epoch E it waits until every peer has posted E - HS_RING + 1
+        (a peer that posted it has read every entry before it). Free in the steady state unless a peer is
+        that far behind."""
+        if epoch <= HS_RING - 1:
+            return
+        oldest = epoch - HS_RING + 1
+        if all(int(self._ctrl_np[p][W_HS_EPOCH]) >= oldest for p in peers):
+            return
+        if fast:
+            handshake.COUNTS["ring_wait"] += 1
+        missing = signals().signal_wait_all([self.ctrl_addr(p, W_HS_EPOCH) for p in peers], oldest, timeout)
+        if missing >= 0:
+            raise OverlapTimeout(op, self.rank, peers[missing], "handshake", timeout,
+                                 f"the peer is more than {HS_RING - 1} calls behind")
+
+    def _resolve_pending(self) -> None:
+        """Compare the entries of earlier steady calls' peers this rank never waited on (raises on a
+        difference); forget the calls whose peers are all compared."""
+        pending, self.pending = self.pending, []
+        for check in pending:
+            try:
+                if not check.resolve():
+                    self.pending.append(check)
+            except OverlapMismatchError:
+                self.pending = []
+                raise
+        del self.pending[: max(0, len(self.pending) - 2 * HS_RING)]
+
+    def defer_check(self, check) -> None:
+        """A steady call ended before comparing some peers' entries: compare them at the next call."""
+        self.pending.append(check)
 
     def err_addr(self, peer: int) -> int:
         """Address of the error word of waits on `peer` (device-visible on GPUs)."""
@@ -214,10 +295,11 @@ class SymmHeap:
 
         Also when a peer's watchdog released one of its waits (its pad's `W_ASYNC_ERR` word): that release
         may have let this rank's own wait on the same word through without data, so every rank raises."""
-        bad = torch.nonzero(self.async_errors[:MAX_PEERS]).flatten().tolist()
-        kernel = int(self.async_errors[MAX_PEERS])
-        if bad or kernel:
-            peer = bad[0] if bad else kernel - 1
+        words = self.async_errors.numpy()  # (pinned host memory on GPUs: read without a device synchronization)
+        bad = words[:MAX_PEERS].nonzero()[0]
+        kernel = int(words[MAX_PEERS])
+        if len(bad) or kernel:
+            peer = int(bad[0]) if len(bad) else kernel - 1
             raise OverlapTimeout(op, self.rank, peer, "of an earlier call", timeout,
                                  "a stream-ordered or in-kernel wait passed its deadline")
         for p, pad in enumerate(self._ctrl_np):
@@ -260,6 +342,7 @@ class SymmHeap:
         barrier(W_REBASE_DONE, "peer did not finish the epoch re-base")
         self.epoch = 1
         self.last_data_epoch = [0] * NUM_SLOTS
+        self.pending = []  # (every rank passed this call's full handshake: earlier calls are all agreed)
         log.info("overlap: re-based the epochs of a group (every %d calls)", REBASE_EPOCH)
         return 1
 

@@ -6,6 +6,7 @@ protocol they serve.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 NUM_SLOTS = 4
@@ -29,8 +30,9 @@ W_ASYNC_ERR = 6
 #: flags and epochs are always int32 values far apart from wrapping (see `SymmHeap._rebase`).
 REBASE_EPOCH = 2**30
 HS_BASE = 16
-HS_STRIDE = 4 + SIG_TEXT_BYTES // 4  # sig_lo, sig_hi, need_lo, need_hi, text
+HS_STRIDE = 5 + SIG_TEXT_BYTES // 4  # epoch tag, sig_lo, sig_hi, need_lo, need_hi, text (`overlap.symm.handshake`)
 SLOT_BASE = 512
+assert HS_BASE + HS_RING * HS_STRIDE <= SLOT_BASE
 SLOT_STRIDE = MAX_FLAGS + MAX_PEERS  # ready[MAX_FLAGS], done[MAX_PEERS]
 CTRL_WORDS = SLOT_BASE + NUM_SLOTS * SLOT_STRIDE
 ALIGN = 4096
@@ -43,6 +45,7 @@ def signals():
     return module
 
 
+@functools.lru_cache(maxsize=1024)
 def signature_hash(text: str) -> tuple[int, int]:
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     lo = int.from_bytes(digest[:4], "little", signed=True)
