@@ -203,3 +203,39 @@ def test_calls_under_cuda_graph_capture_raise_naming_what_to_do(pools, seed):
                           ("growth", "overlap.reserve(group,")):
             kind, msg, _ = seen[key]
             assert kind == "RuntimeError" and "CUDA graph" in msg and want in msg, (rank, key, kind, msg)
+
+
+def weight_steady_task(rank, world_size, seed, strategy):
+    """all_gather_weight_matmul (forward, the weight's re-gather, the gradient's ring): warmed calls make no
+    rendezvous and still match the float64 oracle; then a rank with another shape raises mismatch everywhere."""
+    from support import weight_oracle
+
+    from overlap import symm
+
+    case = (4, (), 8, 6, "weight.t()")
+    inputs, want = weight_oracle.oracle(seed, world_size, case, torch.float32)
+    a, w, g = inputs[rank]
+    for _ in range(2):
+        weight_oracle.forward_backward(strategy, a, w, "weight.t()", g)
+    before = symm.host_sync_counts()
+    for _ in range(10):
+        got = weight_oracle.forward_backward(strategy, a, w, "weight.t()", g)
+    after = symm.host_sync_counts()
+    compare(f"all_gather_weight_matmul {strategy} steady, rank {rank}", got, want[rank], torch.float32,
+            dict(rtol=1e-4, atol=1e-4))
+    other = w[:-1] if rank == 1 else w  # rank 1: a shard of another shape
+    error = expect_error(weight_oracle.forward_backward, strategy, a, other, "weight.t()", g[..., :-world_size]
+                         if rank == 1 else g)
+    return {k: after[k] - before[k] for k in after}, error
+
+
+@pytest.mark.parametrize("strategy", ["symm", "fused"])
+def test_weight_gather_steady_state(pools, seed, strategy):
+    for rank, (delta, (kind, msg, secs)) in enumerate(pools(2).run(weight_steady_task, seed, strategy,
+                                                                    timeout=180)):
+        # symm: forward, re-gather and ring are steady; fused: its forward kernel keeps the full handshake
+        steady_per_step = 3 if strategy == "symm" else 2
+        assert delta["rendezvous"] == (0 if strategy == "symm" else 10), (rank, delta)
+        assert delta["steady"] == 10 * steady_per_step, (rank, delta)
+        assert kind in ("OverlapMismatchError", "ValueError"), (rank, kind, msg)
+        assert secs < FALLBACK_TIMEOUT_S, (rank, secs)

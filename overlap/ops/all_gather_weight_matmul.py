@@ -116,7 +116,7 @@ def _start_gather(kind: str, call, shard_NK: torch.Tensor, cc: CallContext):
 
 def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
     """One forward call on every rank: the handshake, then each block of columns as its shard is there."""
-    call = cc.begin(heap_bytes(cc.plan, b))
+    call = cc.begin(heap_bytes(cc.plan, b), steady=cc.plan.strategy == "symm")
     try:
         if cc.plan.strategy == "fused":
             return _fused(cc, call, a2, b)
@@ -195,7 +195,7 @@ def _overlapped_backward(cc: CallContext, a2, b, g2, need_a, need_b):
             need = heap_bytes(chosen, b)
             if lay is not None:
                 need = max(need, _grad_ring.heap_bytes(lay, cc.world_size))
-            gather = _start_gather(kind, gather_cc.begin(need), shard_NK, gather_cc)
+            gather = _start_gather(kind, gather_cc.begin(need, steady=kind == "symm"), shard_NK, gather_cc)
         if need_b:
             grad_cc = cc.derive(signature=f"{cc.op}.grad_b(g={describe(g2)}, a={describe(a2)}, "
                                           f"plan={chosen.describe()})")
@@ -213,7 +213,7 @@ def _overlapped_backward(cc: CallContext, a2, b, g2, need_a, need_b):
 
 def _ring_grad_b(cc: CallContext, g2, a2, n: int, lay) -> torch.Tensor:
     """``grad_b_shard`` (``[n, k]``) through `_grad_ring`: its own call, two chunk regions of the heap."""
-    call = cc.begin(_grad_ring.heap_bytes(lay, cc.world_size))
+    call = cc.begin(_grad_ring.heap_bytes(lay, cc.world_size), steady=True)  # (host waits, fused too)
     try:
         return _grad_ring.reduce_scatter(cc, call, g2, a2.contiguous(), n, lay)
     finally:
