@@ -45,7 +45,7 @@ from .. import comm
 from ..errors import OverlapTimeout
 from ..plans import Plan
 from . import _gather, fused, library
-from .context import CallContext, describe, record
+from .context import CallContext, describe, no_autocast, record
 
 OP = "all_gather_matmul"
 
@@ -105,7 +105,7 @@ def _forward(a, b, group, strategy, plan, timeout, needs_grad):
     """``overlap::all_gather_matmul``: the whole call (checks, plan, handshake, strategy) on this rank."""
     cc = library.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad)
     # The handshake comes first (in `run`): nothing that can fail locally runs before the data.
-    with record(OP), torch.autocast(cc.info.device.type, enabled=False):
+    with record(OP), no_autocast(cc.info.device.type):
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
         out2, _ = run(a2, b, cc)
         out = out2.view(cc.world_size * a.shape[0], *a.shape[1:-1], b.shape[1])
@@ -120,7 +120,7 @@ def _fake(a, b, group, strategy, plan, timeout, needs_grad):
 def _backward(grad_out, a, b, context, need_a, need_b):
     """``overlap::all_gather_matmul_backward``: ``(grad_a, grad_b)`` in the forward's call context."""
     cc = library.kept(context, f"{OP}.backward").derive(op=f"{OP}.backward")
-    with torch.autocast(cc.info.device.type, enabled=False):
+    with no_autocast(cc.info.device.type):
         if cc.plan.strategy == "reference":
             grad_a, grad_b = _reference_backward(cc, a, b, grad_out, need_a, need_b)
         else:

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from ..errors import OverlapTimeout
 from ..plans import Plan
 from . import _gather, _grad_ring, _shard_ring, fused, library, matmul_reduce_scatter
-from .context import CallContext, describe, record
+from .context import CallContext, describe, no_autocast, record
 
 OP = "all_gather_weight_matmul"
 
@@ -135,7 +135,7 @@ def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
 def _forward(a, b, group, strategy, plan, timeout, needs_grad):
     """``overlap::all_gather_weight_matmul``: the whole call (checks, plan, handshake, strategy) on this rank."""
     cc = library.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad)
-    with record(OP), torch.autocast(cc.info.device.type, enabled=False):
+    with record(OP), no_autocast(cc.info.device.type):
         out2 = run(a.reshape(-1, a.shape[-1]), b, cc)
         out = out2.view(*a.shape[:-1], cc.world_size * b.shape[1])
     return out, library.context_out(cc, needs_grad)
@@ -162,7 +162,7 @@ def _backward(grad_out, a, b, context, need_a, need_b):
     """``overlap::all_gather_weight_matmul_backward``: ``(grad_a, grad_b)`` in the forward's call context."""
     cc = library.kept(context, f"{OP}.backward").derive(op=f"{OP}.backward")
     k, n = b.shape
-    with record(cc.op), torch.autocast(cc.info.device.type, enabled=False):
+    with record(cc.op), no_autocast(cc.info.device.type):
         grad_a2, grad_b_NK = _overlapped_backward(cc, a.reshape(-1, k), b, grad_out.reshape(-1, cc.world_size * n),
                                                   need_a, need_b)
     grad_a = grad_a2.view(a.shape) if need_a else None

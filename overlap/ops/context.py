@@ -124,8 +124,18 @@ def _preamble(op: str, group, timeout: float | None, decide: Callable[[CallConte
 
 
 def record(name: str) -> contextlib.AbstractContextManager:
-    """A profiler range ``overlap.<name>`` (NVTX on GPUs)."""
+    """A profiler range ``overlap.<name>`` (NVTX on GPUs) while a profiler runs; nothing otherwise (a range
+    costs a few microseconds per call even with no profiler)."""
+    if not torch._C._autograd._profiler_enabled():
+        return contextlib.nullcontext()
     return torch.profiler.record_function(f"overlap.{name}")
+
+
+def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off inside an op (its operands are cast already; its GEMMs run in their dtype), where it is on."""
+    if not torch.is_autocast_enabled(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
 
 
 # ----------------------------------------------------------------------------------------------

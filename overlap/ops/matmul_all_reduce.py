@@ -44,7 +44,7 @@ import torch.distributed as dist
 from .. import comm, symm
 from ..plans import Plan
 from . import fused, library
-from .context import CallContext, record
+from .context import CallContext, no_autocast, record
 from .matmul_reduce_scatter import region_bytes, scatter_and_reduce
 
 OP = "matmul_all_reduce"
@@ -108,7 +108,7 @@ def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
 def _forward(a, b, group, strategy, plan, timeout, needs_grad):
     """``overlap::matmul_all_reduce``: the whole call (checks, plan, handshake, strategy) on this rank."""
     cc = library.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad)
-    with record(OP), torch.autocast(cc.info.device.type, enabled=False):
+    with record(OP), no_autocast(cc.info.device.type):
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
         out = run(a2, b, cc).view(*a.shape[:-1], b.shape[1])
     return out, torch.empty(0, dtype=torch.int64)  # (its backward communicates nothing: no context kept)

@@ -48,7 +48,7 @@ from .. import comm, symm
 from ..errors import OverlapTimeout
 from ..plans import Plan
 from . import fused, library
-from .context import CallContext, describe, record
+from .context import CallContext, describe, no_autocast, record
 
 OP = "matmul_reduce_scatter"
 
@@ -113,7 +113,7 @@ def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
 def _forward(a, b, group, strategy, plan, timeout, needs_grad):
     """``overlap::matmul_reduce_scatter``: the whole call (checks, plan, handshake, strategy) on this rank."""
     cc = library.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad, _check_rows)
-    with record(OP), torch.autocast(cc.info.device.type, enabled=False):
+    with record(OP), no_autocast(cc.info.device.type):
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
         out = run(a2, b, cc).view(a.shape[0] // cc.world_size, *a.shape[1:-1], b.shape[1])
     return out, library.context_out(cc, needs_grad)
@@ -135,7 +135,7 @@ def _backward(grad_out, a, b, context, need_a, need_b):
     op = f"{OP}.backward"
     cc = cc.derive(op=op, signature=f"{op}(g={describe(g2)}, a={describe(a)}, b={tuple(b.shape)}, "
                                     f"grads={int(need_a)}{int(need_b)}, plan={cc.plan.describe()})")
-    with record(op), torch.autocast(cc.info.device.type, enabled=False):
+    with record(op), no_autocast(cc.info.device.type):
         out2, gathered = all_gather_matmul.run(g2, b.t() if need_a else None, cc, keep_gathered=need_b)
         # One GEMM over every gathered row: it rounds exactly as the unfused weight gradient does.
         grad_b = torch.mm(a2.t(), gathered) if need_b else None

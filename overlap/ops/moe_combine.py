@@ -43,7 +43,7 @@ from .. import comm
 from ..plans import Plan
 from . import fused, library, moe_bound, moe_cuda, moe_handle
 from . import moe_layout as layout
-from .context import CallContext, autocast_inputs, describe, preamble, record
+from .context import CallContext, autocast_inputs, describe, no_autocast, preamble, record
 from .moe_handle import MoEHandle
 
 OP_COMBINE = "combine"
@@ -170,7 +170,7 @@ def _forward(y, w, topk_weights, key, strategy, plan, timeout, grads):
     y = moe_bound.exact(y, h)  # (a bounded dispatch's padding rows are never read)
     needs_grad = "1" in grads
     context = library.context_out((cc.plan, h), needs_grad)
-    with record(cc.op), torch.autocast(h.info.device.type, enabled=False):
+    with record(cc.op), no_autocast(h.info.device.type):
         if moe_cuda.sums_on_device(y, topk_weights, cc.plan, needs_grad):
             return run(h, y, w, cc, weights=topk_weights), y.new_empty(0), context
         back = run(h, y, w, cc)
@@ -214,7 +214,7 @@ def _backward(grad_back, y, w, context, need_y, need_w):
     chosen, h = library.kept(context, f"moe.{op}.backward")
     grad_back = grad_back.contiguous()
     padded_y, y = y, moe_bound.exact(y, h)  # a bounded dispatch's padding rows: a zero gradient
-    with torch.autocast(h.info.device.type, enabled=False):
+    with no_autocast(h.info.device.type):
         if w is None:
             cc = layout.follow_up(h, f"moe.{op}.backward", grad_back, None, chosen)
             grad_y, _ = moe_dispatch.run(h, grad_back, h.order, None, cc)

@@ -42,7 +42,7 @@ from .. import comm
 from ..errors import OverlapTimeout
 from . import fused, library, moe_bound, moe_cuda, moe_handle
 from . import moe_layout as layout
-from .context import CallContext, autocast_inputs, preamble, record
+from .context import CallContext, autocast_inputs, no_autocast, preamble, record
 from .moe_handle import MoEHandle
 
 OP_DISPATCH = "dispatch"
@@ -167,7 +167,7 @@ def forward(x, topk_idx, w, num_experts, group, strategy, plan, timeout, grads, 
     op = OP_DISPATCH if w is None else OP_DISPATCH_MM
     x, w, h = _prepare(op, x, topk_idx, num_experts, w, library.group_of(group), strategy, library.plan_of(plan),
                        timeout, grads, bound)
-    with record(f"moe.{op}"), torch.autocast(h.info.device.type, enabled=False):
+    with record(f"moe.{op}"), no_autocast(h.info.device.type):
         keep = w is not None and grads[1] == "1"
         recv, out = run(h, x, h.token_of, w, h.context, counts=True, keep_rows=keep)
     if w is None:
@@ -211,7 +211,7 @@ def _backward(grad_out, topk_idx, rows, w, key, need_x, need_w):
             grad_w.append(layout.grouped_weight_grad(rows, grad_out, h, w))
 
     grad_x = None
-    with torch.autocast(h.info.device.type, enabled=False):
+    with no_autocast(h.info.device.type):
         if need_x:
             w_t = None if w is None else w.transpose(1, 2)
             cc = layout.follow_up(h, f"moe.{op}.backward", grad_out, w_t, h.plan)

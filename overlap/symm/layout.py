@@ -38,11 +38,17 @@ CTRL_WORDS = SLOT_BASE + NUM_SLOTS * SLOT_STRIDE
 ALIGN = 4096
 
 
+_SIGNALS = None
+
+
 def signals():
     """`overlap.signals` (flags with deadlines), imported on first use."""
-    from .. import signals as module
+    global _SIGNALS
+    if _SIGNALS is None:
+        from .. import signals as module
 
-    return module
+        _SIGNALS = module
+    return _SIGNALS
 
 
 @functools.lru_cache(maxsize=1024)
