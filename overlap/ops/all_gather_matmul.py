@@ -36,6 +36,7 @@ a new tensor. A rank's shard is copied into the heap, so ``a`` may be modified o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -44,7 +45,7 @@ import torch.distributed as dist
 from .. import comm
 from ..errors import OverlapTimeout
 from ..plans import Plan
-from . import _gather, fused, library
+from . import _gather, fused, hierarchical, library
 from .context import CallContext, describe, record
 
 OP = "all_gather_matmul"
@@ -83,7 +84,7 @@ def all_gather_matmul(
 
 def heap_bytes(chosen: Plan, a2: torch.Tensor) -> int:
     """Bytes of one heap slot a call needs (0: the strategy uses no symmetric memory)."""
-    return a2.numel() * a2.element_size() if chosen.strategy in ("symm", "fused") else 0
+    return a2.numel() * a2.element_size() if chosen.strategy in ("symm", "fused", "hierarchical") else 0
 
 
 def run(a2: torch.Tensor, b: torch.Tensor | None, cc: CallContext,
@@ -180,7 +181,7 @@ def _overlapped_backward(cc: CallContext, a, b, grad_out, need_a, need_b):
                 need = _gather.heap_bytes(kind, a2)
                 if need_a:
                     need = max(need, matmul_reduce_scatter.heap_bytes(chosen, g2, k, cc.world_size))
-                gather = _gather.start(kind, gather_cc.begin(need), a2, gather_cc)
+                gather = _gather.start(kind, gather_cc.begin(need), a2, gather_cc, need=need)
             if need_a:
                 grad_cc = cc.derive(signature=f"{cc.op}.grad_a(g={describe(g2)}, b={(n, k)}, plan={chosen.describe()})")
                 grad_a = matmul_reduce_scatter.run(g2, b.t(), grad_cc).view(a.shape)
@@ -241,4 +242,11 @@ def _fused(cc: CallContext, call, a2, b, keep_gathered):
     return out, gathered
 
 
-STRATEGIES = {"reference": _gathered, "pipelined": _gathered, "symm": _gathered, "fused": _fused}
+def _hierarchical(cc: CallContext, call, a2, b, keep_gathered):
+    """One node: ``symm``. Across nodes: `overlap.ops.hierarchical.HierGather` under `_gather`."""
+    with hierarchical.guard(cc) if not cc.info.single_node else contextlib.nullcontext():
+        return _gathered(cc, call, a2, b, keep_gathered)
+
+
+STRATEGIES = {"reference": _gathered, "pipelined": _gathered, "symm": _gathered, "fused": _fused,
+              "hierarchical": _hierarchical}

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from .. import comm, symm
 from ..plans import Plan
-from . import fused, library
+from . import fused, hierarchical_reduce, library
 from .context import CallContext, record
 from .matmul_reduce_scatter import region_bytes, scatter_and_reduce
 
@@ -87,7 +87,7 @@ def _layout(rows: int, n: int, dtype: torch.dtype, world_size: int) -> tuple[int
 
 
 def heap_bytes(chosen: Plan, a2: torch.Tensor, n: int, world_size: int) -> int:
-    if chosen.strategy not in ("symm", "fused"):
+    if chosen.strategy not in ("symm", "fused", "hierarchical"):  # hierarchical: symm's on one node
         return 0
     if chosen.one_shot:
         return region_bytes(a2.shape[0], n, a2.dtype)
@@ -323,4 +323,12 @@ def _fused(cc: CallContext, call, a2, b):
     return out
 
 
-STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused}
+def _hierarchical(cc: CallContext, call, a2, b):
+    """One node: ``symm``. Across nodes: `overlap.ops.hierarchical_reduce.all_reduce` (two-shot)."""
+    if cc.info.single_node:
+        return _symm(cc, call, a2, b)
+    return hierarchical_reduce.all_reduce(cc, a2, b)
+
+
+STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused,
+              "hierarchical": _hierarchical}

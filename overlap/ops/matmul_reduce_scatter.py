@@ -47,7 +47,7 @@ import torch.distributed as dist
 from .. import comm, symm
 from ..errors import OverlapTimeout
 from ..plans import Plan
-from . import fused, library
+from . import fused, hierarchical_reduce, library
 from .context import CallContext, describe, record
 
 OP = "matmul_reduce_scatter"
@@ -95,6 +95,8 @@ def region_bytes(m: int, n: int, dtype: torch.dtype) -> int:
 
 
 def heap_bytes(chosen: Plan, a2: torch.Tensor, n: int, world_size: int) -> int:
+    if chosen.strategy == "hierarchical":  # one node: symm's (which it runs); across nodes: the node's slot
+        return hierarchical_reduce.reduce_bytes(a2.shape[0] // world_size, n, a2.dtype, world_size)
     if chosen.strategy not in ("symm", "fused"):
         return 0
     return world_size * region_bytes(a2.shape[0] // world_size, n, a2.dtype)
@@ -318,4 +320,12 @@ def reduce_sources(cc: CallContext, call, out, src_table, flag_table, block_rows
         raise OverlapTimeout(cc.op, info.rank, bad - 1, "a reduced chunk", timeout, "fused reduction wait")
 
 
-STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused}
+def _hierarchical(cc: CallContext, call, a2, b):
+    """One node: ``symm``. Across nodes: `overlap.ops.hierarchical_reduce.reduce_scatter`."""
+    if cc.info.single_node:
+        return _symm(cc, call, a2, b)
+    return hierarchical_reduce.reduce_scatter(cc, a2, b)
+
+
+STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused,
+              "hierarchical": _hierarchical}

@@ -174,5 +174,13 @@ def check_plan_fits(op: str, plan: Plan, info: GroupInfo) -> None:
     if plan.strategy in ("symm", "fused") and not info.single_node:
         raise ValueError(
             f"overlap.{op}: strategy {plan.strategy!r} needs the ranks of one node, but this group spans "
-            f"nodes {info.node_names}; use 'pipelined' or 'auto'"
+            f"nodes {info.node_names}; use 'hierarchical', 'pipelined' or 'auto'"
         )
+    if plan.strategy == "hierarchical" and not info.single_node:
+        if info.device.type != "cpu":
+            raise ValueError(f"overlap.{op}: strategy 'hierarchical' across nodes runs on CPU ranks only in this "
+                             f"version; this group computes on {info.device}: use 'pipelined' or 'auto'")
+        sizes = {name: info.nodes.count(name) for name in info.node_names}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"overlap.{op}: strategy 'hierarchical' needs the same number of ranks on every "
+                             f"node; this group has {sizes}: use 'pipelined' or 'auto'")

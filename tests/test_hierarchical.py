@@ -1,0 +1,218 @@
+"""The ``hierarchical`` strategy on groups that span nodes, emulated on one machine: each rank's node is
+its ``OVERLAP_NODE_ID`` (set in the rank before the group's first call), so 2 nodes x 2 ranks and 2 nodes x 1
+rank run on the pooled CPU ranks without root; the network between them is loopback. (The emulated
+cluster's tests, as root, check the same strategy over a veth pair: tests/test_emulated_cluster.py.)
+
+Every op x ``hierarchical`` against ``reference`` on the same group and fresh random inputs, forward and
+backward, and against the float64 oracle; repeated calls bitwise equal (every rank's all-reduce output too);
+the payload bytes each call posts to other nodes, counted by the transfer layer
+(`overlap.comm.network_bytes_sent`), asserted exactly against what the algorithm moves (and ``pipelined``'s
+beside it); on one node it is ``symm``, bitwise; a rank killed on the other node is named by every
+survivor.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from support.harness import FALLBACK_TIMEOUT_S, RankError, run_isolated
+from support.tp_oracle import AGM, MAR, MRS, b_of, compare, forward_backward, oracle
+
+OPS = (AGM, MRS, MAR)
+# (rows, middle dims, k, n, b layout): odd sizes, one row, 3-D input, transposed weight views.
+CASES = [(5, (), 7, 3, "weight.t()"), (1, (), 16, 9, "contiguous"), (4, (3,), 13, 11, "weight.t()")]
+
+
+def spanning_group(rank: int, ranks_per_node: int):
+    """A new group of every rank whose node is ``hnode<rank // ranks_per_node>`` (read at its first call)."""
+    import torch.distributed as dist
+
+    os.environ["OVERLAP_NODE_ID"] = f"hnode{rank // ranks_per_node}"
+    return dist.new_group(list(range(dist.get_world_size())))
+
+
+def expected_bytes(op: str, case, world_size: int, ranks_per_node: int, rank: int, itemsize: int,
+                   backward: bool) -> int:
+    """Payload bytes one rank posts to other nodes in one ``hierarchical`` call: one copy per other node."""
+    rows, mid, k, n, _ = case
+    per = rows * (int(torch.tensor(mid).prod().item()) if mid else 1)  # rows of dim 0 times the middle dims
+    others = world_size // ranks_per_node - 1
+    if op == AGM:  # forward: a's rows; backward: a's rows again, and the node sums of grad_a
+        return others * per * k * itemsize * (3 if backward else 1)
+    if op == MRS:  # forward: the node sums of the partials; backward: the gather of grad_out
+        return others * per * n * itemsize * (2 if backward else 1)
+    # all-reduce: M rows in W parts of ceil(M/W); this rank sends the node sum of its counterparts' parts,
+    # then its own reduced part, to every other node; its backward communicates nothing
+    M = per
+    size = -(-M // world_size)
+    part = [max(0, min(size, M - d * size)) for d in range(world_size)]
+    local = rank % ranks_per_node
+    sums = sum(part[node * ranks_per_node + local] for node in range(world_size // ranks_per_node)
+               if node != rank // ranks_per_node)
+    return (sums + others * part[rank]) * n * itemsize
+
+
+def ops_against_reference(rank, world_size, ranks_per_node, dtype, seed):
+    import overlap
+    from overlap import comm
+
+    group = spanning_group(rank, ranks_per_node)
+    sent = []
+    try:
+        for op in OPS:
+            for i, case in enumerate(CASES):
+                inputs, want = oracle(op, seed + i, world_size, case, dtype)
+                a, param, g = inputs[rank]
+                ctx = f"{op} rank {rank}/{world_size} ({ranks_per_node} per node) {dtype} case {case} seed {seed + i}"
+                ref = forward_backward(op, "reference", a, param, case[4], g, group=group)
+                before = comm.network_bytes_sent()
+                with torch.no_grad():
+                    y = getattr(overlap, op)(a, b_of(param, case[4]), group=group, strategy="hierarchical")
+                fwd = comm.network_bytes_sent() - before
+                before = comm.network_bytes_sent()
+                got = forward_backward(op, "hierarchical", a, param, case[4], g, group=group)
+                both = comm.network_bytes_sent() - before
+                again = forward_backward(op, "hierarchical", a, param, case[4], g, group=group)
+                compare(ctx + " vs reference", got, ref, dtype)
+                compare(ctx + " vs float64", got, want[rank], dtype)
+                for label, x, z in zip(("out", "grad_a", "grad_b"), got, again):
+                    assert torch.equal(x, z), f"{ctx}: {label} differs between two identical calls"
+                assert torch.equal(y, got[0]), f"{ctx}: the forward without grad differs"
+                item = torch.empty((), dtype=dtype).element_size()
+                want_fwd = expected_bytes(op, case, world_size, ranks_per_node, rank, item, backward=False)
+                want_both = expected_bytes(op, case, world_size, ranks_per_node, rank, item, backward=True)
+                assert (fwd, both) == (want_fwd, want_both), f"{ctx}: network bytes {(fwd, both)} != {(want_fwd, want_both)}"
+                sent.append((op, i, fwd, both, got[0] if op == MAR else None))
+        overlap.release(group)
+        return sent
+    finally:
+        del os.environ["OVERLAP_NODE_ID"]
+
+
+@pytest.mark.parametrize("world_size, ranks_per_node", [(4, 2), (2, 1)])
+def test_every_op_against_reference(pools, world_size, ranks_per_node):
+    seed = 2200 + world_size
+    print(f"seed {seed}")
+    results = pools(world_size).run(ops_against_reference, ranks_per_node, torch.float32, seed)
+    for i in range(len(results[0])):  # the all-reduce's output: bitwise the same on every rank
+        outs = [r[i][4] for r in results]
+        if outs[0] is not None:
+            assert all(torch.equal(outs[0], o) for o in outs[1:]), f"all-reduce outputs differ across ranks: {results[0][i][:2]}"
+
+
+def bf16_against_reference(rank, world_size, ranks_per_node, seed):
+    group = spanning_group(rank, ranks_per_node)
+    try:
+        for op in OPS:
+            case = (6, (), 24, 10, "weight.t()")
+            inputs, want = oracle(op, seed, world_size, case, torch.bfloat16)
+            a, param, g = inputs[rank]
+            ref = forward_backward(op, "reference", a, param, case[4], g, group=group)
+            got = forward_backward(op, "hierarchical", a, param, case[4], g, group=group)
+            compare(f"{op} bf16 rank {rank} seed {seed}", got, ref, torch.bfloat16)
+    finally:
+        del os.environ["OVERLAP_NODE_ID"]
+
+
+def test_bf16_against_reference(pools):
+    pools(4).run(bf16_against_reference, 2, 2231)
+
+
+def pipelined_bytes(rank, world_size, ranks_per_node):
+    """``pipelined`` sends each block to every remote rank: twice ``hierarchical``'s at 2 x 2."""
+    import overlap
+    from overlap import comm
+
+    group = spanning_group(rank, ranks_per_node)
+    try:
+        a, b = torch.randn(6, 8), torch.randn(8, 5)
+        counts = {}
+        for strategy in ("pipelined", "hierarchical"):
+            before = comm.network_bytes_sent()
+            overlap.all_gather_matmul(a, b, group=group, strategy=strategy)
+            counts[strategy] = comm.network_bytes_sent() - before
+        return counts
+    finally:
+        del os.environ["OVERLAP_NODE_ID"]
+
+
+def test_all_gather_halves_network_bytes(pools):
+    for counts in pools(4).run(pipelined_bytes, 2):
+        assert counts == {"pipelined": 2 * 6 * 8 * 4, "hierarchical": 6 * 8 * 4}, counts
+
+
+def one_node(rank, world_size, seed):
+    """On a group of one node ``hierarchical`` is ``symm``: bitwise the same results."""
+    case = (5, (), 7, 3, "weight.t()")
+    for op in OPS:
+        inputs, _ = oracle(op, seed, world_size, case, torch.float32)
+        a, param, g = inputs[rank]
+        want = forward_backward(op, "symm", a, param, case[4], g)
+        got = forward_backward(op, "hierarchical", a, param, case[4], g)
+        for label, x, y in zip(("out", "grad_a", "grad_b"), got, want):
+            assert torch.equal(x, y), f"{op} rank {rank}: {label} of hierarchical != symm on one node"
+
+
+def test_one_node_is_symm(pools):
+    pools(2).run(one_node, 2240)
+
+
+def uneven_nodes(rank, world_size):
+    import overlap
+    from support.tp_oracle import expect_error
+
+    import torch.distributed as dist
+
+    os.environ["OVERLAP_NODE_ID"] = "u0" if rank < 2 else "u1"
+    try:
+        group = dist.new_group(list(range(world_size)))
+        return expect_error(overlap.all_gather_matmul, torch.randn(2, 4), torch.randn(4, 3), group=group,
+                            strategy="hierarchical")
+    finally:
+        del os.environ["OVERLAP_NODE_ID"]
+
+
+def test_uneven_nodes_raise_on_every_rank(pools):
+    for kind, msg, *_ in pools(3).run(uneven_nodes):
+        assert kind == "ValueError" and "same number of ranks" in msg, (kind, msg)
+
+
+# ----------------------------------------------------------------------------------------------
+# A rank killed on the other node: every survivor raises, naming it
+# ----------------------------------------------------------------------------------------------
+
+
+def killed_remote(rank, world_size, op, victim):
+    import signal
+
+    import overlap
+    from support.tp_oracle import expect_error
+
+    group = spanning_group(rank, 2)
+    a = torch.randn(4 * (world_size if op != AGM else 1), 8)
+    b = torch.randn(8, 6)
+    getattr(overlap, op)(a, b, group=group, strategy="hierarchical")  # healthy: node groups and heaps exist
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    kind, msg, *_ = expect_error(getattr(overlap, op), a, b, group=group, strategy="hierarchical", timeout=3.0)
+    return kind, msg, time.monotonic() - start
+
+
+@pytest.mark.parametrize("op", [AGM, MRS])
+def test_killed_rank_on_the_other_node_is_named(op):
+    victim = 3
+    with pytest.raises(RankError) as failed:  # the victim's death fails the task; the survivors' results remain
+        run_isolated(4, killed_remote, op, victim, timeout=90.0)
+    assert f"rank {victim} died" in str(failed.value) and "raised" not in str(failed.value), failed.value
+    results = failed.value.results
+    for rank, res in enumerate(results):
+        if rank == victim:
+            continue
+        kind, msg, secs = res
+        assert kind in ("OverlapError", "OverlapTimeout"), (rank, res)
+        assert f"rank {victim}" in msg or f"peer {victim}" in msg, (rank, res)
+        assert secs < FALLBACK_TIMEOUT_S, (rank, res)
