@@ -136,6 +136,17 @@ def header(call: symm.Call, peer: int) -> torch.Tensor:
     return call.buffer(peer, torch.int64, (1,))
 
 
+def wait_local(cc: CallContext, lay: Layout, call: symm.Call, peer: int, index: int, chunk) -> None:
+    """Wait for local rank `peer`'s flag `index`, then check its header; errors name group ranks (the node
+    heap's own are node-local)."""
+    try:
+        call.wait_ready(peer, index, chunk=chunk)
+    except OverlapTimeout as exc:
+        raise OverlapTimeout(cc.op, cc.rank, lay.rank(lay.node, peer), chunk, cc.timeout,
+                             "data never signalled ready by this node's rank") from exc
+    check_header(cc, lay, call, peer)
+
+
 def check_header(cc: CallContext, lay: Layout, call: symm.Call, peer: int) -> None:
     """After a flag of local rank `peer`: raise if it flagged because a remote rank failed."""
     dead = int(header(call, peer)[0])
@@ -267,6 +278,7 @@ class HierGather:
         self.pulls_own: list = []  # (rows lo, hi, future) of the node's own rows
         self.pulls_fwd: list = []  # ... of rows the node's ranks forwarded
         self.finished = False
+        self.abort = [False]  # set by close: pulls still queued on the copy engine return without waiting
         self.call = call if call is not None else begin_node(cc, lay, max(need, offset + lay.num_nodes * self.block))
         try:
             self._post()
@@ -325,8 +337,8 @@ class HierGather:
         lo, hi = self.rows_of(node, q)
         src = self.slot_block(q, node, hi - lo)
         for j, (a, b) in enumerate(self.bounds(node, hi - lo)):
-            fut = engine.submit(_pull, self.cc, self.lay, self.call, q, self.flag(node, j), src[a:b],
-                                self.full[lo + a : lo + b])
+            fut = engine.submit(_pull, self.abort, self.cc, self.lay, self.call, q, self.flag(node, j), src[a:b],
+                                self.full[lo + a : lo + b], f"{j} of node {self.lay.names[node]}'s rows")
             self.futures.append(fut)
             into.append((lo + a, lo + b, fut))
 
@@ -362,6 +374,7 @@ class HierGather:
         return self.full
 
     def close(self) -> None:
+        self.abort[0] = True  # (after a normal end every pull has run)
         comm.drain(self.futures)
         if not self.finished:
             self.finished = True
@@ -374,8 +387,9 @@ def _node_link(info: world.GroupInfo) -> str:
     return "shm" if info.device.type != "cuda" else "nvlink"
 
 
-def _pull(cc: CallContext, lay: Layout, call: symm.Call, q: int, index: int, src: torch.Tensor,
-          dst: torch.Tensor) -> None:
-    call.wait_ready(q, index)
-    check_header(cc, lay, call, q)
+def _pull(abort: list[bool], cc: CallContext, lay: Layout, call: symm.Call, q: int, index: int,
+          src: torch.Tensor, dst: torch.Tensor, chunk: str) -> None:
+    if abort[0]:
+        return
+    wait_local(cc, lay, call, q, index, chunk)
     dst.copy_(src)

@@ -31,8 +31,8 @@ import torch
 
 from .. import comm, symm
 from .context import CallContext
-from .hierarchical import HEADER_BYTES, HierGather, Layout, Poison, begin_node, check_header, guard, irecv, isend, \
-    layout_of
+from .hierarchical import HEADER_BYTES, HierGather, Layout, Poison, begin_node, guard, irecv, isend, layout_of, \
+    wait_local
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -145,8 +145,7 @@ def reduce_scatter_parts(cc: CallContext, lay: Layout, call: symm.Call, a2: torc
             lo, hi = got[j]
             for q in range(lay.ranks_per_node):
                 if q != l0:
-                    call.wait_ready(q, node * F + j, chunk=j)
-                    check_header(cc, lay, call, q)
+                    wait_local(cc, lay, call, q, node * F + j, f"{j} of the partials for node {lay.names[node]}")
             _sum_regions([area(l0, q, node, dest_rows) for q in range(lay.ranks_per_node)], total, lo, hi)
             if node != n0 and hi > lo:
                 sends.append((dest, j, isend(cc, total[lo:hi], dest)))
