@@ -84,7 +84,8 @@ def ops_against_reference(rank, world_size, ranks_per_node, dtype, seed):
                 item = torch.empty((), dtype=dtype).element_size()
                 want_fwd = expected_bytes(op, case, world_size, ranks_per_node, rank, item, backward=False)
                 want_both = expected_bytes(op, case, world_size, ranks_per_node, rank, item, backward=True)
-                assert (fwd, both) == (want_fwd, want_both), f"{ctx}: network bytes {(fwd, both)} != {(want_fwd, want_both)}"
+                assert (fwd, both) == (want_fwd, want_both), \
+                    f"{ctx}: network bytes {(fwd, both)} != {(want_fwd, want_both)}"
                 sent.append((op, i, fwd, both, got[0] if op == MAR else None))
         overlap.release(group)
         return sent
@@ -100,7 +101,8 @@ def test_every_op_against_reference(pools, world_size, ranks_per_node):
     for i in range(len(results[0])):  # the all-reduce's output: bitwise the same on every rank
         outs = [r[i][4] for r in results]
         if outs[0] is not None:
-            assert all(torch.equal(outs[0], o) for o in outs[1:]), f"all-reduce outputs differ across ranks: {results[0][i][:2]}"
+            assert all(torch.equal(outs[0], o) for o in outs[1:]), \
+                f"all-reduce outputs differ across ranks: {results[0][i][:2]}"
 
 
 def bf16_against_reference(rank, world_size, ranks_per_node, seed):
@@ -161,10 +163,10 @@ def test_one_node_is_symm(pools):
 
 
 def uneven_nodes(rank, world_size):
-    import overlap
+    import torch.distributed as dist
     from support.tp_oracle import expect_error
 
-    import torch.distributed as dist
+    import overlap
 
     os.environ["OVERLAP_NODE_ID"] = "u0" if rank < 2 else "u1"
     try:
@@ -190,9 +192,10 @@ def killed_remote(rank, world_size, op, victim):
     before a call fails the group's handshake, a collective that names no peer)."""
     import signal
 
+    from support.tp_oracle import expect_error
+
     import overlap
     from overlap.ops import hierarchical, hierarchical_reduce
-    from support.tp_oracle import expect_error
 
     group = spanning_group(rank, 2)
     try:
@@ -229,3 +232,106 @@ def test_killed_rank_on_the_other_node_is_named(op):
         assert kind in ("OverlapError", "OverlapTimeout"), (rank, res)
         assert f"rank {victim}" in msg or f"peer {victim}" in msg, (rank, res)
         assert secs < 3.0 + LATE_S, (rank, res)  # the deadline at most (a survivor may wait for it)
+
+
+# ----------------------------------------------------------------------------------------------
+# The cost model's choice and auto's, from given profiles (single process, no timing)
+# ----------------------------------------------------------------------------------------------
+
+TWO_BY_TWO = "cpu:nodes=2:ranks=4:links=network*2,shm*1"
+
+
+def profile_at(network_Bps: float, latency_s: float = 50e-6):
+    """The default CPU profile (shared memory, GEMMs) with the network at `network_Bps`."""
+    import dataclasses
+
+    from overlap.plans import LinkFit, default_profile
+
+    base = default_profile("cpu")
+    return dataclasses.replace(base, links={**base.links, "network": {"p2p": LinkFit(latency_s, network_Bps)}})
+
+
+def info_of(nodes, rank=0, device="cpu"):
+    from overlap import world
+
+    n = len(nodes)
+    return world.GroupInfo(rank=rank, world_size=n, global_ranks=tuple(range(n)), nodes=tuple(nodes),
+                           pids=tuple(range(n)), backend="gloo", device=torch.device(device),
+                           peer_access=(False,) * n)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("op", OPS)
+def test_model_picks_hierarchical_where_the_network_is_the_bottleneck(op, backward):
+    """At 100 Mbit/s between 2 nodes x 2 ranks the model ranks ``hierarchical`` first (its network bytes are
+    half ``pipelined``'s for the all-gather, the node's sums for the reductions), chunked per link."""
+    from overlap.plans import Problem, rank_candidates, topology_of
+
+    topology = topology_of(info_of(("a", "a", "b", "b")))
+    assert topology.signature == TWO_BY_TWO
+    problem = Problem(op, 128, 256, 512, "float32", backward)
+    ranked = rank_candidates(problem, topology, profile_at(12.5e6))
+    best = ranked[0][0]
+    assert best.strategy == "hierarchical", [(p.describe(), round(x.total_s * 1e3, 2)) for p, x in ranked[:5]]
+    assert {c for c, _ in best.num_chunks} == {"shm", "network"}, best
+    by = {}
+    for plan, pred in ranked:
+        by.setdefault(plan.strategy, pred)
+    if op == AGM and not backward:  # half the bytes over the bottleneck: the transfers take about half as long
+        assert by["hierarchical"].comm_s < 0.6 * by["pipelined"].comm_s, by
+
+
+def test_model_keeps_pipelined_where_node_copies_cost_more_than_the_network():
+    """A profile whose network is faster than its node's copies: forwarding through the node does not pay."""
+    import dataclasses
+
+    from overlap.plans import LinkFit, Problem, rank_candidates, topology_of
+
+    slow_node = profile_at(50e9, 1e-6)
+    slow_node = dataclasses.replace(slow_node, links={**slow_node.links, "shm": {"p2p": LinkFit(1e-6, 50e9),
+                                                                                  "copy": LinkFit(5e-3, 1e8)}})
+    topology = topology_of(info_of(("a", "a", "b", "b")))
+    for op in OPS:
+        best = rank_candidates(Problem(op, 128, 256, 512), topology, slow_node)[0][0]
+        assert best.strategy != "hierarchical", (op, best)
+
+
+def test_no_hierarchical_candidate_where_it_cannot_run_or_adds_nothing():
+    from overlap.plans import Plan, Problem, candidates, default_profile, predict, topology_of
+
+    problem = Problem(AGM, 64, 64, 64)
+    one_per_node = topology_of(info_of(("a", "b")))
+    uneven = topology_of(info_of(("a", "a", "a", "b")))
+    gpu = topology_of(info_of(("a", "a", "b", "b"), device="cuda"))
+    for topology in (one_per_node, uneven, gpu):
+        assert all(p.strategy != "hierarchical" for p in candidates(problem, topology)), topology
+    assert predict(problem, Plan("hierarchical"), uneven, default_profile("cpu")).total_s == float("inf")
+    assert predict(problem, Plan("hierarchical"), gpu, default_profile("cuda")).total_s == float("inf")
+    one_node = topology_of(info_of(("a", "a")))
+    assert predict(problem, Plan("hierarchical"), one_node, default_profile("cpu")) \
+        == predict(problem, Plan("symm"), one_node, default_profile("cpu"))
+    # the weight-side gather and MoE have no hierarchical strategy
+    for op in ("all_gather_weight_matmul",):
+        assert all(p.strategy != "hierarchical" for p in candidates(Problem(op, 64, 64, 64), topology_of(
+            info_of(("a", "a", "b", "b")))))
+
+
+def test_auto_across_nodes_from_the_model_or_the_plan_file():
+    """``auto`` on a TP call across nodes: the model's best under the default profile without a plan file, the
+    model's under the file's profile with one (an entry of the file first); never hierarchical where it cannot run."""
+    from overlap.plans import Entry, Plan, PlanFile, Problem, auto, topology_of
+
+    def resolve(nodes, plan_file=None, device="cpu", m=128):
+        info = info_of(nodes, device=device)
+        problem = Problem(AGM, m, 256, 512)
+        return auto.resolve_auto(AGM, "sig", info, m, "float32", problem=problem, plan_file=plan_file)
+
+    assert resolve(("a", "a", "b", "b")).strategy == "hierarchical"
+    assert resolve(("a", "b")).strategy in ("pipelined", "reference")
+    assert resolve(("a", "a", "b", "b"), device="cuda").strategy in ("pipelined", "reference")
+    topology = topology_of(info_of(("a", "a", "b", "b")))
+    fast_node = PlanFile.new(topology, 4, profile_at(12.5e6))
+    assert resolve(("a", "a", "b", "b"), fast_node).strategy == "hierarchical"
+    tuned = PlanFile.new(topology, 4, profile_at(12.5e6))
+    tuned.add(Entry(Problem(AGM, 128, 256, 512), Plan("pipelined", {"network": 4}), 0.01, 0.02, 0.01))
+    assert resolve(("a", "a", "b", "b"), tuned) == Plan("pipelined", {"network": 4})

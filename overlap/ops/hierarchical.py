@@ -9,8 +9,8 @@ the node before they cross.
 
 Topology (`Layout`). The group's nodes, ordered by their lowest group rank; the ranks of a node in group
 rank order; ``(node, local)`` names a rank. Every node must hold the same number of ranks ``L`` (ValueError
-otherwise, from `overlap.plans.auto.check_plan_fits`, in the preamble). Rank ``(n, l)``'s **counterparts** are the ranks ``(n', l)``
-of the other nodes: all network traffic is between counterparts, chunked for the ``network`` link
+otherwise, from `overlap.plans.auto.check_plan_fits`, in the preamble). Rank ``(n, l)``'s **counterparts**
+are the ranks ``(n', l)`` of the other nodes: all network traffic is between counterparts, chunked for the ``network`` link
 (`Plan.chunks_for("network")`); traffic within a node goes through the node's heap, chunked for the
 node's link (``shm`` on CPU ranks).
 

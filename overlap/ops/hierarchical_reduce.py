@@ -31,8 +31,18 @@ import torch
 
 from .. import comm, symm
 from .context import CallContext
-from .hierarchical import HEADER_BYTES, HierGather, Layout, Poison, begin_node, guard, irecv, isend, layout_of, \
-    wait_local
+from .hierarchical import (
+    HEADER_BYTES,
+    HierGather,
+    Layout,
+    Poison,
+    begin_node,
+    guard,
+    irecv,
+    isend,
+    layout_of,
+    wait_local,
+)
 
 _LOW = (torch.float16, torch.bfloat16)
 

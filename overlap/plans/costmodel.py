@@ -211,7 +211,8 @@ class _Model:
         # hierarchical (`hier_cost`): nodes, ranks per node, the class of the links within a node
         self.hier = plan.strategy == "hierarchical"
         self.nodes, self.local_ranks = topo.num_nodes, topo.ranks_per_node[0]
-        self.local_link = next((c for c, _ in topo.links if c != "network"), "shm" if topo.device == "cpu" else "nvlink")
+        self.local_link = next((c for c, _ in topo.links if c != "network"),
+                               "shm" if topo.device == "cpu" else "nvlink")
 
     # ---- costs ---------------------------------------------------------------------------------
     def msgs(self, link: str, nbytes: float, count: float = 1) -> float:
