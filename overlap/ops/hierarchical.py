@@ -10,9 +10,9 @@ the node before they cross.
 Topology (`Layout`). The group's nodes, ordered by their lowest group rank; the ranks of a node in group
 rank order; ``(node, local)`` names a rank. Every node must hold the same number of ranks ``L`` (ValueError
 otherwise, from `overlap.plans.auto.check_plan_fits`, in the preamble). Rank ``(n, l)``'s **counterparts**
-are the ranks ``(n', l)`` of the other nodes: all network traffic is between counterparts, chunked for the ``network`` link
-(`Plan.chunks_for("network")`); traffic within a node goes through the node's heap, chunked for the
-node's link (``shm`` on CPU ranks).
+are the ranks ``(n', l)`` of the other nodes: all network traffic is between counterparts, chunked for the
+``network`` link (`Plan.chunks_for("network")`); traffic within a node goes through the node's heap, chunked
+for the node's link (``shm`` on CPU ranks).
 
 The node's heap belongs to a **node group**: a process group of the node's ranks, made once per set of
 ranks (``dist.new_group(..., use_local_synchronization=True)``: only its members take part, so nothing is
