@@ -41,6 +41,7 @@ class Config:
     timeout_s: float = 0.0  # OVERLAP_TIMEOUT_S and the process group's timeout (0: 60 s, 300 s for a full probe)
     deadline_s: float = 900.0  # per rate: the ranks are killed past it
     symm_check: bool = True
+    figures: bool = False  # the hierarchical strategy's figures (`emulated_cluster_figures`) instead of the comparison
     verbose: bool = True  # rank 0's progress lines on stderr
     #: rate -> a recorded `overlap.plans.Profile` (its JSON): that rate's ranks take it instead of probing, so
     #: the model's ranking, and so the plans the tuner measures, are a function of the inputs alone
