@@ -119,6 +119,43 @@ def bf16_against_reference(rank, world_size, ranks_per_node, seed):
         del os.environ["OVERLAP_NODE_ID"]
 
 
+def weight_op(rank, world_size, ranks_per_node, seed):
+    """all_gather_weight_matmul x hierarchical against reference, forward and backward, and its network bytes."""
+    import overlap
+    from overlap import comm
+
+    group = spanning_group(rank, ranks_per_node)
+    try:
+        m, k, n = 5, 12, 3
+        gen = torch.Generator().manual_seed(seed * 31 + rank)
+        a, w, g = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(m, world_size * n,
+                                                                                                   generator=gen)
+        out = {}
+        for strategy in ("reference", "hierarchical", "hierarchical"):
+            a1, w1 = a.clone().requires_grad_(), w.clone().requires_grad_()
+            before = comm.network_bytes_sent()
+            y = overlap.all_gather_weight_matmul(a1, w1.t(), group=group, strategy=strategy)
+            fwd = comm.network_bytes_sent() - before
+            y.backward(g)
+            got = (y.detach(), a1.grad, w1.grad)
+            if strategy in out:
+                assert all(torch.equal(x, z) for x, z in zip(got, out[strategy])), f"rank {rank}: not repeatable"
+            out[strategy] = got
+            if strategy == "hierarchical":
+                others = world_size // ranks_per_node - 1
+                both = comm.network_bytes_sent() - before
+                assert (fwd, both) == (others * n * k * 4, 3 * others * n * k * 4), (rank, fwd, both)
+        compare(f"all_gather_weight_matmul rank {rank} seed {seed}", out["hierarchical"], out["reference"],
+                torch.float32)
+    finally:
+        del os.environ["OVERLAP_NODE_ID"]
+
+
+@pytest.mark.parametrize("world_size, ranks_per_node", [(4, 2), (2, 1)])
+def test_weight_gather_against_reference(pools, world_size, ranks_per_node):
+    pools(world_size).run(weight_op, ranks_per_node, 2250 + world_size)
+
+
 def test_bf16_against_reference(pools):
     pools(4).run(bf16_against_reference, 2, 2231)
 
@@ -156,6 +193,17 @@ def one_node(rank, world_size, seed):
         got = forward_backward(op, "hierarchical", a, param, case[4], g)
         for label, x, y in zip(("out", "grad_a", "grad_b"), got, want):
             assert torch.equal(x, y), f"{op} rank {rank}: {label} of hierarchical != symm on one node"
+    import overlap
+
+    gen = torch.Generator().manual_seed(seed + rank)
+    a, w, g = torch.randn(4, 6, generator=gen), torch.randn(3, 6, generator=gen), torch.randn(4, 6, generator=gen)
+    outs = []
+    for strategy in ("symm", "hierarchical"):
+        a1, w1 = a.clone().requires_grad_(), w.clone().requires_grad_()
+        y = overlap.all_gather_weight_matmul(a1, w1.t(), strategy=strategy)
+        y.backward(g)
+        outs.append((y.detach(), a1.grad, w1.grad))
+    assert all(torch.equal(x, y) for x, y in zip(*outs)), f"all_gather_weight_matmul rank {rank}: hierarchical != symm"
 
 
 def test_one_node_is_symm(pools):
@@ -310,10 +358,12 @@ def test_no_hierarchical_candidate_where_it_cannot_run_or_adds_nothing():
     one_node = topology_of(info_of(("a", "a")))
     assert predict(problem, Plan("hierarchical"), one_node, default_profile("cpu")) \
         == predict(problem, Plan("symm"), one_node, default_profile("cpu"))
-    # the weight-side gather and MoE have no hierarchical strategy
-    for op in ("all_gather_weight_matmul",):
-        assert all(p.strategy != "hierarchical" for p in candidates(Problem(op, 64, 64, 64), topology_of(
-            info_of(("a", "a", "b", "b")))))
+    # MoE has no hierarchical strategy; the weight-side gather has
+    two_by_two = topology_of(info_of(("a", "a", "b", "b")))
+    moe = Problem("moe", 64, 64, 64, experts=8, top_k=2)
+    assert all(p.strategy != "hierarchical" for p in candidates(moe, two_by_two))
+    assert any(p.strategy == "hierarchical" for p in candidates(Problem("all_gather_weight_matmul", 64, 64, 64),
+                                                                two_by_two))
 
 
 def test_auto_across_nodes_from_the_model_or_the_plan_file():

@@ -356,6 +356,10 @@ class HierGather:
             yield lo, hi, self.full[lo:hi]
 
     def chunks(self):
+        with guard(self.cc, self.lay):  # an error names the remote rank a peer saw fail
+            yield from self._chunks()
+
+    def _chunks(self):
         lo, hi = self.parts[self.cc.rank]
         yield lo, hi, self.x2
         for lo, hi, fut in self.pulls_own:

@@ -106,7 +106,7 @@ def _moe_bytes_per_peer(p, W: int) -> float:
     return (4 if p.backward else 2) * p.m * p.top_k / W * p.k * ITEMSIZE[p.dtype]
 
 
-#: the strategies of the ops without ``hierarchical`` (a group spanning nodes runs them ``pipelined``)
+#: the strategies of the MoE layer, which has no ``hierarchical`` (a group spanning nodes runs it ``pipelined``)
 _ONE_NODE = tuple(s for s in STRATEGIES if s != "hierarchical")
 
 #: every op, by name
@@ -121,7 +121,7 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
     # The weight-side gather (FSDP): a [m, k] per rank, b_shard [k, n] (this rank's columns), out [m, W*n].
     _tp("all_gather_weight_matmul", "AG(W)+MM", in_rows=lambda m, W: m, out_rows=lambda m, W: m,
         reduction=lambda k, W: k, per_peer_elements=lambda p: p.k * p.n * (3 if p.backward else 1),
-        out_cols=lambda n, W: W * n, strategies=_ONE_NODE),
+        out_cols=lambda n, W: W * n),
     OpSpec("moe", "moe", "moe", in_rows=lambda m, W: m, out_rows=lambda m, W: m,
            flops=lambda p, W: (3 if p.backward else 1) * 4 * p.m * p.top_k * p.k * p.n,
            bytes_per_peer=_moe_bytes_per_peer, chunked=moe_op.chunked, cost=moe_op.cost, inputs=moe_op.inputs,
