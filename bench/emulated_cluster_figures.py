@@ -26,9 +26,9 @@ from typing import Any
 
 #: the rates of a figures run
 FIGURE_RATES = ("100mbit", "1gbit", "10gbit")
-#: per rank ``m x k x n`` (`overlap.plans.Problem`): a 128 KiB fp32 block or partial per rank to move, GEMMs of a
+#: per rank ``m x k x n`` (`overlap.plans.Problem`): a 256 KiB fp32 block, shard or partial per rank to move, GEMMs of a
 #: few ms on one core: the link is the bottleneck at 100 Mbit/s, the GEMMs at 10 Gbit/s
-FIGURE_SHAPE = {"m": 128, "k": 256, "n": 256}
+FIGURE_SHAPE = {"m": 256, "k": 256, "n": 256}
 
 
 def figure_problems() -> list[dict[str, Any]]:
