@@ -18,6 +18,9 @@ Strategies (same results; `reference` is the oracle):
 * ``fused``: one Triton kernel (`overlap.kernels.ag_matmul`); each tile waits on the flag of the
   rank chunk it reads and loads it straight from that rank's buffer. Ranks of one node; on CPU
   ranks it runs interpreted (correct, slow: for tests at small sizes).
+* ``hierarchical``: groups spanning nodes (`overlap.ops.hierarchical`): each block sent once to each other
+  node (the rank with the same index there), forwarded within the node by shared memory as each network
+  chunk lands; every chunk's GEMM as it arrives. ``symm`` on one node.
 
 Autograd (Megatron's convention): ``grad_a = reduce_scatter(grad_out @ b.T)`` (sum),
 ``grad_b = all_gather(a).T @ grad_out`` for this rank's own shard ``b``. Like Megatron's sequence
@@ -65,7 +68,7 @@ def all_gather_matmul(
         a: ``[m, ..., k]``, this rank's slice of dim 0 (the sequence of Megatron's ``[s, b, h]``).
         b: ``[k, n]``, any strides (a weight ``w[n, k]`` is passed as ``w.t()``).
         group: process group (default: the world); every rank of it must make the same call.
-        strategy: ``"auto"`` (default), ``"reference"``, ``"pipelined"``, ``"symm"`` or ``"fused"``.
+        strategy: ``"auto"`` (default), ``"reference"``, ``"pipelined"``, ``"symm"``, ``"fused"`` or ``"hierarchical"``.
         plan: an `overlap.Plan` (overrides `strategy`'s defaults, e.g. chunk counts).
         timeout: seconds any wait on a peer may take (default ``OVERLAP_TIMEOUT_S``, 300).
 

@@ -26,6 +26,9 @@ same result run after run:
 * ``fused``: two-shot = the fused kernels of `matmul_reduce_scatter` (the reduction writes into the
   heap), then the pulls of ``symm``. One-shot: the same GEMM kernel with one destination (its own
   buffer) and the reduction kernel over every rank's buffer.
+* ``hierarchical``: groups spanning nodes (`overlap.ops.hierarchical_reduce`): the hierarchical
+  reduce-scatter of ``W`` parts, then the hierarchical all-gather of the reduced parts (two-shot;
+  ``one_shot`` is ignored across nodes). ``symm`` on one node.
 
 Autograd (Megatron's convention): the output and the loss are replicated, so the backward passes the
 output gradient through: ``grad_a = g @ b.T``, ``grad_b = a.T @ g``, local GEMMs with no communication.

@@ -24,6 +24,9 @@ order, so the same inputs and plan give bitwise the same result run after run:
   shared memory; GPUs compute into a local buffer and a side stream copies it (copy engine).
 * ``fused``: one Triton GEMM (`overlap.kernels.mm_rs`) whose tiles store straight into the owner's
   buffer and signal per chunk, then a reduction kernel that waits per chunk and sums in rank order.
+* ``hierarchical``: groups spanning nodes (`overlap.ops.hierarchical_reduce`): the partials summed within
+  the node by shared memory, each node's sum sent once to the destination's node, chunk by chunk while the
+  next node's GEMMs run; the node sums added in node order. ``symm`` on one node.
 
 Buffer layout (symm, fused): a slot holds ``W`` regions of ``[m, n]`` (each padded to 16 bytes),
 region ``s`` written by rank ``s``; ready flag ``d * F + j`` in producer ``s``'s pad says "chunk ``j``
