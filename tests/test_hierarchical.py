@@ -236,8 +236,8 @@ def test_uneven_nodes_raise_on_every_rank(pools):
 
 
 def killed_remote(rank, world_size, op, victim):
-    """`victim` (on the second node) dies inside a call, once its node's handshake is made (a rank dead
-    before a call fails the group's handshake, a collective that names no peer)."""
+    """`victim` (on the second node) dies inside a call, after the group's handshake, before it sends anything
+    (a rank dead before a call fails the group's handshake, a collective that names no peer)."""
     import signal
 
     from support.tp_oracle import expect_error
@@ -250,14 +250,12 @@ def killed_remote(rank, world_size, op, victim):
         a = torch.randn(4 * (world_size if op != AGM else 1), 8)
         b = torch.randn(8, 6)
         getattr(overlap, op)(a, b, group=group, strategy="hierarchical")  # healthy: node groups and heaps exist
-        if rank == victim:
-            begin = hierarchical.begin_node
+        if rank == victim:  # dies at its first send or its node's handshake, whichever comes first: nothing sent
 
-            def begin_then_die(*args, **kwargs):
-                begin(*args, **kwargs)
+            def die(*args, **kwargs):
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            hierarchical.begin_node = hierarchical_reduce.begin_node = begin_then_die
+            hierarchical.begin_node = hierarchical_reduce.begin_node = hierarchical.isend = die
         start = time.monotonic()
         kind, msg, *_ = expect_error(getattr(overlap, op), a, b, group=group, strategy="hierarchical", timeout=3.0)
         return kind, msg, time.monotonic() - start

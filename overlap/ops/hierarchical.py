@@ -24,12 +24,13 @@ Slot layout (every rank's slot): a 64-byte header (int64: ``dead + 1``, a failed
 saw, else 0), then the op's areas (`HierGather`: one block per node; `overlap.ops.hierarchical_reduce`:
 one region per (source, destination node)).
 
-All-gather (`HierGather`). Rank ``(n, l)`` copies its rows into block ``n`` of its slot and flags them
-(chunked for the node link); sends them to each counterpart and receives each counterpart's rows straight
-into block ``n'`` of its slot (network chunks); as each network chunk lands it flags it, so the node's other
-ranks pull it (the copy engine) while the next chunk travels, and the GEMM takes it. Order of the chunks
-it yields: its own rows, the node's own rows (interleaved with network arrivals as they complete), the
-rest of the network arrivals, then the rows other ranks of the node forwarded.
+All-gather (`HierGather`). Rank ``(n, l)`` first posts the network: its rows to each counterpart, each
+counterpart's rows into its gathered tensor (network chunks), so they travel during the node's handshake. It then
+copies its rows into block ``n`` of its slot and flags them (chunked for the node link); as each network chunk
+lands it copies it into block ``n'`` of its slot and flags it, so the node's other ranks pull it (the copy
+engine) while the next chunk travels, and the GEMM takes it. Order of the chunks it yields: its own rows, the
+node's own rows (interleaved with network arrivals as they complete), the rest of the network arrivals, then
+the rows other ranks of the node forwarded.
 
 Failures. Every wait has the call's deadline. A network wait that fails (the counterpart's process died:
 its connection closed) or times out on a rank whose process is gone writes ``dead + 1`` in this rank's
@@ -279,9 +280,13 @@ class HierGather:
         self.pulls_fwd: list = []  # ... of rows the node's ranks forwarded
         self.finished = False
         self.abort = [False]  # set by close: pulls still queued on the copy engine return without waiting
-        self.call = call if call is not None else begin_node(cc, lay, max(need, offset + lay.num_nodes * self.block))
+        self.call = call
         try:
-            self._post()
+            # The network first: its transfers need no slot, so they travel during the node's handshake.
+            self._post_network()
+            if self.call is None:
+                self.call = begin_node(cc, lay, max(need, offset + lay.num_nodes * self.block))
+            self._post_node()
         except BaseException:
             self.close()
             raise
@@ -301,7 +306,22 @@ class HierGather:
         return self.parts[self.lay.rank(node, local)]
 
     # ---- posting ---------------------------------------------------------------------------------------
-    def _post(self) -> None:
+    def _post_network(self) -> None:
+        """This rank's rows to every counterpart, every counterpart's rows into the gathered tensor, in chunks."""
+        cc, lay, x2 = self.cc, self.lay, self.x2
+        n0, l0 = lay.node, lay.local
+        lo, hi = self.parts[cc.rank]
+        for n in lay.remote_order():
+            dst = lay.rank((2 * n0 - n) % lay.num_nodes, l0)  # the node as far behind as `n` is ahead
+            for j, (a, b) in enumerate(self.bounds(n, hi - lo)):
+                self.sends.append((dst, j, isend(cc, x2[a:b], dst)))
+            src = lay.rank(n, l0)
+            rlo, rhi = self.rows_of(n, l0)
+            for j, (a, b) in enumerate(self.bounds(n, rhi - rlo)):
+                self.net.append((n, j, src, (a, b), irecv(cc, self.full[rlo + a : rlo + b], src)))
+
+    def _post_node(self) -> None:
+        """This rank's rows into its slot, flagged; the copy engine's pulls of the node's ranks' blocks."""
         cc, lay, call, x2 = self.cc, self.lay, self.call, self.x2
         n0, l0 = lay.node, lay.local
         lo, hi = self.parts[cc.rank]
@@ -315,16 +335,6 @@ class HierGather:
             rlo, rhi = self.rows_of(n, l0)
             mine += [self.flag(n, j) for j in range(len(self.bounds(n, rhi - rlo)))]
         self.poison = Poison(cc, lay, call, mine)
-        # Network: this rank's rows to every counterpart, every counterpart's rows into the slot, in chunks.
-        for n in lay.remote_order():
-            dst = lay.rank((2 * n0 - n) % lay.num_nodes, l0)  # the node as far behind as `n` is ahead
-            for j, (a, b) in enumerate(self.bounds(n, hi - lo)):
-                self.sends.append((dst, j, isend(cc, x2[a:b], dst)))
-            src = lay.rank(n, l0)
-            rlo, rhi = self.rows_of(n, l0)
-            block = self.slot_block(call.rank, n, rhi - rlo)
-            for j, (a, b) in enumerate(self.bounds(n, rhi - rlo)):
-                self.net.append((n, j, src, (rlo + a, rlo + b), block[a:b], irecv(cc, block[a:b], src)))
         # Pulls by the copy engine: the node's own rows first (flagged already), then what peers forward.
         engine = comm.copy_engine()
         for q in lay.local_order()[:-1]:
@@ -346,14 +356,15 @@ class HierGather:
     def _arrivals(self, block: bool):
         """Network chunks in posting order, each flagged for the node (forwarded) as soon as it landed."""
         while self.net:
-            n, j, src, (lo, hi), landed, work = self.net[0]
+            n, j, src, (a, b), work = self.net[0]
             if not block and not work.is_completed():
                 return
             self.net.pop(0)
             self.poison.wait(work, src, f"{j} of node {self.lay.names[n]}'s rows")
-            self.call.signal_ready(self.flag(n, j))
-            self.full[lo:hi].copy_(landed)
-            yield lo, hi, self.full[lo:hi]
+            rlo, rhi = self.rows_of(n, self.lay.local)
+            self.slot_block(self.call.rank, n, rhi - rlo)[a:b].copy_(self.full[rlo + a : rlo + b])
+            self.call.signal_ready(self.flag(n, j))  # forwarded: the node's ranks pull it now
+            yield rlo + a, rlo + b, self.full[rlo + a : rlo + b]
 
     def chunks(self):
         with guard(self.cc, self.lay):  # an error names the remote rank a peer saw fail
@@ -382,7 +393,7 @@ class HierGather:
         comm.drain(self.futures)
         if not self.finished:
             self.finished = True
-            if self.own_call:
+            if self.own_call and self.call is not None:
                 self.call.finish()
 
 
