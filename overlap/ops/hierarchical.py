@@ -105,17 +105,18 @@ def layout_of(info: world.GroupInfo) -> Layout:
 # The node group, its heap and the call's node handshake
 # ----------------------------------------------------------------------------------------------
 
-_NODE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_NODE_GROUPS: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
 
 
 def node_group(cc: CallContext, lay: Layout) -> dist.ProcessGroup:
-    """The process group of this rank's node (global ranks), made once per set of ranks by its members only."""
-    ranks = tuple(sorted(cc.info.global_ranks[r] for r in lay.nodes[lay.node]))
-    pg = _NODE_GROUPS.get(ranks)
+    """The process group of this rank's node (global ranks), made once per set of ranks by its members only
+    (per default group: a process that re-initializes torch.distributed makes new ones)."""
+    key = (id(dist.group.WORLD), tuple(sorted(cc.info.global_ranks[r] for r in lay.nodes[lay.node])))
+    pg = _NODE_GROUPS.get(key)
     if pg is None:
-        pg = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=cc.timeout),
+        pg = dist.new_group(list(key[1]), timeout=datetime.timedelta(seconds=cc.timeout),
                             use_local_synchronization=True)
-        _NODE_GROUPS[ranks] = pg
+        _NODE_GROUPS[key] = pg
     return pg
 
 
