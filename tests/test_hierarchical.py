@@ -1,5 +1,5 @@
 """The ``hierarchical`` strategy on groups that span nodes, emulated on one machine: each rank's node is
-its ``OVERLAP_NODE_ID`` (set in the rank before the group's first call), so 2 nodes x 2 ranks and 2 nodes x 1
+its ``OVERLAP_NODE_ID`` (set in the rank before the group's first call), so 2 nodes x 2 ranks, 2 x 1 and 3 x 1
 rank run on the pooled CPU ranks without root; the network between them is loopback. (The emulated
 cluster's tests, as root, check the same strategy over a veth pair: tests/test_emulated_cluster.py.)
 
@@ -93,7 +93,7 @@ def ops_against_reference(rank, world_size, ranks_per_node, dtype, seed):
         del os.environ["OVERLAP_NODE_ID"]
 
 
-@pytest.mark.parametrize("world_size, ranks_per_node", [(4, 2), (2, 1)])
+@pytest.mark.parametrize("world_size, ranks_per_node", [(4, 2), (2, 1), (3, 1)])
 def test_every_op_against_reference(pools, world_size, ranks_per_node):
     seed = 2200 + world_size
     print(f"seed {seed}")
