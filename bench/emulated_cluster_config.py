@@ -56,6 +56,9 @@ class Config:
         for name in ("ranks_per_node", "repeats", "measure", "tune_repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.figures and self.ranks_per_node < 2:
+            raise ValueError(f"figures need 2 ranks per node at least (hierarchical forwards within a node), "
+                             f"got {self.ranks_per_node}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.probe not in ("quick", "full"):

@@ -243,6 +243,8 @@ def test_config_rejects_bad_values():
         ec.Config(probe="deep")
     with pytest.raises(ValueError, match="at least one rate"):
         ec.Config(rates=())
+    with pytest.raises(ValueError, match="figures need 2 ranks per node"):
+        ec.Config(figures=True, ranks_per_node=1)
 
 
 def _repeat(pick: str, chunks: dict, tune_s: float, grid_s: float, grid: dict[str, float], duel=None) -> dict:
