@@ -218,8 +218,8 @@ def run(cfg: Config) -> list[dict[str, Any]]:
             signal.signal(sig, handler)
 
 
-def _parse(argv: list[str] | None) -> tuple[Config, str | None, str | None]:
-    """``(config, --json path, --rank-entry spec)``; exits 2 on bad arguments."""
+def _parse(argv: list[str] | None) -> tuple[Config, str | None, str | None, str | None]:
+    """``(config, --json path, --rank-entry spec, --plans folder)``; exits 2 on bad arguments."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", action="append", help="link rate in tc's syntax (repeatable; default 100mbit and 2gbit)")
@@ -240,12 +240,16 @@ def _parse(argv: list[str] | None) -> tuple[Config, str | None, str | None]:
                     help="the hierarchical strategy's figures instead of the tuner/grid comparison: 2 nodes x 2 ranks "
                          f"at {', '.join(FIGURE_RATES)} (unless --rate), every TP op with a hierarchical strategy, "
                          "fwd and fwd+bwd: reference, pipelined, hierarchical, the tuner's pick; bytes per call")
+    ap.add_argument("--plans", help="with --figures: a folder where each rate's plan file (the tuner's picks, as "
+                                    "`overlap tune` writes them) is saved as plans-<rate>.json")
     ap.add_argument("--json", help="write the raw results and summaries here")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     ap.add_argument("--rank-entry", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.rank_entry:
-        return Config(), None, args.rank_entry
+        return Config(), None, args.rank_entry, None
+    if args.plans and not args.figures:
+        ap.error("--plans goes with --figures")
     try:
         profiles = json.loads(Path(args.profiles).read_text()) if args.profiles else {}
         problems = tuple(figure_problems()) if args.figures else QUICK_PROBLEMS if args.quick else DEFAULT_PROBLEMS
@@ -257,11 +261,11 @@ def _parse(argv: list[str] | None) -> tuple[Config, str | None, str | None]:
                      deadline_s=args.deadline, verbose=not args.quiet)
     except (ValueError, OSError) as exc:  # json.JSONDecodeError is a ValueError
         ap.error(str(exc))
-    return cfg, args.json, None
+    return cfg, args.json, None, args.plans
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg, json_path, rank_spec = _parse(argv)
+    cfg, json_path, rank_spec, plans_dir = _parse(argv)
     if rank_spec is not None:
         rank_entry(rank_spec)
         return 0
@@ -281,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"total {time.monotonic() - start:.0f} s")
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=1) + "\n")
+    for r in results if plans_dir else ():
+        Path(plans_dir).mkdir(parents=True, exist_ok=True)
+        Path(plans_dir, f"plans-{r['raw']['rate']}.json").write_text(json.dumps(r["raw"]["plan_file"], indent=1) + "\n")
     return 0
 
 

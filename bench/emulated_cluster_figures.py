@@ -39,8 +39,9 @@ def figure_problems() -> list[dict[str, Any]]:
             if "hierarchical" in spec.strategies for bw in (False, True)]
 
 
-def run_figures(cfg: Any, spec: dict, rank: int, world_size: int, profile: Any) -> list[dict[str, Any]]:
-    """On every rank: the figures of every problem of `cfg` (rank 0's return value is the record)."""
+def run_figures(cfg: Any, spec: dict, rank: int, world_size: int, profile: Any) -> tuple[list[dict[str, Any]], Any]:
+    """On every rank: the figures of every problem of `cfg` and the plan file the tuner wrote for them (its
+    JSON: what ``overlap tune`` writes; rank 0's return value is the record)."""
     import torch.distributed as dist
 
     from overlap import world
@@ -52,10 +53,15 @@ def run_figures(cfg: Any, spec: dict, rank: int, world_size: int, profile: Any) 
     node = info.nodes[rank]
     leader = rank == min(r for r in range(world_size) if info.nodes[r] == node)  # reads its node's veth
     dev = spec["link"]["dev"]["ab".index(node)] if node in "ab" else ""
-    out = []
+    out, plan_file = [], None
     for fields in cfg.problems:
         p = Problem(**fields)
-        _, outcomes = tune([p], profile=profile, measure=cfg.measure, repeats=cfg.tune_repeats, warmup=cfg.warmup)
+        pf, outcomes = tune([p], profile=profile, measure=cfg.measure, repeats=cfg.tune_repeats, warmup=cfg.warmup)
+        if plan_file is None:
+            plan_file = pf
+        else:
+            for entry in pf.entries.values():
+                plan_file.add(entry)
         pick = outcomes[0].chosen.plan
         ranked = rank_candidates(p, topology, profile)
         best = {}
@@ -78,7 +84,7 @@ def run_figures(cfg: Any, spec: dict, rank: int, world_size: int, profile: Any) 
             print(f"{spec['rate']} {p.key}: {ms} pick {pick.describe()}", flush=True)
         out.append(record)
         dist.barrier()
-    return out
+    return out, (plan_file.to_json() if plan_file is not None else None)
 
 
 def _tx_bytes(dev: str) -> int:

@@ -294,7 +294,7 @@ def test_summarize_regret_share_and_error():
 HIER_SHAPE = {"m": 32, "k": 64, "n": 48}
 
 
-def test_hierarchical_over_the_veth_pair(emulation):
+def test_hierarchical_over_the_veth_pair(emulation, tmp_path):
     """2 nodes x 2 ranks at 1 Gbit/s, the figures' run with one timed call per plan: every TP op's
     ``hierarchical`` plan (and ``pipelined``'s, the tuner's pick) checked against ``reference``; the payload
     bytes per call, summed over the ranks, exactly what the algorithm moves (each block or node sum once per
@@ -321,4 +321,10 @@ def test_hierarchical_over_the_veth_pair(emulation):
         if op != "matmul_all_reduce":  # (pipelined's all-reduce is gloo's collective: not counted)
             assert rows["pipelined"]["payload_bytes"] == 2 * hier["payload_bytes"], (op, rows["pipelined"])
             assert hier["veth_bytes"] < 0.6 * rows["pipelined"]["veth_bytes"], (op, rows)
+    # the tuner's picks as a plan file (what `overlap tune` writes), for every problem, loadable
+    (tmp_path / "plans.json").write_text(json.dumps(raw["plan_file"]))
+    from overlap.plans import PlanFile
+
+    pf = PlanFile.load(tmp_path / "plans.json")
+    assert pf.topology == raw["topology"] and set(pf.entries) == {Problem(**p).key for p in problems}, pf.entries
     assert _our_namespaces(os.getpid()) == []
