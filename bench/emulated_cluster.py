@@ -22,6 +22,7 @@ usage:
   sudo .venv/bin/python bench/emulated_cluster.py                       # 100mbit and 2gbit, 2 ranks per node
   sudo .venv/bin/python bench/emulated_cluster.py --rate 100mbit --repeats 5 --json out.json
   sudo .venv/bin/python bench/emulated_cluster.py --quick --ranks-per-node 1
+  sudo .venv/bin/python bench/emulated_cluster.py --figures           # hierarchical's figures (README table)
 
 A default run takes about 2 minutes on 2 cores (4 ranks; more where other jobs share the cores: the
 report prints the machine's load). Exit code 0; 1 when a run fails (the failing rank's log on
@@ -49,6 +50,7 @@ from typing import Any
 # The sibling modules, also where this file is loaded by its path (the tests) rather than run as a script.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from emulated_cluster_config import DEFAULT_PROBLEMS, QUICK_PROBLEMS, Config  # noqa: E402
+from emulated_cluster_figures import FIGURE_RATES, figure_problems, format_figures, summarize_figures  # noqa: E402
 from emulated_cluster_link import (  # noqa: E402
     EmulationUnavailable,
     Link,
@@ -209,15 +211,15 @@ def run(cfg: Config) -> list[dict[str, Any]]:
         out = []
         for i, rate in enumerate(cfg.rates):
             raw = run_rate(cfg, rate, tag=str(i))
-            out.append({"raw": raw, "summary": summarize(raw)})
+            out.append({"raw": raw, "summary": summarize_figures(raw) if cfg.figures else summarize(raw)})
         return out
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _parse(argv: list[str] | None) -> tuple[Config, str | None, str | None]:
-    """``(config, --json path, --rank-entry spec)``; exits 2 on bad arguments."""
+def _parse(argv: list[str] | None) -> tuple[Config, str | None, str | None, str | None]:
+    """``(config, --json path, --rank-entry spec, --plans folder)``; exits 2 on bad arguments."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", action="append", help="link rate in tc's syntax (repeatable; default 100mbit and 2gbit)")
@@ -234,26 +236,36 @@ def _parse(argv: list[str] | None) -> tuple[Config, str | None, str | None]:
     ap.add_argument("--deadline", type=float, default=900.0, help="seconds per rate before the ranks are killed")
     ap.add_argument("--profiles", help="a JSON file {rate: profile} (as --json records them under raw.profile): "
                                        "those rates use it instead of probing")
+    ap.add_argument("--figures", action="store_true",
+                    help="the hierarchical strategy's figures instead of the tuner/grid comparison: 2 nodes x 2 ranks "
+                         f"at {', '.join(FIGURE_RATES)} (unless --rate), every TP op with a hierarchical strategy, "
+                         "fwd and fwd+bwd: reference, pipelined, hierarchical, the tuner's pick; bytes per call")
+    ap.add_argument("--plans", help="with --figures: a folder where each rate's plan file (the tuner's picks, as "
+                                    "`overlap tune` writes them) is saved as plans-<rate>.json")
     ap.add_argument("--json", help="write the raw results and summaries here")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     ap.add_argument("--rank-entry", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.rank_entry:
-        return Config(), None, args.rank_entry
+        return Config(), None, args.rank_entry, None
+    if args.plans and not args.figures:
+        ap.error("--plans goes with --figures")
     try:
         profiles = json.loads(Path(args.profiles).read_text()) if args.profiles else {}
-        cfg = Config(rates=tuple(args.rate or Config.rates), profiles=profiles, ranks_per_node=args.ranks_per_node,
+        problems = tuple(figure_problems()) if args.figures else QUICK_PROBLEMS if args.quick else DEFAULT_PROBLEMS
+        rates = tuple(args.rate or (FIGURE_RATES if args.figures else Config.rates))
+        cfg = Config(rates=rates, profiles=profiles, ranks_per_node=args.ranks_per_node,
                      repeats=2 if args.quick and args.repeats == 3 else args.repeats, measure=args.measure,
                      tune_repeats=args.tune_repeats, warmup=args.warmup, probe=args.probe,
-                     problems=QUICK_PROBLEMS if args.quick else DEFAULT_PROBLEMS, timeout_s=args.timeout,
+                     problems=problems, timeout_s=args.timeout, figures=args.figures,
                      deadline_s=args.deadline, verbose=not args.quiet)
     except (ValueError, OSError) as exc:  # json.JSONDecodeError is a ValueError
         ap.error(str(exc))
-    return cfg, args.json, None
+    return cfg, args.json, None, args.plans
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg, json_path, rank_spec = _parse(argv)
+    cfg, json_path, rank_spec, plans_dir = _parse(argv)
     if rank_spec is not None:
         rank_entry(rank_spec)
         return 0
@@ -269,10 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         print(f"emulated_cluster: interrupted ({exc or 'SIGINT'}); ranks stopped, link torn down", file=sys.stderr)
         return 130
-    print(format_table([r["summary"] for r in results]))
+    print(format_figures([r["raw"] for r in results]) if cfg.figures else format_table([r["summary"] for r in results]))
     print(f"total {time.monotonic() - start:.0f} s")
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=1) + "\n")
+    for r in results if plans_dir else ():
+        Path(plans_dir).mkdir(parents=True, exist_ok=True)
+        Path(plans_dir, f"plans-{r['raw']['rate']}.json").write_text(json.dumps(r["raw"]["plan_file"], indent=1) + "\n")
     return 0
 
 

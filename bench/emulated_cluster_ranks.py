@@ -121,6 +121,13 @@ def _compare(cfg: Config, spec: dict, rank: int, world_size: int) -> dict[str, A
     _say(rank, f"probe: {probe_s:.1f} s; network {net.bandwidth_Bps / 1e6:.1f} MB/s, "
                f"{net.latency_s * 1e6:.0f} us" if net else f"probe: {probe_s:.1f} s")
 
+    if cfg.figures:
+        from emulated_cluster_figures import run_figures
+
+        figures, plan_file = run_figures(cfg, spec, rank, world_size, profile)
+        return {"rate": spec["rate"], "link": spec["link"], "topology": topology.signature, "world_size": world_size,
+                "ranks_per_node": cfg.ranks_per_node, "node_check": node, "probe_s": probe_s,
+                "profile": profile.to_json(), "figures": figures, "plan_file": plan_file}
     problems = [Problem(**p) for p in cfg.problems]
     for p in problems:  # first calls (imports, allocator, gloo pairs) stay out of both timings
         measure(p, [Plan("reference"), Plan("pipelined")], repeats=1, warmup=1)

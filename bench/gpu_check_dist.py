@@ -50,6 +50,10 @@ from overlap import comm
 # ==============================================================================================
 
 
+#: the strategies the GPU check runs: every one but ``hierarchical`` (groups spanning nodes; ``symm`` on one node)
+STRATEGIES = tuple(s for s in overlap.STRATEGIES if s != "hierarchical")
+
+
 @dataclasses.dataclass(frozen=True)
 class OpCase:
     """One fused op as the distributed checks see it. A new op is one more entry in `build_ops`."""
@@ -61,7 +65,7 @@ class OpCase:
     smoke_shapes: tuple[dict[str, int], ...]  # CPU (gloo, interpreted fused): tiny
     bench_shapes: Callable[[int], list[tuple[str, dict[str, int]]]]  # world size -> labelled shapes
     native: Callable[[tuple[torch.Tensor, ...], Any], Callable[[], torch.Tensor] | str] | None = None
-    strategies: tuple[str, ...] = overlap.STRATEGIES  # the plain MoE ops have no fused form
+    strategies: tuple[str, ...] = STRATEGIES  # the plain MoE ops have no fused form
 
 
 def _ag_inputs(shape: dict[str, int], dtype: torch.dtype, device: torch.device,
@@ -195,7 +199,7 @@ def _moe_case(fn: Callable[..., torch.Tensor], names: tuple[str, ...], gemms: in
                       {"t": 300, "h": 1000, "f": 300, "e": 8, "k": 3, "skew": 1}),
         smoke_shapes=({"t": 8, "h": 32, "f": 24, "e": 4, "k": 2, "skew": 1},),
         bench_shapes=moe_shapes,
-        strategies=overlap.STRATEGIES if fused else tuple(s for s in overlap.STRATEGIES if s != "fused"),
+        strategies=STRATEGIES if fused else tuple(s for s in STRATEGIES if s != "fused"),
     )
 
 

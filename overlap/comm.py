@@ -160,6 +160,7 @@ def exchange_chunked(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
     """
     # An empty transfer posts nothing (both ends know it is empty: NCCL need not see zero-size messages).
     send_bounds = chunk_bounds(send.shape[0], chunks_for(info.link_class(dst))) if send.shape[0] else []
+    count_sent(info, dst, send.numel() * send.element_size())
     recv_bounds = chunk_bounds(recv.shape[0], chunks_for(info.link_class(src))) if recv.shape[0] else []
     posted = []
     for j in range(max(len(send_bounds), len(recv_bounds))):
@@ -181,6 +182,23 @@ def exchange_chunked(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
                                f"failed: {exc}. A peer probably died; destroy and re-create the group.") from exc
         posted.append((j, got, list(zip(works, peers, strict=True))))
     return posted
+
+
+# Payload bytes this process has posted to peers on other nodes (point-to-point sends of `exchange_chunked`
+# and of the hierarchical strategy; not the plain collectives, whose algorithm the backend picks, nor the
+# handshakes' signature headers). The emulated cluster's figures and the tests read it per call.
+_NETWORK_SENT = [0]
+
+
+def count_sent(info: world.GroupInfo, peer: int, nbytes: int) -> None:
+    """Count `nbytes` posted to group rank `peer` if it is on another node."""
+    if info.nodes[peer] != info.nodes[info.rank]:
+        _NETWORK_SENT[0] += nbytes
+
+
+def network_bytes_sent() -> int:
+    """Payload bytes this process has posted point-to-point to ranks of other nodes since it started."""
+    return _NETWORK_SENT[0]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ a probe or a timing taken during the test: on a busy machine those follow the lo
 
 Budget (2 cores): one run of 2 nodes x 1 rank at 100 Mbit/s and 2 Gbit/s with one problem and no probe
 (~30 s), a 2 x 2 run with no problems for the node layout (~10 s), a run whose ranks fail (~5 s), a run
-interrupted by SIGTERM (~5 s).
+interrupted by SIGTERM (~5 s), a 2 x 2 run of the ``hierarchical`` figures with one call per plan at 1 Gbit/s for
+its bytes over the veth pair (~15 s).
 """
 
 from __future__ import annotations
@@ -242,6 +243,8 @@ def test_config_rejects_bad_values():
         ec.Config(probe="deep")
     with pytest.raises(ValueError, match="at least one rate"):
         ec.Config(rates=())
+    with pytest.raises(ValueError, match="figures need 2 ranks per node"):
+        ec.Config(figures=True, ranks_per_node=1)
 
 
 def _repeat(pick: str, chunks: dict, tune_s: float, grid_s: float, grid: dict[str, float], duel=None) -> dict:
@@ -282,3 +285,46 @@ def test_summarize_regret_share_and_error():
     assert math.isclose(p["model_error_grid"], errs[4])
     assert math.isclose(s["network_MBps"], 12.0)
     assert "regret" in ec.format_table([s])
+
+
+# ----------------------------------------------------------------------------------------------
+# The hierarchical strategy over the veth pair (its figures: `bench/emulated_cluster.py --figures`)
+# ----------------------------------------------------------------------------------------------
+
+HIER_SHAPE = {"m": 32, "k": 64, "n": 48}
+
+
+def test_hierarchical_over_the_veth_pair(emulation, tmp_path):
+    """2 nodes x 2 ranks at 1 Gbit/s, the figures' run with one timed call per plan: every TP op's
+    ``hierarchical`` plan (and ``pipelined``'s, the tuner's pick) checked against ``reference``; the payload
+    bytes per call, summed over the ranks, exactly what the algorithm moves (each block or node sum once per
+    node: half ``pipelined``'s); on the wire (the veth counters) at least the payload, and for the gathers and
+    the reduce-scatter below 0.6 x ``pipelined``'s. Bytes only: no timing is asserted."""
+    problems = tuple({"op": op, **HIER_SHAPE, "backward": False}
+                     for op in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
+                                "all_gather_weight_matmul"))
+    cfg = ec.Config(rates=("1gbit",), ranks_per_node=2, figures=True, problems=problems, measure=1, tune_repeats=1,
+                    warmup=0, repeats=1, symm_check=False, verbose=False, timeout_s=60, deadline_s=240)
+    raw = ec.run(cfg)[0]["raw"]
+    assert raw["topology"] == "cpu:nodes=2:ranks=4:links=network*2,shm*1", raw["topology"]
+    m, k, n = HIER_SHAPE["m"], HIER_SHAPE["k"], HIER_SHAPE["n"]
+    # per rank, fp32: the block, shard or node sum it sends to its one counterpart on the other node
+    sent = {"all_gather_matmul": m * k, "matmul_reduce_scatter": m * n, "matmul_all_reduce": 2 * m * n,
+            "all_gather_weight_matmul": k * n}
+    for rec in raw["figures"]:
+        op, rows = rec["problem"]["op"], rec["rows"]
+        assert not any(r["error"] for r in rows.values()), (op, rows)
+        hier = rows["hierarchical"]
+        assert hier["strategy"] == "hierarchical", (op, hier)
+        assert hier["payload_bytes"] == 4 * sent[op] * 4, (op, hier)
+        assert hier["veth_bytes"] >= hier["payload_bytes"], (op, hier)
+        if op != "matmul_all_reduce":  # (pipelined's all-reduce is gloo's collective: not counted)
+            assert rows["pipelined"]["payload_bytes"] == 2 * hier["payload_bytes"], (op, rows["pipelined"])
+            assert hier["veth_bytes"] < 0.6 * rows["pipelined"]["veth_bytes"], (op, rows)
+    # the tuner's picks as a plan file (what `overlap tune` writes), for every problem, loadable
+    (tmp_path / "plans.json").write_text(json.dumps(raw["plan_file"]))
+    from overlap.plans import PlanFile
+
+    pf = PlanFile.load(tmp_path / "plans.json")
+    assert pf.topology == raw["topology"] and set(pf.entries) == {Problem(**p).key for p in problems}, pf.entries
+    assert _our_namespaces(os.getpid()) == []

@@ -108,6 +108,7 @@ from .names import (
     MODES,
     MOE_OPS,
     MOE_PRESETS,
+    NOT_BENCHED,
     STRATEGY_NAMES,
     TORCH,
     TP_OPS,
@@ -137,7 +138,8 @@ OPS = TP_OPS
 # `names` spells out what the command line needs without torch; it must be the op table's.
 _TABLE = (ops_of("tp"), ops_of("moe"), STRATEGIES, {n: s.variants for n, s in OP_TABLE.items() if s.variants},
           tuple(DTYPES))
-if _TABLE != (TP_OPS, MOE_OPS, STRATEGY_NAMES, VARIANT_FLAGS, DTYPE_NAMES):  # pragma: no cover - a maintenance slip
+_NAMES = (TP_OPS, MOE_OPS, STRATEGY_NAMES + NOT_BENCHED, VARIANT_FLAGS, DTYPE_NAMES)
+if _TABLE != _NAMES:  # pragma: no cover - a maintenance slip
     raise ImportError(f"overlap.benchmarks.names is out of step with the op table: {_TABLE}")
 
 #: strategy labels beyond `plan.STRATEGIES`, per op: label -> (strategy, fields of its `overlap.Plan`)
@@ -150,7 +152,7 @@ VARIANTS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
 def label_plan(op: str, label: str) -> tuple[str, dict[str, Any]]:
     """``(strategy, Plan fields)`` of a row label of `op` (``torch`` and ``auto`` are their own strategy);
     raises ValueError for an unknown label."""
-    if label in STRATEGIES or label in (TORCH, AUTO):
+    if label in STRATEGY_NAMES or label in (TORCH, AUTO):
         return label, {}
     if label in VARIANTS.get(op, {}):
         return VARIANTS[op][label]

@@ -26,8 +26,11 @@ MODES = ("fwd", "fwd+bwd")
 #: the dtypes a case may have (`definitions.DTYPES` maps them to torch's)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
-#: `overlap.plans.STRATEGIES`
+#: `overlap.plans.STRATEGIES` that ``overlap bench`` runs
 STRATEGY_NAMES = ("reference", "pipelined", "symm", "fused")
+#: the rest of `overlap.plans.STRATEGIES`: ``hierarchical`` runs ``symm`` on one node; across nodes the emulated
+#: cluster's figures measure it (``bench/emulated_cluster.py --figures``)
+NOT_BENCHED = ("hierarchical",)
 
 #: per op, the `Plan` flags beyond the strategy that make labels of their own (`OpSpec.variants`)
 VARIANT_FLAGS: dict[str, tuple[str, ...]] = {"matmul_all_reduce": ("one_shot",)}

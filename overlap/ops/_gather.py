@@ -41,8 +41,9 @@ from .context import CallContext
 
 
 def heap_bytes(kind: str, x2: torch.Tensor) -> int:
-    """Bytes of a heap slot a gather of `x2` needs."""
-    return x2.numel() * x2.element_size() if kind == "symm" else 0
+    """Bytes of a heap slot a gather of `x2` needs (``hierarchical``: on one node, as ``symm``; across nodes
+    its gather sizes the node's slot itself, `start`'s `need` at least)."""
+    return x2.numel() * x2.element_size() if kind in ("symm", "hierarchical") else 0
 
 
 class Gather:
@@ -174,8 +175,18 @@ class _Symm(Gather):
             yield lo, hi, self.full[lo:hi]
 
 
-def start(kind: str, call, x2: torch.Tensor, cc: CallContext) -> Gather:
-    """Post the gather of `x2` (``[m, k]`` contiguous) over the group; see the module docstring."""
+def start(kind: str, call, x2: torch.Tensor, cc: CallContext, need: int = 0) -> Gather:
+    """Post the gather of `x2` (``[m, k]`` contiguous) over the group; see the module docstring.
+
+    ``hierarchical``: ``symm`` on a group of one node; across nodes `overlap.ops.hierarchical.HierGather`,
+    whose node slot holds `need` bytes at least (a call made while the gather is in flight fits in it)."""
+    if kind == "hierarchical" and not cc.info.single_node:
+        from .hierarchical import HierGather
+
+        m = x2.shape[0]
+        return HierGather(cc, x2, [(p * m, (p + 1) * m) for p in range(cc.world_size)], need=need)
+    if kind == "hierarchical":
+        kind = "symm"
     if kind == "reference":
         g = _Reference(call, x2, cc)
         g.post()

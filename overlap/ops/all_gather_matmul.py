@@ -18,6 +18,9 @@ Strategies (same results; `reference` is the oracle):
 * ``fused``: one Triton kernel (`overlap.kernels.ag_matmul`); each tile waits on the flag of the
   rank chunk it reads and loads it straight from that rank's buffer. Ranks of one node; on CPU
   ranks it runs interpreted (correct, slow: for tests at small sizes).
+* ``hierarchical``: groups spanning nodes (`overlap.ops.hierarchical`): each block sent once to each other
+  node (the rank with the same index there), forwarded within the node by shared memory as each network
+  chunk lands; every chunk's GEMM as it arrives. ``symm`` on one node.
 
 Autograd (Megatron's convention): ``grad_a = reduce_scatter(grad_out @ b.T)`` (sum),
 ``grad_b = all_gather(a).T @ grad_out`` for this rank's own shard ``b``. Like Megatron's sequence
@@ -36,6 +39,7 @@ a new tensor. A rank's shard is copied into the heap, so ``a`` may be modified o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -44,7 +48,7 @@ import torch.distributed as dist
 from .. import comm
 from ..errors import OverlapTimeout
 from ..plans import Plan
-from . import _gather, fused, library
+from . import _gather, fused, hierarchical, library
 from .context import CallContext, describe, no_autocast, record
 
 OP = "all_gather_matmul"
@@ -64,7 +68,7 @@ def all_gather_matmul(
         a: ``[m, ..., k]``, this rank's slice of dim 0 (the sequence of Megatron's ``[s, b, h]``).
         b: ``[k, n]``, any strides (a weight ``w[n, k]`` is passed as ``w.t()``).
         group: process group (default: the world); every rank of it must make the same call.
-        strategy: ``"auto"`` (default), ``"reference"``, ``"pipelined"``, ``"symm"`` or ``"fused"``.
+        strategy: ``"auto"`` (default), ``"reference"``, ``"pipelined"``, ``"symm"``, ``"fused"`` or ``"hierarchical"``.
         plan: an `overlap.Plan` (overrides `strategy`'s defaults, e.g. chunk counts).
         timeout: seconds any wait on a peer may take (default ``OVERLAP_TIMEOUT_S``, 300).
 
@@ -83,7 +87,7 @@ def all_gather_matmul(
 
 def heap_bytes(chosen: Plan, a2: torch.Tensor) -> int:
     """Bytes of one heap slot a call needs (0: the strategy uses no symmetric memory)."""
-    return a2.numel() * a2.element_size() if chosen.strategy in ("symm", "fused") else 0
+    return a2.numel() * a2.element_size() if chosen.strategy in ("symm", "fused", "hierarchical") else 0
 
 
 def run(a2: torch.Tensor, b: torch.Tensor | None, cc: CallContext,
@@ -180,7 +184,7 @@ def _overlapped_backward(cc: CallContext, a, b, grad_out, need_a, need_b):
                 need = _gather.heap_bytes(kind, a2)
                 if need_a:
                     need = max(need, matmul_reduce_scatter.heap_bytes(chosen, g2, k, cc.world_size))
-                gather = _gather.start(kind, gather_cc.begin(need, steady=kind == "symm"), a2, gather_cc)
+                gather = _gather.start(kind, gather_cc.begin(need, steady=kind == "symm"), a2, gather_cc, need=need)
             if need_a:
                 grad_cc = cc.derive(signature=f"{cc.op}.grad_a(g={describe(g2)}, b={(n, k)}, plan={chosen.describe()})")
                 grad_a = matmul_reduce_scatter.run(g2, b.t(), grad_cc).view(a.shape)
@@ -241,4 +245,11 @@ def _fused(cc: CallContext, call, a2, b, keep_gathered):
     return out, gathered
 
 
-STRATEGIES = {"reference": _gathered, "pipelined": _gathered, "symm": _gathered, "fused": _fused}
+def _hierarchical(cc: CallContext, call, a2, b, keep_gathered):
+    """One node: ``symm``. Across nodes: `overlap.ops.hierarchical.HierGather` under `_gather`."""
+    with hierarchical.guard(cc) if not cc.info.single_node else contextlib.nullcontext():
+        return _gathered(cc, call, a2, b, keep_gathered)
+
+
+STRATEGIES = {"reference": _gathered, "pipelined": _gathered, "symm": _gathered, "fused": _fused,
+              "hierarchical": _hierarchical}

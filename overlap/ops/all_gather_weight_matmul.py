@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from ..errors import OverlapTimeout
 from ..plans import Plan
-from . import _gather, _grad_ring, _shard_ring, fused, library, matmul_reduce_scatter
+from . import _gather, _grad_ring, _shard_ring, fused, hierarchical_weight, library, matmul_reduce_scatter
 from .context import CallContext, describe, no_autocast, record
 
 OP = "all_gather_weight_matmul"
@@ -99,7 +99,7 @@ def all_gather_weight_matmul(
 
 def heap_bytes(chosen: Plan, b: torch.Tensor) -> int:
     """Bytes of one heap slot a forward call needs (0: the strategy uses no symmetric memory)."""
-    return b.numel() * b.element_size() if chosen.strategy in ("symm", "fused") else 0
+    return b.numel() * b.element_size() if chosen.strategy in ("symm", "fused", "hierarchical") else 0
 
 
 def _rows_of(b: torch.Tensor) -> torch.Tensor:
@@ -107,8 +107,10 @@ def _rows_of(b: torch.Tensor) -> torch.Tensor:
     return b.t().contiguous()
 
 
-def _start_gather(kind: str, call, shard_NK: torch.Tensor, cc: CallContext):
+def _start_gather(kind: str, call, shard_NK: torch.Tensor, cc: CallContext, need: int = 0):
     BYTES_FROM_PEERS[kind] += (cc.world_size - 1) * shard_NK.numel() * shard_NK.element_size()
+    if kind == "hierarchical":
+        return hierarchical_weight.start(call, shard_NK, cc, need)
     if kind == "symm":
         return _shard_ring.start(call, shard_NK, cc)
     return _gather.start(kind, call, shard_NK, cc)
@@ -195,7 +197,9 @@ def _overlapped_backward(cc: CallContext, a2, b, g2, need_a, need_b):
             need = heap_bytes(chosen, b)
             if lay is not None:
                 need = max(need, _grad_ring.heap_bytes(lay, cc.world_size))
-            gather = _start_gather(kind, gather_cc.begin(need, steady=kind == "symm"), shard_NK, gather_cc)
+            elif need_b:
+                need = max(need, matmul_reduce_scatter.heap_bytes(chosen, g2.t(), a2.shape[1], cc.world_size))
+            gather = _start_gather(kind, gather_cc.begin(need, steady=kind == "symm"), shard_NK, gather_cc, need)
         if need_b:
             grad_cc = cc.derive(signature=f"{cc.op}.grad_b(g={describe(g2)}, a={describe(a2)}, "
                                           f"plan={chosen.describe()})")

@@ -26,6 +26,9 @@ same result run after run:
 * ``fused``: two-shot = the fused kernels of `matmul_reduce_scatter` (the reduction writes into the
   heap), then the pulls of ``symm``. One-shot: the same GEMM kernel with one destination (its own
   buffer) and the reduction kernel over every rank's buffer.
+* ``hierarchical``: groups spanning nodes (`overlap.ops.hierarchical_reduce`): the hierarchical
+  reduce-scatter of ``W`` parts, then the hierarchical all-gather of the reduced parts (two-shot;
+  ``one_shot`` is ignored across nodes). ``symm`` on one node.
 
 Autograd (Megatron's convention): the output and the loss are replicated, so the backward passes the
 output gradient through: ``grad_a = g @ b.T``, ``grad_b = a.T @ g``, local GEMMs with no communication.
@@ -43,7 +46,7 @@ import torch.distributed as dist
 
 from .. import comm, symm
 from ..plans import Plan
-from . import fused, library
+from . import fused, hierarchical_reduce, library
 from .context import CallContext, no_autocast, record
 from .matmul_reduce_scatter import region_bytes, scatter_and_reduce
 
@@ -87,7 +90,7 @@ def _layout(rows: int, n: int, dtype: torch.dtype, world_size: int) -> tuple[int
 
 
 def heap_bytes(chosen: Plan, a2: torch.Tensor, n: int, world_size: int) -> int:
-    if chosen.strategy not in ("symm", "fused"):
+    if chosen.strategy not in ("symm", "fused", "hierarchical"):  # hierarchical: symm's on one node
         return 0
     if chosen.one_shot:
         return region_bytes(a2.shape[0], n, a2.dtype)
@@ -323,4 +326,12 @@ def _fused(cc: CallContext, call, a2, b):
     return out
 
 
-STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused}
+def _hierarchical(cc: CallContext, call, a2, b):
+    """One node: ``symm``. Across nodes: `overlap.ops.hierarchical_reduce.all_reduce` (two-shot)."""
+    if cc.info.single_node:
+        return _symm(cc, call, a2, b)
+    return hierarchical_reduce.all_reduce(cc, a2, b)
+
+
+STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused,
+              "hierarchical": _hierarchical}

@@ -24,6 +24,9 @@ order, so the same inputs and plan give bitwise the same result run after run:
   shared memory; GPUs compute into a local buffer and a side stream copies it (copy engine).
 * ``fused``: one Triton GEMM (`overlap.kernels.mm_rs`) whose tiles store straight into the owner's
   buffer and signal per chunk, then a reduction kernel that waits per chunk and sums in rank order.
+* ``hierarchical``: groups spanning nodes (`overlap.ops.hierarchical_reduce`): the partials summed within
+  the node by shared memory, each node's sum sent once to the destination's node, chunk by chunk while the
+  next node's GEMMs run; the node sums added in node order. ``symm`` on one node.
 
 Buffer layout (symm, fused): a slot holds ``W`` regions of ``[m, n]`` (each padded to 16 bytes),
 region ``s`` written by rank ``s``; ready flag ``d * F + j`` in producer ``s``'s pad says "chunk ``j``
@@ -47,7 +50,7 @@ import torch.distributed as dist
 from .. import comm, symm
 from ..errors import OverlapTimeout
 from ..plans import Plan
-from . import fused, library
+from . import fused, hierarchical_reduce, library
 from .context import CallContext, describe, no_autocast, record
 
 OP = "matmul_reduce_scatter"
@@ -95,6 +98,8 @@ def region_bytes(m: int, n: int, dtype: torch.dtype) -> int:
 
 
 def heap_bytes(chosen: Plan, a2: torch.Tensor, n: int, world_size: int) -> int:
+    if chosen.strategy == "hierarchical":  # one node: symm's (which it runs); across nodes: the node's slot
+        return hierarchical_reduce.reduce_bytes(a2.shape[0] // world_size, n, a2.dtype, world_size)
     if chosen.strategy not in ("symm", "fused"):
         return 0
     return world_size * region_bytes(a2.shape[0] // world_size, n, a2.dtype)
@@ -318,4 +323,12 @@ def reduce_sources(cc: CallContext, call, out, src_table, flag_table, block_rows
         raise OverlapTimeout(cc.op, info.rank, bad - 1, "a reduced chunk", timeout, "fused reduction wait")
 
 
-STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused}
+def _hierarchical(cc: CallContext, call, a2, b):
+    """One node: ``symm``. Across nodes: `overlap.ops.hierarchical_reduce.reduce_scatter`."""
+    if cc.info.single_node:
+        return _symm(cc, call, a2, b)
+    return hierarchical_reduce.reduce_scatter(cc, a2, b)
+
+
+STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused,
+              "hierarchical": _hierarchical}

@@ -11,7 +11,9 @@ constants in `Profile`, `default_profile`) scores every plan that can run on a `
 Default heuristic (`resolve_auto`, where no plan file covers a call):
 
 * one rank: ``reference`` (there is nothing to communicate);
-* a group that spans nodes: ``pipelined``, 2 chunks per network transfer;
+* a tensor-parallel call on a group that spans nodes: the cost model's best plan under the default profile of
+  the device (``hierarchical``, ``pipelined`` or ``reference``, chunked per link class); other calls across
+  nodes: ``pipelined``, 2 chunks per network transfer;
 * CPU ranks of one node: ``symm`` (shared-memory copies beat gloo's loopback TCP); interpreted
   ``fused`` is never chosen;
 * GPU ranks of one node: ``fused`` for fp16/bf16 with at least 128 rows per rank, else ``symm``;
@@ -34,7 +36,7 @@ from collections.abc import Mapping
 from .. import envs
 from ..errors import warn_once
 from ..world import GroupInfo
-from .costmodel import rank_candidates, topology_of
+from .costmodel import default_profile, rank_candidates, topology_of
 from .optable import OPS, Problem
 from .plan import Plan
 from .planfile import PlanFile, load_cached
@@ -104,6 +106,10 @@ def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int | 
             return plan
     if info.world_size == 1:
         plan = Plan("reference")
+    elif not info.single_node and problem is not None and problem.spec.family == "tp":
+        plan = _across_nodes(problem, info)
+        _log_once(op, signature, plan, "cost model with the default profile")
+        return plan
     elif not info.single_node:
         plan = Plan("pipelined")
     elif info.device.type == "cuda" and not gpu_symmetric_memory():
@@ -121,6 +127,13 @@ def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int | 
         plan = dataclasses.replace(plan, one_shot=one_shot)
     _log_once(op, signature, plan, "default heuristic")
     return plan
+
+
+def _across_nodes(problem: Problem, info: GroupInfo) -> Plan:
+    """A TP call on a group that spans nodes, without a plan file: the cost model's best plan (``hierarchical``,
+    ``pipelined`` or ``reference``, chunked per link) under `default_profile` of the group's device."""
+    ranked = rank_candidates(problem, topology_of(info), default_profile(info.device.type))
+    return next((p for p, pred in ranked if math.isfinite(pred.total_s)), Plan("pipelined"))
 
 
 def _from_plan_file(source, problem: Problem, info: GroupInfo) -> tuple[Plan | None, str]:
@@ -181,5 +194,13 @@ def check_plan_fits(op: str, plan: Plan, info: GroupInfo) -> None:
     if plan.strategy in ("symm", "fused") and not info.single_node:
         raise ValueError(
             f"overlap.{op}: strategy {plan.strategy!r} needs the ranks of one node, but this group spans "
-            f"nodes {info.node_names}; use 'pipelined' or 'auto'"
+            f"nodes {info.node_names}; use 'hierarchical', 'pipelined' or 'auto'"
         )
+    if plan.strategy == "hierarchical" and not info.single_node:
+        if info.device.type != "cpu":
+            raise ValueError(f"overlap.{op}: strategy 'hierarchical' across nodes runs on CPU ranks only in this "
+                             f"version; this group computes on {info.device}: use 'pipelined' or 'auto'")
+        sizes = {name: info.nodes.count(name) for name in info.node_names}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"overlap.{op}: strategy 'hierarchical' needs the same number of ranks on every "
+                             f"node; this group has {sizes}: use 'pipelined' or 'auto'")

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 from ..symm import MAX_FLAGS
 from ..world import LINK_CLASSES, GroupInfo
+from . import hier_cost
 from .optable import ITEMSIZE, OPS, Problem, op_spec
 from .plan import Plan
 
@@ -207,6 +208,11 @@ class _Model:
         self.launch = self.gfit.overhead_s if self.fused else 0.0  # a fused kernel's one launch
         self.cs, self.gs = max(1.0, profile.comm_slowdown), max(1.0, profile.gemm_slowdown)
         self.total = self.comm = self.compute = 0.0
+        # hierarchical (`hier_cost`): nodes, ranks per node, the class of the links within a node
+        self.hier = plan.strategy == "hierarchical"
+        self.nodes, self.local_ranks = topo.num_nodes, topo.ranks_per_node[0]
+        self.local_link = next((c for c, _ in topo.links if c != "network"),
+                               "shm" if topo.device == "cpu" else "nvlink")
 
     # ---- costs ---------------------------------------------------------------------------------
     def msgs(self, link: str, nbytes: float, count: float = 1) -> float:
@@ -252,6 +258,8 @@ class _Model:
         """A backward's re-gather of ``[m, k]`` per rank, posted first: a ring (reference) or pairwise pulls
         chunked per peer link."""
         nbytes = m * k * self.size
+        if self.hier:
+            return hier_cost.gather_again(self, m, k)
         if self.plan.strategy == "reference":
             return self.ring(self.W - 1, nbytes)
         return sum(c * self.msgs(link, nbytes, min(self.plan.chunks_for(link), m)) for link, c in self.peers)
@@ -259,6 +267,8 @@ class _Model:
     # ---- the pipelines an op's cost (`optable.OpSpec.cost`) is made of -----------------------------
     def ag_mm(self, m: int, k: int, n: int) -> None:
         """``all_gather(a) @ b``: pairwise pulls per peer link, chunked for it; our own block first."""
+        if self.hier:
+            return hier_cost.ag_mm(self, m, k, n)
         if self.plan.strategy == "reference":
             return self.serial(self.ring(self.W - 1, m * k * self.size), self.gemm(2 * self.W * m * k * n))
         stages = [(1, 0.0, self.gemm(2 * m * k * n) + self.launch)]
@@ -270,6 +280,8 @@ class _Model:
     def mm_rs(self, m: int, k: int, n: int, lead: float = 0.0, max_chunks: int = 0) -> None:
         """``reduce_scatter(a @ b)``; `lead`: link work posted first (the backward's re-gather)."""
         W, part = self.W, m * n * self.size
+        if self.hier:
+            return hier_cost.mm_rs(self, m, k, n, lead)
         if self.plan.strategy == "reference":
             return self.serial(lead + self.ring(W - 1, part), self.gemm(2 * W * m * k * n))
         stages = [(1, 0.0, lead)] if lead else []
@@ -285,6 +297,8 @@ class _Model:
     def mm_ar(self, m: int, k: int, n: int) -> None:
         """``all_reduce(a @ b)`` over ``M = W*m`` rows: ring (two-shot) or every partial to every rank."""
         W, M, plan, size = self.W, self.W * m, self.plan, self.size
+        if self.hier:
+            return hier_cost.mm_ar(self, m, k, n)
         if plan.strategy == "reference":
             return self.serial(self.ring(2 * (W - 1), m * n * size), self.gemm(2 * M * k * n))
         ch = plan.chunks_for(self.slowest)
@@ -373,6 +387,10 @@ def predict(problem: Problem, plan: Plan, topology: Topology, profile: Profile) 
         return Prediction(math.inf, math.inf, math.inf, f"{plan.describe()}: not implemented for {problem.op}")
     if plan.strategy in ("symm", "fused") and topology.num_nodes > 1:
         return Prediction(math.inf, math.inf, math.inf, f"{plan.describe()}: needs the ranks of one node")
+    if plan.strategy == "hierarchical" and topology.num_nodes == 1:  # runs symm
+        plan = dataclasses.replace(plan, strategy="symm")
+    elif plan.strategy == "hierarchical" and not hierarchical_fits(topology):
+        return Prediction(math.inf, math.inf, math.inf, f"{plan.describe()}: CPU ranks, as many on every node")
     if plan.strategy == "fused" and topology.device == "cpu":
         return Prediction(math.inf, math.inf, math.inf, f"{plan.describe()}: interpreted on CPU ranks")
     x = _Model(problem, plan, topology, profile)
@@ -381,10 +399,16 @@ def predict(problem: Problem, plan: Plan, topology: Topology, profile: Profile) 
                       f"{x.compute * 1e3:.4g} ms, total {x.total * 1e3:.4g} ms")
 
 
+def hierarchical_fits(topology: Topology) -> bool:
+    """Whether ``hierarchical`` runs across the nodes of `topology`: CPU ranks, the same count on every node."""
+    return topology.device == "cpu" and len(set(topology.ranks_per_node)) == 1
+
+
 def candidates(problem: Problem, topology: Topology, device_type: str | None = None) -> list[Plan]:
     """Every plan worth predicting for `problem` on `topology` (``device_type`` defaults to its device).
 
-    ``reference`` always; ``pipelined``; ``symm`` on one node; ``fused`` on one node of GPUs. Each with
+    ``reference`` always; ``pipelined``; ``symm`` on one node; ``fused`` on one node of GPUs; ``hierarchical``
+    across nodes of CPU ranks with at least two ranks on each (with one it moves what ``pipelined`` moves). Each with
     `CHUNK_CHOICES` per link class it chunks for (beyond two classes: the slowest link's count times
     one count shared by the others, so the list stays under ~60), and for an op with the ``one_shot``
     variant (`OpSpec.variants`) both variants (two-shot, one-shot). One rank: ``reference`` alone.
@@ -393,6 +417,8 @@ def candidates(problem: Problem, topology: Topology, device_type: str | None = N
     if topology.world_size == 1:
         return [Plan("reference")]
     strategies = ["pipelined"] + (["symm"] + (["fused"] if device != "cpu" else []) if topology.num_nodes == 1 else [])
+    if topology.num_nodes > 1 and hierarchical_fits(topology) and topology.ranks_per_node[0] > 1 and device == "cpu":
+        strategies.append("hierarchical")
     plans = [Plan("reference")]
     for strategy in (s for s in strategies if s in spec.strategies):
         links = spec.chunked(strategy, problem.backward, topology)
@@ -400,7 +426,8 @@ def candidates(problem: Problem, topology: Topology, device_type: str | None = N
             counts = [(o,) * (len(links) - 1) + (s,) for o in CHUNK_CHOICES for s in CHUNK_CHOICES]
         else:
             counts = list(itertools.product(CHUNK_CHOICES, repeat=len(links)))
-        for one_shot in (False, True) if "one_shot" in spec.variants else (False,):
+        # (hierarchical's all-reduce across nodes is two-shot: one_shot does not apply)
+        for one_shot in (False, True) if "one_shot" in spec.variants and strategy != "hierarchical" else (False,):
             plans += [Plan(strategy, tuple(zip(links, c)), one_shot=one_shot) for c in counts]
     return plans
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from ..world import LINK_CLASSES
 
-STRATEGIES = ("reference", "pipelined", "symm", "fused")
+STRATEGIES = ("reference", "pipelined", "symm", "fused", "hierarchical")
 DEFAULT_CHUNKS = {"shm": 1, "nvlink": 1, "pcie": 2, "network": 2}
 
 

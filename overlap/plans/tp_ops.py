@@ -42,13 +42,13 @@ def chunked_all_gather_matmul(strategy: str, backward: bool, topology) -> tuple[
     if strategy == "reference":
         return ()
     # fused forward: one flag per rank (its backward's reduce-scatter reads pairwise chunks)
-    return _pairwise(topology) if strategy in ("pipelined", "symm") or backward else ()
+    return _pairwise(topology) if strategy in ("pipelined", "symm", "hierarchical") or backward else ()
 
 
 def chunked_matmul_reduce_scatter(strategy: str, backward: bool, topology) -> tuple[str, ...]:
     if strategy == "reference":
         return ()
-    if strategy == "pipelined" or (strategy == "symm" and backward):  # the backward's gather is pairwise
+    if strategy in ("pipelined", "hierarchical") or (strategy == "symm" and backward):  # (the backward's gather)
         return _pairwise(topology)
     return (topology.slowest_link,)  # flagged chunks of one reduction
 
@@ -63,6 +63,8 @@ def chunked_all_gather_weight_matmul(strategy: str, backward: bool, topology) ->
 
 
 def chunked_matmul_all_reduce(strategy: str, backward: bool, topology) -> tuple[str, ...]:
+    if strategy == "hierarchical":  # node copies and network transfers, each chunked for its link
+        return _pairwise(topology)
     return () if strategy == "reference" else (topology.slowest_link,)
 
 

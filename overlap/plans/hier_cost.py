@@ -1,0 +1,64 @@
+"""The cost model's pipelines of the ``hierarchical`` strategy (`overlap.ops.hierarchical`) on groups that span
+nodes: each datum over the network once per node, the node's ranks served by copies through its heap.
+
+Each function takes the cost model's `overlap.plans.costmodel._Model` (``x``: its plan, profile, message and
+GEMM costs, ``nodes``, ``local_ranks``, ``local_link``) and adds one pipeline to its schedule, as the model's
+own ``ag_mm``, ``mm_rs``, ``mm_ar`` and ``gather_again`` do for the other strategies. Transfers within a node
+cost the ``copy`` fit of the node's link, between nodes the ``p2p`` fit of ``network``; the transfers of one
+rank share one resource (its network receives and its node copies are not modelled as running at once).
+"""
+
+from __future__ import annotations
+
+
+def _chunks(x, link: str, rows: int) -> int:
+    return max(1, min(x.plan.chunks_for(link), rows))
+
+
+def ag_mm(x, m: int, k: int, n: int) -> None:
+    """``all_gather(a) @ b``: our block's GEMM; the node's blocks (copies); one block from each other node
+    (network, chunked for it); the blocks the node's ranks received and forward (copies of network chunks)."""
+    N, L, loc = x.nodes, x.local_ranks, x.local_link
+    block = m * k * x.size
+    c_loc, c_net = _chunks(x, loc, m), _chunks(x, "network", m)
+    stages = [(1, 0.0, x.gemm(2 * m * k * n))]
+    if L > 1:
+        stages.append(((L - 1) * c_loc, x.msgs(loc, block / c_loc), x.gemm(2 * m * k * n / c_loc)))
+    stages.append(((N - 1) * c_net, x.msgs("network", block / c_net), x.gemm(2 * m * k * n / c_net)))
+    if L > 1:
+        stages.append(((L - 1) * (N - 1) * c_net, x.msgs(loc, block / c_net), x.gemm(2 * m * k * n / c_net)))
+    x.consume(stages)
+
+
+def gather_again(x, m: int, k: int) -> float:
+    """A backward's re-gather of ``[m, k]`` per rank, posted first: link time (network, then node copies)."""
+    N, L, loc = x.nodes, x.local_ranks, x.local_link
+    block = m * k * x.size
+    c_loc, c_net = _chunks(x, loc, m), _chunks(x, "network", m)
+    return (N - 1) * x.msgs("network", block, c_net) + (L - 1) * (x.msgs(loc, block, c_loc)
+                                                                 + (N - 1) * x.msgs(loc, block, c_net))
+
+
+def mm_rs(x, m: int, k: int, n: int, lead: float = 0.0) -> None:
+    """``reduce_scatter(a @ b)``: per chunk of each other node's rows, the GEMMs of the node's ``L`` destinations,
+    then the partials into their node owners (copies) and each owner's node sum over the network; our node's
+    rows last (copies only). `lead`: link work posted first (the backward's re-gather)."""
+    N, L, loc = x.nodes, x.local_ranks, x.local_link
+    part = m * n * x.size
+    c_loc, c_net = _chunks(x, loc, m), _chunks(x, "network", m)
+    stages = [(1, 0.0, lead)] if lead else []
+    stages.append(((N - 1) * c_net, x.gemm(2 * L * m * k * n / c_net),
+                   x.msgs("network", part / c_net) + (L - 1) * x.msgs(loc, part / c_net)))
+    stages.append((c_loc, x.gemm(2 * L * m * k * n / c_loc), (L - 1) * x.msgs(loc, part / c_loc)))
+    x.produce([*stages, (1, 0.0, 0.0)])
+
+
+def mm_ar(x, m: int, k: int, n: int) -> None:
+    """``all_reduce(a @ b)`` over ``W*m`` rows: the reduce-scatter above on parts of ``m`` rows, then the gather
+    of the reduced parts (exposed: nothing is left to compute)."""
+    N, L, loc = x.nodes, x.local_ranks, x.local_link
+    mm_rs(x, m, k, n)
+    part = m * n * x.size
+    c_loc, c_net = _chunks(x, loc, m), _chunks(x, "network", m)
+    x.serial((N - 1) * x.msgs("network", part, c_net) + (L - 1) * (x.msgs(loc, part, c_loc)
+                                                                  + (N - 1) * x.msgs(loc, part, c_net)))
