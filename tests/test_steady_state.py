@@ -239,3 +239,22 @@ def test_weight_gather_steady_state(pools, seed, strategy):
         assert delta["steady"] == 10 * steady_per_step, (rank, delta)
         assert kind in ("OverlapMismatchError", "ValueError"), (rank, kind, msg)
         assert secs < FALLBACK_TIMEOUT_S, (rank, secs)
+
+
+def every_signature_task(rank, world_size, seed, op):
+    """Rank 0 repeats a warmed call, every other rank makes a new call of its own: each message lists every
+    rank whose signature differs from the receiver's, also on rank 0 (the steady state's message)."""
+    a, b, _ = _inputs(op, seed, world_size, rank, CASE)
+    for _ in range(2):
+        call(op, a, b, "symm")
+    case = CASE if rank == 0 else (2, (), 8, 8 + rank, "contiguous")
+    a, b, _ = _inputs(op, seed, world_size, rank, case)
+    return expect_error(call, op, a, b, "symm", timeout=20)
+
+
+@pytest.mark.parametrize("op", [AGM, MRS])
+def test_a_steady_mismatch_lists_every_differing_signature(pools, seed, op):
+    for rank, (kind, msg, secs) in enumerate(pools(3).run(every_signature_task, seed, op, timeout=120)):
+        assert kind == "OverlapMismatchError" and secs < FALLBACK_TIMEOUT_S, (rank, kind, msg)
+        for peer in range(3):
+            assert f"rank {peer}:" in msg, (rank, peer, msg)

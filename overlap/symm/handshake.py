@@ -47,6 +47,10 @@ _MAX_WARMED = 4096
 #: Slice of a steady-state wait between two looks at the peers' entries.
 _SLICE_S = 0.01
 
+#: How long a rank that found a mismatch in the steady state waits for the other peers' entries, so that its
+#: message lists every signature that differs (a peer that never posts is left out).
+_COMPLETE_S = 2.0
+
 
 def entry_word(epoch: int) -> int:
     return HS_BASE + (epoch % HS_RING) * HS_STRIDE
@@ -135,19 +139,30 @@ class Warmed:
 class SignatureCheck:
     """The signature check of one steady-state call: which peers' entries are still to compare."""
 
-    def __init__(self, heap, op: str, epoch: int, lo: int, hi: int, signature: str):
+    def __init__(self, heap, op: str, epoch: int, lo: int, hi: int, signature: str, timeout: float):
         self.heap, self.op, self.epoch, self.lo, self.hi, self.signature = heap, op, epoch, lo, hi, signature
+        self.timeout = timeout
         self.unverified = {p for p in range(heap.world_size) if p != heap.rank}
         self.failed: dict[int, str] = {}  # the peers found to differ, with their signatures
 
     def error(self, differ: dict[int, str], note: str = "") -> OverlapMismatchError:
         """The mismatch error of this call. Once found, every later look (`scan`: other threads of the same
-        call wait on other peers) raises it too, and nothing is left to compare at the next call."""
-        self.failed = self.failed or differ
+        call wait on other peers) raises it too, and nothing is left to compare at the next call.
+
+        The message lists every peer that differs, as a full handshake's does: on the first find, this rank
+        waits a little (at most `_COMPLETE_S`, within the call's deadline) for every peer to post the call."""
+        if not self.failed:
+            self.failed = self._every_difference(differ)
         exc = OverlapMismatchError.of(self.op, self.epoch, self.heap.rank, self.signature, self.failed)
         if note:
             exc.args = (f"{exc.args[0]}\n({note})",)
         return exc
+
+    def _every_difference(self, differ: dict[int, str]) -> dict[int, str]:
+        heap, peers = self.heap, [p for p in range(self.heap.world_size) if p != self.heap.rank]
+        addrs = [heap.ctrl_addr(p, W_HS_EPOCH) for p in peers]
+        signals().signal_wait_all(addrs, self.epoch, min(self.timeout, _COMPLETE_S))  # (best effort)
+        return {**differing(heap, self.epoch, self.lo, self.hi, peers), **differ}
 
     @property
     def pending(self) -> bool:

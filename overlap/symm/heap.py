@@ -237,7 +237,7 @@ class SymmHeap:
         """A warmed signature: no rendezvous. The peers that have already posted this call are compared now,
         the others in the data waits (`overlap.symm.handshake`)."""
         handshake.COUNTS["steady"] += 1
-        check = handshake.SignatureCheck(self, op, epoch, lo, hi, signature)
+        check = handshake.SignatureCheck(self, op, epoch, lo, hi, signature, timeout)
         try:
             for p in peers:
                 check.verify(p)
