@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import compile_tasks
+from support import compile_bounded_tasks, compile_tasks
 
 STRATEGIES = ("reference", "pipelined", "symm")
 
@@ -134,7 +134,7 @@ def _assert_static(rank: int, what: str, r: dict) -> None:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_moe_bounded_compiles_static_bitwise(pools, seed, world_size):
-    results = pools(world_size).run(compile_tasks.moe_bounded, seed, STRATEGIES, timeout=300)
+    results = pools(world_size).run(compile_bounded_tasks.moe_bounded, seed, STRATEGIES, timeout=300)
     for rank, cases in enumerate(results):
         assert [s for s, _ in cases] == [*STRATEGIES, "unbounded control"]
         for strategy, r in cases[:-1]:
@@ -146,21 +146,23 @@ def test_moe_bounded_compiles_static_bitwise(pools, seed, world_size):
 
 
 def test_moe_bounded_fused_interpreted_compiles(pools, seed):
-    for rank, cases in enumerate(pools(2).run(compile_tasks.moe_bounded, seed, ("fused",), timeout=600)):
+    for rank, cases in enumerate(pools(2).run(compile_bounded_tasks.moe_bounded, seed, ("fused",), timeout=600)):
         r = cases[0][1]
         assert r["bitwise"], f"rank {rank} moe fused: {r}"
         _assert_static(rank, "bounded moe fused", r)
 
 
 def test_moe_bounded_inductor_within_tolerance(pools, seed):
-    for rank, cases in enumerate(pools(2).run(compile_tasks.moe_bounded, seed, ("symm",), "inductor", timeout=600)):
+    results = pools(2).run(compile_bounded_tasks.moe_bounded, seed, ("symm",), "inductor", timeout=600)
+    for rank, cases in enumerate(results):
         for strategy, r in cases:
             assert r["max_diff"] <= 1e-4, f"rank {rank} moe {strategy}: inductor differs by {r['max_diff']}"
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_expert_parallel_mlp_bounded_compiles_static(pools, seed, world_size):
-    for rank, r in enumerate(pools(world_size).run(compile_tasks.moe_module_bounded, seed, "symm", timeout=300)):
+    results = pools(world_size).run(compile_bounded_tasks.moe_module_bounded, seed, "symm", timeout=300)
+    for rank, r in enumerate(results):
         assert r["breaks"] == 0, f"rank {rank}: graph breaks {r['reasons']}"
         assert r["max_diff"] == 0.0, f"rank {rank}: compiled module differs from eager by {r['max_diff']}"
         _assert_static(rank, "ExpertParallelMLP(max_tokens_per_rank=...)", r)
@@ -168,7 +170,7 @@ def test_expert_parallel_mlp_bounded_compiles_static(pools, seed, world_size):
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_moe_bounded_dispatch_is_ordered(pools, seed, backend):
-    for rank, r in enumerate(pools(2).run(compile_tasks.moe_bounded_order, seed, backend, timeout=600)):
+    for rank, r in enumerate(pools(2).run(compile_bounded_tasks.moe_bounded_order, seed, backend, timeout=600)):
         assert r["effects"] == [True, False], f"rank {rank}: ordered effects (bounded, unbounded) {r['effects']}"
         assert r["eager"] == ["moe_dispatch_bounded", "matmul_all_reduce"], f"rank {rank}: eager ran {r['eager']}"
         assert r["compiled"] == r["eager"], f"rank {rank}: compiled ran {r['compiled']}, eager {r['eager']}"
@@ -177,7 +179,7 @@ def test_moe_bounded_dispatch_is_ordered(pools, seed, backend):
 
 def test_moe_bounded_opcheck(pools, seed):
     """torch's own checks of the bounded dispatch (its fake's static row count against the real output)."""
-    for rank, results in enumerate(pools(2).run(compile_tasks.bounded_opchecks, seed, timeout=300)):
+    for rank, results in enumerate(pools(2).run(compile_bounded_tasks.bounded_opchecks, seed, timeout=300)):
         assert results == {"grouped": "ok", "plain": "ok", "combine": "ok"}, f"rank {rank}: {results}"
 
 

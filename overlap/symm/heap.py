@@ -19,6 +19,7 @@ from .. import envs, shm, world
 from ..errors import OverlapMismatchError, OverlapTimeout
 from . import handshake
 from .call import Call
+from .cuda_memory import CudaFlags, cuda_data
 from .layout import (
     ALIGN,
     CTRL_WORDS,
@@ -105,7 +106,7 @@ class SymmHeap:
         # so that the host watchdog can read and release them; the fused kernels' in-kernel waits use device
         # flag words in torch's symmetric memory (`_cuda_flags`: their atomics need device memory). Both are
         # created with the first data heap: calls that use no heap never need them, nor the CUDA half of _C.
-        self._cuda_flags: _CudaFlags | None = None
+        self._cuda_flags: CudaFlags | None = None
         self._pad_dev: list[int] | None = None
 
     @property
@@ -367,11 +368,11 @@ class SymmHeap:
             # still be read by the device: wait for it before dropping them.
             torch.cuda.synchronize(self.device)
             if self._cuda_flags is None:
-                self._cuda_flags = _CudaFlags(self.group, self.world_size)
+                self._cuda_flags = CudaFlags(self.group, self.world_size)
             if self._pad_dev is None:
                 index = self.device.index if self.device.index is not None else torch.cuda.current_device()
                 self._pad_dev = [c.cuda_host_register(addr, CTRL_WORDS * 4, index) for addr in self._ctrl_addr]
-            self.data = _cuda_data(self.group, NUM_SLOTS * slot_bytes, self.device)
+            self.data = cuda_data(self.group, NUM_SLOTS * slot_bytes, self.device)
         else:
             path = self._path(f"g{gen}", self.rank)
             shm.CREATED.add(path)
@@ -478,31 +479,3 @@ class SymmHeap:
         self.ctrl = []
         self._ctrl_np = []
         self._ptr_tables.clear()
-
-
-# ----------------------------------------------------------------------------------------------
-# CUDA backing (torch's symmetric memory). Compiled and imported everywhere, run only on GPUs.
-# ----------------------------------------------------------------------------------------------
-
-
-def _cuda_data(group: dist.ProcessGroup, nbytes: int, device: torch.device) -> list[torch.Tensor]:
-    import torch.distributed._symmetric_memory as symm_mem
-
-    local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-    handle = symm_mem.rendezvous(local, group)
-    rank = dist.get_rank(group)
-    return [local if p == rank else handle.get_buffer(p, (nbytes,), torch.uint8)
-            for p in range(dist.get_world_size(group))]
-
-
-class _CudaFlags:
-    """Device flag words (same layout as the control pad's slot area) in symmetric memory."""
-
-    def __init__(self, group: dist.ProcessGroup, world_size: int):
-        self.tensors = _cuda_data(group, CTRL_WORDS * 4, world.group_device(group))
-        self.tensors[dist.get_rank(group)].zero_()
-        torch.cuda.synchronize()
-        world.store_exchange(group, "cuda-flags", b"", envs.timeout_s())
-
-    def addrs(self, word: int) -> list[int]:
-        return [t.data_ptr() + 4 * word for t in self.tensors]
