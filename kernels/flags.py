@@ -114,12 +114,20 @@ def rank_major_tile(pid, rank, world_size, M, N,
     tiles_per_block = tiles_m * tiles_n
     src = (rank + pid // tiles_per_block) % world_size
     tile = pid % tiles_per_block
+    tile_m, tile_n = grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
+    return src, tile_m, tile_n
+
+
+@triton.jit
+def grouped_tile(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """``(tile_m, tile_n)`` of output tile number `tile` of a ``tiles_m x tiles_n`` grid, `GROUP_M` row tiles
+    sweeping the columns together (so the tiles of the operand they share stay in L2)."""
     group_size = GROUP_M * tiles_n
     first_m = (tile // group_size) * GROUP_M
     rows_in_group = min(tiles_m - first_m, GROUP_M)
     tile_m = first_m + (tile % group_size) % rows_in_group
     tile_n = (tile % group_size) // rows_in_group
-    return src, tile_m, tile_n
+    return tile_m, tile_n
 
 
 @triton.jit

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from . import host
-from .flags import count_and_release, matmul_tile, wait_flag
+from .flags import count_and_release, grouped_tile, matmul_tile, wait_flag
 
 
 # Not specialized on: values that differ between ranks or calls, and counts that only mask rows or index flags
@@ -67,11 +67,7 @@ def matmul_scatter_kernel(
     step = pid // tiles_per_block
     d = (rank + 1 + step) % NUM_DEST
     tile = pid % tiles_per_block
-    group_size = GROUP_M * tiles_n
-    first_m = (tile // group_size) * GROUP_M
-    rows_in_group = min(tiles_m - first_m, GROUP_M)
-    tile_m = first_m + (tile % group_size) % rows_in_group
-    tile_n = (tile % group_size) // rows_in_group
+    tile_m, tile_n = grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
     rows_d = tl.minimum(tl.maximum(M - d * MB, 0), MB)  # rows of block d (the last may be short)
 
     # ---- GEMM tile --------------------------------------------------------------------------

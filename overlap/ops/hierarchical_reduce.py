@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm, symm
+from ._sums import sum_in_order
 from .context import CallContext
 from .hierarchical import (
     HEADER_BYTES,
@@ -156,7 +157,7 @@ def reduce_scatter_parts(cc: CallContext, lay: Layout, call: symm.Call, a2: torc
             for q in range(lay.ranks_per_node):
                 if q != l0:
                     wait_local(cc, lay, call, q, node * F + j, f"{j} of the partials for node {lay.names[node]}")
-            _sum_regions([area(l0, q, node, dest_rows) for q in range(lay.ranks_per_node)], total, lo, hi)
+            sum_in_order([area(l0, q, node, dest_rows) for q in range(lay.ranks_per_node)], total, lo, hi)
             if node != n0 and hi > lo:
                 sends.append((dest, j, isend(cc, total[lo:hi], dest)))
     # Our rows: the node sums in node order (ours kept in fp32 for 16-bit dtypes), rounded once.
@@ -178,14 +179,3 @@ def reduce_scatter_parts(cc: CallContext, lay: Layout, call: symm.Call, a2: torc
     return out
 
 
-def _sum_regions(regions: list[torch.Tensor], total: torch.Tensor, lo: int, hi: int) -> None:
-    """``total[lo:hi] = sum_q regions[q][lo:hi]`` in order (fp32 for 16-bit dtypes), rounded into `total`."""
-    if regions[0].dtype in _LOW:
-        acc = regions[0][lo:hi].float()
-        for r in regions[1:]:
-            acc += r[lo:hi]
-        total[lo:hi].copy_(acc)
-        return
-    total[lo:hi].copy_(regions[0][lo:hi])
-    for r in regions[1:]:
-        total[lo:hi] += r[lo:hi]

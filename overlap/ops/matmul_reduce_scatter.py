@@ -51,6 +51,7 @@ from .. import comm, symm
 from ..errors import OverlapTimeout
 from ..plans import Plan
 from . import fused, hierarchical_reduce, library
+from ._sums import sum_in_order
 from .context import CallContext, describe, no_autocast, record
 
 OP = "matmul_reduce_scatter"
@@ -181,7 +182,7 @@ def _pipelined(cc: CallContext, call, a2, b):
         for work, peer in works:
             cc.wait(work, peer, j)
     out = a2.new_empty((m, n))
-    _reduce_regions(list(received.unbind(0)), out, 0, m)  # rank order, one rounding
+    sum_in_order(list(received.unbind(0)), out, 0, m)  # rank order, one rounding
     return out
 
 
@@ -189,19 +190,6 @@ def _flag_chunks(chosen: Plan, info, m: int) -> tuple[list[tuple[int, int]], int
     """Chunk bounds of one block (uniform over peers: the slowest link's count) and the flag stride."""
     stride = symm.MAX_FLAGS // info.world_size
     return comm.chunk_bounds(m, min(chosen.chunks_for(info.slowest_link), stride)), stride
-
-
-def _reduce_regions(mine: list[torch.Tensor], out: torch.Tensor, lo: int, hi: int) -> None:
-    """``out[lo:hi] = sum_s mine[s][lo:hi]`` in rank order (fp32 for 16-bit dtypes)."""
-    if out.dtype in (torch.float16, torch.bfloat16):
-        acc = mine[0][lo:hi].float()
-        for region in mine[1:]:
-            acc += region[lo:hi]
-        out[lo:hi].copy_(acc)
-        return
-    out[lo:hi].copy_(mine[0][lo:hi])
-    for region in mine[1:]:
-        out[lo:hi] += region[lo:hi]
 
 
 def _symm(cc: CallContext, call, a2, b):
@@ -233,7 +221,7 @@ def _symm(cc: CallContext, call, a2, b):
         for s in range(W):
             if s != r:
                 call.wait_ready(s, r * stride + j, chunk=j)
-        _reduce_regions(mine, out, lo, hi)
+        sum_in_order(mine, out, lo, hi)
     return out
 
 
@@ -264,7 +252,7 @@ def _symm_cuda(call, a2, b, info, region, bounds, stride):
         for s in range(W):
             if s != r:
                 call.wait_ready(s, r * stride + j, stream=main, chunk=j)
-        _reduce_regions(mine, out, lo, hi)
+        sum_in_order(mine, out, lo, hi)
     main.wait_stream(side)  # our copies into peers' buffers are part of this call too
     call.finish(stream=main)
     return out

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .compile_tasks import _draw, eager_vs_compiled, module_eager_vs_compiled, moe_inputs
+from .compile_tasks import _draw, eager_vs_compiled, module_eager_vs_compiled, moe_inputs, opcheck_all
 
 
 def _static_shapes(fn: Callable, inputs: tuple) -> dict[str, Any]:
@@ -151,12 +151,4 @@ def bounded_opchecks(rank: int, world_size: int, seed: int) -> dict[str, str]:
     }
     h, _, key, *_ = ops.moe_dispatch_bounded(x.detach(), idx, w1.detach(), E, bound, "", "symm", "", None, "00")
     cases["combine"] = (ops.moe_combine.default, (h.detach().requires_grad_(), w2, tw, key, "symm", "", None, "111"))
-    out = {}
-    for name, (op, args) in cases.items():
-        try:
-            torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration",
-                                                        "test_faketensor"))
-            out[name] = "ok"
-        except Exception as exc:  # noqa: BLE001 - reported per op
-            out[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    return out
+    return opcheck_all(cases)

@@ -338,6 +338,14 @@ def opchecks(rank: int, world_size: int, seed: int) -> dict[str, str]:
     h, _, key = ops.moe_dispatch(x.detach(), idx, w1.detach(), E, "", "symm", "", None, "00")
     h = h.detach().requires_grad_()
     cases["moe_combine"] = (ops.moe_combine.default, (h, w2, tw, key, "symm", "", None, "111"))
+    out = opcheck_all(cases)
+    library.RECENT.clear()
+    return out
+
+
+def opcheck_all(cases: dict[str, tuple]) -> dict[str, str]:
+    """``torch.library.opcheck`` (schema, autograd registration, fake) of each ``name: (op, args)``: "ok" or the
+    error, per op."""
     out = {}
     for name, (op, args) in cases.items():
         try:
@@ -346,7 +354,6 @@ def opchecks(rank: int, world_size: int, seed: int) -> dict[str, str]:
             out[name] = "ok"
         except Exception as exc:  # noqa: BLE001 - reported per op
             out[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    library.RECENT.clear()
     return out
 
 
