@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..errors import OverlapTimeout
-from . import fused, library, moe_bound, moe_cuda, moe_handle
+from . import fused, library, moe_bound, moe_cuda, moe_handle, moe_hierarchical
 from . import moe_layout as layout
 from .context import CallContext, autocast_inputs, no_autocast, preamble, record
 from .moe_handle import MoEHandle
@@ -215,8 +215,11 @@ def _backward(grad_out, topk_idx, rows, w, key, need_x, need_w):
         if need_x:
             w_t = None if w is None else w.transpose(1, 2)
             cc = layout.follow_up(h, f"moe.{op}.backward", grad_out, w_t, h.plan)
-            back = moe_combine.run(h, grad_out, w_t, cc, between=weight_grad)
-            grad_x = _sum_copies(back, h)
+            if layout.sums_in_node(cc):  # a token's copies summed within each node before they cross
+                ones = torch.ones((h.num_tokens, h.top_k), dtype=torch.float32, device=grad_out.device)
+                grad_x = moe_combine.run(h, grad_out, w_t, cc, between=weight_grad, weights=ones)
+            else:
+                grad_x = _sum_copies(moe_combine.run(h, grad_out, w_t, cc, between=weight_grad), h)
         else:
             weight_grad()
     return library.grads_out(grad_x, grad_w[0] if need_w else None, grad_out, grad_out)
@@ -269,11 +272,12 @@ def run(h: layout.MoELayout, rows: torch.Tensor, row_of_send: torch.Tensor, w: t
     Returns ``(recv, out)``: ``recv`` ``[R, H]`` in expert order (None when `w` is given and not
     `keep_rows`), ``out`` ``[R, N]`` (None without `w`).
     """
-    need = layout.heap_need(cc.plan.strategy, h.num_tokens, h.top_k, h.num_local_experts, h.send_splits,
+    kind = layout.transfer_kind(cc)
+    need = layout.heap_need(kind, h.num_tokens, h.top_k, h.num_local_experts, h.send_splits,
                        rows.shape[1] * rows.element_size(), cc.world_size)
     call = cc.begin(need)
     try:
-        recv, out = STRATEGIES[cc.plan.strategy](cc, call, h, rows, row_of_send, w, counts, between)
+        recv, out = STRATEGIES[kind](cc, call, h, rows, row_of_send, w, counts, between)
     finally:
         call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
     return (recv if w is None or keep_rows else None), out
@@ -477,4 +481,10 @@ def _consume_fused(cc: CallContext, call, h: layout.MoELayout, dtype, cols: int,
     return recv, out
 
 
-STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused}
+def _hierarchical(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
+    """Across nodes (`overlap.ops.moe_hierarchical`): a token crosses the network once per node."""
+    return moe_hierarchical.to_experts(cc, h, rows, row_of_send, w, counts, between)
+
+
+STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused,
+              "hierarchical": _hierarchical}
