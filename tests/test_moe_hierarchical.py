@@ -92,6 +92,26 @@ def test_every_op_against_oracle_and_reference(pools, world_size, ranks_per_node
     assert all(len(d) == 3 * len(_SPECS) for d in done), done
 
 
+def bf16_and_bounded(rank: int, world_size: int, ranks_per_node: int, seed: int) -> list[str]:
+    """bf16 against the oracle at its tolerances; with ``max_tokens_per_rank`` (padding rows zero, no gradient)."""
+    group = spanning_group(rank, ranks_per_node)
+    try:
+        import overlap
+
+        cases = cases_for(world_size)[:2]
+        done = check_moe(rank, world_size, "hierarchical", torch.bfloat16, seed, cases, group=group)
+        done += check_moe(rank, world_size, "hierarchical", torch.float32, seed + 10, cases, slack=2, group=group)
+        overlap.release(group)
+        return done
+    finally:
+        del os.environ["OVERLAP_NODE_ID"]
+
+
+def test_bf16_and_bounded(pools):
+    done = pools(4).run(bf16_and_bounded, 2, 2320, timeout=240)
+    assert all(len(d) == 8 for d in done), done
+
+
 # ----------------------------------------------------------------------------------------------
 # Exact bytes over the network
 # ----------------------------------------------------------------------------------------------
