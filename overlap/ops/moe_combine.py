@@ -21,6 +21,8 @@ all of them (fp32, ``k`` in order), so the strategies differ only by the GEMMs' 
 * ``fused`` (grouped-matmul form only): one Triton grouped GEMM (`overlap.kernels.moe`) whose tiles
   store into the source's buffer and count per (source, expert group); the group's last tile releases
   its flag.
+* ``hierarchical``: groups spanning nodes (`overlap.ops.moe_hierarchical`): a token's rows summed within
+  each node before they cross, where the rows are not kept for ``topk_weights``' gradient; ``symm`` on one node.
 
 Autograd (docs/design.md): the weighted sum gives ``topk_weights`` the dot products and each row its
 ``topk_weights``-weighted gradient; those rows travel to the experts again (the dispatch direction,
@@ -60,7 +62,8 @@ def combine(y_recv: torch.Tensor, topk_weights: torch.Tensor, handle: MoEHandle,
             ``handle.num_recv`` rows are read, the others get a zero gradient).
         topk_weights: ``[T, K]`` floating weights of this rank's tokens (any float dtype; summed in fp32).
         handle: from `dispatch` / `dispatch_grouped_matmul` on the same group.
-        strategy, plan, timeout: ``reference``, ``pipelined``, ``symm`` or ``auto``; timeout as elsewhere.
+        strategy, plan, timeout: ``reference``, ``pipelined``, ``symm``, ``hierarchical`` or ``auto``; timeout
+            as elsewhere.
 
     Returns:
         ``[T, H]`` in `y_recv`'s dtype: ``out[t] = sum_k topk_weights[t, k] * row of (t, k)``.

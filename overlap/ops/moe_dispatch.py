@@ -20,6 +20,8 @@ Strategies (same rows, same order; `reference` is the oracle):
   (`overlap.ops.moe_cuda`). Ranks of one node.
 * ``fused`` (grouped-matmul form only): rows written as in ``symm``; one Triton grouped GEMM
   (`overlap.kernels.moe`) whose tiles wait on the flag of the (source, expert group) block they read.
+* ``hierarchical``: groups spanning nodes (`overlap.ops.moe_hierarchical`): a token's row once to each node
+  that holds one of its experts, fanned out there through the node's heap; ``symm`` on one node.
 
 Autograd (docs/design.md): the backward of the transfer sends each row's gradient back to its token and
 sums a token's ``K`` copies (in fp32, ``k`` in order); it is the combine direction
@@ -60,7 +62,7 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: d
             ``r`` (``L = num_experts / W``). Any routing: repeated and unused experts are fine.
         num_experts: ``E``, divisible by the group's size.
         group, strategy, plan, timeout: as for `overlap.all_gather_matmul`; strategies ``reference``,
-            ``pipelined``, ``symm`` (``auto`` picks one).
+            ``pipelined``, ``symm``, ``hierarchical`` (``auto`` picks one).
         max_tokens_per_rank: ``B``, None (exact row counts) or a bound on every rank's ``T``, the same on
             every rank: ``x_recv`` is then ``[W * B * min(K, L), H]``, the rows packed at the front and zero
             padding after them, and the handle's ``tokens_per_expert``, ``expert_offsets`` and ``num_recv``

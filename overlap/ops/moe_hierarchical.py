@@ -158,7 +158,7 @@ def to_experts(cc: CallContext, h: layout.MoELayout, rows: torch.Tensor, row_of_
 
             # The network first: this rank's distinct rows (and idx) to each counterpart, theirs into our areas.
             recvs: list = []
-            poison = hier.Poison(cc, lay, call, [m for m in lay.remote_order()])
+            poison = hier.Poison(cc, lay, call, lay.remote_order())  # the areas our node's ranks wait for
             for m in lay.remote_order():
                 peer = lay.rank(m, lay.local)
                 data, idx = payload(m)
