@@ -210,8 +210,9 @@ def test_one_node_is_symm(pools):
     pools(2).run(one_node, 2340)
 
 
-def killed_remote(rank: int, world_size: int, victim: int):
-    """`victim` (on the second node) dies inside a dispatch, after the routes' exchange, before it sends."""
+def killed_remote(rank: int, world_size: int, victim: int, op: str):
+    """`victim` (on the second node) dies inside a dispatch or a combine, after the routes' exchange, before it
+    sends anything."""
     import signal
 
     from support.tp_oracle import expect_error
@@ -222,7 +223,7 @@ def killed_remote(rank: int, world_size: int, victim: int):
     group = spanning_group(rank, 2)
     try:
         x, idx = torch.randn(5, 8), torch.randint(0, 8, (5, 2))
-        overlap.moe.dispatch(x, idx, 8, group=group, strategy="hierarchical")  # healthy: node groups, heaps
+        rows, handle = overlap.moe.dispatch(x, idx, 8, group=group, strategy="hierarchical")  # healthy first
         if rank == victim:
 
             def die(*args, **kwargs):
@@ -230,17 +231,22 @@ def killed_remote(rank: int, world_size: int, victim: int):
 
             hierarchical.begin_node = hierarchical.isend = die
         start = time.monotonic()
-        kind, msg, *_ = expect_error(overlap.moe.dispatch, x, idx, 8, group=group, strategy="hierarchical",
-                                     timeout=3.0)
+        if op == "dispatch":
+            kind, msg, *_ = expect_error(overlap.moe.dispatch, x, idx, 8, group=group, strategy="hierarchical",
+                                         timeout=3.0)
+        else:
+            kind, msg, *_ = expect_error(overlap.moe.combine, rows, torch.rand(5, 2), handle,
+                                         strategy="hierarchical", timeout=3.0)
         return kind, msg, time.monotonic() - start
     finally:
         del os.environ["OVERLAP_NODE_ID"]
 
 
-def test_killed_rank_on_the_other_node_is_named():
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_killed_rank_on_the_other_node_is_named(op):
     victim = 3
     with pytest.raises(RankError) as failed:
-        run_isolated(4, killed_remote, victim, timeout=90.0)
+        run_isolated(4, killed_remote, victim, op, timeout=90.0)
     assert f"rank {victim} died" in str(failed.value) and "raised" not in str(failed.value), failed.value
     for rank, res in enumerate(failed.value.results):
         if rank == victim:
