@@ -19,7 +19,8 @@ counterpart ``(m, l)`` the distinct rows of its node list for ``m`` (a token wit
 in ``Plan.chunks_for("network")`` pieces straight into area ``n`` of the counterpart's slot, which flags the
 area once they landed (its own node's area: at once). Every rank of node ``m`` then reads, for every source,
 its part of the list from the area of the counterpart that received it (``rows[idx[part]]``, the source's
-send order) and multiplies each (source, expert) block. Bitwise ``reference``'s rows.
+send order) and multiplies each (source, expert) block: its own node's sources first, while the network
+transfers travel, then each other node's once its area is in. Bitwise ``reference``'s rows.
 
 Combine direction (`to_sources`: the combine; the dispatch's backward). The **aggregator** of source
 ``(n, l)`` on node ``m`` is ``(m, l)``. Every rank writes its results for each source (the source's send
@@ -176,13 +177,17 @@ def to_experts(cc: CallContext, h: layout.MoELayout, rows: torch.Tensor, row_of_
                 if idx is not None:
                     own_idx.copy_(idx)
             call.signal_ready(n0)
-            # Each area flagged once all of its pieces landed (the node's ranks read it then).
+            recv = torch.empty((h.num_recv, cols), dtype=dtype, device=h.info.device)
+            out = torch.empty((h.num_recv, w.shape[2]), dtype=dtype, device=h.info.device) if w is not None else None
+            # Our node's sources first (their GEMMs run while the network transfers travel), then each other
+            # node's once its area landed: flagged then, so the node's ranks read it too.
+            _take_blocks(cc, h, lay, rt, call, area_of, n0, recv, out, w)
             for m in lay.remote_order():
                 peer = lay.rank(m, lay.local)
                 for p, j, work in [x for x in recvs if x[0] == peer]:
                     poison.wait(work, p, f"{j} of node {lay.names[m]}'s rows")
                 call.signal_ready(m)
-            recv, out = _gather_blocks(cc, h, lay, rt, call, area_of, dtype, cols, w)
+                _take_blocks(cc, h, lay, rt, call, area_of, m, recv, out, w)
             if between is not None:
                 between()
             for p, j, work in sends:  # the sent tensors are ours, but the peer must have them before we return
@@ -192,17 +197,18 @@ def to_experts(cc: CallContext, h: layout.MoELayout, rows: torch.Tensor, row_of_
             call.finish()
 
 
-def _gather_blocks(cc, h, lay: hier.Layout, rt: Routes, call, area_of, dtype, cols: int, w):
-    """Every source's rows for this rank, from the area of the node rank that received them, by expert."""
-    W, r, L = cc.world_size, cc.rank, h.num_local_experts
-    recv = torch.empty((h.num_recv, cols), dtype=dtype, device=h.info.device)
-    out = torch.empty((h.num_recv, w.shape[2]), dtype=dtype, device=h.info.device) if w is not None else None
-    for i in range(W):  # our own rows first
-        s = (r + i) % W
+def _take_blocks(cc, h, lay: hier.Layout, rt: Routes, call, area_of, m: int, recv, out, w) -> None:
+    """The rows for this rank of every source on node `m`, from area `m` of the node rank that received them
+    (our own rows first), into `recv` by expert; each block times its expert's weight into `out`."""
+    r, L = cc.rank, h.num_local_experts
+    ranks = lay.nodes[m]
+    start = ranks.index(r) if r in ranks else 0
+    for i in range(len(ranks)):
+        s = ranks[(start + i) % len(ranks)]
         c = h.recv_splits[s]
         if not c:
             continue
-        m, owner = rt.node_of(s), lay.nodes[rt.node_of(s)].index(s)  # area m of local rank `owner`
+        owner = ranks.index(s)  # area m of the node rank with the source's local index
         if owner != call.rank:
             hier.wait_local(cc, lay, call, owner, m, f"node {lay.names[m]}'s rows")
         keys, idx = area_of(owner, m, s)

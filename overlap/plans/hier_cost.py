@@ -68,7 +68,8 @@ def moe(x, p) -> None:
     """The MoE layer across nodes (`overlap.ops.moe_hierarchical`), uniform routing of ``K`` distinct experts:
     per transfer the counts, then to each other node the token rows that have an expert there (one row per
     token and node) with their int32 indices, then the node's copies (each rank's rows from the node's ranks
-    that received them); the ops multiply after their rows are in, so transfers and GEMMs add up (serial).
+    that received them); transfers and GEMMs add up (serial: an upper bound, the dispatch multiplies its
+    node's blocks while the network transfers travel).
     The combine's and the backward's transfers move as many bytes."""
     W, N, L, loc = x.W, x.nodes, x.local_ranks, x.local_link
     E, K, T, H, F = p.experts, p.top_k, p.m, p.k, p.n
