@@ -1,6 +1,6 @@
 """The MoE ops with ``hierarchical`` on groups that span nodes, emulated on one machine as in
 tests/test_hierarchical.py: each rank's node is its ``OVERLAP_NODE_ID`` (set before the group's first call),
-2 nodes x 2 ranks and 2 x 1 on the pooled CPU ranks, loopback between them.
+2 nodes x 2 ranks, 2 x 1 and 3 x 1 on the pooled CPU ranks, loopback between them.
 
 Every MoE op x ``hierarchical`` against the float64 dense oracle (`support.moe_oracle.check_moe`: forward and
 backward, uneven token counts, empty experts, top-k > 1 with several of a token's experts on one node, a token
@@ -84,7 +84,7 @@ def against_reference(rank: int, world_size: int, ranks_per_node: int, seed: int
         del os.environ["OVERLAP_NODE_ID"]
 
 
-@pytest.mark.parametrize("world_size, ranks_per_node", [(4, 2), (2, 1)])
+@pytest.mark.parametrize("world_size, ranks_per_node", [(4, 2), (2, 1), (3, 1)])
 def test_every_op_against_oracle_and_reference(pools, world_size, ranks_per_node):
     seed = 2300 + world_size
     print(f"seed {seed}")
@@ -93,14 +93,16 @@ def test_every_op_against_oracle_and_reference(pools, world_size, ranks_per_node
 
 
 def bf16_and_bounded(rank: int, world_size: int, ranks_per_node: int, seed: int) -> list[str]:
-    """bf16 against the oracle at its tolerances; with ``max_tokens_per_rank`` (padding rows zero, no gradient)."""
+    """bf16 against the oracle at its tolerances; with ``max_tokens_per_rank`` (padding rows zero, no gradient)
+    and 3 network chunks."""
     group = spanning_group(rank, ranks_per_node)
     try:
         import overlap
 
         cases = cases_for(world_size)[:2]
         done = check_moe(rank, world_size, "hierarchical", torch.bfloat16, seed, cases, group=group)
-        done += check_moe(rank, world_size, "hierarchical", torch.float32, seed + 10, cases, slack=2, group=group)
+        three = overlap.Plan("hierarchical", num_chunks={"network": 3})  # transfers in 3 pieces (default 2)
+        done += check_moe(rank, world_size, three, torch.float32, seed + 10, cases, slack=2, group=group)
         overlap.release(group)
         return done
     finally:
