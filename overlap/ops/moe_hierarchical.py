@@ -114,8 +114,10 @@ def exchange_routes(cc: CallContext, h: layout.MoELayout, lay: hier.Layout, list
 
 
 def _sends(cc: CallContext, tensor: torch.Tensor, peer: int, link: str, works: list) -> None:
+    """`tensor` to `peer` in ``chunks_for(link)`` pieces; ``(peer, piece, work, tensor)`` appended to `works`
+    (the tensor kept alive until the call waited for its sends)."""
     for j, (a, b) in enumerate(comm.chunk_bounds(tensor.shape[0], cc.plan.chunks_for(link)) if len(tensor) else []):
-        works.append((peer, j, hier.isend(cc, tensor[a:b], peer)))
+        works.append((peer, j, hier.isend(cc, tensor[a:b], peer), tensor))
 
 
 def _recvs(cc: CallContext, tensor: torch.Tensor, peer: int, link: str, works: list) -> None:
@@ -190,7 +192,7 @@ def to_experts(cc: CallContext, h: layout.MoELayout, rows: torch.Tensor, row_of_
                 _take_blocks(cc, h, lay, rt, call, area_of, m, recv, out, w)
             if between is not None:
                 between()
-            for p, j, work in sends:  # the sent tensors are ours, but the peer must have them before we return
+            for p, j, work, _kept in sends:  # the sent tensors are ours, but the peer must have them before we return
                 poison.wait(work, p, j)
             return recv, out
         finally:
@@ -311,7 +313,7 @@ def to_sources(cc: CallContext, h: layout.MoELayout, y: torch.Tensor, w: torch.T
                 between()
             for m in lay.remote_order():
                 _wait_from(poison, from_peer, lay.rank(m, l0), lay.names[m])
-            for p, j, work in sends:
+            for p, j, work, _kept in sends:
                 poison.wait(work, p, j)
             return _assemble(h, lay, lists, own, results, weights is not None, acc, dtype, cols)
         finally:
