@@ -257,3 +257,37 @@ def test_killed_rank_on_the_other_node_is_named(op):
         assert kind in ("OverlapError", "OverlapTimeout"), (rank, res)
         assert f"rank {victim}" in msg or f"peer {victim}" in msg, (rank, res)
         assert secs < 3.0 + LATE_S, (rank, res)
+
+
+# ----------------------------------------------------------------------------------------------
+# auto and the cost model (single process)
+# ----------------------------------------------------------------------------------------------
+
+
+def info_of(nodes, rank: int = 0):
+    from overlap import world
+
+    n = len(nodes)
+    return world.GroupInfo(rank=rank, world_size=n, global_ranks=tuple(range(n)), nodes=tuple(nodes),
+                           pids=tuple(range(n)), backend="gloo", device=torch.device("cpu"),
+                           peer_access=(False,) * n)
+
+
+def test_auto_keeps_pipelined_and_the_model_counts_hierarchical_only_across_nodes():
+    import math
+
+    from overlap.plans import Plan, Problem, candidates, default_profile, predict, topology_of
+    from overlap.plans.auto import resolve_auto
+
+    problem = Problem("moe", 64, 32, 48, "float32", True, 8, 2)
+    across, one = info_of(("a", "a", "b", "b")), info_of(("a",) * 4)
+    assert resolve_auto("moe", "moe sig", across, None, "float32", problem=problem) == Plan("pipelined")
+    assert resolve_auto("moe", "moe sig", one, None, "float32", problem=problem).strategy == "symm"
+    hier = [p for p in candidates(problem, topology_of(across)) if p.strategy == "hierarchical"]
+    assert hier and all(dict(p.num_chunks).keys() == {"network"} for p in hier), hier
+    assert all(math.isfinite(predict(problem, p, topology_of(across), default_profile("cpu")).total_s) for p in hier)
+    assert not any(p.strategy == "hierarchical" for p in candidates(problem, topology_of(one)))
+    # on one node it runs symm: the same prediction
+    profile = default_profile("cpu")
+    assert predict(problem, Plan("hierarchical"), topology_of(one), profile) == predict(
+        problem, Plan("symm"), topology_of(one), profile)
