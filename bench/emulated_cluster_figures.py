@@ -36,7 +36,7 @@ def figure_problems() -> list[dict[str, Any]]:
     from overlap.plans import OPS
 
     return [{"op": name, **FIGURE_SHAPE, "backward": bw} for name, spec in OPS.items()
-            if "hierarchical" in spec.strategies for bw in (False, True)]
+            if spec.family == "tp" and "hierarchical" in spec.strategies for bw in (False, True)]
 
 
 def run_figures(cfg: Any, spec: dict, rank: int, world_size: int, profile: Any) -> tuple[list[dict[str, Any]], Any]:

@@ -21,6 +21,8 @@ all of them (fp32, ``k`` in order), so the strategies differ only by the GEMMs' 
 * ``fused`` (grouped-matmul form only): one Triton grouped GEMM (`overlap.kernels.moe`) whose tiles
   store into the source's buffer and count per (source, expert group); the group's last tile releases
   its flag.
+* ``hierarchical``: groups spanning nodes (`overlap.ops.moe_hierarchical`): a token's rows summed within
+  each node before they cross, where the rows are not kept for ``topk_weights``' gradient; ``symm`` on one node.
 
 Autograd (docs/design.md): the weighted sum gives ``topk_weights`` the dot products and each row its
 ``topk_weights``-weighted gradient; those rows travel to the experts again (the dispatch direction,
@@ -41,7 +43,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..plans import Plan
-from . import fused, library, moe_bound, moe_cuda, moe_handle
+from . import fused, library, moe_bound, moe_cuda, moe_handle, moe_hierarchical
 from . import moe_layout as layout
 from .context import CallContext, autocast_inputs, describe, no_autocast, preamble, record
 from .moe_handle import MoEHandle
@@ -60,7 +62,8 @@ def combine(y_recv: torch.Tensor, topk_weights: torch.Tensor, handle: MoEHandle,
             ``handle.num_recv`` rows are read, the others get a zero gradient).
         topk_weights: ``[T, K]`` floating weights of this rank's tokens (any float dtype; summed in fp32).
         handle: from `dispatch` / `dispatch_grouped_matmul` on the same group.
-        strategy, plan, timeout: ``reference``, ``pipelined``, ``symm`` or ``auto``; timeout as elsewhere.
+        strategy, plan, timeout: ``reference``, ``pipelined``, ``symm``, ``hierarchical`` or ``auto``; timeout
+            as elsewhere.
 
     Returns:
         ``[T, H]`` in `y_recv`'s dtype: ``out[t] = sum_k topk_weights[t, k] * row of (t, k)``.
@@ -171,7 +174,8 @@ def _forward(y, w, topk_weights, key, strategy, plan, timeout, grads):
     needs_grad = "1" in grads
     context = library.context_out((cc.plan, h), needs_grad)
     with record(cc.op), no_autocast(h.info.device.type):
-        if moe_cuda.sums_on_device(y, topk_weights, cc.plan, needs_grad):
+        if moe_cuda.sums_on_device(y, topk_weights, cc.plan, needs_grad) or (
+                layout.sums_in_node(cc) and grads[2] == "0"):  # (the rows are kept only for topk_weights' grad)
             return run(h, y, w, cc, weights=topk_weights), y.new_empty(0), context
         back = run(h, y, w, cc)
         return layout.weighted_sum(back, topk_weights, y.dtype), back if needs_grad else y.new_empty(0), context
@@ -259,28 +263,16 @@ def run(h: layout.MoELayout, y: torch.Tensor, w: torch.Tensor | None, cc: CallCo
     ``[T, N]`` instead, summed by the combine kernel straight from the regions (no autograd).
     """
     cols = y.shape[1] if w is None else w.shape[2]
-    need = layout.heap_need(cc.plan.strategy, h.num_tokens, h.top_k, h.num_local_experts, h.send_splits,
+    kind = layout.transfer_kind(cc)
+    need = layout.heap_need(kind, h.num_tokens, h.top_k, h.num_local_experts, h.send_splits,
                        cols * y.element_size(), cc.world_size)
     call = cc.begin(need)
-    extra = {} if weights is None else {"weights": weights}  # (symm and fused only)
+    extra = {} if weights is None else {"weights": weights}  # (symm and fused on GPUs; hierarchical across nodes)
     try:
-        back = STRATEGIES[cc.plan.strategy](cc, call, h, y, w, between, **extra)
+        back = STRATEGIES[kind](cc, call, h, y, w, between, **extra)
     finally:
         call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
     return back if weights is not None else back.index_select(0, h.inv_order)
-
-
-def _rows_for(h: layout.MoELayout, y: torch.Tensor, w: torch.Tensor | None, s: int, into: torch.Tensor) -> None:
-    """`into` = the rows of source `s` (in `s`'s send order), each block times its expert's weight."""
-    for e in range(h.num_local_experts):
-        c = h.recv_counts[s][e]
-        if not c:
-            continue
-        lo, at = h.within_source(s, e), h.expert_offsets[e][s]
-        if w is not None:
-            torch.mm(y[at : at + c], w[e], out=into[lo : lo + c])
-        else:
-            into[lo : lo + c].copy_(y[at : at + c])
 
 
 def _reference(cc: CallContext, call, h, y, w, between):
@@ -306,10 +298,10 @@ def _pipelined(cc: CallContext, call, h, y, w, between):
     for i in range(1, W):
         s, src = (r + i) % W, (r - i) % W
         buf = y.new_empty((h.recv_splits[s], cols))
-        _rows_for(h, y, w, s, buf)  # the next source's GEMMs run while this one's rows travel
+        layout.rows_for(h, y, w, s, buf)  # the next source's GEMMs run while this one's rows travel
         sent.append(buf)
         posted.extend(comm.exchange_chunked(buf, s, ours_from(src), src, cc.plan.chunks_for, info, cc.pg, cc.op))
-    _rows_for(h, y, w, r, ours_from(r))
+    layout.rows_for(h, y, w, r, ours_from(r))
     if between is not None:
         between()
     for _j, _got, works in posted:
@@ -402,4 +394,11 @@ def _collect(call, h: layout.MoELayout, dtype: torch.dtype, cols: int,
     return back
 
 
-STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused}
+def _hierarchical(cc: CallContext, call, h, y, w, between, weights=None):
+    """Across nodes (`overlap.ops.moe_hierarchical`): a token's rows summed within each node before they
+    cross, where `weights` are given; else each row crosses once."""
+    return moe_hierarchical.to_sources(cc, h, y, w, between, weights)
+
+
+STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused,
+              "hierarchical": _hierarchical}

@@ -20,6 +20,8 @@ Strategies (same rows, same order; `reference` is the oracle):
   (`overlap.ops.moe_cuda`). Ranks of one node.
 * ``fused`` (grouped-matmul form only): rows written as in ``symm``; one Triton grouped GEMM
   (`overlap.kernels.moe`) whose tiles wait on the flag of the (source, expert group) block they read.
+* ``hierarchical``: groups spanning nodes (`overlap.ops.moe_hierarchical`): a token's row once to each node
+  that holds one of its experts, fanned out there through the node's heap; ``symm`` on one node.
 
 Autograd (docs/design.md): the backward of the transfer sends each row's gradient back to its token and
 sums a token's ``K`` copies (in fp32, ``k`` in order); it is the combine direction
@@ -40,7 +42,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..errors import OverlapTimeout
-from . import fused, library, moe_bound, moe_cuda, moe_handle
+from . import fused, library, moe_bound, moe_cuda, moe_handle, moe_hierarchical
 from . import moe_layout as layout
 from .context import CallContext, autocast_inputs, no_autocast, preamble, record
 from .moe_handle import MoEHandle
@@ -60,7 +62,7 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: d
             ``r`` (``L = num_experts / W``). Any routing: repeated and unused experts are fine.
         num_experts: ``E``, divisible by the group's size.
         group, strategy, plan, timeout: as for `overlap.all_gather_matmul`; strategies ``reference``,
-            ``pipelined``, ``symm`` (``auto`` picks one).
+            ``pipelined``, ``symm``, ``hierarchical`` (``auto`` picks one).
         max_tokens_per_rank: ``B``, None (exact row counts) or a bound on every rank's ``T``, the same on
             every rank: ``x_recv`` is then ``[W * B * min(K, L), H]``, the rows packed at the front and zero
             padding after them, and the handle's ``tokens_per_expert``, ``expert_offsets`` and ``num_recv``
@@ -215,8 +217,11 @@ def _backward(grad_out, topk_idx, rows, w, key, need_x, need_w):
         if need_x:
             w_t = None if w is None else w.transpose(1, 2)
             cc = layout.follow_up(h, f"moe.{op}.backward", grad_out, w_t, h.plan)
-            back = moe_combine.run(h, grad_out, w_t, cc, between=weight_grad)
-            grad_x = _sum_copies(back, h)
+            if layout.sums_in_node(cc):  # a token's copies summed within each node before they cross
+                ones = torch.ones((h.num_tokens, h.top_k), dtype=torch.float32, device=grad_out.device)
+                grad_x = moe_combine.run(h, grad_out, w_t, cc, between=weight_grad, weights=ones)
+            else:
+                grad_x = _sum_copies(moe_combine.run(h, grad_out, w_t, cc, between=weight_grad), h)
         else:
             weight_grad()
     return library.grads_out(grad_x, grad_w[0] if need_w else None, grad_out, grad_out)
@@ -269,11 +274,12 @@ def run(h: layout.MoELayout, rows: torch.Tensor, row_of_send: torch.Tensor, w: t
     Returns ``(recv, out)``: ``recv`` ``[R, H]`` in expert order (None when `w` is given and not
     `keep_rows`), ``out`` ``[R, N]`` (None without `w`).
     """
-    need = layout.heap_need(cc.plan.strategy, h.num_tokens, h.top_k, h.num_local_experts, h.send_splits,
+    kind = layout.transfer_kind(cc)
+    need = layout.heap_need(kind, h.num_tokens, h.top_k, h.num_local_experts, h.send_splits,
                        rows.shape[1] * rows.element_size(), cc.world_size)
     call = cc.begin(need)
     try:
-        recv, out = STRATEGIES[cc.plan.strategy](cc, call, h, rows, row_of_send, w, counts, between)
+        recv, out = STRATEGIES[kind](cc, call, h, rows, row_of_send, w, counts, between)
     finally:
         call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
     return (recv if w is None or keep_rows else None), out
@@ -477,4 +483,10 @@ def _consume_fused(cc: CallContext, call, h: layout.MoELayout, dtype, cols: int,
     return recv, out
 
 
-STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused}
+def _hierarchical(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
+    """Across nodes (`overlap.ops.moe_hierarchical`): a token crosses the network once per node."""
+    return moe_hierarchical.to_experts(cc, h, rows, row_of_send, w, counts, between)
+
+
+STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused,
+              "hierarchical": _hierarchical}

@@ -283,6 +283,19 @@ def resolve_plan(op: str, strategy: str, plan, info: world.GroupInfo, dtype: tor
     return chosen
 
 
+def transfer_kind(cc: CallContext) -> str:
+    """The strategy a transfer runs: ``hierarchical`` on a group of one node is ``symm``."""
+    if cc.plan.strategy == "hierarchical" and cc.info.single_node:
+        return "symm"
+    return cc.plan.strategy
+
+
+def sums_in_node(cc: CallContext) -> bool:
+    """Whether a transfer back to the sources can sum a token's rows within each node before they cross
+    (``hierarchical`` across nodes, `overlap.ops.moe_hierarchical`)."""
+    return transfer_kind(cc) == "hierarchical"
+
+
 def moe_problem(tokens: int, hidden: int, ffn: int, num_experts: int, top_k: int, dtype: torch.dtype,
                 backward: bool) -> Problem | None:
     """The `overlap.plans.Problem` of a grouped-GEMM MoE call (plan files are keyed by it); `backward`:
@@ -449,6 +462,19 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, handle: MoELayout) -> torch.Ten
             torch.mm(x[at : at + n], w[e], out=out[at : at + n])
         at += n
     return out
+
+
+def rows_for(h: MoELayout, y: torch.Tensor, w: torch.Tensor | None, s: int, into: torch.Tensor) -> None:
+    """`into` = the rows of source `s` (in `s`'s send order), each block times its expert's weight."""
+    for e in range(h.num_local_experts):
+        c = h.recv_counts[s][e]
+        if not c:
+            continue
+        lo, at = h.within_source(s, e), h.expert_offsets[e][s]
+        if w is not None:
+            torch.mm(y[at : at + c], w[e], out=into[lo : lo + c])
+        else:
+            into[lo : lo + c].copy_(y[at : at + c])
 
 
 def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, handle: MoELayout, like: torch.Tensor) -> torch.Tensor:

@@ -317,6 +317,8 @@ class _Model:
 
     def moe(self, p: Problem) -> None:
         """Dispatch + grouped GEMM, combine; uniform routing: ``T*K/W`` rows to and from every peer."""
+        if self.hier:
+            return hier_cost.moe(self, p)
         W, L, H, F, plan = self.W, p.experts // self.W, p.k, p.n, self.plan
         rows = p.m * p.top_k / W
         nbytes = rows * H * self.size

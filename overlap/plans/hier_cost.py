@@ -62,3 +62,27 @@ def mm_ar(x, m: int, k: int, n: int) -> None:
     c_loc, c_net = _chunks(x, loc, m), _chunks(x, "network", m)
     x.serial((N - 1) * x.msgs("network", part, c_net) + (L - 1) * (x.msgs(loc, part, c_loc)
                                                                   + (N - 1) * x.msgs(loc, part, c_net)))
+
+
+def moe(x, p) -> None:
+    """The MoE layer across nodes (`overlap.ops.moe_hierarchical`), uniform routing of ``K`` distinct experts:
+    per transfer the counts, then to each other node the token rows that have an expert there (one row per
+    token and node) with their int32 indices, then the node's copies (each rank's rows from the node's ranks
+    that received them); transfers and GEMMs add up (serial: an upper bound, the dispatch multiplies its
+    node's blocks while the network transfers travel).
+    The combine's and the backward's transfers move as many bytes."""
+    W, N, L, loc = x.W, x.nodes, x.local_ranks, x.local_link
+    E, K, T, H, F = p.experts, p.top_k, p.m, p.k, p.n
+    per_node = E // N
+    miss = 1.0  # the chance that none of a token's K distinct experts is on a given node
+    for i in range(min(K, E)):
+        miss *= max(0.0, (E - per_node - i) / (E - i))
+    rows_node = T * (1.0 - miss)  # distinct tokens to one node
+    pairs_node = T * K / N
+    net = (N - 1) * x.msgs("network", rows_node * H * x.size + pairs_node * 4,
+                           _chunks(x, "network", max(1, int(rows_node))))
+    copies = (W - 1) * x.msgs(loc, T * K / W * H * x.size) if L > 1 else 0.0
+    transfer = x.each_peer(4 * (E // W)) + net + copies
+    every = x.gemm(2 * T * K * H * F, calls=E // W)
+    transfers, gemms = (4, 6) if p.backward else (2, 2)
+    x.serial(transfers * transfer, gemms * every)

@@ -37,7 +37,10 @@ POPULARITY = 0.15
 
 
 def chunked(strategy: str, backward: bool, topology) -> tuple[str, ...]:
-    """pipelined: each peer's rows chunked for the link to it; symm/fused: one chunk per expert group."""
+    """pipelined: each peer's rows chunked for the link to it; symm/fused: one chunk per expert group;
+    hierarchical: the transfers between nodes chunked for the network (the node's copies one per area)."""
+    if strategy == "hierarchical":
+        return ("network",)
     return tuple(c for c, _ in topology.links) if strategy == "pipelined" else ()
 
 

@@ -106,9 +106,6 @@ def _moe_bytes_per_peer(p, W: int) -> float:
     return (4 if p.backward else 2) * p.m * p.top_k / W * p.k * ITEMSIZE[p.dtype]
 
 
-#: the strategies of the MoE layer, which has no ``hierarchical`` (a group spanning nodes runs it ``pipelined``)
-_ONE_NODE = tuple(s for s in STRATEGIES if s != "hierarchical")
-
 #: every op, by name
 OPS: dict[str, OpSpec] = {s.name: s for s in (
     _tp("all_gather_matmul", "AG+MM", in_rows=lambda m, W: m, out_rows=lambda m, W: W * m,
@@ -125,8 +122,7 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
     OpSpec("moe", "moe", "moe", in_rows=lambda m, W: m, out_rows=lambda m, W: m,
            flops=lambda p, W: (3 if p.backward else 1) * 4 * p.m * p.top_k * p.k * p.n,
            bytes_per_peer=_moe_bytes_per_peer, chunked=moe_op.chunked, cost=moe_op.cost, inputs=moe_op.inputs,
-           oracle=moe_op.oracle, plain=moe_op.plain, call=moe_op.call, plain_torch=plain_torch.torch_moe,
-           strategies=_ONE_NODE),
+           oracle=moe_op.oracle, plain=moe_op.plain, call=moe_op.call, plain_torch=plain_torch.torch_moe),
 )}
 
 

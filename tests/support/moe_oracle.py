@@ -166,14 +166,16 @@ def router_grad_spread(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor
 
 
 def check_moe(rank: int, world_size: int, strategy, dtype: torch.dtype, seed: int, cases: list[Case],
-              forms: tuple[str, ...] = ("plain", "grouped"), act: str = "gelu", slack: int | None = None) -> list[str]:
+              forms: tuple[str, ...] = ("plain", "grouped"), act: str = "gelu", slack: int | None = None,
+              group=None) -> list[str]:
     """Every case through the plain ops (dispatch, expert_fn, combine) and the grouped-GEMM ops, forward
     and backward, against the dense oracle. Returns what was checked.
 
     `slack`: None, or the ops run with ``max_tokens_per_rank`` = the case's largest token count + `slack`;
     the padding rows are then checked zero, given nonzero values before the combine (the plain expert
     function adds a bias; the grouped form adds a tensor that is nonzero on them only), which must change
-    no result, and checked to get a zero gradient (`moe_bound_checks`)."""
+    no result, and checked to get a zero gradient (`moe_bound_checks`). `group`: the dispatches' group (None:
+    the default group)."""
     import overlap
 
     from .moe_bound_checks import Bounded
@@ -195,7 +197,8 @@ def check_moe(rank: int, world_size: int, strategy, dtype: torch.dtype, seed: in
         w2_64 = w2.to(torch.float64).requires_grad_(True)
         bounded = Bounded(case, slack, world_size, rank, ids, ctx)
         if "plain" in forms:
-            x_recv, handle = overlap.moe.dispatch(x, idxs[rank], E, **_how(_plain(strategy)), **bounded.kwargs)
+            x_recv, handle = overlap.moe.dispatch(x, idxs[rank], E, group=group, **_how(_plain(strategy)),
+                                                 **bounded.kwargs)
             close("x_recv", bounded.rows(x_recv, handle), want_rows, dtype, ctx)
             assert bounded.host(handle).tokens_per_expert == [ids.count(e) for e in range(rank * L, (rank + 1) * L)]
             local_ids = bounded.expert_ids()
@@ -218,8 +221,8 @@ def check_moe(rank: int, world_size: int, strategy, dtype: torch.dtype, seed: in
         if "grouped" in forms:
             w1_local = w1[rank * L : (rank + 1) * L].clone().requires_grad_(True)
             w2_local = w2[rank * L : (rank + 1) * L].clone().requires_grad_(True)
-            h, handle = overlap.moe.dispatch_grouped_matmul(x, idxs[rank], w1_local, E, **_how(strategy),
-                                                            **bounded.kwargs)
+            h, handle = overlap.moe.dispatch_grouped_matmul(x, idxs[rank], w1_local, E, group=group,
+                                                            **_how(strategy), **bounded.kwargs)
             want_h = torch.stack([r.to(torch.float64) @ w1[e].to(torch.float64) for r, e in zip(want_rows, ids,
                                                                                                 strict=True)]) \
                 if ids else torch.empty(0, case.ffn, dtype=torch.float64)
