@@ -94,9 +94,7 @@ def ops_against_reference(rank, world_size, ranks_per_node, dtype, seed):
 
 
 @pytest.mark.parametrize("world_size, ranks_per_node", [(4, 2), (2, 1), (3, 1)])
-def test_every_op_against_reference(pools, world_size, ranks_per_node):
-    seed = 2200 + world_size
-    print(f"seed {seed}")
+def test_every_op_against_reference(pools, seed, world_size, ranks_per_node):
     results = pools(world_size).run(ops_against_reference, ranks_per_node, torch.float32, seed)
     for i in range(len(results[0])):  # the all-reduce's output: bitwise the same on every rank
         outs = [r[i][4] for r in results]
@@ -152,12 +150,12 @@ def weight_op(rank, world_size, ranks_per_node, seed):
 
 
 @pytest.mark.parametrize("world_size, ranks_per_node", [(4, 2), (2, 1)])
-def test_weight_gather_against_reference(pools, world_size, ranks_per_node):
-    pools(world_size).run(weight_op, ranks_per_node, 2250 + world_size)
+def test_weight_gather_against_reference(pools, seed, world_size, ranks_per_node):
+    pools(world_size).run(weight_op, ranks_per_node, seed)
 
 
-def test_bf16_against_reference(pools):
-    pools(4).run(bf16_against_reference, 2, 2231)
+def test_bf16_against_reference(pools, seed):
+    pools(4).run(bf16_against_reference, 2, seed)
 
 
 def pipelined_bytes(rank, world_size, ranks_per_node):
@@ -206,8 +204,8 @@ def one_node(rank, world_size, seed):
     assert all(torch.equal(x, y) for x, y in zip(*outs)), f"all_gather_weight_matmul rank {rank}: hierarchical != symm"
 
 
-def test_one_node_is_symm(pools):
-    pools(2).run(one_node, 2240)
+def test_one_node_is_symm(pools, seed):
+    pools(2).run(one_node, seed)
 
 
 def uneven_nodes(rank, world_size):

@@ -85,9 +85,7 @@ def against_reference(rank: int, world_size: int, ranks_per_node: int, seed: int
 
 
 @pytest.mark.parametrize("world_size, ranks_per_node", [(4, 2), (2, 1), (3, 1)])
-def test_every_op_against_oracle_and_reference(pools, world_size, ranks_per_node):
-    seed = 2300 + world_size
-    print(f"seed {seed}")
+def test_every_op_against_oracle_and_reference(pools, seed, world_size, ranks_per_node):
     done = pools(world_size).run(against_reference, ranks_per_node, seed, timeout=240)
     assert all(len(d) == 3 * len(_SPECS) for d in done), done
 
@@ -109,8 +107,8 @@ def bf16_and_bounded(rank: int, world_size: int, ranks_per_node: int, seed: int)
         del os.environ["OVERLAP_NODE_ID"]
 
 
-def test_bf16_and_bounded(pools):
-    done = pools(4).run(bf16_and_bounded, 2, 2320, timeout=240)
+def test_bf16_and_bounded(pools, seed):
+    done = pools(4).run(bf16_and_bounded, 2, seed, timeout=240)
     assert all(len(d) == 8 for d in done), done
 
 
@@ -185,8 +183,8 @@ def network_bytes(rank: int, world_size: int, ranks_per_node: int, seed: int):
 
 
 @pytest.mark.parametrize("world_size, ranks_per_node", [(4, 2), (2, 1)])
-def test_network_bytes_are_exact(pools, world_size, ranks_per_node):
-    results = pools(world_size).run(network_bytes, ranks_per_node, 2330)
+def test_network_bytes_are_exact(pools, seed, world_size, ranks_per_node):
+    results = pools(world_size).run(network_bytes, ranks_per_node, seed)
     print(*results, sep="\n")
     assert all(r["hierarchical"] < r["pipelined"] for r in results), results
 
@@ -208,8 +206,8 @@ def one_node(rank: int, world_size: int, seed: int) -> None:
         assert torch.equal(a, b), f"rank {rank}: hierarchical != symm on one node"
 
 
-def test_one_node_is_symm(pools):
-    pools(2).run(one_node, 2340)
+def test_one_node_is_symm(pools, seed):
+    pools(2).run(one_node, seed)
 
 
 def killed_remote(rank: int, world_size: int, victim: int, op: str):
