@@ -133,7 +133,8 @@ def network_bytes(rank: int, world_size: int, ranks_per_node: int, seed: int):
 
     group = spanning_group(rank, ranks_per_node)
     try:
-        # 3 of a token's 4 experts on one node for most tokens: the case where a token crossing once saves bytes
+        # 3 of a token's 4 experts on one node for every token (on another node for token 0, so every rank saves
+        # bytes whatever the seed): the case where a token crossing once saves bytes
         E, K, H, T = 4 * world_size, 4, 8, 6 + rank
         N, Q = world_size // ranks_per_node, ranks_per_node
         per_node = E // N
@@ -142,6 +143,7 @@ def network_bytes(rank: int, world_size: int, ranks_per_node: int, seed: int):
         for r in range(world_size):
             t = T - rank + r
             first = torch.randint(0, E, (t, 1), generator=gen)
+            first[0, 0] = ((node_of(r, Q) + 1) % N) * per_node  # token 0: 3 experts on another node, on every rank
             near = (first // per_node) * per_node + (first + torch.arange(1, 3)) % per_node
             idxs.append(torch.cat([first, near, torch.randint(0, E, (t, 1), generator=gen)], 1))
         x = torch.randn(T, H, generator=gen)
