@@ -15,7 +15,9 @@ The parts: `emulated_cluster_link` (the namespaces, the veth pair, tbf), `emulat
 run does), `emulated_cluster_ranks` (on the ranks, per rate: a probe or a recorded profile, a node check,
 then per problem and repeat the tuner, the exhaustive grid and a duel of their picks),
 `emulated_cluster_report` (the summary and the table: regret, tuning time against the grid's, chunks per
-link class, the model's error). This script is the parent: it sets the link up per rate, starts the ranks
+link class, the model's error), `emulated_cluster_figures` (``--figures``: the TP ops' ``hierarchical``
+figures) and `emulated_cluster_moe` (``--moe-figures``: the MoE layer on a balanced and a skewed routing, with
+expert migration). This script is the parent: it sets the link up per rate, starts the ranks
 in the namespaces, watches them and tears everything down; every name the tests use is reachable from it.
 
 usage:
@@ -23,6 +25,7 @@ usage:
   sudo .venv/bin/python bench/emulated_cluster.py --rate 100mbit --repeats 5 --json out.json
   sudo .venv/bin/python bench/emulated_cluster.py --quick --ranks-per-node 1
   sudo .venv/bin/python bench/emulated_cluster.py --figures           # hierarchical's figures (README table)
+  sudo .venv/bin/python bench/emulated_cluster.py --moe-figures       # the MoE layer's figures, with migration
 
 A default run takes about 2 minutes on 2 cores (4 ranks; more where other jobs share the cores: the
 report prints the machine's load). Exit code 0; 1 when a run fails (the failing rank's log on
@@ -59,6 +62,7 @@ from emulated_cluster_link import (  # noqa: E402
     remove_stale,
     unavailable_reason,
 )
+from emulated_cluster_moe import MOE_RATES, format_moe_figures, moe_problems, summarize_moe  # noqa: E402
 from emulated_cluster_ranks import rank_entry  # noqa: E402
 from emulated_cluster_report import format_table, summarize  # noqa: E402
 
@@ -211,7 +215,9 @@ def run(cfg: Config) -> list[dict[str, Any]]:
         out = []
         for i, rate in enumerate(cfg.rates):
             raw = run_rate(cfg, rate, tag=str(i))
-            out.append({"raw": raw, "summary": summarize_figures(raw) if cfg.figures else summarize(raw)})
+            summary = (summarize_figures(raw) if cfg.figures else summarize_moe(raw) if cfg.moe_figures
+                       else summarize(raw))
+            out.append({"raw": raw, "summary": summary})
         return out
     finally:
         for sig, handler in previous.items():
@@ -240,24 +246,30 @@ def _parse(argv: list[str] | None) -> tuple[Config, str | None, str | None, str 
                     help="the hierarchical strategy's figures instead of the tuner/grid comparison: 2 nodes x 2 ranks "
                          f"at {', '.join(FIGURE_RATES)} (unless --rate), every TP op with a hierarchical strategy, "
                          "fwd and fwd+bwd: reference, pipelined, hierarchical, the tuner's pick; bytes per call")
-    ap.add_argument("--plans", help="with --figures: a folder where each rate's plan file (the tuner's picks, as "
-                                    "`overlap tune` writes them) is saved as plans-<rate>.json")
+    ap.add_argument("--moe-figures", action="store_true",
+                    help="the MoE layer's figures instead of the tuner/grid comparison: 2 nodes x 2 ranks at "
+                         f"{', '.join(MOE_RATES)} (unless --rate), a balanced and a skewed routing, fwd and fwd+bwd: "
+                         "reference, pipelined, hierarchical, hierarchical with the hot experts migrated, the "
+                         "model's migration, the tuner's pick; bytes per call")
+    ap.add_argument("--plans", help="with --figures or --moe-figures: a folder where each rate's plan file (the "
+                                    "tuner's picks, as `overlap tune` writes them) is saved as plans-<rate>.json")
     ap.add_argument("--json", help="write the raw results and summaries here")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     ap.add_argument("--rank-entry", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.rank_entry:
         return Config(), None, args.rank_entry, None
-    if args.plans and not args.figures:
-        ap.error("--plans goes with --figures")
+    if args.plans and not (args.figures or args.moe_figures):
+        ap.error("--plans goes with --figures or --moe-figures")
     try:
         profiles = json.loads(Path(args.profiles).read_text()) if args.profiles else {}
-        problems = tuple(figure_problems()) if args.figures else QUICK_PROBLEMS if args.quick else DEFAULT_PROBLEMS
-        rates = tuple(args.rate or (FIGURE_RATES if args.figures else Config.rates))
+        problems = (tuple(figure_problems()) if args.figures else tuple(moe_problems()) if args.moe_figures
+                    else QUICK_PROBLEMS if args.quick else DEFAULT_PROBLEMS)
+        rates = tuple(args.rate or (FIGURE_RATES if args.figures else MOE_RATES if args.moe_figures else Config.rates))
         cfg = Config(rates=rates, profiles=profiles, ranks_per_node=args.ranks_per_node,
                      repeats=2 if args.quick and args.repeats == 3 else args.repeats, measure=args.measure,
                      tune_repeats=args.tune_repeats, warmup=args.warmup, probe=args.probe,
-                     problems=problems, timeout_s=args.timeout, figures=args.figures,
+                     problems=problems, timeout_s=args.timeout, figures=args.figures, moe_figures=args.moe_figures,
                      deadline_s=args.deadline, verbose=not args.quiet)
     except (ValueError, OSError) as exc:  # json.JSONDecodeError is a ValueError
         ap.error(str(exc))
@@ -281,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         print(f"emulated_cluster: interrupted ({exc or 'SIGINT'}); ranks stopped, link torn down", file=sys.stderr)
         return 130
-    print(format_figures([r["raw"] for r in results]) if cfg.figures else format_table([r["summary"] for r in results]))
+    raws = [r["raw"] for r in results]
+    print(format_figures(raws) if cfg.figures else format_moe_figures(raws) if cfg.moe_figures
+          else format_table([r["summary"] for r in results]))
     print(f"total {time.monotonic() - start:.0f} s")
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=1) + "\n")

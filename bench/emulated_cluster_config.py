@@ -42,6 +42,7 @@ class Config:
     deadline_s: float = 900.0  # per rate: the ranks are killed past it
     symm_check: bool = True
     figures: bool = False  # the hierarchical strategy's figures (`emulated_cluster_figures`) instead of the comparison
+    moe_figures: bool = False  # the MoE layer's figures (`emulated_cluster_moe`) instead of the comparison
     verbose: bool = True  # rank 0's progress lines on stderr
     #: rate -> a recorded `overlap.plans.Profile` (its JSON): that rate's ranks take it instead of probing, so
     #: the model's ranking, and so the plans the tuner measures, are a function of the inputs alone
@@ -56,7 +57,9 @@ class Config:
         for name in ("ranks_per_node", "repeats", "measure", "tune_repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.figures and self.ranks_per_node < 2:
+        if self.figures and self.moe_figures:
+            raise ValueError("figures and moe_figures are two runs: one at a time")
+        if (self.figures or self.moe_figures) and self.ranks_per_node < 2:
             raise ValueError(f"figures need 2 ranks per node at least (hierarchical forwards within a node), "
                              f"got {self.ranks_per_node}")
         if self.warmup < 0:

@@ -94,13 +94,21 @@ def _tx_bytes(dev: str) -> int:
 
 def _bytes(problem: Any, plan: Any, info: Any, leader: bool, dev: str, timeout: float) -> tuple[int, int]:
     """``(payload, veth)`` bytes of one call of `plan`, summed over the ranks (see the module docstring)."""
+    from overlap.tune.workload import build
+
+    fn, _ = build(problem, plan, None, info, timeout, seed=99)
+    return call_bytes(fn, leader, dev)
+
+
+def call_bytes(fn: Any, leader: bool, dev: str) -> tuple[int, int]:
+    """``(payload, veth)`` bytes of one call of `fn` (a collective: every rank calls it), summed over the
+    ranks: the transfer layer's count, and the veth ends' transmitted bytes (read by each node's `leader` on
+    its end `dev`) less what one barrier alone transmits. A first call warms up unmeasured."""
     import torch
     import torch.distributed as dist
 
     from overlap import comm
-    from overlap.tune.workload import build
 
-    fn, _ = build(problem, plan, None, info, timeout, seed=99)
     fn()  # warm: first-call set-up (node groups, heaps, gloo pairs) is not what a call costs
 
     def counters() -> list[int]:

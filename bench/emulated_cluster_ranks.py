@@ -128,6 +128,13 @@ def _compare(cfg: Config, spec: dict, rank: int, world_size: int) -> dict[str, A
         return {"rate": spec["rate"], "link": spec["link"], "topology": topology.signature, "world_size": world_size,
                 "ranks_per_node": cfg.ranks_per_node, "node_check": node, "probe_s": probe_s,
                 "profile": profile.to_json(), "figures": figures, "plan_file": plan_file}
+    if cfg.moe_figures:
+        from emulated_cluster_moe import run_moe_figures
+
+        figures, plan_file = run_moe_figures(cfg, spec, rank, world_size, profile)
+        return {"rate": spec["rate"], "link": spec["link"], "topology": topology.signature, "world_size": world_size,
+                "ranks_per_node": cfg.ranks_per_node, "node_check": node, "probe_s": probe_s,
+                "profile": profile.to_json(), "moe_figures": figures, "plan_file": plan_file}
     problems = [Problem(**p) for p in cfg.problems]
     for p in problems:  # first calls (imports, allocator, gloo pairs) stay out of both timings
         measure(p, [Plan("reference"), Plan("pipelined")], repeats=1, warmup=1)
