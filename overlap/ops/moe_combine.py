@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..plans import Plan
-from . import fused, library, moe_bound, moe_cuda, moe_handle, moe_hierarchical
+from . import fused, library, moe_bound, moe_cuda, moe_handle, moe_hierarchical, moe_migrate
 from . import moe_layout as layout
 from .context import CallContext, autocast_inputs, describe, no_autocast, preamble, record
 from .moe_handle import MoEHandle
@@ -126,9 +126,11 @@ def _prepare(op, y, w, topk_weights, h: layout.MoELayout, strategy, plan, timeou
             raise ValueError(f"overlap.moe.{op}: the handle's dispatch gave this rank {rows} rows, "
                              f"got {describe(y)}")
         if w is not None:
-            w = layout.check_weights(op, w, h.num_local_experts, y.shape[1], y.dtype, y.device, "w2")
+            own = h.num_local_experts if h.migration is None else h.migration.own  # (not the hosted copies)
+            w = layout.check_weights(op, w, own, y.shape[1], y.dtype, y.device, "w2")
         _check_weights_of_topk(op, topk_weights, h, info.device)
         chosen = _plan(op, h, y, w, strategy, plan, info, "1" in grads[:2])
+        moe_migrate.check_follows(op, chosen, h.migration, w is not None)
         return chosen, layout.call_signature(f"moe.{op}", h, y, w, chosen, grads=grads[:2]), None
 
     cc, _ = preamble(f"moe.{op}", h.group, timeout, decide)
@@ -136,7 +138,8 @@ def _prepare(op, y, w, topk_weights, h: layout.MoELayout, strategy, plan, timeou
 
 
 def _plan(op, h: layout.MoELayout, y, w, strategy, plan, info, needs_grad: bool) -> Plan:
-    problem = None if w is None else layout.moe_problem(h.num_tokens, w.shape[2], y.shape[1], h.num_experts,
+    experts = h.num_experts if h.migration is None else h.migration.num_experts  # (the dispatch's own E)
+    problem = None if w is None else layout.moe_problem(h.num_tokens, w.shape[2], y.shape[1], experts,
                                                     h.top_k, y.dtype, needs_grad)
     return layout.resolve_plan(op, strategy, plan, info, y.dtype, allow_fused=w is not None, problem=problem)
 
@@ -171,6 +174,7 @@ def _forward(y, w, topk_weights, key, strategy, plan, timeout, grads):
     y, w, h, cc = _prepare(op, y, w, topk_weights, moe_handle.layout_of(key, op), strategy, library.plan_of(plan),
                            timeout, grads)
     y = moe_bound.exact(y, h)  # (a bounded dispatch's padding rows are never read)
+    w = w if h.migration is None else h.migration.fetch(w, "w2", cc)  # [L', F, H]: own, copies
     needs_grad = "1" in grads
     context = library.context_out((cc.plan, h), needs_grad)
     with record(cc.op), no_autocast(h.info.device.type):
@@ -223,12 +227,15 @@ def _backward(grad_back, y, w, context, need_y, need_w):
             cc = layout.follow_up(h, f"moe.{op}.backward", grad_back, None, chosen)
             grad_y, _ = moe_dispatch.run(h, grad_back, h.order, None, cc)
             return library.grads_out(moe_bound.grad_padded(grad_y, padded_y), None, y, y)
+        w = w if h.migration is None else h.migration.extend(w, "w2")  # the hosted experts, as in the forward
         w_t = w.transpose(1, 2) if need_y else None
         if w_t is None and chosen.strategy == "fused":
             chosen = Plan("symm", chosen.num_chunks)  # no GEMM to fuse: the rows alone travel as in symm
         cc = layout.follow_up(h, f"moe.{op}.backward", grad_back, w_t, chosen)
         grad_rows, grad_y = moe_dispatch.run(h, grad_back, h.order, w_t, cc, keep_rows=True)
         grad_w = layout.grouped_weight_grad(y, grad_rows, h, w) if need_w else None
+        if grad_w is not None and h.migration is not None:  # the copies' gradients to their owners
+            grad_w = h.migration.give_back(grad_w, "w2", cc)
     return library.grads_out(moe_bound.grad_padded(grad_y, padded_y) if need_y else None, grad_w, y, y)
 
 

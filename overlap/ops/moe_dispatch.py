@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..errors import OverlapTimeout
-from . import fused, library, moe_bound, moe_cuda, moe_handle, moe_hierarchical
+from . import fused, library, moe_bound, moe_cuda, moe_handle, moe_hierarchical, moe_migrate
 from . import moe_layout as layout
 from .context import CallContext, autocast_inputs, no_autocast, preamble, record
 from .moe_handle import MoEHandle
@@ -145,15 +145,17 @@ def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, gr
         problem = None if w is None else layout.moe_problem(x.shape[0], x.shape[1], w.shape[2], num_experts,
                                                         topk_idx.shape[1], x.dtype, "1" in grads)
         chosen = layout.resolve_plan(op, strategy, plan, info, x.dtype, allow_fused=w is not None, problem=problem)
-        order, send_counts = layout.route(op, topk_idx, num_experts, info.world_size)
+        mig = moe_migrate.prepare(op, chosen, info, num_experts, w is not None, bound)  # (hosted experts)
+        idx, E = (topk_idx, num_experts) if mig is None else (mig.remap(op, topk_idx), mig.hosted * info.world_size)
+        order, send_counts = layout.route(op, idx, E, info.world_size)
         moe_bound.check_rows(op, bound, send_counts, topk_idx.shape[1], L)
         sig = layout.signature(f"moe.{op}", x.shape[1], None if w is None else w.shape[2], num_experts,
                                topk_idx.shape[1], x.dtype, chosen, info, grads) + moe_bound.signature_part(bound)
-        return chosen, sig, (L, order, send_counts)
+        return chosen, sig, (E, order, send_counts, mig)
 
-    cc, (L, order, send_counts) = preamble(f"moe.{op}", group, timeout, decide)
-    h = layout.MoELayout(cc, num_experts, L, topk_idx.shape[1], x.shape[0], send_counts, order,
-                         max_tokens_per_rank=bound)
+    cc, (E, order, send_counts, mig) = preamble(f"moe.{op}", group, timeout, decide)
+    h = layout.MoELayout(cc, E, E // cc.world_size, topk_idx.shape[1], x.shape[0], send_counts, order,
+                         max_tokens_per_rank=bound, migration=mig)
     return x, w, h
 
 
@@ -171,6 +173,7 @@ def forward(x, topk_idx, w, num_experts, group, strategy, plan, timeout, grads, 
                        timeout, grads, bound)
     with record(f"moe.{op}"), no_autocast(h.info.device.type):
         keep = w is not None and grads[1] == "1"
+        w = w if h.migration is None else h.migration.fetch(w, "w1", h.context)  # [L', H, F]: own, copies
         recv, out = run(h, x, h.token_of, w, h.context, counts=True, keep_rows=keep)
     if w is None:
         return recv, x.new_empty(0), moe_handle.register(h)
@@ -207,6 +210,7 @@ def _backward(grad_out, topk_idx, rows, w, key, need_x, need_w):
     h = moe_handle.layout_of(key, f"{op}.backward")
     grad_out, rows = moe_bound.exact(grad_out, h).contiguous(), moe_bound.exact(rows, h)  # (padding: never read)
     grad_w: list[torch.Tensor] = []
+    w = w if h.migration is None else h.migration.extend(w, "w1")  # the hosted experts, as in the forward
 
     def weight_grad() -> None:  # runs while the input-gradient rows travel
         if need_w:
@@ -224,6 +228,8 @@ def _backward(grad_out, topk_idx, rows, w, key, need_x, need_w):
                 grad_x = _sum_copies(moe_combine.run(h, grad_out, w_t, cc, between=weight_grad), h)
         else:
             weight_grad()
+        if need_w and h.migration is not None:  # the copies' gradients to their owners
+            grad_w[0] = h.migration.give_back(grad_w[0], "w1", h.context.derive(op=f"moe.{op}.backward"))
     return library.grads_out(grad_x, grad_w[0] if need_w else None, grad_out, grad_out)
 
 

@@ -54,6 +54,7 @@ class MoELayout:
         expert_offsets: ``[L][W]``: first row of block ``(e, s)`` in ``x_recv``.
         order: int64 tensor ``[P]`` (on the tokens' device): the pair at each send position.
         max_tokens_per_rank: the dispatch's bound ``B`` (`overlap.ops.moe_bound`), None for exact counts.
+        migration: the plan's `overlap.ops.moe_migrate.Migration` (``E``, ``L`` above are then the hosted ones).
         context: the dispatch's `overlap.ops.context.CallContext` (group, group facts, plan, deadline);
             the matching combine and the backward passes run in contexts derived from it.
         group, info, plan, timeout: the context's.
@@ -68,6 +69,7 @@ class MoELayout:
     order: torch.Tensor
     recv_counts: list[list[int]] = dataclasses.field(default_factory=list)
     max_tokens_per_rank: int | None = None
+    migration: Any = None
 
     @property
     def group(self) -> Any:
