@@ -10,7 +10,7 @@ forward and forward+backward, on two routings (`routing`, the same for every pla
   take most pairs; one hot expert per node at 2 x 2).
 
 Both are deterministic from `ROUTING_SEED` and the rank. The plans, timed side by side (interleaved, a barrier
-before every call, each rank's median of ``--tune-repeats`` calls, the slowest rank's; each plan's output
+before every call, each rank's median of 2 x ``--tune-repeats`` calls, the slowest rank's; each plan's output
 and gradients checked against ``reference``'s first), then one more call each with its bytes counted
 (`emulated_cluster_figures.call_bytes`: payload posted point-to-point to the other node, veth bytes):
 
@@ -18,6 +18,7 @@ and gradients checked against ``reference``'s first), then one more call each wi
 * ``hot``: ``hierarchical`` with the hot experts migrated to the node that does not hold them
   (``Plan(..., migrate=((e, n), ...))``: that node's tokens routed to ``e`` are computed there on a copy of
   ``e``'s weights, which travel instead of the tokens), on both routings: where migration wins and loses;
+  ``hot_pipelined``: the same pairs with ``pipelined`` for the tokens that still travel;
 * ``model``: ``hierarchical`` with the cost model's migration (`overlap.plans.migration.choose_migration`
   given this routing's loads per node and expert); empty where the model says not to migrate;
 * ``pick``: the tuner's (`overlap.tune.search.tune` with the rate's profile: what ``overlap tune`` writes,
@@ -49,7 +50,7 @@ HOT_EXPERTS = (0, 4)
 HOT_WEIGHT = 12.0
 ROUTING_SEED = 7
 #: the columns of a case, in table order
-COLUMNS = ("reference", "pipelined", "hierarchical", "hot", "model", "pick")
+COLUMNS = ("reference", "pipelined", "hierarchical", "hot", "hot_pipelined", "model", "pick")
 
 
 def moe_problems() -> list[dict[str, Any]]:
@@ -95,15 +96,25 @@ def hot_pairs(hot: tuple[int, ...], experts: int, world_size: int, ranks_per_nod
     return tuple(sorted((e, n) for e in hot for n in range(nodes) if (e // per_rank) // ranks_per_node != n))
 
 
-def model_migration(problem: Any, profile: Any, nodes: int, node_loads: list[list[int]]) -> tuple | None:
-    """The cost model's migration pairs for these loads (`overlap.plans.migration.choose_migration`); ``()``
-    where it says not to migrate; None where this version of overlap has no migration model."""
+def model_loads(idx_per_rank: list, where: Any, experts: int) -> Any:
+    """The routing's exact loads as the migration model reads them (``loads[e][m]``,
+    `overlap.plans.migration.measured_loads`); None where this version of overlap has no migration model."""
     try:
-        from overlap.plans.migration import choose_migration
+        from overlap.plans.migration import measured_loads
     except ImportError:
         return None
-    chosen = choose_migration(problem, profile, nodes, loads=node_loads)
-    return tuple(sorted((int(e), int(n)) for e, n in getattr(chosen, "migrate", chosen)))
+    return measured_loads(idx_per_rank, where, experts)
+
+
+def model_migration(problem: Any, profile: Any, where: Any, exact: Any) -> tuple | None:
+    """The cost model's migration pairs for the loads `exact` (`model_loads`) on the group `where` (its
+    `GroupInfo`): `overlap.plans.migration.choose_migration`; ``()`` where it says not to migrate; None where
+    this version of overlap has no migration model."""
+    if exact is None:
+        return None
+    from overlap.plans.migration import choose_migration
+
+    return tuple(sorted((int(e), int(n)) for e, n in choose_migration(problem, profile, where, loads=exact)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,10 +155,12 @@ def run_moe_figures(cfg: Any, spec: dict, rank: int, world_size: int, profile: A
         for kind in ROUTINGS:
             every = [routing(kind, p.m, p.experts, p.top_k, r) for r in range(world_size)]
             node_loads = loads([idx for idx, _ in every], p.experts, rpn)
-            chosen = model_migration(p, profile, world_size // rpn, node_loads)
+            exact = model_loads([idx for idx, _ in every], info, p.experts)
+            chosen = model_migration(p, profile, info, exact)
+            hot = hot_pairs(HOT_EXPERTS, p.experts, world_size, rpn)
             plans = {"reference": Plan("reference"), "pipelined": best["pipelined"], "hierarchical": hier,
-                     "hot": Plan("hierarchical", hier.num_chunks,
-                                 migrate=hot_pairs(HOT_EXPERTS, p.experts, world_size, rpn)),
+                     "hot": Plan("hierarchical", hier.num_chunks, migrate=hot),
+                     "hot_pipelined": Plan("pipelined", best["pipelined"].num_chunks, migrate=hot),
                      "model": Plan("hierarchical", hier.num_chunks, migrate=chosen) if chosen else None,
                      "pick": outcomes[0].chosen.plan}
             plans = {k: v for k, v in plans.items() if v is not None}
@@ -155,7 +168,7 @@ def run_moe_figures(cfg: Any, spec: dict, rank: int, world_size: int, profile: A
             for label, plan in plans.items():
                 first.setdefault(plan.describe(), label)
             fns = {label: _layer(p, every[rank], plans[label], info, cfg.timeout_s) for label in first.values()}
-            timed = _time(fns, cfg.tune_repeats, cfg.warmup)
+            timed = _time(fns, 2 * cfg.tune_repeats, cfg.warmup)  # twice the tuner's calls: timing noise is large
             counted = {label: (0, 0) if timed[label]["error"] else call_bytes(fn, leader, dev)
                        for label, fn in fns.items()}
             record = {"problem": fields, "key": p.key, "routing": kind, "loads": node_loads,
@@ -165,7 +178,7 @@ def run_moe_figures(cfg: Any, spec: dict, rank: int, world_size: int, profile: A
                 record["rows"][label] = {"plan": plan.describe(), "strategy": plan.strategy, "label": plan.label(links),
                                          "migrate": [list(x) for x in plan.migrate], **timed[same],
                                          "same_as": same if same != label else "",
-                                         "predicted_s": _predicted(p, plan, topology, profile),
+                                         "predicted_s": _predicted(p, plan, topology, profile, exact),
                                          "payload_bytes": counted[same][0], "veth_bytes": counted[same][1]}
             if rank == 0:
                 ms = {k: f"{v['measured_s'] * 1e3:.1f}" for k, v in record["rows"].items()}
@@ -176,12 +189,16 @@ def run_moe_figures(cfg: Any, spec: dict, rank: int, world_size: int, profile: A
     return out, (plan_file.to_json() if plan_file is not None else None)
 
 
-def _predicted(problem: Any, plan: Any, topology: Any, profile: Any) -> float:
+def _predicted(problem: Any, plan: Any, topology: Any, profile: Any, exact: Any) -> float:
+    """The cost model's time for `plan` (for this routing's loads where the model takes them); nan where it has
+    none (a migrating plan before the model knew migration)."""
     from overlap.plans import predict
 
     try:
-        return predict(problem, plan, topology, profile).total_s
-    except (ValueError, NotImplementedError):
+        if exact is not None:
+            return predict(problem, plan, topology, profile, loads=exact).total_s
+        return math.nan if plan.migrate else predict(problem, plan, topology, profile).total_s
+    except (ValueError, NotImplementedError, TypeError):
         return math.nan
 
 
@@ -321,9 +338,10 @@ def summarize_moe(raw: dict[str, Any]) -> dict[str, Any]:
 
 def format_moe_figures(raws: list[dict[str, Any]]) -> str:
     """One markdown table over every rate: times per column, migration's verdict, bytes per call."""
-    head = ("| rate | routing (hot share) | mode | reference ms | pipelined ms | hierarchical ms | migrate hot ms "
-            "| hot vs hier. | model's migration (ms) | model right? | tuner's pick (ms) "
-            "| payload KiB pipel. / hier. / hot | veth KiB ref. / pipel. / hier. / hot |")
+    head = ("| rate | routing (hot share) | mode | reference ms | pipelined ms | hierarchical ms "
+            "| migrate hot ms hier. / pipel. | hot vs hier. | model's migration (ms) | model right? "
+            "| tuner's pick (ms) | payload KiB pipel. / hier. / hot hier. / hot pipel. "
+            "| veth KiB ref. / pipel. / hier. / hot hier. |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for raw in raws:
         for rec in raw["moe_figures"]:
@@ -335,12 +353,13 @@ def format_moe_figures(raws: list[dict[str, Any]]) -> str:
             else:
                 model_cell = f"{_pairs(model)} ({_ms(r.get('model'))})" if model else "none"
                 right = "yes" if case["model_right"] else "no"
-            pay = " / ".join(_kib(r.get(k), "payload_bytes") for k in ("pipelined", "hierarchical", "hot"))
+            pay = " / ".join(_kib(r.get(k), "payload_bytes") for k in ("pipelined", "hierarchical", "hot",
+                                                                        "hot_pipelined"))
             veth = " / ".join(_kib(r.get(k), "veth_bytes") for k in ("reference", "pipelined", "hierarchical", "hot"))
             lines.append(
                 f"| {raw['rate']} | {rec['routing']} ({case['hot_share'] * 100:.0f}%) | {mode} | "
                 f"{_ms(r['reference'])} | {_ms(r.get('pipelined'))} | {_ms(r.get('hierarchical'))} | "
-                f"{_ms(r.get('hot'))} | "
+                f"{_ms(r.get('hot'))} / {_ms(r.get('hot_pipelined'))} | "
                 f"{case['hot_speedup']:.2f}x | {model_cell} | {right} | "
                 f"{r['pick']['label']} ({_ms(r['pick'])}) | {pay} | {veth} |")
     loads = [f"{raw['rate']} {raw['load'][0]:.1f} -> {raw['load'][1]:.1f}" for raw in raws if raw.get("load")]

@@ -79,6 +79,7 @@ def _record(routing: str, hot_ms: float, model: list | None, model_ms: float | N
     loads = [[300, 40, 40, 40, 300, 40, 40, 24], [300, 40, 40, 40, 300, 40, 40, 24]]
     rows = {"reference": _row(150.0, 0, 3_000_000, "reference"), "pipelined": _row(120.0, 2_121_728, 2_150_000),
             "hierarchical": _row(100.0, 1_867_776, 1_900_000), "hot": _row(hot_ms, 1_200_000, 1_250_000),
+            "hot_pipelined": _row(hot_ms + 10, 1_400_000, 1_450_000),
             "pick": _row(100.0, 1_867_776, 1_900_000, "hierarchical (shm x1, network x2)")}
     if model:
         rows["model"] = _row(model_ms, 1_300_000, 1_350_000)
@@ -108,14 +109,14 @@ def test_the_table_on_recorded_numbers():
     lines = table.splitlines()
     assert lines[0].startswith("| rate | routing (hot share) | mode |") and lines[1].startswith("|---|")
     assert lines[0].count("|") == lines[2].count("|") == lines[3].count("|") == lines[4].count("|"), table
-    assert "| 100mbit | balanced (73%) | fwd | 150.0 | 120.0 | 100.0 | 125.0 | 0.80x | none | yes |" in lines[2]
+    assert "| 100mbit | balanced (73%) | fwd | 150.0 | 120.0 | 100.0 | 125.0 / 135.0 | 0.80x | none | yes |" in lines[2]
     assert "| skewed (73%) | fwd+bwd |" in lines[3] and "| 0@1+4@0 (90.0) | yes |" in lines[3], lines[3]
     assert "| 1.25x | n/a | - |" in lines[4], lines[4]
-    assert "| 2072 / 1824 / 1172 | 2930 / 2100 / 1855 / 1221 |" in lines[2], lines[2]
+    assert "| 2072 / 1824 / 1172 / 1367 | 2930 / 2100 / 1855 / 1221 |" in lines[2], lines[2]
     assert "load (1 min)" in table and "100mbit 3.0 -> 4.5" in table
     failed = _record("skewed", 80.0, [])
     failed["rows"]["hot"]["error"] = "differs from reference"
-    assert "| failed | nan" in moe.format_moe_figures([{"rate": "1gbit", "moe_figures": [failed]}])
+    assert "| failed / 90.0 | nan" in moe.format_moe_figures([{"rate": "1gbit", "moe_figures": [failed]}])
     s = moe.summarize_moe(raws[0])
     assert [c["rate"] for c in s["cases"]] == ["100mbit"] * 3
 
@@ -163,10 +164,11 @@ def test_moe_figures_over_the_veth_pair():
         rows, case = rec["rows"], (rec["routing"], rec["problem"]["backward"])
         assert not any(r["error"] for r in rows.values()), (case, rows)
         assert 0 < rows["hierarchical"]["payload_bytes"] < rows["pipelined"]["payload_bytes"], (case, rows)
-        for label in ("pipelined", "hierarchical", "hot"):
+        for label in ("pipelined", "hierarchical", "hot", "hot_pipelined"):
             assert rows[label]["veth_bytes"] >= rows[label]["payload_bytes"], (case, label, rows[label])
-        assert rows["hot"]["migrate"] == [[0, 1], [4, 0]], rows["hot"]
+        assert rows["hot"]["migrate"] == rows["hot_pipelined"]["migrate"] == [[0, 1], [4, 0]], rows["hot"]
         if migrating:
             assert rows["hot"]["payload_bytes"] != rows["hierarchical"]["payload_bytes"], (case, rows)
+            assert rows["hot_pipelined"]["payload_bytes"] != rows["pipelined"]["payload_bytes"], (case, rows)
     assert "| 1gbit | skewed" in moe.format_moe_figures([raw])
     assert _our_namespaces(os.getpid()) == []
