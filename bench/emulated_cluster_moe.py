@@ -49,8 +49,9 @@ HOT_EXPERTS = (0, 4)
 #: a hot expert's weight in the draw against 1 for the others (~3/4 of the pairs on the hot experts)
 HOT_WEIGHT = 12.0
 ROUTING_SEED = 7
-#: the columns of a case, in table order
+#: the columns of a case, in table order, and their names in the table's verdicts
 COLUMNS = ("reference", "pipelined", "hierarchical", "hot", "hot_pipelined", "model", "pick")
+NAMES = {"hot": "hot hier.", "hot_pipelined": "hot pipel.", "model": "model's", "pick": "tuner's pick"}
 
 
 def moe_problems() -> list[dict[str, Any]]:
@@ -313,7 +314,9 @@ def summarize_case(rec: dict[str, Any]) -> dict[str, Any]:
     hier = t.get("hierarchical", math.nan)
     total = sum(sum(n) for n in rec["loads"])
     hot = sum(n[e] for n in rec["loads"] for e in HOT_EXPERTS) / total if total else math.nan
+    own = {k: v for k, v in t.items() if not rows[k].get("same_as")}  # a column timed once
     out = {"rate": None, "key": rec["key"], "routing": rec["routing"], "hot_share": hot,
+           "fastest": min(own, key=own.get) if own else "",
            "hot_speedup": hier / t["hot"] if "hot" in t else math.nan,
            "model_migrate": rec.get("model_migrate"), "model_speedup": math.nan, "model_right": None}
     if rec.get("model_migrate") is None:
@@ -339,7 +342,7 @@ def summarize_moe(raw: dict[str, Any]) -> dict[str, Any]:
 def format_moe_figures(raws: list[dict[str, Any]]) -> str:
     """One markdown table over every rate: times per column, migration's verdict, bytes per call."""
     head = ("| rate | routing (hot share) | mode | reference ms | pipelined ms | hierarchical ms "
-            "| migrate hot ms hier. / pipel. | hot vs hier. | model's migration (ms) | model right? "
+            "| migrate hot ms hier. / pipel. | hot vs hier. | fastest | model's migration (ms) | model right? "
             "| tuner's pick (ms) | payload KiB pipel. / hier. / hot hier. / hot pipel. "
             "| veth KiB ref. / pipel. / hier. / hot hier. |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -360,7 +363,8 @@ def format_moe_figures(raws: list[dict[str, Any]]) -> str:
                 f"| {raw['rate']} | {rec['routing']} ({case['hot_share'] * 100:.0f}%) | {mode} | "
                 f"{_ms(r['reference'])} | {_ms(r.get('pipelined'))} | {_ms(r.get('hierarchical'))} | "
                 f"{_ms(r.get('hot'))} / {_ms(r.get('hot_pipelined'))} | "
-                f"{case['hot_speedup']:.2f}x | {model_cell} | {right} | "
+                f"{case['hot_speedup']:.2f}x | {NAMES.get(case['fastest'], case['fastest'])} | "
+                f"{model_cell} | {right} | "
                 f"{r['pick']['label']} ({_ms(r['pick'])}) | {pay} | {veth} |")
     loads = [f"{raw['rate']} {raw['load'][0]:.1f} -> {raw['load'][1]:.1f}" for raw in raws if raw.get("load")]
     if loads:

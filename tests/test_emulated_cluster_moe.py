@@ -80,7 +80,8 @@ def _record(routing: str, hot_ms: float, model: list | None, model_ms: float | N
     rows = {"reference": _row(150.0, 0, 3_000_000, "reference"), "pipelined": _row(120.0, 2_121_728, 2_150_000),
             "hierarchical": _row(100.0, 1_867_776, 1_900_000), "hot": _row(hot_ms, 1_200_000, 1_250_000),
             "hot_pipelined": _row(hot_ms + 10, 1_400_000, 1_450_000),
-            "pick": _row(100.0, 1_867_776, 1_900_000, "hierarchical (shm x1, network x2)")}
+            "pick": {**_row(100.0, 1_867_776, 1_900_000, "hierarchical (shm x1, network x2)"),
+                     "same_as": "hierarchical"}}
     if model:
         rows["model"] = _row(model_ms, 1_300_000, 1_350_000)
     return {"problem": {"op": "moe", **moe.MOE_SHAPE, "backward": backward}, "key": "k", "routing": routing,
@@ -90,6 +91,7 @@ def _record(routing: str, hot_ms: float, model: list | None, model_ms: float | N
 def test_verdicts_where_migration_wins_and_loses_and_whether_the_model_chose_right():
     won = moe.summarize_case(_record("skewed", 80.0, []))  # hot experts migrated: 100 / 80 ms
     assert math.isclose(won["hot_speedup"], 1.25) and won["model_right"] is False  # the model said no: wrong
+    assert won["fastest"] == "hot"
     assert math.isclose(won["hot_share"], 1200 / 1648)
     lost = moe.summarize_case(_record("balanced", 125.0, []))
     assert math.isclose(lost["hot_speedup"], 0.8) and lost["model_right"] is True  # no, and migrating lost
@@ -109,9 +111,10 @@ def test_the_table_on_recorded_numbers():
     lines = table.splitlines()
     assert lines[0].startswith("| rate | routing (hot share) | mode |") and lines[1].startswith("|---|")
     assert lines[0].count("|") == lines[2].count("|") == lines[3].count("|") == lines[4].count("|"), table
-    assert "| 100mbit | balanced (73%) | fwd | 150.0 | 120.0 | 100.0 | 125.0 / 135.0 | 0.80x | none | yes |" in lines[2]
+    assert ("| 100mbit | balanced (73%) | fwd | 150.0 | 120.0 | 100.0 | 125.0 / 135.0 | 0.80x | hierarchical | none "
+            "| yes |") in lines[2], lines[2]
     assert "| skewed (73%) | fwd+bwd |" in lines[3] and "| 0@1+4@0 (90.0) | yes |" in lines[3], lines[3]
-    assert "| 1.25x | n/a | - |" in lines[4], lines[4]
+    assert "| 1.25x | hot hier. | n/a | - |" in lines[4], lines[4]
     assert "| 2072 / 1824 / 1172 / 1367 | 2930 / 2100 / 1855 / 1221 |" in lines[2], lines[2]
     assert "load (1 min)" in table and "100mbit 3.0 -> 4.5" in table
     failed = _record("skewed", 80.0, [])
