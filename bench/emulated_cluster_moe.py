@@ -279,12 +279,22 @@ def _time(fns: dict, repeats: int, warmup: int) -> dict[str, dict[str, Any]]:
             start = time.perf_counter()
             fns[label]()
             times[label].append(time.perf_counter() - start)
-    stats = torch.tensor([[statistics.median(times[k]), max(times[k]) - min(times[k])] if k in times else
-                          [math.inf, 0.0] for k in labels], dtype=torch.float64)
+    def row(x: list[float]) -> list[float]:  # the median, the spread, the medians of even and odd rounds
+        return [statistics.median(x), max(x) - min(x), statistics.median(x[0::2]), statistics.median(x[1::2] or x)]
+
+    stats = torch.tensor([row(times[k]) if k in times else [math.inf, 0.0, math.inf, math.inf] for k in labels],
+                         dtype=torch.float64)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    return {k: {"measured_s": s[0], "spread_s": s[1],
+    return {k: {"measured_s": s[0], "spread_s": s[1], "halves_s": s[2:],
                 "error": errors[k] or ("" if k in times else "wrong on another rank")}
             for k, s in zip(labels, stats.tolist(), strict=True)}
+
+
+def self_noise(row: dict[str, Any]) -> float:
+    """A plan timed against itself: its even rounds' median over its odd rounds' (the larger over the smaller,
+    - 1): how far two medians of the same plan lie apart at this load (of half as many calls as a column's)."""
+    a, b = row.get("halves_s") or (math.nan, math.nan)
+    return max(a, b) / min(a, b) - 1 if min(a, b) > 0 else math.nan
 
 
 # ----------------------------------------------------------------------------------------------
@@ -366,6 +376,12 @@ def format_moe_figures(raws: list[dict[str, Any]]) -> str:
                 f"{case['hot_speedup']:.2f}x | {NAMES.get(case['fastest'], case['fastest'])} | "
                 f"{model_cell} | {right} | "
                 f"{r['pick']['label']} ({_ms(r['pick'])}) | {pay} | {veth} |")
+    noise = [self_noise(r) for raw in raws for rec in raw["moe_figures"] for k, r in rec["rows"].items()
+             if not r.get("same_as") and not r.get("error")]
+    noise = [x for x in noise if math.isfinite(x)]
+    if noise:
+        lines.append(f"\nnoise: each plan's median of its even calls against its odd calls' differs by "
+                     f"{statistics.median(noise) * 100:.0f}% (median), {max(noise) * 100:.0f}% (max)")
     loads = [f"{raw['rate']} {raw['load'][0]:.1f} -> {raw['load'][1]:.1f}" for raw in raws if raw.get("load")]
     if loads:
         lines.append(f"\nload (1 min) around each rate's run on {os.cpu_count()} cores: {', '.join(loads)}")

@@ -117,6 +117,9 @@ def test_the_table_on_recorded_numbers():
     assert "| 1.25x | hot hier. | n/a | - |" in lines[4], lines[4]
     assert "| 2072 / 1824 / 1172 / 1367 | 2930 / 2100 / 1855 / 1221 |" in lines[2], lines[2]
     assert "load (1 min)" in table and "100mbit 3.0 -> 4.5" in table
+    assert "noise" not in table  # rows recorded without their halves
+    raws[0]["moe_figures"][0]["rows"]["reference"]["halves_s"] = [0.100, 0.125]
+    assert "differs by 25% (median), 25% (max)" in moe.format_moe_figures(raws)
     failed = _record("skewed", 80.0, [])
     failed["rows"]["hot"]["error"] = "differs from reference"
     assert "| failed / 90.0 | nan" in moe.format_moe_figures([{"rate": "1gbit", "moe_figures": [failed]}])
