@@ -74,7 +74,8 @@ class ExpertParallelMLP(torch.nn.Module):
             the same arguments and call it the same number of times.
         activation: ``"gelu"``, ``"relu"``, ``"silu"`` or ``"silu_glu"`` (``silu(h[:, :F]) * h[:, F:]`` with
             ``w1`` of ``2F`` columns).
-        strategy, plan, timeout: of the MoE ops (defaults: ``"auto"``, none, ``OVERLAP_TIMEOUT_S``).
+        strategy, plan, timeout: of the MoE ops (defaults: ``"auto"``, none, ``OVERLAP_TIMEOUT_S``); a plan
+            with ``migrate`` moves those experts' weights to those nodes' tokens (`overlap.ops.moe_migrate`).
         max_tokens_per_rank: None (exact row counts), or ``B``, the most tokens (``s * b`` for 3-D inputs)
             any rank passes to one forward, the same on every rank: the MoE ops then run with static shapes
             (`overlap.ops.moe_bound`; torch.compile needs no data-dependent size), and a forward with more

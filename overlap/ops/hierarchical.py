@@ -35,7 +35,7 @@ the rows other ranks of the node forwarded.
 Failures. Every wait has the call's deadline. A network wait that fails (the counterpart's process died:
 its connection closed) or times out on a rank whose process is gone writes ``dead + 1`` in this rank's
 header, raises every flag this rank owns in the call (so its node's peers stop waiting for it and read the
-header) and records the dead rank in the process group's store (`_report_dead`); an error raised in a
+header) and records the dead rank in the process group's store (`report_dead`); an error raised in a
 hierarchical call names the dead rank recorded there, whichever rank it reached first (`guard`).
 
 Not implemented: GPU ranks (CPU ranks only: `check_plan_fits` raises), nodes of different sizes, ``fused`` within the
@@ -204,14 +204,15 @@ class Poison:
             header(self.call, self.call.rank)[0] = dead + 1
             for index in self.flags:
                 self.call.signal_ready(index)
-        _report_dead(self.cc, dead)
+        report_dead(self.cc, dead)
 
 
 def _store_key(cc: CallContext) -> str:
     return "overlap/hierarchical/dead/" + "-".join(map(str, cc.info.global_ranks))
 
 
-def _report_dead(cc: CallContext, dead: int) -> None:
+def report_dead(cc: CallContext, dead: int) -> None:
+    """Record `dead` in the store, where `guard` finds it on every rank of the group."""
     from torch.distributed import distributed_c10d as c10d
 
     with contextlib.suppress(Exception):

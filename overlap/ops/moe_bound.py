@@ -65,6 +65,21 @@ def check_rows(op: str, bound: int | None, send_counts: list[list[int]], top_k: 
                              "expert more than once)")
 
 
+def begin(cc: Any, h: layout.MoELayout, kind: str, row_bytes: int) -> Any:
+    """The handshake of one transfer of `h`'s call (`CallContext.begin`). Exact counts: the slot sized for
+    this rank's rows, agreed in a full handshake. With a bound: sized for ``B * min(K, L)`` rows from every
+    source, a size the signature fixes, so a warmed ``symm`` transfer takes the steady state (no host
+    rendezvous: `overlap.symm.handshake`; its waits on the counts' flags of every source check the peers'
+    signatures in the data)."""
+    B = h.max_tokens_per_rank
+    if B is None:
+        return cc.begin(layout.heap_need(kind, h.num_tokens, h.top_k, h.num_local_experts, h.send_splits,
+                                         row_bytes, cc.world_size))
+    rows = B * min(h.top_k, h.num_local_experts)
+    need = layout.heap_need(kind, B, h.top_k, h.num_local_experts, [rows], row_bytes, cc.world_size)
+    return cc.begin(need, steady=kind == "symm")
+
+
 def signature_part(bound: int | None) -> str:
     return "" if bound is None else f", max_tokens_per_rank={bound}"
 

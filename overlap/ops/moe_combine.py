@@ -271,9 +271,7 @@ def run(h: layout.MoELayout, y: torch.Tensor, w: torch.Tensor | None, cc: CallCo
     """
     cols = y.shape[1] if w is None else w.shape[2]
     kind = layout.transfer_kind(cc)
-    need = layout.heap_need(kind, h.num_tokens, h.top_k, h.num_local_experts, h.send_splits,
-                       cols * y.element_size(), cc.world_size)
-    call = cc.begin(need)
+    call = moe_bound.begin(cc, h, kind, cols * y.element_size())  # (with a bound: the steady state)
     extra = {} if weights is None else {"weights": weights}  # (symm and fused on GPUs; hierarchical across nodes)
     try:
         back = STRATEGIES[kind](cc, call, h, y, w, between, **extra)

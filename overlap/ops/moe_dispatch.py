@@ -281,9 +281,7 @@ def run(h: layout.MoELayout, rows: torch.Tensor, row_of_send: torch.Tensor, w: t
     `keep_rows`), ``out`` ``[R, N]`` (None without `w`).
     """
     kind = layout.transfer_kind(cc)
-    need = layout.heap_need(kind, h.num_tokens, h.top_k, h.num_local_experts, h.send_splits,
-                       rows.shape[1] * rows.element_size(), cc.world_size)
-    call = cc.begin(need)
+    call = moe_bound.begin(cc, h, kind, rows.shape[1] * rows.element_size())  # (with a bound: the steady state)
     try:
         recv, out = STRATEGIES[kind](cc, call, h, rows, row_of_send, w, counts, between)
     finally:

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm, world
+from ..errors import OverlapError, OverlapTimeout
 from ..plans import Plan
 from . import hierarchical as hier
 from .context import CallContext
@@ -211,10 +212,15 @@ def _exchange(cc: CallContext, sends: list[tuple[torch.Tensor, int]], recvs: lis
         peers.append(dst)
     if not ops:
         return
-    with hier.guard(cc):
+    with hier.guard(cc):  # an error names the dead rank a peer recorded
         works = dist.batch_isend_irecv(ops)
         for work, peer in zip(works, peers, strict=True):
-            cc.wait(work, peer, what)
+            try:
+                cc.wait(work, peer, what)
+            except OverlapError as exc:
+                if not isinstance(exc, OverlapTimeout) or info.gone(peer):  # its connection closed: it died
+                    hier.report_dead(cc, peer)
+                raise
 
 
 def prepare(op: str, chosen: Plan, info: world.GroupInfo, num_experts: int, grouped: bool,
