@@ -39,9 +39,9 @@ from emulated_cluster_figures import FIGURE_RATES
 #: the rates of a MoE figures run
 MOE_RATES = FIGURE_RATES
 #: ``moe`` problem fields (`overlap.plans.Problem`): T=256 tokens per rank, H=256, F=256, 8 experts, top-2, fp32.
-#: A token row is 1 KiB, an expert's weights (w1 and w2) 512 KiB. Balanced, ~3/4 of a rank's 512 pairs go to
-#: other ranks, half to the other node: ~1 MiB per direction per transfer crosses the link, ~80 ms at
-#: 100 Mbit/s against GEMMs of a few ms: the link rules there, the GEMMs at 10 Gbit/s.
+#: A token row is 1 KiB, an expert's weights (w1 and w2) 512 KiB. Balanced, half of a rank's 512 pairs name an
+#: expert on the other node: ~1 MiB per transfer (dispatch, combine) crosses the link, half each way, ~40 ms at
+#: 100 Mbit/s against GEMMs of a few ms per rank: the link rules there, the GEMMs at 10 Gbit/s.
 MOE_SHAPE = {"m": 256, "k": 256, "n": 256, "experts": 8, "top_k": 2}
 ROUTINGS = ("balanced", "skewed")
 #: one hot expert per node at 2 x 2 (rank r holds experts 2r, 2r+1): expert 0 on node 0, expert 4 on node 1
