@@ -52,6 +52,11 @@ ROUTING_SEED = 7
 #: the columns of a case, in table order, and their names in the table's verdicts
 COLUMNS = ("reference", "pipelined", "hierarchical", "hot", "hot_pipelined", "model", "pick")
 NAMES = {"hot": "hot hier.", "hot_pipelined": "hot pipel.", "model": "model's", "pick": "tuner's pick"}
+#: the columns that do not migrate and those that do (the tuner's pick may be either: left out)
+STAY, MOVE = ("reference", "pipelined", "hierarchical"), ("hot", "hot_pipelined", "model")
+#: migration wins or loses where the fastest of one side beats the other's by more than this share, else a tie
+#: (the noise of a median of 10 calls on the loaded 2-core machine is about this large)
+TIE = 0.10
 
 
 def moe_problems() -> list[dict[str, Any]]:
@@ -162,7 +167,7 @@ def run_moe_figures(cfg: Any, spec: dict, rank: int, world_size: int, profile: A
             plans = {"reference": Plan("reference"), "pipelined": best["pipelined"], "hierarchical": hier,
                      "hot": Plan("hierarchical", hier.num_chunks, migrate=hot),
                      "hot_pipelined": Plan("pipelined", best["pipelined"].num_chunks, migrate=hot),
-                     "model": Plan("hierarchical", hier.num_chunks, migrate=chosen) if chosen else None,
+                     "model": _model_plan(p, (best["pipelined"], hier), chosen, topology, profile, exact),
                      "pick": outcomes[0].chosen.plan}
             plans = {k: v for k, v in plans.items() if v is not None}
             first = {}  # a plan that two columns share (the pick is often one of the others) is timed once
@@ -188,6 +193,19 @@ def run_moe_figures(cfg: Any, spec: dict, rank: int, world_size: int, profile: A
             out.append(record)
             dist.barrier()
     return out, (plan_file.to_json() if plan_file is not None else None)
+
+
+def _model_plan(problem: Any, bases: tuple, chosen: tuple | None, topology: Any, profile: Any, exact: Any):
+    """The model's migration on the token strategy it predicts faster with it for these loads (of `bases`:
+    the best ``pipelined`` and ``hierarchical`` plans; ``hierarchical`` where it cannot tell); None where the
+    model migrates nothing."""
+    import dataclasses
+
+    if not chosen:
+        return None
+    plans = [dataclasses.replace(b, migrate=chosen) for b in bases]
+    times = [_predicted(problem, plan, topology, profile, exact) for plan in plans]
+    return min(zip(times, plans, strict=True), key=lambda tp: tp[0])[1] if all(x == x for x in times) else plans[-1]
 
 
 def _predicted(problem: Any, plan: Any, topology: Any, profile: Any, exact: Any) -> float:
@@ -317,25 +335,26 @@ def _pairs(pairs: list) -> str:
 
 
 def summarize_case(rec: dict[str, Any]) -> dict[str, Any]:
-    """One case's verdict: migration's speedup over ``hierarchical`` (the hot experts', the model's), the hot
-    experts' share of the pairs, and whether the model chose right (migrate iff migrating measured faster)."""
+    """One case's verdict: the hot experts' share of the pairs; ``hot_speedup``, ``hierarchical`` over its hot
+    migration (like for like); ``migration_speedup``, the fastest plan that does not migrate (`STAY`) over the
+    fastest that does (`MOVE`): migration ``wins`` or ``loses`` by more than `TIE`, else a ``tie``; and whether
+    the model chose right: it migrated where migration wins, did not where it loses (None on a tie, or where
+    overlap has no migration model)."""
     rows = rec["rows"]
     t = {k: v["measured_s"] for k, v in rows.items() if not v.get("error")}
-    hier = t.get("hierarchical", math.nan)
     total = sum(sum(n) for n in rec["loads"])
     hot = sum(n[e] for n in rec["loads"] for e in HOT_EXPERTS) / total if total else math.nan
     own = {k: v for k, v in t.items() if not rows[k].get("same_as")}  # a column timed once
+    stay, move = [t[k] for k in STAY if k in t], [t[k] for k in MOVE if k in t]
+    speed = min(stay) / min(move) if stay and move else math.nan
+    verdict = "wins" if speed > 1 + TIE else "loses" if speed < 1 - TIE else "tie" if speed == speed else ""
     out = {"rate": None, "key": rec["key"], "routing": rec["routing"], "hot_share": hot,
            "fastest": min(own, key=own.get) if own else "",
-           "hot_speedup": hier / t["hot"] if "hot" in t else math.nan,
-           "model_migrate": rec.get("model_migrate"), "model_speedup": math.nan, "model_right": None}
-    if rec.get("model_migrate") is None:
-        return out
-    if rec["model_migrate"]:
-        out["model_speedup"] = hier / t["model"] if "model" in t else math.nan
-        out["model_right"] = out["model_speedup"] >= 1.0
-    else:  # the model said no: right where migrating the hot experts did not win
-        out["model_right"] = not out["hot_speedup"] > 1.0
+           "hot_speedup": t["hierarchical"] / t["hot"] if "hot" in t and "hierarchical" in t else math.nan,
+           "migration_speedup": speed, "migration": verdict,
+           "model_migrate": rec.get("model_migrate"), "model_right": None}
+    if rec.get("model_migrate") is not None and verdict in ("wins", "loses"):
+        out["model_right"] = bool(rec["model_migrate"]) == (verdict == "wins")
     return out
 
 
@@ -352,7 +371,7 @@ def summarize_moe(raw: dict[str, Any]) -> dict[str, Any]:
 def format_moe_figures(raws: list[dict[str, Any]]) -> str:
     """One markdown table over every rate: times per column, migration's verdict, bytes per call."""
     head = ("| rate | routing (hot share) | mode | reference ms | pipelined ms | hierarchical ms "
-            "| migrate hot ms hier. / pipel. | hot vs hier. | fastest | model's migration (ms) | model right? "
+            "| migrate hot ms hier. / pipel. | migration | fastest | model's migration (ms) | model right? "
             "| tuner's pick (ms) | payload KiB pipel. / hier. / hot hier. / hot pipel. "
             "| veth KiB ref. / pipel. / hier. / hot hier. |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -364,8 +383,9 @@ def format_moe_figures(raws: list[dict[str, Any]]) -> str:
             if model is None:
                 model_cell, right = "n/a", "-"
             else:
-                model_cell = f"{_pairs(model)} ({_ms(r.get('model'))})" if model else "none"
-                right = "yes" if case["model_right"] else "no"
+                base = r["model"]["strategy"] + " " if model and "model" in r else ""
+                model_cell = f"{base}{_pairs(model)} ({_ms(r.get('model'))})" if model else "none"
+                right = {True: "yes", False: "no", None: "(tie)"}[case["model_right"]]
             pay = " / ".join(_kib(r.get(k), "payload_bytes") for k in ("pipelined", "hierarchical", "hot",
                                                                         "hot_pipelined"))
             veth = " / ".join(_kib(r.get(k), "veth_bytes") for k in ("reference", "pipelined", "hierarchical", "hot"))
@@ -373,7 +393,8 @@ def format_moe_figures(raws: list[dict[str, Any]]) -> str:
                 f"| {raw['rate']} | {rec['routing']} ({case['hot_share'] * 100:.0f}%) | {mode} | "
                 f"{_ms(r['reference'])} | {_ms(r.get('pipelined'))} | {_ms(r.get('hierarchical'))} | "
                 f"{_ms(r.get('hot'))} / {_ms(r.get('hot_pipelined'))} | "
-                f"{case['hot_speedup']:.2f}x | {NAMES.get(case['fastest'], case['fastest'])} | "
+                f"{case['migration']} {case['migration_speedup']:.2f}x | "
+                f"{NAMES.get(case['fastest'], case['fastest'])} | "
                 f"{model_cell} | {right} | "
                 f"{r['pick']['label']} ({_ms(r['pick'])}) | {pay} | {veth} |")
     noise = [self_noise(r) for raw in raws for rec in raw["moe_figures"] for k, r in rec["rows"].items()

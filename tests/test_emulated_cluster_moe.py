@@ -71,7 +71,7 @@ def test_hot_pairs_send_each_hot_expert_to_the_nodes_without_it():
 
 def _row(ms: float, payload: int = 0, veth: int = 0, label: str = "x", error: str = "") -> dict:
     return {"measured_s": ms / 1e3, "spread_s": 0.0, "error": error, "label": label, "payload_bytes": payload,
-            "veth_bytes": veth}
+            "veth_bytes": veth, "strategy": label.split(" ")[0] if label != "x" else "hierarchical"}
 
 
 def _record(routing: str, hot_ms: float, model: list | None, model_ms: float | None = None,
@@ -89,18 +89,22 @@ def _record(routing: str, hot_ms: float, model: list | None, model_ms: float | N
 
 
 def test_verdicts_where_migration_wins_and_loses_and_whether_the_model_chose_right():
+    # the plans that stay: reference 150, pipelined 120, hierarchical 100 ms; hot pipelined = hot hier. + 10 ms
     won = moe.summarize_case(_record("skewed", 80.0, []))  # hot experts migrated: 100 / 80 ms
-    assert math.isclose(won["hot_speedup"], 1.25) and won["model_right"] is False  # the model said no: wrong
-    assert won["fastest"] == "hot"
-    assert math.isclose(won["hot_share"], 1200 / 1648)
+    assert math.isclose(won["hot_speedup"], 1.25) and math.isclose(won["migration_speedup"], 1.25)
+    assert won["migration"] == "wins" and won["model_right"] is False  # the model said no: wrong
+    assert won["fastest"] == "hot" and math.isclose(won["hot_share"], 1200 / 1648)
     lost = moe.summarize_case(_record("balanced", 125.0, []))
-    assert math.isclose(lost["hot_speedup"], 0.8) and lost["model_right"] is True  # no, and migrating lost
+    assert lost["migration"] == "loses" and math.isclose(lost["migration_speedup"], 0.8)
+    assert lost["model_right"] is True  # no, and migrating lost
     chose = moe.summarize_case(_record("skewed", 80.0, [[0, 1], [4, 0]], model_ms=90.0))
-    assert math.isclose(chose["model_speedup"], 100 / 90) and chose["model_right"] is True
-    bad = moe.summarize_case(_record("skewed", 80.0, [[0, 1]], model_ms=110.0))
-    assert bad["model_right"] is False
+    assert chose["migration"] == "wins" and chose["model_right"] is True
+    bad = moe.summarize_case(_record("skewed", 130.0, [[0, 1]], model_ms=120.0))  # the model's own plan: 100 / 120
+    assert bad["migration"] == "loses" and bad["model_right"] is False and bad["fastest"] == "hierarchical"
+    tie = moe.summarize_case(_record("skewed", 95.0, []))  # 100 / 95: within TIE
+    assert tie["migration"] == "tie" and tie["model_right"] is None
     absent = moe.summarize_case(_record("skewed", 80.0, None))  # no migration model in this overlap
-    assert absent["model_right"] is None and math.isnan(absent["model_speedup"])
+    assert absent["migration"] == "wins" and absent["model_right"] is None
 
 
 def test_the_table_on_recorded_numbers():
@@ -111,10 +115,11 @@ def test_the_table_on_recorded_numbers():
     lines = table.splitlines()
     assert lines[0].startswith("| rate | routing (hot share) | mode |") and lines[1].startswith("|---|")
     assert lines[0].count("|") == lines[2].count("|") == lines[3].count("|") == lines[4].count("|"), table
-    assert ("| 100mbit | balanced (73%) | fwd | 150.0 | 120.0 | 100.0 | 125.0 / 135.0 | 0.80x | hierarchical | none "
-            "| yes |") in lines[2], lines[2]
-    assert "| skewed (73%) | fwd+bwd |" in lines[3] and "| 0@1+4@0 (90.0) | yes |" in lines[3], lines[3]
-    assert "| 1.25x | hot hier. | n/a | - |" in lines[4], lines[4]
+    assert ("| 100mbit | balanced (73%) | fwd | 150.0 | 120.0 | 100.0 | 125.0 / 135.0 | loses 0.80x | hierarchical "
+            "| none | yes |") in lines[2], lines[2]
+    assert "| skewed (73%) | fwd+bwd |" in lines[3], lines[3]
+    assert "| wins 1.25x | hot hier. | hierarchical 0@1+4@0 (90.0) | yes |" in lines[3], lines[3]
+    assert "| wins 1.25x | hot hier. | n/a | - |" in lines[4], lines[4]
     assert "| 2072 / 1824 / 1172 / 1367 | 2930 / 2100 / 1855 / 1221 |" in lines[2], lines[2]
     assert "load (1 min)" in table and "100mbit 3.0 -> 4.5" in table
     assert "noise" not in table  # rows recorded without their halves
@@ -122,7 +127,9 @@ def test_the_table_on_recorded_numbers():
     assert "differs by 25% (median), 25% (max)" in moe.format_moe_figures(raws)
     failed = _record("skewed", 80.0, [])
     failed["rows"]["hot"]["error"] = "differs from reference"
-    assert "| failed / 90.0 | nan" in moe.format_moe_figures([{"rate": "1gbit", "moe_figures": [failed]}])
+    assert "| tie 1.05x | hierarchical | none | (tie) |" in moe.format_moe_figures(
+        [{"rate": "1gbit", "moe_figures": [_record("skewed", 95.0, [])]}])
+    assert "| failed / 90.0 | wins 1.11x |" in moe.format_moe_figures([{"rate": "1gbit", "moe_figures": [failed]}])
     s = moe.summarize_moe(raws[0])
     assert [c["rate"] for c in s["cases"]] == ["100mbit"] * 3
 
