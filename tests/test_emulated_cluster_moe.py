@@ -127,7 +127,7 @@ def test_the_table_on_recorded_numbers():
     assert "differs by 25% (median), 25% (max)" in moe.format_moe_figures(raws)
     failed = _record("skewed", 80.0, [])
     failed["rows"]["hot"]["error"] = "differs from reference"
-    assert "| tie 1.05x | hierarchical | none | (tie) |" in moe.format_moe_figures(
+    assert "| tie 1.05x | hot hier. | none | (tie) |" in moe.format_moe_figures(
         [{"rate": "1gbit", "moe_figures": [_record("skewed", 95.0, [])]}])
     assert "| failed / 90.0 | wins 1.11x |" in moe.format_moe_figures([{"rate": "1gbit", "moe_figures": [failed]}])
     s = moe.summarize_moe(raws[0])
