@@ -149,8 +149,9 @@ def pair_bytes(problem: Problem, rows: float) -> tuple[float, float]:
 
 
 @dataclasses.dataclass
-class _Ranks:
-    """Per rank, one call: network bytes out and in, weight messages sent, expert rows multiplied."""
+class _Account:
+    """One call: per node the network bytes out and in and the weight messages sent; per rank the expert rows
+    it multiplies."""
 
     out: list[float]
     into: list[float]
@@ -159,11 +160,11 @@ class _Ranks:
 
 
 class _Balance:
-    """The per-rank account of one call with a migrate set, updated pair by pair (`move`)."""
+    """The account of one call with a migrate set, updated pair by pair (`move`)."""
 
     def __init__(self, problem: Problem, profile: Profile, nodes: Nodes, loads: Loads):
         self.p, self.nodes, self.loads = problem, nodes, loads
-        self.W = sum(len(node) for node in nodes)
+        self.W, self.N = sum(len(node) for node in nodes), len(nodes)
         self.L = problem.experts // self.W
         self.node = _node_index(nodes)
         fit = profile.links.get("network", {}).get("p2p")
@@ -172,57 +173,52 @@ class _Balance:
             raise ValueError("choose_migration: the machine profile needs a network p2p fit and a GEMM fit for "
                              f"{problem.dtype} (or float32): probe on this topology")
         self.bw, self.msg_s = fit.bandwidth_Bps, fit.latency_s + profile.per_chunk_s
-        passes = 2 if problem.backward else 1
+        self.passes = 2 if problem.backward else 1
         self.row_s = (3 if problem.backward else 1) * 4 * problem.k * problem.n / gfit.peak_flops
-        self.row_bytes = passes * problem.k * ITEMSIZE[problem.dtype]  # one way, per row
+        self.row_bytes = self.passes * problem.k * ITEMSIZE[problem.dtype]  # one way, per row
         self.weight_bytes = 2 * problem.k * problem.n * ITEMSIZE[problem.dtype]  # w1 and w2 (or their gradients)
-        self.passes = passes
-        self.acct = _Ranks(*([0.0] * self.W for _ in range(4)))
+        self.acct = _Account([0.0] * self.N, [0.0] * self.N, [0.0] * self.N, [0.0] * self.W)
         for e in range(problem.experts):
-            for m in range(len(nodes)):
+            for m in range(self.N):
                 self._tokens(e, m, 1.0)
         self.gemm_floor = max(r * self.row_s for r in self.acct.rows)  # the busiest rank's GEMMs, all dispatched
 
     def _tokens(self, e: int, m: int, sign: float) -> None:
-        """Pair ``(e, m)`` dispatched: node ``m``'s ranks send their rows to the owner and receive them back."""
+        """Pair ``(e, m)`` dispatched: node ``m`` sends its rows to the owner's node and receives them back; the
+        owner multiplies them."""
         o, x, a = e // self.L, self.loads[e][m], self.acct
         a.rows[o] += sign * x
-        if self.node[o] == m:
-            return
-        for q in self.nodes[m]:
-            share = sign * x / len(self.nodes[m]) * self.row_bytes
-            a.out[q] += share
-            a.into[q] += share
-        a.into[o] += sign * x * self.row_bytes
-        a.out[o] += sign * x * self.row_bytes
+        n = self.node[o]
+        if n != m:
+            for one_way in ((m, n), (n, m)):
+                a.out[one_way[0]] += sign * x * self.row_bytes
+                a.into[one_way[1]] += sign * x * self.row_bytes
 
     def move(self, e: int, m: int, sign: float) -> None:
-        """Migrate pair ``(e, m)`` (`sign` 1) or undo it (-1): its tokens stay, the weights travel (owner -> its
-        counterpart on node ``m``), their gradients back in a backward; node ``m``'s ranks multiply the rows."""
+        """Migrate pair ``(e, m)`` (`sign` 1) or undo it (-1): its tokens stay, the weights travel to node ``m``
+        (2 messages), their gradients back in a backward; node ``m``'s ranks multiply the rows, each its own."""
         o, x, a = e // self.L, self.loads[e][m], self.acct
+        n = self.node[o]
         self._tokens(e, m, -sign)  # the owner neither receives nor multiplies them
         for q in self.nodes[m]:
             a.rows[q] += sign * x / len(self.nodes[m])
-        local = self.nodes[self.node[o]].index(o)
-        c = self.nodes[m][local % len(self.nodes[m])]
-        a.out[o] += sign * self.weight_bytes
-        a.into[c] += sign * self.weight_bytes
-        a.msgs[o] += sign * 2
-        if self.passes == 2:
-            a.out[c] += sign * self.weight_bytes
-            a.into[o] += sign * self.weight_bytes
-            a.msgs[c] += sign * 2
+        for src, dst in ((n, m), (m, n))[: self.passes]:
+            a.out[src] += sign * self.weight_bytes
+            a.into[dst] += sign * self.weight_bytes
+            a.msgs[src] += sign * 2
 
-    def network_seconds(self, r: int) -> float:
+    def network_seconds(self, n: int) -> float:
+        """Node `n`'s transfers over its ranks' links (full duplex: the busier direction) and its weight messages."""
         a = self.acct
-        return max(a.out[r], a.into[r]) / self.bw + a.msgs[r] * self.msg_s
+        return max(a.out[n], a.into[n]) / (len(self.nodes[n]) * self.bw) + a.msgs[n] * self.msg_s
 
     def score(self) -> tuple[float, float]:
-        """``(C, the sum over ranks of max(network, GEMMs))``: the layer's time, then a tie-break. ``C`` is the
-        busiest rank's network or GEMM time, never below the busiest GEMMs of token dispatch (`gemm_floor`)."""
-        net = [self.network_seconds(r) for r in range(self.W)]
-        gemm = [x * self.row_s for x in self.acct.rows]
-        return max(*net, *gemm, self.gemm_floor), sum(max(n, g) for n, g in zip(net, gemm, strict=True))
+        """``(C, sum over nodes of max(network, its busiest rank's GEMMs))``: the layer's time, then a tie-break.
+        ``C`` is the busiest node's network or rank's GEMM time, never below the busiest GEMMs of token dispatch
+        (`gemm_floor`)."""
+        net = [self.network_seconds(n) for n in range(self.N)]
+        gemm = [max(self.acct.rows[r] for r in node) * self.row_s for node in self.nodes]
+        return max(*net, *gemm, self.gemm_floor), sum(max(t, g) for t, g in zip(net, gemm, strict=True))
 
 
 def _pairs_worth_bytes(problem: Problem, nodes: Nodes, loads: Loads) -> list[tuple[int, int]]:
@@ -244,32 +240,33 @@ def choose_migration(problem: Problem, profile: Profile, topology_or_nodes: Wher
     its GEMM rate (``peak`` of the dtype's fit), for `loads` (`expected_loads`; None: balanced). Sorted, as
     ``Plan.migrate`` keeps them; empty where nothing is worth it (always on one node).
 
-    The model, per call, per rank ``r`` (``P = 2`` passes with a backward, else 1; ``s`` the dtype's size):
+    The model, per call (``P = 2`` passes with a backward, else 1; ``s`` the dtype's size; ``R_n`` ranks on node
+    ``n``):
 
-    * a dispatched remote pair ``(e, m)`` with ``x = loads[e][m]`` rows: each of node ``m``'s ``R_m`` ranks sends
-      and receives ``P * x / R_m * H * s`` bytes, the owner ``o = e // L`` receives and sends ``P * x * H * s``;
-      the owner multiplies the ``x`` rows.
-    * a migrated pair: the owner sends ``2 * H * F * s`` (``w1[e]``, ``w2[e]``, 2 messages) to its counterpart
-      ``c`` on node ``m``; with a backward ``c`` sends as many back (the node's summed weight gradients); node
-      ``m``'s ranks multiply ``x / R_m`` rows each. Copies within node ``m`` are not network time.
-    * ``net_r = max(out_r, in_r) / B + msgs_r * (a + per_chunk_s)`` (full duplex),
-      ``gemm_r = rows_r * (1 or 3) * 4 * H * F / peak``; a rank's transfers overlap its GEMMs, so the layer
-      takes ``C = max(max_r net_r, max_r gemm_r, G0)``, ``G0`` the busiest rank's GEMMs under token dispatch:
+    * a dispatched remote pair ``(e, m)`` with ``x = loads[e][m]`` rows: node ``m`` sends ``P * x * H * s`` bytes
+      to the owner's node ``n`` and receives as many back; the owner ``o = e // L`` multiplies the ``x`` rows.
+    * a migrated pair: node ``n`` sends ``2 * H * F * s`` (``w1[e]``, ``w2[e]``: 2 messages) to node ``m``; with
+      a backward node ``m`` sends as many back (its summed weight gradients); each of node ``m``'s ranks
+      multiplies its own rows (``x / R_m``). Copies within a node are not network time.
+    * per node ``net_n = max(out_n, in_n) / (R_n * B) + msgs_n * (a + per_chunk_s)``: full duplex, a node's
+      transfers spread over its ranks' links (as ``hierarchical``'s counterparts do); per rank
+      ``gemm_r = rows_r * (1 or 3) * 4 * H * F / peak``. Transfers overlap the GEMMs, so the layer takes
+      ``C = max(max_n net_n, max_r gemm_r, G0)``, ``G0`` the busiest rank's GEMMs under token dispatch:
       the model credits migration only with network time. GEMMs moved to node ``m`` may lengthen the layer
       (an overloaded node), never shorten it below ``G0`` (a hot expert's copies do spread its GEMMs, but
       relieving compute is not what the plan field is chosen for: on a compute-bound layer nothing migrates).
 
     Candidates are the remote pairs whose bytes favour migration (`pair_bytes`: token bytes ``2 P x H s`` above
     weight bytes ``2 P H F s``, i.e. ``x > F``), hot pairs first. A greedy pass adds each candidate that lowers
-    ``(C, sum_r max(net_r, gemm_r))`` (the sum breaks ties where another rank is the bottleneck), repeated until
-    none is added; then a pair whose removal leaves ``C`` as it is goes. Unless ``C`` drops by `MIN_GAIN` of the
-    token-dispatch ``C``, nothing migrates. So on a fast link, where every rank's transfers hide behind its
+    ``(C, sum_n max(net_n, max_{r on n} gemm_r))`` (the sum breaks ties where another node is the bottleneck),
+    repeated until none is added; then a pair whose removal leaves ``C`` as it is goes. Unless ``C`` drops by
+    `MIN_GAIN` of the token-dispatch ``C``, nothing migrates. So on a fast link, where the transfers hide behind the
     GEMMs, migration saves nothing and is not chosen (it would cost memory and a weight transfer); on a slow link
     the hot pairs migrate, cold ones (``x <= F``) never. Per direction a forward pair saves ``x H s`` of the
-    owner's sends and costs it ``2 H F s``, so without a backward the full-duplex time wants ``x > 2F``.
+    owner node's sends and costs it ``2 H F s``, so without a backward the full-duplex time wants ``x > 2F``.
 
-    Assumptions: the loads are expected values (routing fixed per layer, not per call); a rank's rows spread
-    evenly over its node's ranks; with ``hierarchical`` a token crosses once per destination node (its bytes are
+    Assumptions: the loads are expected values (routing fixed per layer, not per call); a node's rows spread
+    evenly over its ranks; with ``hierarchical`` a token crosses once per destination node (its bytes are
     shared by its experts there), so a migrated pair saves at most its rows' bytes (an upper bound); interference,
     the fill and drain of the pipelines, the counts and indices, and the memory of the weight copies are not
     modelled. Raises ValueError where the profile lacks the network or GEMM fit or the experts do not divide.
@@ -318,7 +315,7 @@ def network_effect(problem: Problem, profile: Profile, nodes: Nodes, migrate: Se
                    loads: Loads | None = None) -> tuple[float, float]:
     """What `migrate` changes in a call's network transfers, for the cost model (`costmodel.predict`):
     ``(share, weights_s)``: the share of the remote token rows (under `loads`, default balanced) that still
-    cross the network, and the busiest rank's time on the network for the weights (and their gradients)."""
+    cross the network, and the busiest node's time on the network for the weights (and their gradients)."""
     loads = expected_loads(problem, nodes) if loads is None else loads
     remote = kept = 0.0
     moved = set(migrate)
@@ -331,6 +328,5 @@ def network_effect(problem: Problem, profile: Profile, nodes: Nodes, migrate: Se
     bal = _Balance(problem, profile, nodes, tuple(tuple(0.0 for _ in row) for row in loads))
     for e, m in migrate:
         bal.move(e, m, 1.0)
-    a = bal.acct
-    weights_s = max(max(a.out[r], a.into[r]) / bal.bw + a.msgs[r] * bal.msg_s for r in range(bal.W))
+    weights_s = max(bal.network_seconds(n) for n in range(bal.N))
     return (kept / remote if remote else 1.0), weights_s
