@@ -307,3 +307,25 @@ def test_check_plan_fits_rejects_migrate_where_it_cannot_run():
     check_plan_fits("dispatch_grouped_matmul", Plan("pipelined", migrate=((2, 0),)), interleaved, num_experts=8)
     with pytest.raises(ValueError, match="holds expert 2"):
         check_plan_fits("dispatch_grouped_matmul", Plan("pipelined", migrate=((2, 1),)), interleaved, num_experts=8)
+
+
+def test_a_plan_file_entry_with_migrate_round_trips_and_auto_takes_it(tmp_path, monkeypatch):
+    from overlap.plans import Entry, PlanFile
+    from overlap.plans.auto import resolve_auto
+
+    p = moe(backward=True)
+    plan = Plan("hierarchical", (("network", 2), ("shm", 1)), migrate=((0, 1), (4, 0)))
+    pf = PlanFile.new(TOPOLOGY, 4, profile(gbit(0.1)))
+    pf.add(Entry(p, plan, 0.5, 0.7, 0.4))
+    path = tmp_path / "plans.json"
+    pf.save(path)
+    assert PlanFile.load(path).lookup(p) == plan
+    two_nodes = info_of(["a", "a", "b", "b"])
+    got = resolve_auto("dispatch_grouped_matmul", "moe dispatch_grouped_matmul", two_nodes, None, "float32",
+                       problem=moe(tokens=1000, backward=True), plan_file=str(path))
+    assert got == plan  # the layer's entry, whatever this rank's token count
+    monkeypatch.delenv("OVERLAP_PLAN", raising=False)
+    check_plan_fits("dispatch_grouped_matmul", got, two_nodes, num_experts=8)
+    no_file = resolve_auto("dispatch_grouped_matmul", "moe dispatch_grouped_matmul", two_nodes, None, "float32",
+                           problem=p)
+    assert not no_file.migrate  # auto's default never migrates
