@@ -202,6 +202,10 @@ def test_the_choice_is_worth_min_gain_and_bad_inputs_raise():
     assert 0 < share < 1 and weights_s > 0 and MIN_GAIN > 0
     with pytest.raises(ValueError, match="divide"):
         choose_migration(moe(experts=6), slow, TWO_BY_TWO)
+    with pytest.raises(ValueError, match="loads"):
+        choose_migration(p, slow, TWO_BY_TWO, loads[:7])
+    with pytest.raises(ValueError, match="loads"):
+        network_effect(p, slow, TWO_BY_TWO, pairs, [row[:1] for row in loads])
     with pytest.raises(ValueError, match="network"):
         choose_migration(p, Profile({"shm": {"p2p": LinkFit(1e-4, 1e9)}}, {"float32": GemmFit(1e10, 0)}), TWO_BY_TWO,
                          loads)

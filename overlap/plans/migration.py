@@ -221,6 +221,17 @@ class _Balance:
         return max(*net, *gemm, self.gemm_floor), sum(max(t, g) for t, g in zip(net, gemm, strict=True))
 
 
+def _checked_loads(problem: Problem, nodes: Nodes, loads: Loads | None) -> Loads:
+    """`loads`, or the balanced ones where None; ValueError unless ``E`` rows of one value >= 0 per node."""
+    if loads is None:
+        return expected_loads(problem, nodes)
+    loads = tuple(tuple(float(x) for x in row) for row in loads)
+    if len(loads) != problem.experts or any(len(row) != len(nodes) or min(row) < 0 for row in loads):
+        raise ValueError(f"loads: {problem.experts} rows (experts) of {len(nodes)} values >= 0 (nodes), got "
+                         f"{len(loads)} rows")
+    return loads
+
+
 def _pairs_worth_bytes(problem: Problem, nodes: Nodes, loads: Loads) -> list[tuple[int, int]]:
     """The remote pairs whose token bytes exceed their weight bytes (`pair_bytes`), most rows first."""
     pairs = []
@@ -277,14 +288,14 @@ def choose_migration(problem: Problem, profile: Profile, topology_or_nodes: Wher
         raise ValueError(f"choose_migration: {problem.experts} experts do not divide over {W} ranks")
     if len(nodes) < 2:
         return ()
-    loads = expected_loads(problem, nodes) if loads is None else loads
+    loads = _checked_loads(problem, nodes, loads)
     pairs = _pairs_worth_bytes(problem, nodes, loads)
     if not pairs:
         return ()
     bal = _Balance(problem, profile, nodes, loads)
     start = best = bal.score()
     tol = 1e-12 * max(start[0], 1e-30)
-    chosen: list[tuple[int, int]] = []
+    chosen: dict[tuple[int, int], None] = {}  # in the order added
     added = True
     while added:
         added = False
@@ -294,7 +305,7 @@ def choose_migration(problem: Problem, profile: Profile, topology_or_nodes: Wher
             bal.move(e, m, 1.0)
             now = bal.score()
             if now[0] < best[0] - tol or (now[0] <= best[0] + tol and now[1] < best[1] - tol):
-                chosen.append((e, m))
+                chosen[(e, m)] = None
                 best, added = now, True
             else:
                 bal.move(e, m, -1.0)
@@ -302,7 +313,7 @@ def choose_migration(problem: Problem, profile: Profile, topology_or_nodes: Wher
         bal.move(e, m, -1.0)
         now = bal.score()
         if now[0] <= best[0] + tol:
-            chosen.remove((e, m))
+            del chosen[(e, m)]
             best = now
         else:
             bal.move(e, m, 1.0)
@@ -316,7 +327,7 @@ def network_effect(problem: Problem, profile: Profile, nodes: Nodes, migrate: Se
     """What `migrate` changes in a call's network transfers, for the cost model (`costmodel.predict`):
     ``(share, weights_s)``: the share of the remote token rows (under `loads`, default balanced) that still
     cross the network, and the busiest node's time on the network for the weights (and their gradients)."""
-    loads = expected_loads(problem, nodes) if loads is None else loads
+    loads = _checked_loads(problem, nodes, loads)
     remote = kept = 0.0
     moved = set(migrate)
     for e in range(problem.experts):
