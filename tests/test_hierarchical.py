@@ -18,7 +18,9 @@ import time
 
 import pytest
 import torch
-from support.harness import LATE_S, RankError, run_isolated
+from support import nodes
+from support.harness import RankError, run_isolated
+from support.nodes import assert_dead_named
 from support.tp_oracle import AGM, MAR, MRS, b_of, compare, forward_backward, oracle
 
 OPS = (AGM, MRS, MAR)
@@ -27,11 +29,7 @@ CASES = [(5, (), 7, 3, "weight.t()"), (1, (), 16, 9, "contiguous"), (4, (3,), 13
 
 
 def spanning_group(rank: int, ranks_per_node: int):
-    """A new group of every rank whose node is ``hnode<rank // ranks_per_node>`` (read at its first call)."""
-    import torch.distributed as dist
-
-    os.environ["OVERLAP_NODE_ID"] = f"hnode{rank // ranks_per_node}"
-    return dist.new_group(list(range(dist.get_world_size())))
+    return nodes.spanning_group(rank, ranks_per_node, "hnode")
 
 
 def expected_bytes(op: str, case, world_size: int, ranks_per_node: int, rank: int, itemsize: int,
@@ -266,16 +264,7 @@ def test_killed_rank_on_the_other_node_is_named(op):
     victim = 3
     with pytest.raises(RankError) as failed:  # the victim's death fails the task; the survivors' results remain
         run_isolated(4, killed_remote, op, victim, timeout=90.0)
-    assert f"rank {victim} died" in str(failed.value) and "raised" not in str(failed.value), failed.value
-    results = failed.value.results
-    print(*results, sep="\n")
-    for rank, res in enumerate(results):
-        if rank == victim:
-            continue
-        kind, msg, secs = res
-        assert kind in ("OverlapError", "OverlapTimeout"), (rank, res)
-        assert f"rank {victim}" in msg or f"peer {victim}" in msg, (rank, res)
-        assert secs < 3.0 + LATE_S, (rank, res)  # the deadline at most (a survivor may wait for it)
+    assert_dead_named(failed.value, victim, deadline=3.0)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,8 +17,10 @@ import time
 
 import pytest
 import torch
-from support.harness import LATE_S, RankError, run_isolated
+from support import nodes
+from support.harness import RankError, run_isolated
 from support.moe_oracle import Case, check_moe, make_inputs
+from support.nodes import assert_dead_named
 
 # (tokens per rank, cycled), hidden, ffn, experts per rank, top_k, routing
 _SPECS = [
@@ -34,11 +36,7 @@ def cases_for(world_size: int) -> list[Case]:
 
 
 def spanning_group(rank: int, ranks_per_node: int):
-    """A new group of every rank whose node is ``mnode<rank // ranks_per_node>`` (read at its first call)."""
-    import torch.distributed as dist
-
-    os.environ["OVERLAP_NODE_ID"] = f"mnode{rank // ranks_per_node}"
-    return dist.new_group(list(range(dist.get_world_size())))
+    return nodes.spanning_group(rank, ranks_per_node, "mnode")
 
 
 def layer(strategy: str, group, x, idx, wt, w1, w2, g, E: int, weight_grad: bool = True):
@@ -249,14 +247,7 @@ def test_killed_rank_on_the_other_node_is_named(op):
     victim = 3
     with pytest.raises(RankError) as failed:
         run_isolated(4, killed_remote, victim, op, timeout=90.0)
-    assert f"rank {victim} died" in str(failed.value) and "raised" not in str(failed.value), failed.value
-    for rank, res in enumerate(failed.value.results):
-        if rank == victim:
-            continue
-        kind, msg, secs = res
-        assert kind in ("OverlapError", "OverlapTimeout"), (rank, res)
-        assert f"rank {victim}" in msg or f"peer {victim}" in msg, (rank, res)
-        assert secs < 3.0 + LATE_S, (rank, res)
+    assert_dead_named(failed.value, victim, deadline=3.0)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,8 +17,9 @@ import random
 
 import pytest
 import torch
-from support.harness import LATE_S, RankError, run_isolated
+from support.harness import RankError, run_isolated
 from support.moe_oracle import Case, close, dense, make_inputs
+from support.nodes import assert_dead_named
 from support.tp_oracle import expect_error
 from test_moe_hierarchical import cases_for, spanning_group
 
@@ -76,8 +77,9 @@ def against_reference(rank: int, world_size: int, ranks_per_node: int, seed: int
     import overlap
 
     group = spanning_group(rank, ranks_per_node)
-    nodes = [list(range(n, n + ranks_per_node)) for n in range(0, world_size, ranks_per_node)]
-    done = []
+    nodes = [list(range(n, min(n + ranks_per_node, world_size))) for n in range(0, world_size, ranks_per_node)]
+    strategies = TOKEN_STRATEGIES if world_size % ranks_per_node == 0 else ("reference", "pipelined")  # (nodes
+    done = []  # of different sizes: no hierarchical)
     try:
         for i, case in enumerate(cases_for(world_size)):
             xs, idxs, weights, grads, w1, w2 = make_inputs(case, seed + i, world_size, torch.float32)
@@ -87,7 +89,7 @@ def against_reference(rank: int, world_size: int, ranks_per_node: int, seed: int
             pairs = draw_pairs(seed + i, E, nodes, L)
             ref = layer("reference", group, *mine)
             ids, want_h = hosted_rows([x.double() for x in xs], idxs, w1.double(), rank, L, nodes, pairs)
-            for strategy in TOKEN_STRATEGIES:
+            for strategy in strategies:
                 plan = overlap.Plan(strategy, migrate=pairs)
                 ctx = f"rank {rank}/{world_size} ({ranks_per_node} per node) {case} {plan.describe()}"
                 got, again = layer(plan, group, *mine), layer(plan, group, *mine)
@@ -108,10 +110,11 @@ def against_reference(rank: int, world_size: int, ranks_per_node: int, seed: int
         del os.environ["OVERLAP_NODE_ID"]
 
 
-@pytest.mark.parametrize("world_size, ranks_per_node", [(4, 2), (2, 1)])
+@pytest.mark.parametrize("world_size, ranks_per_node", [(4, 2), (2, 1), (3, 1), (3, 2)])
 def test_migration_against_reference(pools, seed, world_size, ranks_per_node):
     done = pools(world_size).run(against_reference, ranks_per_node, seed, timeout=300)
-    assert all(len(d) == len(TOKEN_STRATEGIES) * len(cases_for(world_size)) for d in done), done
+    strategies = len(TOKEN_STRATEGIES) if world_size % ranks_per_node == 0 else 2
+    assert all(len(d) == strategies * len(cases_for(world_size)) for d in done), done
 
 
 def bf16_against_oracle(rank: int, world_size: int, seed: int) -> int:
@@ -249,7 +252,8 @@ def errors(rank: int, world_size: int) -> list[tuple[str, str]]:
         got.append(expect_error(overlap.moe.dispatch_grouped_matmul, x, idx, w1, 8, group=one_node, plan=mig)[:2])
         os.environ["OVERLAP_NODE_ID"] = node_id
         h, handle = overlap.moe.dispatch_grouped_matmul(x, idx, w1, 8, group=group, plan=mig)
-        got.append(expect_error(overlap.moe.combine, torch.randn(h.shape[0], 8), wt, handle, plan=mig)[:2])
+        got.append(expect_error(overlap.moe.combine, torch.randn(h.shape[0], 8), wt, handle,
+                                strategy="pipelined")[:2])  # the plain combine of a migrating dispatch
         other = overlap.Plan("pipelined", migrate=((1, 1),))
         got.append(expect_error(overlap.moe.grouped_matmul_combine, h, w2, wt, handle, plan=other)[:2])
         y = overlap.moe.grouped_matmul_combine(h, w2, wt, handle, strategy="pipelined")  # follows the dispatch
@@ -268,7 +272,7 @@ def test_errors(pools):
     for rank, got in enumerate(pools(4).run(errors, timeout=240)):
         *local, mismatch = got
         assert all(kind == "ValueError" for kind, _ in local), (rank, local)
-        for (_, msg), words in zip(local, ("grouped-matmul", "holds expert 0", "out of range", "out of range",
+        for (_, msg), words in zip(local, ("grouped-matmul", "holds expert 0", "expert 8 >=", "node 2 >=",
                                            "max_tokens_per_rank", "one node", "only grouped_matmul_combine",
                                            "differs from the dispatch"), strict=True):
             assert words in msg, (rank, msg)
@@ -302,11 +306,4 @@ def test_killed_rank_on_the_other_node_is_named():
     victim = 3
     with pytest.raises(RankError) as failed:
         run_isolated(4, killed_remote, victim, timeout=90.0)
-    assert f"rank {victim} died" in str(failed.value) and "raised" not in str(failed.value), failed.value
-    for rank, res in enumerate(failed.value.results):
-        if rank == victim:
-            continue
-        kind, msg, secs = res
-        assert kind in ("OverlapError", "OverlapTimeout"), (rank, res)
-        assert f"rank {victim}" in msg or f"peer {victim}" in msg, (rank, res)
-        assert secs < 3.0 + LATE_S, (rank, res)
+    assert_dead_named(failed.value, victim, deadline=3.0)

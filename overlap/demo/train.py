@@ -13,12 +13,8 @@ live before it; the symmetric heap and the copy engine's thread are not counted)
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
-import sys
-import tempfile
 import time
 from typing import Any
 
@@ -27,52 +23,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..benchmarks.progress import ProgressBar
-from . import data
+from . import data, memory
 from .config import DemoConfig
 from .model import build, replicated_parameters
 
 #: the two runs, in the order they are reported
 RUNS = ("torch", "overlap")
-
-
-@contextlib.contextmanager
-def _quiet_stderr():
-    """File descriptor 2 to /dev/null: the profiler's C++ side logs every start and stop there."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    null = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(null, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
-
-
-def _peak_bytes_profiled(fn) -> int:
-    """Peak bytes of tensors allocated by `fn` on this thread and alive at once (torch's profiler)."""
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_stderr():
-        prof.start()
-    try:
-        fn()
-    finally:
-        with _quiet_stderr():
-            prof.stop()
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    finally:
-        os.remove(path)
-    running = peak = 0
-    for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
-        running += e["args"]["Bytes"]
-        peak = max(peak, running)
-    return peak
 
 
 class _Run:
@@ -123,7 +79,7 @@ def _timed(run: _Run, tokens: torch.Tensor, rank: int, world_size: int, device: 
     start = time.perf_counter()
     if profile:
         box = []
-        run.peak_bytes = _peak_bytes_profiled(lambda: box.append(run.step(tokens, rank, world_size)))
+        run.peak_bytes = memory.peak_bytes(lambda: box.append(run.step(tokens, rank, world_size)))
         loss = box[0]
     else:
         loss = run.step(tokens, rank, world_size)

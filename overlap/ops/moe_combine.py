@@ -141,7 +141,7 @@ def _plan(op, h: layout.MoELayout, y, w, strategy, plan, info, needs_grad: bool)
     experts = h.num_experts if h.migration is None else h.migration.num_experts  # (the dispatch's own E)
     problem = None if w is None else layout.moe_problem(h.num_tokens, w.shape[2], y.shape[1], experts,
                                                     h.top_k, y.dtype, needs_grad)
-    return layout.resolve_plan(op, strategy, plan, info, y.dtype, allow_fused=w is not None, problem=problem)
+    return layout.resolve_plan(op, strategy, plan, info, y.dtype, w is not None, problem, experts)
 
 
 def _with_deadline(h: layout.MoELayout, timeout: float) -> layout.MoELayout:

@@ -144,8 +144,8 @@ def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, gr
         moe_bound.check_bound(op, bound, x.shape[0])
         problem = None if w is None else layout.moe_problem(x.shape[0], x.shape[1], w.shape[2], num_experts,
                                                         topk_idx.shape[1], x.dtype, "1" in grads)
-        chosen = layout.resolve_plan(op, strategy, plan, info, x.dtype, allow_fused=w is not None, problem=problem)
-        mig = moe_migrate.prepare(op, chosen, info, num_experts, w is not None, bound)  # (hosted experts)
+        chosen = layout.resolve_plan(op, strategy, plan, info, x.dtype, w is not None, problem, num_experts)
+        mig = moe_migrate.prepare(op, chosen, info, num_experts, bound)  # (hosted experts)
         idx, E = (topk_idx, num_experts) if mig is None else (mig.remap(op, topk_idx), mig.hosted * info.world_size)
         order, send_counts = layout.route(op, idx, E, info.world_size)
         moe_bound.check_rows(op, bound, send_counts, topk_idx.shape[1], L)

@@ -267,9 +267,10 @@ def route(op: str, topk_idx: torch.Tensor, num_experts: int, world_size: int) ->
 
 
 def resolve_plan(op: str, strategy: str, plan, info: world.GroupInfo, dtype: torch.dtype, allow_fused: bool,
-                 problem: Problem | None = None) -> Plan:
+                 problem: Problem | None = None, num_experts: int | None = None) -> Plan:
     """The call's plan: forced, else ``auto`` (a plan file's entry for `problem`'s layer, the heuristic), the
-    same on every rank: nothing of it depends on this rank's token count (token counts differ between ranks)."""
+    same on every rank: nothing of it depends on this rank's token count (token counts differ between ranks).
+    `num_experts` (``E``) for the checks of ``plan.migrate``."""
     chosen = as_plan(strategy, plan)
     if chosen is None:
         chosen = resolve_auto(op, f"moe {op}", info, None, str(dtype).removeprefix("torch."),
@@ -279,7 +280,7 @@ def resolve_plan(op: str, strategy: str, plan, info: world.GroupInfo, dtype: tor
     if chosen.strategy == "fused" and not allow_fused:
         raise ValueError(f"overlap.moe.{op}: strategy 'fused' fuses a grouped GEMM; plain {op} has 'reference', "
                          "'pipelined' and 'symm' (use the grouped-matmul form)")
-    check_plan_fits(op, chosen, info)
+    check_plan_fits(op, chosen, info, num_experts)
     if chosen.strategy == "fused":
         check_fused_available(op, dtype)
     return chosen

@@ -223,34 +223,21 @@ def _exchange(cc: CallContext, sends: list[tuple[torch.Tensor, int]], recvs: lis
                 raise
 
 
-def prepare(op: str, chosen: Plan, info: world.GroupInfo, num_experts: int, grouped: bool,
-            bound: int | None) -> Migration | None:
-    """The call's `Migration` (None where the plan migrates nothing); ValueError, before any data moves, for a
-    plan that cannot migrate here: a plain dispatch, a bound, one node, an expert or node out of range, a pair
-    whose node holds the expert."""
+def prepare(op: str, chosen: Plan, info: world.GroupInfo, num_experts: int, bound: int | None) -> Migration | None:
+    """The call's `Migration` (None where the plan migrates nothing). The plan's pairs were checked with the
+    plan (`overlap.plans.auto.check_plan_fits`: the grouped-matmul ops only, a group spanning nodes, experts
+    and nodes in range, never the expert's own node); ValueError here for a bound, before any data moves."""
     if not chosen.migrate:
         return None
-    if not grouped:
-        raise ValueError(f"overlap.moe.{op}: plan.migrate moves the experts' weights, which only the grouped-matmul "
-                         "ops hold; plain dispatch/combine leave the experts to the caller: use "
-                         "dispatch_grouped_matmul / grouped_matmul_combine, or a plan without migrate")
     if bound is not None:
         raise ValueError(f"overlap.moe.{op}: plan.migrate with max_tokens_per_rank is not implemented in this "
                          "version; drop one of them")
-    if info.single_node:
-        raise ValueError(f"overlap.moe.{op}: plan.migrate moves experts between nodes, but this group is on one "
-                         "node: use a plan without migrate")
     lay = hier.layout_of(info)
-    own = num_experts // info.world_size
     copies: list[list[int]] = [[] for _ in lay.nodes]
     for e, m in chosen.migrate:
-        if e >= num_experts or m >= lay.num_nodes:
-            raise ValueError(f"overlap.moe.{op}: plan.migrate pair ({e}, {m}) is out of range: {num_experts} "
-                             f"experts, {lay.num_nodes} nodes")
-        if e // own in lay.nodes[m]:
-            raise ValueError(f"overlap.moe.{op}: plan.migrate pair ({e}, {m}): node {m} holds expert {e} already")
         copies[m].append(e)
-    return Migration(chosen.migrate, lay, num_experts, own, tuple(tuple(sorted(c)) for c in copies))
+    return Migration(chosen.migrate, lay, num_experts, num_experts // info.world_size,
+                     tuple(tuple(sorted(c)) for c in copies))
 
 
 def check_follows(op: str, chosen: Plan, migration: Migration | None, grouped: bool) -> None:

@@ -3,8 +3,9 @@
 * `Plan` (`plan`): strategy, chunks per link class, tiles, variants; part of every call signature.
 * the op table (`optable`): one `OpSpec` per op (`OPS`, `op_spec`): family, rows, FLOPs, bytes per link,
   chunked links, cost, inputs for a shape, oracle, plain collectives, the call; `Problem` of a call;
-* the cost model (`costmodel`): `Profile` of a machine, `Topology` of a group, `predict`, `candidates`,
-  `rank_candidates`, `default_profile`;
+* the cost model (`costmodel`): `Profile` of a machine, `Topology` of a group (both in `machine`), `predict`,
+  `candidates`, `rank_candidates`, `default_profile`; expert migration (`migration`): `expected_loads`,
+  `measured_loads`, `choose_migration`;
 * plan files (`planfile`): `PlanFile`, what `overlap tune` chose per topology;
 * ``strategy="auto"`` (`auto`): a plan file's entry, the model's choice, or the default heuristic.
 """
@@ -26,6 +27,7 @@ from .costmodel import (
     rank_candidates,
     topology_of,
 )
+from .migration import MIGRATE_OPS, choose_migration, expected_loads, measured_loads
 from .opdata import Expected, OpInputs, Plain, SeededDraw
 from .optable import OPS, OpSpec, Problem, op_spec, ops_of
 from .plan import DEFAULT_CHUNKS, STRATEGIES, Plan
@@ -34,6 +36,7 @@ from .planfile import PLAN_FILE_VERSION, Entry, PlanFile
 __all__ = [
     "CHUNK_CHOICES",
     "DEFAULT_CHUNKS",
+    "MIGRATE_OPS",
     "MODEL_OPS",
     "OPS",
     "PLAN_FILE_VERSION",
@@ -54,7 +57,10 @@ __all__ = [
     "SeededDraw",
     "Topology",
     "candidates",
+    "choose_migration",
     "default_profile",
+    "expected_loads",
+    "measured_loads",
     "op_spec",
     "ops_of",
     "predict",

@@ -37,6 +37,7 @@ from .. import envs
 from ..errors import warn_once
 from ..world import GroupInfo
 from .costmodel import default_profile, rank_candidates, topology_of
+from .migration import check_migrate, nodes_of
 from .optable import OPS, Problem
 from .plan import Plan
 from .planfile import PlanFile, load_cached
@@ -183,8 +184,12 @@ def gpu_symmetric_memory() -> bool:
     return bool(signals.has_cuda)
 
 
-def check_plan_fits(op: str, plan: Plan, info: GroupInfo) -> None:
-    """Raise ValueError where a forced strategy cannot run on this group, or a flag does not apply."""
+def check_plan_fits(op: str, plan: Plan, info: GroupInfo, num_experts: int | None = None) -> None:
+    """Raise ValueError where a forced strategy cannot run on this group, or a flag does not apply.
+
+    ``plan.migrate`` (`overlap.plans.migration.check_migrate`): only the MoE grouped-matmul ops, on a group
+    spanning nodes, node indices below the group's node count; with `num_experts` (the MoE ops pass their
+    ``num_experts``) also each expert below it and never to the node that holds the expert."""
     if plan.one_shot and not _takes_one_shot(op):
         takers = ", ".join(name for name in OPS if _takes_one_shot(name))
         raise ValueError(f"overlap.{op}: plan.one_shot applies only to {takers}, got {plan.describe()}")
@@ -204,3 +209,5 @@ def check_plan_fits(op: str, plan: Plan, info: GroupInfo) -> None:
         if len(set(sizes.values())) > 1:
             raise ValueError(f"overlap.{op}: strategy 'hierarchical' needs the same number of ranks on every "
                              f"node; this group has {sizes}: use 'pipelined' or 'auto'")
+    if plan.migrate:
+        check_migrate(op, plan.migrate, nodes_of(info), num_experts)

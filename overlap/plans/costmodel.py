@@ -1,7 +1,9 @@
 """The cost model: what a call costs on a topology, per plan.
 
 `Profile` holds what the model knows of a machine (link fits per link class and transport, GEMM fits
-per dtype, interference, per-chunk cost; measured by `overlap.tune.probe`, or `default_profile`).
+per dtype, interference, per-chunk cost; measured by `overlap.tune.probe`, or `default_profile`), `Topology`
+a group (both defined in `overlap.plans.machine`, re-exported here). Expert migration (``Plan.migrate``)
+is `overlap.plans.migration`'s model.
 `predict` scores one plan of one `Problem` on a `Topology`; `candidates` lists the plans worth trying
 and `rank_candidates` sorts them by prediction. `overlap tune` measures the best few and writes plan
 files (`overlap.plans.planfile`); `overlap.plans.auto.resolve_auto` uses a plan file's choice, else this
@@ -10,91 +12,15 @@ model's with the file's profile, else its default heuristic.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import math
-from collections.abc import Mapping
 
 from ..symm import MAX_FLAGS
-from ..world import LINK_CLASSES, GroupInfo
-from . import hier_cost
+from . import hier_cost, migration
+from .machine import PROFILE_VERSION, GemmFit, LinkFit, Profile, Topology, topology_of
 from .optable import ITEMSIZE, OPS, Problem, op_spec
 from .plan import Plan
-
-# ----------------------------------------------------------------------------------------------
-# Machine profile: what the cost model knows about a machine (measured by `overlap.tune.probe`)
-# ----------------------------------------------------------------------------------------------
-
-PROFILE_VERSION = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class LinkFit:
-    """Time of one transfer of ``n`` bytes over a link: ``latency_s + n / bandwidth_Bps``."""
-
-    latency_s: float
-    bandwidth_Bps: float
-
-    def time(self, nbytes: float) -> float:
-        return self.latency_s + nbytes / self.bandwidth_Bps
-
-
-@dataclasses.dataclass(frozen=True)
-class GemmFit:
-    """GEMM rate for one dtype: ``flops / (flops / peak_flops + overhead_s)`` (a launch or call overhead
-    plus the peak rate), so small GEMMs run below peak."""
-
-    peak_flops: float
-    overhead_s: float
-
-    def time(self, flops: float) -> float:
-        return self.overhead_s + flops / self.peak_flops
-
-
-@dataclasses.dataclass(frozen=True)
-class Profile:
-    """What the cost model knows about a machine; JSON round-trip with `to_json`/`from_json`.
-
-    links: per link class (`world.LINK_CLASSES`), per transport: ``"p2p"`` (torch.distributed
-        point-to-point: gloo/NCCL) and ``"copy"`` (one-sided copies into/out of a peer's symmetric
-        buffer: shared memory or copy engine; ranks of one node only).
-    gemm: per dtype name (``"float32"``, ``"bfloat16"``, ...).
-    gemm_slowdown: factor (>= 1) on a GEMM's time while a transfer runs beside it; comm_slowdown the
-        reverse (CPU ranks share cores with gloo's threads; GPUs share memory bandwidth).
-    per_chunk_s: fixed cost of one more chunk (a message, a flag, a kernel launch).
-    device: ``"cpu"`` or the GPU's name; machine: where it was measured (informative).
-    """
-
-    links: dict[str, dict[str, LinkFit]]
-    gemm: dict[str, GemmFit]
-    gemm_slowdown: float = 1.0
-    comm_slowdown: float = 1.0
-    per_chunk_s: float = 0.0
-    device: str = "cpu"
-    machine: str = ""
-
-    def to_json(self) -> dict:
-        return {
-            "version": PROFILE_VERSION, "device": self.device, "machine": self.machine,
-            "links": {c: {t: dataclasses.asdict(f) for t, f in ts.items()} for c, ts in self.links.items()},
-            "gemm": {d: dataclasses.asdict(f) for d, f in self.gemm.items()},
-            "gemm_slowdown": self.gemm_slowdown, "comm_slowdown": self.comm_slowdown, "per_chunk_s": self.per_chunk_s,
-        }
-
-    @classmethod
-    def from_json(cls, data: Mapping) -> Profile:
-        if data.get("version") != PROFILE_VERSION:
-            raise ValueError(f"machine profile version {data.get('version')!r} is not {PROFILE_VERSION}: probe again "
-                             "(overlap info --probe)")
-        return cls(
-            links={c: {t: LinkFit(**f) for t, f in ts.items()} for c, ts in data["links"].items()},
-            gemm={d: GemmFit(**f) for d, f in data["gemm"].items()},
-            gemm_slowdown=float(data.get("gemm_slowdown", 1.0)), comm_slowdown=float(data.get("comm_slowdown", 1.0)),
-            per_chunk_s=float(data.get("per_chunk_s", 0.0)), device=data.get("device", "cpu"),
-            machine=data.get("machine", ""),
-        )
-
 
 # ----------------------------------------------------------------------------------------------
 # Cost model: what a call costs on a topology, per plan (`predict`), and the plans worth trying
@@ -105,53 +31,9 @@ MODEL_OPS = tuple(OPS)
 #: chunk counts per link class that `candidates` tries
 CHUNK_CHOICES = (1, 2, 4, 8)
 
-
-@dataclasses.dataclass(frozen=True)
-class Topology:
-    """A group as one rank sees it (`topology_of`); identical on every rank of a symmetric topology.
-
-    device: ``"cpu"`` or ``"cuda"``; ranks_per_node: the rank count of every node, largest first (an
-    int means that many on each node); links: ``(link class, number of this rank's peers over it)``,
-    in `LINK_CLASSES` order (a dict is accepted). Raises ValueError where the counts do not add up.
-    """
-
-    device: str
-    world_size: int
-    num_nodes: int
-    ranks_per_node: tuple[int, ...] | int
-    links: tuple[tuple[str, int], ...] = ()
-
-    def __post_init__(self) -> None:
-        per_node, links = self.ranks_per_node, dict(self.links)
-        per_node = (per_node,) * self.num_nodes if isinstance(per_node, int) else tuple(sorted(per_node, reverse=True))
-        object.__setattr__(self, "ranks_per_node", per_node)
-        object.__setattr__(self, "links", tuple((c, links[c]) for c in LINK_CLASSES if c in links))
-        adds_up = sum(links.values()) == self.world_size - 1 == sum(per_node) - 1 and len(per_node) == self.num_nodes
-        if self.device not in ("cpu", "cuda") or not set(links) <= set(LINK_CLASSES) \
-                or min(links.values(), default=1) < 1 or not adds_up:
-            raise ValueError(f"Topology: device {self.device!r} (cpu or cuda), {self.world_size} ranks on {per_node}, "
-                             f"peers {links} (link classes {LINK_CLASSES}) do not add up")
-
-    @property
-    def signature(self) -> str:
-        """Canonical text, e.g. ``cpu:nodes=2:ranks=4:links=network*2,shm*1`` (plan files record it)."""
-        uneven = len(set(self.ranks_per_node)) > 1
-        per_node = ":per_node=" + ",".join(map(str, self.ranks_per_node)) if uneven else ""
-        links = ",".join(f"{c}*{n}" for c, n in sorted(self.links))
-        return f"{self.device}:nodes={self.num_nodes}:ranks={self.world_size}{per_node}:links={links}"
-
-    @property
-    def slowest_link(self) -> str:
-        """The class a ring is chunked for (as `GroupInfo.slowest_link`)."""
-        return self.links[-1][0] if self.links else ("shm" if self.device == "cpu" else "nvlink")
-
-
-def topology_of(info: GroupInfo) -> Topology:
-    """The `Topology` of a group from this rank's `GroupInfo` (no communication)."""
-    peers = collections.Counter(info.link_class(p) for p in range(info.world_size) if p != info.rank)
-    per_node = collections.Counter(info.nodes)
-    return Topology(device="cuda" if info.device.type == "cuda" else "cpu", world_size=info.world_size,
-                    num_nodes=len(per_node), ranks_per_node=tuple(per_node.values()), links=tuple(peers.items()))
+__all__ = ["CHUNK_CHOICES", "MODEL_OPS", "PROFILE_VERSION", "GemmFit", "LinkFit", "Prediction", "Profile", "Topology",
+           "candidates", "default_profile", "hierarchical_fits", "pipeline_makespan", "predict", "rank_candidates",
+           "topology_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +79,8 @@ def pipeline_makespan(stages: list[tuple[int, float, float]], fa: float, fb: flo
 class _Model:
     """Costs of one (problem, plan, topology, profile) and the schedule they add up to."""
 
-    def __init__(self, problem: Problem, plan: Plan, topo: Topology, profile: Profile):
+    def __init__(self, problem: Problem, plan: Plan, topo: Topology, profile: Profile,
+                 migrated: tuple[float, float] = (1.0, 0.0)):
         self.W, self.peers, self.plan, self.profile = topo.world_size, topo.links, plan, profile
         self.slowest, self.size = topo.slowest_link, ITEMSIZE[problem.dtype]
         self.fused = plan.strategy == "fused"
@@ -213,6 +96,9 @@ class _Model:
         self.nodes, self.local_ranks = topo.num_nodes, topo.ranks_per_node[0]
         self.local_link = next((c for c, _ in topo.links if c != "network"),
                                "shm" if topo.device == "cpu" else "nvlink")
+        # expert migration (`migration.network_effect`): the share of MoE token rows still crossing the network,
+        # the weights' time on it
+        self.token_share, self.weights_s = migrated
 
     # ---- costs ---------------------------------------------------------------------------------
     def msgs(self, link: str, nbytes: float, count: float = 1) -> float:
@@ -229,6 +115,10 @@ class _Model:
 
     def each_peer(self, nbytes: float) -> float:
         return sum(count * self.msgs(link, nbytes) for link, count in self.peers)
+
+    def tokens(self, link: str, nbytes: float) -> float:
+        """MoE token bytes over `link`: over the network only the share that expert migration leaves."""
+        return nbytes * self.token_share if link == "network" else nbytes
 
     def gemm(self, flops: float, calls: float = 1) -> float:
         """GEMM calls (one launch each); inside a fused kernel only the flops (the kernel adds `launch`)."""
@@ -326,7 +216,8 @@ class _Model:
         every = self.gemm(2 * p.m * p.top_k * H * F, calls=L)  # every row through L experts (a weight gradient)
         self.serial(self.each_peer(4 * L))  # the counts
         if plan.strategy == "reference":
-            return self.serial(2 * (1 + p.backward) * self.each_peer(nbytes), (2 + 4 * p.backward) * every)
+            moves = sum(c * self.msgs(link, self.tokens(link, nbytes)) for link, c in self.peers)
+            return self.serial(2 * (1 + p.backward) * moves, (2 + 4 * p.backward) * every)
         groups = max(1, min(L, MAX_FLAGS // W - 1))  # symm, fused: flagged per expert group
 
         def chunks(link: str) -> int:
@@ -337,12 +228,13 @@ class _Model:
             for link, c in self.peers:
                 ch = chunks(link)
                 s = min(ch, L) if plan.strategy == "pipelined" else groups
-                stages.append((c * s, self.msgs(link, nbytes / s, ch / s), block / s))
+                stages.append((c * s, self.msgs(link, self.tokens(link, nbytes) / s, ch / s), block / s))
             self.consume(stages)
 
         def combine(tail: float = 0.0) -> None:  # pipelined: a source's GEMMs, then its rows in chunks
             s = 1 if plan.strategy == "pipelined" else groups
-            peers = [(c * s, block / s, self.msgs(link, nbytes / s, chunks(link) / s)) for link, c in self.peers]
+            peers = [(c * s, block / s, self.msgs(link, self.tokens(link, nbytes) / s, chunks(link) / s))
+                     for link, c in self.peers]
             self.produce([(1, self.launch, 0.0), *peers, (s, block / s, 0.0), (1, tail, 0.0)])
 
         dispatch()
@@ -353,7 +245,8 @@ class _Model:
             combine(tail=every)
 
 
-def predict(problem: Problem, plan: Plan, topology: Topology, profile: Profile) -> Prediction:
+def predict(problem: Problem, plan: Plan, topology: Topology, profile: Profile,
+            loads: migration.Loads | None = None) -> Prediction:
     """Predicted seconds of one call of `problem` run with `plan` on `topology`, from `profile`.
 
     A transfer of ``b`` bytes in ``c`` chunks over a link costs ``c * (latency + per_chunk_s) + b / bandwidth``
@@ -372,12 +265,17 @@ def predict(problem: Problem, plan: Plan, topology: Topology, profile: Profile) 
       transfers its op overlaps it with). Not modelled: reductions and permutations (memory-bound),
       uneven MoE routing, contention beyond sharing this rank's link time, the little overlap inside
       reference's backward (a plain collective in flight during a GEMM): reference is modelled serial.
+    * expert migration (``plan.migrate``, MoE across nodes; `migration.network_effect` under `loads`,
+      `migration.expected_loads`, default balanced): the network's token bytes scaled by the share of remote
+      rows still dispatched, plus the busiest rank's network time for the migrated weights (and their
+      gradients), serial; the GEMMs that move to the tokens' node are not modelled (their total is the same).
 
     `symm`/`fused` across nodes, `fused` on CPU ranks (interpreted) and a strategy the op does not implement
     (`OpSpec.strategies`) predict ``inf``. Raises ValueError
     where `profile` lacks a link class of `topology` or the dtype's GEMM fit (and float32's), where
-    ``one_shot`` is set for an op without that variant (`OpSpec.variants`), or the experts do not divide by
-    the ranks. Each op's schedule is its table entry's `OpSpec.cost` (`optable`).
+    ``one_shot`` is set for an op without that variant (`OpSpec.variants`), the experts do not divide by
+    the ranks, or ``migrate`` does not apply (`migration.check_migrate`: a TP op, one node, a bad pair). Each
+    op's schedule is its table entry's `OpSpec.cost` (`optable`).
     """
     W, spec = topology.world_size, op_spec(problem.op)
     if plan.one_shot and "one_shot" not in spec.variants:
@@ -385,6 +283,8 @@ def predict(problem: Problem, plan: Plan, topology: Topology, profile: Profile) 
         raise ValueError(f"predict: plan.one_shot applies only to {', '.join(takers)}, got {problem.op}")
     if spec.family == "moe" and problem.experts % W:
         raise ValueError(f"predict: {problem.experts} experts do not divide over {W} ranks")
+    nodes = migration.nodes_of(topology)
+    migration.check_migrate(problem.op, plan.migrate, nodes, problem.experts if spec.family == "moe" else None)
     if plan.strategy not in spec.strategies:
         return Prediction(math.inf, math.inf, math.inf, f"{plan.describe()}: not implemented for {problem.op}")
     if plan.strategy in ("symm", "fused") and topology.num_nodes > 1:
@@ -395,8 +295,10 @@ def predict(problem: Problem, plan: Plan, topology: Topology, profile: Profile) 
         return Prediction(math.inf, math.inf, math.inf, f"{plan.describe()}: CPU ranks, as many on every node")
     if plan.strategy == "fused" and topology.device == "cpu":
         return Prediction(math.inf, math.inf, math.inf, f"{plan.describe()}: interpreted on CPU ranks")
-    x = _Model(problem, plan, topology, profile)
+    migrated = migration.network_effect(problem, profile, nodes, plan.migrate, loads) if plan.migrate else (1.0, 0.0)
+    x = _Model(problem, plan, topology, profile, migrated)
     spec.cost(x, problem)
+    x.serial(x.weights_s)
     return Prediction(x.total, x.comm, x.compute, f"{plan.describe()}: comm {x.comm * 1e3:.4g} ms, GEMMs "
                       f"{x.compute * 1e3:.4g} ms, total {x.total * 1e3:.4g} ms")
 
@@ -406,14 +308,18 @@ def hierarchical_fits(topology: Topology) -> bool:
     return topology.device == "cpu" and len(set(topology.ranks_per_node)) == 1
 
 
-def candidates(problem: Problem, topology: Topology, device_type: str | None = None) -> list[Plan]:
+def candidates(problem: Problem, topology: Topology, device_type: str | None = None, profile: Profile | None = None,
+               loads: migration.Loads | None = None) -> list[Plan]:
     """Every plan worth predicting for `problem` on `topology` (``device_type`` defaults to its device).
 
     ``reference`` always; ``pipelined``; ``symm`` on one node; ``fused`` on one node of GPUs; ``hierarchical``
     across nodes of CPU ranks with at least two ranks on each (with one it moves what ``pipelined`` moves). Each with
     `CHUNK_CHOICES` per link class it chunks for (beyond two classes: the slowest link's count times
     one count shared by the others, so the list stays under ~60), and for an op with the ``one_shot``
-    variant (`OpSpec.variants`) both variants (two-shot, one-shot). One rank: ``reference`` alone.
+    variant (`OpSpec.variants`) both variants (two-shot, one-shot). One rank: ``reference`` alone. With a
+    `profile`, an op that takes ``migrate`` (`migration.MIGRATE_OPS`) across nodes: each ``pipelined`` and
+    ``hierarchical`` plan also with the pairs `migration.choose_migration` picks for `loads` (default
+    balanced), where it picks any.
     """
     device, spec = (device_type or topology.device).split(":")[0], op_spec(problem.op)
     if topology.world_size == 1:
@@ -431,12 +337,20 @@ def candidates(problem: Problem, topology: Topology, device_type: str | None = N
         # (hierarchical's all-reduce across nodes is two-shot: one_shot does not apply)
         for one_shot in (False, True) if "one_shot" in spec.variants and strategy != "hierarchical" else (False,):
             plans += [Plan(strategy, tuple(zip(links, c)), one_shot=one_shot) for c in counts]
+    if profile is not None and topology.num_nodes > 1 and problem.op in migration.MIGRATE_OPS:
+        pairs = migration.choose_migration(problem, profile, topology, loads)
+        if pairs:
+            plans += [dataclasses.replace(p, migrate=pairs) for p in plans
+                      if p.strategy in ("pipelined", "hierarchical")]
     return plans
 
 
-def rank_candidates(problem: Problem, topology: Topology, profile: Profile) -> list[tuple[Plan, Prediction]]:
-    """`candidates` with their predictions, fastest first (ties by `Plan.describe`, so every rank agrees)."""
-    scored = [(plan, predict(problem, plan, topology, profile)) for plan in candidates(problem, topology)]
+def rank_candidates(problem: Problem, topology: Topology, profile: Profile,
+                    loads: migration.Loads | None = None) -> list[tuple[Plan, Prediction]]:
+    """`candidates` (with `profile`'s migration variants for `loads`) with their predictions, fastest first (ties
+    by `Plan.describe`, so every rank agrees)."""
+    scored = [(plan, predict(problem, plan, topology, profile, loads))
+              for plan in candidates(problem, topology, profile=profile, loads=loads)]
     return sorted(scored, key=lambda pp: (pp[1].total_s, pp[0].describe()))
 
 

@@ -70,7 +70,8 @@ def moe(x, p) -> None:
     token and node) with their int32 indices, then the node's copies (each rank's rows from the node's ranks
     that received them); transfers and GEMMs add up (serial: an upper bound, the dispatch multiplies its
     node's blocks while the network transfers travel).
-    The combine's and the backward's transfers move as many bytes."""
+    The combine's and the backward's transfers move as many bytes. Expert migration scales the network's bytes
+    (``x.tokens``: the share of token rows still dispatched)."""
     W, N, L, loc = x.W, x.nodes, x.local_ranks, x.local_link
     E, K, T, H, F = p.experts, p.top_k, p.m, p.k, p.n
     per_node = E // N
@@ -79,7 +80,7 @@ def moe(x, p) -> None:
         miss *= max(0.0, (E - per_node - i) / (E - i))
     rows_node = T * (1.0 - miss)  # distinct tokens to one node
     pairs_node = T * K / N
-    net = (N - 1) * x.msgs("network", rows_node * H * x.size + pairs_node * 4,
+    net = (N - 1) * x.msgs("network", x.tokens("network", rows_node * H * x.size + pairs_node * 4),
                            _chunks(x, "network", max(1, int(rows_node))))
     copies = (W - 1) * x.msgs(loc, T * K / W * H * x.size) if L > 1 else 0.0
     transfer = x.each_peer(4 * (E // W)) + net + copies

@@ -6,6 +6,9 @@ For each problem (`overlap.plans.Problem`):
 1. Rank 0 ranks every candidate with the cost model (`overlap.plans.rank_candidates`, on the group's
    topology and machine profile) and broadcasts the list to measure: ``reference`` and the
    ``measure`` best-predicted others. Every rank therefore measures the same plans in the same order.
+   For a MoE problem across nodes the model's candidates include expert migration (``Plan.migrate``, the
+   pairs `overlap.plans.choose_migration` picks for balanced routing, the problem's only description of
+   it); where any is ranked, the best migrating plan is measured too, even outside the best ``measure``.
 2. Each candidate is checked once against ``reference`` (same inputs, assert_close with DESIGN's
    tolerances; a candidate that disagrees is dropped and reported), warmed up, then all candidates are
    timed in interleaved rounds (a barrier before every call), ``repeats`` times each.
@@ -109,15 +112,24 @@ def measure(problem: Problem, plans: list[Plan], group=None, *, repeats: int = 5
 
 def _agreed_candidates(problem: Problem, topology, profile, measure: int, pg, info) -> list[Trial]:
     """Rank 0's model ranking, broadcast: reference first, then the `measure` best-predicted others."""
-    ranked = rank_candidates(problem, topology, profile)
-    ref = next((pred for plan, pred in ranked if plan.strategy == "reference"), None)
-    chosen = [Trial(Plan("reference"), ref.total_s if ref is not None else math.nan)]
-    chosen += [Trial(plan, pred.total_s) for plan, pred in ranked if plan.strategy != "reference"][:measure]
+    chosen = to_measure(rank_candidates(problem, topology, profile), measure)
     payload = [[dataclasses.asdict(t.plan), t.predicted_s] for t in chosen]
     box = [payload]
     dist.broadcast_object_list(box, src=info.global_ranks[0], group=pg)
     return [Trial(Plan(**{**fields, "num_chunks": tuple(tuple(x) for x in fields["num_chunks"])}), pred)
             for fields, pred in box[0]]
+
+
+def to_measure(ranked: list, measure: int) -> list[Trial]:
+    """The trials of one problem from the model's ranking (`rank_candidates`): ``reference``, the `measure`
+    best-predicted others, and the best plan with ``migrate`` where none of those migrates."""
+    ref = next((pred for plan, pred in ranked if plan.strategy == "reference"), None)
+    chosen = [Trial(Plan("reference"), ref.total_s if ref is not None else math.nan)]
+    chosen += [Trial(plan, pred.total_s) for plan, pred in ranked if plan.strategy != "reference"][:measure]
+    migrating = next(((plan, pred) for plan, pred in ranked if plan.migrate), None)
+    if migrating is not None and not any(t.plan.migrate for t in chosen):  # measured like any plan
+        chosen.append(Trial(migrating[0], migrating[1].total_s))
+    return chosen
 
 
 def _sync(pg, info, timeout: float, values: torch.Tensor | None = None, op=dist.ReduceOp.MAX) -> torch.Tensor:

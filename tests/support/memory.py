@@ -9,9 +9,6 @@ tests report it beside them (`HeapUse`: the bytes of its slot each call touched)
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from concurrent.futures import Future
 
 import torch
@@ -62,6 +59,7 @@ def profile(fn) -> tuple[int, int, int]:
     Allocated", whose baseline carries over from earlier sessions); the op's CPU copy engine is
     replaced by one that runs its copies on this thread, so they count too."""
     from overlap import comm
+    from overlap.demo.memory import memory_events
 
     engine = comm.copy_engine
     comm.copy_engine = _CallingThreadEngine
@@ -70,15 +68,7 @@ def profile(fn) -> tuple[int, int, int]:
             fn()
     finally:
         comm.copy_engine = engine
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    finally:
-        os.remove(path)
-    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    memory = memory_events(prof)
     running, peak, largest, baselines = 0, 0, 0, set()
     for e in memory:
         running += e["args"]["Bytes"]

@@ -1,0 +1,137 @@
+"""What the cost model knows of a machine and of a group: the machine `Profile` (link fits per link class and
+transport, GEMM fits per dtype; measured by `overlap.tune.probe`, or `overlap.plans.costmodel.default_profile`) and
+the `Topology` of a group (`topology_of`). `overlap.plans.costmodel` re-exports every name.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Mapping
+
+from ..world import LINK_CLASSES, GroupInfo
+
+# ----------------------------------------------------------------------------------------------
+# Machine profile: what the cost model knows about a machine (measured by `overlap.tune.probe`)
+# ----------------------------------------------------------------------------------------------
+
+PROFILE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkFit:
+    """Time of one transfer of ``n`` bytes over a link: ``latency_s + n / bandwidth_Bps``."""
+
+    latency_s: float
+    bandwidth_Bps: float
+
+    def time(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth_Bps
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmFit:
+    """GEMM rate for one dtype: ``flops / (flops / peak_flops + overhead_s)`` (a launch or call overhead
+    plus the peak rate), so small GEMMs run below peak."""
+
+    peak_flops: float
+    overhead_s: float
+
+    def time(self, flops: float) -> float:
+        return self.overhead_s + flops / self.peak_flops
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """What the cost model knows about a machine; JSON round-trip with `to_json`/`from_json`.
+
+    links: per link class (`world.LINK_CLASSES`), per transport: ``"p2p"`` (torch.distributed
+        point-to-point: gloo/NCCL) and ``"copy"`` (one-sided copies into/out of a peer's symmetric
+        buffer: shared memory or copy engine; ranks of one node only).
+    gemm: per dtype name (``"float32"``, ``"bfloat16"``, ...).
+    gemm_slowdown: factor (>= 1) on a GEMM's time while a transfer runs beside it; comm_slowdown the
+        reverse (CPU ranks share cores with gloo's threads; GPUs share memory bandwidth).
+    per_chunk_s: fixed cost of one more chunk (a message, a flag, a kernel launch).
+    device: ``"cpu"`` or the GPU's name; machine: where it was measured (informative).
+    """
+
+    links: dict[str, dict[str, LinkFit]]
+    gemm: dict[str, GemmFit]
+    gemm_slowdown: float = 1.0
+    comm_slowdown: float = 1.0
+    per_chunk_s: float = 0.0
+    device: str = "cpu"
+    machine: str = ""
+
+    def to_json(self) -> dict:
+        return {
+            "version": PROFILE_VERSION, "device": self.device, "machine": self.machine,
+            "links": {c: {t: dataclasses.asdict(f) for t, f in ts.items()} for c, ts in self.links.items()},
+            "gemm": {d: dataclasses.asdict(f) for d, f in self.gemm.items()},
+            "gemm_slowdown": self.gemm_slowdown, "comm_slowdown": self.comm_slowdown, "per_chunk_s": self.per_chunk_s,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> Profile:
+        if data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"machine profile version {data.get('version')!r} is not {PROFILE_VERSION}: probe again "
+                             "(overlap info --probe)")
+        return cls(
+            links={c: {t: LinkFit(**f) for t, f in ts.items()} for c, ts in data["links"].items()},
+            gemm={d: GemmFit(**f) for d, f in data["gemm"].items()},
+            gemm_slowdown=float(data.get("gemm_slowdown", 1.0)), comm_slowdown=float(data.get("comm_slowdown", 1.0)),
+            per_chunk_s=float(data.get("per_chunk_s", 0.0)), device=data.get("device", "cpu"),
+            machine=data.get("machine", ""),
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Topology: a group as the cost model sees it
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """A group as one rank sees it (`topology_of`); identical on every rank of a symmetric topology.
+
+    device: ``"cpu"`` or ``"cuda"``; ranks_per_node: the rank count of every node, largest first (an
+    int means that many on each node); links: ``(link class, number of this rank's peers over it)``,
+    in `LINK_CLASSES` order (a dict is accepted). Raises ValueError where the counts do not add up.
+    """
+
+    device: str
+    world_size: int
+    num_nodes: int
+    ranks_per_node: tuple[int, ...] | int
+    links: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        per_node, links = self.ranks_per_node, dict(self.links)
+        per_node = (per_node,) * self.num_nodes if isinstance(per_node, int) else tuple(sorted(per_node, reverse=True))
+        object.__setattr__(self, "ranks_per_node", per_node)
+        object.__setattr__(self, "links", tuple((c, links[c]) for c in LINK_CLASSES if c in links))
+        adds_up = sum(links.values()) == self.world_size - 1 == sum(per_node) - 1 and len(per_node) == self.num_nodes
+        if self.device not in ("cpu", "cuda") or not set(links) <= set(LINK_CLASSES) \
+                or min(links.values(), default=1) < 1 or not adds_up:
+            raise ValueError(f"Topology: device {self.device!r} (cpu or cuda), {self.world_size} ranks on {per_node}, "
+                             f"peers {links} (link classes {LINK_CLASSES}) do not add up")
+
+    @property
+    def signature(self) -> str:
+        """Canonical text, e.g. ``cpu:nodes=2:ranks=4:links=network*2,shm*1`` (plan files record it)."""
+        uneven = len(set(self.ranks_per_node)) > 1
+        per_node = ":per_node=" + ",".join(map(str, self.ranks_per_node)) if uneven else ""
+        links = ",".join(f"{c}*{n}" for c, n in sorted(self.links))
+        return f"{self.device}:nodes={self.num_nodes}:ranks={self.world_size}{per_node}:links={links}"
+
+    @property
+    def slowest_link(self) -> str:
+        """The class a ring is chunked for (as `GroupInfo.slowest_link`)."""
+        return self.links[-1][0] if self.links else ("shm" if self.device == "cpu" else "nvlink")
+
+
+def topology_of(info: GroupInfo) -> Topology:
+    """The `Topology` of a group from this rank's `GroupInfo` (no communication)."""
+    peers = collections.Counter(info.link_class(p) for p in range(info.world_size) if p != info.rank)
+    per_node = collections.Counter(info.nodes)
+    return Topology(device="cuda" if info.device.type == "cuda" else "cpu", world_size=info.world_size,
+                    num_nodes=len(per_node), ranks_per_node=tuple(per_node.values()), links=tuple(peers.items()))
