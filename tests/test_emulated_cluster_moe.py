@@ -69,6 +69,26 @@ def test_hot_pairs_send_each_hot_expert_to_the_nodes_without_it():
     assert moe.hot_pairs((0,), 8, 8, 2) == ((0, 1), (0, 2), (0, 3))
 
 
+def test_the_models_migration_for_the_figures_routings_from_recorded_profiles():
+    """The figures' problem and routings, the recorded emulated profiles (`tests/data/emulated_profiles.json`), 2
+    nodes x 2 ranks: the model migrates the hot experts only on the skewed routing, with a backward, at 100 Mbit/s
+    (the one case of the README's table where it migrates); never on the balanced one or at 2 Gbit/s."""
+    import json
+
+    from overlap.plans import Problem, Profile
+
+    profiles = json.loads((ROOT / "tests" / "data" / "emulated_profiles.json").read_text())
+    nodes = ((0, 1), (2, 3))
+    for rate, recorded in profiles.items():
+        for fields in moe.moe_problems():
+            p = Problem(**fields)
+            for kind in moe.ROUTINGS:
+                idx = [moe.routing(kind, p.m, p.experts, p.top_k, r)[0] for r in range(4)]
+                chosen = moe.model_migration(p, Profile.from_json(recorded), nodes, moe.model_loads(idx, nodes, 8))
+                want = ((0, 1), (4, 0)) if (rate, p.backward, kind) == ("100mbit", True, "skewed") else ()
+                assert chosen == want, (rate, p.key, kind, chosen)
+
+
 def _row(ms: float, payload: int = 0, veth: int = 0, label: str = "x", error: str = "") -> dict:
     return {"measured_s": ms / 1e3, "spread_s": 0.0, "error": error, "label": label, "payload_bytes": payload,
             "veth_bytes": veth, "strategy": label.split(" ")[0] if label != "x" else "hierarchical"}
