@@ -174,7 +174,6 @@ def _forward(y, w, topk_weights, key, strategy, plan, timeout, grads):
     y, w, h, cc = _prepare(op, y, w, topk_weights, moe_handle.layout_of(key, op), strategy, library.plan_of(plan),
                            timeout, grads)
     y = moe_bound.exact(y, h)  # (a bounded dispatch's padding rows are never read)
-    w = w if h.migration is None else h.migration.fetch(w, "w2", cc)  # [L', F, H]: own, copies
     needs_grad = "1" in grads
     context = library.context_out((cc.plan, h), needs_grad)
     with record(cc.op), no_autocast(h.info.device.type):
@@ -274,6 +273,8 @@ def run(h: layout.MoELayout, y: torch.Tensor, w: torch.Tensor | None, cc: CallCo
     call = moe_bound.begin(cc, h, kind, cols * y.element_size())  # (with a bound: the steady state)
     extra = {} if weights is None else {"weights": weights}  # (symm and fused on GPUs; hierarchical across nodes)
     try:
+        if w is not None and w.shape[0] < h.num_local_experts:  # the forward's w2 [L]: fetch the copies, agreed
+            w = h.migration.fetch(w, "w2", cc)
         back = STRATEGIES[kind](cc, call, h, y, w, between, **extra)
     finally:
         call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls

@@ -173,7 +173,6 @@ def forward(x, topk_idx, w, num_experts, group, strategy, plan, timeout, grads, 
                        timeout, grads, bound)
     with record(f"moe.{op}"), no_autocast(h.info.device.type):
         keep = w is not None and grads[1] == "1"
-        w = w if h.migration is None else h.migration.fetch(w, "w1", h.context)  # [L', H, F]: own, copies
         recv, out = run(h, x, h.token_of, w, h.context, counts=True, keep_rows=keep)
     if w is None:
         return recv, x.new_empty(0), moe_handle.register(h)
@@ -283,6 +282,8 @@ def run(h: layout.MoELayout, rows: torch.Tensor, row_of_send: torch.Tensor, w: t
     kind = layout.transfer_kind(cc)
     call = moe_bound.begin(cc, h, kind, rows.shape[1] * rows.element_size())  # (with a bound: the steady state)
     try:
+        if w is not None and w.shape[0] < h.num_local_experts:  # the forward's w1 [L]: fetch the copies, agreed
+            w = h.migration.fetch(w, "w1", cc)
         recv, out = STRATEGIES[kind](cc, call, h, rows, row_of_send, w, counts, between)
     finally:
         call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls

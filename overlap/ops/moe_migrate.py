@@ -23,9 +23,9 @@ experts: ``handle.migration.hosted_experts()`` names them (global ids; -1 for an
 The weights' way (`Migration.fetch`): the owner ``o = (n, l)`` of ``e`` sends ``w[e]`` once over the network
 to the **receiver** of ``e`` on node ``m``, its rank of local index ``l mod |m|``, which sends it on to the
 node's other ranks (within the node). `dispatch_grouped_matmul` fetches ``w1``'s copies,
-`grouped_matmul_combine` ``w2``'s, each before its transfer, after a handshake of their own (ranks that
-disagree raise `OverlapMismatchError` before any weight moves). The copies stay with the layout until the
-backward (they are inputs of its GEMMs).
+`grouped_matmul_combine` ``w2``'s, each inside its transfer's call, after the handshake (ranks that disagree
+raise `OverlapMismatchError` before any weight moves) and before the rows move. The copies stay with the
+layout until the backward (they are inputs of its GEMMs).
 
 The gradients' way back (`Migration.give_back`): each rank of node ``m`` computes its part of the copy's
 weight gradient over its own rows; the node's ranks send it to the receiver, which sums them in the node's
@@ -126,69 +126,64 @@ class Migration:
 
     def fetch(self, w: torch.Tensor, name: str, cc: CallContext) -> torch.Tensor:
         """Fetch this node's copies of `w` (``[L, a, b]``, this rank's experts) and return `extend`\\ ed `w`.
-        One call on every rank (a handshake of its own, then bounded waits)."""
+        Every rank, inside the transfer's call after its handshake (which agreed on the plan): bounded waits."""
         out = w.new_empty((len(self.mine),) + tuple(w.shape[1:]))
-        sub = cc.derive(op=f"{cc.op}.migrate_{name}", signature=f"{cc.signature} +fetch {name}")
-        call = sub.begin()
-        try:
-            me = cc.rank
-            sends, recvs = [], []
-            for m, experts in enumerate(self.copies):  # the network: owner -> receiver
-                for j, e in enumerate(experts):
-                    o, c = self.owner(e), self.receiver(e, m)
-                    if me == o:
-                        sends.append((w[e % self.own].contiguous(), c))
-                    if me == c:
-                        recvs.append((out[j], o))
-            _exchange(sub, sends, recvs, "weights")
-            sends, recvs = [], []
-            for j, e in enumerate(self.mine):  # within the node: receiver -> the node's other ranks
-                c = self.receiver(e, self.lay.node)
+        sub = cc.derive(op=f"{cc.op}.migrate_{name}")
+        me = cc.rank
+        sends, recvs = [], []
+        for m, experts in enumerate(self.copies):  # the network: owner -> receiver
+            for j, e in enumerate(experts):
+                o, c = self.owner(e), self.receiver(e, m)
+                if me == o:
+                    sends.append((w[e % self.own].contiguous(), c))
                 if me == c:
-                    sends += [(out[j], r) for r in self.lay.nodes[self.lay.node] if r != c]
-                else:
-                    recvs.append((out[j], c))
-            _exchange(sub, sends, recvs, "weights in the node")
-        finally:
-            call.finish()
+                    recvs.append((out[j], o))
+        _exchange(sub, sends, recvs, "weights")
+        sends, recvs = [], []
+        for j, e in enumerate(self.mine):  # within the node: receiver -> the node's other ranks
+            c = self.receiver(e, self.lay.node)
+            if me == c:
+                sends += [(out[j], r) for r in self.lay.nodes[self.lay.node] if r != c]
+            else:
+                recvs.append((out[j], c))
+        _exchange(sub, sends, recvs, "weights in the node")
         self.fetched[name] = out
         return self.extend(w, name)
 
     def give_back(self, grad_hosted: torch.Tensor, name: str, cc: CallContext) -> torch.Tensor:
         """This rank's experts' weight gradient ``[L, a, b]`` from its hosted one ``[L', a, b]``: the copies'
-        parts summed in each node, then on their owners (fixed orders). One call on every rank."""
+        parts summed in each node, then on their owners (fixed orders). Every rank, after the backward's
+        transfer (whose handshake agreed on the plan and on which gradients are wanted): bounded waits."""
         me, node, shape = cc.rank, self.lay.node, tuple(grad_hosted.shape[1:])
         acc = torch.float64 if grad_hosted.dtype == torch.float64 else torch.float32
         ranks = self.lay.nodes[node]
-        sub = cc.derive(op=f"{cc.op}.migrate_{name}", signature=f"{cc.signature} +give back {name}")
-        call = sub.begin()
-        try:
-            parts = {}  # (j, rank) -> that rank's part of copy j, on the copy's receiver
-            sends, recvs = [], []
-            for j, e in enumerate(self.mine):  # within the node: every rank's part to the receiver
-                c = self.receiver(e, node)
-                mine = grad_hosted[self.own + j].contiguous()
-                if me != c:
-                    sends.append((mine, c))
-                    continue
-                for r in ranks:
-                    parts[j, r] = mine if r == me else grad_hosted.new_empty(shape)
-                    if r != me:
-                        recvs.append((parts[j, r], r))
-            _exchange(sub, sends, recvs, "weight gradients in the node")
-            sends, recvs, from_nodes = [], [], {}
-            for m, experts in enumerate(self.copies):  # the network: receiver's node sum -> owner
-                for j, e in enumerate(experts):
-                    o, c = self.owner(e), self.receiver(e, m)
-                    if me == c:
-                        total = torch.stack([parts[j, r].to(acc) for r in ranks]).sum(0)  # node's rank order
-                        sends.append((total.to(grad_hosted.dtype), o))
-                    if me == o:
-                        from_nodes[e, m] = grad_hosted.new_empty(shape)
-                        recvs.append((from_nodes[e, m], c))
-            _exchange(sub, sends, recvs, "weight gradients")
-        finally:
-            call.finish()
+        sub = cc.derive(op=f"{cc.op}.migrate_{name}")
+        parts = {}  # (j, rank) -> that rank's part of copy j, on the copy's receiver
+        sends, recvs = [], []
+        for j, e in enumerate(self.mine):  # within the node: every rank's part to the receiver
+            c = self.receiver(e, node)
+            mine = grad_hosted[self.own + j].contiguous()
+            if me != c:
+                sends.append((mine, c))
+                continue
+            for r in ranks:
+                parts[j, r] = mine if r == me else grad_hosted.new_empty(shape)
+                if r != me:
+                    recvs.append((parts[j, r], r))
+        _exchange(sub, sends, recvs, "weight gradients in the node")
+        sends, recvs, from_nodes = [], [], {}
+        for m, experts in enumerate(self.copies):  # the network: receiver's node sum -> owner
+            for j, e in enumerate(experts):
+                o, c = self.owner(e), self.receiver(e, m)
+                if me == c:
+                    total = parts[j, ranks[0]].to(acc)
+                    for r in ranks[1:]:  # the node's rank order
+                        total = total + parts[j, r].to(acc)
+                    sends.append((total.to(grad_hosted.dtype), o))
+                if me == o:
+                    from_nodes[e, m] = grad_hosted.new_empty(shape)
+                    recvs.append((from_nodes[e, m], c))
+        _exchange(sub, sends, recvs, "weight gradients")
         grad = grad_hosted[: self.own].clone()
         for e in sorted({e for e, _ in from_nodes}):
             summed = grad[e % self.own].to(acc)
