@@ -270,11 +270,15 @@ def choose_migration(problem: Problem, profile: Profile, topology_or_nodes: Wher
     Candidates are the remote pairs whose bytes favour migration (`pair_bytes`: token bytes ``2 P x H s`` above
     weight bytes ``2 P H F s``, i.e. ``x > F``), hot pairs first. A greedy pass adds each candidate that lowers
     ``(C, sum_n max(net_n, max_{r on n} gemm_r))`` (the sum breaks ties where another node is the bottleneck),
-    repeated until none is added; then a pair whose removal leaves ``C`` as it is goes. Unless ``C`` drops by
+    repeated until none is added; then a pair whose removal leaves ``C`` as it is goes. The same pruning also
+    starts from every candidate at once (pairs can pay only together: each node's hot expert migrating to the
+    other relieves both directions of the link, which no single move shows), and the better set is kept
+    (fewer pairs on a tie). Unless ``C`` drops by
     `MIN_GAIN` of the token-dispatch ``C``, nothing migrates. So on a fast link, where the transfers hide behind the
     GEMMs, migration saves nothing and is not chosen (it would cost memory and a weight transfer); on a slow link
     the hot pairs migrate, cold ones (``x <= F``) never. Per direction a forward pair saves ``x H s`` of the
-    owner node's sends and costs it ``2 H F s``, so without a backward the full-duplex time wants ``x > 2F``.
+    owner node's sends and costs it ``2 H F s``, so without a backward one pair alone wants ``x > 2F``; two that
+    mirror each other (each node's hot expert to the other node) save ``2 x H s`` of each node's sends: ``x > F``.
 
     Assumptions: the loads are expected values (routing fixed per layer, not per call); a node's rows spread
     evenly over its ranks; with ``hierarchical`` a token crosses once per destination node (its bytes are
@@ -293,8 +297,21 @@ def choose_migration(problem: Problem, profile: Profile, topology_or_nodes: Wher
     if not pairs:
         return ()
     bal = _Balance(problem, profile, nodes, loads)
-    start = best = bal.score()
-    tol = 1e-12 * max(start[0], 1e-30)
+    start = bal.score()
+    picks = [_greedy(bal, pairs, start)]
+    joint = _Balance(problem, profile, nodes, loads)  # every candidate at once (pairs that pay only together:
+    for e, m in pairs:  # each node's hot expert migrating to the other relieves both directions), then pruned
+        joint.move(e, m, 1.0)
+    picks.append(_pruned(joint, dict.fromkeys(pairs), joint.score(), loads))
+    chosen, best = min(picks, key=lambda pick: (pick[1], len(pick[0])))
+    if start[0] - best[0] < MIN_GAIN * start[0]:
+        return ()
+    return tuple(sorted(chosen))
+
+
+def _greedy(bal: _Balance, pairs: list[tuple[int, int]], start: tuple[float, float]):
+    """Add each pair that lowers the score, until none does; then `_pruned`. Returns ``(pairs, score)``."""
+    best, tol = start, 1e-12 * max(start[0], 1e-30)
     chosen: dict[tuple[int, int], None] = {}  # in the order added
     added = True
     while added:
@@ -309,7 +326,13 @@ def choose_migration(problem: Problem, profile: Profile, topology_or_nodes: Wher
                 best, added = now, True
             else:
                 bal.move(e, m, -1.0)
-    for e, m in sorted(chosen, key=lambda em: (loads[em[0]][em[1]], em)):  # coldest first
+    return _pruned(bal, chosen, best, bal.loads)
+
+
+def _pruned(bal: _Balance, chosen: dict, best: tuple[float, float], loads: Loads):
+    """Drop each chosen pair (coldest first) whose removal does not lengthen the layer. ``(pairs, score)``."""
+    tol = 1e-12 * max(best[0], 1e-30)
+    for e, m in sorted(chosen, key=lambda em: (loads[em[0]][em[1]], em)):
         bal.move(e, m, -1.0)
         now = bal.score()
         if now[0] <= best[0] + tol:
@@ -317,9 +340,7 @@ def choose_migration(problem: Problem, profile: Profile, topology_or_nodes: Wher
             best = now
         else:
             bal.move(e, m, 1.0)
-    if start[0] - best[0] < MIN_GAIN * start[0]:
-        return ()
-    return tuple(sorted(chosen))
+    return tuple(chosen), best
 
 
 def network_effect(problem: Problem, profile: Profile, nodes: Nodes, migrate: Sequence[tuple[int, int]],
