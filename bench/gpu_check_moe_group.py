@@ -14,7 +14,7 @@ they come straight from ``topk_idx`` (expert, then source rank, then pair order)
 Also here: what several sections share besides the ranks (the float64 reference of a grouped GEMM, the rows a
 source sends, the ops' default tiles), and what they do on the ranks: a source's copies of its counts and rows
 (as the op's ``symm``/``fused`` producer does), and the calls of the two grouped-GEMM kernels with the ops' own
-tile tables (`layout.dispatch_tile_table`, `layout.combine_tile_table`) through the ops' launchers
+tile tables (`moe_tiles.dispatch_tile_table`, `combine_tile_table`) through the ops' launchers
 (`overlap.kernels.launch_grouped_matmul_wait`, `launch_grouped_matmul_scatter`).
 
 Imports overlap: the entry point imports this module only after its self-install.
@@ -32,7 +32,7 @@ from gpu_check_virtual import Device, Tile
 from overlap.kernels import epoch_word, grouped_matmul_grid, launch_grouped_matmul_scatter, launch_grouped_matmul_wait
 
 from overlap import symm
-from overlap.ops import fused
+from overlap.ops import fused, moe_tiles
 from overlap.ops import moe_layout as layout
 from overlap.ops.context import CallContext
 from overlap.plans import Plan
@@ -234,7 +234,7 @@ def op_tile(dev: Device, dtype: torch.dtype) -> tuple[int, int, int]:
 
 # ==============================================================================================
 # What the sections do on the ranks: the sources' copies, the kernels' calls (the ops' tile tables and
-# launchers: `overlap.ops.moe_layout.dispatch_tile_table`, `combine_tile_table`, `overlap.kernels.moe`)
+# launchers: `overlap.ops.moe_tiles.dispatch_tile_table`, `combine_tile_table`, `overlap.kernels.moe`)
 # ==============================================================================================
 
 
@@ -293,12 +293,12 @@ class WaitCall:
 
 
 def wait_call(g: MoEGroup, r: int, w: torch.Tensor, tile: Tile | None = None) -> WaitCall:
-    """Rank `r`'s call: the op's own tile table (`layout.dispatch_tile_table`) from ``h.recv_counts``."""
+    """Rank `r`'s call: the op's own tile table (`moe_tiles.dispatch_tile_table`) from ``h.recv_counts``."""
     d, W, L = g.dev.device, g.world_size, g.cfg.num_local_experts
     h, dtype = g.handles[r], g.cfg.dtype
     blocks = op_tile(g.dev, dtype) if tile is None else (tile.block_m, tile.block_n, tile.block_k)
     bm, bn, _ = blocks
-    table = layout.dispatch_tile_table(h, r, bm, d)
+    table = moe_tiles.dispatch_tile_table(h, r, bm, d)
     hb = layout.header_bytes(W, L)
     src = [g.bufs[r].data_ptr() + hb + s * g.stride for s in range(W)] if g.bufs[r] is not None else [0] * W
     err = torch.zeros(1, dtype=torch.int32, device=d)
@@ -332,11 +332,11 @@ class ScatterCall:
 
 
 def scatter_call(g: MoEGroup, r: int, y: torch.Tensor, w: torch.Tensor, dst: list[int] | None = None) -> ScatterCall:
-    """Rank `r`'s call: the op's own tile table (`layout.combine_tile_table`: peers from r + 1, own rows last)."""
+    """Rank `r`'s call: the op's own tile table (`moe_tiles.combine_tile_table`: peers from r + 1, own rows last)."""
     W, L = g.world_size, g.cfg.num_local_experts
     bm, bn, _ = op_tile(g.dev, g.cfg.dtype)
     d = g.dev.device
-    table = layout.combine_tile_table(g.handles[r], r, bm, fused.cdiv(w.shape[2], bn), d)
+    table = moe_tiles.combine_tile_table(g.handles[r], r, bm, fused.cdiv(w.shape[2], bn), d)
     if dst is None:
         hb = layout.header_bytes(W, L)
         dst = [g.bufs[p].data_ptr() + hb + r * g.stride for p in range(W)]

@@ -233,12 +233,13 @@ def _handles(world_size: int, tokens: list[int], top_k: int, num_local_experts: 
 ])
 def test_moe_tile_tables_cover_every_row_once(world_size, tokens, top_k, num_local_experts):
     from overlap.ops import moe_layout as layout
+    from overlap.ops import moe_tiles
 
     W, L, bm, tiles_n = world_size, num_local_experts, 16, 3
     F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
     for r, h in enumerate(_handles(W, tokens, top_k, L)):
-        wait = layout.dispatch_tile_table(h, r, bm, torch.device("cpu"))
-        scatter = layout.combine_tile_table(h, r, bm, tiles_n, torch.device("cpu"))
+        wait = moe_tiles.dispatch_tile_table(h, r, bm, torch.device("cpu"))
+        scatter = moe_tiles.combine_tile_table(h, r, bm, tiles_n, torch.device("cpu"))
         assert wait.dtype == scatter.dtype == torch.int32 and wait.shape[1] == 6 and scatter.shape[1] == 7
         # sources in the order the kernels visit them: ours first (dispatch), ours last (combine)
         for table, sign, shift in ((wait, -1, r), (scatter, 1, -r - 1)):

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..plans import Plan
-from . import fused, library, moe_bound, moe_cuda, moe_handle, moe_hierarchical, moe_migrate
+from . import fused, library, moe_bound, moe_cuda, moe_handle, moe_hierarchical, moe_migrate, moe_tiles
 from . import moe_layout as layout
 from .context import CallContext, autocast_inputs, describe, no_autocast, preamble, record
 from .moe_handle import MoEHandle
@@ -350,7 +350,7 @@ def _fused(cc: CallContext, call, h, y, w, between, weights=None):
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
     bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(), y.dtype)
     call.wait_slot_free()
-    table = layout.combine_tile_table(h, r, bm, fused.cdiv(cols, bn), y.device)
+    table = moe_tiles.combine_tile_table(h, r, bm, fused.cdiv(cols, bn), y.device)
     if table.shape[0]:
         heap = call.heap
         stride = layout.region_stride(call, W, L)

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..errors import OverlapTimeout
-from . import fused, library, moe_bound, moe_cuda, moe_handle, moe_hierarchical, moe_migrate
+from . import fused, library, moe_bound, moe_cuda, moe_handle, moe_hierarchical, moe_migrate, moe_tiles
 from . import moe_layout as layout
 from .context import CallContext, autocast_inputs, no_autocast, preamble, record
 from .moe_handle import MoEHandle
@@ -472,7 +472,7 @@ def _consume_fused(cc: CallContext, call, h: layout.MoELayout, dtype, cols: int,
     recv = torch.empty((h.num_recv, cols), dtype=dtype, device=device)
     out = torch.empty((h.num_recv, w.shape[2]), dtype=dtype, device=device)
     bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(), dtype)
-    table = layout.dispatch_tile_table(h, r, bm, device)
+    table = moe_tiles.dispatch_tile_table(h, r, bm, device)
     if not table.shape[0]:
         return recv, out
     heap = call.heap

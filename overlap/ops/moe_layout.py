@@ -1,5 +1,5 @@
-"""What the MoE ops share: routing, the layout handle, input checks, plans, signatures, the heap layout and the
-tile tables of the fused kernels.
+"""What the MoE ops share: routing, the layout handle, input checks, plans, signatures and the heap layout (the
+tile tables of the fused kernels: `overlap.ops.moe_tiles`).
 
 Legend: ``W`` ranks of the expert-parallel group, ``E`` experts (global ids), ``L = E / W`` local experts
 (rank ``r`` holds ``r*L ... (r+1)*L - 1``), ``T`` tokens of this rank, ``K`` experts per token, ``P = T*K``
@@ -354,63 +354,6 @@ def region(call, h: MoELayout, owner: int, source: int, dtype: torch.dtype, cols
 def group_experts(g: int, num_local_experts: int, num_groups: int) -> range:
     """The local experts of expert group `g` (the inverse of `group_of`)."""
     return range(-(-g * num_local_experts // num_groups), -(-(g + 1) * num_local_experts // num_groups))
-
-
-# ----------------------------------------------------------------------------------------------
-# Tile tables of the fused grouped GEMMs (`overlap.kernels.moe`): which tiles a kernel runs
-# ----------------------------------------------------------------------------------------------
-
-
-def dispatch_tile_table(h: MoELayout, rank: int, block_m: int, device: torch.device) -> torch.Tensor:
-    """The tiles of rank `rank`'s dispatch-direction kernel (`overlap.kernels.moe.launch_grouped_matmul_wait`).
-
-    One entry per `block_m` rows of each (source, local expert) block, sources from this rank down (``r``,
-    ``r - 1``, ...: our own rows first, then in the order the senders write us): ``(source, expert, first row
-    in the source's region, first row in the output (expert order), rows, flag index)``, the flag being
-    ``r * F + 1 + group of the expert`` in the source's pad. Needs ``h.recv_counts``.
-
-    Returns:
-        int32 ``[tiles, 6]`` on `device` (``[0, 6]`` where this rank receives no rows).
-    """
-    W, L = len(h.recv_counts), h.num_local_experts
-    F, G = flags_per_peer(W), expert_groups(L, W)
-    tiles = []
-    for i in range(W):
-        s = (rank - i) % W
-        for e in range(L):
-            c = h.recv_counts[s][e]
-            lo, at = h.within_source(s, e), h.expert_offsets[e][s]
-            for t in range(0, c, block_m):
-                tiles.append((s, e, lo + t, at + t, min(block_m, c - t), rank * F + 1 + group_of(e, L, G)))
-    return torch.tensor(tiles, dtype=torch.int32, device=device).view(-1, 6)
-
-
-def combine_tile_table(h: MoELayout, rank: int, block_m: int, tiles_n: int, device: torch.device) -> torch.Tensor:
-    """The tiles of rank `rank`'s combine-direction kernel (`overlap.kernels.moe.launch_grouped_matmul_scatter`).
-
-    One entry per `block_m` rows of each (source, local expert) block, sources from ``r + 1`` (peers first,
-    our own rows last): ``(source, expert, first row of y (expert order), first row in the source's region
-    (its send order), rows, flag index, tiles of the flag)``: the flag is ``s * F + 1 + group of the expert``
-    in this rank's pad, and its tiles are its entries times `tiles_n` (the column tiles); the last one releases it.
-
-    Returns:
-        int32 ``[tiles, 7]`` on `device` (``[0, 7]`` where this rank holds no rows).
-    """
-    W, L = len(h.recv_counts), h.num_local_experts
-    F, G = flags_per_peer(W), expert_groups(L, W)
-    tiles, per_flag = [], {}
-    for i in range(1, W + 1):
-        s = (rank + i) % W
-        for e in range(L):
-            c = h.recv_counts[s][e]
-            lo, at = h.within_source(s, e), h.expert_offsets[e][s]
-            flag = s * F + 1 + group_of(e, L, G)
-            for t in range(0, c, block_m):
-                tiles.append([s, e, at + t, lo + t, min(block_m, c - t), flag, 0])
-                per_flag[flag] = per_flag.get(flag, 0) + tiles_n
-    for tile in tiles:
-        tile[6] = per_flag[tile[5]]
-    return torch.tensor(tiles, dtype=torch.int32, device=device).view(-1, 7)
 
 
 def signature(op: str, hidden: int, out: int | None, num_experts: int, top_k: int, dtype: torch.dtype,
