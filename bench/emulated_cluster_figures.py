@@ -39,29 +39,43 @@ def figure_problems() -> list[dict[str, Any]]:
             if spec.family == "tp" and "hierarchical" in spec.strategies for bw in (False, True)]
 
 
+def placement(spec: dict, rank: int, world_size: int) -> tuple[Any, Any, bool, str]:
+    """On a rank: ``(group info, topology, whether it reads its node's veth, that veth's name)``."""
+    from overlap import world
+    from overlap.plans import topology_of
+
+    info = world.group_info()
+    node = info.nodes[rank]
+    leader = rank == min(r for r in range(world_size) if info.nodes[r] == node)
+    return info, topology_of(info), leader, spec["link"]["dev"]["ab".index(node)] if node in "ab" else ""
+
+
+def tuned(cfg: Any, problem: Any, profile: Any, plan_file: Any) -> tuple[Any, list]:
+    """``overlap tune``'s work for one problem (its plan file entry added to `plan_file`, or a new plan file where
+    it is None) and its outcomes."""
+    from overlap.tune.search import tune
+
+    pf, outcomes = tune([problem], profile=profile, measure=cfg.measure, repeats=cfg.tune_repeats, warmup=cfg.warmup)
+    if plan_file is None:
+        return pf, outcomes
+    for entry in pf.entries.values():
+        plan_file.add(entry)
+    return plan_file, outcomes
+
+
 def run_figures(cfg: Any, spec: dict, rank: int, world_size: int, profile: Any) -> tuple[list[dict[str, Any]], Any]:
     """On every rank: the figures of every problem of `cfg` and the plan file the tuner wrote for them (its
     JSON: what ``overlap tune`` writes; rank 0's return value is the record)."""
     import torch.distributed as dist
 
-    from overlap import world
-    from overlap.plans import Plan, Problem, rank_candidates, topology_of
-    from overlap.tune.search import measure, tune
+    from overlap.plans import Plan, Problem, rank_candidates
+    from overlap.tune.search import measure
 
-    info = world.group_info()
-    topology = topology_of(info)
-    node = info.nodes[rank]
-    leader = rank == min(r for r in range(world_size) if info.nodes[r] == node)  # reads its node's veth
-    dev = spec["link"]["dev"]["ab".index(node)] if node in "ab" else ""
+    info, topology, leader, dev = placement(spec, rank, world_size)
     out, plan_file = [], None
     for fields in cfg.problems:
         p = Problem(**fields)
-        pf, outcomes = tune([p], profile=profile, measure=cfg.measure, repeats=cfg.tune_repeats, warmup=cfg.warmup)
-        if plan_file is None:
-            plan_file = pf
-        else:
-            for entry in pf.entries.values():
-                plan_file.add(entry)
+        plan_file, outcomes = tuned(cfg, p, profile, plan_file)
         pick = outcomes[0].chosen.plan
         ranked = rank_candidates(p, topology, profile)
         best = {}

@@ -132,27 +132,16 @@ def run_moe_figures(cfg: Any, spec: dict, rank: int, world_size: int, profile: A
     """On every rank: every MoE problem of `cfg` on every routing; rank 0's return value is the record (and the
     tuner's plan file, as ``overlap tune`` writes it)."""
     import torch.distributed as dist
-    from emulated_cluster_figures import call_bytes
+    from emulated_cluster_figures import call_bytes, placement, tuned
 
-    from overlap import world
-    from overlap.plans import Plan, Problem, rank_candidates, topology_of
-    from overlap.tune.search import tune
+    from overlap.plans import Plan, Problem, rank_candidates
 
-    info = world.group_info()
-    topology = topology_of(info)
-    node = info.nodes[rank]
-    leader = rank == min(r for r in range(world_size) if info.nodes[r] == node)  # reads its node's veth
-    dev = spec["link"]["dev"]["ab".index(node)] if node in "ab" else ""
+    info, topology, leader, dev = placement(spec, rank, world_size)
     rpn, links = cfg.ranks_per_node, tuple(c for c, _ in topology.links)
     out, plan_file = [], None
     for fields in cfg.problems:
         p = Problem(**fields)
-        pf, outcomes = tune([p], profile=profile, measure=cfg.measure, repeats=cfg.tune_repeats, warmup=cfg.warmup)
-        if plan_file is None:
-            plan_file = pf
-        else:
-            for entry in pf.entries.values():
-                plan_file.add(entry)
+        plan_file, outcomes = tuned(cfg, p, profile, plan_file)
         ranked = [(plan, pred) for plan, pred in rank_candidates(p, topology, profile) if not plan.migrate]
         best = {}
         for plan, _ in ranked:
