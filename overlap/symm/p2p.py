@@ -75,9 +75,11 @@ class Exchange:
         self._header_np = self.header.numpy()
         self.open: dict[int, tuple] = {}  # id(work) -> (work, peer, chunk): posted, not yet waited
         self.sends: list = []  # (work, peer, chunk), in posting order
-        self.expected: dict[int, tuple] = {}  # src -> (recv tensor, header buffer)
-        self.posted: dict[int, list] = {}  # src -> [(j, bounds, work)] of its posted data receives
+        self.headed: set[int] = set()  # peers this rank has sent its header to
+        self.expected: dict[int, tuple] = {}  # src -> (header buffer, [(recv tensor, chunk bounds)] in order)
+        self.posted: dict[int, list] = {}  # src -> per expected segment, [(j, bounds, work)] of its receives
         self.header_works: dict[int, object] = {}
+        self.checked: set[int] = set()  # peers whose header has arrived and matched
         self.agreed = False
         self.disagreed = False  # a peer's entry differs: nobody posts a receive of this call
         self.unsure: set[int] = set()  # peers whose entry was gone from the ring: their header comes first
@@ -102,20 +104,29 @@ class Exchange:
             self.open.pop(id(work), None)
             self.cc.wait(work, peer, chunk)
 
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        """Post the header, then `tensor` cut along dim 0 into the plan's chunks for the link to `dst`."""
-        info = self.info
-        self.sends.append((self._post(dist.isend, self.header, dst, self.header_tag, "header"), dst, "header"))
+    def _bounds(self, rows: int, peer: int) -> list[tuple[int, int]]:
+        return comm.chunk_bounds(rows, self.cc.plan.chunks_for(self.info.link_class(peer))) if rows else []
+
+    def send(self, tensor: torch.Tensor, dst: int, bounds: list[tuple[int, int]] | None = None) -> None:
+        """Post the header (the first send to `dst`), then `tensor` (contiguous rows) cut along dim 0 into
+        `bounds` (default: the plan's chunks for the link to `dst`). Sends to one peer arrive in their order:
+        the receiver's `expect` calls for this rank follow the same order."""
+        if dst not in self.headed:
+            self.headed.add(dst)
+            self.sends.append((self._post(dist.isend, self.header, dst, self.header_tag, "header"), dst, "header"))
         if not tensor.shape[0]:
             return
-        comm.count_sent(info, dst, tensor.numel() * tensor.element_size())
-        bounds = comm.chunk_bounds(tensor.shape[0], self.cc.plan.chunks_for(info.link_class(dst)))
-        for j, (lo, hi) in enumerate(bounds):
+        comm.count_sent(self.info, dst, tensor.numel() * tensor.element_size())
+        for j, (lo, hi) in enumerate(self._bounds(tensor.shape[0], dst) if bounds is None else bounds):
             self.sends.append((self._post(dist.isend, tensor[lo:hi], dst, self.data_tag, j), dst, j))
 
-    def expect(self, recv: torch.Tensor, src: int) -> None:
-        """`recv` (contiguous rows) is to be filled from `src`: posted by `arm` once the peers agree."""
-        self.expected[src] = (recv, torch.empty(HEADER_WORDS, dtype=torch.int64))
+    def expect(self, recv: torch.Tensor, src: int, bounds: list[tuple[int, int]] | None = None) -> int:
+        """`recv` (contiguous rows) is to be filled from `src`, cut as `src`'s `send` cuts it (`bounds`, default
+        the plan's chunks for the link): posted by `arm` once the peers agree. Returns the segment's index for
+        `arrivals` (segments of one peer in the order of its sends)."""
+        header, segments = self.expected.setdefault(src, (torch.empty(HEADER_WORDS, dtype=torch.int64), []))
+        segments.append((recv, self._bounds(recv.shape[0], src) if bounds is None else bounds))
+        return len(segments) - 1
 
     def arm(self, block: bool) -> bool:
         """Post the expected receives once every peer has posted this call with this signature (`block`: wait
@@ -128,18 +139,15 @@ class Exchange:
                 self.disagreed = True
                 raise
             self.agreed = True
-            for src, (_recv, header) in self.expected.items():
+            for src, (header, _segments) in self.expected.items():
                 self.header_works[src] = self._post(dist.irecv, header, src, self.header_tag, "header")
                 if src not in self.unsure:
                     self._post_data(src)
         return True
 
     def _post_data(self, src: int) -> None:
-        recv = self.expected[src][0]
-        bounds = comm.chunk_bounds(recv.shape[0], self.cc.plan.chunks_for(self.info.link_class(src))) \
-            if recv.shape[0] else []
-        self.posted[src] = [(j, b, self._post(dist.irecv, recv[b[0] : b[1]], src, self.data_tag, j))
-                            for j, b in enumerate(bounds)]
+        self.posted[src] = [[(j, b, self._post(dist.irecv, recv[b[0] : b[1]], src, self.data_tag, j))
+                             for j, b in enumerate(bounds)] for recv, bounds in self.expected[src][1]]
 
     def _peers_agree(self, block: bool) -> bool:
         call = self.call
@@ -164,15 +172,17 @@ class Exchange:
         return True
 
     # -- receiving ------------------------------------------------------------------------------
-    def arrivals(self, src: int):
-        """Yield ``(j, (lo, hi))`` for each chunk of `src`'s data once it is in the expected tensor; its header
-        is checked first."""
+    def arrivals(self, src: int, segment: int = 0):
+        """Yield ``(j, (lo, hi))`` for each chunk of `src`'s data of `segment` once it is in the expected
+        tensor; the peer's header is checked first."""
         self.arm(block=True)
-        self._wait(self.header_works[src], src, "header")
-        self._check_header(src, self.expected[src][1])
+        if src not in self.checked:
+            self._wait(self.header_works[src], src, "header")
+            self._check_header(src, self.expected[src][0])
+            self.checked.add(src)
         if src not in self.posted:
             self._post_data(src)
-        for j, bounds, work in self.posted[src]:
+        for j, bounds, work in self.posted[src][segment]:
             self._wait(work, src, j)
             yield j, bounds
 
