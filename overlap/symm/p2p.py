@@ -10,8 +10,9 @@ control pad and goes on, no rendezvous), and the agreement travels with the data
   left pending by an abandoned call can never be matched by a later call's receive (gloo matches a receive to
   the oldest pending send of the same peer and tag; with one tag for every call, the next call would read the
   abandoned call's bytes).
-* **A header per step.** Before its data to a peer, a rank sends a 4-word header (call number, the
-  signature's 64-bit hash as two words, its rank) in the same burst of posts. The receiver checks it before it
+* **A header per peer.** A rank's first message of the call to a peer carries a 4-word header (call number,
+  the signature's 64-bit hash as two words, its rank) in front of its first chunk (one message: the header's
+  32 bytes, then the chunk's; the header alone where that send has no rows). The receiver checks it before it
   uses any data from that peer; a header of another call or signature raises `OverlapMismatchError` (the
   peers' readable signatures from the control pads, where they still are).
 * **Receives only once the peers agree.** Sends are posted at once (gloo moves a payload only when the
@@ -22,8 +23,9 @@ control pad and goes on, no rendezvous), and the agreement travels with the data
   the pads, every rank raises `OverlapMismatchError` (every rank sees the same entries), and no receive is
   ever posted for a call the ranks disagree on. A peer that agrees always sends, so no wait on a gloo
   receive can hang on a peer that will not send; a peer that never starts the call is an `OverlapTimeout`
-  naming it ("the peer never started this call"). Where a peer's entry is gone from the pad ring (it has
-  moved `HS_RING` calls on), its data receives wait for its header instead.
+  naming it ("the peer never started this call"). A peer's entry gone from the pad ring (it has moved
+  `HS_RING` calls on, which the ops' nesting of at most two calls in flight rules out) is checked by its header
+  only.
 
 What happens to the sends of a call the ranks disagree on: they stay pending in gloo's queue of the pair,
 under tags no later call uses, and are never transferred (their receiver never posts the receive). This rank
@@ -47,6 +49,7 @@ from .layout import REBASE_EPOCH, W_HS_EPOCH
 TAG_BASE = 1 << 30  # (tag 0, the untagged messages of other ops, is never used by a call of this module)
 TAG_SPAN = 1 << 29
 HEADER_WORDS = 4
+HEADER_BYTES = 8 * HEADER_WORDS
 
 
 def tagged(call) -> bool:
@@ -59,6 +62,15 @@ def tagged(call) -> bool:
 def call_number(call) -> int:
     """The call's number, counted across the epochs' re-bases (the same on every rank)."""
     return call.heap.rebases * REBASE_EPOCH + call.epoch
+
+
+def _pack(header: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The header's bytes followed by those of `rows` (contiguous): the first message to a peer carries both."""
+    raw = rows.reshape(-1).view(torch.uint8)
+    buf = torch.empty(HEADER_BYTES + raw.numel(), dtype=torch.uint8)
+    buf[:HEADER_BYTES].copy_(header.view(torch.uint8))
+    buf[HEADER_BYTES:].copy_(raw)
+    return buf
 
 
 class Exchange:
@@ -82,7 +94,7 @@ class Exchange:
         self.checked: set[int] = set()  # peers whose header has arrived and matched
         self.agreed = False
         self.disagreed = False  # a peer's entry differs: nobody posts a receive of this call
-        self.unsure: set[int] = set()  # peers whose entry was gone from the ring: their header comes first
+        self.packed: dict[int, tuple] = {}  # src -> (the rows of its first chunk, the buffer it lands in)
 
     # -- posting --------------------------------------------------------------------------------
     def _post(self, fn, tensor: torch.Tensor, peer: int, tag: int, chunk):
@@ -111,14 +123,16 @@ class Exchange:
         """Post the header (the first send to `dst`), then `tensor` (contiguous rows) cut along dim 0 into
         `bounds` (default: the plan's chunks for the link to `dst`). Sends to one peer arrive in their order:
         the receiver's `expect` calls for this rank follow the same order."""
-        if dst not in self.headed:
-            self.headed.add(dst)
+        first = dst not in self.headed
+        self.headed.add(dst)
+        if first and not tensor.shape[0]:  # (no data to carry it: the header alone)
             self.sends.append((self._post(dist.isend, self.header, dst, self.header_tag, "header"), dst, "header"))
         if not tensor.shape[0]:
             return
         comm.count_sent(self.info, dst, tensor.numel() * tensor.element_size())
         for j, (lo, hi) in enumerate(self._bounds(tensor.shape[0], dst) if bounds is None else bounds):
-            self.sends.append((self._post(dist.isend, tensor[lo:hi], dst, self.data_tag, j), dst, j))
+            piece = _pack(self.header, tensor[lo:hi]) if first and j == 0 else tensor[lo:hi]
+            self.sends.append((self._post(dist.isend, piece, dst, self.data_tag, j), dst, j))
 
     def expect(self, recv: torch.Tensor, src: int, bounds: list[tuple[int, int]] | None = None) -> int:
         """`recv` (contiguous rows) is to be filled from `src`, cut as `src`'s `send` cuts it (`bounds`, default
@@ -139,15 +153,23 @@ class Exchange:
                 self.disagreed = True
                 raise
             self.agreed = True
-            for src, (header, _segments) in self.expected.items():
-                self.header_works[src] = self._post(dist.irecv, header, src, self.header_tag, "header")
-                if src not in self.unsure:
-                    self._post_data(src)
+            for src, (header, segments) in self.expected.items():
+                if not segments[0][1]:  # (its first send carries no data: the header alone)
+                    self.header_works[src] = self._post(dist.irecv, header, src, self.header_tag, "header")
+                self._post_data(src)
         return True
 
     def _post_data(self, src: int) -> None:
-        self.posted[src] = [[(j, b, self._post(dist.irecv, recv[b[0] : b[1]], src, self.data_tag, j))
-                             for j, b in enumerate(bounds)] for recv, bounds in self.expected[src][1]]
+        self.posted[src] = posted = []
+        for s, (recv, bounds) in enumerate(self.expected[src][1]):
+            posted.append([])
+            for j, (lo, hi) in enumerate(bounds):
+                piece = recv[lo:hi]
+                if s == 0 and j == 0:  # the header travels in front of the first chunk
+                    self.packed[src] = (piece, torch.empty(HEADER_BYTES + piece.numel() * piece.element_size(),
+                                                           dtype=torch.uint8))
+                    piece = self.packed[src][1]
+                posted[-1].append((j, (lo, hi), self._post(dist.irecv, piece, src, self.data_tag, j)))
 
     def _peers_agree(self, block: bool) -> bool:
         call = self.call
@@ -167,8 +189,7 @@ class Exchange:
             return False
         for p in peers:
             check.verify(p)  # raises where the entry differs
-        self.unsure = set(check.unverified)  # (entries overwritten: checked by their headers)
-        check.unverified.clear()
+        check.unverified.clear()  # (an entry overwritten, its rank moved on: checked by its header only)
         return True
 
     # -- receiving ------------------------------------------------------------------------------
@@ -177,13 +198,18 @@ class Exchange:
         tensor; the peer's header is checked first."""
         self.arm(block=True)
         if src not in self.checked:
-            self._wait(self.header_works[src], src, "header")
-            self._check_header(src, self.expected[src][0])
+            if src in self.packed:  # the header in front of the first chunk: check it, then unpack the rows
+                piece, buf = self.packed[src]
+                self._wait(self.posted[src][0][0][2], src, 0)
+                self._check_header(src, buf[:HEADER_BYTES].view(torch.int64))
+                piece.reshape(-1).view(torch.uint8).copy_(buf[HEADER_BYTES:])
+            else:
+                self._wait(self.header_works[src], src, "header")
+                self._check_header(src, self.expected[src][0])
             self.checked.add(src)
-        if src not in self.posted:
-            self._post_data(src)
         for j, bounds, work in self.posted[src][segment]:
-            self._wait(work, src, j)
+            if work is not None and id(work) in self.open:
+                self._wait(work, src, j)
             yield j, bounds
 
     def _check_header(self, src: int, header: torch.Tensor) -> None:
