@@ -175,14 +175,38 @@ def test_a_steady_pipelined_mismatch_lists_every_differing_signature(pools, seed
             assert f"rank {peer}:" in msg, (rank, peer, msg)
 
 
-def header_task(rank, world_size, seed, op):
+def large_task(rank, world_size, seed, op):
+    """First chunks larger than `PACK_MAX_BYTES`: the header travels alone before the data; warmed calls are
+    steady and right."""
+    from overlap import symm
+    from overlap.symm import p2p
+
+    case = (64, (), 128, 8, "contiguous")  # a's rows per peer: 64 x 128 fp32 = 32 KiB
+    assert 64 * 128 * 4 > p2p.PACK_MAX_BYTES
+    a, b, _, _ = _inputs(op, seed, world_size, rank, case)
+    call(op, a, b, P)
+    before = symm.host_sync_counts()
+    for i in range(5):
+        a, b, _, want = _inputs(op, seed + 1 + i, world_size, rank, case)
+        compare(f"{op} large steady call {i}, rank {rank}", [call(op, a, b, P)], want[:1], torch.float32, TOL)
+    after = symm.host_sync_counts()
+    return {k: after[k] - before[k] for k in before}
+
+
+@pytest.mark.parametrize("op", [AGM, MRS, MAR])
+def test_large_first_chunks_send_the_header_alone(pools, seed, op):
+    for rank, delta in enumerate(pools(3).run(large_task, seed, op, timeout=120)):
+        assert delta["rendezvous"] == 0 and delta["steady"] == 5, (rank, delta)
+
+
+def header_task(rank, world_size, seed, op, case=None):
     """A header of another call (its number changed on rank 1's side only) is a mismatch on the receiver, never
     data; the group computes right afterwards."""
     from unittest import mock
 
     from overlap.symm import p2p
 
-    a, b, _, want = _inputs(op, seed, world_size, rank)
+    a, b, _, want = _inputs(op, seed, world_size, rank, case)
     for _ in range(2):
         call(op, a, b, P)
     real = p2p.call_number
@@ -202,13 +226,14 @@ def header_task(rank, world_size, seed, op):
         with mock.patch.object(p2p.Exchange, "__init__", init):
             error = expect_error(call, op, a, b, P, timeout=20)
     for i in range(3):
-        a, b, _, want = _inputs(op, seed + 1 + i, world_size, rank)
+        a, b, _, want = _inputs(op, seed + 1 + i, world_size, rank, case)
         compare(f"{op} after a bad header, rank {rank}", [call(op, a, b, P)], want[:1], torch.float32, TOL)
     return error
 
 
-def test_a_header_of_another_call_raises_mismatch(pools, seed):
-    results = pools(2).run(header_task, seed, AGM, timeout=120)
+@pytest.mark.parametrize("case", [CASE, (64, (), 128, 8, "contiguous")], ids=["packed", "alone"])
+def test_a_header_of_another_call_raises_mismatch(pools, seed, case):
+    results = pools(2).run(header_task, seed, AGM, case, timeout=120)
     kind, msg, secs = results[0]  # rank 0 received rank 1's shifted header
     assert kind == "OverlapMismatchError" and "rank 1:" in msg, (kind, msg)
     assert secs < FALLBACK_TIMEOUT_S

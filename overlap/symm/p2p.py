@@ -12,9 +12,10 @@ control pad and goes on, no rendezvous), and the agreement travels with the data
   abandoned call's bytes).
 * **A header per peer.** A rank's first message of the call to a peer carries a 4-word header (call number,
   the signature's 64-bit hash as two words, its rank) in front of its first chunk (one message: the header's
-  32 bytes, then the chunk's; the header alone where that send has no rows). The receiver checks it before it
-  uses any data from that peer; a header of another call or signature raises `OverlapMismatchError` (the
-  peers' readable signatures from the control pads, where they still are).
+  32 bytes, then the chunk's) where that chunk holds at most `PACK_MAX_BYTES` (a copy of it on each side; a
+  separate header message costs a gloo round trip), else the header alone before the data. The receiver
+  checks it before it uses any data from that peer; a header of another call or signature raises
+  `OverlapMismatchError` (the peers' readable signatures from the control pads, where they still are).
 * **Receives only once the peers agree.** Sends are posted at once (gloo moves a payload only when the
   receiver has posted the matching receive, so an early send costs nothing and blocks nobody). Receives are
   posted once every peer has posted this call's entry in its pad with this rank's signature (`Exchange.arm`:
@@ -50,6 +51,9 @@ TAG_BASE = 1 << 30  # (tag 0, the untagged messages of other ops, is never used 
 TAG_SPAN = 1 << 29
 HEADER_WORDS = 4
 HEADER_BYTES = 8 * HEADER_WORDS
+#: A first chunk of at most this many bytes carries the header in front of it (one message instead of two,
+#: at the price of a copy of the chunk on each side); a larger one is preceded by the header alone.
+PACK_MAX_BYTES = 16 * 1024
 
 
 def tagged(call) -> bool:
@@ -62,6 +66,12 @@ def tagged(call) -> bool:
 def call_number(call) -> int:
     """The call's number, counted across the epochs' re-bases (the same on every rank)."""
     return call.heap.rebases * REBASE_EPOCH + call.epoch
+
+
+def _packs(rows: torch.Tensor, bounds: list[tuple[int, int]]) -> bool:
+    """Whether the header travels in front of the first chunk of `rows` cut into `bounds` (the same answer on
+    both sides: the peers agree on the signature, hence on the sizes)."""
+    return bool(bounds) and (bounds[0][1] - bounds[0][0]) * rows[:1].numel() * rows.element_size() <= PACK_MAX_BYTES
 
 
 def _pack(header: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -125,13 +135,15 @@ class Exchange:
         the receiver's `expect` calls for this rank follow the same order."""
         first = dst not in self.headed
         self.headed.add(dst)
-        if first and not tensor.shape[0]:  # (no data to carry it: the header alone)
+        bounds = self._bounds(tensor.shape[0], dst) if bounds is None else bounds
+        pack = first and _packs(tensor, bounds)
+        if first and not pack:  # the header alone (no data, or a first chunk too large to copy)
             self.sends.append((self._post(dist.isend, self.header, dst, self.header_tag, "header"), dst, "header"))
         if not tensor.shape[0]:
             return
         comm.count_sent(self.info, dst, tensor.numel() * tensor.element_size())
-        for j, (lo, hi) in enumerate(self._bounds(tensor.shape[0], dst) if bounds is None else bounds):
-            piece = _pack(self.header, tensor[lo:hi]) if first and j == 0 else tensor[lo:hi]
+        for j, (lo, hi) in enumerate(bounds):
+            piece = _pack(self.header, tensor[lo:hi]) if pack and j == 0 else tensor[lo:hi]
             self.sends.append((self._post(dist.isend, piece, dst, self.data_tag, j), dst, j))
 
     def expect(self, recv: torch.Tensor, src: int, bounds: list[tuple[int, int]] | None = None) -> int:
@@ -154,7 +166,7 @@ class Exchange:
                 raise
             self.agreed = True
             for src, (header, segments) in self.expected.items():
-                if not segments[0][1]:  # (its first send carries no data: the header alone)
+                if not _packs(*segments[0]):  # (the header alone: see `send`)
                     self.header_works[src] = self._post(dist.irecv, header, src, self.header_tag, "header")
                 self._post_data(src)
         return True
@@ -165,7 +177,7 @@ class Exchange:
             posted.append([])
             for j, (lo, hi) in enumerate(bounds):
                 piece = recv[lo:hi]
-                if s == 0 and j == 0:  # the header travels in front of the first chunk
+                if s == 0 and j == 0 and _packs(recv, bounds):  # the header travels in front of the first chunk
                     self.packed[src] = (piece, torch.empty(HEADER_BYTES + piece.numel() * piece.element_size(),
                                                            dtype=torch.uint8))
                     piece = self.packed[src][1]
