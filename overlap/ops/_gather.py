@@ -16,7 +16,8 @@ Kinds (a strategy's transport):
 * ``reference``: one ``all_gather_into_tensor``; a single chunk holding every row.
 * ``pipelined``: a pairwise exchange (step i: receive from ``rank+i``, send to ``rank-i``, a shift,
   so every send meets its receive at the same step even where a backend serializes steps, as NCCL
-  does), each step cut into ``num_chunks[link]`` pieces, all posted at once.
+  does), each step cut into ``num_chunks[link]`` pieces, all posted at once. On CPU ranks of one node the
+  messages carry the call's tag and a header (`overlap.symm.p2p`: the steady state's check in the data).
 * ``symm``: this rank's rows are copied into its heap slot and flagged; a copy engine (a worker
   thread on CPU ranks, a side stream on GPUs) pulls every peer's chunks into a local buffer. On CPU
   ranks a gather of at most `overlap.comm.INLINE_COPY_BYTES` is pulled by the calling thread instead,
@@ -32,11 +33,13 @@ op's name for errors.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Iterator
 
 import torch
 
 from .. import comm, symm
+from ..symm import p2p
 from .context import CallContext
 
 
@@ -70,6 +73,9 @@ class Gather:
         return self.full
 
     def close(self) -> None:
+        exchange = getattr(self, "exchange", None)
+        if exchange is not None:  # (pipelined: what is left of its messages, on an error path; `overlap.symm.p2p`)
+            exchange.abandon(sys.exc_info()[1])
         comm.drain(self.futures)
         if not self.finished:
             self.finished = True
@@ -89,10 +95,20 @@ class _Reference(Gather):
 
 
 class _Pipelined(Gather):
+    exchange: p2p.Exchange | None = None
+
     def post(self) -> None:
         cc, info, x2, m = self.cc, self.info, self.x2, self.m
         W, r = info.world_size, info.rank
         self.full = full = x2.new_empty((W * m, x2.shape[1]))
+        if p2p.tagged(self.call):  # CPU ranks of one node: tagged messages with headers (`overlap.symm.p2p`)
+            ex = self.exchange = p2p.Exchange(self.call, cc)
+            for i in range(1, W):
+                src, dst = (r + i) % W, (r - i) % W
+                ex.send(x2, dst)
+                ex.expect(full[src * m : (src + 1) * m], src)
+            ex.arm(block=False)
+            return
         for i in range(1, W):
             src, dst = (r + i) % W, (r - i) % W
             posted = comm.exchange_chunked(x2, dst, full[src * m : (src + 1) * m], src, cc.plan.chunks_for, info,
@@ -102,6 +118,13 @@ class _Pipelined(Gather):
     def chunks(self):
         r, m = self.info.rank, self.m
         yield r * m, (r + 1) * m, self.x2
+        if self.exchange is not None:
+            for i in range(1, self.info.world_size):
+                src = (r + i) % self.info.world_size
+                for _j, (lo, hi) in self.exchange.arrivals(src):
+                    yield src * m + lo, src * m + hi, self.full[src * m + lo : src * m + hi]
+            self.exchange.close()
+            return
         for src, j, bounds, works in self.pending:
             for work, peer in works:  # the send of the same step too: its buffer is the caller's
                 self.cc.wait(work, peer, j)
@@ -190,11 +213,8 @@ def start(kind: str, call, x2: torch.Tensor, cc: CallContext, need: int = 0) -> 
     if kind == "reference":
         g = _Reference(call, x2, cc)
         g.post()
-    elif kind == "pipelined":
-        g = _Pipelined(call, x2, cc)
-        g.post()
-    elif kind == "symm":
-        g = _Symm(call, x2, cc)
+    elif kind in ("pipelined", "symm"):
+        g = (_Pipelined if kind == "pipelined" else _Symm)(call, x2, cc)
         try:
             g.post()
         except BaseException:

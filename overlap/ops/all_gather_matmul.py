@@ -98,7 +98,7 @@ def run(a2: torch.Tensor, b: torch.Tensor | None, cc: CallContext,
     gathers), ``gathered`` (the whole gathered `a2`) is None unless `keep_gathered`: the weight
     gradient of `matmul_reduce_scatter` takes it from the gather its input gradient needs.
     """
-    call = cc.begin(heap_bytes(cc.plan, a2), steady=cc.plan.strategy == "symm")
+    call = cc.begin(heap_bytes(cc.plan, a2), steady=cc.plan.strategy in ("symm", "pipelined"))
     try:
         return STRATEGIES[cc.plan.strategy](cc, call, a2, b, keep_gathered)
     finally:
@@ -184,7 +184,8 @@ def _overlapped_backward(cc: CallContext, a, b, grad_out, need_a, need_b):
                 need = _gather.heap_bytes(kind, a2)
                 if need_a:
                     need = max(need, matmul_reduce_scatter.heap_bytes(chosen, g2, k, cc.world_size))
-                gather = _gather.start(kind, gather_cc.begin(need, steady=kind == "symm"), a2, gather_cc, need=need)
+                gather_call = gather_cc.begin(need, steady=kind in ("symm", "pipelined"))
+                gather = _gather.start(kind, gather_call, a2, gather_cc, need=need)
             if need_a:
                 grad_cc = cc.derive(signature=f"{cc.op}.grad_a(g={describe(g2)}, b={(n, k)}, plan={chosen.describe()})")
                 grad_a = matmul_reduce_scatter.run(g2, b.t(), grad_cc).view(a.shape)

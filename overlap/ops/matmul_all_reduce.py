@@ -18,7 +18,10 @@ same result run after run:
 * ``pipelined``: the rows cut into ``W * num_chunks[slowest link]`` pieces; each piece's GEMM, then
   its collective posted asynchronously while the next piece's GEMM runs: the backend's
   ``all_reduce`` (two-shot: its own reduce-scatter + all-gather), or, one-shot, an
-  ``all_gather_into_tensor`` of the partials summed in rank order. Any backend.
+  ``all_gather_into_tensor`` of the partials summed in rank order. Any backend. On CPU ranks of one node
+  point-to-point messages with per-call tags and headers instead (`overlap.symm.p2p`, the steady state):
+  two-shot, each part's partial to its owner, summed there in rank order and sent to every rank; one-shot,
+  each piece's partial to every rank, summed in rank order.
 * ``symm``: two-shot = the ``symm`` reduce-scatter of `matmul_reduce_scatter` (each part's GEMM into
   its owner's buffer, flagged per chunk), the owner sums its part in rank order into its buffer and
   flags it, and every rank pulls every part (copy engine). One-shot: every rank's GEMM into its own
@@ -46,7 +49,9 @@ import torch.distributed as dist
 
 from .. import comm, symm
 from ..plans import Plan
+from ..symm import p2p
 from . import fused, hierarchical_reduce, library
+from ._sums import sum_in_order
 from .context import CallContext, no_autocast, record
 from .matmul_reduce_scatter import region_bytes, scatter_and_reduce
 
@@ -101,7 +106,8 @@ def heap_bytes(chosen: Plan, a2: torch.Tensor, n: int, world_size: int) -> int:
 def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
     """One call on every rank (`cc`: its op, group, plan, deadline, signature): the handshake, then the
     strategy; returns ``[M, n]``."""
-    call = cc.begin(heap_bytes(cc.plan, a2, b.shape[1], cc.world_size), steady=cc.plan.strategy == "symm")
+    steady = cc.plan.strategy in ("symm", "pipelined")  # (pipelined: checked in its messages, `overlap.symm.p2p`)
+    call = cc.begin(heap_bytes(cc.plan, a2, b.shape[1], cc.world_size), steady=steady)
     try:
         return STRATEGIES[cc.plan.strategy](cc, call, a2, b)
     finally:
@@ -165,6 +171,8 @@ def _sum_in_rank_order(parts: list[torch.Tensor], out: torch.Tensor) -> None:
 
 
 def _pipelined(cc: CallContext, call, a2, b):
+    if p2p.tagged(call):
+        return _pipelined_p2p(cc, call, a2, b)
     chosen, pg = cc.plan, cc.pg
     W, (rows, _), n = cc.world_size, a2.shape, b.shape[1]
     out = a2.new_empty((rows, n))
@@ -181,6 +189,63 @@ def _pipelined(cc: CallContext, call, a2, b):
         cc.wait(work, "any", f"piece {i}")
         if every is not None:
             _sum_in_rank_order(list(every.view(W, hi - lo, n).unbind(0)), out[lo:hi])
+    return out
+
+
+def _pipelined_p2p(cc: CallContext, call, a2, b):
+    """`_pipelined` on CPU ranks of one node: point-to-point messages with tags and headers (`overlap.symm.p2p`).
+
+    One-shot: each piece's partial sent to every peer as soon as its GEMM is done; every rank sums every piece
+    in rank order. Two-shot: each part's partial sent to its owner (parts of ``ceil(M / W)`` rows), the owner
+    sums them in rank order and sends the reduced part to every peer. Bitwise the same on every rank."""
+    W, r, (rows, _), n = cc.world_size, cc.rank, a2.shape, b.shape[1]
+    out = a2.new_empty((rows, n))
+    ex = p2p.Exchange(call, cc)
+    try:
+        if cc.plan.one_shot:
+            pieces = comm.chunk_bounds(rows, W * cc.plan.chunks_for(cc.info.slowest_link))
+            every = a2.new_empty((W, rows, n))  # every[s]: rank s's partial
+            for i in range(1, W):
+                ex.expect(every[(r + i) % W], (r + i) % W, pieces)
+            for lo, hi in pieces:
+                torch.mm(a2[lo:hi], b, out=every[r][lo:hi])
+                for i in range(1, W):
+                    ex.send(every[r][lo:hi], (r - i) % W, [(0, hi - lo)])
+                ex.arm(block=False)
+            arrivals = [ex.arrivals((r + i) % W) for i in range(1, W)]
+            for lo, hi in pieces:
+                for it in arrivals:
+                    next(it)
+                sum_in_order(list(every.unbind(0)), out, lo, hi)  # rank order, one rounding
+        else:
+            parts = _parts(rows, W)
+            mine = parts[r]
+            partials = a2.new_empty((W, mine[1] - mine[0], n))  # partials[s]: rank s's partial of our part
+            for i in range(1, W):
+                ex.expect(partials[(r - i) % W], (r - i) % W)
+            for i in range(1, W):
+                lo, hi = parts[(r - i) % W]
+                ex.expect(out[lo:hi], (r - i) % W)  # the reduced part of its owner
+            sent = []  # kept alive until sent
+            for i in range(1, W):
+                d = (r + i) % W
+                sent.append(torch.mm(a2[parts[d][0] : parts[d][1]], b))
+                ex.send(sent[-1], d)
+                ex.arm(block=False)
+            torch.mm(a2[mine[0] : mine[1]], b, out=partials[r])
+            for i in range(1, W):
+                for _ in ex.arrivals((r - i) % W, 0):
+                    pass
+            sum_in_order(list(partials.unbind(0)), out[mine[0] : mine[1]], 0, mine[1] - mine[0])
+            for i in range(1, W):
+                ex.send(out[mine[0] : mine[1]], (r + i) % W)
+            for i in range(1, W):
+                for _ in ex.arrivals((r - i) % W, 1):
+                    pass
+        ex.close()
+    except BaseException as exc:
+        ex.abandon(exc)
+        raise
     return out
 
 

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from .. import comm, symm
 from ..errors import OverlapTimeout
 from ..plans import Plan
+from ..symm import p2p
 from . import fused, hierarchical_reduce, library
 from ._sums import sum_in_order
 from .context import CallContext, describe, no_autocast, record
@@ -109,7 +110,8 @@ def heap_bytes(chosen: Plan, a2: torch.Tensor, n: int, world_size: int) -> int:
 def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
     """One call on every rank (`cc`: its op, group, plan, deadline, signature): the handshake, then the
     strategy; returns ``[M / W, n]``."""
-    call = cc.begin(heap_bytes(cc.plan, a2, b.shape[1], cc.world_size), steady=cc.plan.strategy == "symm")
+    steady = cc.plan.strategy in ("symm", "pipelined")  # (pipelined: checked in its messages, `overlap.symm.p2p`)
+    call = cc.begin(heap_bytes(cc.plan, a2, b.shape[1], cc.world_size), steady=steady)
     try:
         return STRATEGIES[cc.plan.strategy](cc, call, a2, b)
     finally:
@@ -171,6 +173,8 @@ def _pipelined(cc: CallContext, call, a2, b):
     # rank r-i's partial for its own block (every send meets its receive at the same step, also
     # where a backend serializes steps). Each transfer is cut into chunks for its link.
     received = a2.new_empty((W, m, n))  # received[s]: rank s's partial for our block
+    if p2p.tagged(call):
+        return _pipelined_tagged(cc, call, a2, b, received)
     posted = []
     for i in range(1, W):
         d, src = (r + i) % W, (r - i) % W
@@ -182,6 +186,33 @@ def _pipelined(cc: CallContext, call, a2, b):
         for work, peer in works:
             cc.wait(work, peer, j)
     out = a2.new_empty((m, n))
+    sum_in_order(list(received.unbind(0)), out, 0, m)  # rank order, one rounding
+    return out
+
+
+def _pipelined_tagged(cc: CallContext, call, a2, b, received):
+    """`_pipelined` on CPU ranks of one node: tagged messages with headers (`overlap.symm.p2p`)."""
+    W, r = cc.world_size, cc.rank
+    m = a2.shape[0] // W
+    ex = p2p.Exchange(call, cc)
+    try:
+        for i in range(1, W):
+            ex.expect(received[(r - i) % W], (r - i) % W)
+        parts = []  # kept alive until sent
+        for i in range(1, W):
+            d = (r + i) % W
+            parts.append(torch.mm(a2[d * m : (d + 1) * m], b))  # the next GEMM runs while this partial travels
+            ex.send(parts[-1], d)
+            ex.arm(block=False)
+        torch.mm(a2[r * m : (r + 1) * m], b, out=received[r])
+        for i in range(1, W):
+            for _ in ex.arrivals((r - i) % W):
+                pass
+        ex.close()
+    except BaseException as exc:
+        ex.abandon(exc)
+        raise
+    out = a2.new_empty((m, received.shape[2]))
     sum_in_order(list(received.unbind(0)), out, 0, m)  # rank order, one rounding
     return out
 

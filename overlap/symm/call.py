@@ -31,8 +31,12 @@ class Call:
     """
 
     def __init__(self, heap: Any, op: str, epoch: int, timeout: float, uses_heap: bool = True,
-                 prev_data_epoch: int = 0, need: int = 0, check: handshake.SignatureCheck | None = None):
+                 prev_data_epoch: int = 0, need: int = 0, check: handshake.SignatureCheck | None = None,
+                 signature: str = "", sig: tuple[int, int] = (0, 0)):
         self.heap, self.op, self.epoch, self.timeout = heap, op, epoch, timeout
+        # The call's signature as every rank agreed on it (its text and 64-bit hash as two int32 words): the
+        # point-to-point messages of `overlap.symm.p2p` carry the hash.
+        self.signature, self.sig = signature, sig
         # The largest slot size any rank asked for in this call (the same on every rank): ops whose
         # ranks need different amounts (MoE: token counts differ) lay the slot out from it.
         self.need = need
@@ -138,13 +142,15 @@ class Call:
         Once per call: later calls are no-ops (a strategy that ends the call on a side stream, after
         its last read of a peer's buffer, must not be followed by an earlier-ordered write).
         """
-        if self._finished or not self.uses_heap:
+        if self._finished:
             return
         self._finished = True
-        self.heap.in_flight -= 1
         h = self.heap
         if self.check is not None and self.check.pending:
             h.defer_check(self.check)
+        if not self.uses_heap:
+            return
+        h.in_flight -= 1
         for q in range(self.world_size):
             addr = self._flag_addr(q, h.done_word(self.slot, self.rank))
             if self._cuda():

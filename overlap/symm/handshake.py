@@ -13,7 +13,9 @@ epoch sees the whole entry). What happens next depends on the call:
   stored after its entry, so once a wait on that flag passes, the peer's entry is there to compare
   (`SignatureCheck.verify`); a wait that is not yet satisfied looks at the peers' entries between slices of
   its deadline, so a peer that made another call is reported as `OverlapMismatchError`, not as a timeout. A
-  peer this rank never waited on is compared at this rank's next call (`SignatureCheck.resolve`).
+  peer this rank never waited on is compared at this rank's next call (`SignatureCheck.resolve`). A
+  ``pipelined`` call (no slot, no flag) checks the entries before it posts its receives and carries the
+  signature on its point-to-point messages (`overlap.symm.p2p`).
 
 A rank that leaves a call without using its slot (a mismatch, its own bad input) stores its "done" flags of
 the slot as if it had used it (`abandon`), since a peer in the steady state may have counted the call as one

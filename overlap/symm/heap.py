@@ -62,6 +62,7 @@ class SymmHeap:
         self.rank, self.world_size = info.rank, info.world_size
         self.device = info.device
         self.epoch = 0
+        self._rebases = 0  # (`rebases`)
         self.generation = 0
         self.slot_bytes = 0
         self.closed = False
@@ -108,6 +109,11 @@ class SymmHeap:
         # created with the first data heap: calls that use no heap never need them, nor the CUDA half of _C.
         self._cuda_flags: CudaFlags | None = None
         self._pad_dev: list[int] | None = None
+
+    @property
+    def rebases(self) -> int:
+        """Epoch re-bases so far (a call's number across them: `overlap.symm.p2p.call_number`)."""
+        return self._rebases
 
     @property
     def data_bytes(self) -> int:
@@ -209,7 +215,7 @@ class SymmHeap:
             # (an op that nests calls, like an overlapped backward, sizes its first call for both).
             assert self.in_flight == 0, f"overlap.{op}: heap growth with {self.in_flight} call(s) in flight"
             self._grow(need, op, timeout)
-        return self._open(op, epoch, timeout, need)
+        return self._open(op, epoch, timeout, need, signature=signature, sig=(lo, hi))
 
     def _capture_error(self, op: str, warmed: bool, need: int) -> RuntimeError:
         """Why this call cannot run under CUDA graph capture, and what to do (checked before the handshake:
@@ -225,13 +231,15 @@ class SymmHeap:
         return RuntimeError(f"overlap.{op}: cannot be captured in a CUDA graph: {what}. "
                             "Run overlap's ops outside the captured region for now.")
 
-    def _open(self, op: str, epoch: int, timeout: float, need: int, check=None) -> Call:
+    def _open(self, op: str, epoch: int, timeout: float, need: int, check=None, signature: str = "",
+              sig: tuple[int, int] = (0, 0)) -> Call:
         slot = epoch % NUM_SLOTS
         prev = self.last_data_epoch[slot]
         if need > 0:
             self.last_data_epoch[slot] = epoch
             self.in_flight += 1
-        return Call(self, op, epoch, timeout, uses_heap=need > 0, prev_data_epoch=prev, need=need, check=check)
+        return Call(self, op, epoch, timeout, uses_heap=need > 0, prev_data_epoch=prev, need=need, check=check,
+                    signature=signature, sig=sig)
 
     def _steady(self, op: str, epoch: int, lo: int, hi: int, signature: str, need: int, timeout: float,
                 peers: list[int]) -> Call:
@@ -245,7 +253,7 @@ class SymmHeap:
         except OverlapMismatchError:
             handshake.abandon(self, epoch)
             raise
-        return self._open(op, epoch, timeout, need, check)
+        return self._open(op, epoch, timeout, need, check, signature, (lo, hi))
 
     def _ring_guard(self, op: str, epoch: int, peers: list[int], timeout: float, fast: bool) -> None:
         """Never overwrite a handshake entry a peer has yet to read.
@@ -320,7 +328,7 @@ class SymmHeap:
         from epoch 1. Two shared-memory barriers, no collective.
         """
         c = signals()
-        self._rebases = getattr(self, "_rebases", 0) + 1
+        self._rebases += 1
         peers = [p for p in range(self.world_size) if p != self.rank]
 
         def barrier(word: int, what: str) -> None:
