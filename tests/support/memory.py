@@ -55,9 +55,9 @@ def profile(fn) -> tuple[int, int, int]:
     peak and at the end, and the largest single allocation.
 
     torch's profiler reports every CPU allocation and free made while profiling on the profiling
-    thread (``[memory]`` events: "Bytes", negative for a free, and the allocator's running "Total
-    Allocated", whose baseline carries over from earlier sessions); the op's CPU copy engine is
-    replaced by one that runs its copies on this thread, so they count too."""
+    thread (``[memory]`` events: "Bytes", negative for a free); the op's CPU copy engine is replaced by one
+    that runs its copies on this thread, so they count too. Allocations of gloo's own worker threads do not
+    count."""
     from overlap import comm
     from overlap.demo.memory import memory_events
 
@@ -69,14 +69,13 @@ def profile(fn) -> tuple[int, int, int]:
     finally:
         comm.copy_engine = engine
     memory = memory_events(prof)
-    running, peak, largest, baselines = 0, 0, 0, set()
+    running, peak, largest = 0, 0, 0
     for e in memory:
         running += e["args"]["Bytes"]
         peak = max(peak, running)
         largest = max(largest, e["args"]["Bytes"])
-        baselines.add(e["args"]["Total Allocated"] - running)
-    # The running sum and the allocator's total move together (a check that no event was missed).
-    assert len(baselines) <= 1, f"profiler memory events disagree with the allocator's total: {sorted(baselines)}"
+    # (The allocator's "Total Allocated" is not compared with the running sum: gloo's worker threads allocate
+    # too, a collective's flat buffer for a moment, and the total counts them whenever they overlap an event.)
     return peak, running, largest
 
 
