@@ -13,6 +13,9 @@ Every assertion is on counts, error kinds and numbers; the only clock is the gen
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import pytest
 import torch
 from support.harness import FALLBACK_TIMEOUT_S
@@ -68,30 +71,11 @@ def steady_task(rank, world_size, seed, op):
         after = symm.host_sync_counts()
         counts.append(({k: after[k] - before[k] for k in after}, counting.counts))
     compare(f"{op} steady, rank {rank}", [out], want, torch.float32)
-    with _env("OVERLAP_CHECK_EVERY_CALL", "1"):
+    with mock.patch.dict(os.environ, {"OVERLAP_CHECK_EVERY_CALL": "1"}):
         for _ in range(5):
             call(op, a, b, "symm")
     checked = symm.host_sync_counts()
     return counts, checked["rendezvous"] - after["rendezvous"]
-
-
-class _env:
-    def __init__(self, name, value):
-        self.name, self.value = name, value
-
-    def __enter__(self):
-        import os
-
-        self.old = os.environ.get(self.name)
-        os.environ[self.name] = self.value
-
-    def __exit__(self, *exc):
-        import os
-
-        if self.old is None:
-            os.environ.pop(self.name, None)
-        else:
-            os.environ[self.name] = self.old
 
 
 @pytest.mark.parametrize("op", [AGM, MRS, MAR])
@@ -148,22 +132,23 @@ def test_a_new_call_among_warmed_ones_raises_mismatch_everywhere(pools, seed, op
                 assert "disagree" in msg and op in msg, ctx
 
 
-def silent_task(rank, world_size, seed, op):
+def silent_task(rank, world_size, seed, op, strategy):
     a, b, _ = _inputs(op, seed, world_size, rank, CASE)
     for _ in range(3):
-        call(op, a, b, "symm")
+        call(op, a, b, strategy)
     if rank == 1:
         return None  # makes no further call: a silent peer
-    return expect_error(call, op, a, b, "symm", timeout=2)
+    return expect_error(call, op, a, b, strategy, timeout=2)
 
 
-@pytest.mark.parametrize("op", [AGM, MRS])
-def test_a_silent_peer_in_the_steady_state_times_out_naming_it(seed, op):
+@pytest.mark.parametrize("strategy,op", [("symm", AGM), ("symm", MRS), ("pipelined", AGM), ("pipelined", MRS),
+                                         ("pipelined", MAR)])
+def test_a_silent_peer_in_the_steady_state_times_out_naming_it(seed, strategy, op):
     from support.harness import RankPool
 
     pool = RankPool(2)  # (its own pool: the silent rank leaves the group one call behind)
     try:
-        kind, msg, secs = pool.run(silent_task, seed, op, timeout=120)[0]
+        kind, msg, secs = pool.run(silent_task, seed, op, strategy, timeout=120)[0]
     finally:
         pool.close()
     assert kind == "OverlapTimeout", msg
@@ -172,7 +157,6 @@ def test_a_silent_peer_in_the_steady_state_times_out_naming_it(seed, op):
 
 def capture_task(rank, world_size, seed):
     """Under a (patched) CUDA graph capture every call raises before its handshake, naming what to do."""
-    from unittest import mock
 
     import overlap
     from overlap import symm
