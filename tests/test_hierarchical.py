@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 from support import nodes
+from support.gemms import gemm_calls
 from support.harness import RankError, run_isolated
 from support.nodes import assert_dead_named
 from support.tp_oracle import AGM, MAR, MRS, b_of, compare, forward_backward, oracle
@@ -180,26 +181,55 @@ def test_all_gather_halves_network_bytes(pools):
 
 
 def one_node(rank, world_size, seed):
-    """On a group of one node ``hierarchical`` is ``symm``: bitwise the same results."""
-    case = (5, (), 7, 3, "weight.t()")
-    for op in OPS:
-        inputs, _ = oracle(op, seed, world_size, case, torch.float32)
-        a, param, g = inputs[rank]
-        want = forward_backward(op, "symm", a, param, case[4], g)
-        got = forward_backward(op, "hierarchical", a, param, case[4], g)
-        for label, x, y in zip(("out", "grad_a", "grad_b"), got, want):
-            assert torch.equal(x, y), f"{op} rank {rank}: {label} of hierarchical != symm on one node"
+    """On a group of one node ``hierarchical`` is ``symm``: the same GEMMs on the same shapes in the same order
+    (which fails on any CPU when the paths part), then bitwise the same results; every op, forward and
+    backward, two layouts of ``b`` and a 3-D input."""
     import overlap
 
-    gen = torch.Generator().manual_seed(seed + rank)
-    a, w, g = torch.randn(4, 6, generator=gen), torch.randn(3, 6, generator=gen), torch.randn(4, 6, generator=gen)
-    outs = []
-    for strategy in ("symm", "hierarchical"):
+    def weight_gather(strategy, a, w, g):
         a1, w1 = a.clone().requires_grad_(), w.clone().requires_grad_()
         y = overlap.all_gather_weight_matmul(a1, w1.t(), strategy=strategy)
         y.backward(g)
-        outs.append((y.detach(), a1.grad, w1.grad))
-    assert all(torch.equal(x, y) for x, y in zip(*outs)), f"all_gather_weight_matmul rank {rank}: hierarchical != symm"
+        return y.detach(), a1.grad, w1.grad
+
+    runs = []
+    for i, case in enumerate(CASES):
+        for op in OPS:
+            inputs, _ = oracle(op, seed + i, world_size, case, torch.float32)
+            a, param, g = inputs[rank]
+            runs.append((f"{op} case {case}", lambda s, a=a, p=param, g=g, op=op, c=case: forward_backward(
+                op, s, a, p, c[4], g)))
+    gen = torch.Generator().manual_seed(seed + rank)
+    for m, k, n in ((4, 6, 3), (5, 16, 7)):
+        a, w, g = (torch.randn(shape, generator=gen) for shape in ((m, k), (n, k), (m, world_size * n)))
+        runs.append((f"all_gather_weight_matmul m={m} k={k} n={n}", lambda s, a=a, w=w, g=g: weight_gather(
+            s, a, w, g)))
+    for what, run in runs:
+        ctx = f"{what} rank {rank} seed {seed}"
+        outs, calls = {}, {}
+        for strategy in ("symm", "hierarchical"):
+            calls[strategy] = gemm_calls(lambda s=strategy: outs.__setitem__(s, run(s)))
+        assert calls["hierarchical"] == calls["symm"], \
+            f"{ctx}: hierarchical runs other GEMMs than symm on one node:\n{calls['hierarchical']}\n{calls['symm']}"
+        for label, x, y in zip(("out", "grad_a", "grad_b"), outs["hierarchical"], outs["symm"]):
+            assert torch.equal(x, y), f"{ctx}: {label} of hierarchical != symm on one node"
+
+
+def test_plan_on_one_node_is_symm():
+    """The one place that makes it so: `fit_plan` gives a forced ``hierarchical`` on one node as ``symm`` (every
+    other field kept), and leaves it alone on a group that spans nodes."""
+    from overlap import Plan, world
+    from overlap.plans.auto import fit_plan
+
+    def info(nodes):
+        n = len(nodes)
+        return world.GroupInfo(0, n, tuple(range(n)), tuple(nodes), tuple(range(1, n + 1)), "gloo",
+                               torch.device("cpu"), (False,) * n)
+
+    plan = Plan("hierarchical", num_chunks={"shm": 3, "network": 5})
+    for op in (*OPS, "all_gather_weight_matmul", "dispatch", "grouped_matmul_combine"):
+        assert fit_plan(op, plan, info(["a", "a"])) == Plan("symm", num_chunks={"shm": 3, "network": 5}), op
+        assert fit_plan(op, plan, info(["a", "a", "b", "b"])) == plan, op
 
 
 def test_one_node_is_symm(pools, seed):

@@ -1,6 +1,6 @@
 """The expert-migration model (`overlap.plans.migration`): which (expert, node) pairs move their weights instead of
 their tokens, as the link rate and the routing skew change, from given profiles; its place in `predict`,
-`candidates` and the tuner's list; the checks of a plan that migrates (`check_plan_fits`). No timings."""
+`candidates` and the tuner's list; the checks of a plan that migrates (`fit_plan`). No timings."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from overlap.plans import (
     predict,
     rank_candidates,
 )
-from overlap.plans.auto import check_plan_fits
+from overlap.plans.auto import fit_plan
 from overlap.plans.migration import MIN_GAIN, check_migrate, network_effect, nodes_of, owner_node, pair_bytes
 from overlap.tune.search import to_measure
 
@@ -283,13 +283,13 @@ def info_of(nodes: list[str], rank: int = 0) -> world.GroupInfo:
                            torch.device("cpu"), (False,) * n)
 
 
-def test_check_plan_fits_rejects_migrate_where_it_cannot_run():
+def test_fit_plan_rejects_migrate_where_it_cannot_run():
     two_nodes = info_of(["a", "a", "b", "b"])
     good = Plan("hierarchical", migrate=((0, 1), (4, 0)))
     for op in ("dispatch_grouped_matmul", "grouped_matmul_combine"):
-        check_plan_fits(op, good, two_nodes, num_experts=8)
-        check_plan_fits(op, good, two_nodes)  # without the expert count: what can be checked
-        check_plan_fits(op, Plan("pipelined"), info_of(["a"] * 4), num_experts=8)
+        fit_plan(op, good, two_nodes, num_experts=8)
+        fit_plan(op, good, two_nodes)  # without the expert count: what can be checked
+        fit_plan(op, Plan("pipelined"), info_of(["a"] * 4), num_experts=8)
     cases = [
         ("all_gather_matmul", Plan("pipelined", migrate=((0, 1),)), two_nodes, None, "applies only"),
         ("matmul_reduce_scatter", Plan("pipelined", migrate=((0, 1),)), two_nodes, None, "applies only"),
@@ -305,12 +305,12 @@ def test_check_plan_fits_rejects_migrate_where_it_cannot_run():
     ]
     for op, plan, info, experts, match in cases:
         with pytest.raises(ValueError, match=match):
-            check_plan_fits(op, plan, info, num_experts=experts)
+            fit_plan(op, plan, info, num_experts=experts)
     # nodes ordered by their lowest rank: ranks 0 and 2 form node 0 here, so expert 2 (rank 1) lives on node 1
     interleaved = info_of(["a", "b", "a", "b"])
-    check_plan_fits("dispatch_grouped_matmul", Plan("pipelined", migrate=((2, 0),)), interleaved, num_experts=8)
+    fit_plan("dispatch_grouped_matmul", Plan("pipelined", migrate=((2, 0),)), interleaved, num_experts=8)
     with pytest.raises(ValueError, match="holds expert 2"):
-        check_plan_fits("dispatch_grouped_matmul", Plan("pipelined", migrate=((2, 1),)), interleaved, num_experts=8)
+        fit_plan("dispatch_grouped_matmul", Plan("pipelined", migrate=((2, 1),)), interleaved, num_experts=8)
 
 
 def test_a_plan_file_entry_with_migrate_round_trips_and_auto_takes_it(tmp_path, monkeypatch):
@@ -329,7 +329,7 @@ def test_a_plan_file_entry_with_migrate_round_trips_and_auto_takes_it(tmp_path, 
                        problem=moe(tokens=1000, backward=True), plan_file=str(path))
     assert got == plan  # the layer's entry, whatever this rank's token count
     monkeypatch.delenv("OVERLAP_PLAN", raising=False)
-    check_plan_fits("dispatch_grouped_matmul", got, two_nodes, num_experts=8)
+    fit_plan("dispatch_grouped_matmul", got, two_nodes, num_experts=8)
     no_file = resolve_auto("dispatch_grouped_matmul", "moe dispatch_grouped_matmul", two_nodes, None, "float32",
                            problem=p)
     assert not no_file.migrate  # auto's default never migrates

@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 from support import nodes
+from support.gemms import gemm_calls
 from support.harness import RankError, run_isolated
 from support.moe_oracle import Case, check_moe, make_inputs
 from support.nodes import assert_dead_named
@@ -200,9 +201,10 @@ def one_node(rank: int, world_size: int, seed: int) -> None:
     L = case.experts // world_size
     mine = (xs[rank], idxs[rank], weights[rank], w1[rank * L : (rank + 1) * L], w2[rank * L : (rank + 1) * L],
             grads[rank], case.experts)
-    want = layer("symm", None, *mine)
-    got = layer("hierarchical", None, *mine)
-    for a, b in zip(got, want, strict=True):
+    outs = {}
+    calls = {s: gemm_calls(lambda s=s: outs.__setitem__(s, layer(s, None, *mine))) for s in ("symm", "hierarchical")}
+    assert calls["hierarchical"] == calls["symm"], f"rank {rank}: hierarchical runs other GEMMs than symm on one node"
+    for a, b in zip(outs["hierarchical"], outs["symm"], strict=True):
         assert torch.equal(a, b), f"rank {rank}: hierarchical != symm on one node"
 
 

@@ -201,15 +201,14 @@ class _Symm(Gather):
 def start(kind: str, call, x2: torch.Tensor, cc: CallContext, need: int = 0) -> Gather:
     """Post the gather of `x2` (``[m, k]`` contiguous) over the group; see the module docstring.
 
-    ``hierarchical``: ``symm`` on a group of one node; across nodes `overlap.ops.hierarchical.HierGather`,
-    whose node slot holds `need` bytes at least (a call made while the gather is in flight fits in it)."""
-    if kind == "hierarchical" and not cc.info.single_node:
+    ``hierarchical`` (a group spanning nodes; on one node the plan is ``symm``): `overlap.ops.hierarchical.
+    HierGather`, whose node slot holds `need` bytes at least (a call made while the gather is in flight fits
+    in it)."""
+    if kind == "hierarchical":
         from .hierarchical import HierGather
 
         m = x2.shape[0]
         return HierGather(cc, x2, [(p * m, (p + 1) * m) for p in range(cc.world_size)], need=need)
-    if kind == "hierarchical":
-        kind = "symm"
     if kind == "reference":
         g = _Reference(call, x2, cc)
         g.post()

@@ -39,7 +39,6 @@ a new tensor. A rank's shard is copied into the heap, so ``a`` may be modified o
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
@@ -247,8 +246,9 @@ def _fused(cc: CallContext, call, a2, b, keep_gathered):
 
 
 def _hierarchical(cc: CallContext, call, a2, b, keep_gathered):
-    """One node: ``symm``. Across nodes: `overlap.ops.hierarchical.HierGather` under `_gather`."""
-    with hierarchical.guard(cc) if not cc.info.single_node else contextlib.nullcontext():
+    """Across nodes (on one node the plan is ``symm``: `overlap.plans.auto.fit_plan`): `overlap.ops.hierarchical.
+    HierGather` under `_gather`."""
+    with hierarchical.guard(cc):
         return _gathered(cc, call, a2, b, keep_gathered)
 
 

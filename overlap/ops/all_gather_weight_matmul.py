@@ -110,7 +110,7 @@ def _rows_of(b: torch.Tensor) -> torch.Tensor:
 def _start_gather(kind: str, call, shard_NK: torch.Tensor, cc: CallContext, need: int = 0):
     BYTES_FROM_PEERS[kind] += (cc.world_size - 1) * shard_NK.numel() * shard_NK.element_size()
     if kind == "hierarchical":
-        return hierarchical_weight.start(call, shard_NK, cc, need)
+        return hierarchical_weight.start(shard_NK, cc, need)
     if kind == "symm":
         return _shard_ring.start(call, shard_NK, cc)
     return _gather.start(kind, call, shard_NK, cc)

@@ -22,7 +22,7 @@ import torch
 from .. import comm, envs, symm, world
 from ..errors import OverlapMismatchError, OverlapTimeout, warn_once
 from ..plans import Plan, Problem, op_spec
-from ..plans.auto import as_plan, check_plan_fits, plan_source, resolve_auto
+from ..plans.auto import as_plan, fit_plan, plan_source, resolve_auto
 from .fused import check_fused_available
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -204,7 +204,7 @@ def prepare(op: str, a: Any, b: Any, group, strategy: str, plan, timeout: float 
             chosen = resolve_auto(op, shape_sig, info, rows, dtype, out_bytes=rows * b2.shape[1] * a2.element_size(),
                                   problem=tp_problem(op, rows, a2, b2, info.world_size, needs_grad),
                                   plan_file=plan_source(plan))
-        check_plan_fits(op, chosen, info)
+        chosen = fit_plan(op, chosen, info)
         if chosen.strategy == "fused":
             check_fused_available(op, a2.dtype)
         return chosen, f"{op}({shape_sig}, plan={chosen.describe()}, ring={info.slowest_link})", (a2, b2)

@@ -9,7 +9,7 @@ the node before they cross.
 
 Topology (`Layout`). The group's nodes, ordered by their lowest group rank; the ranks of a node in group
 rank order; ``(node, local)`` names a rank. Every node must hold the same number of ranks ``L`` (ValueError
-otherwise, from `overlap.plans.auto.check_plan_fits`, in the preamble). Rank ``(n, l)``'s **counterparts**
+otherwise, from `overlap.plans.auto.fit_plan`, in the preamble). Rank ``(n, l)``'s **counterparts**
 are the ranks ``(n', l)`` of the other nodes: all network traffic is between counterparts, chunked for the
 ``network`` link (`Plan.chunks_for("network")`); traffic within a node goes through the node's heap, chunked
 for the node's link (``shm`` on CPU ranks).
@@ -38,7 +38,7 @@ header, raises every flag this rank owns in the call (so its node's peers stop w
 header) and records the dead rank in the process group's store (`report_dead`); an error raised in a
 hierarchical call names the dead rank recorded there, whichever rank it reached first (`guard`).
 
-Not implemented: GPU ranks (CPU ranks only: `check_plan_fits` raises), nodes of different sizes, ``fused`` within the
+Not implemented: GPU ranks (CPU ranks only: `fit_plan` raises), nodes of different sizes, ``fused`` within the
 node (``symm``'s copies are used).
 """
 

@@ -95,7 +95,7 @@ def _layout(rows: int, n: int, dtype: torch.dtype, world_size: int) -> tuple[int
 
 
 def heap_bytes(chosen: Plan, a2: torch.Tensor, n: int, world_size: int) -> int:
-    if chosen.strategy not in ("symm", "fused", "hierarchical"):  # hierarchical: symm's on one node
+    if chosen.strategy not in ("symm", "fused"):  # (hierarchical: across nodes, no heap of the group's)
         return 0
     if chosen.one_shot:
         return region_bytes(a2.shape[0], n, a2.dtype)
@@ -392,9 +392,7 @@ def _fused(cc: CallContext, call, a2, b):
 
 
 def _hierarchical(cc: CallContext, call, a2, b):
-    """One node: ``symm``. Across nodes: `overlap.ops.hierarchical_reduce.all_reduce` (two-shot)."""
-    if cc.info.single_node:
-        return _symm(cc, call, a2, b)
+    """Across nodes (on one node the plan is ``symm``): `overlap.ops.hierarchical_reduce.all_reduce` (two-shot)."""
     return hierarchical_reduce.all_reduce(cc, a2, b)
 
 

@@ -100,7 +100,7 @@ def region_bytes(m: int, n: int, dtype: torch.dtype) -> int:
 
 
 def heap_bytes(chosen: Plan, a2: torch.Tensor, n: int, world_size: int) -> int:
-    if chosen.strategy == "hierarchical":  # one node: symm's (which it runs); across nodes: the node's slot
+    if chosen.strategy == "hierarchical":  # (across nodes: the node's slot)
         return hierarchical_reduce.reduce_bytes(a2.shape[0] // world_size, n, a2.dtype, world_size)
     if chosen.strategy not in ("symm", "fused"):
         return 0
@@ -343,9 +343,7 @@ def reduce_sources(cc: CallContext, call, out, src_table, flag_table, block_rows
 
 
 def _hierarchical(cc: CallContext, call, a2, b):
-    """One node: ``symm``. Across nodes: `overlap.ops.hierarchical_reduce.reduce_scatter`."""
-    if cc.info.single_node:
-        return _symm(cc, call, a2, b)
+    """Across nodes (on one node the plan is ``symm``): `overlap.ops.hierarchical_reduce.reduce_scatter`."""
     return hierarchical_reduce.reduce_scatter(cc, a2, b)
 
 

@@ -269,7 +269,7 @@ def run(h: layout.MoELayout, y: torch.Tensor, w: torch.Tensor | None, cc: CallCo
     ``[T, N]`` instead, summed by the combine kernel straight from the regions (no autograd).
     """
     cols = y.shape[1] if w is None else w.shape[2]
-    kind = layout.transfer_kind(cc)
+    kind = cc.plan.strategy
     call = moe_bound.begin(cc, h, kind, cols * y.element_size())  # (with a bound: the steady state)
     extra = {} if weights is None else {"weights": weights}  # (symm and fused on GPUs; hierarchical across nodes)
     try:

@@ -279,7 +279,7 @@ def run(h: layout.MoELayout, rows: torch.Tensor, row_of_send: torch.Tensor, w: t
     Returns ``(recv, out)``: ``recv`` ``[R, H]`` in expert order (None when `w` is given and not
     `keep_rows`), ``out`` ``[R, N]`` (None without `w`).
     """
-    kind = layout.transfer_kind(cc)
+    kind = cc.plan.strategy
     call = moe_bound.begin(cc, h, kind, rows.shape[1] * rows.element_size())  # (with a bound: the steady state)
     try:
         if w is not None and w.shape[0] < h.num_local_experts:  # the forward's w1 [L]: fetch the copies, agreed

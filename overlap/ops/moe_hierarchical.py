@@ -36,7 +36,7 @@ Slot (node heap): the header, then to experts ``N`` areas (rows of the largest d
 ``idx``); to sources ``N x Q`` regions (rows of the largest part a rank sends to one rank), region
 ``(n, q)`` written by local rank ``q`` for the source ``(n, this local index)``. Flags: to experts, flag
 ``n`` = area ``n`` landed; to sources, flag ``n * Q + l`` of writer ``q`` = its rows for source ``(n, l)``
-are in ``(its node, l)``'s slot. Not implemented: GPU ranks, nodes of different sizes (`check_plan_fits`),
+are in ``(its node, l)``'s slot. Not implemented: GPU ranks, nodes of different sizes (`fit_plan`),
 the fused grouped GEMM across nodes (the blocks are multiplied on the host loop, as ``symm``).
 """
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from .. import symm, world
 from ..plans import Plan, Problem
-from ..plans.auto import as_plan, check_plan_fits, plan_source, resolve_auto
+from ..plans.auto import as_plan, fit_plan, plan_source, resolve_auto
 from .context import FLOAT_DTYPES, CallContext, describe
 from .fused import check_fused_available
 
@@ -280,23 +280,16 @@ def resolve_plan(op: str, strategy: str, plan, info: world.GroupInfo, dtype: tor
     if chosen.strategy == "fused" and not allow_fused:
         raise ValueError(f"overlap.moe.{op}: strategy 'fused' fuses a grouped GEMM; plain {op} has 'reference', "
                          "'pipelined' and 'symm' (use the grouped-matmul form)")
-    check_plan_fits(op, chosen, info, num_experts)
+    chosen = fit_plan(op, chosen, info, num_experts)
     if chosen.strategy == "fused":
         check_fused_available(op, dtype)
     return chosen
 
 
-def transfer_kind(cc: CallContext) -> str:
-    """The strategy a transfer runs: ``hierarchical`` on a group of one node is ``symm``."""
-    if cc.plan.strategy == "hierarchical" and cc.info.single_node:
-        return "symm"
-    return cc.plan.strategy
-
-
 def sums_in_node(cc: CallContext) -> bool:
     """Whether a transfer back to the sources can sum a token's rows within each node before they cross
     (``hierarchical`` across nodes, `overlap.ops.moe_hierarchical`)."""
-    return transfer_kind(cc) == "hierarchical"
+    return cc.plan.strategy == "hierarchical"
 
 
 def moe_problem(tokens: int, hidden: int, ffn: int, num_experts: int, top_k: int, dtype: torch.dtype,

@@ -220,7 +220,7 @@ def _exchange(cc: CallContext, sends: list[tuple[torch.Tensor, int]], recvs: lis
 
 def prepare(op: str, chosen: Plan, info: world.GroupInfo, num_experts: int, bound: int | None) -> Migration | None:
     """The call's `Migration` (None where the plan migrates nothing). The plan's pairs were checked with the
-    plan (`overlap.plans.auto.check_plan_fits`: the grouped-matmul ops only, a group spanning nodes, experts
+    plan (`overlap.plans.auto.fit_plan`: the grouped-matmul ops only, a group spanning nodes, experts
     and nodes in range, never the expert's own node); ValueError here for a bound, before any data moves."""
     if not chosen.migrate:
         return None

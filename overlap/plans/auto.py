@@ -184,8 +184,11 @@ def gpu_symmetric_memory() -> bool:
     return bool(signals.has_cuda)
 
 
-def check_plan_fits(op: str, plan: Plan, info: GroupInfo, num_experts: int | None = None) -> None:
-    """Raise ValueError where a forced strategy cannot run on this group, or a flag does not apply.
+def fit_plan(op: str, plan: Plan, info: GroupInfo, num_experts: int | None = None) -> Plan:
+    """The plan a call runs on this group: `plan`, except that ``hierarchical`` on a group of one node runs as
+    ``symm`` (one code path, so the same GEMMs in the same order: bitwise ``symm``'s numbers, forward and
+    backward, and its steady state). Raises ValueError where a forced strategy cannot run on this group, or
+    a flag does not apply.
 
     ``plan.migrate`` (`overlap.plans.migration.check_migrate`): only the MoE grouped-matmul ops, on a group
     spanning nodes, node indices below the group's node count; with `num_experts` (the MoE ops pass their
@@ -211,3 +214,6 @@ def check_plan_fits(op: str, plan: Plan, info: GroupInfo, num_experts: int | Non
                              f"node; this group has {sizes}: use 'pipelined' or 'auto'")
     if plan.migrate:
         check_migrate(op, plan.migrate, nodes_of(info), num_experts)
+    if plan.strategy == "hierarchical" and info.single_node:
+        return dataclasses.replace(plan, strategy="symm")
+    return plan
