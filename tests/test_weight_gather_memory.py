@@ -13,6 +13,9 @@ re-gather's) and two chunk regions (the weight gradient's ring), in slots of one
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import pytest
 import torch
 from support.memory import HeapUse, peak_allocated, profile
@@ -63,20 +66,27 @@ def test_weight_never_whole_under_symm(pools, seed, world_size):
         _assert_outside_heap(rank, world_size, *figures["symm"], figures)
 
 
-def _assert_outside_heap(rank, world_size, fwd, both, figures):
-    """symm and fused outside the heap (fp32): no whole-size weight nor weight gradient."""
-    ring = min(2, world_size - 1) * SHARD
-    out = ROWS * world_size * N * 4
+def _assert_outside_heap(rank, world_size, fwd, both, figures, size=4, region=0):
+    """symm and fused outside the heap (elements of `size` bytes; `region`: the bytes of one fp32 chunk of the
+    weight gradient's ring, for 16-bit dtypes): no whole-size weight nor weight gradient."""
+    shard = K * N * size
+    ring = min(2, world_size - 1) * shard
+    out = ROWS * world_size * N * size
     assert fwd <= ring + out + 4096, (rank, figures)  # two shards at most (one at two ranks), and the output
     # backward: the gather's ring again, this rank's gradient shard, activation-sized buffers (output, grad_a,
-    # a's gradient), chunk temporaries; no whole-size weight nor weight gradient (fewer bytes from four ranks)
-    assert both <= ring + SHARD + 3 * out + ROWS * K * 4 + 8192, (rank, figures)
-    assert world_size < 4 or both < world_size * SHARD, (rank, figures)
+    # a's gradient), grad_a's fp32 sum, chunk temporaries (16-bit: a chunk's partial and its fp32 upcast, summed
+    # into the ring's fp32 region); no whole-size weight nor weight gradient (fewer bytes from four ranks)
+    chunk = 8192 + (region + region * size // 4 if size < 4 else 0)
+    assert both <= ring + shard + 3 * out + ROWS * K * 4 + chunk, (rank, figures)
+    # fp32: fewer bytes in all than the whole weight from four ranks (16-bit: the fp32 sums weigh twice their
+    # elements, so the whole 16-bit weight is no yardstick; the callers' largest-allocation bound is the guard)
+    assert size < 4 or world_size < 4 or both < world_size * shard, (rank, figures)
 
 
-def heap_task(rank, world_size, strategy, dtype):
+def heap_task(rank, world_size, strategy, dtype, inject=None):
     """Forward and forward+backward on a fresh group (its heap sized by these calls alone): peak bytes
-    allocated, the heap's slot size, and the bytes of its slot each call of one forward+backward touched."""
+    allocated, the heap's slot size, the bytes of its slot each call of one forward+backward touched, the
+    largest allocation, and the sizes of the temporaries `inject` made (`_injected`)."""
     import torch.distributed as dist
 
     import overlap
@@ -84,6 +94,7 @@ def heap_task(rank, world_size, strategy, dtype):
     from overlap.ops import _grad_ring
 
     group = dist.new_group(backend="gloo")
+    injected = []
     try:
         lay = _grad_ring.layout(Plan(strategy), world.group_info(group), N, K, dtype)
         a, w, g = (torch.randn(shape).to(dtype) for shape in ((ROWS, K), (N, K), (ROWS, world_size * N)))
@@ -92,12 +103,14 @@ def heap_task(rank, world_size, strategy, dtype):
         def step():
             overlap.all_gather_weight_matmul(a_leaf, w_leaf.t(), group=group, strategy=strategy).backward(g)
 
-        step()  # heap created and sized, first-call work done
-        with torch.no_grad():
-            fwd, _ = peak_allocated(lambda: overlap.all_gather_weight_matmul(a, w.t(), group=group, strategy=strategy))
-        a_leaf.grad = w_leaf.grad = None
-        with HeapUse() as use:
-            both, _, largest = profile(step)
+        with _injected(inject, world_size, injected):
+            step()  # heap created and sized, first-call work done
+            with torch.no_grad():
+                fwd, _ = peak_allocated(lambda: overlap.all_gather_weight_matmul(a, w.t(), group=group,
+                                                                                 strategy=strategy))
+            a_leaf.grad = w_leaf.grad = None
+            with HeapUse() as use:
+                both, _, largest = profile(step)
         every_a = [torch.empty(ROWS, K, dtype=dtype) for _ in range(world_size)]
         every_g = [torch.empty(ROWS, world_size * N, dtype=dtype) for _ in range(world_size)]
         dist.all_gather(every_a, a, group=group)
@@ -110,32 +123,79 @@ def heap_task(rank, world_size, strategy, dtype):
             scale = sum(ga.double().abs().t() @ aa.double().abs() for ga, aa in zip(every_g, every_a))[block]
             err = (w_leaf.grad.double() - want).abs()
             assert bool((err <= 2**-7 * scale).all()), float((err / scale).max())
-        return fwd, both, symm.heap_for(group).slot_bytes, use.calls, (len(lay.bounds), lay.region_bytes), largest
+        slot = symm.heap_for(group).slot_bytes
+        return fwd, both, slot, use.calls, (len(lay.bounds), lay.region_bytes), largest, injected
     finally:
         overlap.release(group)
         dist.destroy_process_group(group)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("strategy", ["symm", "fused"])
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_heap_holds_two_shards_plus_chunks(pools, world_size, strategy, dtype):
-    """symm and fused (interpreted) forward+backward: one shard per heap slot; the calls of one forward+backward
-    touch at most two shards (the forward's own, the backward re-gather's own) and two chunk regions (the weight
-    gradient's ring); outside the heap, no whole-size weight nor weight gradient (fused's forward: the output
-    alone, its kernel reads every shard in place). bf16: the ring's regions hold fp32 sums, so it has twice the
-    chunks of fp32 and the same bytes."""
+@contextlib.contextmanager
+def _injected(kind, world_size, sizes):
+    """Faults for the check of the check (`test_bound_counts_the_op_not_the_gemm_library`):
+
+    * ``"gemm_workspace"``: every CPU ``aten::mm`` allocates and frees, inside the call, a temporary larger than
+      both its operands (as a BLAS path that packs or upcasts them does; a bigger one than the shard the
+      bound allows), then computes by ``bmm``; `sizes` gets each temporary's bytes;
+    * ``"whole_weight"``: the op holds a whole weight's worth of bytes (``world_size`` shards) outside its
+      GEMMs: the shard as rows is a view of such a buffer.
+    """
+    if kind is None:
+        yield
+    elif kind == "gemm_workspace":
+
+        def workspace(x, y):
+            nbytes = (x.numel() + y.numel()) * 4 + 6144
+            sizes.append(nbytes)
+            torch.empty(nbytes, dtype=torch.uint8)  # freed at once, still inside the GEMM's call
+
+        def mm(x, y):
+            workspace(x, y)
+            return torch.bmm(x[None], y[None])[0]
+
+        def mm_out(x, y, *, out):
+            workspace(x, y)
+            return out.copy_(torch.bmm(x[None], y[None])[0])
+
+        lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": that is the point
+            lib.impl("mm", mm, "CPU")
+            lib.impl("mm.out", mm_out, "CPU")
+        try:
+            yield
+        finally:
+            lib._destroy()  # torch's own kernels again
+    elif kind == "whole_weight":
+        from overlap.ops import all_gather_weight_matmul as agwm
+
+        rows_of = agwm._rows_of
+
+        def whole(b):
+            rows = rows_of(b)
+            return torch.empty((world_size * rows.shape[0], rows.shape[1]), dtype=rows.dtype)[: rows.shape[0]].copy_(
+                rows)
+
+        agwm._rows_of = whole
+        try:
+            yield
+        finally:
+            agwm._rows_of = rows_of
+    else:
+        raise AssertionError(kind)
+
+
+def check_heap(world_size, strategy, dtype, results):
+    """The bounds of `test_heap_holds_two_shards_plus_chunks` on every rank's `heap_task` figures."""
     from overlap import symm
 
     size = torch.empty((), dtype=dtype).element_size()
     shard, out = K * N * size, ROWS * world_size * N * size
-    timeout = 300 if strategy == "fused" else 120
-    results = pools(world_size).run(heap_task, strategy, dtype, timeout=timeout)
     num_chunks, region = results[0][4]
     chunks = 2 * region
     print(f"\n[memory] {strategy} {str(dtype)[6:]} W={world_size}, shard {shard // 1024} KiB, weight-gradient ring of "
           f"{num_chunks} chunks per block: two regions of {region // 1024} KiB")
-    for rank, (fwd, both, slot, calls, _lay, largest) in enumerate(results):
+    for rank, (fwd, both, slot, calls, _lay, largest, _injected) in enumerate(results):
         used = sum(nbytes for _op, nbytes in calls)
         print(f"[memory]   rank {rank} {strategy:5s} forward {fwd / 1024:7.1f} KiB  forward+backward "
               f"{both / 1024:7.1f} KiB (largest allocation {largest / 1024:.0f})  heap "
@@ -147,7 +207,32 @@ def test_heap_holds_two_shards_plus_chunks(pools, world_size, strategy, dtype):
         assert used <= 2 * shard + chunks and chunks <= shard, (rank, calls)
         # No whole-size weight or weight gradient: no allocation holds more than the gather's two local shards.
         assert largest <= min(2, world_size - 1) * shard < world_size * shard, (rank, largest)
-        if dtype == torch.float32:  # (bf16: torch's CPU GEMMs add temporaries of their operands to the sums)
-            _assert_outside_heap(rank, world_size, fwd, both, (fwd, both))
-        if strategy == "fused" and dtype == torch.float32:
+        _assert_outside_heap(rank, world_size, fwd, both, (fwd, both), size, region)
+        if strategy == "fused":
             assert fwd <= out + 4096, (rank, fwd, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("strategy", ["symm", "fused"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_heap_holds_two_shards_plus_chunks(pools, world_size, strategy, dtype):
+    """symm and fused (interpreted) forward+backward: one shard per heap slot; the calls of one forward+backward
+    touch at most two shards (the forward's own, the backward re-gather's own) and two chunk regions (the weight
+    gradient's ring); outside the heap, no whole-size weight nor weight gradient (fused's forward: the output
+    alone, its kernel reads every shard in place). bf16: the ring's regions hold fp32 sums, so it has twice the
+    chunks of fp32 and the same bytes."""
+    timeout = 300 if strategy == "fused" else 120
+    check_heap(world_size, strategy, dtype, pools(world_size).run(heap_task, strategy, dtype, timeout=timeout))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bound_counts_the_op_not_the_gemm_library(pools, dtype):
+    """The bounds count what the op allocates, whatever the CPU's GEMM library allocates inside a call: a
+    temporary larger than a shard, made and freed inside every ``aten::mm``, leaves them green; a whole weight
+    held by the op outside its GEMMs fails them."""
+    with_workspace = pools(2).run(heap_task, "symm", dtype, "gemm_workspace")
+    shard = K * N * torch.empty((), dtype=dtype).element_size()
+    assert max(max(r[-1]) for r in with_workspace) > shard, "the injected temporaries are smaller than the bound"
+    check_heap(2, "symm", dtype, with_workspace)
+    with pytest.raises(AssertionError):
+        check_heap(2, "symm", dtype, pools(2).run(heap_task, "symm", dtype, "whole_weight"))

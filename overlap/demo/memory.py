@@ -17,16 +17,21 @@ from collections.abc import Callable
 import torch
 
 
-def memory_events(prof: torch.profiler.profile) -> list[dict]:
-    """The ``[memory]`` events of a finished profile, in time order (read from its exported trace)."""
+def trace_events(prof: torch.profiler.profile) -> list[dict]:
+    """Every event of a finished profile, as its exported Chrome trace lists them (ops: ``"ph": "X"`` with
+    ``ts``, ``dur``, ``tid``; allocations and frees: `memory_events`)."""
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
         prof.export_chrome_trace(path)
         with open(path) as f:
-            events = json.load(f)["traceEvents"]
+            return json.load(f)["traceEvents"]
     finally:
         os.remove(path)
+
+
+def memory_events(events: list[dict]) -> list[dict]:
+    """The ``[memory]`` events among a profile's `trace_events`, in time order."""
     return sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
 
 
@@ -41,7 +46,7 @@ def peak_bytes(fn: Callable[[], object]) -> int:
         with _quiet_stderr():
             prof.stop()
     running = peak = 0
-    for e in memory_events(prof):
+    for e in memory_events(trace_events(prof)):
         running += e["args"]["Bytes"]
         peak = max(peak, running)
     return peak

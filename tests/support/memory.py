@@ -2,9 +2,10 @@
 
 `peak_allocated` (and `profile`, which also gives the largest single allocation) runs a function under
 ``torch.profiler.profile(profile_memory=True)`` with the op's CPU copy engine replaced by one that runs its
-copies on the calling thread (so they count), and sums the profiler's ``[memory]`` events. The symmetric heap
-(POSIX shared memory mapped by the ranks) is not an allocation of torch's and never appears in these figures:
-tests report it beside them (`HeapUse`: the bytes of its slot each call touched).
+copies on the calling thread (so they count), and sums the profiler's ``[memory]`` events, less the
+temporaries a GEMM library makes and frees inside one call (`op_allocations`: they depend on the CPU, not
+on the op). The symmetric heap (POSIX shared memory mapped by the ranks) is not an allocation of torch's and
+never appears in these figures: tests report it beside them (`HeapUse`: the bytes of its slot each call touched).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 import torch
+from overlap.demo.memory import memory_events
+
+from .gemms import GEMM_OPS
 
 
 class _LazyFuture(Future):
@@ -57,9 +61,9 @@ def profile(fn) -> tuple[int, int, int]:
     torch's profiler reports every CPU allocation and free made while profiling on the profiling
     thread (``[memory]`` events: "Bytes", negative for a free); the op's CPU copy engine is replaced by one
     that runs its copies on this thread, so they count too. Allocations of gloo's own worker threads do not
-    count."""
+    count, nor do a GEMM library's temporaries (`op_allocations`)."""
     from overlap import comm
-    from overlap.demo.memory import memory_events
+    from overlap.demo.memory import trace_events
 
     engine = comm.copy_engine
     comm.copy_engine = _CallingThreadEngine
@@ -68,15 +72,41 @@ def profile(fn) -> tuple[int, int, int]:
             fn()
     finally:
         comm.copy_engine = engine
-    memory = memory_events(prof)
     running, peak, largest = 0, 0, 0
-    for e in memory:
+    for e in op_allocations(trace_events(prof)):
         running += e["args"]["Bytes"]
         peak = max(peak, running)
         largest = max(largest, e["args"]["Bytes"])
     # (The allocator's "Total Allocated" is not compared with the running sum: gloo's worker threads allocate
     # too, a collective's flat buffer for a moment, and the total counts them whenever they overlap an event.)
     return peak, running, largest
+
+
+def op_allocations(events: list[dict]) -> list[dict]:
+    """The ``[memory]`` events of a profile's `events`, in time order, less a GEMM library's temporaries: a
+    block allocated and freed on one thread within one GEMM call (`support.gemms.GEMM_OPS`: ``aten::mm``, ...).
+
+    What a GEMM allocates inside a call and frees before it returns (oneDNN's scratchpad, packed or
+    upcast copies of its operands) depends on the CPU's ISA and the BLAS path it picks (a bf16 GEMM of the
+    weight-gather memory test allocated 70 KiB inside one call on a CPU with AMX, less elsewhere), not on the op; the GEMM's output, which
+    outlives the call, and anything the op allocates outside its GEMMs still count."""
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("name") in GEMM_OPS:
+            spans.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+    memory = memory_events(events)
+    live: dict[tuple, int] = {}
+    temporary: set[int] = set()
+    for i, e in enumerate(memory):
+        key = (e["tid"], e["args"]["Addr"])
+        if e["args"]["Bytes"] > 0:
+            live[key] = i
+        elif key in live:
+            j = live.pop(key)
+            born = memory[j]["ts"]
+            if any(lo <= born and e["ts"] <= hi for lo, hi in spans.get(e["tid"], ())):
+                temporary.update((i, j))
+    return [e for i, e in enumerate(memory) if i not in temporary]
 
 
 class HeapUse:
