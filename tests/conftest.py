@@ -17,6 +17,18 @@ settings.load_profile("overlap")
 
 _POOLS: dict[int, RankPool] = {}
 
+# What decides which CPU kernels torch runs: a failure report names them (CI's second pass of the `exact` tests
+# sets all three to AVX2).
+_ISA_SETTINGS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def pytest_report_header(config) -> str:
+    import torch
+
+    settings = ", ".join(f"{name}={os.environ[name]}" for name in _ISA_SETTINGS if name in os.environ) or "none set"
+    return (f"torch {torch.__version__}: CPU kernels {torch.backends.cpu.get_cpu_capability()} "
+            f"(ISA settings: {settings})")
+
 
 @pytest.fixture(scope="session")
 def pools():

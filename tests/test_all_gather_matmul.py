@@ -225,6 +225,7 @@ def determinism(rank, world_size, seed):
     return True
 
 
+@pytest.mark.exact
 def test_bitwise_repeatable(pools, seed):
     assert all(pools(2).run(determinism, seed))
 

@@ -67,6 +67,7 @@ def chunked_task(rank, world_size, seed):
     return done
 
 
+@pytest.mark.exact
 def test_chunked_plans_and_repeatable(pools, seed):
     assert pools(3).run(chunked_task, seed, timeout=120) == [9] * 3
 
@@ -94,6 +95,7 @@ def bytes_task(rank, world_size):
     return out
 
 
+@pytest.mark.exact
 def test_each_peer_shard_read_once_per_gather(pools):
     for res in pools(3).run(bytes_task):
         assert res == {"pipelined": (2.0, 4.0), "symm": (2.0, 4.0), "fused": (2.0, 4.0)}, res

@@ -8,6 +8,7 @@ between the bf16 gradient and fp32 saved tensors) and match its fp32 self within
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 BF16 = dict(rtol=1.6e-2, atol=1e-2)
@@ -69,6 +70,7 @@ def layers_task(rank, world_size, seed):
     return out
 
 
+@pytest.mark.exact
 def test_ops_cast_as_matmul_does(pools, seed):
     for rank, res in enumerate(pools(2).run(ops_task, seed)):
         for name, checks in res.items():

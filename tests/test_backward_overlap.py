@@ -64,6 +64,7 @@ def determinism(rank, world_size, seed, op, dtype):
     return done
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("op", [AGM, MRS, MAR])
 def test_bitwise_repeatable(pools, seed, op, dtype):
@@ -264,6 +265,7 @@ def memory_task(rank, world_size, seed, op, strategies):
     return figures
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("op", [AGM, MRS])
 def test_backward_peak_memory(pools, seed, op, world_size):

@@ -16,6 +16,7 @@ from support import compile_bounded_tasks, compile_tasks
 STRATEGIES = ("reference", "pipelined", "symm")
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_tp_ops_compile_bitwise(pools, seed, world_size):
     results = pools(world_size).run(compile_tasks.tp_ops, seed, STRATEGIES, "symm", timeout=300)
@@ -27,6 +28,7 @@ def test_tp_ops_compile_bitwise(pools, seed, world_size):
                 assert r["breaks"] == 0, f"rank {rank} {op}: {r['breaks']} graph breaks"
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_weight_gather_compiles_bitwise(pools, seed, world_size):
     """all_gather_weight_matmul: no graph break, compiled (aot_eager) results and gradients bitwise eager's."""
@@ -37,12 +39,14 @@ def test_weight_gather_compiles_bitwise(pools, seed, world_size):
             assert r["breaks"] == 0, f"rank {rank} {strategy}: {r['breaks']} graph breaks"
 
 
+@pytest.mark.exact
 def test_weight_gather_fused_interpreted_compiles(pools, seed):
     for rank, cases in enumerate(pools(2).run(compile_tasks.weight_gather, seed, ("fused",), timeout=600)):
         for strategy, r in cases:
             assert r["bitwise"] and r["breaks"] == 0, f"rank {rank} {strategy}: {r}"
 
 
+@pytest.mark.exact
 def test_tp_fused_interpreted_compiles(pools, seed):
     results = pools(2).run(compile_tasks.tp_ops, seed, ("fused",), "fused", timeout=600)
     for rank, cases in enumerate(results):
@@ -55,6 +59,7 @@ def test_tp_inductor_within_tolerance(pools, seed):
         assert r["max_diff"] <= 1e-4, f"rank {rank}: inductor differs from eager by {r['max_diff']}"
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_collective_order_kept(pools, seed, backend):
     """Two independent calls, the first result unused: compiled, every rank runs both, in the program's order."""
@@ -65,12 +70,14 @@ def test_collective_order_kept(pools, seed, backend):
         assert r["bitwise"], f"rank {rank}: compiled result differs from eager"
 
 
+@pytest.mark.exact
 def test_dynamic_sequence_length_compiles_once(pools, seed):
     for rank, r in enumerate(pools(2).run(compile_tasks.dynamic_rows, seed, timeout=300)):
         assert r["frames"] == 1, f"rank {rank}: {r['frames']} compilations for 3 sequence lengths"
         assert all(r["bitwise"]), f"rank {rank}: per-length bitwise results {r['bitwise']}"
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_moe_ops_compile_bitwise(pools, seed, world_size):
     results = pools(world_size).run(compile_tasks.moe_ops, seed, STRATEGIES, timeout=300)
@@ -81,6 +88,7 @@ def test_moe_ops_compile_bitwise(pools, seed, world_size):
             assert r["breaks"] == 0, f"rank {rank} moe {strategy}: {r['breaks']} graph breaks"
 
 
+@pytest.mark.exact
 def test_moe_fused_interpreted_compiles(pools, seed):
     for rank, cases in enumerate(pools(2).run(compile_tasks.moe_ops, seed, ("fused",), timeout=600)):
         for strategy, r in cases:
@@ -132,6 +140,7 @@ def _assert_static(rank: int, what: str, r: dict) -> None:
     assert (r["graphs_without_fullgraph"], r["ops_without_fullgraph"]) == (1, r["ops"]), f"rank {rank} {what}: {r}"
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_moe_bounded_compiles_static_bitwise(pools, seed, world_size):
     results = pools(world_size).run(compile_bounded_tasks.moe_bounded, seed, STRATEGIES, timeout=300)
@@ -145,6 +154,7 @@ def test_moe_bounded_compiles_static_bitwise(pools, seed, world_size):
         assert control["ops_without_fullgraph"] < control["ops"], f"rank {rank}: unbounded layer {control}"
 
 
+@pytest.mark.exact
 def test_moe_bounded_fused_interpreted_compiles(pools, seed):
     for rank, cases in enumerate(pools(2).run(compile_bounded_tasks.moe_bounded, seed, ("fused",), timeout=600)):
         r = cases[0][1]
@@ -159,6 +169,7 @@ def test_moe_bounded_inductor_within_tolerance(pools, seed):
             assert r["max_diff"] <= 1e-4, f"rank {rank} moe {strategy}: inductor differs by {r['max_diff']}"
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_expert_parallel_mlp_bounded_compiles_static(pools, seed, world_size):
     results = pools(world_size).run(compile_bounded_tasks.moe_module_bounded, seed, "symm", timeout=300)
@@ -168,6 +179,7 @@ def test_expert_parallel_mlp_bounded_compiles_static(pools, seed, world_size):
         _assert_static(rank, "ExpertParallelMLP(max_tokens_per_rank=...)", r)
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_moe_bounded_dispatch_is_ordered(pools, seed, backend):
     for rank, r in enumerate(pools(2).run(compile_bounded_tasks.moe_bounded_order, seed, backend, timeout=600)):

@@ -77,6 +77,7 @@ def demo_task(rank, world_size, strategy):
     return train(DemoConfig(model=model, steps=3, strategy=strategy, progress=False))
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("strategy", ["pipelined", "symm"])
 def test_demo_training_three_ranks(pools, strategy):
     results = pools(3).run(demo_task, strategy, timeout=180)
@@ -86,6 +87,7 @@ def test_demo_training_three_ranks(pools, strategy):
         assert abs(a - b) <= 1e-5 * abs(a), (strategy, runs)
 
 
+@pytest.mark.exact
 def test_data_is_fixed_and_prefix_stable():
     from overlap.demo import data
 

@@ -294,6 +294,7 @@ def test_summarize_regret_share_and_error():
 HIER_SHAPE = {"m": 32, "k": 64, "n": 48}
 
 
+@pytest.mark.exact
 def test_hierarchical_over_the_veth_pair(emulation, tmp_path):
     """2 nodes x 2 ranks at 1 Gbit/s, the figures' run with one timed call per plan: every TP op's
     ``hierarchical`` plan (and ``pipelined``'s, the tuner's pick) checked against ``reference``; the payload

@@ -33,6 +33,7 @@ ec = _load()
 import emulated_cluster_moe as moe  # noqa: E402
 
 
+@pytest.mark.exact
 def test_routings_are_deterministic_and_skewed_where_asked():
     T, E, K = 256, 8, 2
     for kind in moe.ROUTINGS:
@@ -177,6 +178,7 @@ def _our_namespaces(pid: int) -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.startswith(f"ovl-{pid}-")]
 
 
+@pytest.mark.exact
 def test_moe_figures_over_the_veth_pair():
     """2 nodes x 2 ranks at 1 Gbit/s, one timed call per plan, both routings, forward and forward+backward:
     every column agrees with ``reference`` (output and gradients); ``hierarchical`` posts fewer payload bytes

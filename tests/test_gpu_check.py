@@ -46,6 +46,7 @@ def status_of(doc: dict) -> dict[str, str]:
     return {r["name"]: r["status"] for r in doc["results"]}
 
 
+@pytest.mark.exact
 def test_cpu_smoke_virtual_ranks(tmp_path):
     out = tmp_path / "out"
     path = tmp_path / "copy.json"

@@ -38,6 +38,7 @@ def _expected_cases() -> list[str]:
     return [f"{name}[{v}]" if v else name for name, spec in OPS.items() for v in ("", *spec.variants)]
 
 
+@pytest.mark.exact
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo ranks over /dev/shm")
 def test_cpu_smoke_runs_every_op_on_two_ranks_and_on_one(tmp_path):
     path = tmp_path / "gpu_check.json"
@@ -93,6 +94,7 @@ gpu_check_ops_rank.main(sys.argv[1:])
 """
 
 
+@pytest.mark.exact
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo ranks over /dev/shm")
 def test_a_wrong_op_fails_the_oracle_and_an_unrepeatable_one_the_repeat(tmp_path):
     driver = tmp_path / "driver.py"

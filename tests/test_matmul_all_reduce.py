@@ -43,6 +43,7 @@ def with_plans(rank, world_size, strategy, dtype, seed, cases, one_shot, timeout
     return check_op(rank, world_size, MAR, plan, dtype, seed, cases, timeout=timeout)
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("strategy", ["reference", "pipelined", "symm", "auto"])
@@ -52,6 +53,7 @@ def test_matches_unfused(pools, seed, world_size, dtype, strategy):
     check_identical_across_ranks(outputs, f"{strategy} {dtype} W={world_size}")
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("strategy", ["pipelined", "symm"])
@@ -69,6 +71,7 @@ FUSED_MATRIX = [(w, torch.float32, s) for w in (2, 3, 4) for s in (False, True)]
 ]
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize(
     "world_size, dtype, one_shot",
     FUSED_MATRIX,
@@ -85,6 +88,7 @@ def reference_ignores_one_shot(rank, world_size, seed):
     return check_op(rank, world_size, MAR, overlap.Plan("reference", one_shot=True), torch.float32, seed, CASES[:2])
 
 
+@pytest.mark.exact
 def test_reference_ignores_one_shot(pools, seed):
     check_identical_across_ranks(pools(3).run(reference_ignores_one_shot, seed), "reference one_shot")
 
@@ -104,6 +108,7 @@ def other_dtypes(rank, world_size, seed):
     return [t for outs in done for t in outs]
 
 
+@pytest.mark.exact
 def test_float16_and_float64(pools, seed):
     outputs = pools(3).run(other_dtypes, seed, timeout=120)
     assert all(len(r) == 20 for r in outputs)
@@ -145,6 +150,7 @@ def plans_task(rank, world_size, seed):
     return outs
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_chunked_plans(pools, seed, world_size):
     outputs = pools(world_size).run(plans_task, seed)
@@ -184,6 +190,7 @@ def back_to_back(rank, world_size, seed, calls):
     return outs
 
 
+@pytest.mark.exact
 def test_back_to_back_calls_with_changing_shapes(pools, seed):
     outputs = pools(3).run(back_to_back, seed, 16, timeout=240)
     assert all(len(r) == 16 for r in outputs)

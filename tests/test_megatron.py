@@ -14,6 +14,9 @@ import warnings
 import pytest
 import torch
 
+# The test extras pin megatron-core; a machine without it (the GPU machine's stack) skips this module.
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[test]')")
+
 S, B, H, F = 6, 2, 12, 24  # sequence, batch, hidden, ffn: every dim divides by 2 and 3
 LAYERS = 2
 
@@ -191,6 +194,7 @@ def _sharded(module, metadata):
              tuple(getattr(v, "global_offset", ()))) for k, v in out.items()}
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_spec_built_model_matches_megatron_parameters_and_checkpoints(pools, seed, world_size):
     assert all(pools(world_size).run(built_from_spec, seed, True, timeout=120))

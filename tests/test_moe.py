@@ -145,6 +145,7 @@ def handle_lifetime_task(rank, world_size, seed):
     return held, by_graph, moe_handle.live_layouts() - before, torch.equal(x.grad, torch.full_like(x, 4.0))
 
 
+@pytest.mark.exact
 def test_handle_lifetime(pools, seed):
     for rank, (held, by_graph, after, grad_ok) in enumerate(pools(2).run(handle_lifetime_task, seed)):
         assert (held, by_graph, after) == (1, 1, 0), f"rank {rank}: layouts held {held}, {by_graph}, then {after}"
@@ -201,6 +202,7 @@ def determinism(rank, world_size, seed):
     return True
 
 
+@pytest.mark.exact
 def test_bitwise_repeatable(pools, seed):
     pools(2).run(determinism, seed, timeout=120)
 

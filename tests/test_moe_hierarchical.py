@@ -83,6 +83,7 @@ def against_reference(rank: int, world_size: int, ranks_per_node: int, seed: int
         del os.environ["OVERLAP_NODE_ID"]
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("world_size, ranks_per_node", [(4, 2), (2, 1), (3, 1)])
 def test_every_op_against_oracle_and_reference(pools, seed, world_size, ranks_per_node):
     done = pools(world_size).run(against_reference, ranks_per_node, seed, timeout=240)
@@ -183,6 +184,7 @@ def network_bytes(rank: int, world_size: int, ranks_per_node: int, seed: int):
         del os.environ["OVERLAP_NODE_ID"]
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("world_size, ranks_per_node", [(4, 2), (2, 1)])
 def test_network_bytes_are_exact(pools, seed, world_size, ranks_per_node):
     results = pools(world_size).run(network_bytes, ranks_per_node, seed)
@@ -208,6 +210,7 @@ def one_node(rank: int, world_size: int, seed: int) -> None:
         assert torch.equal(a, b), f"rank {rank}: hierarchical != symm on one node"
 
 
+@pytest.mark.exact
 def test_one_node_is_symm(pools, seed):
     pools(2).run(one_node, seed)
 

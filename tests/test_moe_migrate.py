@@ -110,6 +110,7 @@ def against_reference(rank: int, world_size: int, ranks_per_node: int, seed: int
         del os.environ["OVERLAP_NODE_ID"]
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("world_size, ranks_per_node", [(4, 2), (2, 1), (3, 1), (3, 2)])
 def test_migration_against_reference(pools, seed, world_size, ranks_per_node):
     done = pools(world_size).run(against_reference, ranks_per_node, seed, timeout=300)
@@ -218,6 +219,7 @@ def network_bytes(rank: int, world_size: int, ranks_per_node: int, seed: int) ->
         del os.environ["OVERLAP_NODE_ID"]
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("world_size, ranks_per_node", [(4, 2), (2, 1)])
 def test_network_bytes_are_exact(pools, seed, world_size, ranks_per_node):
     results = pools(world_size).run(network_bytes, ranks_per_node, seed)

@@ -293,6 +293,7 @@ def init_task(rank: int, world_size: int, seed: int) -> dict | None:
     return full if rank == 0 else None
 
 
+@pytest.mark.exact
 def test_init_is_the_same_model_at_every_world_size(pools, seed):
     got = {w: pools(w).run(init_task, seed, timeout=60)[0] for w in (2, 3, 4)}
     ref = got[2]

@@ -112,6 +112,7 @@ def every_mode(rank, world_size, seed):
     return len(done)
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_layers_match_single_process_linear(pools, seed, world_size):
     want = len(STRATEGIES) * (len(COLUMN_MODES) + len(ROW_MODES))

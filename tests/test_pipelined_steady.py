@@ -239,6 +239,7 @@ def one_shot_task(rank, world_size, seed):
     return {k: after[k] - before[k] for k in before}, out
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_matmul_all_reduce_one_shot_pipelined_steady(pools, seed, world_size):
     results = pools(world_size).run(one_shot_task, seed, timeout=120)

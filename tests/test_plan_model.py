@@ -482,4 +482,4 @@ def test_auto_heuristic_is_documented_and_never_fused_on_cpu(monkeypatch):
     with pytest.warns(UserWarning, match="falls back to 'pipelined'"):
         assert auto.resolve_auto("op", sig + "x", gpu, 4096, "bfloat16").strategy == "pipelined"
     with pytest.raises(ValueError, match="spans nodes"):
-        auto.check_plan_fits("op", overlap.Plan("fused"), group(["a", "b"]))
+        auto.fit_plan("op", overlap.Plan("fused"), group(["a", "b"]))

@@ -238,6 +238,7 @@ def test_strategies_match_reference(pools, world_size):
     _report(how, pools(world_size).run(matches_reference, drawn, ("pipelined", "symm"), timeout=150))
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_same_call_same_bits(pools, world_size):
     drawn, how = draw(f"repeat/W{world_size}", examples(), 20, EXPLICIT)
@@ -253,6 +254,7 @@ def test_same_call_same_bits(pools, world_size):
             )
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fused_interpreted_matches_and_repeats(pools, world_size):
     drawn, how = draw(f"fused/W{world_size}", examples(tiny=True), 3)

@@ -48,12 +48,14 @@ def sharded_task(rank, world_size, seed, strategy, bias, dtype):
     return True
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("strategy", ["reference", "pipelined", "symm"])
 def test_matches_nn_linear(pools, seed, world_size, strategy):
     assert all(pools(world_size).run(sharded_task, seed, strategy, True, torch.float32))
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_float64_without_bias(pools, seed, world_size):
     assert all(pools(world_size).run(sharded_task, seed, "auto", False, torch.float64))

@@ -62,6 +62,7 @@ def check_strategy_on(group, rank, world_size, seed, cases):
     return done
 
 
+@pytest.mark.exact
 def test_reserve_and_release(pools, seed):
     assert pools(2).run(reserve_then_release, seed) == [6, 6]
 

@@ -256,6 +256,7 @@ def api_task(rank, world_size, seed):
     return out
 
 
+@pytest.mark.exact
 def test_api_and_bad_input(pools, seed):
     for rank, res in enumerate(pools(2).run(api_task, seed, timeout=60)):
         ctx = f"rank {rank}"

@@ -50,6 +50,7 @@ def memory_task(rank, world_size, seed):
     return figures
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_weight_never_whole_under_symm(pools, seed, world_size):
     results = pools(world_size).run(memory_task, seed, timeout=120)
@@ -212,6 +213,7 @@ def check_heap(world_size, strategy, dtype, results):
             assert fwd <= out + 4096, (rank, fwd, out)
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("strategy", ["symm", "fused"])
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -225,6 +227,7 @@ def test_heap_holds_two_shards_plus_chunks(pools, world_size, strategy, dtype):
     check_heap(world_size, strategy, dtype, pools(world_size).run(heap_task, strategy, dtype, timeout=timeout))
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_bound_counts_the_op_not_the_gemm_library(pools, dtype):
     """The bounds count what the op allocates, whatever the CPU's GEMM library allocates inside a call: a

@@ -13,9 +13,10 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 import torch
+
 from overlap.demo.memory import memory_events
 
-from .gemms import GEMM_OPS
+from .gemms import GEMM_KERNELS
 
 
 class _LazyFuture(Future):
@@ -84,15 +85,17 @@ def profile(fn) -> tuple[int, int, int]:
 
 def op_allocations(events: list[dict]) -> list[dict]:
     """The ``[memory]`` events of a profile's `events`, in time order, less a GEMM library's temporaries: a
-    block allocated and freed on one thread within one GEMM call (`support.gemms.GEMM_OPS`: ``aten::mm``, ...).
+    block allocated and freed on one thread within one call of a GEMM kernel (`support.gemms.GEMM_KERNELS`:
+    ``aten::mm``, ...; not the composites around them, ``aten::matmul``, whose own copies count).
 
     What a GEMM allocates inside a call and frees before it returns (oneDNN's scratchpad, packed or
     upcast copies of its operands) depends on the CPU's ISA and the BLAS path it picks (a bf16 GEMM of the
-    weight-gather memory test allocated 70 KiB inside one call on a CPU with AMX, less elsewhere), not on the op; the GEMM's output, which
-    outlives the call, and anything the op allocates outside its GEMMs still count."""
+    weight-gather memory test allocated 70 KiB inside one call on a CPU with AMX, less elsewhere), not on the
+    op; the GEMM's output, which outlives the call, and anything the op allocates outside its GEMMs still
+    count."""
     spans: dict[int, list[tuple[float, float]]] = {}
     for e in events:
-        if e.get("ph") == "X" and e.get("name") in GEMM_OPS:
+        if e.get("ph") == "X" and e.get("name") in GEMM_KERNELS:
             spans.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
     memory = memory_events(events)
     live: dict[tuple, int] = {}
