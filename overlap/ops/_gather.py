@@ -201,9 +201,9 @@ class _Symm(Gather):
 def start(kind: str, call, x2: torch.Tensor, cc: CallContext, need: int = 0) -> Gather:
     """Post the gather of `x2` (``[m, k]`` contiguous) over the group; see the module docstring.
 
-    ``hierarchical`` (a group spanning nodes; on one node the plan is ``symm``): `overlap.ops.hierarchical.
-    HierGather`, whose node slot holds `need` bytes at least (a call made while the gather is in flight fits
-    in it)."""
+    ``hierarchical`` (a group spanning nodes; on one node the plan is ``symm``): the rows through
+    `overlap.ops.hierarchical.HierGather`, whose node slot holds `need` bytes at least (a call made while the
+    gather is in flight fits in it)."""
     if kind == "hierarchical":
         from .hierarchical import HierGather
 

@@ -246,8 +246,8 @@ def _fused(cc: CallContext, call, a2, b, keep_gathered):
 
 
 def _hierarchical(cc: CallContext, call, a2, b, keep_gathered):
-    """Across nodes (on one node the plan is ``symm``: `overlap.plans.auto.fit_plan`): `overlap.ops.hierarchical.
-    HierGather` under `_gather`."""
+    """Across nodes: `overlap.ops.hierarchical.HierGather` under `_gather` (on one node the plan is ``symm``:
+    `overlap.plans.auto.fit_plan`)."""
     with hierarchical.guard(cc):
         return _gathered(cc, call, a2, b, keep_gathered)
 
