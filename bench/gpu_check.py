@@ -28,7 +28,7 @@ One GPU: NCCL refuses two ranks of one communicator on one GPU, so W *virtual ra
 (``gpu_check_virtual``), each with its own stream, its own symmetric buffer (a plain device tensor) and its own
 int32 flag word; one address space, so the peer-pointer table is an int64 tensor of the buffers' ``data_ptr()``.
 The kernels are launched through the launchers the ops call (``overlap.kernels``), MoE tile tables from the ops'
-own builders (``overlap.ops.moe_layout``). The sections come in groups (`gpu_check_groups.GROUPS`), each group in
+own builders (``overlap.ops.moe.layout``). The sections come in groups (`gpu_check_groups.GROUPS`), each group in
 a process of its own (`gpu_check_runner`: a crash or a sticky CUDA error in one cannot poison the next), every
 correctness group before any timing group:
 

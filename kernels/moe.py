@@ -21,7 +21,7 @@ scope, release store: the same pattern as `overlap.kernels.mm_rs`) and resets th
 
 Their host launchers (`launch_grouped_matmul_wait`, `launch_grouped_matmul_scatter`) follow the kernels; the
 MoE ops' ``fused`` strategies and the GPU check (``bench/gpu_check.py``) call them with the tile tables of
-`overlap.ops.moe_tiles` (`dispatch_tile_table`, `combine_tile_table`), which know the MoE slot layout.
+`overlap.ops.moe.tiles` (`dispatch_tile_table`, `combine_tile_table`), which know the MoE slot layout.
 """
 
 import torch
@@ -188,7 +188,7 @@ def launch_grouped_matmul_wait(src_table: torch.Tensor, flag_table: torch.Tensor
             16-byte aligned).
         flag_table: int64 ``[W]``: every rank's flag base.
         tile_table: int32 ``[tiles, 6]`` on the kernel's device, built for ``BLOCK_M`` (at most that many rows
-            an entry; `overlap.ops.moe_tiles.dispatch_tile_table`).
+            an entry; `overlap.ops.moe.tiles.dispatch_tile_table`).
         w: ``[L, K, N]`` expert weights, any strides. out: ``[R, N]``; rows: ``[R, K]``; both with unit
             column stride, `w`'s dtype.
         epoch, err, timeout_ns, abort, watchdog, num_warps, num_stages: as for
@@ -241,7 +241,7 @@ def launch_grouped_matmul_scatter(y: torch.Tensor, w: torch.Tensor, tile_table: 
 
     Args:
         y: ``[R, K]`` with unit column stride. w: ``[L, K, N]``, any strides, `y`'s dtype.
-        tile_table: int32 ``[tiles, 7]`` on `y`'s device (`overlap.ops.moe_layout.combine_tile_table`, built
+        tile_table: int32 ``[tiles, 7]`` on `y`'s device (`overlap.ops.moe.layout.combine_tile_table`, built
             for ``BLOCK_M`` and ``N / BLOCK_N`` column tiles).
         dst_table: int64 ``[W]``: this rank's region (``N``-wide rows, 16-byte aligned) in rank ``s``'s buffer.
         counters: int32 flag counters of this rank, zero; the kernel leaves them at zero.

@@ -21,8 +21,8 @@ from collections.abc import Iterator
 
 import torch
 
-from .. import comm, symm
-from .context import CallContext
+from ... import comm, symm
+from ..context import CallContext
 
 
 def heap_bytes(x2: torch.Tensor) -> int:

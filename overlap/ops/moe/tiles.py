@@ -1,11 +1,11 @@
 """Tile tables of the fused grouped GEMMs (`overlap.kernels.moe`): which tiles a kernel runs, over the MoE slot
-layout of `overlap.ops.moe_layout` (regions per source, flags per expert group)."""
+layout of `overlap.ops.moe.layout` (regions per source, flags per expert group)."""
 
 from __future__ import annotations
 
 import torch
 
-from .moe_layout import MoELayout, expert_groups, flags_per_peer, group_of
+from .layout import MoELayout, expert_groups, flags_per_peer, group_of
 
 
 def dispatch_tile_table(h: MoELayout, rank: int, block_m: int, device: torch.device) -> torch.Tensor:

@@ -1,11 +1,7 @@
-"""matmul_reduce_scatter: ``reduce_scatter(a @ b, dim=0)`` (sum), with the scatter hidden behind the GEMM.
-
-Problem. In a row-parallel layer with sequence parallelism every rank holds ``a_[W*m]K`` (all rows,
-its slice ``K`` of the inner dim) and the matching row shard ``b_KN`` of the weight; rank ``d``
-needs rows ``d*m ... (d+1)*m`` of ``sum_r a_r @ b_r``. Multiplying first and reduce-scattering after
-leaves the links idle during the GEMM and the GEMM idle during the transfer. Each destination's
-block of rows is its own GEMM, so the partial for one destination can travel while the next is
-computed.
+"""Each destination's GEMM, scattered and summed: ``reduce_scatter(a @ b, dim=0)`` with the scatter hidden behind
+the GEMMs. The forward of `overlap.matmul_reduce_scatter`, the input gradient of `overlap.all_gather_matmul`,
+the weight gradient of `overlap.all_gather_weight_matmul` (``pipelined``) run it; `overlap.matmul_all_reduce`'s
+two-shot ``fused`` runs `scatter_and_reduce` and lays out its regions by `region_bytes`.
 
 Strategies (same results up to rounding; `reference` is the oracle). Every one sums in a fixed
 order, so the same inputs and plan give bitwise the same result run after run:
@@ -22,75 +18,29 @@ order, so the same inputs and plan give bitwise the same result run after run:
   buffer (destinations from ``rank + 1``), flagged per chunk; every rank sums its regions in rank
   order, chunk by chunk as the flags arrive. CPU ranks write the GEMM straight into the peer's
   shared memory; GPUs compute into a local buffer and a side stream copies it (copy engine).
-* ``fused``: one Triton GEMM (`overlap.kernels.mm_rs`) whose tiles store straight into the owner's
-  buffer and signal per chunk, then a reduction kernel that waits per chunk and sums in rank order.
-* ``hierarchical``: groups spanning nodes (`overlap.ops.hierarchical_reduce`): the partials summed within
+* ``fused``: one Triton GEMM (`overlap.kernels.matmul_reduce_scatter`) whose tiles store straight into the
+  owner's buffer and signal per chunk, then a reduction kernel that waits per chunk and sums in rank order.
+* ``hierarchical``: groups spanning nodes (`overlap.ops.tp.hierarchical_reduce`): the partials summed within
   the node by shared memory, each node's sum sent once to the destination's node, chunk by chunk while the
-  next node's GEMMs run; the node sums added in node order. ``symm`` on one node.
+  next node's GEMMs run; the node sums added in node order. (On one node the plan is ``symm``.)
 
 Buffer layout (symm, fused): a slot holds ``W`` regions of ``[m, n]`` (each padded to 16 bytes),
 region ``s`` written by rank ``s``; ready flag ``d * F + j`` in producer ``s``'s pad says "chunk ``j``
 of my partial for ``d`` is in ``d``'s buffer", ``F = MAX_FLAGS // W``.
-
-Autograd (Megatron's convention): the scatter's backward is an all-gather of the output gradient:
-``grad_a = all_gather(g) @ b.T`` is computed by `all_gather_matmul` with the forward's plan (the
-gather hidden behind its chunk GEMMs), and ``grad_b = a.T @ all_gather(g)`` takes the same gathered
-rows, in one GEMM so that it rounds exactly like the unfused weight gradient (``a`` is saved, as
-Megatron saves the layer input).
-
-Concurrency and aliasing: calls on one group are issued by one thread, in the same order on every
-rank; ``a`` and ``b`` are only read; the output is a new tensor.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from .. import comm, symm
-from ..errors import OverlapTimeout
-from ..plans import Plan
-from ..symm import p2p
-from . import fused, hierarchical_reduce, library
-from ._sums import sum_in_order
-from .context import CallContext, describe, no_autocast, record
-
-OP = "matmul_reduce_scatter"
-
-
-def matmul_reduce_scatter(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    group: dist.ProcessGroup | None = None,
-    strategy: str = "auto",
-    plan: Plan | dict | None = None,
-    timeout: float | None = None,
-) -> torch.Tensor:
-    """``reduce_scatter(a @ b, dim=0)`` (sum) over `group`, overlapping the scatter with the GEMM.
-
-    Args:
-        a: ``[M, ..., k]``: every row, this rank's slice ``k`` of the inner dim (a row-parallel
-            layer's input). ``M`` (dim 0, the sequence of ``[s, b, h]``) must divide by the world size.
-        b: ``[k, n]``, this rank's rows of the weight, any strides (``w[n, k]`` is passed as ``w.t()``).
-        group, strategy, plan, timeout: as for `overlap.all_gather_matmul`.
-
-    Returns:
-        ``[M / world_size, ..., n]``: rows ``r*M/W ... (r+1)*M/W - 1`` of ``sum over ranks of a @ b``.
-
-    Raises:
-        TypeError / ValueError: bad arguments (dims, dtypes, devices, ``M`` not divisible by the world
-            size, plan), on this rank before any data moves; peers raise `OverlapMismatchError` at once.
-        OverlapMismatchError: ranks made different calls (shapes, dtype, plan), on every rank.
-        ValueError: ``symm``/``fused`` forced on a group that spans nodes.
-        OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
-    """
-    return library.tp_call(_op, OP, a, b, group, strategy, plan, timeout, check=_check_rows)
-
-
-def _check_rows(a: torch.Tensor, b: torch.Tensor, info) -> None:
-    if a.shape[0] % info.world_size:
-        raise ValueError(f"overlap.{OP}: dim 0 of a ({a.shape[0]}, from a={describe(a)}) must divide by the "
-                         f"world size {info.world_size}; pad the sequence (overlap does not pad silently)")
+from ... import comm, symm
+from ...errors import OverlapTimeout
+from ...plans import Plan
+from ...symm import p2p
+from .. import fused
+from ..context import CallContext
+from . import hierarchical_reduce
+from .sums import sum_in_order
 
 
 def region_bytes(m: int, n: int, dtype: torch.dtype) -> int:
@@ -116,42 +66,6 @@ def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
         return STRATEGIES[cc.plan.strategy](cc, call, a2, b)
     finally:
         call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
-
-
-def _forward(a, b, group, strategy, plan, timeout, needs_grad):
-    """``overlap::matmul_reduce_scatter``: the whole call (checks, plan, handshake, strategy) on this rank."""
-    cc = library.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad, _check_rows)
-    with record(OP), no_autocast(cc.info.device.type):
-        a2 = a.reshape(-1, a.shape[-1]).contiguous()
-        out = run(a2, b, cc).view(a.shape[0] // cc.world_size, *a.shape[1:-1], b.shape[1])
-    return out, library.context_out(cc, needs_grad)
-
-
-def _fake(a, b, group, strategy, plan, timeout, needs_grad):
-    out = a.new_empty((a.shape[0] // library.world_size(group), *a.shape[1:-1], b.shape[-1]))
-    return out, library.context_fake(needs_grad)
-
-
-def _backward(grad_out, a, b, context, need_a, need_b):
-    """``overlap::matmul_reduce_scatter_backward``: ``(grad_a, grad_b)`` in the forward's call context."""
-    from . import all_gather_matmul
-
-    cc = library.kept(context, f"{OP}.backward")
-    k, n = b.shape
-    g2 = grad_out.reshape(-1, n).contiguous()
-    a2 = a.reshape(-1, k)
-    op = f"{OP}.backward"
-    cc = cc.derive(op=op, signature=f"{op}(g={describe(g2)}, a={describe(a)}, b={tuple(b.shape)}, "
-                                    f"grads={int(need_a)}{int(need_b)}, plan={cc.plan.describe()})")
-    with record(op), no_autocast(cc.info.device.type):
-        out2, gathered = all_gather_matmul.run(g2, b.t() if need_a else None, cc, keep_gathered=need_b)
-        # One GEMM over every gathered row: it rounds exactly as the unfused weight gradient does.
-        grad_b = torch.mm(a2.t(), gathered) if need_b else None
-    return library.grads_out(out2.view(a.shape) if need_a else None, grad_b, a, b)
-
-
-_backward_op = library.define(f"{OP}_backward", library.TP_BACKWARD_SCHEMA, _backward, library.tp_backward_fake)
-_op = library.define(OP, library.TP_SCHEMA, _forward, _fake, library.tp_backward(_backward_op), library.tp_save)
 
 
 # ----------------------------------------------------------------------------------------------

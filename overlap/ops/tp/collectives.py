@@ -23,8 +23,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import comm, envs
-from . import library
+from ... import comm, envs
+from .. import library
+from ..context import autocast_inputs
 
 
 def all_reduce_grad(x: torch.Tensor, group: dist.ProcessGroup | None = None, timeout: float | None = None,
@@ -51,8 +52,6 @@ def linear_all_reduce_dgrad(x: torch.Tensor, weight: torch.Tensor, group: dist.P
                             timeout: float | None = None, what: str = "linear_all_reduce_dgrad") -> torch.Tensor:
     """``x @ weight.T``; backward: ``grad_x`` summed over `group` (in flight during the weight-gradient GEMM).
     Under autocast both operands are cast first (torch's rule for matmul), so forward and backward agree."""
-    from .context import autocast_inputs
-
     x, weight = autocast_inputs(x, weight)
     return _LinearAllReduceDgrad.apply(x, weight, _name(group, what), timeout, what)
 

@@ -1,4 +1,4 @@
-"""What an entry of the op table (`optable`) builds for a shape: seeded inputs, the expected results,
+"""What a workload (`overlap.workloads.Workload`) builds for a shape: seeded inputs, the expected results,
 the op's plain collectives and GEMMs alone.
 
 * `SeededDraw`: standard normal tensors, each ``(name, rank)`` its own seeded stream, so that any rank
@@ -18,11 +18,6 @@ import zlib
 from collections.abc import Callable
 
 import torch
-
-#: names of the dtypes a problem may have -> torch dtypes
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64,
-}
 
 
 class SeededDraw:

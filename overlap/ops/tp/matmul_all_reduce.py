@@ -22,14 +22,14 @@ same result run after run:
   point-to-point messages with per-call tags and headers instead (`overlap.symm.p2p`, the steady state):
   two-shot, each part's partial to its owner, summed there in rank order and sent to every rank; one-shot,
   each piece's partial to every rank, summed in rank order.
-* ``symm``: two-shot = the ``symm`` reduce-scatter of `matmul_reduce_scatter` (each part's GEMM into
+* ``symm``: two-shot = the ``symm`` reduce-scatter of `overlap.ops.tp.scatter_gemm` (each part's GEMM into
   its owner's buffer, flagged per chunk), the owner sums its part in rank order into its buffer and
   flags it, and every rank pulls every part (copy engine). One-shot: every rank's GEMM into its own
   buffer, flagged per chunk; every rank sums every buffer in rank order, chunk by chunk.
-* ``fused``: two-shot = the fused kernels of `matmul_reduce_scatter` (the reduction writes into the
+* ``fused``: two-shot = the fused kernels of `overlap.ops.tp.scatter_gemm` (the reduction writes into the
   heap), then the pulls of ``symm``. One-shot: the same GEMM kernel with one destination (its own
   buffer) and the reduction kernel over every rank's buffer.
-* ``hierarchical``: groups spanning nodes (`overlap.ops.hierarchical_reduce`): the hierarchical
+* ``hierarchical``: groups spanning nodes (`overlap.ops.tp.hierarchical_reduce`): the hierarchical
   reduce-scatter of ``W`` parts, then the hierarchical all-gather of the reduced parts (two-shot;
   ``one_shot`` is ignored across nodes). ``symm`` on one node.
 
@@ -47,13 +47,14 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from .. import comm, symm
-from ..plans import Plan
-from ..symm import p2p
-from . import fused, hierarchical_reduce, library
-from ._sums import sum_in_order
-from .context import CallContext, no_autocast, record
-from .matmul_reduce_scatter import region_bytes, scatter_and_reduce
+from ... import comm, symm
+from ...plans import Plan
+from ...symm import p2p
+from .. import fused, library
+from ..context import CallContext, no_autocast, record
+from . import entry, hierarchical_reduce
+from .scatter_gemm import region_bytes, scatter_and_reduce
+from .sums import sum_in_order
 
 OP = "matmul_all_reduce"
 
@@ -84,7 +85,7 @@ def matmul_all_reduce(
         ValueError: ``symm``/``fused`` forced on a group that spans nodes.
         OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
     """
-    return library.tp_call(_op, OP, a, b, group, strategy, plan, timeout)
+    return entry.tp_call(_op, OP, a, b, group, strategy, plan, timeout)
 
 
 def _layout(rows: int, n: int, dtype: torch.dtype, world_size: int) -> tuple[int, int, int]:
@@ -116,7 +117,7 @@ def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
 
 def _forward(a, b, group, strategy, plan, timeout, needs_grad):
     """``overlap::matmul_all_reduce``: the whole call (checks, plan, handshake, strategy) on this rank."""
-    cc = library.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad)
+    cc = entry.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad)
     with record(OP), no_autocast(cc.info.device.type):
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
         out = run(a2, b, cc).view(*a.shape[:-1], b.shape[1])
@@ -143,7 +144,7 @@ def _backward(ctx, grad_out, _grad_context):
     return grad_a, grad_b, None, None, None, None, None
 
 
-_op = library.define(OP, library.TP_SCHEMA, _forward, _fake, _backward, _save)
+_op = library.define(OP, entry.TP_SCHEMA, _forward, _fake, _backward, _save)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -392,7 +393,7 @@ def _fused(cc: CallContext, call, a2, b):
 
 
 def _hierarchical(cc: CallContext, call, a2, b):
-    """Across nodes (on one node the plan is ``symm``): `overlap.ops.hierarchical_reduce.all_reduce` (two-shot)."""
+    """Across nodes (on one node the plan is ``symm``): `overlap.ops.tp.hierarchical_reduce.all_reduce` (two-shot)."""
     return hierarchical_reduce.all_reduce(cc, a2, b)
 
 

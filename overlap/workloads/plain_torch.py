@@ -4,9 +4,9 @@ No code of this project runs inside these: plain ``torch.distributed`` collectiv
 torch's names: ``all_gather_single``/``reduce_scatter_single`` where present, else
 ``all_gather_into_tensor``/``reduce_scatter_tensor``; no handshake, no deadlined waits, no comm wrappers;
 their bound is the process group's own timeout) and ``torch.matmul``, as a user would write the op without
-`overlap`. Forward and backward follow Megatron's conventions. Each op's entry in the table
-(`OpSpec.plain_torch`) is ``(group, routing, num_experts) -> fn(*leaves)``, the leaves as the table orders
-them (TP ``(a, b)``, moe ``(x, w1, w2, topk_weights)``):
+`overlap`. Forward and backward follow Megatron's conventions. Each op's workload
+(`overlap.workloads.Workload.plain_torch`) is ``(group, routing, num_experts) -> fn(*leaves)``, the leaves as
+its inputs order them (TP ``(a, b)``, moe ``(x, w1, w2, topk_weights)``):
 
 * ``all_gather_matmul``: ``all_gather_into_tensor(a)``, then ``full @ b``; backward gathers ``a`` again,
   ``grad_a = reduce_scatter_tensor(g @ b.T)``, ``grad_b = full.T @ g``.

@@ -1,6 +1,6 @@
 """`MoEHandle`: what a dispatch returns for its combine and the backward, as torch.compile can trace it.
 
-A dispatch's layout (`overlap.ops.moe_layout.MoELayout`: counts per rank and expert, the send order, the
+A dispatch's layout (`overlap.ops.moe.layout.MoELayout`: counts per rank and expert, the send order, the
 call context) lives on the host, in a per-process table; the handle holds the key of its entry as a small
 CPU tensor, which the MoE custom ops take as an input. The handle is a pytree (its tensors: the key and,
 with a bound, the layout's device tensors; the expert counts and the bound as static fields), so a compiled
@@ -9,7 +9,7 @@ freed (the handle and every saved backward that holds it gone).
 
 In eager code the handle also answers the layout's questions (``tokens_per_expert``, ``expert_offsets``,
 ``num_recv``, ``plan``, ...) from the table; inside a compiled region those are data-dependent host values
-and are not available. A dispatch with ``max_tokens_per_rank`` (`overlap.ops.moe_bound`) puts
+and are not available. A dispatch with ``max_tokens_per_rank`` (`overlap.ops.moe.bound`) puts
 ``tokens_per_expert``, ``expert_offsets`` and ``num_recv`` into the handle as int64 tensors on the tokens'
 device, readable in a compiled region too; their host lists stay at ``handle.layout``.
 """
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from . import library
-from .moe_layout import MoELayout
+from .. import library
+from .layout import MoELayout
 
 
 def register(layout: MoELayout) -> torch.Tensor:

@@ -22,7 +22,7 @@ Today the bounded ops run the exact-count transfer of every strategy (the counts
 host inside the op) and then place the rows into the bounded output; what the bound gives is static
 shapes, so the custom op's fake returns a fixed row count and the bounded dispatch is an ordered effect
 like every other op (`overlap.ops.library`). The custom op, ``overlap::moe_dispatch_bounded`` (`define`,
-called by `overlap.ops.moe_dispatch`), shares the unbounded dispatch's implementation and backward.
+called by `overlap.ops.moe.dispatch`), shares the unbounded dispatch's implementation and backward.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from typing import Any
 
 import torch
 
-from . import library, moe_handle
-from . import moe_layout as layout
+from .. import library
+from . import handle as moe_handle
+from . import layout
 
 
 def capacity(world_size: int, bound: int, top_k: int, num_local_experts: int) -> int:

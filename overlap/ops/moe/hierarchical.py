@@ -3,7 +3,7 @@ node and is fanned out there through the node's symmetric heap; on the way back 
 summed within the node before they cross.
 
 The topology, the node group and its heap, the counterparts, the slot header and the failure rules are
-those of `overlap.ops.hierarchical` (read its docstring first). Legend and row orders: `overlap.ops.moe_layout`.
+those of `overlap.ops.tp.hierarchical` (read its docstring first). Legend and row orders: `overlap.ops.moe.layout`.
 ``N`` nodes of ``Q`` ranks each; rank ``(n, l)``; its counterpart on node ``m`` is ``(m, l)``.
 
 Routes (`Routes`, the same on every rank). Every call starts with one ``all_gather`` of each rank's
@@ -47,10 +47,10 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from .. import comm
-from . import hierarchical as hier
-from . import moe_layout as layout
-from .context import CallContext
+from ... import comm
+from .. import nodes as hier
+from ..context import CallContext
+from . import layout
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch's newer name)
 
@@ -132,7 +132,7 @@ def _recvs(cc: CallContext, tensor: torch.Tensor, peer: int, link: str, works: l
 
 def to_experts(cc: CallContext, h: layout.MoELayout, rows: torch.Tensor, row_of_send: torch.Tensor,
                w: torch.Tensor | None, counts: bool, between):
-    """`overlap.ops.moe_dispatch.run`'s transfer across nodes: ``(recv, out)`` as there."""
+    """`overlap.ops.moe.dispatch.run`'s transfer across nodes: ``(recv, out)`` as there."""
     lay = hier.layout_of(cc.info)
     with hier.guard(cc, lay):
         lists = node_lists(h, lay, row_of_send)
@@ -236,7 +236,7 @@ def _take_blocks(cc, h, lay: hier.Layout, rt: Routes, call, area_of, m: int, rec
 
 def to_sources(cc: CallContext, h: layout.MoELayout, y: torch.Tensor, w: torch.Tensor | None, between,
                weights: torch.Tensor | None = None) -> torch.Tensor:
-    """`overlap.ops.moe_combine.run`'s transfer across nodes: ``[P, N]`` in send order, or with `weights`
+    """`overlap.ops.moe.combine.run`'s transfer across nodes: ``[P, N]`` in send order, or with `weights`
     (``[T, K]``) the weighted sum ``[T, N]`` (each node's rows of a token summed there)."""
     lay = hier.layout_of(cc.info)
     with hier.guard(cc, lay):

@@ -15,11 +15,11 @@ ValueError) on every rank before any data moves.
 Strategies (same results; `reference` is the oracle):
 
 * ``reference``: ``all_gather_into_tensor`` of the shard (the whole weight), then one GEMM.
-* ``pipelined``: a pairwise exchange of the shards (`overlap.ops._gather`, step i: receive from ``rank+i``,
+* ``pipelined``: a pairwise exchange of the shards (`overlap.ops.tp.gather`, step i: receive from ``rank+i``,
   send to ``rank-i``), each in ``num_chunks[link]`` pieces, all posted at once; the local block's GEMM runs
   while they fly, then each piece's columns as soon as it is received. Any backend, any topology.
 * ``symm``: the shard is copied into the symmetric heap once and flagged; a copy engine streams every
-  peer's shard through a two-shard local ring (`overlap.ops._shard_ring`), the GEMMs of one shard running
+  peer's shard through a two-shard local ring (`overlap.ops.tp.shard_ring`), the GEMMs of one shard running
   while the next is pulled: no whole-size weight outside the heap. Ranks of one node.
 * ``fused``: one Triton kernel (`overlap.kernels.ag_weight_matmul`): tiles of output columns wait on the
   flag of the shard they read and load it straight from the owner's symmetric buffer, the tiles of one
@@ -35,10 +35,10 @@ reduce-scatter with sum). torch's FSDP2 averages gradients over the data-paralle
 its mean, scale the loss (or ``grad_b_shard``) by ``1/W``. Backward posts the re-gather of the weight first,
 computes ``grad_b_shard`` while it flies, then ``grad_a`` block by block as the shards are there, 16-bit
 partials summed in fp32 in a fixed order. ``grad_b_shard``: under ``symm`` and ``fused`` through a ring of
-two chunk regions in the heap (`overlap.ops._grad_ring`, its own call beside the re-gather's: each block's
+two chunk regions in the heap (`overlap.ops.tp.grad_ring`, its own call beside the re-gather's: each block's
 accumulator travels round the ring, each rank adding its partial, its GEMM hidden behind the transfer; no
 whole-size weight gradient anywhere, two chunks of it in the heap); under ``pipelined`` by
-`matmul_reduce_scatter` with the forward's plan. ``reference`` does the same with plain collectives (the
+`overlap.ops.tp.scatter_gemm` with the forward's plan. ``reference`` does the same with plain collectives (the
 whole weight and the whole weight gradient, each in flight during the other's GEMM).
 
 Concurrency and aliasing: calls on one group are issued by one thread, in the same order on every rank;
@@ -52,10 +52,11 @@ import collections
 import torch
 import torch.distributed as dist
 
-from ..errors import OverlapTimeout
-from ..plans import Plan
-from . import _gather, _grad_ring, _shard_ring, fused, hierarchical_weight, library, matmul_reduce_scatter
-from .context import CallContext, describe, no_autocast, record
+from ...errors import OverlapTimeout
+from ...plans import Plan
+from .. import fused, library
+from ..context import CallContext, describe, no_autocast, record
+from . import entry, gather, grad_ring, hierarchical_weight, scatter_gemm, shard_ring
 
 OP = "all_gather_weight_matmul"
 
@@ -94,7 +95,7 @@ def all_gather_weight_matmul(
         ValueError: ``symm``/``fused`` forced on a group that spans nodes.
         OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
     """
-    return library.tp_call(_op, OP, a, b_shard, group, strategy, plan, timeout)
+    return entry.tp_call(_op, OP, a, b_shard, group, strategy, plan, timeout)
 
 
 def heap_bytes(chosen: Plan, b: torch.Tensor) -> int:
@@ -112,8 +113,8 @@ def _start_gather(kind: str, call, shard_NK: torch.Tensor, cc: CallContext, need
     if kind == "hierarchical":
         return hierarchical_weight.start(shard_NK, cc, need)
     if kind == "symm":
-        return _shard_ring.start(call, shard_NK, cc)
-    return _gather.start(kind, call, shard_NK, cc)
+        return shard_ring.start(call, shard_NK, cc)
+    return gather.start(kind, call, shard_NK, cc)
 
 
 def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
@@ -136,7 +137,7 @@ def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
 
 def _forward(a, b, group, strategy, plan, timeout, needs_grad):
     """``overlap::all_gather_weight_matmul``: the whole call (checks, plan, handshake, strategy) on this rank."""
-    cc = library.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad)
+    cc = entry.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad)
     with record(OP), no_autocast(cc.info.device.type):
         out2 = run(a.reshape(-1, a.shape[-1]), b, cc)
         out = out2.view(*a.shape[:-1], cc.world_size * b.shape[1])
@@ -174,8 +175,8 @@ def _backward(grad_out, a, b, context, need_a, need_b):
     return library.grads_out(grad_a, grad_b, a, b)
 
 
-_backward_op = library.define(f"{OP}_backward", library.TP_BACKWARD_SCHEMA, _backward, _backward_fake)
-_op = library.define(OP, library.TP_SCHEMA, _forward, _fake, library.tp_backward(_backward_op), library.tp_save)
+_backward_op = library.define(f"{OP}_backward", entry.TP_BACKWARD_SCHEMA, _backward, _backward_fake)
+_op = library.define(OP, entry.TP_SCHEMA, _forward, _fake, entry.tp_backward(_backward_op), entry.tp_save)
 
 
 def _overlapped_backward(cc: CallContext, a2, b, g2, need_a, need_b):
@@ -187,7 +188,7 @@ def _overlapped_backward(cc: CallContext, a2, b, g2, need_a, need_b):
     kind = "symm" if heap_ring else chosen.strategy  # fused gathers the weight as symm does
     shard_NK = _rows_of(b)
     k, n = b.shape
-    lay = _grad_ring.layout(chosen, cc.info, n, k, g2.dtype) if heap_ring and need_b else None
+    lay = grad_ring.layout(chosen, cc.info, n, k, g2.dtype) if heap_ring and need_b else None
     gather = None
     grad_a = grad_b = None
     try:
@@ -196,16 +197,16 @@ def _overlapped_backward(cc: CallContext, a2, b, g2, need_a, need_b):
             # The heap cannot grow while this gather is in flight: size it for grad_b's call too.
             need = heap_bytes(chosen, b)
             if lay is not None:
-                need = max(need, _grad_ring.heap_bytes(lay, cc.world_size))
+                need = max(need, grad_ring.heap_bytes(lay, cc.world_size))
             elif need_b:
-                need = max(need, matmul_reduce_scatter.heap_bytes(chosen, g2.t(), a2.shape[1], cc.world_size))
+                need = max(need, scatter_gemm.heap_bytes(chosen, g2.t(), a2.shape[1], cc.world_size))
             gather_call = gather_cc.begin(need, steady=kind in ("symm", "pipelined"))
             gather = _start_gather(kind, gather_call, shard_NK, gather_cc, need)
         if need_b:
             grad_cc = cc.derive(signature=f"{cc.op}.grad_b(g={describe(g2)}, a={describe(a2)}, "
                                           f"plan={chosen.describe()})")
             if lay is None:  # grad_w = g.T @ a ([W*n, k]) reduce-scattered by rows: this rank's [n, k]
-                grad_b = matmul_reduce_scatter.run(g2.t().contiguous(), a2.contiguous(), grad_cc)
+                grad_b = scatter_gemm.run(g2.t().contiguous(), a2.contiguous(), grad_cc)
             else:
                 grad_b = _ring_grad_b(grad_cc, g2, a2, n, lay)
         if need_a:
@@ -217,10 +218,10 @@ def _overlapped_backward(cc: CallContext, a2, b, g2, need_a, need_b):
 
 
 def _ring_grad_b(cc: CallContext, g2, a2, n: int, lay) -> torch.Tensor:
-    """``grad_b_shard`` (``[n, k]``) through `_grad_ring`: its own call, two chunk regions of the heap."""
-    call = cc.begin(_grad_ring.heap_bytes(lay, cc.world_size), steady=True)  # (host waits, fused too)
+    """``grad_b_shard`` (``[n, k]``) through `grad_ring`: its own call, two chunk regions of the heap."""
+    call = cc.begin(grad_ring.heap_bytes(lay, cc.world_size), steady=True)  # (host waits, fused too)
     try:
-        return _grad_ring.reduce_scatter(cc, call, g2, a2.contiguous(), n, lay)
+        return grad_ring.reduce_scatter(cc, call, g2, a2.contiguous(), n, lay)
     finally:
         call.finish()
 

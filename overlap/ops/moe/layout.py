@@ -1,5 +1,5 @@
 """What the MoE ops share: routing, the layout handle, input checks, plans, signatures and the heap layout (the
-tile tables of the fused kernels: `overlap.ops.moe_tiles`).
+tile tables of the fused kernels: `overlap.ops.moe.tiles`).
 
 Legend: ``W`` ranks of the expert-parallel group, ``E`` experts (global ids), ``L = E / W`` local experts
 (rank ``r`` holds ``r*L ... (r+1)*L - 1``), ``T`` tokens of this rank, ``K`` experts per token, ``P = T*K``
@@ -35,11 +35,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import symm, world
-from ..plans import Plan, Problem
-from ..plans.auto import as_plan, fit_plan, plan_source, resolve_auto
-from .context import FLOAT_DTYPES, CallContext, describe
-from .fused import check_fused_available
+from ... import symm, world
+from ...plans import Plan, Problem
+from ...plans.auto import as_plan, fit_plan, plan_source, resolve_auto
+from ..context import FLOAT_DTYPES, CallContext, describe
+from ..fused import check_fused_available
 
 
 @dataclasses.dataclass(eq=False)
@@ -53,8 +53,8 @@ class MoELayout:
         tokens_per_expert: ``[L]``: rows of each local expert in ``x_recv`` (all sources).
         expert_offsets: ``[L][W]``: first row of block ``(e, s)`` in ``x_recv``.
         order: int64 tensor ``[P]`` (on the tokens' device): the pair at each send position.
-        max_tokens_per_rank: the dispatch's bound ``B`` (`overlap.ops.moe_bound`), None for exact counts.
-        migration: the plan's `overlap.ops.moe_migrate.Migration` (``E``, ``L`` above are then the hosted ones).
+        max_tokens_per_rank: the dispatch's bound ``B`` (`overlap.ops.moe.bound`), None for exact counts.
+        migration: the plan's `overlap.ops.moe.migrate.Migration` (``E``, ``L`` above are then the hosted ones).
         context: the dispatch's `overlap.ops.context.CallContext` (group, group facts, plan, deadline);
             the matching combine and the backward passes run in contexts derived from it.
         group, info, plan, timeout: the context's.
@@ -288,7 +288,7 @@ def resolve_plan(op: str, strategy: str, plan, info: world.GroupInfo, dtype: tor
 
 def sums_in_node(cc: CallContext) -> bool:
     """Whether a transfer back to the sources can sum a token's rows within each node before they cross
-    (``hierarchical`` across nodes, `overlap.ops.moe_hierarchical`)."""
+    (``hierarchical`` across nodes, `overlap.ops.moe.hierarchical`)."""
     return cc.plan.strategy == "hierarchical"
 
 

@@ -1,5 +1,5 @@
 """``all_gather_weight_matmul``'s ``hierarchical`` strategy: the weight's shards (rows of ``w``, ``[n, k]`` per
-rank) gathered across nodes as `overlap.ops.hierarchical.HierGather` gathers rows: each shard over the network
+rank) gathered across nodes as `overlap.ops.tp.hierarchical.HierGather` gathers rows: each shard over the network
 once per node, to the owner's counterparts, forwarded within each node through its symmetric heap. On a group
 of one node the plan is the op's ``symm`` (`overlap.plans.auto.fit_plan`).
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .context import CallContext
+from ..context import CallContext
 from .hierarchical import HierGather
 
 

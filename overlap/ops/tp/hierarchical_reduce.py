@@ -2,7 +2,7 @@
 group that spans nodes, each partial summed within its node before it crosses the network once.
 
 The topology, the node heap, the slot header, the counterparts and the failure rules are those of
-`overlap.ops.hierarchical` (read its docstring first).
+`overlap.ops.nodes` (read its docstring first).
 
 Reduce-scatter (`reduce_scatter_parts`). Destination ``d = (n', l')`` gets rows ``parts[d]`` of
 ``sum_r a_r @ b_r``. Rank ``(n, l)`` computes the partial of every destination chunk by chunk and writes it
@@ -21,7 +21,7 @@ producer says "chunk ``j`` of my partial for your destination on node ``n'`` is 
 
 All-reduce (`all_reduce`): the rows cut into ``W`` parts of ``ceil(M / W)`` rows (as ``symm``'s two-shot),
 the reduce-scatter above into the first half of the flags, then the reduced parts gathered by
-`overlap.ops.hierarchical.HierGather` in the same slot (second half of the flags): every rank ends with
+`overlap.ops.tp.hierarchical.HierGather` in the same slot (second half of the flags): every rank ends with
 bitwise the same output. ``Plan.one_shot`` is ignored across nodes.
 """
 
@@ -29,32 +29,16 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm, symm
-from ._sums import sum_in_order
-from .context import CallContext
-from .hierarchical import (
-    HEADER_BYTES,
-    HierGather,
-    Layout,
-    Poison,
-    begin_node,
-    guard,
-    irecv,
-    isend,
-    layout_of,
-    wait_local,
-)
-
-_LOW = (torch.float16, torch.bfloat16)
-
-
-def _padded(nbytes: int) -> int:
-    return (nbytes + 15) // 16 * 16
+from ... import comm, symm
+from ..context import CallContext
+from ..nodes import HEADER_BYTES, Layout, Poison, begin_node, guard, irecv, isend, layout_of, padded, wait_local
+from .hierarchical import HierGather
+from .sums import LOW, sum_in_order
 
 
 def reduce_bytes(rows: int, n: int, dtype: torch.dtype, world_size: int) -> int:
     """Slot bytes of a reduce-scatter whose largest part has `rows` rows (the header included)."""
-    return HEADER_BYTES + world_size * _padded(rows * n * torch.empty((), dtype=dtype).element_size())
+    return HEADER_BYTES + world_size * padded(rows * n * torch.empty((), dtype=dtype).element_size())
 
 
 def reduce_scatter(cc: CallContext, a2: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -77,7 +61,7 @@ def all_reduce(cc: CallContext, a2: torch.Tensor, b: torch.Tensor) -> torch.Tens
     size = -(-M // W)
     parts = [(min(d * size, M), min((d + 1) * size, M)) for d in range(W)]
     rs = reduce_bytes(size, n, a2.dtype, W)
-    ag = _padded(size * n * a2.element_size())
+    ag = padded(size * n * a2.element_size())
     half = symm.MAX_FLAGS // 2
     out = a2.new_empty((M, n))
     with guard(cc, lay):
@@ -102,7 +86,7 @@ def reduce_scatter_parts(cc: CallContext, lay: Layout, call: symm.Call, a2: torc
     n0, l0, N = lay.node, lay.local, lay.num_nodes
     n, dtype = b.shape[1], a2.dtype
     rows = max(hi - lo for lo, hi in parts)
-    region = _padded(rows * n * a2.element_size())
+    region = padded(rows * n * a2.element_size())
     F = flag_budget // N
     node_link = "shm" if a2.device.type == "cpu" else "nvlink"
 
@@ -135,7 +119,7 @@ def reduce_scatter_parts(cc: CallContext, lay: Layout, call: symm.Call, a2: torc
     for node in [*lay.remote_order(), n0]:
         dest = lay.rank(node, l0)  # the destination this rank owns on `node`
         dest_rows = size(node, l0)
-        node_sums[node] = total = a2.new_empty((dest_rows, n), dtype=torch.float32 if dtype in _LOW and
+        node_sums[node] = total = a2.new_empty((dest_rows, n), dtype=torch.float32 if dtype in LOW and
                                                node == n0 else dtype)
         chunks = max(len(bounds(node, size(node, q))) for q in range(lay.ranks_per_node))
         for j in range(chunks):
@@ -165,7 +149,7 @@ def reduce_scatter_parts(cc: CallContext, lay: Layout, call: symm.Call, a2: torc
         poison.wait(work, src, f"{j} of the node sum")
     out = a2.new_empty((mine_rows, n))
     terms = [node_sums[n0] if node == n0 else received[node] for node in range(N)]
-    if dtype in _LOW:
+    if dtype in LOW:
         acc = terms[0].float()
         for t in terms[1:]:
             acc += t

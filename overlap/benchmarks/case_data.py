@@ -1,7 +1,7 @@
 """What the benchmark computes for a case: inputs, the local oracle, the collectives and GEMMs alone.
 
-All of it is the case's op table entry's (`overlap.plans.OpSpec`: `tp_ops` and `moe_op` in
-``overlap/plans/`` describe the inputs, oracles and plain collectives of every op): `build` draws
+All of it is the case's op's workload (`overlap.workloads`: the inputs, oracle and plain collectives of every
+op): `build` draws
 every rank's inputs of the case (seeded per case, rank and tensor, so every rank can regenerate every
 rank's inputs and compute the collective's result on its own: the oracle that ``reference`` is
 checked against), and the op's plain collectives alone and its GEMMs alone, the ``T_comm`` and
@@ -15,19 +15,20 @@ from collections.abc import Callable
 
 import torch
 
-from .. import ops, world
-from ..plans import Expected, OpInputs, Plan, SeededDraw
+from .. import world
+from ..plans import Plan
+from ..workloads import Expected, OpInputs, SeededDraw, workload
 from .baseline import torch_call
 from .definitions import TORCH, AnyCase, label_plan
 
-__all__ = ["Expected", "Workload", "build", "strategy_fn"]
+__all__ = ["CaseData", "Expected", "build", "strategy_fn"]
 
 
 @dataclasses.dataclass
-class Workload:
+class CaseData:
     """One case's tensors on this rank and the functions the runner checks and times."""
 
-    op: Callable[..., torch.Tensor]  # op(*inputs, strategy=, plan=, timeout=): the table entry's call
+    op: Callable[..., torch.Tensor]  # op(*inputs, strategy=, plan=, timeout=): the workload's call
     torch_op: Callable[..., torch.Tensor]  # torch_op(*inputs): the op in plain torch (`baseline`), the torch row
     inputs: tuple[torch.Tensor, ...]  # leaves that require grad in fwd+bwd: (a, b); moe: (x, w1, w2, topk_weights)
     grad_out: torch.Tensor | None  # fwd+bwd only
@@ -40,34 +41,34 @@ class Workload:
     notes: list[str] = dataclasses.field(default_factory=list)  # facts about the case worth a footnote
 
 
-def build(case: AnyCase, seed: int, case_index: int, info: world.GroupInfo, pg, timeout: float) -> Workload:
-    """This rank's `Workload` of `case` (collective-free: every rank computes its own oracle)."""
+def build(case: AnyCase, seed: int, case_index: int, info: world.GroupInfo, pg, timeout: float) -> CaseData:
+    """This rank's `CaseData` of `case` (collective-free: every rank computes its own oracle)."""
     problem, W, r = case.problem, info.world_size, info.rank
-    spec = problem.spec
+    work = workload(problem.op)
     draw = SeededDraw((seed * 1_000_003 + case_index) % 2**62, r, info.device, case.torch_dtype)
     with torch.no_grad():
-        every = [problem.inputs(W, draw.for_rank(q)) for q in range(W)]
-        expected = spec.oracle(problem, every, r)
-        plain = spec.plain(problem, every, r, pg, info, timeout, spec.comm_bytes(problem, W))
+        every = [work.inputs(problem, W, draw.for_rank(q)) for q in range(W)]
+        expected = work.oracle(problem, every, r)
+        plain = work.plain(problem, every, r, pg, info, timeout, problem.spec.comm_bytes(problem, W))
     mine = every[r]
     if case.backward:
         for t in mine.leaves:
             t.requires_grad_(True)
 
     def op(*leaves: torch.Tensor, **kwargs) -> torch.Tensor:  # timed: no more than the call itself
-        return spec.call(ops.function, OpInputs(leaves, mine.grad_out, mine.routing, mine.num_experts), pg, **kwargs)
+        return work.call(OpInputs(leaves, mine.grad_out, mine.routing, mine.num_experts), pg, **kwargs)
 
     # The collectives and GEMMs alone read the inputs, leaves that require grad in fwd+bwd: no autograd.
-    return Workload(op, torch_call(case.op, pg, mine.routing, mine.num_experts), mine.leaves, mine.grad_out,
+    return CaseData(op, torch_call(case.op, pg, mine.routing, mine.num_experts), mine.leaves, mine.grad_out,
                     expected, torch.no_grad()(plain.comm), torch.no_grad()(plain.compute), plain.comm_label,
                     plain.compute_label, plain.comm_bytes,
                     [f"{case.name}: {note}" for note in plain.notes])
 
 
-def strategy_fn(w: Workload, case: AnyCase, label: str, timeout: float | None) -> Callable[[], list[torch.Tensor]]:
-    """One timed call of row `label` (``torch``: `Workload.torch_op`; ``auto``: ``strategy="auto"``):
+def strategy_fn(w: CaseData, case: AnyCase, label: str, timeout: float | None) -> Callable[[], list[torch.Tensor]]:
+    """One timed call of row `label` (``torch``: `CaseData.torch_op`; ``auto``: ``strategy="auto"``):
     ``[out]``, or in fwd+bwd ``[out, gradient of each input]`` (the backward of a fresh output with the fixed
-    `Workload.grad_out`, gradients not accumulated)."""
+    `CaseData.grad_out`, gradients not accumulated)."""
     strategy, fields = label_plan(case.op, label)
     kwargs = {"strategy": strategy, "plan": Plan(strategy, **fields) if fields else None, "timeout": timeout}
     if label == TORCH:  # plain torch: nothing of overlap on the timed path

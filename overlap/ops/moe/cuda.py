@@ -1,7 +1,7 @@
 """The MoE all-to-all on GPUs: launches of ``overlap._C.moe_dispatch_rows`` and ``moe_combine_rows``
 (``csrc/cuda/moe_a2a.cu``) for the ``symm`` and ``fused`` strategies, and the tables they take.
 
-Legend and layout as in `overlap.ops.moe_layout` (``W`` ranks, ``L`` local experts, ``G`` expert groups per
+Legend and layout as in `overlap.ops.moe.layout` (``W`` ranks, ``L`` local experts, ``G`` expert groups per
 peer, ``F`` flags per peer, ``T`` tokens, ``K`` experts per token, ``P = T*K`` pairs, send order).
 This rank's send positions split into ``W*G`` contiguous **blocks**, block ``i = d*G + g`` holding the rows
 for destination ``d`` and its expert group ``g``; block ``i`` is flagged with ready flag ``d*F + 1 + g``.
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import warn_once
-from . import moe_layout as layout
+from ...errors import warn_once
+from . import layout
 
 #: Row dtypes of the combine kernel and their codes in ``csrc/include/overlap/moe_a2a.cuh``.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -92,7 +92,7 @@ def _device_table(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def _c():
-    from .. import signals
+    from ... import signals
 
     return signals
 

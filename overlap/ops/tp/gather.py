@@ -38,9 +38,10 @@ from collections.abc import Iterator
 
 import torch
 
-from .. import comm, symm
-from ..symm import p2p
-from .context import CallContext
+from ... import comm, symm
+from ...symm import p2p
+from ..context import CallContext
+from .hierarchical import HierGather
 
 
 def heap_bytes(kind: str, x2: torch.Tensor) -> int:
@@ -202,11 +203,9 @@ def start(kind: str, call, x2: torch.Tensor, cc: CallContext, need: int = 0) -> 
     """Post the gather of `x2` (``[m, k]`` contiguous) over the group; see the module docstring.
 
     ``hierarchical`` (a group spanning nodes; on one node the plan is ``symm``): the rows through
-    `overlap.ops.hierarchical.HierGather`, whose node slot holds `need` bytes at least (a call made while the
+    `overlap.ops.tp.hierarchical.HierGather`, whose node slot holds `need` bytes at least (a call made while the
     gather is in flight fits in it)."""
     if kind == "hierarchical":
-        from .hierarchical import HierGather
-
         m = x2.shape[0]
         return HierGather(cc, x2, [(p * m, (p + 1) * m) for p in range(cc.world_size)], need=need)
     if kind == "reference":

@@ -47,10 +47,10 @@ import dataclasses
 
 import torch
 
-from .. import comm, symm
-from ..errors import OverlapTimeout
-from ..plans import Plan
-from .context import CallContext
+from ... import comm, symm
+from ...errors import OverlapTimeout
+from ...plans import Plan
+from ..context import CallContext
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +139,7 @@ class _Ring:
 
     # -- blame ----------------------------------------------------------------------------------
     def _published(self, peer: int, index: int) -> bool:
-        from .. import signals  # (the compiled extension: imported on this error path only)
+        from ... import signals  # (the compiled extension: imported on this error path only)
 
         heap = self.call.heap
         addr = heap.ctrl_addr(peer, heap.ready_word(self.call.slot, index))
