@@ -235,7 +235,8 @@ def op_tile(dev: Device, dtype: torch.dtype) -> tuple[int, int, int]:
 
 # ==============================================================================================
 # What the sections do on the ranks: the sources' copies, the kernels' calls (the ops' tile tables and
-# launchers: `overlap.ops.moe.tiles.dispatch_tile_table`, `combine_tile_table`, `overlap.kernels.moe`)
+# launchers: `overlap.ops.moe.tiles.dispatch_tile_table`, `combine_tile_table`,
+# `overlap.kernels.dispatch_grouped_matmul`, `grouped_matmul_combine`)
 # ==============================================================================================
 
 

@@ -41,7 +41,7 @@ def _of(report: list[dict], kernel: str) -> list[dict]:
     return rows
 
 
-def test_ag_matmul_compiles_for_sm90_with_wgmma(report):
+def test_all_gather_matmul_compiles_for_sm90_with_wgmma(report):
     rows = _of(report, "all_gather_matmul_kernel")
     assert {r["dtype"] for r in rows} == {"bf16", "fp16", "fp32"} and {r["num_warps"] for r in rows} == {4, 8}
     for r in rows:
@@ -51,7 +51,7 @@ def test_ag_matmul_compiles_for_sm90_with_wgmma(report):
         assert r["cubin_bytes"] > 0, r
 
 
-def test_ag_weight_matmul_compiles_for_sm90_with_wgmma(report):
+def test_all_gather_weight_matmul_compiles_for_sm90_with_wgmma(report):
     """The weight-side gather's kernel: its shards loaded from the owners' buffers feed wgmma."""
     rows = _of(report, "all_gather_weight_matmul_kernel")
     assert {r["dtype"] for r in rows} == {"bf16", "fp32"}

@@ -191,3 +191,44 @@ def test_an_op_without_a_strategy_never_gets_it(monkeypatch):
     assert auto.resolve_auto(op, "sig", info, 256, "bfloat16").strategy == "symm"
     with pytest.raises(ValueError, match="not implemented for this op"):
         auto.fit_plan(op, Plan("fused"), info)
+
+
+# ----------------------------------------------------------------------------------------------
+# One name per op across the layers
+# ----------------------------------------------------------------------------------------------
+
+#: the public functions of the MoE op modules (`overlap.ops.moe.dispatch`, `overlap.ops.moe.combine`)
+MOE_OPS = {"dispatch": ("dispatch", "dispatch_grouped_matmul"), "combine": ("combine", "grouped_matmul_combine")}
+
+
+def _top_functions(path: Path) -> list[str]:
+    return [n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)]
+
+
+def test_one_name_per_op_across_layers():
+    """A TP op of the table is its op module (`overlap/ops/tp/<op>.py`, defining the public function), its
+    workload and its custom op; every kernel file but the shared ones is named for the op whose fused form it
+    holds (a TP op of the table, or the MoE grouped-GEMM op), and every ``launch_*`` lives in such a file."""
+    import overlap
+    import overlap.moe
+
+    for name in ops_of("tp"):
+        assert name in _top_functions(ROOT / "overlap" / "ops" / "tp" / f"{name}.py"), name
+        assert getattr(overlap, name).__module__ == f"overlap.ops.tp.{name}", name
+        assert name in WORKLOADS and hasattr(torch.ops.overlap, name), name
+    for module, functions in MOE_OPS.items():
+        defined = _top_functions(ROOT / "overlap" / "ops" / "moe" / f"{module}.py")
+        assert all(f in defined and getattr(overlap.moe, f).__module__ == f"overlap.ops.moe.{module}"
+                   for f in functions), (module, defined)
+    op_names = set(ops_of("tp")) | {f for functions in MOE_OPS.values() for f in functions}
+    shared = {"__init__", "host", "flags", "compat"}
+    launchers = {}
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        for fn in _top_functions(path):
+            if fn.startswith("launch_"):
+                launchers[fn] = path.stem
+        if path.stem not in shared:
+            assert path.stem in op_names, f"kernels/{path.name} is named for no op"
+            assert any(fn.startswith("launch_") for fn in _top_functions(path)), f"kernels/{path.name}: no launcher"
+    misplaced = {fn: where for fn, where in launchers.items() if where not in op_names}
+    assert launchers and not misplaced, f"launchers outside their op's kernel file: {misplaced}"

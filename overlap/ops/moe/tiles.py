@@ -1,5 +1,6 @@
-"""Tile tables of the fused grouped GEMMs (`overlap.kernels.moe`): which tiles a kernel runs, over the MoE slot
-layout of `overlap.ops.moe.layout` (regions per source, flags per expert group)."""
+"""Tile tables of the fused grouped GEMMs (`overlap.kernels.dispatch_grouped_matmul`,
+`overlap.kernels.grouped_matmul_combine`): which tiles a kernel runs, over the MoE slot layout of
+`overlap.ops.moe.layout` (regions per source, flags per expert group)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from .layout import MoELayout, expert_groups, flags_per_peer, group_of
 
 
 def dispatch_tile_table(h: MoELayout, rank: int, block_m: int, device: torch.device) -> torch.Tensor:
-    """The tiles of rank `rank`'s dispatch-direction kernel (`overlap.kernels.moe.launch_grouped_matmul_wait`).
+    """The tiles of rank `rank`'s dispatch-direction kernel
+    (`overlap.kernels.dispatch_grouped_matmul.launch_grouped_matmul_wait`).
 
     One entry per `block_m` rows of each (source, local expert) block, sources from this rank down (``r``,
     ``r - 1``, ...: our own rows first, then in the order the senders write us): ``(source, expert, first row
@@ -33,7 +35,8 @@ def dispatch_tile_table(h: MoELayout, rank: int, block_m: int, device: torch.dev
 
 
 def combine_tile_table(h: MoELayout, rank: int, block_m: int, tiles_n: int, device: torch.device) -> torch.Tensor:
-    """The tiles of rank `rank`'s combine-direction kernel (`overlap.kernels.moe.launch_grouped_matmul_scatter`).
+    """The tiles of rank `rank`'s combine-direction kernel
+    (`overlap.kernels.grouped_matmul_combine.launch_grouped_matmul_scatter`).
 
     One entry per `block_m` rows of each (source, local expert) block, sources from ``r + 1`` (peers first,
     our own rows last): ``(source, expert, first row of y (expert order), first row in the source's region

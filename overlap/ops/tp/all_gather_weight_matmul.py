@@ -21,7 +21,7 @@ Strategies (same results; `reference` is the oracle):
 * ``symm``: the shard is copied into the symmetric heap once and flagged; a copy engine streams every
   peer's shard through a two-shard local ring (`overlap.ops.tp.shard_ring`), the GEMMs of one shard running
   while the next is pulled: no whole-size weight outside the heap. Ranks of one node.
-* ``fused``: one Triton kernel (`overlap.kernels.ag_weight_matmul`): tiles of output columns wait on the
+* ``fused``: one Triton kernel (`overlap.kernels.all_gather_weight_matmul`): tiles of output columns wait on the
   flag of the shard they read and load it straight from the owner's symmetric buffer, the tiles of one
   shard scheduled together, this rank's first: the whole weight is never materialized. Ranks of one node;
   on CPU ranks it runs interpreted (correct, slow: for tests at small sizes). Its backward is ``symm``'s.

@@ -219,7 +219,7 @@ def _fused(cc: CallContext, call, a2, b):
 
 def scatter_and_reduce(cc: CallContext, call, a2, b, out, *, block_rows: int, dst_table: torch.Tensor,
                        flag_index: int, src_table: torch.Tensor, max_chunks: int, flag_stride: int = 0) -> None:
-    """The two fused kernels (`overlap.kernels.mm_rs`, through their launchers).
+    """The two fused kernels (`overlap.kernels.matmul_reduce_scatter`, through their launchers).
 
     Producer: ``a2 @ b`` cut into ``len(dst_table)`` blocks of `block_rows` rows, block ``d`` stored at
     ``dst_table[d]`` and flagged per chunk in this rank's ready flags ``d * flag_stride + chunk``.

@@ -12,7 +12,7 @@ tiles of one shard run together (each peer's shard is read from that peer about 
 tiles that share a column tile grouped for L2), the first tiles need no peer, and starting at
 ``rank + 1`` spreads the readers over the owners.
 
-Waiting, as `overlap.kernels.ag_matmul`: a tile acquires the owner's flag (``flag >= epoch``) before it
+Waiting, as `overlap.kernels.all_gather_matmul`: a tile acquires the owner's flag (``flag >= epoch``) before it
 loads; the spin is bounded by ``%globaltimer`` on GPUs, by an abort word a host watchdog sets when
 interpreted; a tile that gives up records ``src + 1`` in ``err_ptr``.
 
@@ -139,6 +139,6 @@ def launch_all_gather_weight_matmul(a: torch.Tensor, ptr_table: torch.Tensor, fl
             out.stride(0), out.stride(1),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M,
             UPCAST=interpreted and a.dtype == torch.bfloat16, INTERPRETED=interpreted,
-            **host.launch_options(num_warps, num_stages, interpreted),
+            **host.meta_options(num_warps, num_stages, interpreted),
         )
     return out

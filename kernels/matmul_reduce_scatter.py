@@ -229,7 +229,7 @@ def launch_reduce_chunks(out: torch.Tensor, src_table: torch.Tensor, flag_table:
         err: int32 word (GPU: pinned host memory) where a wait that gives up records ``s + 1``; the caller reads it.
         timeout_ns: how long one wait may spin.
         block: ``(BLOCK_M, BLOCK_N)``; ``BLOCK_M`` the producers' (it sets the chunk of a row tile).
-        abort, watchdog: as for `overlap.kernels.ag_matmul.launch_all_gather_matmul`.
+        abort, watchdog: as for `overlap.kernels.all_gather_matmul.launch_all_gather_matmul`.
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit, a tile size that is not a power of two >= 16.

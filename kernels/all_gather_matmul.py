@@ -144,6 +144,6 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
             out.stride(0), out.stride(1),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M,
             UPCAST=interpreted and b.dtype == torch.bfloat16, INTERPRETED=interpreted,
-            **host.launch_options(num_warps, num_stages, interpreted),
+            **host.meta_options(num_warps, num_stages, interpreted),
         )
     return out
