@@ -3,7 +3,7 @@ node and is fanned out there through the node's symmetric heap; on the way back 
 summed within the node before they cross.
 
 The topology, the node group and its heap, the counterparts, the slot header and the failure rules are
-those of `overlap.ops.tp.hierarchical` (read its docstring first). Legend and row orders: `overlap.ops.moe.layout`.
+those of `overlap.ops.nodes` (read its docstring first). Legend and row orders: `overlap.ops.moe.layout`.
 ``N`` nodes of ``Q`` ranks each; rank ``(n, l)``; its counterpart on node ``m`` is ``(m, l)``.
 
 Routes (`Routes`, the same on every rank). Every call starts with one ``all_gather`` of each rank's

@@ -2,7 +2,7 @@
 instead of the tokens to the expert (the HybridEP idea).
 
 Which experts. ``Plan.migrate`` lists pairs ``(expert e, node m)`` (nodes of the group ordered by their
-lowest rank, as in `overlap.ops.tp.hierarchical`). It is fixed per layer in the plan, not decided per call from
+lowest rank, as in `overlap.ops.nodes`). It is fixed per layer in the plan, not decided per call from
 the routing, and is part of the call signature (`Plan.describe`), so every rank agrees on it. The ops it
 applies to are the grouped-matmul forms (`dispatch_grouped_matmul`, `grouped_matmul_combine`, and
 `overlap.nn.ExpertParallelMLP` through them), on groups that span nodes; plain `dispatch`/`combine` raise
