@@ -216,7 +216,7 @@ def _layer(problem: Any, routed: tuple, plan: Any, info: Any, timeout: float):
     import torch
 
     import overlap
-    from overlap.plans import SeededDraw
+    from overlap.workloads import SeededDraw
 
     T, H, F, E = problem.m, problem.k, problem.n, problem.experts
     L = E // info.world_size

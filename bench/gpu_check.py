@@ -28,23 +28,24 @@ One GPU: NCCL refuses two ranks of one communicator on one GPU, so W *virtual ra
 (``gpu_check_virtual``), each with its own stream, its own symmetric buffer (a plain device tensor) and its own
 int32 flag word; one address space, so the peer-pointer table is an int64 tensor of the buffers' ``data_ptr()``.
 The kernels are launched through the launchers the ops call (``overlap.kernels``), MoE tile tables from the ops'
-own builders (``overlap.ops.moe_layout``). The sections come in groups (`gpu_check_groups.GROUPS`), each group in
+own builders (``overlap.ops.moe.layout``). The sections come in groups (`gpu_check_groups.GROUPS`), each group in
 a process of its own (`gpu_check_runner`: a crash or a sticky CUDA error in one cannot poison the next), every
 correctness group before any timing group:
 
-* ``ag`` (``gpu_check_tp_ag``): the fused all-gather GEMM (``kernels/ag_matmul.py``) against
+* ``ag`` (``gpu_check_tp_ag``): the fused all-gather GEMM (``kernels/all_gather_matmul.py``) against
   ``torch.cat(shards) @ b`` in float64, outputs NaN-poisoned: a. ordered (flags set before the consumers launch),
   b. racing (flags published later from another stream), c. a flag never set (the kernel's bounded wait fires);
-  a.weight-ordered: the weight-side kernel (``kernels/ag_weight_matmul.py``, ``all_gather_weight_matmul``'s
+  a.weight-ordered: the weight-side kernel (``kernels/all_gather_weight_matmul.py``, ``all_gather_weight_matmul``'s
   fused) against ``a @ torch.cat(shards).T``, its shards flagged before the consumers launch.
 * ``streams``: d. ``overlap.signals``' bounded flag-wait kernel and stream-ordered wait/write, e. the ``symm``
   pipeline (side-stream bounded waits and copies, per-chunk events, per-chunk GEMMs).
-* ``rs`` (``gpu_check_tp_rs``): f. the fused reduce-scatter kernels (``kernels/mm_rs.py``) in the layouts of
-  ``matmul_reduce_scatter`` and two-shot and one-shot ``matmul_all_reduce``, against float64 sums: ordered (two
-  calls back to back), racing, a source that never signals.
-* ``moe`` (``gpu_check_moe``): g. the fused MoE kernels (``kernels/moe.py``) with the MoE ops' slot layout and a
-  host-built routing: the dispatch grouped GEMM that waits per block (ordered, racing, a block never flagged) and
-  the combine grouped GEMM that stores into the sources' regions (ordered twice, racing).
+* ``rs`` (``gpu_check_tp_rs``): f. the fused reduce-scatter kernels (``kernels/matmul_reduce_scatter.py``) in the
+  layouts of ``matmul_reduce_scatter`` and two-shot and one-shot ``matmul_all_reduce``, against float64 sums:
+  ordered (two calls back to back), racing, a source that never signals.
+* ``moe`` (``gpu_check_moe``): g. the fused MoE kernels (``kernels/dispatch_grouped_matmul.py``,
+  ``kernels/grouped_matmul_combine.py``) with the MoE ops' slot layout and a host-built routing: the dispatch
+  grouped GEMM that waits per block (ordered, racing, a block never flagged) and the combine grouped GEMM that
+  stores into the sources' regions (ordered twice, racing).
 * ``a2a``: h. ``overlap.signals``' MoE all-to-all kernels (GPU only).
 * ``ops`` (``gpu_check_ops``): i. the ops themselves through their public API, every op of the op table x
   {symm, fused} x {fwd, fwd+bwd}, in two rank processes sharing the device (a one-rank fallback), against the

@@ -1,6 +1,7 @@
-"""One GPU, virtual ranks: checks g and timings of the fused MoE kernels (`overlap.kernels.moe`), launched as
+"""One GPU, virtual ranks: checks g and timings of the fused MoE kernels (`overlap.kernels.dispatch_grouped_matmul`,
+`overlap.kernels.grouped_matmul_combine`), launched as
 `dispatch_grouped_matmul`'s fused strategy launches `grouped_matmul_wait_kernel` and `grouped_matmul_combine`'s
-launches `grouped_matmul_scatter_kernel`: the ops' own tile tables (`overlap.ops.moe_tiles.dispatch_tile_table`,
+launches `grouped_matmul_scatter_kernel`: the ops' own tile tables (`overlap.ops.moe.tiles.dispatch_tile_table`,
 `combine_tile_table`) and launchers (`overlap.kernels.launch_grouped_matmul_wait`, `launch_grouped_matmul_scatter`).
 
 The virtual ranks, the slot layout and the kernels' calls are `gpu_check_moe_group`'s; the sections (this module's

@@ -9,8 +9,8 @@ from gpu_check_moe_group import Config, MoEGroup, staged_rows
 from gpu_check_virtual import Device
 
 from overlap import signals
-from overlap.ops import moe_cuda
-from overlap.ops import moe_layout as layout
+from overlap.ops.moe import cuda as moe_cuda
+from overlap.ops.moe import layout
 
 
 def check_a2a_kernels(rep: Report, dev: Device, cfg: Config) -> None:

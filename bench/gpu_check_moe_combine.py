@@ -27,7 +27,7 @@ from gpu_check_moe_group import (
 from gpu_check_virtual import Device
 
 from overlap import signals
-from overlap.ops import moe_layout as layout
+from overlap.ops.moe import layout
 
 # ==============================================================================================
 # The combine direction: inputs, the sources' collection, the judges

@@ -2,12 +2,12 @@
 ranks with the slot layout of the MoE ops, which every MoE section (dispatch, combine, a2a, timings) starts from.
 
 As in gpu_check_virtual: W virtual ranks in one process, each with its own stream, its own slot (a plain device
-tensor laid out as `overlap.ops.moe_layout` lays out a slot: a header of ``W x L`` int32 counts, then ``W`` regions of
+tensor laid out as `overlap.ops.moe.layout` lays out a slot: a header of ``W x L`` int32 counts, then ``W`` regions of
 `layout.region_stride` bytes, NaN until written), its own flag pad (int32 ``[MAX_FLAGS]`` at the previous call's
 epoch: producer ``s`` flags ``d * F`` for its counts and ``d * F + 1 + g`` for its rows of expert group ``g``
 for rank ``d``) and its own flag counters. The routing is built on the host: random top-k with uneven loads
 (a ramp on the logits, or two hot experts per rank), uneven token counts (0 included), one expert nobody
-picks. The layout math is the ops' own (`overlap.ops.moe_layout`: `route`, `MoELayout`, `heap_need`,
+picks. The layout math is the ops' own (`overlap.ops.moe.layout`: `route`, `MoELayout`, `heap_need`,
 `region_stride`, `group_of`, ...); the expected rows are not:
 they come straight from ``topk_idx`` (expert, then source rank, then pair order).
 
@@ -32,9 +32,10 @@ from gpu_check_virtual import Device, Tile
 from overlap.kernels import epoch_word, grouped_matmul_grid, launch_grouped_matmul_scatter, launch_grouped_matmul_wait
 
 from overlap import symm
-from overlap.ops import fused, moe_tiles
-from overlap.ops import moe_layout as layout
+from overlap.ops import fused
 from overlap.ops.context import CallContext
+from overlap.ops.moe import layout
+from overlap.ops.moe import tiles as moe_tiles
 from overlap.plans import Plan
 
 # ==============================================================================================
@@ -234,7 +235,8 @@ def op_tile(dev: Device, dtype: torch.dtype) -> tuple[int, int, int]:
 
 # ==============================================================================================
 # What the sections do on the ranks: the sources' copies, the kernels' calls (the ops' tile tables and
-# launchers: `overlap.ops.moe_tiles.dispatch_tile_table`, `combine_tile_table`, `overlap.kernels.moe`)
+# launchers: `overlap.ops.moe.tiles.dispatch_tile_table`, `combine_tile_table`,
+# `overlap.kernels.dispatch_grouped_matmul`, `grouped_matmul_combine`)
 # ==============================================================================================
 
 

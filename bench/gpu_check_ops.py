@@ -12,7 +12,7 @@ stream-ordered waits and writes, the ``symm`` side-stream pipelines (peer pulls 
 another process's flags), the MoE dispatch and combine CUDA kernels with their tables, and every backward.
 
 Each rank (`gpu_check_ops_rank`, one process each) draws every rank's inputs from the seed
-(``Problem.inputs``, ``SeededDraw``), computes its own results with the table's oracle (``OpSpec.oracle``) on
+(``Workload.inputs``, ``SeededDraw``), computes its own results with the workload's oracle (``Workload.oracle``) on
 float64 copies, makes each call twice and requires bitwise the same results (the determinism claim of
 docs/design.md), and checks the first against the oracle: TP ops within a rounding bound from the oracle on the
 inputs' magnitudes, MoE within docs/design.md's tolerance (c). A case passes if it passes on every rank.

@@ -99,15 +99,12 @@ def _as64(inputs, magnitude: bool = False):
                                routing=None if inputs.routing is None else inputs.routing.cpu())
 
 
-def call_once(spec, inputs, group, plan, backward: bool, timeout: float) -> list[torch.Tensor]:
-    """One call through the table's call (the public ops, `overlap.ops.function`) on fresh leaves:
-    ``[out]``, or ``[out, gradient of every leaf]`` after ``out.backward(grad_out)``."""
-    import overlap.ops
-
+def call_once(work, inputs, group, plan, backward: bool, timeout: float) -> list[torch.Tensor]:
+    """One call through the workload's call (`overlap.workloads.Workload.call`: the public ops) on fresh
+    leaves: ``[out]``, or ``[out, gradient of every leaf]`` after ``out.backward(grad_out)``."""
     leaves = tuple(t.detach().clone().requires_grad_(backward) for t in inputs.leaves)
     with torch.set_grad_enabled(backward):
-        out = spec.call(overlap.ops.function, dataclasses.replace(inputs, leaves=leaves), group, plan=plan,
-                        timeout=timeout)
+        out = work.call(dataclasses.replace(inputs, leaves=leaves), group, plan=plan, timeout=timeout)
         if backward:
             out.backward(inputs.grad_out)
     return [out.detach(), *(t.grad for t in leaves if backward)]
@@ -135,19 +132,20 @@ def run_case(case: Case, index: int, seed: int, group, device: torch.device, dty
     """Inputs of every rank from the seed, this rank's float64 oracle, two calls; the case's verdict here."""
     import torch.distributed as dist
 
-    from overlap.plans import OPS, Plan, Problem, SeededDraw
+    from overlap.plans import OPS, Plan, Problem
+    from overlap.workloads import SeededDraw, workload
 
-    spec = OPS[case.op]
+    spec, work = OPS[case.op], workload(case.op)
     W, rank = dist.get_world_size(group), dist.get_rank(group)
     problem = Problem(case.op, dtype=dtype_name(dtype), backward=case.backward, **case.shape)
     draw = SeededDraw((seed * 1_000_003 + index) % 2**62, rank, device, dtype)
     with torch.no_grad():
-        every = [problem.inputs(W, draw.for_rank(q)) for q in range(W)]
-        exact = spec.oracle(problem, [_as64(e) for e in every], rank)
-        terms = spec.oracle(problem, [_as64(e, True) for e in every], rank) if spec.family == "tp" else exact
+        every = [work.inputs(problem, W, draw.for_rank(q)) for q in range(W)]
+        exact = work.oracle(problem, [_as64(e) for e in every], rank)
+        terms = work.oracle(problem, [_as64(e, True) for e in every], rank) if spec.family == "tp" else exact
     plan = Plan(case.strategy, num_chunks=CHUNKS, **({case.variant: True} if case.variant else {}))
-    first = call_once(spec, every[rank], group, plan, case.backward, timeout)
-    second = call_once(spec, every[rank], group, plan, case.backward, timeout)
+    first = call_once(work, every[rank], group, plan, case.backward, timeout)
+    second = call_once(work, every[rank], group, plan, case.backward, timeout)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # bounded: every wait the calls enqueued has its deadline
     depth = max(max(t.shape) for t in every[rank].leaves) * W

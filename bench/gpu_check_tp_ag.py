@@ -1,6 +1,6 @@
 """One GPU, virtual ranks: the checks a-c and e and the timings of the fused all-gather GEMM kernel
-(`overlap.kernels.ag_matmul`), as bench/gpu_check.py's docstring tells, and check a of the weight-side one
-(`overlap.kernels.ag_weight_matmul`, ``all_gather_weight_matmul``'s fused strategy: the virtual ranks' shards
+(`overlap.kernels.all_gather_matmul`), as bench/gpu_check.py's docstring tells, and check a of the weight-side one
+(`overlap.kernels.all_gather_weight_matmul`, ``all_gather_weight_matmul``'s fused strategy: the virtual ranks' shards
 are rows of the weight); its virtual ranks are
 `gpu_check_tp_group.GatherGroup`. Its entries run three groups (`gpu_check_groups.GROUPS`): "ag" (a-c),
 "streams" (the checks d of the virtual ranks' primitives, `gpu_check_virtual`, and e) and "time_ag" (the

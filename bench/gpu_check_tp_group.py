@@ -52,7 +52,7 @@ from overlap.kernels import (
 
 from overlap import symm
 from overlap.ops import fused
-from overlap.ops.matmul_reduce_scatter import region_bytes
+from overlap.ops.tp.scatter_gemm import region_bytes
 
 KINDS = {"rs": "reduce-scatter", "ar2": "all-reduce two-shot (its reduce-scatter)", "ar1": "all-reduce one-shot"}
 

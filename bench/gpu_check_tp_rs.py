@@ -1,5 +1,5 @@
 """One GPU, virtual ranks: checks f and timings of the fused reduce-scatter kernels
-(`overlap.kernels.mm_rs`: `matmul_scatter_kernel`, then `reduce_chunks_kernel`), as
+(`overlap.kernels.matmul_reduce_scatter`: `matmul_scatter_kernel`, then `reduce_chunks_kernel`), as
 `matmul_reduce_scatter` and `matmul_all_reduce` launch them (`scatter_and_reduce`, `reduce_sources`).
 
 The virtual ranks, their layouts (``rs``, ``ar2``, ``ar1``) and the kernels' launches are

@@ -42,7 +42,8 @@ import torch.distributed as dist
 import overlap
 from overlap import envs, symm, world
 from overlap.benchmarks.cases import OPS, label_plan, strategy_labels
-from overlap.plans import OpInputs, Problem, SeededDraw, op_spec
+from overlap.plans import Problem
+from overlap.workloads import OpInputs, SeededDraw, workload
 
 DEFAULT_STRATEGIES = ("reference", "pipelined", "symm", "pipelined+one_shot", "symm+one_shot")
 RSS_SLACK_FRACTION, RSS_SLACK_KIB = 0.05, 8 * 1024
@@ -125,10 +126,10 @@ def sample(pids: tuple[int, ...], group: Any = None) -> dict[str, int]:
 
 
 def _inputs(op: str, shape: tuple[int, int, int], world_size: int, rank: int, seed: int):
-    """This rank's ``(a, w, grad_out)`` of the op table's inputs for `shape`, the weight ``w`` ``[n, k]``
+    """This rank's ``(a, w, grad_out)`` of the op's workload inputs for `shape`, the weight ``w`` ``[n, k]``
     (passed as ``w.t()``, the way Megatron does)."""
     problem = Problem(op, *shape, backward=True)
-    inputs = problem.inputs(world_size, SeededDraw(seed, rank, "cpu", torch.float32))
+    inputs = workload(op).inputs(problem, world_size, SeededDraw(seed, rank, "cpu", torch.float32))
     a, b = inputs.leaves
     return a, b.t().contiguous(), inputs.grad_out
 
@@ -150,10 +151,10 @@ def soak_case(
     iters, shape = (cfg.fused_iters, cfg.fused_shape) if fused else (cfg.iters, cfg.shape)
     warmup = cfg.warmup or max(5, iters // 20)
     every = max(1, iters // 10)
-    spec = op_spec(op)
+    call = workload(op).call
 
-    def fn(a, b, group=None, **kwargs):  # the op table's call of `op`
-        return spec.call(overlap.ops.function, OpInputs((a, b), None), group, **kwargs)
+    def fn(a, b, group=None, **kwargs):  # the workload's call of `op`
+        return call(OpInputs((a, b), None), group, **kwargs)
 
     plan = overlap.Plan(strategy, **fields)
     a0, w0, g = _inputs(op, shape, world_size, rank, cfg.seed)

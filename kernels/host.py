@@ -67,7 +67,7 @@ def abort_word(kernel: str, abort: torch.Tensor | None, err: torch.Tensor, inter
     return torch.zeros(1, dtype=torch.int32, device=err.device) if interpreted else err
 
 
-def launch_options(num_warps: int | None, num_stages: int | None, interpreted: bool) -> dict[str, int]:
+def meta_options(num_warps: int | None, num_stages: int | None, interpreted: bool) -> dict[str, int]:
     """Triton launch options given (none when `interpreted`: they only shape GPU code)."""
     if interpreted:
         return {}
@@ -160,3 +160,29 @@ def check_range(kernel: str, name: str, value: int, lo: int, hi: int) -> None:
     """``lo <= value < hi`` for an int."""
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value < hi:
         fail(kernel, f"{name} must be an int in [{lo}, {hi}), got {value!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The grouped GEMMs' (`dispatch_grouped_matmul`, `grouped_matmul_combine`)
+# ----------------------------------------------------------------------------------------------
+
+
+def grouped_matmul_grid(num_tiles: int, n: int, block_n: int) -> int:
+    """Programs of one launch: every tile table entry times the ``N`` columns in `block_n` tiles."""
+    return num_tiles * cdiv(n, block_n)
+
+
+def check_expert_weights(kernel: str, w: torch.Tensor, k: int, like: torch.Tensor) -> None:
+    """The grouped GEMMs' stacked expert weights: ``[L, k, N]`` of `like`'s dtype and device."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.shape[1] != k or w.dtype != like.dtype \
+            or w.device != like.device:
+        got = f"{w.dtype} {list(w.shape)} on {w.device}" if isinstance(w, torch.Tensor) else type(w).__name__
+        fail(kernel, f"w must be {like.dtype} [L, {k}, N] on {like.device}, got {got}")
+
+
+def address_tables(kernel: str, device: torch.device, **tables: torch.Tensor) -> int:
+    """Check int64 ``[W]`` address tables of one size; returns ``W``."""
+    size = table_size(next(iter(tables.values())))
+    for name, table in tables.items():
+        check_table(kernel, name, table, size, device)
+    return size

@@ -34,10 +34,10 @@ if "torch" in _sys.modules:  # torch is loaded already: costs nothing now, and c
 
 #: public name -> (module, attribute or None for the module itself), imported on first use
 _LAZY: dict[str, tuple[str, str | None]] = {
-    "all_gather_matmul": (".ops.all_gather_matmul", "all_gather_matmul"),
-    "matmul_reduce_scatter": (".ops.matmul_reduce_scatter", "matmul_reduce_scatter"),
-    "matmul_all_reduce": (".ops.matmul_all_reduce", "matmul_all_reduce"),
-    "all_gather_weight_matmul": (".ops.all_gather_weight_matmul", "all_gather_weight_matmul"),
+    "all_gather_matmul": (".ops.tp.all_gather_matmul", "all_gather_matmul"),
+    "matmul_reduce_scatter": (".ops.tp.matmul_reduce_scatter", "matmul_reduce_scatter"),
+    "matmul_all_reduce": (".ops.tp.matmul_all_reduce", "matmul_all_reduce"),
+    "all_gather_weight_matmul": (".ops.tp.all_gather_weight_matmul", "all_gather_weight_matmul"),
     "moe": (".moe", None),
     "nn": (".nn", None),
     "hooks": (".hooks", None),
@@ -53,10 +53,10 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 
 __all__ = sorted(_LAZY)
 
-#: the package's submodules, also imported on first use as attributes (``overlap.ops.function`` after a bare
+#: the package's submodules, also imported on first use as attributes (``overlap.world.LINK_CLASSES`` after a bare
 #: ``import overlap``, as when the package imported them all)
 _SUBMODULES = ("benchmarks", "cli", "comm", "envs", "errors", "kernels", "logs", "ops", "plans", "pool", "shm",
-               "signals", "symm", "tune", "version", "world")
+               "signals", "symm", "tune", "version", "workloads", "world")
 
 
 def __getattr__(name: str):

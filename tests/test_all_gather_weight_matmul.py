@@ -75,7 +75,7 @@ def test_chunked_plans_and_repeatable(pools, seed):
 def bytes_task(rank, world_size):
     """Each peer's shard is read once per forward (and once more by the backward's re-gather)."""
     import overlap
-    from overlap.ops import all_gather_weight_matmul as mod
+    from overlap.ops.tp import all_gather_weight_matmul as mod
 
     a, b = torch.randn(4, 32), torch.randn(32, 16)
     shard = 32 * 16 * 4
@@ -215,7 +215,7 @@ def killed_peer(rank, world_size, strategy, backward):
     import signal
 
     import overlap
-    from overlap.ops import _grad_ring
+    from overlap.ops.tp import grad_ring as _grad_ring
 
     a, b = torch.randn(4, 8, requires_grad=backward), torch.randn(8, 3, requires_grad=backward)
     overlap.all_gather_weight_matmul(a, b, strategy=strategy)

@@ -188,7 +188,7 @@ _WRONG_SYMM = """
     import sys
     import torch.distributed as dist
     from overlap.cli import main
-    from overlap.ops import all_gather_matmul as module
+    from overlap.ops.tp import all_gather_matmul as module
 
     right = module.all_gather_matmul
 
@@ -199,7 +199,7 @@ _WRONG_SYMM = """
             out[0, 0] += 1.0
         return out
 
-    module.all_gather_matmul = wrong  # where the benchmark's calls look the op up (overlap.ops.function)
+    module.all_gather_matmul = wrong  # where the benchmark's calls look the op up (overlap.workloads.tp)
     sys.exit(main(["bench", "--op", "all_gather_matmul", "--mode", "fwd", "--shape", "16x8x8",
                    "--strategies", "reference,symm,pipelined", "--warmup", "0", "--iters", "2", "--timeout", "30"]))
 """
@@ -242,10 +242,10 @@ _WRONG_TORCH = """
 
     import torch.distributed as dist
 
-    from overlap.benchmarks import workloads
+    from overlap.benchmarks import case_data
     from overlap.cli import main
 
-    right = workloads.torch_call
+    right = case_data.torch_call
 
     def wrong(op, group, *args):
         fn = right(op, group, *args)
@@ -256,7 +256,7 @@ _WRONG_TORCH = """
 
         return call
 
-    workloads.torch_call = wrong  # where the workload builds its torch row
+    case_data.torch_call = wrong  # where the case's data builds its torch row
     sys.exit(main(["bench", "--op", "matmul_all_reduce", "--mode", "fwd", "--shape", "16x8x8",
                    "--strategies", "reference,symm", "--warmup", "0", "--iters", "2", "--timeout", "30"]))
 """
@@ -380,9 +380,9 @@ _WRONG_MOE = """
             y = y + 1e-3  # a wrong output, on one rank only: every rank must still agree not to time it
         return y
 
-    # where the benchmark's calls look the ops up (overlap.ops.function)
-    overlap.ops.moe_dispatch.dispatch_grouped_matmul = wrong_dispatch
-    overlap.ops.moe_combine.grouped_matmul_combine = wrong_combine
+    # where the benchmark's calls look the ops up (overlap.workloads.moe)
+    overlap.ops.moe.dispatch.dispatch_grouped_matmul = wrong_dispatch
+    overlap.ops.moe.combine.grouped_matmul_combine = wrong_combine
     sys.exit(main(["bench", "--op", "moe", "--mode", "fwd+bwd", "--shape", "16,8,12,4,2",
                    "--strategies", "reference,pipelined,symm", "--warmup", "0", "--iters", "2", "--timeout", "30"]))
 """

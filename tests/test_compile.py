@@ -200,13 +200,12 @@ def test_every_op_is_an_ordered_effect_but_the_unbounded_dispatch():
     silently (`overlap.ops.library` falls back to plain side effects), so it is checked here."""
     from torch._higher_order_ops.effects import _EffectType, _get_effect
 
-    from overlap.ops import (  # noqa: F401  (each module defines its custom ops)
+    from overlap.ops.moe import combine, dispatch  # noqa: F401  (each module defines its custom ops)
+    from overlap.ops.tp import (  # noqa: F401
         all_gather_matmul,
         collectives,
         matmul_all_reduce,
         matmul_reduce_scatter,
-        moe_combine,
-        moe_dispatch,
     )
 
     ns = torch.ops.overlap

@@ -2,10 +2,10 @@
 
 * nvcc compiles them for sm_80 and sm_90a; the dispatch kernel's PTX/SASS publishes each block's flag
   with a system-scope fence, acquire-release counter and release store; the combine kernel has no fused
-  multiply-add (it must round like `overlap.ops.moe_layout.weighted_sum`).
+  multiply-add (it must round like `overlap.ops.moe.layout.weighted_sum`).
 * `overlap._C`'s launchers check their arguments (ValueError with the values) and fail clearly
   (RuntimeError) where no GPU or no CUDA half exists.
-* `overlap.ops.moe_cuda` builds its tables from a handle and passes them to `_C` correctly: the launches
+* `overlap.ops.moe.cuda` builds its tables from a handle and passes them to `_C` correctly: the launches
   run against an emulation of the kernels (the same index math, on CPU memory through the raw addresses
   the launches pass) and are compared with what the CPU path writes and sums.
 
@@ -27,9 +27,9 @@ import torch
 from support.cuda_tools import cuobjdump
 
 from overlap import _C, envs, errors, symm
-from overlap.ops import moe_cuda
-from overlap.ops import moe_layout as layout
 from overlap.ops.context import CallContext, warn_device_connections
+from overlap.ops.moe import cuda as moe_cuda
+from overlap.ops.moe import layout
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "csrc" / "cuda" / "moe_a2a.cu"

@@ -195,7 +195,7 @@ def test_moe_figures_over_the_veth_pair():
     raw = ec.run(cfg)[0]["raw"]
     assert [(r["routing"], r["problem"]["backward"]) for r in raw["moe_figures"]] == [
         (k, bw) for bw in (False, True) for k in moe.ROUTINGS]
-    migrating = importlib.util.find_spec("overlap.ops.moe_migrate") is not None
+    migrating = importlib.util.find_spec("overlap.ops.moe.migrate") is not None
     for rec in raw["moe_figures"]:
         rows, case = rec["rows"], (rec["routing"], rec["problem"]["backward"])
         assert not any(r["error"] for r in rows.values()), (case, rows)

@@ -68,8 +68,8 @@ _WRONG_OPS = """
 import sys
 sys.path.insert(0, {bench!r})
 import torch
-import overlap.ops.all_gather_matmul as agm
-import overlap.ops.matmul_reduce_scatter as mrs
+import overlap.ops.tp.all_gather_matmul as agm
+import overlap.ops.tp.matmul_reduce_scatter as mrs
 
 real_rs, real_ag = mrs.matmul_reduce_scatter, agm.all_gather_matmul
 calls = []

@@ -277,7 +277,7 @@ def killed_remote(rank, world_size, op, victim):
     from support.tp_oracle import expect_error
 
     import overlap
-    from overlap.ops import hierarchical, hierarchical_reduce
+    from overlap.ops.tp import hierarchical, hierarchical_reduce
 
     group = spanning_group(rank, 2)
     try:

@@ -2,7 +2,7 @@
 them (the same specialization): GEMMs on wgmma fed by 16-byte loads, flags with system-scope acquire/release,
 waits bounded by %globaltimer that every warp leaves on the same iteration (`support.ptx_flow`). Also
 without a GPU: the kernels' launchers refuse bad arguments (ValueError with the values) before launching, and
-the MoE tile tables (`overlap.ops.moe_layout`) cover every row once."""
+the MoE tile tables (`overlap.ops.moe.layout`) cover every row once."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def _of(report: list[dict], kernel: str) -> list[dict]:
     return rows
 
 
-def test_ag_matmul_compiles_for_sm90_with_wgmma(report):
+def test_all_gather_matmul_compiles_for_sm90_with_wgmma(report):
     rows = _of(report, "all_gather_matmul_kernel")
     assert {r["dtype"] for r in rows} == {"bf16", "fp16", "fp32"} and {r["num_warps"] for r in rows} == {4, 8}
     for r in rows:
@@ -51,7 +51,7 @@ def test_ag_matmul_compiles_for_sm90_with_wgmma(report):
         assert r["cubin_bytes"] > 0, r
 
 
-def test_ag_weight_matmul_compiles_for_sm90_with_wgmma(report):
+def test_all_gather_weight_matmul_compiles_for_sm90_with_wgmma(report):
     """The weight-side gather's kernel: its shards loaded from the owners' buffers feed wgmma."""
     rows = _of(report, "all_gather_weight_matmul_kernel")
     assert {r["dtype"] for r in rows} == {"bf16", "fp32"}
@@ -212,8 +212,8 @@ def test_launchers_refuse_bad_arguments_with_their_values(case, message):
 
 def _handles(world_size: int, tokens: list[int], top_k: int, num_local_experts: int):
     """Every rank's MoE handle of one routing, ``recv_counts`` from the senders' counts (no group needed)."""
-    from overlap.ops import moe_layout as layout
     from overlap.ops.context import CallContext
+    from overlap.ops.moe import layout
 
     gen = torch.Generator().manual_seed(world_size * 100 + top_k)
     E = world_size * num_local_experts
@@ -232,8 +232,8 @@ def _handles(world_size: int, tokens: list[int], top_k: int, num_local_experts: 
     (1, [7], 1, 3), (2, [13, 0], 2, 2), (3, [33, 5, 40], 3, 5), (2, [50, 20], 2, 200),
 ])
 def test_moe_tile_tables_cover_every_row_once(world_size, tokens, top_k, num_local_experts):
-    from overlap.ops import moe_layout as layout
-    from overlap.ops import moe_tiles
+    from overlap.ops.moe import layout
+    from overlap.ops.moe import tiles as moe_tiles
 
     W, L, bm, tiles_n = world_size, num_local_experts, 16, 3
     F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)

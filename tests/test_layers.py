@@ -4,8 +4,10 @@ every import names something that exists, and the scripts of ``bench/`` use no p
 Every ``import`` and ``from ... import`` of every module of ``overlap/`` and ``kernels/`` (installed as
 ``overlap.kernels``) is read with `ast`, those inside functions (lazy imports) included, and resolved to
 the module it names. A module may import its own layer or the layers below it, never one above; within a
-layer the imports form no cycle, except an op and the op that is its backward (their autograd functions
-call each other).
+layer the imports form no cycle. Inside the ops layer: the families (``overlap.ops.tp``, ``overlap.ops.moe``)
+never import each other, no public op module imports another (what two ops share lives in a module both
+import), and nothing is imported inside a function but the optional accelerators (Triton's kernels, the
+compiled extension).
 """
 
 from __future__ import annotations
@@ -29,16 +31,18 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("plans", ("overlap.plans",)),
     ("kernels", ("overlap.kernels",)),
     ("ops", ("overlap.ops", "overlap.moe")),
+    ("workloads", ("overlap.workloads",)),
     ("tuning, modules, hooks, benchmarks, demo",
      ("overlap.tune", "overlap.nn", "overlap.hooks", "overlap.benchmarks", "overlap.demo")),
     ("command line, and the package's own namespace", ("overlap.cli", "=overlap")),
 ]
 
-#: the only cycles allowed: an op and its backward's op
-ALLOWED_CYCLES = [
-    {"overlap.ops.all_gather_matmul", "overlap.ops.matmul_reduce_scatter"},
-    {"overlap.ops.moe_dispatch", "overlap.ops.moe_combine"},
-]
+#: the public op modules: each defines the custom ops of its public functions and their autograd
+OP_MODULES = ("overlap.ops.tp.all_gather_matmul", "overlap.ops.tp.matmul_reduce_scatter",
+              "overlap.ops.tp.matmul_all_reduce", "overlap.ops.tp.all_gather_weight_matmul", "overlap.ops.moe.dispatch",
+              "overlap.ops.moe.combine")
+#: what a module of overlap/ops may import inside a function: the optional accelerators
+LAZY_ALLOWED = ("overlap.kernels", "overlap.signals", "overlap._C")
 
 
 def _modules() -> dict[str, Path]:
@@ -151,9 +155,36 @@ def _cycles(graph: dict[str, list[str]]) -> list[set[str]]:
     return found
 
 
-def test_no_cycles_but_an_op_and_its_backward():
-    unexpected = [sorted(c) for c in _cycles(GRAPH) if c not in ALLOWED_CYCLES]
-    assert not unexpected, f"import cycles: {unexpected}"
+def test_no_cycles():
+    assert not _cycles(GRAPH), f"import cycles: {[sorted(c) for c in _cycles(GRAPH)]}"
+
+
+def test_families_and_op_modules_import_no_sibling():
+    """``overlap.ops.tp`` and ``overlap.ops.moe`` never import each other; no public op module imports another."""
+    found = []
+    for name, deps in GRAPH.items():
+        for family, other in (("overlap.ops.tp.", "overlap.ops.moe"), ("overlap.ops.moe.", "overlap.ops.tp")):
+            if name.startswith(family):
+                found += [f"{name} imports {d}" for d in deps if d == other or d.startswith(other + ".")]
+        if name in OP_MODULES:
+            found += [f"{name} imports the op module {d}" for d in deps if d in OP_MODULES]
+    assert not found, "\n".join(found)
+
+
+def _lazy_imports(name: str, path: Path) -> list[tuple[int, str]]:
+    """The imports of module `name` made inside a function (``(line, module)``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    lines = {n.lineno for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return [(line, mod) for line, mod in _imports(name, path) if line in lines]
+
+
+def test_ops_import_nothing_lazily_but_the_accelerators():
+    found = [f"{MODULES[name]}:{line}: {name} imports {mod} inside a function"
+             for name in MODULES if name.startswith("overlap.ops.")
+             for line, mod in _lazy_imports(name, MODULES[name])
+             if not any(mod == a or mod.startswith(a + ".") for a in LAZY_ALLOWED)]
+    assert not found, "\n".join(found)
 
 
 @pytest.mark.parametrize("source, expected", [
@@ -177,6 +208,7 @@ def test_the_checker_rejects_an_upward_import_and_a_cycle(tmp_path):
     found = _upward("overlap.symm.layout", path)
     assert len(found) == 1 and "imports overlap.ops.context (ops)" in found[0], found
     assert _cycles({"a": ["b"], "b": ["a", "c"], "c": []}) == [{"a", "b"}]
+    assert _lazy_imports("overlap.symm.layout", path) == [(5, "overlap.ops.context")]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -292,7 +324,7 @@ def test_bench_uses_no_private_module_or_name():
 
 def test_the_checker_finds_private_uses_in_a_script(tmp_path):
     path = tmp_path / "script.py"
-    path.write_text("import torch._dynamo\nfrom overlap import _C, symm\nfrom overlap.ops.moe_layout import MoELayout\n"
+    path.write_text("import torch._dynamo\nfrom overlap import _C, symm\nfrom overlap.ops.moe.layout import MoELayout\n"
                     "from overlap.ops import _gather\n\n\ndef f():\n    return symm._HEAPS, symm.heap_for, torch._C\n")
     found = _private_uses(path)
     assert len(found) == 3 and "_C" in found[0] and "_gather" in found[1] and "symm._HEAPS" in found[2], found

@@ -126,7 +126,7 @@ def handle_lifetime_task(rank, world_size, seed):
     import gc
 
     import overlap
-    from overlap.ops import moe_handle
+    from overlap.ops.moe import handle as moe_handle
 
     case = Case((5, 7, 2)[:world_size], 8, 8, 2 * world_size, 2, "random")
     xs, idxs, *_ = make_inputs(case, seed, world_size, torch.float32)

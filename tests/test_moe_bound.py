@@ -1,4 +1,4 @@
-"""overlap.moe with ``max_tokens_per_rank`` (`overlap.ops.moe_bound`) on CPU ranks: every strategy against the
+"""overlap.moe with ``max_tokens_per_rank`` (`overlap.ops.moe.bound`) on CPU ranks: every strategy against the
 dense float64 oracle, forward and backward, with the padding rows checked (zero, never read even when the
 expert function makes them nonzero, zero gradient); a rank over the bound, ranks that disagree on it;
 `overlap.nn.ExpertParallelMLP` with a bound against itself without one.

@@ -223,7 +223,7 @@ def killed_remote(rank: int, world_size: int, victim: int, op: str):
     from support.tp_oracle import expect_error
 
     import overlap
-    from overlap.ops import hierarchical
+    from overlap.ops import nodes
 
     group = spanning_group(rank, 2)
     try:
@@ -234,7 +234,7 @@ def killed_remote(rank: int, world_size: int, victim: int, op: str):
             def die(*args, **kwargs):
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            hierarchical.begin_node = hierarchical.isend = die
+            nodes.begin_node = nodes.isend = die
         start = time.monotonic()
         if op == "dispatch":
             kind, msg, *_ = expect_error(overlap.moe.dispatch, x, idx, 8, group=group, strategy="hierarchical",

@@ -1,4 +1,4 @@
-"""Expert migration (``Plan.migrate``, `overlap.ops.moe_migrate`) on groups that span nodes, emulated as in
+"""Expert migration (``Plan.migrate``, `overlap.ops.moe.migrate`) on groups that span nodes, emulated as in
 tests/test_moe_hierarchical.py (``OVERLAP_NODE_ID``; 2 nodes x 2 ranks and 2 x 1 on the pooled CPU ranks).
 
 The MoE layer (`dispatch_grouped_matmul` -> gelu -> `grouped_matmul_combine`, forward and backward) with a
@@ -287,7 +287,7 @@ def killed_remote(rank: int, world_size: int, victim: int) -> tuple[str, str, fl
     import time
 
     import overlap
-    from overlap.ops import moe_migrate
+    from overlap.ops.moe import migrate as moe_migrate
 
     group = spanning_group(rank, 2)
     try:

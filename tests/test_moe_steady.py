@@ -1,5 +1,5 @@
 """The steady state of the MoE ops: with ``max_tokens_per_rank`` a ``symm`` transfer's slot size is fixed by
-the signature, so warmed calls skip the host rendezvous (`overlap.ops.moe_bound.begin`), and ranks that
+the signature, so warmed calls skip the host rendezvous (`overlap.ops.moe.bound.begin`), and ranks that
 disagree still raise `OverlapMismatchError` everywhere, found in the data. Exact counts keep the full
 handshake (the slot follows the routing). Counts, error kinds and numbers only; no timings.
 """

@@ -1,5 +1,6 @@
-"""The op table (`overlap.plans.optable`): every entry consistent with itself, seeded inputs that every rank
-can regenerate, an op added by one entry, and no switch on op names anywhere else in the code."""
+"""The op table (`overlap.plans.optable`) and the workloads (`overlap.workloads`): every entry consistent with
+itself and with its workload, seeded inputs that every rank can regenerate, an op added by one entry, and no
+switch on op names anywhere else in the code."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from overlap.ops.context import tp_problem
-from overlap.plans import OPS, Plan, Problem, SeededDraw, costmodel, op_spec, ops_of
+from overlap.ops.tp.entry import tp_problem
+from overlap.plans import OPS, Plan, Problem, costmodel, op_spec, ops_of
+from overlap.workloads import WORKLOADS, SeededDraw, workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,9 +37,9 @@ def _topology(world_size: int) -> costmodel.Topology:
 def test_every_entry_agrees_with_itself(op, world_size, backward):
     """Inputs of the rows the entry states, an oracle of the output's shape, bytes per link that add up
     to the bytes, an ``m`` recovered from the input's rows, no chunking under reference."""
-    spec, p = op_spec(op), _problem(op, backward, world_size)
+    spec, work, p = op_spec(op), workload(op), _problem(op, backward, world_size)
     draw = SeededDraw(5, 0, "cpu", torch.float32)
-    every = [p.inputs(world_size, draw.for_rank(q)) for q in range(world_size)]
+    every = [work.inputs(p, world_size, draw.for_rank(q)) for q in range(world_size)]
     for q, inputs in enumerate(every):
         a = inputs.leaves[0]
         assert a.shape == (spec.in_rows(p.m, world_size), p.k), (op, q, a.shape)
@@ -46,7 +48,7 @@ def test_every_entry_agrees_with_itself(op, world_size, backward):
         if backward:
             cols = spec.out_cols(p.n, world_size) if spec.family == "tp" else p.k
             assert inputs.grad_out.shape == (spec.out_rows(p.m, world_size), cols)
-    expected = spec.oracle(p, every, world_size - 1)
+    expected = work.oracle(p, every, world_size - 1)
     out = expected[0]
     assert out.what == "out" and out.value.shape[0] == spec.out_rows(p.m, world_size), (op, out.value.shape)
     if spec.family == "tp":
@@ -62,6 +64,11 @@ def test_every_entry_agrees_with_itself(op, world_size, backward):
     assert spec.rows_per_rank(spec.in_rows(p.m, world_size) + 1, world_size) in (None, p.m + 1)
 
 
+def test_every_op_has_one_workload():
+    """The table and the workloads name the same ops, in the same order."""
+    assert list(WORKLOADS) == list(OPS) and all(w.name == name for name, w in WORKLOADS.items())
+
+
 @pytest.mark.exact
 def test_seeded_draws_are_per_rank_and_reproducible():
     """Any rank regenerates any rank's tensors; ``shared`` ones are the same on every rank."""
@@ -73,7 +80,7 @@ def test_seeded_draws_are_per_rank_and_reproducible():
     assert d0.normal("a", 3, 3, scale=0.5).dtype == torch.float32
     assert SeededDraw(3, 0, "cpu", torch.bfloat16).normal("a", 2).dtype == torch.bfloat16
     p = _problem("matmul_all_reduce", True, 2)  # a replicated output: one gradient on every rank
-    g0, g1 = (p.inputs(2, d).grad_out for d in (d0, d1))
+    g0, g1 = (workload(p.op).inputs(p, 2, d).grad_out for d in (d0, d1))
     assert torch.equal(g0, g1)
 
 
@@ -98,10 +105,12 @@ def test_an_op_is_added_by_one_entry(monkeypatch):
 # No switch on op names outside the table and the ops' own modules
 # ----------------------------------------------------------------------------------------------
 
-#: where an op's name may be compared or keyed: the table, its families' functions, the op modules; and
+#: where an op's name may be compared or keyed: the table, its families' functions, the op modules, the
+#: workloads (one per op, keyed by its name); and
 #: the GPU check's torchrun section, whose checks are named by op and include what the table does not
 #: describe (matmul_all_reduce rows that do not divide by the ranks, the MoE ops' parts alone)
 OWNERS = {"overlap/plans/optable.py", "overlap/plans/tp_ops.py", "overlap/plans/moe_op.py", "bench/gpu_check_dist.py",
+          "overlap/workloads/__init__.py", "overlap/workloads/tp.py", "overlap/workloads/moe.py",
           # the package's export list and the command line's torch-free mirror of the table (checked
           # against OPS where the torch side loads): lists of names, not switches on them
           "overlap/__init__.py", "overlap/benchmarks/names.py"}
@@ -128,7 +137,7 @@ def _switches(path: Path, names: set[str]) -> list[str]:
 def test_no_switch_on_op_names_outside_the_table():
     names = set(OPS)
     files = [p for p in sorted([*ROOT.glob("overlap/**/*.py"), *ROOT.glob("kernels/*.py"), *ROOT.glob("bench/*.py")])
-             if str(p.relative_to(ROOT)) not in OWNERS and not p.match("overlap/ops/*.py")]
+             if str(p.relative_to(ROOT)) not in OWNERS and not str(p.relative_to(ROOT)).startswith("overlap/ops/")]
     found = [line for path in files for line in _switches(path, names)]
     assert not found, "switches on op names outside the op table:\n" + "\n".join(found)
 
@@ -147,8 +156,8 @@ def test_a_float64_oracle_stays_float64(op):
     a sum in fp32 would differ from the float64 sum by ~1e-7."""
     p = dataclasses.replace(_problem(op, True, 3), dtype="float64")
     draw = SeededDraw(11, 0, "cpu", torch.float64)
-    every = [p.inputs(3, draw.for_rank(q)) for q in range(3)]
-    expected = op_spec(op).oracle(p, every, 1)
+    every = [workload(op).inputs(p, 3, draw.for_rank(q)) for q in range(3)]
+    expected = workload(op).oracle(p, every, 1)
     assert all(e.value.dtype == torch.float64 for e in expected), [(e.what, e.value.dtype) for e in expected]
     if op_spec(op).family == "tp":  # out against the plain float64 sum of every rank's partial
         if op == "all_gather_matmul":
@@ -182,3 +191,44 @@ def test_an_op_without_a_strategy_never_gets_it(monkeypatch):
     assert auto.resolve_auto(op, "sig", info, 256, "bfloat16").strategy == "symm"
     with pytest.raises(ValueError, match="not implemented for this op"):
         auto.fit_plan(op, Plan("fused"), info)
+
+
+# ----------------------------------------------------------------------------------------------
+# One name per op across the layers
+# ----------------------------------------------------------------------------------------------
+
+#: the public functions of the MoE op modules (`overlap.ops.moe.dispatch`, `overlap.ops.moe.combine`)
+MOE_OPS = {"dispatch": ("dispatch", "dispatch_grouped_matmul"), "combine": ("combine", "grouped_matmul_combine")}
+
+
+def _top_functions(path: Path) -> list[str]:
+    return [n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)]
+
+
+def test_one_name_per_op_across_layers():
+    """A TP op of the table is its op module (`overlap/ops/tp/<op>.py`, defining the public function), its
+    workload and its custom op; every kernel file but the shared ones is named for the op whose fused form it
+    holds (a TP op of the table, or the MoE grouped-GEMM op), and every ``launch_*`` lives in such a file."""
+    import overlap
+    import overlap.moe
+
+    for name in ops_of("tp"):
+        assert name in _top_functions(ROOT / "overlap" / "ops" / "tp" / f"{name}.py"), name
+        assert getattr(overlap, name).__module__ == f"overlap.ops.tp.{name}", name
+        assert name in WORKLOADS and hasattr(torch.ops.overlap, name), name
+    for module, functions in MOE_OPS.items():
+        defined = _top_functions(ROOT / "overlap" / "ops" / "moe" / f"{module}.py")
+        assert all(f in defined and getattr(overlap.moe, f).__module__ == f"overlap.ops.moe.{module}"
+                   for f in functions), (module, defined)
+    op_names = set(ops_of("tp")) | {f for functions in MOE_OPS.values() for f in functions}
+    shared = {"__init__", "host", "flags", "compat"}
+    launchers = {}
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        for fn in _top_functions(path):
+            if fn.startswith("launch_"):
+                launchers[fn] = path.stem
+        if path.stem not in shared:
+            assert path.stem in op_names, f"kernels/{path.name} is named for no op"
+            assert any(fn.startswith("launch_") for fn in _top_functions(path)), f"kernels/{path.name}: no launcher"
+    misplaced = {fn: where for fn, where in launchers.items() if where not in op_names}
+    assert launchers and not misplaced, f"launchers outside their op's kernel file: {misplaced}"

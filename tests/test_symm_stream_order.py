@@ -16,18 +16,13 @@ from support import gpu_order
 from support.gpu_order import check_order, gpu_call, gpu_heap, on_gpu
 
 from overlap import symm
-from overlap.ops import (
-    _gather,
-    _grad_ring,
-    _shard_ring,
-    matmul_all_reduce,
-    matmul_reduce_scatter,
-    moe_combine,
-    moe_cuda,
-    moe_dispatch,
-)
-from overlap.ops import moe_layout as layout
 from overlap.ops.context import CallContext
+from overlap.ops.moe import cuda as moe_cuda
+from overlap.ops.moe import layout, to_experts, to_sources
+from overlap.ops.tp import gather as _gather
+from overlap.ops.tp import grad_ring as _grad_ring
+from overlap.ops.tp import matmul_all_reduce, scatter_gemm
+from overlap.ops.tp import shard_ring as _shard_ring
 
 RANKS = [(W, r) for W in (2, 3, 4) for r in range(W)]
 IDS = [f"W{W}-r{r}" for W, r in RANKS]
@@ -112,7 +107,7 @@ def test_matmul_reduce_scatter(monkeypatch, W, r):
     call = gpu_call(heap)
     rec = _record(monkeypatch, heap, call)
     with gpu_order.fake_cuda(monkeypatch):
-        matmul_reduce_scatter._symm(_context(W, r), call, on_gpu(torch.randn(5 * W, 4)), on_gpu(torch.randn(4, 3)))
+        scatter_gemm._symm(_context(W, r), call, on_gpu(torch.randn(5 * W, 4)), on_gpu(torch.randn(4, 3)))
     check_order(rec.ops)
     _nontrivial(rec.ops, W)
 
@@ -178,7 +173,7 @@ def test_moe_dispatch(monkeypatch, W, r, kernel):
     monkeypatch.setattr(moe_cuda, "warn_once", lambda *a, **k: None)
     x = on_gpu(torch.randn(T, H))
     with gpu_order.fake_cuda(monkeypatch):
-        moe_dispatch._symm(_context(W, r), call, h, x, h.token_of, None, True, None)
+        to_experts._symm(_context(W, r), call, h, x, h.token_of, None, True, None)
     check_order([op for op in rec.ops if op[0] != "kernel-release"])
     _nontrivial(rec.ops, W)
     if kernel:  # the kernel's flags are mirrored into the pads after it, before any wait
@@ -197,7 +192,7 @@ def test_moe_combine(monkeypatch, W, r):
     rec = _record(monkeypatch, heap, call)
     y = on_gpu(torch.randn(h.num_recv, H))
     with gpu_order.fake_cuda(monkeypatch):
-        moe_combine._symm(_context(W, r), call, h, y, None, None)
+        to_sources._symm(_context(W, r), call, h, y, None, None)
     check_order(rec.ops)
     _nontrivial(rec.ops, W)
 

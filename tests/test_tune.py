@@ -185,13 +185,14 @@ def test_moe_calls_take_the_same_plan_file_entry_on_every_rank(pools):
 def test_problem_keys_of_calls_match_the_tuner(op):
     """The key a call looks up is the key `tune` writes for the same shape (so tuned entries are found)."""
     from overlap import plans as plan_mod
-    from overlap.ops import context, moe_layout
+    from overlap.ops.moe import layout as moe_layout
+    from overlap.ops.tp import entry
 
     if op == "moe":
         p = moe_layout.moe_problem(24, 32, 48, 8, 2, torch.float32, True)
         want = plan_mod.Problem("moe", 24, 32, 48, "float32", True, 8, 2)
     else:
         a, b = torch.zeros(3 * 16, 64), torch.zeros(64, 128)
-        p = context.tp_problem(op, a.shape[0], a, b, 3)
+        p = entry.tp_problem(op, a.shape[0], a, b, 3)
         want = plan_mod.Problem(op, 16, 64, 128, "float32", False)
     assert p == want and p.key == want.key

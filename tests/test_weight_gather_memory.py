@@ -92,7 +92,7 @@ def heap_task(rank, world_size, strategy, dtype, inject=None):
 
     import overlap
     from overlap import Plan, symm, world
-    from overlap.ops import _grad_ring
+    from overlap.ops.tp import grad_ring as _grad_ring
 
     group = dist.new_group(backend="gloo")
     injected = []
@@ -168,7 +168,7 @@ def _injected(kind, world_size, sizes):
         finally:
             lib._destroy()  # torch's own kernels again
     elif kind == "whole_weight":
-        from overlap.ops import all_gather_weight_matmul as agwm
+        from overlap.ops.tp import all_gather_weight_matmul as agwm
 
         rows_of = agwm._rows_of
 

@@ -1,7 +1,7 @@
 """Benchmarks of the fused ops: one definition of the cases (`cases`: the tensor-parallel ops at
 ``m x k x n`` or a real model's layer, `models`: the Llama-3 presets; the MoE layer at ``T,H,F,E,K``
 with presets of real models' proportions; what a case is: `definitions`), what each op's benchmark
-computes (`workloads`), one runner (`runner`: each case checked by `checks`, then timed by
+computes (`case_data`), one runner (`runner`: each case checked by `checks`, then timed by
 `timing`), and its outputs: the table and JSON (`report`), a progress bar (`progress`),
 ``--compare`` (`compare`) and ``--plot`` (`plot`, matplotlib).
 

@@ -1,5 +1,5 @@
-"""The ``torch`` row of every benchmark case: the op written with torch alone (`overlap.plans.plain_torch`, through
-the op table), the baseline of every speedup. No code of this project is on its timed path."""
+"""The ``torch`` row of every benchmark case: the op written with torch alone (`overlap.workloads.plain_torch`,
+through its workload), the baseline of every speedup. No code of this project is on its timed path."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from collections.abc import Callable
 
 import torch
 
-from ..plans import op_spec
+from ..workloads import workload
 
 __all__ = ["torch_call"]
 
 
 def torch_call(op: str, group, routing: torch.Tensor | None = None, num_experts: int = 0
                ) -> Callable[..., torch.Tensor]:
-    """``fn(*leaves) -> out``: `op` in plain torch on `group` (the leaves as the op table orders them: TP
+    """``fn(*leaves) -> out``: `op` in plain torch on `group` (the leaves as its workload orders them: TP
     ``(a, b)``, moe ``(x, w1, w2, topk_weights)`` with `routing` and `num_experts`)."""
-    return op_spec(op).plain_torch(group, routing, num_experts)
+    return workload(op).plain_torch(group, routing, num_experts)

@@ -1,10 +1,10 @@
 """Correctness before timing: which strategies of a case run, and every one of them checked on
 every rank (`check_case`) before `timing` times any.
 
-The inputs are fresh and random, seeded per rank and case (`workloads` says how they are drawn
+The inputs are fresh and random, seeded per rank and case (`case_data` says how they are drawn
 and scaled; never zeros), so every rank can regenerate every rank's inputs: ``reference`` and
 ``torch`` (the op in plain torch, `baseline`) are checked against the op's result computed locally
-(`workloads.Expected`), then every strategy and ``auto`` against ``reference``, with
+(`case_data.Expected`), then every strategy and ``auto`` against ``reference``, with
 `torch.testing.assert_close` at `tolerance`: the forward output, and in ``fwd+bwd`` also the
 gradient of every input (``grad_a`` and ``grad_b``; moe: ``grad_x``,
 ``grad_w1``, ``grad_w2``, ``grad_topk_weights``). The verdicts of all ranks are gathered, so every
@@ -32,10 +32,10 @@ from ..ops import fused
 from ..plans import Plan
 from ..plans.auto import resolve_auto
 from . import report
+from .case_data import CaseData, Expected, build, strategy_fn
 from .cases import BenchConfig
 from .definitions import AUTO, TORCH, AnyCase, bench_labels, label_plan
 from .progress import Progress, quiet
-from .workloads import Expected, Workload, build, strategy_fn
 
 
 def tolerance(dtype: torch.dtype, reduction: int, strategy: str, device_type: str) -> dict[str, float]:
@@ -47,7 +47,7 @@ def tolerance(dtype: torch.dtype, reduction: int, strategy: str, device_type: st
     product grows like ``sqrt(L)``, so docs/design.md's ``1e-5`` holds as is up to ``L = 256`` and is
     widened with the same margin beyond (2.8e-5 at ``L = 2048``). ``fused`` fp32 on a GPU runs its
     ``tl.dot`` as TF32 (docs/design.md) and gets ``rtol=atol=1e-2``. Forward outputs are of order 1 by
-    the inputs' scaling (`workloads`); gradients can be larger (``grad_b`` sums ``W*m`` products of
+    the inputs' scaling (`case_data`); gradients can be larger (``grad_b`` sums ``W*m`` products of
     order 1), and `_tolerances` multiplies ``atol`` by a tensor's RMS where that exceeds 1.
     """
     if dtype in (torch.bfloat16, torch.float16):
@@ -65,7 +65,7 @@ def fused_interpreted(device: torch.device) -> bool:
 def _tolerances(
     case: AnyCase, expected: list[Expected], device_type: str, strategies: list[str]
 ) -> dict[str, dict[str, dict[str, float]]]:
-    """Per strategy label, per tensor (``out``, then the gradients; `workloads.Expected`): `tolerance`,
+    """Per strategy label, per tensor (``out``, then the gradients; `case_data.Expected`): `tolerance`,
     with ``atol`` multiplied by the tensor's RMS where that exceeds 1."""
     scales = {e.what: (e.reduction, max(1.0, float(e.value.double().pow(2).mean().sqrt()))) for e in expected}
     tols: dict[str, dict[str, dict[str, float]]] = {}
@@ -143,7 +143,7 @@ class Checked:
     labels: list[str]  # the row labels run for the case: torch, reference, the strategies, auto
     failed: dict[str, str]  # label -> the lowest failing rank's message (the same on every rank)
     notes: list[str]
-    work: Workload
+    work: CaseData
     tols: dict[str, dict[str, dict[str, float]]]
     fns: dict[str, Callable[[], Any]]  # what is timed: the collectives alone, the GEMMs alone, the labels that passed
     slow: set[str]  # labels under the Triton interpreter: no warm-up, at most timing.INTERPRETED_ITERS repeats

@@ -43,7 +43,7 @@ MoE (op ``moe``, `MoECase`): one MoE layer's expert part on the expert-parallel 
 ``y = overlap.moe.grouped_matmul_combine(a, w2, topk_weights, handle)``. Its shape is
 ``T,H,F,E,K``: ``T`` tokens per rank, hidden ``H``, expert FFN width ``F``, ``E`` experts (split
 evenly over the ``W`` ranks, ``L = E/W`` each; ``E`` must divide by ``W``), ``K`` experts per token.
-The routing is fixed per case and drawn like a trained router's (`workloads`): loads are uneven, so
+The routing is fixed per case and drawn like a trained router's (`case_data`): loads are uneven, so
 ``R``, the rows a rank's experts receive, varies between ranks and experts; it averages ``T*K``.
 
 * FLOPs per rank (`MoECase.flops`): the mean over ranks of ``2*R*H*F`` per grouped GEMM, i.e.
@@ -54,7 +54,7 @@ The routing is fixed per case and drawn like a trained router's (`workloads`): l
   times ``H`` elements: dispatch (the rows of its experts' pairs from peers) plus combine (its own
   pairs' results from peers), and in ``fwd+bwd`` the two backward transfers again (the output
   gradient's rows to the experts, the input gradient's rows back; all four carry ``H`` columns).
-  This depends on the routing, so the workload computes it (`workloads.Workload.comm_bytes`); with
+  This depends on the routing, so the workload computes it (`case_data.CaseData.comm_bytes`); with
   uniform routing it is about ``2*T*K*(W-1)/W*H*itemsize`` forward.
 
 MoE presets (`MOE_PRESETS`): the proportions of real models, scaled down so that a case runs in

@@ -5,7 +5,7 @@ case (`cases.Case`: a tensor-parallel op, a shape, a dtype, a mode; `cases.MoECa
 layer, ``T,H,F,E,K``, a dtype, a mode), `run_case`:
 
 1. Fresh random inputs, seeded per rank and case (rank 0 draws the run's seed unless one is given
-   and broadcasts it; the seed is printed so a run can be repeated); `workloads` says how they are
+   and broadcasts it; the seed is printed so a run can be repeated); `case_data` says how they are
    drawn and scaled. Never zeros.
 2. Correctness (`checks`): ``reference`` against the op's result computed locally, then every
    strategy against ``reference``, the forward output and in ``fwd+bwd`` the gradient of every
@@ -22,7 +22,7 @@ Reported per row (docs/design.md "Measuring"): TFLOP/s (`Case.flops`: 1 GEMM for
 ``= T_torch / T_strategy`` and beside it ``T_ref / T_strategy``, the plan it ran (`checks.plan_labels`:
 ``auto``'s choice), and overlap efficiency ``= (T_ref - T_strategy) / min(T_comm, T_compute)``,
 the share of the smaller of the two costs that was hidden (1.0 is the limit). ``T_comm`` and
-``T_compute`` are the plain collectives alone and the GEMMs alone of the same mode (`workloads`): in
+``T_compute`` are the plain collectives alone and the GEMMs alone of the same mode (`case_data`): in
 ``fwd+bwd`` every collective and every GEMM of the unfused forward and backward, so the efficiency
 there is that of the whole training step of the op. Interpreted ``fused`` runs only where every dim
 is at most `cases.INTERPRETED_FUSED_MAX_DIM`, is labelled ``(interpreted)``, is timed without warm-up

@@ -6,7 +6,7 @@ After the correctness check (`checks.check_case`), `iters` interleaved repeats: 
 collectives alone, the GEMMs alone, ``reference``, then each strategy that passed, and again, so
 that drift (clocks, other load) hits every label alike. A ``fwd`` call is the op's forward; a
 ``fwd+bwd`` call is the forward, then the backward of that fresh output with a fixed random
-``grad_out`` (``torch.autograd.grad``, so nothing accumulates; `workloads.strategy_fn`). Each timing
+``grad_out`` (``torch.autograd.grad``, so nothing accumulates; `case_data.strategy_fn`). Each timing
 sits between ``dist.barrier()`` calls, measured on the host with `time.perf_counter` (after
 ``torch.cuda.synchronize()`` on GPUs). One ``all_gather_object`` per case collects the timings; the
 time of a repeat is the maximum over ranks (a collective op is as slow as its slowest rank), and a

@@ -45,10 +45,10 @@ from torch.nn import Parameter
 
 from .. import envs
 from ..errors import warn_once
-from ..ops.all_gather_matmul import all_gather_matmul
-from ..ops.collectives import gather_last_dim, linear_all_reduce_dgrad, split_last_dim
-from ..ops.matmul_all_reduce import matmul_all_reduce
-from ..ops.matmul_reduce_scatter import matmul_reduce_scatter
+from ..ops.tp.all_gather_matmul import all_gather_matmul
+from ..ops.tp.collectives import gather_last_dim, linear_all_reduce_dgrad, split_last_dim
+from ..ops.tp.matmul_all_reduce import matmul_all_reduce
+from ..ops.tp.matmul_reduce_scatter import matmul_reduce_scatter
 from ..plans import Plan
 
 

@@ -59,10 +59,10 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
 from .. import envs
-from ..ops.all_gather_matmul import all_gather_matmul
-from ..ops.collectives import all_reduce_grad
-from ..ops.matmul_all_reduce import matmul_all_reduce
-from ..ops.matmul_reduce_scatter import matmul_reduce_scatter
+from ..ops.tp.all_gather_matmul import all_gather_matmul
+from ..ops.tp.collectives import all_reduce_grad
+from ..ops.tp.matmul_all_reduce import matmul_all_reduce
+from ..ops.tp.matmul_reduce_scatter import matmul_reduce_scatter
 from ..plans import Plan
 from ..plans.auto import as_plan
 

@@ -19,7 +19,7 @@ column, ``sequence_parallel=True``          `overlap.all_gather_matmul` of ``[s/
                                             its overlapped reduce-scatter of the input gradient
 column, ``sequence_parallel=False``         ``x @ w.T`` on the whole ``[s, b, in]``; the input gradient
                                             all-reduced during the weight-gradient GEMM
-                                            (`overlap.ops.collectives.linear_all_reduce_dgrad`)
+                                            (`overlap.ops.tp.collectives.linear_all_reduce_dgrad`)
 column, ``gather_output=True``              then every rank's columns gathered: ``[s, b, out]``
 row, ``sequence_parallel=True``             `overlap.matmul_reduce_scatter` of ``[s, b, in/W]``:
                                             ``[s/W, b, out]``; the bias gradient all-reduced
@@ -51,10 +51,10 @@ import torch.nn.functional as F
 from torch.nn import Parameter
 
 from .. import envs, world
-from ..ops.all_gather_matmul import all_gather_matmul
-from ..ops.collectives import all_reduce_grad, gather_last_dim, linear_all_reduce_dgrad, split_last_dim
-from ..ops.matmul_all_reduce import matmul_all_reduce
-from ..ops.matmul_reduce_scatter import matmul_reduce_scatter
+from ..ops.tp.all_gather_matmul import all_gather_matmul
+from ..ops.tp.collectives import all_reduce_grad, gather_last_dim, linear_all_reduce_dgrad, split_last_dim
+from ..ops.tp.matmul_all_reduce import matmul_all_reduce
+from ..ops.tp.matmul_reduce_scatter import matmul_reduce_scatter
 from ..plans import Plan
 from ..plans.auto import as_plan
 

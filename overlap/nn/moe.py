@@ -36,8 +36,8 @@ from torch.nn import Parameter
 
 from .. import envs, world
 from ..ops.context import CallContext, describe
-from ..ops.moe_combine import grouped_matmul_combine
-from ..ops.moe_dispatch import OP_DISPATCH_MM, dispatch_grouped_matmul
+from ..ops.moe.combine import grouped_matmul_combine
+from ..ops.moe.dispatch import OP_DISPATCH_MM, dispatch_grouped_matmul
 from ..plans import Plan
 from ..plans.auto import as_plan
 
@@ -75,10 +75,10 @@ class ExpertParallelMLP(torch.nn.Module):
         activation: ``"gelu"``, ``"relu"``, ``"silu"`` or ``"silu_glu"`` (``silu(h[:, :F]) * h[:, F:]`` with
             ``w1`` of ``2F`` columns).
         strategy, plan, timeout: of the MoE ops (defaults: ``"auto"``, none, ``OVERLAP_TIMEOUT_S``); a plan
-            with ``migrate`` moves those experts' weights to those nodes' tokens (`overlap.ops.moe_migrate`).
+            with ``migrate`` moves those experts' weights to those nodes' tokens (`overlap.ops.moe.migrate`).
         max_tokens_per_rank: None (exact row counts), or ``B``, the most tokens (``s * b`` for 3-D inputs)
             any rank passes to one forward, the same on every rank: the MoE ops then run with static shapes
-            (`overlap.ops.moe_bound`; torch.compile needs no data-dependent size), and a forward with more
+            (`overlap.ops.moe.bound`; torch.compile needs no data-dependent size), and a forward with more
             tokens on any rank raises ValueError on every rank.
         dtype, device: of the parameters (defaults: torch's default dtype, CPU).
 

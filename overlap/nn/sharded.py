@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.nn import Parameter
 
 from .. import comm, envs, world
-from ..ops.all_gather_weight_matmul import all_gather_weight_matmul
+from ..ops.tp.all_gather_weight_matmul import all_gather_weight_matmul
 from ..plans import Plan
 from ..plans.auto import as_plan
 

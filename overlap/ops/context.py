@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -21,9 +20,7 @@ import torch
 
 from .. import comm, envs, symm, world
 from ..errors import OverlapMismatchError, OverlapTimeout, warn_once
-from ..plans import Plan, Problem, op_spec
-from ..plans.auto import as_plan, fit_plan, plan_source, resolve_auto
-from .fused import check_fused_available
+from ..plans import Plan
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -138,11 +135,6 @@ def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type, enabled=False)
 
 
-# ----------------------------------------------------------------------------------------------
-# The TP ops' checks and plan
-# ----------------------------------------------------------------------------------------------
-
-
 def describe(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}"
 
@@ -157,74 +149,6 @@ def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.float16,
                                                                              torch.bfloat16) else t
                  for t in tensors)
-
-
-def check_matmul_operands(op: str, a: Any, b: Any, device: torch.device) -> None:
-    """Checks shared by the TP ops: ``a`` is ``[..., k]``, ``b`` is ``[k, n]``, same float dtype/device."""
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        raise TypeError(f"overlap.{op}: a and b must be tensors, got {type(a).__name__} and {type(b).__name__}")
-    if a.dim() < 2:
-        raise ValueError(f"overlap.{op}: a must be [..., k] with at least 2 dims (dim 0 is gathered or scattered), "
-                         f"got {describe(a)}")
-    if b.dim() != 2:
-        raise ValueError(f"overlap.{op}: b must be [k, n] (pass a weight w[n, k] as w.t()), got {describe(b)}")
-    if a.shape[-1] != b.shape[0]:
-        raise ValueError(f"overlap.{op}: inner dims differ: a is {describe(a)} (k={a.shape[-1]}), "
-                         f"b is {describe(b)} (k={b.shape[0]})")
-    if a.dtype != b.dtype:
-        raise TypeError(f"overlap.{op}: a and b must have one dtype outside autocast, got {a.dtype} and {b.dtype}")
-    if a.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"overlap.{op}: dtype must be one of {FLOAT_DTYPES}, got {a.dtype}")
-    if a.numel() == 0 or b.numel() == 0:
-        raise ValueError(f"overlap.{op}: empty operands are not supported: a is {describe(a)}, b is {describe(b)}")
-    if a.device != b.device:
-        raise ValueError(f"overlap.{op}: a is on {a.device}, b on {b.device}")
-    if a.device.type != device.type or (device.type == "cuda" and a.device.index != device.index):
-        raise ValueError(f"overlap.{op}: this rank's group computes on {device} but the inputs are on {a.device}")
-
-
-def prepare(op: str, a: Any, b: Any, group, strategy: str, plan, timeout: float | None,
-            check: Callable[[torch.Tensor, torch.Tensor, world.GroupInfo], None] | None = None,
-            needs_grad: bool | None = None, cast: bool = True) -> tuple[torch.Tensor, torch.Tensor, CallContext]:
-    """The TP ops' preamble: checks, autocast (unless `cast` is False: the custom op's caller cast them),
-    plan and signature. Returns ``(a, b, context)``. `needs_grad`: whether the call's backward will run (plan
-    files keep forward and forward+backward plans apart); None: read from grad mode and the inputs."""
-
-    def decide(cc: CallContext) -> tuple[Plan, str, tuple[torch.Tensor, torch.Tensor]]:
-        info = cc.info
-        a2, b2 = autocast_inputs(a, b) if cast else (a, b)
-        check_matmul_operands(op, a2, b2, info.device)
-        if check is not None:
-            check(a2, b2, info)
-        chosen = as_plan(strategy, plan)
-        shape_sig = f"a={describe(a2)}, b={tuple(b2.shape)}"
-        if chosen is None:
-            rows = math.prod(a2.shape[:-1])
-            dtype = str(a2.dtype).removeprefix("torch.")
-            chosen = resolve_auto(op, shape_sig, info, rows, dtype, out_bytes=rows * b2.shape[1] * a2.element_size(),
-                                  problem=tp_problem(op, rows, a2, b2, info.world_size, needs_grad),
-                                  plan_file=plan_source(plan))
-        chosen = fit_plan(op, chosen, info)
-        if chosen.strategy == "fused":
-            check_fused_available(op, a2.dtype)
-        return chosen, f"{op}({shape_sig}, plan={chosen.describe()}, ring={info.slowest_link})", (a2, b2)
-
-    cc, (a, b) = preamble(op, group, timeout, decide)
-    return a, b, cc
-
-
-def tp_problem(op: str, rows: int, a: torch.Tensor, b: torch.Tensor, world_size: int,
-               needs_grad: bool | None = None) -> Problem | None:
-    """The `overlap.plans.Problem` of a TP call (plan files are keyed by it), None where it has none."""
-    m = op_spec(op).rows_per_rank(rows, world_size)
-    if m is None:
-        return None
-    backward = needs_grad if needs_grad is not None else (
-        torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
-    try:
-        return Problem(op, m, a.shape[-1], b.shape[1], str(a.dtype).removeprefix("torch."), backward)
-    except ValueError:  # a call the model does not describe: no plan file entry can match it
-        return None
 
 
 # ----------------------------------------------------------------------------------------------

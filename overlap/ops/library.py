@@ -12,7 +12,7 @@ op runs the op's whole eager path (checks, plan, handshake, strategy). The compi
   token through them, so a compiled graph issues the calls on every rank in the program's order and never
   drops one whose result is unused; peers that run the same program meet in the same calls. (The MoE
   dispatch without ``max_tokens_per_rank``, whose output size depends on data, is a plain side effect: see
-  `define`; with it, ``moe_dispatch_bounded`` has static sizes and is ordered: `overlap.ops.moe_bound`.)
+  `define`; with it, ``moe_dispatch_bounded`` has static sizes and is ordered: `overlap.ops.moe.bound`.)
 
 Arguments that a custom op cannot take are passed as text: the group by its name
 (`torch.distributed.ProcessGroup.group_name`, ``""`` for the default group), the plan as `plan_arg`
@@ -217,36 +217,8 @@ def world_size(group_name: str) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# The tensor-parallel ops: one signature for the three, forward and backward
+# What every op's forward and backward return besides its results
 # ----------------------------------------------------------------------------------------------
-
-TP_SCHEMA = ("(Tensor a, Tensor b, str group, str strategy, str plan, float? timeout, bool needs_grad) "
-             "-> (Tensor, Tensor)")
-TP_BACKWARD_SCHEMA = "(Tensor grad, Tensor a, Tensor b, Tensor context, bool need_a, bool need_b) -> (Tensor, Tensor)"
-
-
-def tp_call(packet: Any, op: str, a: Any, b: Any, group: Any, strategy: Any, plan: Any, timeout: Any,
-            check: Callable | None = None) -> torch.Tensor:
-    """A TP op's public function: its arguments as the custom op takes them (autocast applied here, where
-    torch.compile traces it), then the custom op. Arguments of the wrong types raise through the op's
-    checks (which tell the peers) instead."""
-    from .context import autocast_inputs, prepare
-
-    args = call_args(group, strategy, plan, timeout)
-    if args is None or not tensors(a, b):
-        prepare(op, a, b, group, strategy, plan, timeout, check)  # raises this rank's error, peers told
-        raise TypeError(f"overlap.{op}: unsupported arguments")  # pragma: no cover - prepare raised
-    a, b = autocast_inputs(a, b)
-    return packet(a, b, *args, needs_grad(a, b))[0]
-
-
-def tp_context(op: str, a: torch.Tensor, b: torch.Tensor, group: str, strategy: str, plan: str,
-               timeout: float | None, needs_grad: bool, check: Callable | None = None):
-    """Inside a TP custom op: the call context (checks, plan, signature) of the public call."""
-    from .context import prepare
-
-    return prepare(op, a, b, group_of(group), strategy, plan_of(plan), timeout, check, needs_grad=needs_grad,
-                   cast=False)[2]
 
 
 def context_out(cc: Any, needs_grad: bool) -> torch.Tensor:
@@ -257,29 +229,6 @@ def context_out(cc: Any, needs_grad: bool) -> torch.Tensor:
 
 def context_fake(needs_grad: bool) -> torch.Tensor:
     return torch.empty(1 if needs_grad else 0, dtype=torch.int64)
-
-
-def tp_save(ctx: Any, inputs: tuple, output: Any) -> None:
-    """`setup_context` of the TP ops: the operands and the forward's call context."""
-    a, b, *_ = inputs
-    ctx.save_for_backward(a, b, output[1])
-
-
-def tp_backward(backward_packet: Any) -> Callable:
-    """The autograd backward of a TP op whose gradients a ``<op>_backward`` custom op computes."""
-
-    def backward(ctx: Any, grad: torch.Tensor, _grad_context: Any):
-        a, b, context = ctx.saved_tensors
-        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_a, grad_b = backward_packet(grad, a, b, context, need_a, need_b)
-        return grad_a if need_a else None, grad_b if need_b else None, None, None, None, None, None
-
-    return backward
-
-
-def tp_backward_fake(grad, a, b, context, need_a, need_b):
-    """The fake of every ``<op>_backward``: the gradients have the operands' shapes (0 elements: not asked)."""
-    return (a.new_empty(a.shape if need_a else (0,)), b.new_empty(b.shape if need_b else (0,)))
 
 
 def grads_out(grad_a: torch.Tensor | None, grad_b: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor):

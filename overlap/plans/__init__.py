@@ -2,7 +2,8 @@
 
 * `Plan` (`plan`): strategy, chunks per link class, tiles, variants; part of every call signature.
 * the op table (`optable`): one `OpSpec` per op (`OPS`, `op_spec`): family, rows, FLOPs, bytes per link,
-  chunked links, cost, inputs for a shape, oracle, plain collectives, the call; `Problem` of a call;
+  chunked links, cost, strategies; `Problem` of a call (what an op needs to run on made-up data is its
+  workload: `overlap.workloads`);
 * the cost model (`costmodel`): `Profile` of a machine, `Topology` of a group (both in `machine`), `predict`,
   `candidates`, `rank_candidates`, `default_profile`; expert migration (`migration`): `expected_loads`,
   `measured_loads`, `choose_migration`;
@@ -28,7 +29,6 @@ from .costmodel import (
     topology_of,
 )
 from .migration import MIGRATE_OPS, choose_migration, expected_loads, measured_loads
-from .opdata import Expected, OpInputs, Plain, SeededDraw
 from .optable import OPS, OpSpec, Problem, op_spec, ops_of
 from .plan import DEFAULT_CHUNKS, STRATEGIES, Plan
 from .planfile import PLAN_FILE_VERSION, Entry, PlanFile
@@ -43,18 +43,14 @@ __all__ = [
     "PROFILE_VERSION",
     "STRATEGIES",
     "Entry",
-    "Expected",
     "GemmFit",
     "LinkFit",
-    "OpInputs",
     "OpSpec",
     "Plan",
-    "Plain",
     "PlanFile",
     "Prediction",
     "Problem",
     "Profile",
-    "SeededDraw",
     "Topology",
     "candidates",
     "choose_migration",

@@ -1,4 +1,4 @@
-"""The cost model's pipelines of the ``hierarchical`` strategy (`overlap.ops.hierarchical`) on groups that span
+"""The cost model's pipelines of the ``hierarchical`` strategy (`overlap.ops.tp.hierarchical`) on groups that span
 nodes: each datum over the network once per node, the node's ranks served by copies through its heap.
 
 Each function takes the cost model's `overlap.plans.costmodel._Model` (``x``: its plan, profile, message and
@@ -65,7 +65,7 @@ def mm_ar(x, m: int, k: int, n: int) -> None:
 
 
 def moe(x, p) -> None:
-    """The MoE layer across nodes (`overlap.ops.moe_hierarchical`), uniform routing of ``K`` distinct experts:
+    """The MoE layer across nodes (`overlap.ops.moe.hierarchical`), uniform routing of ``K`` distinct experts:
     per transfer the counts, then to each other node the token rows that have an expert there (one row per
     token and node) with their int32 indices, then the node's copies (each rank's rows from the node's ranks
     that received them); transfers and GEMMs add up (serial: an upper bound, the dispatch multiplies its

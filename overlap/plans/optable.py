@@ -1,14 +1,15 @@
-"""The op table: what each op is, for everything that reasons about ops without being one.
+"""The op table: what decides a plan for each op, for everything that reasons about ops without being one.
 
 One `OpSpec` per op in `OPS`: its family (``tp`` or ``moe``), the rows of a rank's input and output,
 its FLOPs and the bytes its plain collectives move per link class, which links each strategy chunks
-for, its cost (driving the cost model's pipelines), how to build one rank's inputs for a shape, the
-oracle of its results and its plain collectives alone, and the call itself. The cost model
-(`costmodel`), ``strategy="auto"``'s problem (`overlap.ops.context`), the tuner, the benchmark cases,
-the benchmark's workloads and ``bench/soak.py`` read this table; none of them switches on op names.
+for, its cost (driving the cost model's pipelines) and the strategies it has. The cost model
+(`costmodel`), ``strategy="auto"``'s problem (`overlap.ops.tp.entry`, `overlap.ops.moe.layout`), the tuner and
+the benchmark cases read this table; none of them switches on op names. What it takes to run an op on made-up
+data (inputs, the call, the oracle, the plain collectives, the plain-torch baseline) is its workload, one
+layer up (`overlap.workloads`).
 
-Adding an op: its module in ``overlap/ops/``, its kernel and launcher, one entry here (its functions
-beside the others of its family: `tp_ops`, `moe_op`), the package's exports, its tests and docs.
+Adding an op: its module in ``overlap/ops/<family>/``, its kernel and launcher, one entry here (its functions
+beside the others of its family: `tp_ops`, `moe_op`), its workload, the package's exports, its tests and docs.
 
 A `Problem` is one call's shape as the table describes it (the key of plan files).
 """
@@ -20,11 +21,14 @@ from collections.abc import Callable
 
 import torch
 
-from . import moe_op, plain_torch, tp_ops
-from .opdata import DTYPES, Expected, OpInputs, Plain, SeededDraw
+from . import moe_op, tp_ops
 from .plan import STRATEGIES
 
 FAMILIES = ("tp", "moe")
+#: names of the dtypes a problem may have -> torch dtypes
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64,
+}
 #: bytes per element of every dtype a problem may have
 ITEMSIZE = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
@@ -38,13 +42,6 @@ class OpSpec:
     bytes_per_peer: ``(p, W) -> bytes`` one rank receives from each peer in the op's plain collectives.
     chunked: ``(strategy, backward, topology) -> link classes`` whose chunk counts the strategy reads.
     cost: ``(model, p)``: adds one call to the cost model's schedule (`costmodel.predict`).
-    inputs: ``(p, W, draw) -> OpInputs`` of the rank `draw` is for (`opdata.SeededDraw`).
-    oracle: ``(p, every rank's OpInputs, rank) -> [Expected]``: this rank's results, computed locally.
-    plain: ``(p, every, rank, group, info, timeout, comm_bytes) -> Plain``: collectives and GEMMs alone.
-    call: ``(lookup, inputs, group, **kwargs) -> out``; ``lookup("module.function")`` returns the public
-        function of ``overlap.ops`` (`overlap.ops.function`), looked up at call time.
-    plain_torch: ``(group, routing, num_experts) -> fn(*leaves)``: the op in plain torch (`plain_torch`), the
-        benchmarks' baseline.
     variants: `Plan` flags beyond the strategy that apply (``one_shot``).
     label: a short name for plots.
     out_cols: ``(n, W) -> columns`` of a rank's output (``n``, but ``W * n`` where the gathered operand is
@@ -62,11 +59,6 @@ class OpSpec:
     bytes_per_peer: Callable[..., float]
     chunked: Callable[..., tuple[str, ...]]
     cost: Callable[..., None]
-    inputs: Callable[..., OpInputs]
-    oracle: Callable[..., list[Expected]]
-    plain: Callable[..., Plain]
-    call: Callable[..., torch.Tensor]
-    plain_torch: Callable[..., Callable[..., torch.Tensor]]
     variants: tuple[str, ...] = ()
     out_cols: Callable[[int, int], int] = lambda n, W: n
     strategies: tuple[str, ...] = STRATEGIES
@@ -89,16 +81,13 @@ class OpSpec:
         return {link: int(count * per_peer) for link, count in topology.links}
 
 
-def _tp(name: str, label: str, in_rows, out_rows, reduction, per_peer_elements, variants=(), replicated=False,
+def _tp(name: str, label: str, in_rows, out_rows, per_peer_elements, chunked, cost, variants=(),
         out_cols=lambda n, W: n, strategies=STRATEGIES):
-    fns = {kind: getattr(tp_ops, f"{kind}_{name}") for kind in ("chunked", "cost", "oracle", "plain")}
     return OpSpec(
         name, "tp", label, in_rows, out_rows,
         flops=lambda p, W: (3 if p.backward else 1) * 2 * W * p.m * p.k * p.n,
-        bytes_per_peer=lambda p, W: per_peer_elements(p) * ITEMSIZE[p.dtype],
-        inputs=tp_ops.tp_inputs(in_rows, out_rows, reduction, replicated, out_cols),
-        call=tp_ops.tp_call(f"{name}.{name}"), plain_torch=getattr(plain_torch, f"torch_{name}"), variants=variants,
-        out_cols=out_cols, strategies=strategies, **fns)
+        bytes_per_peer=lambda p, W: per_peer_elements(p) * ITEMSIZE[p.dtype], chunked=chunked, cost=cost,
+        variants=variants, out_cols=out_cols, strategies=strategies)
 
 
 def _moe_bytes_per_peer(p, W: int) -> float:
@@ -109,20 +98,21 @@ def _moe_bytes_per_peer(p, W: int) -> float:
 #: every op, by name
 OPS: dict[str, OpSpec] = {s.name: s for s in (
     _tp("all_gather_matmul", "AG+MM", in_rows=lambda m, W: m, out_rows=lambda m, W: W * m,
-        reduction=lambda k, W: k, per_peer_elements=lambda p: p.m * p.k * (3 if p.backward else 1)),
+        per_peer_elements=lambda p: p.m * p.k * (3 if p.backward else 1),
+        chunked=tp_ops.chunked_all_gather_matmul, cost=tp_ops.cost_all_gather_matmul),
     _tp("matmul_reduce_scatter", "MM+RS", in_rows=lambda m, W: W * m, out_rows=lambda m, W: m,
-        reduction=lambda k, W: W * k, per_peer_elements=lambda p: p.m * p.n * (2 if p.backward else 1)),
+        per_peer_elements=lambda p: p.m * p.n * (2 if p.backward else 1),
+        chunked=tp_ops.chunked_matmul_reduce_scatter, cost=tp_ops.cost_matmul_reduce_scatter),
     _tp("matmul_all_reduce", "MM+AR", in_rows=lambda m, W: W * m, out_rows=lambda m, W: W * m,
-        reduction=lambda k, W: W * k, per_peer_elements=lambda p: 2 * p.m * p.n, variants=("one_shot",),
-        replicated=True),
+        per_peer_elements=lambda p: 2 * p.m * p.n, variants=("one_shot",),
+        chunked=tp_ops.chunked_matmul_all_reduce, cost=tp_ops.cost_matmul_all_reduce),
     # The weight-side gather (FSDP): a [m, k] per rank, b_shard [k, n] (this rank's columns), out [m, W*n].
     _tp("all_gather_weight_matmul", "AG(W)+MM", in_rows=lambda m, W: m, out_rows=lambda m, W: m,
-        reduction=lambda k, W: k, per_peer_elements=lambda p: p.k * p.n * (3 if p.backward else 1),
-        out_cols=lambda n, W: W * n),
+        per_peer_elements=lambda p: p.k * p.n * (3 if p.backward else 1), out_cols=lambda n, W: W * n,
+        chunked=tp_ops.chunked_all_gather_weight_matmul, cost=tp_ops.cost_all_gather_weight_matmul),
     OpSpec("moe", "moe", "moe", in_rows=lambda m, W: m, out_rows=lambda m, W: m,
            flops=lambda p, W: (3 if p.backward else 1) * 4 * p.m * p.top_k * p.k * p.n,
-           bytes_per_peer=_moe_bytes_per_peer, chunked=moe_op.chunked, cost=moe_op.cost, inputs=moe_op.inputs,
-           oracle=moe_op.oracle, plain=moe_op.plain, call=moe_op.call, plain_torch=plain_torch.torch_moe),
+           bytes_per_peer=_moe_bytes_per_peer, chunked=moe_op.chunked, cost=moe_op.cost),
 )}
 
 
@@ -177,7 +167,3 @@ class Problem:
         """Canonical text, e.g. ``matmul_all_reduce:64x1024x512:bfloat16:fwd`` (plan files' entry key)."""
         moe = f":experts={self.experts}:top_k={self.top_k}" if self.spec.family == "moe" else ""
         return f"{self.op}:{self.m}x{self.k}x{self.n}:{self.dtype}:{'fwd+bwd' if self.backward else 'fwd'}{moe}"
-
-    def inputs(self, world_size: int, draw: SeededDraw) -> OpInputs:
-        """The inputs of the rank `draw` is for (`OpSpec.inputs`)."""
-        return self.spec.inputs(self, world_size, draw)

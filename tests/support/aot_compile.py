@@ -139,7 +139,7 @@ def _table() -> torch.Tensor:
     return torch.zeros(W, dtype=torch.int64)
 
 
-def compile_ag_matmul(dtype: str, block: tuple[int, int, int], num_warps: int = 4) -> dict:
+def compile_all_gather_matmul(dtype: str, block: tuple[int, int, int], num_warps: int = 4) -> dict:
     """The all-gather GEMM as the op launches it: a shard of 1024 x 4096 rows per rank, b [4096, 2048]."""
     t0 = time.time()
     b = torch.empty(4096, 2048, dtype=DTYPES[dtype])
@@ -149,7 +149,7 @@ def compile_ag_matmul(dtype: str, block: tuple[int, int, int], num_warps: int = 
     return _common(head, dtype, block, ptx, cubin, t0)
 
 
-def compile_ag_weight_matmul(dtype: str, block: tuple[int, int, int]) -> dict:
+def compile_all_gather_weight_matmul(dtype: str, block: tuple[int, int, int]) -> dict:
     """The weight-side all-gather GEMM as the op launches it: a [2048, 4096] per rank, shards [1024, 4096]."""
     t0 = time.time()
     a = torch.empty(2048, 4096, dtype=DTYPES[dtype])
@@ -230,9 +230,11 @@ def compile_per_thread_wait() -> dict:
 
 if __name__ == "__main__":
     # fused_tiles' defaults: 128x128x64 for 16-bit types, 128x64x32 for fp32 (TF32 on Hopper)
-    report = [compile_ag_matmul("bf16", (128, 128, 64)), compile_ag_matmul("bf16", (128, 128, 64), num_warps=8),
-              compile_ag_matmul("fp16", (128, 128, 64)), compile_ag_matmul("fp32", (128, 64, 32)),
-              compile_ag_weight_matmul("bf16", (128, 128, 64)), compile_ag_weight_matmul("fp32", (128, 64, 32)),
+    report = [compile_all_gather_matmul("bf16", (128, 128, 64)),
+              compile_all_gather_matmul("bf16", (128, 128, 64), num_warps=8),
+              compile_all_gather_matmul("fp16", (128, 128, 64)), compile_all_gather_matmul("fp32", (128, 64, 32)),
+              compile_all_gather_weight_matmul("bf16", (128, 128, 64)),
+              compile_all_gather_weight_matmul("fp32", (128, 64, 32)),
               compile_matmul_scatter("bf16", (128, 128, 64)), compile_matmul_scatter("fp16", (128, 128, 64)),
               compile_matmul_scatter("fp32", (128, 64, 32)),
               compile_reduce_chunks("bf16", (128, 128)), compile_reduce_chunks("fp32", (128, 64)),

@@ -140,7 +140,7 @@ def moe_bounded_order(rank: int, world_size: int, seed: int, backend: str) -> di
 def bounded_opchecks(rank: int, world_size: int, seed: int) -> dict[str, str]:
     """`torch.library.opcheck` (schema, fake against real, autograd registration) on the bounded dispatch, both
     forms, and on the combine of its padded rows."""
-    from overlap.ops import moe_combine, moe_dispatch  # noqa: F401  (each module defines its custom ops)
+    from overlap.ops.moe import combine, dispatch  # noqa: F401  (each module defines its custom ops)
 
     ops = torch.ops.overlap
     x, idx, w1, w2, tw, E = moe_inputs(rank, world_size, seed)

@@ -309,15 +309,14 @@ def torch_tp_styles(rank: int, world_size: int, seed: int, strategy: str) -> dic
 def opchecks(rank: int, world_size: int, seed: int) -> dict[str, str]:
     """`torch.library.opcheck` on every custom op (schema, fake against real, autograd registration, AOT
     dispatch), each on this rank's inputs. Every rank runs the same checks, so the calls meet."""
-    from overlap.ops import (  # noqa: F401  (each module defines its custom ops)
+    from overlap.ops import library  # noqa: F401
+    from overlap.ops.moe import combine, dispatch  # noqa: F401  (each module defines its custom ops)
+    from overlap.ops.tp import (  # noqa: F401
         all_gather_matmul,
         all_gather_weight_matmul,
         collectives,
-        library,
         matmul_all_reduce,
         matmul_reduce_scatter,
-        moe_combine,
-        moe_dispatch,
     )
 
     g = _draw(seed, rank)

@@ -28,10 +28,11 @@ TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = CUDABackend(TARGET)
 #: the modules of overlap.kernels with kernels, and their kernels
 KERNELS = {
-    "ag_matmul": ("all_gather_matmul_kernel",),
-    "ag_weight_matmul": ("all_gather_weight_matmul_kernel",),
-    "mm_rs": ("matmul_scatter_kernel", "reduce_chunks_kernel"),
-    "moe": ("grouped_matmul_wait_kernel", "grouped_matmul_scatter_kernel"),
+    "all_gather_matmul": ("all_gather_matmul_kernel",),
+    "all_gather_weight_matmul": ("all_gather_weight_matmul_kernel",),
+    "matmul_reduce_scatter": ("matmul_scatter_kernel", "reduce_chunks_kernel"),
+    "dispatch_grouped_matmul": ("grouped_matmul_wait_kernel",),
+    "grouped_matmul_combine": ("grouped_matmul_scatter_kernel",),
 }
 
 

@@ -20,9 +20,13 @@ transposed view of a weight ``w[n, k]``) or ``"contiguous"`` (``b`` is a contigu
 
 from __future__ import annotations
 
+import math
 import time
+import types
 
 import torch
+
+from overlap.workloads import OpInputs, workload
 
 AGM, MRS, MAR = "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"
 
@@ -60,36 +64,23 @@ def b_of(param: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def oracle(op: str, seed: int, world_size: int, case, dtype, magnitudes: bool = False):
-    """Every rank's inputs, and every rank's float64 ``(out, grad_a, grad_b)`` (grad_b as ``[k, n]``).
+    """Every rank's inputs, and every rank's float64 ``(out, grad_a, grad_b)`` (grad_b as ``[k, n]``): the op's
+    workload oracle (`overlap.workloads`) on the inputs as 2-D rows, shaped back.
 
     With `magnitudes`, the same sums of products over the inputs' absolute values: for every output
     element, the sum of the magnitudes of the terms it adds up (what bounds its rounding error)."""
     rows, mid, k, n, layout = case
     inputs = [rank_inputs(op, seed, r, world_size, case, dtype) for r in range(world_size)]
     f = torch.abs if magnitudes else (lambda t: t)
-    a64 = [f(x[0].double()) for x in inputs]
-    b64 = [f(b_of(x[1], layout).double()) for x in inputs]
-    g64 = [f(x[2].double()) for x in inputs]
-    flat = [t.reshape(-1, t.shape[-1]) for t in a64]
+    per = rows * math.prod(mid)  # rows of dim 0 times the middle dims: the rows of a rank's 2-D view
+    every = [OpInputs((f(a.double()).reshape(-1, k), f(b_of(param, layout).double())),
+                      f(g.double()).reshape(-1, n)) for a, param, g in inputs]
+    problem = types.SimpleNamespace(m=per, k=k, n=n, backward=True)  # (m: rows of a rank's slice, flattened)
     want = []
-    if op == AGM:
-        a_full = torch.cat(a64)
-        grad_a_full = sum(g @ b.t() for g, b in zip(g64, b64))
-        for r in range(world_size):
-            grad_b = a_full.reshape(-1, k).t() @ g64[r].reshape(-1, n)
-            want.append((a_full @ b64[r], grad_a_full[r * rows : (r + 1) * rows], grad_b))
-    elif op == MRS:
-        total = sum(a @ b for a, b in zip(a64, b64))
-        g_full = torch.cat(g64)
-        for r in range(world_size):
-            grad_b = flat[r].t() @ g_full.reshape(-1, n)
-            want.append((total[r * rows : (r + 1) * rows], g_full @ b64[r].t(), grad_b))
-    elif op == MAR:
-        total = sum(a @ b for a, b in zip(a64, b64))
-        for r in range(world_size):
-            want.append((total, g64[r] @ b64[r].t(), flat[r].t() @ g64[r].reshape(-1, n)))
-    else:
-        raise AssertionError(op)
+    for r in range(world_size):
+        out, grad_a, grad_b = (e.value for e in workload(op).oracle(problem, every, r))
+        a_shape = inputs[r][0].shape
+        want.append((out.view(-1, *mid, n), grad_a.view(a_shape), grad_b))
     return inputs, want
 
 

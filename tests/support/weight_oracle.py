@@ -9,7 +9,12 @@ ranks: the design's convention). A case is ``(rows, mid, k, n, layout)``: ``n`` 
 
 from __future__ import annotations
 
+import math
+import types
+
 import torch
+
+from overlap.workloads import OpInputs, workload
 
 from .tp_oracle import TOL, check_fp32, check_low_precision, compare, name_of
 
@@ -31,19 +36,19 @@ def b_of(w_shard: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def oracle(seed: int, world_size: int, case, dtype, magnitudes: bool = False):
-    """Every rank's inputs and every rank's float64 ``(out, grad_a, grad_b [k, n])``; with `magnitudes`
-    the same sums over the terms' absolute values (what bounds their rounding)."""
+    """Every rank's inputs and every rank's float64 ``(out, grad_a, grad_b [k, n])``: the op's workload oracle
+    (`overlap.workloads`) on the inputs as 2-D rows, shaped back; with `magnitudes` the same sums over the
+    terms' absolute values (what bounds their rounding)."""
     rows, mid, k, n, _layout = case
     inputs = [rank_inputs(seed, r, world_size, case, dtype) for r in range(world_size)]
     f = torch.abs if magnitudes else (lambda t: t)
-    a64 = [f(x[0].double()) for x in inputs]
-    g64 = [f(x[2].double()) for x in inputs]
-    full = torch.cat([f(x[1].double()).t() for x in inputs], dim=1)  # [k, W*n]
+    every = [OpInputs((f(a.double()).reshape(-1, k), f(w.double()).t()), f(g.double()).reshape(-1, world_size * n))
+             for a, w, g in inputs]
+    problem = types.SimpleNamespace(m=rows * math.prod(mid), k=k, n=n, backward=True)
     want = []
     for r in range(world_size):
-        grad_b = sum(a.reshape(-1, k).t() @ g.reshape(-1, world_size * n)[:, r * n : (r + 1) * n]
-                     for a, g in zip(a64, g64))
-        want.append((a64[r] @ full, g64[r] @ full.t(), grad_b))
+        out, grad_a, grad_b = (e.value for e in workload(OP).oracle(problem, every, r))
+        want.append((out.view(rows, *mid, world_size * n), grad_a.view(inputs[r][0].shape), grad_b))
     return inputs, want
 
 

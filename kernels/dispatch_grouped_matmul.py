@@ -1,0 +1,154 @@
+"""The fused grouped GEMM of `overlap.moe.dispatch_grouped_matmul` (the dispatch direction): tiles that wait for
+the expert block they read.
+
+Shapes (legend): ``L`` local experts; ``w_LKN`` the stacked expert weights (any strides, so ``w1`` and
+the transposed views of the backward pass alike); rows are ``K`` wide, results ``N`` wide. Work is
+described by a host-built tile table (one entry per ``BLOCK_M`` rows of one (source rank, expert)
+block); program ``pid`` takes entry ``pid // tiles_n`` and column tile ``pid % tiles_n``. Building the
+table on the host (counts are host values) keeps the kernels free of searches over ragged offsets.
+
+`grouped_matmul_wait_kernel`. Entry ``(s, e, src_row, out_row, rows, flag)``: the rows arrived from source ``s``
+into region ``src_table[s]`` of this rank's buffer. The tile waits (bounded, `overlap.kernels.flags.wait_flag`)
+until ``s`` has released flag ``flag`` of its own pad (``flag_table[s]``), then multiplies by ``w[e]`` into
+``out``. The column-0 tile also copies the rows it read into ``rows_ptr`` (the layer input the weight gradient
+needs), so they are read once.
+
+Its host launcher (`launch_grouped_matmul_wait`) follows the kernel; the MoE ops' ``fused`` strategy (and
+`overlap.moe.combine`'s backward) and the GPU check (``bench/gpu_check.py``) call it with the tile table of
+`overlap.ops.moe.tiles.dispatch_tile_table`, which knows the MoE slot layout.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from . import host
+from .flags import wait_flag
+
+
+# Not specialized on: values that differ between ranks or calls (the sizes and strides that set the GEMM's
+# vector loads stay specialized).
+@triton.jit(do_not_specialize=["epoch_ptr", "abort_ptr", "err_ptr", "timeout_ns"])
+def grouped_matmul_wait_kernel(
+    # where the rows are (int64 address of each source's region in this rank's buffer), and every
+    # rank's flag base (int64); the tile table (int32 [tiles, 6])
+    src_table, flag_table, tile_table,
+    # expert weights w [L, K, N]; the output [R, N]; the copy of the rows read [R, K]
+    w_ptr, out_ptr, rows_ptr,
+    # protocol (the call's epoch is an int32 word on the device)
+    epoch_ptr, abort_ptr, err_ptr, timeout_ns: tl.int64,
+    # sizes
+    N, K,
+    # strides
+    stride_we, stride_wk, stride_wn,
+    stride_om, stride_rm,
+    # meta
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # ---- which tile --------------------------------------------------------------------------
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    entry = tile_table + (pid // tiles_n) * 6
+    tile_n = pid % tiles_n
+    s = tl.load(entry)
+    e = tl.load(entry + 1)
+    src_row = tl.load(entry + 2)
+    out_row = tl.load(entry + 3)
+    rows = tl.load(entry + 4)
+    flag = tl.load(entry + 5)
+
+    # ---- wait for the block's flag (acquire: the rows are visible after it) -------------------
+    flag_ptr = tl.load(flag_table + s).to(tl.pointer_type(tl.int32)) + flag
+    epoch = tl.load(epoch_ptr)
+    wait_flag(flag_ptr, epoch, abort_ptr, err_ptr, s, timeout_ns, INTERPRETED)
+
+    # ---- GEMM tile, keeping a copy of the rows ------------------------------------------------
+    src = tl.multiple_of(tl.load(src_table + s).to(tl.pointer_type(out_ptr.dtype.element_ty)), 16)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ok = offs_m < rows
+    a_ptrs = src + (src_row + offs_m)[:, None].to(tl.int64) * K + offs_k[None, :]
+    r_ptrs = rows_ptr + (out_row + offs_m)[:, None].to(tl.int64) * stride_rm + offs_k[None, :]
+    b_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - kk * BLOCK_K
+        a_mask = row_ok[:, None] & (offs_k[None, :] < k_left)
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        if tile_n == 0:
+            tl.store(r_ptrs, a, mask=a_mask)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        if UPCAST:  # the interpreter's bf16 dot is wrong (docs/design.md): compute in fp32 there
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        r_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wk
+
+    out_ptrs = out_ptr + (out_row + offs_m)[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))
+
+
+# ----------------------------------------------------------------------------------------------
+# Host launcher
+# ----------------------------------------------------------------------------------------------
+
+
+def launch_grouped_matmul_wait(src_table: torch.Tensor, flag_table: torch.Tensor, tile_table: torch.Tensor,
+                               w: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, *, epoch: torch.Tensor,
+                               err: torch.Tensor, timeout_ns: int, block: tuple[int, int, int],
+                               abort: torch.Tensor | None = None, watchdog: bool = True,
+                               num_warps: int | None = None, num_stages: int | None = None) -> None:
+    """The dispatch direction on the current stream: for every tile table entry ``(s, e, src_row, out_row,
+    rows, flag)``, wait until source ``s``'s flag ``flag`` reaches `epoch`, then ``out[out_row:] =
+    region_s[src_row:] @ w[e]`` and copy the rows read into ``rows[out_row:]``. No launch for an empty table.
+
+    Args:
+        src_table: int64 ``[W]``: source ``s``'s region of this rank's buffer (rows ``K`` wide, row-major,
+            16-byte aligned).
+        flag_table: int64 ``[W]``: every rank's flag base.
+        tile_table: int32 ``[tiles, 6]`` on the kernel's device, built for ``BLOCK_M`` (at most that many rows
+            an entry; `overlap.ops.moe.tiles.dispatch_tile_table`).
+        w: ``[L, K, N]`` expert weights, any strides. out: ``[R, N]``; rows: ``[R, K]``; both with unit
+            column stride, `w`'s dtype.
+        epoch, err, timeout_ns, abort, watchdog, num_warps, num_stages: as for
+            `overlap.kernels.all_gather_matmul.launch_all_gather_matmul`.
+        block: ``(BLOCK_M, BLOCK_N, BLOCK_K)``.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit, a tile size that is not a power of two >= 16.
+    """
+    kernel = "launch_grouped_matmul_wait"
+    host.check_matrix(kernel, "out", out, unit_cols=True)
+    host.check_matrix(kernel, "rows", rows, out.dtype, unit_cols=True)
+    (num_rows, n), k = out.shape, rows.shape[1]
+    if rows.shape[0] != num_rows or rows.device != out.device:
+        host.fail(kernel, f"rows must be [{num_rows}, K] on {out.device}, got {list(rows.shape)} on {rows.device}")
+    host.check_expert_weights(kernel, w, k, out)
+    if w.shape[2] != n:
+        host.fail(kernel, f"w's {w.shape[2]} columns differ from out's {n}")
+    host.address_tables(kernel, out.device, src_table=src_table, flag_table=flag_table)
+    host.check_table(kernel, "tile_table", tile_table, None, out.device, torch.int32, 6)
+    host.check_word(kernel, "err", err)
+    host.check_epoch(kernel, epoch, out.device)
+    bm, bn, bk = block
+    host.check_tile(kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    if not tile_table.shape[0]:
+        return
+    interpreted = host.interpreted()
+    abort = host.abort_word(kernel, abort, err, interpreted)
+    with host.bounded(abort, timeout_ns, watchdog, interpreted):
+        grouped_matmul_wait_kernel[(host.grouped_matmul_grid(tile_table.shape[0], n, bn),)](
+            src_table, flag_table, tile_table,
+            w, out, rows,
+            epoch, abort, err, timeout_ns,
+            n, k,
+            w.stride(0), w.stride(1), w.stride(2),
+            out.stride(0), rows.stride(0),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, INTERPRETED=interpreted,
+            UPCAST=interpreted and out.dtype == torch.bfloat16,
+            **host.meta_options(num_warps, num_stages, interpreted),
+        )

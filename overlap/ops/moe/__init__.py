@@ -1,0 +1,10 @@
+"""The MoE ops (re-exported by `overlap.moe`): `dispatch` and `dispatch_grouped_matmul` (tokens to their
+experts' ranks, optionally times the experts' first weight) in `dispatch`; `combine` and `grouped_matmul_combine`
+(expert results back to their tokens, weighted and summed, optionally times the second weight) in `combine`.
+
+What they share: the two directions' transfers, `to_experts` (dispatch's forward, combine's backward) and
+`to_sources` (combine's forward, dispatch's backward); `layout` (the routing's layout, the checks, the plan,
+the signatures, the heap's regions); `handle` (the handle a dispatch returns); `bound` (``max_tokens_per_rank``:
+static shapes); `migrate` (expert migration across nodes); `hierarchical` (groups that span nodes); `cuda`
+(the CUDA all-to-all kernels' tables); `tiles` (the fused grouped GEMMs' tile tables).
+"""

@@ -1,0 +1,276 @@
+"""One transfer towards the experts: each (token, expert) pair's row to its expert's rank, each block multiplied
+by its expert's weight on arrival where a weight is given. `overlap.moe.dispatch`'s forward and
+`overlap.moe.combine`'s backward run it (`run`).
+
+Strategies (same rows, same order; `reference` is the oracle):
+
+* ``reference``: counts exchanged with ``all_to_all_single``, rows with another, then one GEMM per
+  local expert over all of its rows.
+* ``pipelined``: counts first, then every peer's rows posted at once as point-to-point pieces
+  (``num_chunks[link]`` per peer, pairwise shift: send to ``r+i``, receive from ``r-i``); the GEMM of
+  block ``(s, e)`` runs as soon as the pieces holding it are in, this rank's own rows first. Any backend.
+* ``symm``: every sender writes its counts and then its rows straight into the receiver's symmetric
+  buffer (region of the sender), flagging the counts and each (expert group) block; the receiver
+  multiplies each block once its flag is set. On CPU ranks a copy-engine thread writes while the
+  GEMMs run; on GPUs one CUDA kernel writes every destination's rows and releases each block's flag
+  (`overlap.ops.moe.cuda`). Ranks of one node.
+* ``fused`` (grouped-matmul form only): rows written as in ``symm``; one Triton grouped GEMM
+  (`overlap.kernels.dispatch_grouped_matmul`) whose tiles wait on the flag of the (source, expert group)
+  block they read.
+* ``hierarchical``: groups spanning nodes (`overlap.ops.moe.hierarchical`): a token's row once to each node
+  that holds one of its experts, fanned out there through the node's heap (on one node the plan is ``symm``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ... import comm
+from ...errors import OverlapTimeout
+from .. import fused
+from ..context import CallContext
+from . import bound as moe_bound
+from . import cuda as moe_cuda
+from . import hierarchical as moe_hierarchical
+from . import layout
+from . import tiles as moe_tiles
+
+# ----------------------------------------------------------------------------------------------
+# One transfer towards the experts (dispatch forward; combine backward)
+# ----------------------------------------------------------------------------------------------
+
+
+def run(h: layout.MoELayout, rows: torch.Tensor, row_of_send: torch.Tensor, w: torch.Tensor | None, cc: CallContext,
+        counts: bool = False, keep_rows: bool = False,
+        between: Callable[[], None] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Send ``rows[row_of_send[i]]`` (send position ``i``) to its expert's rank; one call on every rank.
+
+    `counts`: this call also exchanges the counts (a dispatch), filling ``h.recv_counts``. With `w`
+    (``[L, H, N]``, any strides) every block is multiplied by its expert's weight on arrival.
+    `between` runs while the transfers are in flight (after this rank's sends are issued). `cc` is the
+    context of this call: its op, signature and plan (a combine's backward runs with the combine's plan,
+    not the dispatch's).
+
+    Returns ``(recv, out)``: ``recv`` ``[R, H]`` in expert order (None when `w` is given and not
+    `keep_rows`), ``out`` ``[R, N]`` (None without `w`).
+    """
+    kind = cc.plan.strategy
+    call = moe_bound.begin(cc, h, kind, rows.shape[1] * rows.element_size())  # (with a bound: the steady state)
+    try:
+        if w is not None and w.shape[0] < h.num_local_experts:  # the forward's w1 [L]: fetch the copies, agreed
+            w = h.migration.fetch(w, "w1", cc)
+        recv, out = STRATEGIES[kind](cc, call, h, rows, row_of_send, w, counts, between)
+    finally:
+        call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
+    return (recv if w is None or keep_rows else None), out
+
+
+def _reference(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
+    if counts:
+        layout.exchange_counts(h, cc)
+    send = rows.index_select(0, row_of_send)
+    stage = rows.new_empty((h.num_recv, rows.shape[1]))
+    work = dist.all_to_all_single(stage, send, h.recv_splits, h.send_splits, group=cc.pg, async_op=True)
+    cc.wait(work, "any", "all_to_all")
+    recv = stage.index_select(0, h.staging_of_expert_row)
+    out = layout.grouped_mm(recv, w, h) if w is not None else None
+    if between is not None:
+        between()
+    return recv, out
+
+
+def _pipelined(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
+    if counts:
+        layout.exchange_counts(h, cc)
+    info, W, r, L = h.info, h.info.world_size, h.info.rank, h.num_local_experts
+    stage = rows.new_empty((h.num_recv, rows.shape[1]))
+
+    def to_dest(d: int) -> torch.Tensor:
+        lo = h.send_offsets[d]
+        return rows.index_select(0, row_of_send[lo : lo + h.send_splits[d]])
+
+    def from_source(s: int) -> torch.Tensor:
+        return stage[h.stage_offsets[s] : h.stage_offsets[s] + h.recv_splits[s]]
+
+    # Post every peer's pieces at once (pairwise shift), then copy our own rows.
+    pending: dict[int, list] = {s: [] for s in range(W)}
+    sent = []
+    for i in range(1, W):
+        d, s = (r + i) % W, (r - i) % W
+        buf = to_dest(d)
+        sent.append(buf)  # kept alive until its sends complete
+        for j, got, works in comm.exchange_chunked(buf, d, from_source(s), s, cc.plan.chunks_for, info, cc.pg, cc.op):
+            pending[s].append((got, j, works))
+    from_source(r).copy_(to_dest(r))
+    out = rows.new_empty((h.num_recv, w.shape[2])) if w is not None else None
+    # Multiply block (s, e) once the pieces holding it are in: our own rows first, then in step order.
+    for i in range(W):
+        s = (r - i) % W
+        queue = pending[s]
+        for e in range(L):
+            c = h.recv_counts[s][e]
+            if not c:
+                continue
+            lo = h.within_source(s, e)
+            while queue and queue[0][0] is not None and queue[0][0][0] < lo + c:
+                _got, j, works = queue.pop(0)
+                for work, peer in works:
+                    cc.wait(work, peer, j)
+            if out is not None:
+                at = h.expert_offsets[e][s]
+                torch.mm(from_source(s)[lo : lo + c], w[e], out=out[at : at + c])
+    if between is not None:
+        between()
+    for queue in pending.values():
+        for _got, j, works in queue:
+            for work, peer in works:
+                cc.wait(work, peer, j)
+    del sent
+    return stage.index_select(0, h.staging_of_expert_row), out
+
+
+def _symm(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
+    with _produced(call, h, rows, row_of_send, counts):
+        if counts:
+            _read_counts(call, h)
+        recv, out = _consume(call, h, rows.dtype, rows.shape[1], w)
+        if between is not None:
+            between()
+    return recv, out
+
+
+def _fused(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
+    with _produced(call, h, rows, row_of_send, counts):
+        if counts:
+            _read_counts(call, h)
+        recv, out = _consume_fused(cc, call, h, rows.dtype, rows.shape[1], w)
+        if between is not None:
+            between()
+    return recv, out
+
+
+# ---- symm / fused: producer side ----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _produced(call, h: layout.MoELayout, rows, row_of_send, counts: bool):
+    """Write this rank's counts (a dispatch) and rows into every destination's region of this rank,
+    flagging each; the body runs meanwhile (CPU ranks: the rows are written by the copy engine)."""
+    W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
+    F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
+    call.wait_slot_free()
+    if counts:
+        mine = torch.tensor(h.send_counts, dtype=torch.int32, device=rows.device)
+        for i in range(W):
+            d = (r + i) % W
+            call.buffer(d, torch.int32, (W, L))[r].copy_(mine[d])
+            call.signal_ready(d * F)
+
+    def write(d: int) -> None:
+        region = layout.region(call, h, d, r, rows.dtype, rows.shape[1])
+        base = h.send_offsets[d]
+        for g in range(G):
+            experts = layout.group_experts(g, L, G)
+            lo, hi = h.within_dest(d, experts.start), h.within_dest(d, experts.stop)
+            if hi > lo:
+                torch.index_select(rows, 0, row_of_send[base + lo : base + hi], out=region[lo:hi])
+                call.signal_ready(d * F + 1 + g)
+
+    def write_peers() -> None:
+        with torch.no_grad():  # (grad mode is per thread; the rows may require grad)
+            for i in range(1, W):  # from rank + 1, so the destinations are not all written by everyone at once
+                write((r + i) % W)
+
+    if rows.is_cuda and moe_cuda.dispatch_rows(call, h, rows, row_of_send):
+        yield  # one kernel wrote every destination's rows and released their flags (not yet run on a GPU)
+        return
+    with torch.no_grad():
+        write(r)  # our own rows first (we multiply them first), on this thread: a failure raises here
+    if rows.is_cuda:  # stream-ordered on the current stream (not yet run on a GPU)
+        write_peers()
+        yield
+        return
+    future = comm.copy_engine().submit(write_peers)
+    try:
+        yield
+        comm.result(future, h.timeout)
+    finally:
+        comm.drain([future])
+
+
+def _read_counts(call, h: layout.MoELayout) -> None:
+    W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
+    F = layout.flags_per_peer(W)
+    for s in range(W):
+        call.wait_ready(s, r * F, chunk="counts")
+    h.recv_counts = call.buffer(r, torch.int32, (W, L)).tolist()
+    if h.info.device.type == "cuda":
+        # (a synchronisation: a wait the host watchdog released has reported first, so the counts are not used)
+        call.heap.check_async_errors(call.op, call.timeout)
+
+
+# ---- symm: consumer side (host loop) -------------------------------------------------------------
+
+
+def _consume(call, h: layout.MoELayout, dtype, cols: int, w):
+    W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
+    F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
+    device = h.info.device
+    recv = torch.empty((h.num_recv, cols), dtype=dtype, device=device)
+    out = torch.empty((h.num_recv, w.shape[2]), dtype=dtype, device=device) if w is not None else None
+    for i in range(W):  # our own rows first, then in the order the senders write us
+        s = (r - i) % W
+        region = layout.region(call, h, r, s, dtype, cols)
+        for g in range(G):
+            experts = layout.group_experts(g, L, G)
+            if not sum(h.recv_counts[s][e] for e in experts):
+                continue
+            call.wait_ready(s, r * F + 1 + g, chunk=f"experts {experts.start}-{experts.stop - 1}")
+            for e in experts:
+                c = h.recv_counts[s][e]
+                if not c:
+                    continue
+                lo, at = h.within_source(s, e), h.expert_offsets[e][s]
+                recv[at : at + c].copy_(region[lo : lo + c])
+                if out is not None:
+                    torch.mm(recv[at : at + c], w[e], out=out[at : at + c])
+    return recv, out
+
+
+# ---- fused: consumer side (Triton grouped GEMM waiting per block) -------------------------------
+
+
+def _consume_fused(cc: CallContext, call, h: layout.MoELayout, dtype, cols: int, w):
+    chosen, timeout = cc.plan, cc.timeout
+    W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
+    device = h.info.device
+    recv = torch.empty((h.num_recv, cols), dtype=dtype, device=device)
+    out = torch.empty((h.num_recv, w.shape[2]), dtype=dtype, device=device)
+    bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(), dtype)
+    table = moe_tiles.dispatch_tile_table(h, r, bm, device)
+    if not table.shape[0]:
+        return recv, out
+    heap = call.heap
+    stride = layout.region_stride(call, W, L)
+    src_table = heap.region_table(call.slot, r, stride, W, layout.header_bytes(W, L))
+    err = heap.kernel_err() if out.is_cuda else torch.zeros(1, dtype=torch.int32)
+    fused.kernels().launch_grouped_matmul_wait(src_table, heap.flag_table(call.slot, 0), table, w, out, recv,
+                                               epoch=call.epoch_word(), err=err, timeout_ns=int(timeout * 1e9),
+                                               block=(bm, bn, bk))
+    bad = 0 if out.is_cuda else int(err.item())
+    if bad:
+        raise OverlapTimeout(cc.op, r, bad - 1, "an expert block", timeout, "fused grouped GEMM wait")
+    return recv, out
+
+
+def _hierarchical(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
+    """Across nodes (`overlap.ops.moe_hierarchical`): a token crosses the network once per node."""
+    return moe_hierarchical.to_experts(cc, h, rows, row_of_send, w, counts, between)
+
+
+STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused,
+              "hierarchical": _hierarchical}

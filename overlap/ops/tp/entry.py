@@ -1,0 +1,151 @@
+"""How a tensor-parallel op is entered: its checks, plan and signature (`prepare`), and the custom-op schema, public
+call and autograd plumbing the four ops share (`tp_call`, `tp_context`, `tp_save`, `tp_backward`).
+
+Every TP op takes ``(a, b, group, strategy, plan, timeout)`` and has the same custom-op signature
+(`TP_SCHEMA`: the operands, the call's arguments as text, whether a backward will run; two outputs, the result
+and the key of the call context its backward reuses) and, except `matmul_all_reduce`, a backward custom op
+(`TP_BACKWARD_SCHEMA`) computing ``(grad_a, grad_b)`` in the forward's call context.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ... import world
+from ...plans import Plan, Problem, op_spec
+from ...plans.auto import as_plan, fit_plan, plan_source, resolve_auto
+from .. import library
+from ..context import FLOAT_DTYPES, CallContext, autocast_inputs, describe, preamble
+from ..fused import check_fused_available
+
+# ----------------------------------------------------------------------------------------------
+# Checks, plan and signature
+# ----------------------------------------------------------------------------------------------
+
+
+def check_matmul_operands(op: str, a: Any, b: Any, device: torch.device) -> None:
+    """Checks shared by the TP ops: ``a`` is ``[..., k]``, ``b`` is ``[k, n]``, same float dtype/device."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise TypeError(f"overlap.{op}: a and b must be tensors, got {type(a).__name__} and {type(b).__name__}")
+    if a.dim() < 2:
+        raise ValueError(f"overlap.{op}: a must be [..., k] with at least 2 dims (dim 0 is gathered or scattered), "
+                         f"got {describe(a)}")
+    if b.dim() != 2:
+        raise ValueError(f"overlap.{op}: b must be [k, n] (pass a weight w[n, k] as w.t()), got {describe(b)}")
+    if a.shape[-1] != b.shape[0]:
+        raise ValueError(f"overlap.{op}: inner dims differ: a is {describe(a)} (k={a.shape[-1]}), "
+                         f"b is {describe(b)} (k={b.shape[0]})")
+    if a.dtype != b.dtype:
+        raise TypeError(f"overlap.{op}: a and b must have one dtype outside autocast, got {a.dtype} and {b.dtype}")
+    if a.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"overlap.{op}: dtype must be one of {FLOAT_DTYPES}, got {a.dtype}")
+    if a.numel() == 0 or b.numel() == 0:
+        raise ValueError(f"overlap.{op}: empty operands are not supported: a is {describe(a)}, b is {describe(b)}")
+    if a.device != b.device:
+        raise ValueError(f"overlap.{op}: a is on {a.device}, b on {b.device}")
+    if a.device.type != device.type or (device.type == "cuda" and a.device.index != device.index):
+        raise ValueError(f"overlap.{op}: this rank's group computes on {device} but the inputs are on {a.device}")
+
+
+def prepare(op: str, a: Any, b: Any, group, strategy: str, plan, timeout: float | None,
+            check: Callable[[torch.Tensor, torch.Tensor, world.GroupInfo], None] | None = None,
+            needs_grad: bool | None = None, cast: bool = True) -> tuple[torch.Tensor, torch.Tensor, CallContext]:
+    """The TP ops' preamble: checks, autocast (unless `cast` is False: the custom op's caller cast them),
+    plan and signature. Returns ``(a, b, context)``. `needs_grad`: whether the call's backward will run (plan
+    files keep forward and forward+backward plans apart); None: read from grad mode and the inputs."""
+
+    def decide(cc: CallContext) -> tuple[Plan, str, tuple[torch.Tensor, torch.Tensor]]:
+        info = cc.info
+        a2, b2 = autocast_inputs(a, b) if cast else (a, b)
+        check_matmul_operands(op, a2, b2, info.device)
+        if check is not None:
+            check(a2, b2, info)
+        chosen = as_plan(strategy, plan)
+        shape_sig = f"a={describe(a2)}, b={tuple(b2.shape)}"
+        if chosen is None:
+            rows = math.prod(a2.shape[:-1])
+            dtype = str(a2.dtype).removeprefix("torch.")
+            chosen = resolve_auto(op, shape_sig, info, rows, dtype, out_bytes=rows * b2.shape[1] * a2.element_size(),
+                                  problem=tp_problem(op, rows, a2, b2, info.world_size, needs_grad),
+                                  plan_file=plan_source(plan))
+        chosen = fit_plan(op, chosen, info)
+        if chosen.strategy == "fused":
+            check_fused_available(op, a2.dtype)
+        return chosen, f"{op}({shape_sig}, plan={chosen.describe()}, ring={info.slowest_link})", (a2, b2)
+
+    cc, (a, b) = preamble(op, group, timeout, decide)
+    return a, b, cc
+
+
+def tp_problem(op: str, rows: int, a: torch.Tensor, b: torch.Tensor, world_size: int,
+               needs_grad: bool | None = None) -> Problem | None:
+    """The `overlap.plans.Problem` of a TP call (plan files are keyed by it), None where it has none."""
+    m = op_spec(op).rows_per_rank(rows, world_size)
+    if m is None:
+        return None
+    backward = needs_grad if needs_grad is not None else (
+        torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
+    try:
+        return Problem(op, m, a.shape[-1], b.shape[1], str(a.dtype).removeprefix("torch."), backward)
+    except ValueError:  # a call the model does not describe: no plan file entry can match it
+        return None
+
+
+
+
+# ----------------------------------------------------------------------------------------------
+# The custom ops: one signature for the four, forward and backward
+# ----------------------------------------------------------------------------------------------
+
+TP_SCHEMA = ("(Tensor a, Tensor b, str group, str strategy, str plan, float? timeout, bool needs_grad) "
+             "-> (Tensor, Tensor)")
+TP_BACKWARD_SCHEMA = "(Tensor grad, Tensor a, Tensor b, Tensor context, bool need_a, bool need_b) -> (Tensor, Tensor)"
+
+
+def tp_call(packet: Any, op: str, a: Any, b: Any, group: Any, strategy: Any, plan: Any, timeout: Any,
+            check: Callable | None = None) -> torch.Tensor:
+    """A TP op's public function: its arguments as the custom op takes them (autocast applied here, where
+    torch.compile traces it), then the custom op. Arguments of the wrong types raise through the op's
+    checks (which tell the peers) instead."""
+    args = library.call_args(group, strategy, plan, timeout)
+    if args is None or not library.tensors(a, b):
+        prepare(op, a, b, group, strategy, plan, timeout, check)  # raises this rank's error, peers told
+        raise TypeError(f"overlap.{op}: unsupported arguments")  # pragma: no cover - prepare raised
+    a, b = autocast_inputs(a, b)
+    return packet(a, b, *args, library.needs_grad(a, b))[0]
+
+
+def tp_context(op: str, a: torch.Tensor, b: torch.Tensor, group: str, strategy: str, plan: str,
+               timeout: float | None, needs_grad: bool, check: Callable | None = None):
+    """Inside a TP custom op: the call context (checks, plan, signature) of the public call."""
+    return prepare(op, a, b, library.group_of(group), strategy, library.plan_of(plan), timeout, check,
+                   needs_grad=needs_grad, cast=False)[2]
+
+
+def tp_save(ctx: Any, inputs: tuple, output: Any) -> None:
+    """`setup_context` of the TP ops: the operands and the forward's call context."""
+    a, b, *_ = inputs
+    ctx.save_for_backward(a, b, output[1])
+
+
+def tp_backward(backward_packet: Any) -> Callable:
+    """The autograd backward of a TP op whose gradients a ``<op>_backward`` custom op computes."""
+
+    def backward(ctx: Any, grad: torch.Tensor, _grad_context: Any):
+        a, b, context = ctx.saved_tensors
+        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_a, grad_b = backward_packet(grad, a, b, context, need_a, need_b)
+        return grad_a if need_a else None, grad_b if need_b else None, None, None, None, None, None
+
+    return backward
+
+
+def tp_backward_fake(grad, a, b, context, need_a, need_b):
+    """The fake of every ``<op>_backward``: the gradients have the operands' shapes (0 elements: not asked)."""
+    return (a.new_empty(a.shape if need_a else (0,)), b.new_empty(b.shape if need_b else (0,)))
+
+

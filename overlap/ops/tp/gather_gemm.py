@@ -1,0 +1,112 @@
+"""The all-gather and its GEMMs: every chunk's GEMM as soon as its gathered rows are there. The forward of
+`overlap.all_gather_matmul` and the input gradient of `overlap.matmul_reduce_scatter` (the all-gather of the
+output gradient times ``b.T``, the gathered rows kept for the weight gradient) run it.
+
+Strategies (same results; `reference` is the oracle):
+
+* ``reference``: ``all_gather_into_tensor``, then one GEMM.
+* ``pipelined``: a pairwise exchange (step i: receive from ``rank+i``, send to ``rank-i``), each
+  step split into ``num_chunks[link]`` pieces, all posted at once; the local GEMM runs while they
+  fly, then each piece's GEMM as soon as it is received. Any backend, any topology.
+* ``symm``: every rank copies its shard into its slot of the symmetric heap and flags it; a copy
+  engine (a side stream on GPUs, a worker thread on CPU ranks) pulls peers' chunks into a local
+  buffer, and the GEMM of each chunk waits only for that chunk. Ranks of one node.
+* ``fused``: one Triton kernel (`overlap.kernels.all_gather_matmul`); each tile waits on the flag of the
+  rank chunk it reads and loads it straight from that rank's buffer. Ranks of one node; on CPU
+  ranks it runs interpreted (correct, slow: for tests at small sizes).
+* ``hierarchical``: groups spanning nodes (`overlap.ops.tp.hierarchical`): each block sent once to each other
+  node (the rank with the same index there), forwarded within the node by shared memory as each network
+  chunk lands; every chunk's GEMM as it arrives. (On one node the plan is ``symm``.)
+
+The gathers themselves (reference, pipelined, symm, hierarchical) are `overlap.ops.tp.gather`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...errors import OverlapTimeout
+from ...plans import Plan
+from .. import fused
+from ..context import CallContext
+from ..nodes import guard
+from . import gather
+
+
+def heap_bytes(chosen: Plan, a2: torch.Tensor) -> int:
+    """Bytes of one heap slot a call needs (0: the strategy uses no symmetric memory)."""
+    return a2.numel() * a2.element_size() if chosen.strategy in ("symm", "fused", "hierarchical") else 0
+
+
+def run(a2: torch.Tensor, b: torch.Tensor | None, cc: CallContext,
+        keep_gathered: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One call on every rank (`cc`: its op, group, plan, deadline, signature): the handshake, then the strategy.
+
+    Returns ``(out [W*m, n], gathered [W*m, k])``: ``out`` is None when `b` is None (the call only
+    gathers), ``gathered`` (the whole gathered `a2`) is None unless `keep_gathered`: the weight
+    gradient of `matmul_reduce_scatter` takes it from the gather its input gradient needs.
+    """
+    call = cc.begin(heap_bytes(cc.plan, a2), steady=cc.plan.strategy in ("symm", "pipelined"))
+    try:
+        return STRATEGIES[cc.plan.strategy](cc, call, a2, b, keep_gathered)
+    finally:
+        call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward strategies: (a2 [m, k] contiguous, b [k, n]) -> out [W*m, n]
+# ----------------------------------------------------------------------------------------------
+
+
+def _gathered(cc: CallContext, call, a2, b, keep_gathered):
+    """reference, pipelined, symm: the GEMM of each gathered chunk as soon as it is there."""
+    g = gather.start(cc.plan.strategy, call, a2, cc)
+    try:
+        out = a2.new_empty((cc.world_size * a2.shape[0], b.shape[1])) if b is not None else None
+        for lo, hi, rows in g.chunks():
+            if out is not None:
+                torch.mm(rows, b, out=out[lo:hi])
+        return out, (g.gathered() if keep_gathered else None)
+    finally:
+        g.close()
+
+
+def _fused(cc: CallContext, call, a2, b, keep_gathered):
+    chosen, timeout = cc.plan, cc.timeout
+    if b is None:  # gather only (a weight gradient's gather): the kernel has no GEMM to run
+        return _gathered(cc.derive(plan=dataclasses.replace(chosen, strategy="symm")), call, a2, None, keep_gathered)
+    kernels = fused.kernels()
+    W, r, (m, k) = cc.world_size, cc.rank, a2.shape
+    heap = call.heap
+    call.wait_slot_free()
+    call.buffer(r, a2.dtype, (m, k)).copy_(a2)
+    call.signal_ready()
+    # GPU: the kernel's error word is pinned host memory, checked by the next call without a
+    # sync. CPU (interpreted): checked right after the kernel.
+    err = heap.kernel_err() if a2.is_cuda else torch.zeros(1, dtype=torch.int32)
+    tile = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(), a2.dtype)
+    out = kernels.launch_all_gather_matmul(b, heap.ptr_table(call.slot), heap.flag_table(call.slot, 0), rows=m,
+                                           epoch=call.epoch_word(), rank=r, err=err, timeout_ns=int(timeout * 1e9),
+                                           block=tile)
+    bad = 0 if a2.is_cuda else int(err.item())
+    if bad:
+        raise OverlapTimeout(cc.op, r, bad - 1, f"rank chunk {bad - 1}", timeout, "fused kernel tile wait")
+    gathered = None
+    if keep_gathered:
+        # Every peer's shard stays in its buffer until this rank finishes the call (on GPUs in
+        # stream order: the kernel has waited for every flag), so the gathered rows are copied out.
+        gathered = torch.cat([call.buffer(p, a2.dtype, (m, k)) for p in range(W)])
+    return out, gathered
+
+
+def _hierarchical(cc: CallContext, call, a2, b, keep_gathered):
+    """Across nodes: `overlap.ops.tp.hierarchical.HierGather` under `gather` (on one node the plan is ``symm``:
+    `overlap.plans.auto.fit_plan`)."""
+    with guard(cc):
+        return _gathered(cc, call, a2, b, keep_gathered)
+
+
+STRATEGIES = {"reference": _gathered, "pipelined": _gathered, "symm": _gathered, "fused": _fused,
+              "hierarchical": _hierarchical}

@@ -1,0 +1,22 @@
+"""``all_gather_weight_matmul``'s ``hierarchical`` strategy: the weight's shards (rows of ``w``, ``[n, k]`` per
+rank) gathered across nodes as `overlap.ops.tp.hierarchical.HierGather` gathers rows: each shard over the network
+once per node, to the owner's counterparts, forwarded within each node through its symmetric heap. On a group
+of one node the plan is the op's ``symm`` (`overlap.plans.auto.fit_plan`).
+
+Across nodes the whole weight is gathered into a local buffer (as ``reference`` and ``pipelined`` do), and the
+op's backward re-gathers it the same way while ``grad_b``'s reduce-scatter (`matmul_reduce_scatter`'s
+``hierarchical``) runs: the node's slot is sized for both (`start`'s `need`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..context import CallContext
+from .hierarchical import HierGather
+
+
+def start(shard_NK: torch.Tensor, cc: CallContext, need: int = 0):
+    """Post the gather of this rank's shard ``[n, k]``; chunks arrive as ``(row_lo, row_hi, rows)`` of ``w``."""
+    n = shard_NK.shape[0]
+    return HierGather(cc, shard_NK, [(p * n, (p + 1) * n) for p in range(cc.world_size)], need=need)

@@ -1,0 +1,265 @@
+"""Each destination's GEMM, scattered and summed: ``reduce_scatter(a @ b, dim=0)`` with the scatter hidden behind
+the GEMMs. The forward of `overlap.matmul_reduce_scatter`, the input gradient of `overlap.all_gather_matmul`,
+the weight gradient of `overlap.all_gather_weight_matmul` (``pipelined``) run it; `overlap.matmul_all_reduce`'s
+two-shot ``fused`` runs `scatter_and_reduce` and lays out its regions by `region_bytes`.
+
+Strategies (same results up to rounding; `reference` is the oracle). Every one sums in a fixed
+order, so the same inputs and plan give bitwise the same result run after run:
+
+* ``reference``: one GEMM, then ``reduce_scatter_tensor``.
+* ``pipelined``: pairwise steps. At step ``i`` rank ``r`` computes its partial for block ``r + i``
+  and sends it to that block's owner while receiving rank ``r - i``'s partial for its own block
+  (a shift: every send meets its receive at the same step), each transfer cut into
+  ``num_chunks[link]`` pieces; the next step's GEMM runs while the partial travels, this rank's own
+  block last. The owner then sums the ``W`` partials in rank order. (A ring would add at every hop
+  and round a 16-bit sum ``W - 1`` times; here every 16-bit partial is rounded once and summed in
+  fp32, as ``symm`` and ``fused`` do.) Any backend.
+* ``symm``: each destination's GEMM goes into this rank's region of the destination's symmetric
+  buffer (destinations from ``rank + 1``), flagged per chunk; every rank sums its regions in rank
+  order, chunk by chunk as the flags arrive. CPU ranks write the GEMM straight into the peer's
+  shared memory; GPUs compute into a local buffer and a side stream copies it (copy engine).
+* ``fused``: one Triton GEMM (`overlap.kernels.matmul_reduce_scatter`) whose tiles store straight into the
+  owner's buffer and signal per chunk, then a reduction kernel that waits per chunk and sums in rank order.
+* ``hierarchical``: groups spanning nodes (`overlap.ops.tp.hierarchical_reduce`): the partials summed within
+  the node by shared memory, each node's sum sent once to the destination's node, chunk by chunk while the
+  next node's GEMMs run; the node sums added in node order. (On one node the plan is ``symm``.)
+
+Buffer layout (symm, fused): a slot holds ``W`` regions of ``[m, n]`` (each padded to 16 bytes),
+region ``s`` written by rank ``s``; ready flag ``d * F + j`` in producer ``s``'s pad says "chunk ``j``
+of my partial for ``d`` is in ``d``'s buffer", ``F = MAX_FLAGS // W``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import comm, symm
+from ...errors import OverlapTimeout
+from ...plans import Plan
+from ...symm import p2p
+from .. import fused
+from ..context import CallContext
+from . import hierarchical_reduce
+from .sums import sum_in_order
+
+
+def region_bytes(m: int, n: int, dtype: torch.dtype) -> int:
+    """Bytes of one ``[m, n]`` region of a slot, padded so every region starts 16-byte aligned."""
+    nbytes = m * n * torch.empty((), dtype=dtype).element_size()
+    return (nbytes + 15) // 16 * 16
+
+
+def heap_bytes(chosen: Plan, a2: torch.Tensor, n: int, world_size: int) -> int:
+    if chosen.strategy == "hierarchical":  # (across nodes: the node's slot)
+        return hierarchical_reduce.reduce_bytes(a2.shape[0] // world_size, n, a2.dtype, world_size)
+    if chosen.strategy not in ("symm", "fused"):
+        return 0
+    return world_size * region_bytes(a2.shape[0] // world_size, n, a2.dtype)
+
+
+def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
+    """One call on every rank (`cc`: its op, group, plan, deadline, signature): the handshake, then the
+    strategy; returns ``[M / W, n]``."""
+    steady = cc.plan.strategy in ("symm", "pipelined")  # (pipelined: checked in its messages, `overlap.symm.p2p`)
+    call = cc.begin(heap_bytes(cc.plan, a2, b.shape[1], cc.world_size), steady=steady)
+    try:
+        return STRATEGIES[cc.plan.strategy](cc, call, a2, b)
+    finally:
+        call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward strategies: (a2 [W*m, k] contiguous, b [k, n]) -> out [m, n]
+# ----------------------------------------------------------------------------------------------
+
+
+def _reference(cc: CallContext, call, a2, b):
+    partial = torch.mm(a2, b)
+    out = a2.new_empty((a2.shape[0] // cc.world_size, b.shape[1]))
+    cc.wait(comm.reduce_scatter_async(out, partial, cc.pg), "any", "reduce_scatter")
+    return out
+
+
+def _pipelined(cc: CallContext, call, a2, b):
+    W, r, n = cc.world_size, cc.rank, b.shape[1]
+    m = a2.shape[0] // W
+    # Pairwise shift: at step i this rank sends its partial for block r+i to rank r+i and receives
+    # rank r-i's partial for its own block (every send meets its receive at the same step, also
+    # where a backend serializes steps). Each transfer is cut into chunks for its link.
+    received = a2.new_empty((W, m, n))  # received[s]: rank s's partial for our block
+    if p2p.tagged(call):
+        return _pipelined_tagged(cc, call, a2, b, received)
+    posted = []
+    for i in range(1, W):
+        d, src = (r + i) % W, (r - i) % W
+        part = torch.mm(a2[d * m : (d + 1) * m], b)  # the next GEMM runs while this partial travels
+        pairs = comm.exchange_chunked(part, d, received[src], src, cc.plan.chunks_for, cc.info, cc.pg, cc.op)
+        posted.extend((src, j, part, works) for j, _, works in pairs)  # part: kept alive until sent
+    torch.mm(a2[r * m : (r + 1) * m], b, out=received[r])
+    for _src, j, _part, works in posted:
+        for work, peer in works:
+            cc.wait(work, peer, j)
+    out = a2.new_empty((m, n))
+    sum_in_order(list(received.unbind(0)), out, 0, m)  # rank order, one rounding
+    return out
+
+
+def _pipelined_tagged(cc: CallContext, call, a2, b, received):
+    """`_pipelined` on CPU ranks of one node: tagged messages with headers (`overlap.symm.p2p`)."""
+    W, r = cc.world_size, cc.rank
+    m = a2.shape[0] // W
+    ex = p2p.Exchange(call, cc)
+    try:
+        for i in range(1, W):
+            ex.expect(received[(r - i) % W], (r - i) % W)
+        parts = []  # kept alive until sent
+        for i in range(1, W):
+            d = (r + i) % W
+            parts.append(torch.mm(a2[d * m : (d + 1) * m], b))  # the next GEMM runs while this partial travels
+            ex.send(parts[-1], d)
+            ex.arm(block=False)
+        torch.mm(a2[r * m : (r + 1) * m], b, out=received[r])
+        for i in range(1, W):
+            for _ in ex.arrivals((r - i) % W):
+                pass
+        ex.close()
+    except BaseException as exc:
+        ex.abandon(exc)
+        raise
+    out = a2.new_empty((m, received.shape[2]))
+    sum_in_order(list(received.unbind(0)), out, 0, m)  # rank order, one rounding
+    return out
+
+
+def _flag_chunks(chosen: Plan, info, m: int) -> tuple[list[tuple[int, int]], int]:
+    """Chunk bounds of one block (uniform over peers: the slowest link's count) and the flag stride."""
+    stride = symm.MAX_FLAGS // info.world_size
+    return comm.chunk_bounds(m, min(chosen.chunks_for(info.slowest_link), stride)), stride
+
+
+def _symm(cc: CallContext, call, a2, b):
+    info = cc.info
+    W, r, n, dtype = info.world_size, info.rank, b.shape[1], a2.dtype
+    m = a2.shape[0] // W
+    rb = region_bytes(m, n, dtype)
+    bounds, stride = _flag_chunks(cc.plan, info, m)
+
+    def region(owner: int, writer: int) -> torch.Tensor:
+        return call.buffer(owner, dtype, (m, n), offset=writer * rb)
+
+    if a2.is_cuda:
+        return _symm_cuda(call, a2, b, info, region, bounds, stride)
+    call.wait_slot_free()
+    # Produce: the partial of each destination straight into our region of its buffer, peers first
+    # (from rank + 1, so the owners are not all written by everyone at once), our own block last.
+    for i in range(1, W + 1):
+        d = (r + i) % W
+        dst = region(d, r)
+        for j, (lo, hi) in enumerate(bounds):
+            torch.mm(a2[d * m + lo : d * m + hi], b, out=dst[lo:hi])
+            if d != r:
+                call.signal_ready(d * stride + j)
+    # Consume: chunk by chunk, once every source has flagged it, sum the regions in rank order.
+    mine = [region(r, s) for s in range(W)]
+    out = a2.new_empty((m, n))
+    for j, (lo, hi) in enumerate(bounds):
+        for s in range(W):
+            if s != r:
+                call.wait_ready(s, r * stride + j, chunk=j)
+        sum_in_order(mine, out, lo, hi)
+    return out
+
+
+def _symm_cuda(call, a2, b, info, region, bounds, stride):
+    """GPU: GEMMs on the current stream into local buffers, copies to the owners on a side stream.
+
+    Not yet run on a GPU. A wait that passes its deadline is reported by the next call on the group.
+    """
+    W, r, n = info.world_size, info.rank, b.shape[1]
+    m = a2.shape[0] // W
+    main = torch.cuda.current_stream()
+    side = comm.side_stream(a2.device)
+    call.wait_slot_free(main)
+    for i in range(1, W):
+        d = (r + i) % W
+        part = torch.mm(a2[d * m : (d + 1) * m], b)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            dst = region(d, r)
+            for j, (lo, hi) in enumerate(bounds):
+                dst[lo:hi].copy_(part[lo:hi], non_blocking=True)
+                call.signal_ready(d * stride + j, stream=side)
+        part.record_stream(side)
+    torch.mm(a2[r * m : (r + 1) * m], b, out=region(r, r))
+    mine = [region(r, s) for s in range(W)]
+    out = a2.new_empty((m, n))
+    for j, (lo, hi) in enumerate(bounds):
+        for s in range(W):
+            if s != r:
+                call.wait_ready(s, r * stride + j, stream=main, chunk=j)
+        sum_in_order(mine, out, lo, hi)
+    main.wait_stream(side)  # our copies into peers' buffers are part of this call too
+    call.finish(stream=main)
+    return out
+
+
+def _fused(cc: CallContext, call, a2, b):
+    W, r, n = cc.world_size, cc.rank, b.shape[1]
+    m = a2.shape[0] // W
+    heap = call.heap
+    rb = region_bytes(m, n, a2.dtype)
+    stride = symm.MAX_FLAGS // W
+    out = a2.new_empty((m, n))
+    # Block d goes to our region (r) of d's buffer; we sum the W regions of our own buffer.
+    scatter_and_reduce(cc, call, a2, b, out, block_rows=m,
+                       dst_table=heap.ptr_table(call.slot, r * rb), flag_index=r * stride,
+                       src_table=heap.region_table(call.slot, r, rb, W), max_chunks=stride, flag_stride=stride)
+    return out
+
+
+def scatter_and_reduce(cc: CallContext, call, a2, b, out, *, block_rows: int, dst_table: torch.Tensor,
+                       flag_index: int, src_table: torch.Tensor, max_chunks: int, flag_stride: int = 0) -> None:
+    """The two fused kernels (`overlap.kernels.matmul_reduce_scatter`, through their launchers).
+
+    Producer: ``a2 @ b`` cut into ``len(dst_table)`` blocks of `block_rows` rows, block ``d`` stored at
+    ``dst_table[d]`` and flagged per chunk in this rank's ready flags ``d * flag_stride + chunk``.
+    Consumer: ``out = sum_s src_table[s]`` (``out.shape[0]`` rows), rank order, each chunk once every
+    rank's flag ``flag_index + chunk`` has this call's epoch. Used by the reduce-scatter (one block
+    per rank) and by ``matmul_all_reduce`` (one-shot: one block, summed over every rank's buffer).
+    """
+    info, chosen = cc.info, cc.plan
+    kernels = fused.kernels()
+    heap = call.heap
+    bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(), a2.dtype)
+    nch = kernels.chunk_count(chosen.chunks_for(info.slowest_link), max_chunks, block_rows, bm)
+    call.wait_slot_free()
+    counters = heap.counters(call.slot)  # num_dest * nch <= MAX_FLAGS; the kernel leaves them at zero
+    if not a2.is_cuda:
+        counters.zero_()  # (an interpreted kernel can stop half-way on an exception; a memset is free here)
+    epoch = call.epoch_word()  # (after wait_slot_free: the slot's word)
+    kernels.launch_matmul_scatter(a2, b, dst_table, counters, heap.flag_table(call.slot, 0), block_rows=block_rows,
+                                  num_chunks=nch, flag_stride=flag_stride, epoch=epoch, rank=info.rank,
+                                  block=(bm, bn, bk))
+    reduce_sources(cc, call, out, src_table, heap.flag_table(call.slot, flag_index), block_rows, nch, bm, bn, epoch)
+
+
+def reduce_sources(cc: CallContext, call, out, src_table, flag_table, block_rows, nch, bm, bn, epoch) -> None:
+    """The reduction kernel: ``out = sum_s src_s`` in rank order, each chunk once its flags are set."""
+    info, timeout = cc.info, cc.timeout
+    # GPU: the error word is pinned host memory, checked by the next call without a sync. CPU
+    # (interpreted): checked right after the kernel.
+    err = call.heap.kernel_err() if out.is_cuda else torch.zeros(1, dtype=torch.int32)
+    fused.kernels().launch_reduce_chunks(out, src_table, flag_table, block_rows=block_rows, num_chunks=nch,
+                                         epoch=epoch, err=err, timeout_ns=int(timeout * 1e9), block=(bm, bn))
+    bad = 0 if out.is_cuda else int(err.item())
+    if bad:
+        raise OverlapTimeout(cc.op, info.rank, bad - 1, "a reduced chunk", timeout, "fused reduction wait")
+
+
+def _hierarchical(cc: CallContext, call, a2, b):
+    """Across nodes (on one node the plan is ``symm``): `overlap.ops.hierarchical_reduce.reduce_scatter`."""
+    return hierarchical_reduce.reduce_scatter(cc, a2, b)
+
+
+STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused,
+              "hierarchical": _hierarchical}

@@ -1,0 +1,184 @@
+"""The MoE layer's workload: one rank's inputs for a `Problem`, the call, the oracle and the plain all-to-alls.
+Op ``moe``: ``overlap.moe.dispatch_grouped_matmul``, gelu, ``grouped_matmul_combine``.
+
+Shapes are a `Problem`'s: ``m`` tokens ``T`` per rank, hidden ``k`` (``H``), expert FFN ``n`` (``F``),
+`experts` ``E`` in all (``L = E / W`` per rank: rank ``r`` holds experts ``r*L ... (r+1)*L - 1``),
+`top_k` ``K`` per token.
+
+Inputs (`inputs`): ``x`` ``[T, H]`` standard normal; the routing drawn like a trained router's: logits
+``[T, E]`` standard normal plus a per-expert popularity (normal, standard deviation `POPULARITY`, the same
+on every rank), each token's top ``K`` experts (distinct), ``topk_weights`` the softmax of their logits
+(fp32 as routers keep them; float64 in a float64 problem), so expert loads are uneven; ``w1``
+``[L, H, F]`` scaled by ``1/sqrt(H)``, ``w2`` ``[L, F, H]`` by ``1/sqrt(F)``; ``grad_out`` ``[T, H]``
+standard normal.
+
+The oracle (`oracle`) is the layer computed densely for the tokens of every rank (one GEMM per expert over
+the rows routed to it, gelu, the fp32 weighted sum), in the problem's dtype, with autograd for the
+gradients of ``x``, ``w1``, ``w2`` and ``topk_weights`` (the loss is the sum over ranks of
+``<y_r, grad_out_r>``). Alone (`plain`): the counts' ``all_to_all_single`` and the rows' two (dispatch,
+combine) with this routing's split sizes, the two grouped GEMMs (one ``torch.mm`` per local expert) on
+this rank's received rows; ``fwd+bwd`` adds the backward's two transfers of ``H``-wide rows and its four
+grouped GEMMs.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..ops.moe import combine, dispatch
+from .data import Expected, OpInputs, Plain, SeededDraw
+
+#: standard deviation of the per-expert popularity added to the routing logits (uneven loads)
+POPULARITY = 0.15
+
+
+def inputs(p, world_size: int, draw: SeededDraw) -> OpInputs:
+    T, H, F, E, K = p.m, p.k, p.n, p.experts, p.top_k
+    L = E // world_size
+    x = draw.normal("x", T, H)
+    logits = draw.fp32("logits", T, E) + POPULARITY * draw.fp32("popularity", E, shared=True)
+    top = torch.topk(logits, K, dim=1)
+    weights = torch.softmax(top.values, dim=1).to(torch.promote_types(draw.dtype, torch.float32))
+    w1 = draw.normal("w1", L * H, F, scale=H**-0.5).view(L, H, F)
+    w2 = draw.normal("w2", L * F, H, scale=F**-0.5).view(L, F, H)
+    g = draw.normal("grad_out", T, H) if p.backward else None
+    return OpInputs((x, w1, w2, weights), g, routing=top.indices, num_experts=E)
+
+
+def call(inputs: OpInputs, group, **kwargs) -> torch.Tensor:
+    """The layer: ``dispatch_grouped_matmul``, gelu, ``grouped_matmul_combine`` (each looked up on its module
+    when called)."""
+    x, w1, w2, weights = inputs.leaves
+    h, handle = dispatch.dispatch_grouped_matmul(x, inputs.routing, w1, inputs.num_experts, group=group, **kwargs)
+    return combine.grouped_matmul_combine(torch.nn.functional.gelu(h), w2, weights, handle, **kwargs)
+
+
+def _dense(x: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+           experts: range) -> tuple[torch.Tensor, torch.Tensor]:
+    """``y[t] = sum_k wt[t, k] * gelu(x[t] @ w1[e]) @ w2[e]`` (``e = idx[t, k]``) for every token, one GEMM
+    per expert over its rows (token order), the sum in fp32 or wider (``k`` in order); also the rows of `experts`
+    in expert order (the ``x_recv`` of the ranks holding them). Autograd-able."""
+    N, K = idx.shape
+    flat = idx.reshape(-1)
+    pieces, where, recv = [], [], []
+    for e in range(w1.shape[0]):
+        pairs = (flat == e).nonzero().squeeze(1)
+        if not pairs.numel():
+            continue
+        rows = x.index_select(0, torch.div(pairs, K, rounding_mode="floor"))
+        if e in experts:
+            recv.append(rows)
+        pieces.append(torch.nn.functional.gelu(rows @ w1[e]) @ w2[e])
+        where.append(pairs)
+    order = torch.cat(where)
+    back = torch.cat(pieces).index_select(0, torch.argsort(order))  # pair order: t*K + k
+    wide = torch.promote_types(x.dtype, torch.float32)  # fp32, or float64 for a float64 oracle
+    acc = back.view(N, K, -1).to(wide) * wt.to(wide).unsqueeze(-1)
+    y = acc.sum(dim=1).to(x.dtype)
+    return y, torch.cat([x.new_empty(0, x.shape[1]), *recv])
+
+
+class _Routing:
+    """Rows per (source rank, expert) of every rank's routing, and what follows for rank `rank`."""
+
+    def __init__(self, every: list[OpInputs], rank: int):
+        W, E = len(every), every[0].num_experts
+        L = E // W
+        self.mine = range(rank * L, (rank + 1) * L)
+        flat = torch.cat([e.routing for e in every]).view(W, -1)
+        self.per_source = torch.stack([torch.bincount(flat[q], minlength=E) for q in range(W)])  # [W, E] rows
+        self.per_expert = self.per_source.sum(0)
+        self.rows_of = self.per_expert.view(W, L).sum(1)  # rows each rank's experts receive
+        self.off_rank = int(self.per_source.sum()) - sum(
+            int(self.per_source[q, q * L : (q + 1) * L].sum()) for q in range(W))
+        self.send_splits = self.per_source[rank].view(W, L).sum(1).tolist()
+        self.recv_splits = self.per_source[:, rank * L : (rank + 1) * L].sum(1).tolist()
+        self.local_rows = self.per_expert[rank * L : (rank + 1) * L].tolist()
+
+
+def oracle(p, every: list[OpInputs], rank: int) -> list[Expected]:
+    T, H, F, K = p.m, p.k, p.n, p.top_k
+    routing = _Routing(every, rank)
+    with torch.enable_grad():
+        leaves = [torch.cat([e.leaves[0] for e in every]), torch.cat([e.leaves[3] for e in every]),
+                  torch.cat([e.leaves[1] for e in every]), torch.cat([e.leaves[2] for e in every])]
+        if p.backward:
+            leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
+        x_all, wt_all, w1_all, w2_all = leaves
+        y_all, _ = _dense(x_all, torch.cat([e.routing for e in every]), wt_all, w1_all, w2_all, routing.mine)
+        rows, mine = slice(rank * T, (rank + 1) * T), slice(routing.mine.start, routing.mine.stop)
+        expected = [Expected("out", y_all[rows].detach(), H + F)]
+        if p.backward:
+            g_x, g_wt, g_w1, g_w2 = torch.autograd.grad(y_all, leaves, torch.cat([e.grad_out for e in every]))
+            busiest = max(routing.local_rows) if routing.local_rows else 1
+            expected += [
+                Expected("grad_x", g_x[rows], K * (H + F)),
+                Expected("grad_w1", g_w1[mine], busiest + H),
+                Expected("grad_w2", g_w2[mine], busiest),
+                Expected("grad_topk_weights", g_wt[rows], H + F),
+            ]
+    return expected
+
+
+def plain(p, every: list[OpInputs], rank: int, group, info, timeout: float, comm_bytes: int) -> Plain:
+    """The all-to-alls and grouped GEMMs alone; `comm_bytes` is replaced by this routing's own count."""
+    W, T, H, F, E, K = len(every), p.m, p.k, p.n, p.experts, p.top_k
+    r = _Routing(every, rank)
+    x_TH, w1, w2 = every[rank].leaves[:3]
+    with torch.no_grad():
+        _, x_recv = _dense(torch.cat([e.leaves[0] for e in every]), torch.cat([e.routing for e in every]),
+                           torch.cat([e.leaves[3] for e in every]), torch.cat([e.leaves[1] for e in every]),
+                           torch.cat([e.leaves[2] for e in every]), r.mine)
+
+    def wait(work) -> None:
+        comm.wait_work(work, "bench all_to_all", info.rank, "any", "all", timeout, info.device)
+
+    # Buffers of this routing's sizes (zeros: values that stay put).
+    counts_send = torch.tensor(r.per_source[rank].tolist(), dtype=torch.int64, device=info.device)
+    counts_recv = torch.zeros_like(counts_send)
+    pairs = x_TH.new_zeros((T * K, H))
+    stage = x_TH.new_zeros((sum(r.recv_splits), H))
+
+    def to_experts(out: torch.Tensor, inp: torch.Tensor) -> None:
+        wait(dist.all_to_all_single(out, inp, r.recv_splits, r.send_splits, group=group, async_op=True))
+
+    def to_tokens(out: torch.Tensor, inp: torch.Tensor) -> None:
+        wait(dist.all_to_all_single(out, inp, r.send_splits, r.recv_splits, group=group, async_op=True))
+
+    def comm_fn() -> None:
+        wait(dist.all_to_all_single(counts_recv, counts_send, group=group, async_op=True))
+        to_experts(stage, pairs)  # dispatch
+        to_tokens(pairs, stage)  # combine
+        if p.backward:
+            to_experts(stage, pairs)  # combine's backward: the output gradient's rows to the experts
+            to_tokens(pairs, stage)  # dispatch's backward: the input gradient's rows back
+
+    starts = list(itertools.accumulate(r.local_rows, initial=0))
+    with torch.no_grad():
+        h = torch.cat([x_recv.new_empty(0, F), *(
+            x_recv[a : a + n] @ w1[e] for e, (a, n) in enumerate(zip(starts, r.local_rows)) if n)])
+        act = torch.nn.functional.gelu(h)
+
+    def compute() -> None:  # operands of the right shapes: rows x, gelu(h), and gradients of the same sizes
+        for e, (a, n) in enumerate(zip(starts, r.local_rows)):
+            if not n:
+                continue
+            x_e, h_e, a_e = x_recv[a : a + n], h[a : a + n], act[a : a + n]
+            torch.mm(x_e, w1[e])
+            torch.mm(a_e, w2[e])
+            if p.backward:  # x_e stands for the output gradient's rows, h_e for gelu's input gradient
+                torch.mm(x_e, w2[e].t())
+                torch.mm(a_e.t(), x_e)
+                torch.mm(h_e, w1[e].t())
+                torch.mm(x_e.t(), h_e)
+
+    comm_bytes = (4 if p.backward else 2) * r.off_rank * H * x_TH.element_size() // W
+    mean = W * T * K
+    note = (f"routed rows per rank max/mean {W * int(r.rows_of.max()) / mean:.2f}, per expert "
+            f"{E * int(r.per_expert.max()) / mean:.2f} (busiest of {E}), {r.off_rank / mean:.0%} to other ranks")
+    return Plain(comm_fn, compute, "(comm alone)" if p.backward else "(all_to_alls alone)", "(GEMMs alone)",
+                 comm_bytes, [note])

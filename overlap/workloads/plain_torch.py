@@ -1,0 +1,173 @@
+"""Every op written with torch alone: the ``torch`` row of the benchmarks, the baseline of every speedup.
+
+No code of this project runs inside these: plain ``torch.distributed`` collectives (under the installed
+torch's names: ``all_gather_single``/``reduce_scatter_single`` where present, else
+``all_gather_into_tensor``/``reduce_scatter_tensor``; no handshake, no deadlined waits, no comm wrappers;
+their bound is the process group's own timeout) and ``torch.matmul``, as a user would write the op without
+`overlap`. Forward and backward follow Megatron's conventions. Each op's workload
+(`overlap.workloads.Workload.plain_torch`) is ``(group, routing, num_experts) -> fn(*leaves)``, the leaves as
+its inputs order them (TP ``(a, b)``, moe ``(x, w1, w2, topk_weights)``):
+
+* ``all_gather_matmul``: ``all_gather_into_tensor(a)``, then ``full @ b``; backward gathers ``a`` again,
+  ``grad_a = reduce_scatter_tensor(g @ b.T)``, ``grad_b = full.T @ g``.
+* ``matmul_reduce_scatter``: ``a @ b``, then ``reduce_scatter_tensor``; backward
+  ``all_gather_into_tensor(g)``, ``grad_a = full_g @ b.T``, ``grad_b = a.T @ full_g``.
+* ``matmul_all_reduce``: ``a @ b``, then ``all_reduce``; backward ``g @ b.T`` and ``a.T @ g`` (the output is
+  replicated: no communication).
+* ``all_gather_weight_matmul``: ``all_gather_into_tensor`` of the weight shards (``b_shard.T`` rows), then
+  ``a @ full``; backward gathers the weight again, ``grad_a = g @ full.T``, ``grad_b_shard`` this rank's block
+  of ``reduce_scatter_tensor(a.T @ g)`` (over the blocks of columns, as rows of the transpose).
+* ``moe``: the counts per expert by ``all_to_all_single``, the rows (sorted by expert) by
+  ``all_to_all_single``, one ``torch.matmul`` per local expert and gelu between, the results back by
+  ``all_to_all_single`` (the combine direction), the weighted sum over each token's experts in fp32. Its
+  backward is autograd through these plain ops, each all-to-all's backward the reverse all-to-all.
+
+The TP ops take the benchmark's 2-D operands (``a [rows, k]``, ``b [k, n]``). Their backward collectives are
+explicit in an autograd `Function`, since torch's collectives have no autograd of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+# torch 2.12+ renamed the two (the old names warn): the installed torch's own name.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    full = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+    _ALL_GATHER(full, x.contiguous(), group=group)
+    return full
+
+
+def _scatter_rows(partial: torch.Tensor, group) -> torch.Tensor:
+    out = partial.new_empty((partial.shape[0] // dist.get_world_size(group), *partial.shape[1:]))
+    _REDUCE_SCATTER(out, partial.contiguous(), group=group)
+    return out
+
+
+class _AllGatherMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, group):
+        ctx.save_for_backward(a, b)
+        ctx.group = group
+        return torch.matmul(_gather_rows(a, group), b)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        full = _gather_rows(a, ctx.group)  # only the shard was saved: gathered again, as Megatron does
+        grad_a = _scatter_rows(torch.matmul(g, b.t()), ctx.group)
+        return grad_a, torch.matmul(full.t(), g), None
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, group):
+        ctx.save_for_backward(a, b)
+        ctx.group = group
+        return _scatter_rows(torch.matmul(a, b), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        full_g = _gather_rows(g, ctx.group)
+        return torch.matmul(full_g, b.t()), torch.matmul(a.t(), full_g), None
+
+
+class _MatmulAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, group):
+        ctx.save_for_backward(a, b)
+        out = torch.matmul(a, b)
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        return torch.matmul(g, b.t()), torch.matmul(a.t(), g), None
+
+
+class _AllGatherWeightMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, group):
+        ctx.save_for_backward(a, b)
+        ctx.group = group
+        return torch.matmul(a, _gather_rows(b.t(), group).t())
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        full_t = _gather_rows(b.t(), ctx.group)  # [W*n, k]: only the shard was saved, gathered again
+        grad_b = _scatter_rows(torch.matmul(g.t(), a), ctx.group).t()  # rows of (a.T @ g).T, this rank's block
+        return torch.matmul(g, full_t), grad_b, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows with split sizes; its backward sends the gradients the reverse way."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        back = g.new_empty((sum(in_splits), *g.shape[1:]))
+        dist.all_to_all_single(back, g.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def _moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, routing: torch.Tensor,
+         num_experts: int, group) -> torch.Tensor:
+    W = dist.get_world_size(group)
+    L = num_experts // W
+    T, K = routing.shape
+    flat = routing.reshape(-1)  # pair t*K + k
+    order = torch.argsort(flat, stable=True)  # pairs by expert: by destination rank, then local expert
+    counts = torch.bincount(flat, minlength=num_experts)
+    counts_in = torch.empty_like(counts)
+    dist.all_to_all_single(counts_in, counts, group=group)  # [source rank, local expert] rows coming
+    send = counts.view(W, L).sum(1).tolist()
+    blocks = counts_in.view(W, L)
+    recv = blocks.sum(1).tolist()
+    rows = _AllToAll.apply(x.index_select(0, torch.div(order, K, rounding_mode="floor")), recv, send, group)
+    # Received rows are grouped by source, then local expert: regrouped by expert, one GEMM per expert.
+    expert_of_row = torch.repeat_interleave(torch.arange(L, device=x.device).repeat(W), blocks.reshape(-1))
+    by_expert = torch.argsort(expert_of_row, stable=True)
+    outs = [torch.matmul(torch.nn.functional.gelu(torch.matmul(r, w1[e])), w2[e])
+            for e, r in enumerate(torch.split(rows.index_select(0, by_expert), blocks.sum(0).tolist())) if r.numel()]
+    y_recv = torch.cat(outs) if outs else rows.new_empty((0, w2.shape[-1]))
+    y_recv = y_recv.index_select(0, torch.argsort(by_expert))  # back to source order for the combine direction
+    back = _AllToAll.apply(y_recv, send, recv, group)  # this rank's pairs, in expert order
+    pairs = back.index_select(0, torch.argsort(order))  # pair order t*K + k
+    wide = torch.promote_types(x.dtype, torch.float32)
+    return (pairs.view(T, K, -1).to(wide) * weights.to(wide).unsqueeze(-1)).sum(1).to(x.dtype)
+
+
+def torch_all_gather_matmul(group, routing=None, num_experts: int = 0) -> Callable[..., torch.Tensor]:
+    return lambda a, b: _AllGatherMatmul.apply(a, b, group)
+
+
+def torch_matmul_reduce_scatter(group, routing=None, num_experts: int = 0) -> Callable[..., torch.Tensor]:
+    return lambda a, b: _MatmulReduceScatter.apply(a, b, group)
+
+
+def torch_matmul_all_reduce(group, routing=None, num_experts: int = 0) -> Callable[..., torch.Tensor]:
+    return lambda a, b: _MatmulAllReduce.apply(a, b, group)
+
+
+def torch_all_gather_weight_matmul(group, routing=None, num_experts: int = 0) -> Callable[..., torch.Tensor]:
+    return lambda a, b: _AllGatherWeightMatmul.apply(a, b, group)
+
+
+def torch_moe(group, routing=None, num_experts: int = 0) -> Callable[..., torch.Tensor]:
+    return lambda x, w1, w2, weights: _moe(x, w1, w2, weights, routing, num_experts, group)
