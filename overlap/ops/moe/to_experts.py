@@ -268,7 +268,7 @@ def _consume_fused(cc: CallContext, call, h: layout.MoELayout, dtype, cols: int,
 
 
 def _hierarchical(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
-    """Across nodes (`overlap.ops.moe_hierarchical`): a token crosses the network once per node."""
+    """Across nodes (`overlap.ops.moe.hierarchical`): a token crosses the network once per node."""
     return moe_hierarchical.to_experts(cc, h, rows, row_of_send, w, counts, between)
 
 

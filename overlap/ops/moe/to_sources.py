@@ -185,7 +185,7 @@ def _collect(call, h: layout.MoELayout, dtype: torch.dtype, cols: int,
 
 
 def _hierarchical(cc: CallContext, call, h, y, w, between, weights=None):
-    """Across nodes (`overlap.ops.moe_hierarchical`): a token's rows summed within each node before they
+    """Across nodes (`overlap.ops.moe.hierarchical`): a token's rows summed within each node before they
     cross, where `weights` are given; else each row crosses once."""
     return moe_hierarchical.to_sources(cc, h, y, w, between, weights)
 

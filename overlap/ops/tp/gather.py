@@ -45,8 +45,8 @@ from .hierarchical import HierGather
 
 
 def heap_bytes(kind: str, x2: torch.Tensor) -> int:
-    """Bytes of a heap slot a gather of `x2` needs (``hierarchical``: on one node, as ``symm``; across nodes
-    its gather sizes the node's slot itself, `start`'s `need` at least)."""
+    """Bytes of a heap slot a gather of `x2` needs (``hierarchical``, across nodes: the least the node's slot
+    gets, `start`'s `need`; its gather adds what it needs itself)."""
     return x2.numel() * x2.element_size() if kind in ("symm", "hierarchical") else 0
 
 

@@ -37,11 +37,6 @@ from ..nodes import HEADER_BYTES, Layout, Poison, begin_node, guard, irecv, isen
 # ----------------------------------------------------------------------------------------------
 
 
-def gather_bytes(x2: torch.Tensor, world_size: int) -> int:
-    """Slot bytes of a gather of `x2` (also enough for ``symm``'s, which the one-node case runs)."""
-    return HEADER_BYTES + world_size * padded(x2.numel() * x2.element_size())
-
-
 class HierGather:
     """A hierarchical gather in flight, with `overlap.ops.tp.gather.Gather`'s interface: `chunks` yields
     ``(row_lo, row_hi, rows)`` of the gathered tensor as they arrive, `gathered` is the whole of it,

@@ -257,7 +257,7 @@ def reduce_sources(cc: CallContext, call, out, src_table, flag_table, block_rows
 
 
 def _hierarchical(cc: CallContext, call, a2, b):
-    """Across nodes (on one node the plan is ``symm``): `overlap.ops.hierarchical_reduce.reduce_scatter`."""
+    """Across nodes (on one node the plan is ``symm``): `overlap.ops.tp.hierarchical_reduce.reduce_scatter`."""
     return hierarchical_reduce.reduce_scatter(cc, a2, b)
 
 
