@@ -7,18 +7,15 @@ gradient) the input gradient and every parameter's ``.grad`` the matching slices
 with no reduction left to the caller. Modes: sequence parallelism on and off, ``gather_output``,
 ``input_is_parallel=False``; world sizes 2 and 3; strategies ``reference``, ``pipelined`` and ``auto``.
 Also: the deprecated ``config=`` path, argument errors, that neither ``overlap.nn`` nor the Megatron
-layers' module imports megatron-core, and the README's script (under torchrun).
+layers' module imports megatron-core. (The README's script runs in ``test_docs.py``.)
 """
 
 from __future__ import annotations
 
-import os
-import re
 import subprocess
 import sys
 import types
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -209,20 +206,3 @@ def test_plain_layers_import_no_megatron():
             "assert not bad, bad; print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
-
-
-def test_readme_script_runs(tmp_path):
-    """The README's overlap.nn script ("Train with it"), as written, under torchrun on 2 CPU ranks."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index("## Train with it"):readme.index("## Status of this version")]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    script = next(b for b in blocks if "init_process_group" in b)
-    path = tmp_path / "train.py"
-    assert "dist.destroy_process_group()" in script, script
-    path.write_text(script.replace("dist.destroy_process_group()",
-                                   "print('finished', flush=True)\ndist.destroy_process_group()"))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(path)],
-                          capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count("finished") == 2, proc.stdout
