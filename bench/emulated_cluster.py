@@ -24,7 +24,7 @@ usage:
   sudo .venv/bin/python bench/emulated_cluster.py                       # 100mbit and 2gbit, 2 ranks per node
   sudo .venv/bin/python bench/emulated_cluster.py --rate 100mbit --repeats 5 --json out.json
   sudo .venv/bin/python bench/emulated_cluster.py --quick --ranks-per-node 1
-  sudo .venv/bin/python bench/emulated_cluster.py --figures           # hierarchical's figures (docs/results/emulated-cluster.md)
+  sudo .venv/bin/python bench/emulated_cluster.py --figures           # hierarchical's figures (docs/results/)
   sudo .venv/bin/python bench/emulated_cluster.py --moe-figures       # the MoE layer's figures, with migration
 
 A default run takes about 2 minutes on 2 cores (4 ranks; more where other jobs share the cores: the

@@ -7,6 +7,7 @@ import torch
 from gpu_check_common import Report
 from gpu_check_moe_group import Config, MoEGroup, staged_rows
 from gpu_check_virtual import Device
+from overlap.kernels import slots
 
 from overlap import signals
 from overlap.ops.moe import cuda as moe_cuda
@@ -45,7 +46,7 @@ def check_a2a_kernels(rep: Report, dev: Device, cfg: Config) -> None:
     # the receivers' bounded waits (gpu_check_virtual's docstring: no wait queued in front of its producer).
     gate = dev.gate()
     for s, h, table, dst, n, num_sends, num_chunks, per_chunk in launches:
-        G = layout.expert_groups(cfg.num_local_experts, W)
+        G = slots.expert_groups(cfg.num_local_experts, W)
         stream = g.streams[s].cuda_stream if dev.cuda else 0
         gate.hold(g.streams[s])
         signals.moe_dispatch_rows(g.xs[s].data_ptr(), h.token_of.data_ptr(), num_sends, row_bytes,

@@ -25,9 +25,9 @@ from gpu_check_moe_group import (
     scatter_call,
 )
 from gpu_check_virtual import Device
+from overlap.kernels import slots
 
 from overlap import signals
-from overlap.ops.moe import layout
 
 # ==============================================================================================
 # The combine direction: inputs, the sources' collection, the judges
@@ -134,7 +134,7 @@ def check_combine_racing(rep: Report, dev: Device, cfg: Config) -> None:
     """g. The sources wait and copy; the scatter kernels run 20 ms later, rank W-1 first, rank 0 last (GPU: the
     scatters are issued first, held by a gate until the sources' waits are issued)."""
     name = f"g.moe combine racing {cfg.describe()}"
-    epoch, stale, W, F = 9, 8, cfg.world_size, layout.flags_per_peer(cfg.world_size)
+    epoch, stale, W, F = 9, 8, cfg.world_size, slots.flags_per_peer(cfg.world_size)
     g = MoEGroup.create(dev, cfg, stale=stale)
     ci = combine_inputs(g)
     backs = [torch.full((t.numel(), cfg.hidden), math.nan, device=dev.device, dtype=cfg.dtype) for t in g.topk]

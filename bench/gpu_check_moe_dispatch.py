@@ -27,7 +27,7 @@ from gpu_check_moe_group import (
     write_rows,
 )
 from gpu_check_virtual import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device
-from overlap.kernels import Watchdog
+from overlap.kernels.host import Watchdog
 
 # ==============================================================================================
 # The dispatch direction: the receivers' results

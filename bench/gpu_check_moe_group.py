@@ -2,8 +2,8 @@
 ranks with the slot layout of the MoE ops, which every MoE section (dispatch, combine, a2a, timings) starts from.
 
 As in gpu_check_virtual: W virtual ranks in one process, each with its own stream, its own slot (a plain device
-tensor laid out as `overlap.ops.moe.layout` lays out a slot: a header of ``W x L`` int32 counts, then ``W`` regions of
-`layout.region_stride` bytes, NaN until written), its own flag pad (int32 ``[MAX_FLAGS]`` at the previous call's
+tensor laid out as `overlap.kernels.slots` says: a header of ``W x L`` int32 counts, then ``W`` regions of
+`slots.region_stride` bytes, NaN until written), its own flag pad (int32 ``[MAX_FLAGS]`` at the previous call's
 epoch: producer ``s`` flags ``d * F`` for its counts and ``d * F + 1 + g`` for its rows of expert group ``g``
 for rank ``d``) and its own flag counters. The routing is built on the host: random top-k with uneven loads
 (a ramp on the logits, or two hot experts per rank), uneven token counts (0 included), one expert nobody
@@ -14,7 +14,7 @@ they come straight from ``topk_idx`` (expert, then source rank, then pair order)
 Also here: what several sections share besides the ranks (the float64 reference of a grouped GEMM, the rows a
 source sends, the ops' default tiles), and what they do on the ranks: a source's copies of its counts and rows
 (as the op's ``symm``/``fused`` producer does), and the calls of the two grouped-GEMM kernels with the ops' own
-tile tables (`moe_tiles.dispatch_tile_table`, `combine_tile_table`) through the ops' launchers
+tile tables (`dispatch_tile_table`, `combine_tile_table`) through the ops' launchers
 (`overlap.kernels.launch_grouped_matmul_wait`, `launch_grouped_matmul_scatter`).
 
 Imports overlap: the entry point imports this module only after its self-install.
@@ -24,18 +24,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 
 import torch
 from gpu_check_common import dtype_name
 from gpu_check_virtual import Device, Tile
-from overlap.kernels import epoch_word, grouped_matmul_grid, launch_grouped_matmul_scatter, launch_grouped_matmul_wait
+from overlap.kernels import slots
+from overlap.kernels.dispatch_grouped_matmul import dispatch_tile_table, launch_grouped_matmul_wait
+from overlap.kernels.grouped_matmul_combine import combine_tile_table, launch_grouped_matmul_scatter
+from overlap.kernels.host import epoch_word, grouped_matmul_grid
 
 from overlap import symm
 from overlap.ops import fused
 from overlap.ops.context import CallContext
 from overlap.ops.moe import layout
-from overlap.ops.moe import tiles as moe_tiles
 from overlap.plans import Plan
 
 # ==============================================================================================
@@ -95,7 +96,7 @@ class MoEGroup:
     xs: list[torch.Tensor]  # [T_r, H] each rank's tokens
     topk: list[torch.Tensor]  # [T_r, K]
     handles: list[layout.MoELayout]  # each rank's layout; recv_counts from the senders' counts (host values)
-    stride: int  # bytes between regions (`layout.region_stride` of the largest need of any rank)
+    stride: int  # bytes between regions (`overlap.kernels.slots.region_stride` of the largest need of any rank)
     bufs: list[torch.Tensor | None]  # uint8 [header + W * stride] each rank's slot (None: not made)
     pads: list[torch.Tensor]  # int32 [MAX_FLAGS] each rank's ready flags
     counters: list[torch.Tensor]  # int32 [MAX_FLAGS] each rank's flag counters (the scatter kernel's)
@@ -119,8 +120,8 @@ class MoEGroup:
             h.recv_counts = [handles[s].send_counts[r] for s in range(W)]
         row_bytes = cfg.hidden * xs[0].element_size()
         need = max(layout.heap_need("fused", h.num_tokens, K, L, h.send_splits, row_bytes, W) for h in handles)
-        stride = layout.region_stride(types.SimpleNamespace(need=need), W, L)
-        hb = layout.header_bytes(W, L)
+        stride = slots.region_stride(need, W, L)
+        hb = slots.header_bytes(W, L)
         bufs: list[torch.Tensor | None] = []
         for r in range(W):
             if owners is not None and r not in owners:
@@ -145,17 +146,17 @@ class MoEGroup:
 
     @property
     def flags_per_peer(self) -> int:
-        return layout.flags_per_peer(self.world_size)
+        return slots.flags_per_peer(self.world_size)
 
     @property
     def num_groups(self) -> int:
-        return layout.expert_groups(self.cfg.num_local_experts, self.world_size)
+        return slots.expert_groups(self.cfg.num_local_experts, self.world_size)
 
     def region(self, owner: int, source: int) -> torch.Tensor:
         """Region `source` of `owner`'s slot as ``[capacity, H]`` rows (`layout.region`)."""
         W, L, H = self.world_size, self.cfg.num_local_experts, self.cfg.hidden
         row_bytes = H * self.xs[0].element_size()
-        at, cap = layout.header_bytes(W, L) + source * self.stride, self.stride // row_bytes
+        at, cap = slots.header_bytes(W, L) + source * self.stride, self.stride // row_bytes
         return self.bufs[owner][at : at + cap * row_bytes].view(self.cfg.dtype).view(cap, H)
 
     def header(self, owner: int) -> torch.Tensor:
@@ -170,7 +171,7 @@ class MoEGroup:
         dispatch flags them in `source`'s pad (``base = dest * F``), the combine in `dest`'s (``source * F``)."""
         L, G = self.cfg.num_local_experts, self.num_groups
         counts = self.handles[source].send_counts[dest]
-        return [base + 1 + gi for gi in range(G) if sum(counts[e] for e in layout.group_experts(gi, L, G))]
+        return [base + 1 + gi for gi in range(G) if sum(counts[e] for e in slots.group_experts(gi, L, G))]
 
     def dispatch_flags(self) -> list[torch.Tensor]:
         """One-word views of every awaited dispatch flag (what a settle watchdog writes to release waits)."""
@@ -261,7 +262,7 @@ def write_rows(g: MoEGroup, s: int, d: int, epoch: int | None, staged: torch.Ten
     region, base = g.region(d, s), h.send_offsets[d]
     with g.dev.on(stream):
         for gi in range(G):
-            experts = layout.group_experts(gi, L, G)
+            experts = slots.group_experts(gi, L, G)
             lo, hi = h.within_dest(d, experts.start), h.within_dest(d, experts.stop)
             if hi <= lo:
                 continue
@@ -295,13 +296,13 @@ class WaitCall:
 
 
 def wait_call(g: MoEGroup, r: int, w: torch.Tensor, tile: Tile | None = None) -> WaitCall:
-    """Rank `r`'s call: the op's own tile table (`moe_tiles.dispatch_tile_table`) from ``h.recv_counts``."""
+    """Rank `r`'s call: the op's own tile table (`dispatch_tile_table`) from ``h.recv_counts``."""
     d, W, L = g.dev.device, g.world_size, g.cfg.num_local_experts
     h, dtype = g.handles[r], g.cfg.dtype
     blocks = op_tile(g.dev, dtype) if tile is None else (tile.block_m, tile.block_n, tile.block_k)
     bm, bn, _ = blocks
-    table = moe_tiles.dispatch_tile_table(h, r, bm, d)
-    hb = layout.header_bytes(W, L)
+    table = dispatch_tile_table(h.recv_counts, r, bm, d)
+    hb = slots.header_bytes(W, L)
     src = [g.bufs[r].data_ptr() + hb + s * g.stride for s in range(W)] if g.bufs[r] is not None else [0] * W
     err = torch.zeros(1, dtype=torch.int32, device=d)
     return WaitCall(r, w, tile, blocks, torch.tensor(src, dtype=torch.int64, device=d), table,
@@ -334,13 +335,13 @@ class ScatterCall:
 
 
 def scatter_call(g: MoEGroup, r: int, y: torch.Tensor, w: torch.Tensor, dst: list[int] | None = None) -> ScatterCall:
-    """Rank `r`'s call: the op's own tile table (`moe_tiles.combine_tile_table`: peers from r + 1, own rows last)."""
+    """Rank `r`'s call: the op's own tile table (`combine_tile_table`: peers from r + 1, own rows last)."""
     W, L = g.world_size, g.cfg.num_local_experts
     bm, bn, _ = op_tile(g.dev, g.cfg.dtype)
     d = g.dev.device
-    table = moe_tiles.combine_tile_table(g.handles[r], r, bm, fused.cdiv(w.shape[2], bn), d)
+    table = combine_tile_table(g.handles[r].recv_counts, r, bm, fused.cdiv(w.shape[2], bn), d)
     if dst is None:
-        hb = layout.header_bytes(W, L)
+        hb = slots.header_bytes(W, L)
         dst = [g.bufs[p].data_ptr() + hb + r * g.stride for p in range(W)]
     return ScatterCall(r, y, w, table, torch.tensor(dst, dtype=torch.int64, device=d))
 

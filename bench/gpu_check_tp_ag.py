@@ -35,7 +35,8 @@ from gpu_check_virtual import (
     time_copy,
     time_signals,
 )
-from overlap.kernels import Watchdog, epoch_word, launch_all_gather_weight_matmul
+from overlap.kernels.all_gather_weight_matmul import launch_all_gather_weight_matmul
+from overlap.kernels.host import Watchdog, epoch_word
 
 from overlap import comm
 

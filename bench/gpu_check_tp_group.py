@@ -40,19 +40,18 @@ from gpu_check_common import (
     compare_bound,
 )
 from gpu_check_virtual import Device, Tile
-from overlap.kernels import (
-    all_gather_matmul_grid,
+from overlap.kernels.all_gather_matmul import all_gather_matmul_grid, launch_all_gather_matmul
+from overlap.kernels.host import epoch_word
+from overlap.kernels.matmul_reduce_scatter import (
     chunk_count,
-    epoch_word,
-    launch_all_gather_matmul,
     launch_matmul_scatter,
     launch_reduce_chunks,
     reduce_chunks_grid,
 )
+from overlap.kernels.slots import region_bytes
 
 from overlap import symm
 from overlap.ops import fused
-from overlap.ops.tp.scatter_gemm import region_bytes
 
 KINDS = {"rs": "reduce-scatter", "ar2": "all-reduce two-shot (its reduce-scatter)", "ar1": "all-reduce one-shot"}
 

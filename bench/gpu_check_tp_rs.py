@@ -46,7 +46,7 @@ from gpu_check_tp_group import (
     reduce_grid,
 )
 from gpu_check_virtual import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device
-from overlap.kernels import Watchdog
+from overlap.kernels.host import Watchdog
 
 from overlap import signals
 from overlap.ops import fused

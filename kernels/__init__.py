@@ -4,60 +4,18 @@ One kernel file per op that has a fused form, named as the op (`all_gather_matmu
 kernels `matmul_all_reduce` runs too, `all_gather_weight_matmul`, `dispatch_grouped_matmul`,
 `grouped_matmul_combine`); `flags` holds the device-side waits and releases they share. Kernels take
 peer-pointer tables and flag pointers, so the same code runs on GPUs and, interpreted (``TRITON_INTERPRET=1``,
-set by `overlap` where no GPU exists), on CPU ranks over POSIX shared memory. Beside each kernel is its host
+set by `overlap` where no GPU exists), on CPU ranks over POSIX shared memory. Beside each kernel are its host
 launcher (``launch_*``: checks the arguments, allocates what belongs to the launch, computes the grid,
-launches); the ops and the GPU check call the launchers, never a kernel directly. What the launchers share: `host`;
-`compat` adapts the supported Triton versions (applied here, before any kernel is defined).
+launches) and the launch data it reads (the MoE kernels' tile tables); the ops and the GPU check call the
+launchers, never a kernel directly. What the launchers share: `host`; where their data sits in a
+symmetric-heap slot: `slots`; `compat` adapts the supported Triton versions (applied by `flags`, which every
+kernel file imports before it defines a kernel).
+
+Importing this package imports no Triton and defines no kernel: each kernel file does on its own import
+(``from overlap.kernels import all_gather_matmul``). `slots` and `host` need no Triton, so the ops that lay
+out slots the way the kernels read them (the non-fused ``symm`` paths) import them without it.
 """
 
 from overlap import envs as _envs
 
-_envs.set_triton_interpret()  # where no GPU exists: before Triton is imported and any kernel below defined
-
-from .compat import fix_interpreter_index
-
-fix_interpreter_index()
-
-# ruff: noqa: E402  (the kernels below are defined after the fix)
-
-from .all_gather_matmul import all_gather_matmul_grid, all_gather_matmul_kernel, launch_all_gather_matmul
-from .all_gather_weight_matmul import (
-    all_gather_weight_matmul_grid,
-    all_gather_weight_matmul_kernel,
-    launch_all_gather_weight_matmul,
-)
-from .dispatch_grouped_matmul import grouped_matmul_wait_kernel, launch_grouped_matmul_wait
-from .grouped_matmul_combine import grouped_matmul_scatter_kernel, launch_grouped_matmul_scatter
-from .host import Watchdog, epoch_word, grouped_matmul_grid
-from .matmul_reduce_scatter import (
-    chunk_count,
-    launch_matmul_scatter,
-    launch_reduce_chunks,
-    matmul_scatter_grid,
-    matmul_scatter_kernel,
-    reduce_chunks_grid,
-    reduce_chunks_kernel,
-)
-
-__all__ = [
-    "Watchdog",
-    "all_gather_matmul_grid",
-    "all_gather_matmul_kernel",
-    "all_gather_weight_matmul_grid",
-    "all_gather_weight_matmul_kernel",
-    "chunk_count",
-    "epoch_word",
-    "grouped_matmul_grid",
-    "grouped_matmul_scatter_kernel",
-    "grouped_matmul_wait_kernel",
-    "launch_all_gather_matmul",
-    "launch_all_gather_weight_matmul",
-    "launch_grouped_matmul_scatter",
-    "launch_grouped_matmul_wait",
-    "launch_matmul_scatter",
-    "launch_reduce_chunks",
-    "matmul_scatter_grid",
-    "matmul_scatter_kernel",
-    "reduce_chunks_grid",
-    "reduce_chunks_kernel",
-]
+_envs.set_triton_interpret()  # where no GPU exists: before any kernel file imports Triton and defines a kernel

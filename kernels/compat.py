@@ -1,4 +1,4 @@
-"""Fixes for the Triton versions `overlap` supports, applied once when ``overlap.kernels`` is imported.
+"""Fixes for the Triton versions `overlap` supports, applied once when the first kernel file is imported (by `flags`).
 
 Triton 3.6's interpreter converts a one-element tensor to an index with ``int(handle.data)``; numpy 2.4
 and later refuse ``int()`` of an array with one dimension ("only 0-dimensional arrays can be converted

@@ -13,16 +13,16 @@ until ``s`` has released flag ``flag`` of its own pad (``flag_table[s]``), then 
 ``out``. The column-0 tile also copies the rows it read into ``rows_ptr`` (the layer input the weight gradient
 needs), so they are read once.
 
-Its host launcher (`launch_grouped_matmul_wait`) follows the kernel; the MoE ops' ``fused`` strategy (and
-`overlap.moe.combine`'s backward) and the GPU check (``bench/gpu_check.py``) call it with the tile table of
-`overlap.ops.moe.tiles.dispatch_tile_table`, which knows the MoE slot layout.
+Its host launcher (`launch_grouped_matmul_wait`) and the tile table it takes (`dispatch_tile_table`, over the
+MoE slot layout of `overlap.kernels.slots`) follow the kernel; the MoE ops' ``fused`` strategy (and
+`overlap.moe.combine`'s backward) and the GPU check call them.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from . import host
+from . import host, slots
 from .flags import wait_flag
 
 
@@ -152,3 +152,28 @@ def launch_grouped_matmul_wait(src_table: torch.Tensor, flag_table: torch.Tensor
             UPCAST=interpreted and out.dtype == torch.bfloat16,
             **host.meta_options(num_warps, num_stages, interpreted),
         )
+
+
+def dispatch_tile_table(recv_counts: list[list[int]], rank: int, block_m: int, device: torch.device) -> torch.Tensor:
+    """The tiles of rank `rank`'s dispatch-direction kernel, from its ``recv_counts[s][e]`` (rows source ``s``
+    sends to local expert ``e``; `overlap.kernels.slots` has the slot layout).
+
+    One entry per `block_m` rows of each (source, local expert) block, sources from this rank down (``r``,
+    ``r - 1``, ...: our own rows first, then in the order the senders write us): ``(source, expert, first row
+    in the source's region, first row in the output (expert order), rows, flag index)``, the flag being
+    ``r * F + 1 + group of the expert`` in the source's pad.
+
+    Returns:
+        int32 ``[tiles, 6]`` on `device` (``[0, 6]`` where this rank receives no rows).
+    """
+    W, L = len(recv_counts), len(recv_counts[0]) if recv_counts else 0
+    F, G = slots.flags_per_peer(W), slots.expert_groups(max(L, 1), W)
+    tiles = []
+    for i in range(W):
+        s = (rank - i) % W
+        for e in range(L):
+            c = recv_counts[s][e]
+            lo, at = slots.within_source(recv_counts, s, e), slots.expert_offset(recv_counts, e, s)
+            for t in range(0, c, block_m):
+                tiles.append((s, e, lo + t, at + t, min(block_m, c - t), rank * F + 1 + slots.group_of(e, L, G)))
+    return torch.tensor(tiles, dtype=torch.int32, device=device).view(-1, 6)

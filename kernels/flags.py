@@ -12,6 +12,13 @@ argument: Triton would compile a new variant where it is 1 or a multiple of 16.
 import triton
 import triton.language as tl
 
+from .compat import fix_interpreter_index
+
+fix_interpreter_index()  # before any kernel runs: every kernel file imports this module first
+
+#: how often a spinning wait reads the error word (host memory on GPUs), nanoseconds; also its first read
+ERR_POLL_NS: tl.constexpr = tl.constexpr(1_000_000)
+
 
 @triton.jit
 def cta_any(cond):
@@ -31,9 +38,9 @@ def cta_any(cond):
 def wait_flag(flag_ptr, epoch, abort_ptr, err_ptr, src, timeout_ns, INTERPRETED: tl.constexpr):
     """Spin until ``*flag_ptr`` reaches `epoch`; past the deadline record ``src + 1`` in ``*err_ptr``.
 
-    The deadline is per wait; once any wait of the call has given up (``*err_ptr`` set, polled after
-    the first millisecond), every other wait stops too, so a dead peer costs one timeout, not one per
-    tile and source.
+    The deadline is per wait; once any wait of the call has given up (``*err_ptr`` set, polled once a
+    millisecond after the first), every other wait stops too, so a dead peer costs one timeout (and at most a
+    millisecond more), not one per tile and source.
 
     Every warp of the CTA leaves the loop on the same iteration (GPUs): each iteration holds barriers
     (the flag's one-thread acquire reaches the other threads through shared memory) and the GEMM after
@@ -52,16 +59,21 @@ def wait_flag(flag_ptr, epoch, abort_ptr, err_ptr, src, timeout_ns, INTERPRETED:
             aborted = tl.load(abort_ptr, volatile=True)
     else:
         start = tl.extra.cuda.globaltimer()
+        # The error word is host memory on GPUs: read over PCIe, so not in a wait's first millisecond and then at
+        # most once a millisecond per thread (a spinning grid reading it every iteration floods the bus).
+        next_poll = start + ERR_POLL_NS
         stop = ((ready - epoch) >= 0).to(tl.int32)  # (the broadcast value: the same in every thread)
         while stop == 0:
             ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-            elapsed = tl.extra.cuda.globaltimer() - start
-            # The error word is host memory on GPUs: not read in the first millisecond of a wait.
-            failed = tl.load(err_ptr, mask=elapsed > 1_000_000, other=0, volatile=True)
-            stop = cta_any(((ready - epoch) >= 0) | (elapsed >= timeout_ns) | (failed != 0))
+            now = tl.extra.cuda.globaltimer()
+            poll = now >= next_poll
+            failed = tl.load(err_ptr, mask=poll, other=0, volatile=True)
+            next_poll = tl.where(poll, now + ERR_POLL_NS, next_poll)
+            stop = cta_any(((ready - epoch) >= 0) | ((now - start) >= timeout_ns) | (failed != 0))
     if (ready - epoch) < 0:  # (the broadcast value again: every thread takes the same branch)
-        # The host reads this word (pinned memory on GPUs): system scope.
-        tl.atomic_max(err_ptr, src + 1, scope="sys")
+        # A plain store: the word is pinned host memory on GPUs, where a system-scope atomic over PCIe is not
+        # atomic with respect to the host; any failing source will do (the host names one peer).
+        tl.store(err_ptr, src + 1)
 
 
 @triton.jit

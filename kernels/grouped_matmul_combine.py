@@ -13,16 +13,16 @@ rows of ``y`` by ``w[e]`` and stores the result into this rank's region of rank 
 ``epoch`` in this rank's flag ``flag`` (CTA barrier, acq_rel count at system scope, release store: the same
 pattern as `overlap.kernels.matmul_reduce_scatter`) and resets the counter.
 
-Its host launcher (`launch_grouped_matmul_scatter`) follows the kernel; the MoE ops' ``fused`` strategy (and
-`overlap.moe.dispatch`'s backward) and the GPU check (``bench/gpu_check.py``) call it with the tile table of
-`overlap.ops.moe.tiles.combine_tile_table`, which knows the MoE slot layout.
+Its host launcher (`launch_grouped_matmul_scatter`) and the tile table it takes (`combine_tile_table`, over the
+MoE slot layout of `overlap.kernels.slots`) follow the kernel; the MoE ops' ``fused`` strategy (and
+`overlap.moe.dispatch`'s backward) and the GPU check call them.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from . import host
+from . import host, slots
 from .flags import count_and_release, matmul_tile
 
 
@@ -131,3 +131,33 @@ def launch_grouped_matmul_scatter(y: torch.Tensor, w: torch.Tensor, tile_table: 
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         UPCAST=host.interpreted() and y.dtype == torch.bfloat16,
     )
+
+
+def combine_tile_table(recv_counts: list[list[int]], rank: int, block_m: int, tiles_n: int,
+                       device: torch.device) -> torch.Tensor:
+    """The tiles of rank `rank`'s combine-direction kernel, from its ``recv_counts[s][e]`` (rows source ``s``
+    sent to local expert ``e``; `overlap.kernels.slots` has the slot layout).
+
+    One entry per `block_m` rows of each (source, local expert) block, sources from ``r + 1`` (peers first,
+    our own rows last): ``(source, expert, first row of y (expert order), first row in the source's region
+    (its send order), rows, flag index, tiles of the flag)``: the flag is ``s * F + 1 + group of the expert``
+    in this rank's pad, and its tiles are its entries times `tiles_n` (the column tiles); the last one releases it.
+
+    Returns:
+        int32 ``[tiles, 7]`` on `device` (``[0, 7]`` where this rank holds no rows).
+    """
+    W, L = len(recv_counts), len(recv_counts[0]) if recv_counts else 0
+    F, G = slots.flags_per_peer(W), slots.expert_groups(max(L, 1), W)
+    tiles, per_flag = [], {}
+    for i in range(1, W + 1):
+        s = (rank + i) % W
+        for e in range(L):
+            c = recv_counts[s][e]
+            lo, at = slots.within_source(recv_counts, s, e), slots.expert_offset(recv_counts, e, s)
+            flag = s * F + 1 + slots.group_of(e, L, G)
+            for t in range(0, c, block_m):
+                tiles.append([s, e, at + t, lo + t, min(block_m, c - t), flag, 0])
+                per_flag[flag] = per_flag.get(flag, 0) + tiles_n
+    for tile in tiles:
+        tile[6] = per_flag[tile[5]]
+    return torch.tensor(tiles, dtype=torch.int32, device=device).view(-1, 7)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from overlap.kernels import slots
 from support.cuda_tools import cuobjdump
 
 from overlap import _C, envs, errors, symm
@@ -297,14 +298,14 @@ SHAPES = [  # world size, rank, tokens, top_k, local experts
 def test_dispatch_blocks_match_the_torch_path(shape):
     W, r, T, K, L = shape
     h = _handle(W, r, T, K, L, torch.Generator().manual_seed(sum(shape)))
-    G = layout.expert_groups(L, W)
+    G = slots.expert_groups(L, W)
     blocks = moe_cuda.dispatch_blocks(h)
     assert len(blocks) == W * G + 1 and blocks[-1] == T * K
     assert blocks == sorted(blocks)
     for d in range(W):
         assert blocks[d * G] == h.send_offsets[d]
         for g in range(G):  # the rows _produced.write() index_selects for (d, g)
-            experts = layout.group_experts(g, L, G)
+            experts = slots.group_experts(g, L, G)
             base = h.send_offsets[d]
             assert (blocks[d * G + g], blocks[d * G + g + 1]) == (
                 base + h.within_dest(d, experts.start), base + h.within_dest(d, experts.stop))
@@ -312,7 +313,7 @@ def test_dispatch_blocks_match_the_torch_path(shape):
         chunks = moe_cuda.chunk_offsets(blocks, per_chunk)
         for i in range(W * G):
             assert chunks[i + 1] - chunks[i] == -(-(blocks[i + 1] - blocks[i]) // per_chunk)
-    F = layout.flags_per_peer(W)
+    F = slots.flags_per_peer(W)
     assert moe_cuda.block_flags(h) == [d * F + 1 + g for d in range(W) for g in range(G)]
     assert max(moe_cuda.block_flags(h)) < symm.MAX_FLAGS
 
@@ -336,7 +337,7 @@ def test_dispatch_launch_writes_what_the_torch_path_writes(monkeypatch, shape, d
     assert moe_cuda.dispatch_rows(call, h, x, h.token_of)
     assert fake.launches == (1 if T else 0)
 
-    G, F = layout.expert_groups(L, W), layout.flags_per_peer(W)
+    G, F = slots.expert_groups(L, W), slots.flags_per_peer(W)
     heap = call.heap
     for d in range(W):
         n = h.send_splits[d]
@@ -345,7 +346,7 @@ def test_dispatch_launch_writes_what_the_torch_path_writes(monkeypatch, shape, d
         expected = x.index_select(0, h.token_of[lo : lo + n])
         assert torch.equal(region[:n], expected), f"destination {d}: rows differ (W={W}, rank {r})"
         for g in range(G):
-            experts = layout.group_experts(g, L, G)
+            experts = slots.group_experts(g, L, G)
             rows = sum(h.send_counts[d][e] for e in experts)
             word = heap._cuda_flags.tensors[r][heap.ready_word(call.slot, d * F + 1 + g)]
             assert int(word) == (epoch if rows else 0), f"flag of block ({d}, {g}) with {rows} rows: {int(word)}"

@@ -23,7 +23,11 @@ pytest.importorskip("triton")
 
 from support.launch_specs import BACKEND, Launch, recording  # noqa: E402
 
-from overlap import kernels  # noqa: E402
+from overlap.ops.fused import kernels as _kernel_modules  # noqa: E402
+
+_k = _kernel_modules()  # the kernel files, one per op
+ag, agw, rs = _k.all_gather_matmul, _k.all_gather_weight_matmul, _k.matmul_reduce_scatter
+gwait, gscatter = _k.dispatch_grouped_matmul, _k.grouped_matmul_combine
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = (1, 16, 17, (1 << 20) + 5)
@@ -72,7 +76,7 @@ def _per_call() -> list[tuple[int, int, int, int, int]]:
 
 def test_all_gather_matmul_compiles_once_for_every_call_and_rank():
     b = torch.empty(512, 256, dtype=torch.bfloat16)
-    calls = [lambda w=w, r=r, e=e, s=s, t=t, m=m: kernels.launch_all_gather_matmul(
+    calls = [lambda w=w, r=r, e=e, s=s, t=t, m=m: ag.launch_all_gather_matmul(
         b, torch.zeros(w, dtype=i64), torch.zeros(w, dtype=i64), rows=m, epoch=_epoch(e, s), rank=r,
         err=torch.zeros(1, dtype=i32), timeout_ns=t, block=(128, 128, 64))
         for (w, r, e, s, t), m in zip(_per_call(), itertools.cycle((1, 16, 100, 1024)))]
@@ -80,7 +84,7 @@ def test_all_gather_matmul_compiles_once_for_every_call_and_rank():
 
 
 def test_all_gather_weight_matmul_compiles_once_for_every_call_and_rank():
-    calls = [lambda w=w, r=r, e=e, s=s, t=t, m=m: kernels.launch_all_gather_weight_matmul(
+    calls = [lambda w=w, r=r, e=e, s=s, t=t, m=m: agw.launch_all_gather_weight_matmul(
         torch.empty(m, 512, dtype=torch.bfloat16), torch.zeros(w, dtype=i64), torch.zeros(w, dtype=i64), n=256,
         epoch=_epoch(e, s), rank=r, err=torch.zeros(1, dtype=i32), timeout_ns=t, block=(128, 128, 64))
         for (w, r, e, s, t), m in zip(_per_call(), itertools.cycle((1, 16, 100, 1024)))]
@@ -98,7 +102,7 @@ def test_matmul_scatter_compiles_once_for_every_call_rank_and_layout():
         a = torch.empty(rows, 256, dtype=torch.bfloat16)
         nch = 1 + (r + e) % min(4, -(-block_rows // 128))
         calls.append(lambda a=a, w=w, r=r, e=e, s=s, dest=dest, block_rows=block_rows, nch=nch:
-                     kernels.launch_matmul_scatter(
+                     rs.launch_matmul_scatter(
                          a, b, torch.zeros(dest, dtype=i64), torch.zeros(256, dtype=i32), torch.zeros(w, dtype=i64),
                          block_rows=block_rows, num_chunks=nch, flag_stride=256 // (w + 1), epoch=_epoch(e, s),
                          rank=r, block=(128, 128, 64)))
@@ -110,7 +114,7 @@ def test_reduce_chunks_compiles_once_for_every_call_and_rank():
     calls = []
     for (w, _, e, s, t), rows in zip(_per_call(), itertools.cycle((1, 16, 17, 96))):
         out = torch.empty(rows, 512, dtype=torch.bfloat16)
-        calls.append(lambda out=out, w=w, e=e, s=s, t=t: kernels.launch_reduce_chunks(
+        calls.append(lambda out=out, w=w, e=e, s=s, t=t: rs.launch_reduce_chunks(
             out, torch.zeros(w, dtype=i64), torch.zeros(w, dtype=i64), block_rows=96, num_chunks=1 + e % 3,
             epoch=_epoch(e, s), err=torch.zeros(1, dtype=i32), timeout_ns=t, block=(32, 128)))
     _one_key("reduce_chunks_kernel", calls)
@@ -125,10 +129,10 @@ def test_moe_kernels_compile_once_for_every_call_and_rank():
         def table(width: int, n: int = tiles) -> torch.Tensor:
             return torch.zeros(n, width, dtype=i32)
 
-        waits.append(lambda ws=ws, e=e, s=s, t=t, tt=table(6): kernels.launch_grouped_matmul_wait(
+        waits.append(lambda ws=ws, e=e, s=s, t=t, tt=table(6): gwait.launch_grouped_matmul_wait(
             torch.zeros(ws, dtype=i64), torch.zeros(ws, dtype=i64), tt, w, out, rows, epoch=_epoch(e, s),
             err=torch.zeros(1, dtype=i32), timeout_ns=t, block=(128, 128, 64)))
-        scatters.append(lambda ws=ws, r=r, e=e, s=s, tt=table(7): kernels.launch_grouped_matmul_scatter(
+        scatters.append(lambda ws=ws, r=r, e=e, s=s, tt=table(7): gscatter.launch_grouped_matmul_scatter(
             y, w, tt, torch.zeros(ws, dtype=i64), torch.zeros(256, dtype=i32), torch.zeros(ws, dtype=i64),
             epoch=_epoch(e, s), rank=r, block=(128, 128, 64)))
     _one_key("grouped_matmul_wait_kernel", waits)
@@ -140,7 +144,7 @@ def test_shapes_still_choose_the_variant():
     variant (its loads differ); the rows and the epoch are not."""
     def launch(b: torch.Tensor, rows: int = 64, epoch: int = 1) -> Callable[[], None]:
         table = torch.zeros(2, dtype=i64)
-        return lambda: kernels.launch_all_gather_matmul(b, table, table, rows=rows, epoch=_epoch(epoch, 0), rank=0,
+        return lambda: ag.launch_all_gather_matmul(b, table, table, rows=rows, epoch=_epoch(epoch, 0), rank=0,
                                                         err=torch.zeros(1, dtype=i32), timeout_ns=1,
                                                         block=(64, 64, 32))
 
@@ -206,7 +210,7 @@ def _gpu_check_launches() -> list[Launch]:
     def gather(w, m, k, n, dtype, layout, epoch, timeout, tile, ranks=None):
         b, table = weight(k, n, dtype, layout), torch.zeros(w, dtype=i64)
         for r in range(w) if ranks is None else ranks:
-            calls.append(lambda b=b, r=r, table=table: kernels.launch_all_gather_matmul(
+            calls.append(lambda b=b, r=r, table=table: ag.launch_all_gather_matmul(
                 b, table, table, rows=m, epoch=_epoch(epoch, 0), rank=r, err=err, timeout_ns=timeout,
                 block=(tile.block_m, tile.block_n, tile.block_k), num_warps=tile.num_warps, num_stages=tile.num_stages))
 
@@ -223,17 +227,17 @@ def _gpu_check_launches() -> list[Launch]:
     # -- GEMM + reduce-scatter / all-reduce: f (ordered twice, racing, timeout), timings ---------------------
     def scatter_reduce(kind, w, rows, k, n, dtype, layout, epochs, timeout, num_chunks, ranks=None):
         lay, (bm, bn, bk) = Layout(kind, w, rows), op_tile(dtype)
-        nch = kernels.chunk_count(num_chunks, lay.max_chunks, lay.block_rows, bm)
+        nch = rs.chunk_count(num_chunks, lay.max_chunks, lay.block_rows, bm)
         a, b = torch.empty(rows, k, dtype=dtype), weight(k, n, dtype, layout)
         tables = torch.zeros(w, dtype=i64)
         for epoch, r in itertools.product(epochs, range(w) if ranks is None else ranks):
             lo, hi = lay.block(r)
-            calls.append(lambda a=a, b=b, r=r, epoch=epoch: kernels.launch_matmul_scatter(
+            calls.append(lambda a=a, b=b, r=r, epoch=epoch: rs.launch_matmul_scatter(
                 a, b, torch.zeros(lay.num_dest, dtype=i64), torch.zeros(256, dtype=i32), tables,
                 block_rows=lay.block_rows, num_chunks=nch, flag_stride=lay.flag_stride, epoch=_epoch(epoch, 0),
                 rank=r, block=(bm, bn, bk)))
             calls.append(lambda r=r, epoch=epoch, out=torch.empty(hi - lo, n, dtype=dtype):
-                         kernels.launch_reduce_chunks(out, tables, tables, block_rows=lay.block_rows, num_chunks=nch,
+                         rs.launch_reduce_chunks(out, tables, tables, block_rows=lay.block_rows, num_chunks=nch,
                                                       epoch=_epoch(epoch, 0), err=err, timeout_ns=timeout,
                                                       block=(bm, bn)))
 
@@ -262,11 +266,11 @@ def _gpu_check_launches() -> list[Launch]:
         for _, epoch, tile in itertools.product(range(w) if ranks is None else ranks, wait_epochs, tiles):
             block = op_tile(dtype) if tile is None else (tile.block_m, tile.block_n, tile.block_k)
             options = {} if tile is None else {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
-            calls.append(lambda epoch=epoch, block=block, options=options: kernels.launch_grouped_matmul_wait(
+            calls.append(lambda epoch=epoch, block=block, options=options: gwait.launch_grouped_matmul_wait(
                 table, table, torch.zeros(3, 6, dtype=i32), w1, out, rows, epoch=_epoch(epoch, 0), err=err,
                 timeout_ns=timeout, block=block, **options))
         for r, epoch in itertools.product(range(w) if ranks is None else ranks, scatter_epochs):
-            calls.append(lambda r=r, epoch=epoch: kernels.launch_grouped_matmul_scatter(
+            calls.append(lambda r=r, epoch=epoch: gscatter.launch_grouped_matmul_scatter(
                 y, w2, torch.zeros(3, 7, dtype=i32), table, torch.zeros(256, dtype=i32), table,
                 epoch=_epoch(epoch, 0), rank=r, block=op_tile(dtype)))
 

@@ -124,6 +124,18 @@ def test_every_warp_leaves_a_wait_on_the_same_iteration(report, kernel):
         assert r["bar_red"] >= 1, f"{kernel} {r['dtype']}: no CTA-wide reduction decides when the wait ends: {r}"
 
 
+@pytest.mark.parametrize("kernel", ["all_gather_matmul_kernel", "all_gather_weight_matmul_kernel",
+                                    "reduce_chunks_kernel", "grouped_matmul_wait_kernel", "matmul_scatter_kernel",
+                                    "grouped_matmul_scatter_kernel", "_occupy"])
+def test_no_atomic_on_a_host_word(report, kernel):
+    """The error word and the GPU check's marks are pinned host memory, where a system-scope atomic over PCIe is
+    not atomic with respect to the host: plain stores there; the only atomics are the flag protocol's (the
+    acquire load, the tile count's acq_rel add, the flag's release exchange)."""
+    for r in _of(report, kernel):
+        assert r["other_atomics"] == [], f"{kernel}: {r['other_atomics']}"
+        assert r["cubin_bytes"] > 0, r
+
+
 def test_the_analysis_finds_a_per_thread_exit(report):
     """The analysis behind the test above finds what overlap's wait did before issue 17: the loop left on
     each thread's own %globaltimer and its own volatile load of the error word."""
@@ -153,42 +165,45 @@ def test_gemm_operands_load_in_16_byte_copies(report, kernel):
 
 
 def _launch_with_bad_argument(case: str) -> None:
-    from overlap import kernels
+    from overlap.ops.fused import kernels as kernel_modules
 
+    k = kernel_modules()
+    ag, rs = k.all_gather_matmul, k.matmul_reduce_scatter
+    gwait, gscatter = k.dispatch_grouped_matmul, k.grouped_matmul_combine
     i64, i32 = torch.int64, torch.int32
     table, word, epoch = torch.zeros(2, dtype=i64), torch.zeros(1, dtype=i32), torch.ones(1, dtype=i32)
     b = torch.randn(32, 16)
     if case == "epoch as an int":
-        kernels.launch_all_gather_matmul(b, table, table, rows=4, epoch=1, rank=0, err=word, timeout_ns=1,
+        ag.launch_all_gather_matmul(b, table, table, rows=4, epoch=1, rank=0, err=word, timeout_ns=1,
                                          block=(32, 32, 32))
     elif case == "epoch of another dtype":
-        kernels.launch_reduce_chunks(torch.empty(8, 16), table, table, block_rows=8, num_chunks=1,
+        rs.launch_reduce_chunks(torch.empty(8, 16), table, table, block_rows=8, num_chunks=1,
                                      epoch=torch.ones(1, dtype=i64), err=word, timeout_ns=1, block=(32, 32))
     elif case == "rank outside the tables":
-        kernels.launch_all_gather_matmul(b, table, table, rows=4, epoch=epoch, rank=2, err=word, timeout_ns=1,
+        ag.launch_all_gather_matmul(b, table, table, rows=4, epoch=epoch, rank=2, err=word, timeout_ns=1,
                                          block=(32, 32, 32))
     elif case == "tile not a power of two":
-        kernels.launch_all_gather_matmul(b, table, table, rows=4, epoch=epoch, rank=0, err=word, timeout_ns=1,
+        ag.launch_all_gather_matmul(b, table, table, rows=4, epoch=epoch, rank=0, err=word, timeout_ns=1,
                                          block=(48, 32, 32))
     elif case == "out of the wrong shape":
-        kernels.launch_all_gather_matmul(b, table, table, rows=4, epoch=epoch, rank=0, err=word, timeout_ns=1,
+        ag.launch_all_gather_matmul(b, table, table, rows=4, epoch=epoch, rank=0, err=word, timeout_ns=1,
                                          block=(32, 32, 32), out=torch.empty(9, 16))
     elif case == "rows past the blocks":
-        kernels.launch_matmul_scatter(torch.randn(9, 32), b, table, torch.zeros(8, dtype=i32), table, block_rows=4,
+        rs.launch_matmul_scatter(torch.randn(9, 32), b, table, torch.zeros(8, dtype=i32), table, block_rows=4,
                                       num_chunks=1, flag_stride=4, epoch=epoch, rank=0, block=(32, 32, 32))
     elif case == "flags of two destinations overlap":
-        kernels.launch_matmul_scatter(torch.randn(64, 32), b, table, torch.zeros(8, dtype=i32), table,
+        rs.launch_matmul_scatter(torch.randn(64, 32), b, table, torch.zeros(8, dtype=i32), table,
                                       block_rows=32, num_chunks=1, flag_stride=0, epoch=epoch, rank=0,
                                       block=(16, 32, 32))
     elif case == "reduction of more rows than a block":
-        kernels.launch_reduce_chunks(torch.empty(9, 16), table, table, block_rows=8, num_chunks=1, epoch=epoch,
+        rs.launch_reduce_chunks(torch.empty(9, 16), table, table, block_rows=8, num_chunks=1, epoch=epoch,
                                      err=word, timeout_ns=1, block=(32, 32))
     elif case == "tile table of 5 columns":
-        kernels.launch_grouped_matmul_wait(table, table, torch.zeros(3, 5, dtype=i32), torch.randn(2, 8, 16),
+        gwait.launch_grouped_matmul_wait(table, table, torch.zeros(3, 5, dtype=i32), torch.randn(2, 8, 16),
                                            torch.empty(4, 16), torch.empty(4, 8), epoch=epoch, err=word, timeout_ns=1,
                                            block=(32, 32, 32))
     elif case == "weights of another inner dim":
-        kernels.launch_grouped_matmul_scatter(torch.randn(4, 8), torch.randn(2, 9, 16), torch.zeros(1, 7, dtype=i32),
+        gscatter.launch_grouped_matmul_scatter(torch.randn(4, 8), torch.randn(2, 9, 16), torch.zeros(1, 7, dtype=i32),
                                               table, torch.zeros(8, dtype=i32), table, epoch=epoch, rank=0,
                                               block=(32, 32, 32))
 
@@ -232,14 +247,13 @@ def _handles(world_size: int, tokens: list[int], top_k: int, num_local_experts: 
     (1, [7], 1, 3), (2, [13, 0], 2, 2), (3, [33, 5, 40], 3, 5), (2, [50, 20], 2, 200),
 ])
 def test_moe_tile_tables_cover_every_row_once(world_size, tokens, top_k, num_local_experts):
-    from overlap.ops.moe import layout
-    from overlap.ops.moe import tiles as moe_tiles
+    from overlap.kernels import dispatch_grouped_matmul, grouped_matmul_combine, slots
 
     W, L, bm, tiles_n = world_size, num_local_experts, 16, 3
-    F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
+    F, G = slots.flags_per_peer(W), slots.expert_groups(L, W)
     for r, h in enumerate(_handles(W, tokens, top_k, L)):
-        wait = moe_tiles.dispatch_tile_table(h, r, bm, torch.device("cpu"))
-        scatter = moe_tiles.combine_tile_table(h, r, bm, tiles_n, torch.device("cpu"))
+        wait = dispatch_grouped_matmul.dispatch_tile_table(h.recv_counts, r, bm, torch.device("cpu"))
+        scatter = grouped_matmul_combine.combine_tile_table(h.recv_counts, r, bm, tiles_n, torch.device("cpu"))
         assert wait.dtype == scatter.dtype == torch.int32 and wait.shape[1] == 6 and scatter.shape[1] == 7
         # sources in the order the kernels visit them: ours first (dispatch), ours last (combine)
         for table, sign, shift in ((wait, -1, r), (scatter, 1, -r - 1)):
@@ -251,11 +265,11 @@ def test_moe_tile_tables_cover_every_row_once(world_size, tokens, top_k, num_loc
             covered[out_row : out_row + n] += 1
             assert h.expert_offsets[e][s] <= out_row and out_row + n <= h.expert_offsets[e][s] + h.recv_counts[s][e]
             assert src_row - h.within_source(s, e) == out_row - h.expert_offsets[e][s]
-            assert flag == r * F + 1 + layout.group_of(e, L, G)
+            assert flag == r * F + 1 + slots.group_of(e, L, G)
         assert bool((covered == 1).all()), f"rank {r}: expert rows covered {covered.tolist()}"
         entries: dict[int, int] = {}
         for s, e, y_row, dst_row, _n, flag, _target in scatter.tolist():
-            assert flag == s * F + 1 + layout.group_of(e, L, G)
+            assert flag == s * F + 1 + slots.group_of(e, L, G)
             assert dst_row - h.within_source(s, e) == y_row - h.expert_offsets[e][s]
             entries[flag] = entries.get(flag, 0) + 1
         assert all(target == entries[flag] * tiles_n for *_, flag, target in scatter.tolist())

@@ -221,14 +221,23 @@ def test_one_name_per_op_across_layers():
         assert all(f in defined and getattr(overlap.moe, f).__module__ == f"overlap.ops.moe.{module}"
                    for f in functions), (module, defined)
     op_names = set(ops_of("tp")) | {f for functions in MOE_OPS.values() for f in functions}
-    shared = {"__init__", "host", "flags", "compat"}
-    launchers = {}
+    shared = {"__init__", "host", "flags", "compat", "slots"}
+    launchers, tile_tables = {}, {}
     for path in sorted((ROOT / "kernels").glob("*.py")):
         for fn in _top_functions(path):
             if fn.startswith("launch_"):
                 launchers[fn] = path.stem
+            if fn.endswith("_tile_table"):
+                tile_tables[fn] = path.stem
         if path.stem not in shared:
             assert path.stem in op_names, f"kernels/{path.name} is named for no op"
             assert any(fn.startswith("launch_") for fn in _top_functions(path)), f"kernels/{path.name}: no launcher"
     misplaced = {fn: where for fn, where in launchers.items() if where not in op_names}
     assert launchers and not misplaced, f"launchers outside their op's kernel file: {misplaced}"
+    # the launch data beside its launcher: each tile table in the kernel file of its op, none under ops/
+    assert tile_tables == {"dispatch_tile_table": "dispatch_grouped_matmul",
+                           "combine_tile_table": "grouped_matmul_combine"}, tile_tables
+    elsewhere = [str(p.relative_to(ROOT)) for p in (ROOT / "overlap").rglob("*.py")
+                 if any(fn.endswith("_tile_table") or fn in ("header_bytes", "region_stride", "region_bytes")
+                        for fn in _top_functions(p))]
+    assert not elsewhere, f"launch data outside kernels/: {elsewhere}"

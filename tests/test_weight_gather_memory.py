@@ -3,10 +3,10 @@ and forward+backward, every strategy against ``reference`` (which materializes t
 gradient); the symmetric heap reported beside (shared memory, not in the profiler's figures): its size (4 slots)
 and the bytes of their slots the calls of one forward+backward touched (`support.memory.HeapUse`).
 
-Run with ``-s`` to see the table ``docs/results/memory.md`` records. The assertions are on bytes, never on times: ``symm`` and
-``fused`` hold at most two shards of the weight outside the heap (one at two ranks) and never the whole weight
-or the whole weight gradient (no allocation larger than the gather's two local shards; fp32: bounds on the
-peak too); in the heap, a forward+backward touches at most two shards (the forward's, the backward's
+Run with ``-s`` to see the table ``docs/results/memory.md`` records. The assertions are on bytes, never on
+times: ``symm`` and ``fused`` hold at most two shards of the weight outside the heap (one at two ranks) and
+never the whole weight or the whole weight gradient (no allocation larger than the gather's two local shards;
+fp32: bounds on the peak too); in the heap, a forward+backward touches at most two shards (the forward's, the backward's
 re-gather's) and two chunk regions (the weight gradient's ring), in slots of one shard (fp32 and bf16);
 ``reference`` holds the whole weight and its whole gradient.
 """

@@ -1,14 +1,16 @@
 """The host side of the ``fused`` strategy that the ops share: importing the Triton kernels, tiles.
 
-The kernels' launchers (argument checks, grids, the interpreter's watchdog) are the kernels' own
-(`overlap.kernels`); this module imports them lazily, so that a missing Triton fails only the calls that
-need it. Where no GPU exists the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
-``import overlap``).
+The kernels' launchers (argument checks, grids, the interpreter's watchdog) and tile tables are the kernels'
+own (`overlap.kernels`); this module imports the kernel modules lazily, so that a missing Triton fails only the
+calls that need it (`overlap.kernels.slots`, the slot layouts, needs no Triton). Where no GPU exists the
+kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by ``import overlap``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import types
 
 import torch
 
@@ -22,18 +24,37 @@ def interpreted() -> bool:
     return envs.triton_interpret()
 
 
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The kernel modules of `overlap.kernels`, one per op with a fused form (each holds its kernels, their
+    launchers and the tile tables they take)."""
+
+    all_gather_matmul: types.ModuleType
+    all_gather_weight_matmul: types.ModuleType
+    matmul_reduce_scatter: types.ModuleType
+    dispatch_grouped_matmul: types.ModuleType
+    grouped_matmul_combine: types.ModuleType
+
+
 @functools.cache
-def kernels():
-    """`overlap.kernels` (the kernels and their launchers), imported on first use.
+def kernels() -> Kernels:
+    """The Triton kernel modules (`Kernels`), imported (and their kernels defined) on first use.
 
     Raises:
         RuntimeError: Triton does not import here.
     """
     try:
-        from .. import kernels as k
+        from ..kernels import (
+            all_gather_matmul,
+            all_gather_weight_matmul,
+            dispatch_grouped_matmul,
+            grouped_matmul_combine,
+            matmul_reduce_scatter,
+        )
     except ImportError as exc:
         raise RuntimeError(f"overlap: the 'fused' strategy needs Triton, which failed to import: {exc}") from exc
-    return k
+    return Kernels(all_gather_matmul, all_gather_weight_matmul, matmul_reduce_scatter, dispatch_grouped_matmul,
+                   grouped_matmul_combine)
 
 
 def fused_tiles(block_m: int, block_n: int, block_k: int, interpreted: bool,

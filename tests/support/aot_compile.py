@@ -29,7 +29,11 @@ from overlap.kernels import flags  # noqa: E402
 from ptx_flow import divergent_barriers, parse  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
 
-from overlap import kernels  # noqa: E402
+from overlap.ops.fused import kernels as _kernel_modules  # noqa: E402
+
+_k = _kernel_modules()  # the kernel files, one per op
+ag, agw, rs = _k.all_gather_matmul, _k.all_gather_weight_matmul, _k.matmul_reduce_scatter
+gwait, gscatter = _k.dispatch_grouped_matmul, _k.grouped_matmul_combine
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 W = 8  # ranks of the tables (the kernels are the same for any: W is not specialized on)
@@ -126,6 +130,10 @@ def _common(head: dict, dtype: str, block: tuple, ptx: str, cubin: int, t0: floa
         "count_acq_rel_sys": _scoped(ptx, "atom", ("acq_rel",)),
         "flag_release_sys": _scoped(ptx, "atom", ("release",)),
         "bar_sync": "bar.sync" in ptx or "barrier.sync" in ptx,
+        # system-scope read-modify-writes other than the flag protocol's (the count's add, the flag's release
+        # exchange): an atomic max or a relaxed exchange at system scope is on a host word (the error word, a mark)
+        "other_atomics": sorted({i.op for i in instrs if i.op.startswith("atom") and ".sys" in i.op and
+                                 ".add" not in i.op and not (".exch" in i.op and ".release" in i.op)}),
         "debug_barrier": _barrier_at_line(ptx, "flags.py", _source_line(flags.count_and_release, "tl.debug_barrier()")),
         "cubin_bytes": cubin, "seconds": round(time.time() - t0, 2),
     }
@@ -143,7 +151,7 @@ def compile_all_gather_matmul(dtype: str, block: tuple[int, int, int], num_warps
     """The all-gather GEMM as the op launches it: a shard of 1024 x 4096 rows per rank, b [4096, 2048]."""
     t0 = time.time()
     b = torch.empty(4096, 2048, dtype=DTYPES[dtype])
-    head, ptx, cubin = _compile_launch(lambda: kernels.launch_all_gather_matmul(
+    head, ptx, cubin = _compile_launch(lambda: ag.launch_all_gather_matmul(
         b, _table(), _table(), rows=1024, epoch=_words(1, 3), rank=1, err=_words(), timeout_ns=30 * 10**9,
         block=block, num_warps=num_warps))
     return _common(head, dtype, block, ptx, cubin, t0)
@@ -153,7 +161,7 @@ def compile_all_gather_weight_matmul(dtype: str, block: tuple[int, int, int]) ->
     """The weight-side all-gather GEMM as the op launches it: a [2048, 4096] per rank, shards [1024, 4096]."""
     t0 = time.time()
     a = torch.empty(2048, 4096, dtype=DTYPES[dtype])
-    head, ptx, cubin = _compile_launch(lambda: kernels.launch_all_gather_weight_matmul(
+    head, ptx, cubin = _compile_launch(lambda: agw.launch_all_gather_weight_matmul(
         a, _table(), _table(), n=1024, epoch=_words(1, 3), rank=1, err=_words(), timeout_ns=30 * 10**9,
         block=block))
     return _common(head, dtype, block, ptx, cubin, t0)
@@ -163,7 +171,7 @@ def compile_matmul_scatter(dtype: str, block: tuple[int, int, int]) -> dict:
     """The reduce-scatter's producer: a [W * 512, 1024] @ [1024, 2048], 2 chunks per destination."""
     t0 = time.time()
     a, b = torch.empty(W * 512, 1024, dtype=DTYPES[dtype]), torch.empty(1024, 2048, dtype=DTYPES[dtype])
-    head, ptx, cubin = _compile_launch(lambda: kernels.launch_matmul_scatter(
+    head, ptx, cubin = _compile_launch(lambda: rs.launch_matmul_scatter(
         a, b, _table(), _words(256), _table(), block_rows=512, num_chunks=2, flag_stride=16, epoch=_words(1, 3),
         rank=1, block=block))
     return _common(head, dtype, block, ptx, cubin, t0)
@@ -173,7 +181,7 @@ def compile_reduce_chunks(dtype: str, block: tuple[int, int]) -> dict:
     """The reduction of W partials of [512, 2048], 2 chunks."""
     t0 = time.time()
     out = torch.empty(512, 2048, dtype=DTYPES[dtype])
-    head, ptx, cubin = _compile_launch(lambda: kernels.launch_reduce_chunks(
+    head, ptx, cubin = _compile_launch(lambda: rs.launch_reduce_chunks(
         out, _table(), _table(), block_rows=512, num_chunks=2, epoch=_words(1, 3), err=_words(),
         timeout_ns=30 * 10**9, block=block))
     return _common(head, dtype, block, ptx, cubin, t0)
@@ -186,7 +194,7 @@ def compile_moe_wait(dtype: str, block: tuple[int, int, int]) -> dict:
     w, out = torch.empty(4, 2048, 1024, dtype=d), torch.empty(1024, 1024, dtype=d)
     rows = torch.empty(1024, 2048, dtype=d)
     tiles = torch.zeros(8, 6, dtype=torch.int32)
-    head, ptx, cubin = _compile_launch(lambda: kernels.launch_grouped_matmul_wait(
+    head, ptx, cubin = _compile_launch(lambda: gwait.launch_grouped_matmul_wait(
         _table(), _table(), tiles, w, out, rows, epoch=_words(1, 3), err=_words(), timeout_ns=30 * 10**9, block=block))
     return _common(head, dtype, block, ptx, cubin, t0)
 
@@ -197,7 +205,7 @@ def compile_moe_scatter(dtype: str, block: tuple[int, int, int]) -> dict:
     d = DTYPES[dtype]
     y, w = torch.empty(1024, 1024, dtype=d), torch.empty(4, 1024, 2048, dtype=d)
     tiles = torch.zeros(8, 7, dtype=torch.int32)
-    head, ptx, cubin = _compile_launch(lambda: kernels.launch_grouped_matmul_scatter(
+    head, ptx, cubin = _compile_launch(lambda: gscatter.launch_grouped_matmul_scatter(
         y, w, tiles, _table(), _words(256), _table(), epoch=_words(1, 3), rank=1, block=block))
     return _common(head, dtype, block, ptx, cubin, t0)
 
@@ -220,6 +228,17 @@ def per_thread_wait_kernel(flag_ptr, err_ptr, out_ptr, epoch, timeout_ns, BLOCK:
     tl.store(out_ptr + offs, tl.load(out_ptr + offs) + ready)
 
 
+def compile_occupy() -> dict:
+    """The GPU check's SM-occupying kernel (bench/gpu_check_streams.py): it writes and polls pinned host words."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+    import gpu_check_streams
+
+    t0 = time.time()
+    signature = {"release_ptr": "*i32", "started_ptr": "*i32", "timeout_ns": "i64"}
+    ptx, cubin = _compile(gpu_check_streams._occupy, signature, {}, {}, {"num_warps": 1})
+    return _common({"kernel": "_occupy", "key": "", "num_warps": 1}, "i32", (), ptx, cubin, t0)
+
+
 def compile_per_thread_wait() -> dict:
     t0 = time.time()
     signature = {"flag_ptr": "*i32", "err_ptr": "*i32", "out_ptr": "*i32", "epoch": "i32", "timeout_ns": "i64",
@@ -240,5 +259,5 @@ if __name__ == "__main__":
               compile_reduce_chunks("bf16", (128, 128)), compile_reduce_chunks("fp32", (128, 64)),
               compile_moe_wait("bf16", (128, 128, 64)), compile_moe_wait("fp32", (128, 64, 32)),
               compile_moe_scatter("bf16", (128, 128, 64)), compile_moe_scatter("fp32", (128, 64, 32)),
-              compile_per_thread_wait()]
+              compile_per_thread_wait(), compile_occupy()]
     json.dump(report, sys.stdout)

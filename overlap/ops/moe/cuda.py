@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import warn_once
+from ...kernels import slots
 from . import layout
 
 #: Row dtypes of the combine kernel and their codes in ``csrc/include/overlap/moe_a2a.cuh``.
@@ -42,8 +43,8 @@ def dispatch_blocks(h: layout.MoELayout) -> list[int]:
     CPU path writes with ``index_select`` for destination ``d`` and expert group ``g``; ``[d*G]`` is
     ``send_offsets[d]``."""
     W, L = len(h.send_counts), h.num_local_experts
-    G = layout.expert_groups(L, W)
-    offsets = [h.send_offsets[d] + h.within_dest(d, layout.group_experts(g, L, G).start)
+    G = slots.expert_groups(L, W)
+    offsets = [h.send_offsets[d] + h.within_dest(d, slots.group_experts(g, L, G).start)
                for d in range(W) for g in range(G)]
     return [*offsets, sum(h.send_splits)]
 
@@ -65,7 +66,7 @@ def chunk_offsets(blocks: list[int], rows_per_chunk: int) -> list[int]:
 def block_flags(h: layout.MoELayout) -> list[int]:
     """``[W*G]`` ready-flag index of each block: ``d*F + 1 + g`` (`moe_layout`'s flag layout)."""
     W, L = len(h.send_counts), h.num_local_experts
-    F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
+    F, G = slots.flags_per_peer(W), slots.expert_groups(L, W)
     return [d * F + 1 + g for d in range(W) for g in range(G)]
 
 
@@ -122,7 +123,7 @@ def dispatch_rows(call, h: layout.MoELayout, rows: torch.Tensor, row_of_send: to
     if blocks[-1] == 0:
         return True  # nothing to send: no block has rows, so no flag is due
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
-    G = layout.expert_groups(L, W)
+    G = slots.expert_groups(L, W)
     per_chunk = rows_per_chunk(row_bytes)
     chunks = chunk_offsets(blocks, per_chunk)
     heap = call.heap
@@ -131,7 +132,7 @@ def dispatch_rows(call, h: layout.MoELayout, rows: torch.Tensor, row_of_send: to
     flags = [heap.kernel_flag_addr(r, heap.ready_word(call.slot, i)) for i in flag_index]
     table = _device_table(blocks + chunks + flags, rows.device)
     n = len(blocks)
-    dst = heap.ptr_table(call.slot, layout.header_bytes(W, L) + r * layout.region_stride(call, W, L))
+    dst = heap.ptr_table(call.slot, slots.header_bytes(W, L) + r * slots.region_stride(call.need, W, L))
     counters = heap.counters(call.slot)  # zero between calls; the kernel leaves them at zero
     row_of_send = row_of_send.contiguous()
     assert row_of_send.dtype == torch.int64 and row_of_send.numel() == blocks[-1], row_of_send.shape
@@ -182,7 +183,7 @@ def combine_rows(call, h: layout.MoELayout, dtype: torch.dtype, cols: int, topk_
     if T == 0:
         return out
     pos, offsets = combine_positions(h)
-    back = call.heap.region_table(call.slot, r, layout.region_stride(call, W, L), W, layout.header_bytes(W, L))
+    back = call.heap.region_table(call.slot, r, slots.region_stride(call.need, W, L), W, slots.header_bytes(W, L))
     send_offsets = _device_table(offsets, out.device)
     weights = topk_weights.to(torch.float32).contiguous()
     _c().moe_combine_rows(

@@ -1,5 +1,6 @@
-"""What the MoE ops share: routing, the layout handle, input checks, plans, signatures and the heap layout (the
-tile tables of the fused kernels: `overlap.ops.moe.tiles`).
+"""What the MoE ops share: routing, the layout handle, input checks, plans, signatures and the heap's slots (their
+byte layout and flag indices are `overlap.kernels.slots`', which the fused kernels read; the kernels' tile tables
+are beside their launchers).
 
 Legend: ``W`` ranks of the expert-parallel group, ``E`` experts (global ids), ``L = E / W`` local experts
 (rank ``r`` holds ``r*L ... (r+1)*L - 1``), ``T`` tokens of this rank, ``K`` experts per token, ``P = T*K``
@@ -35,7 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ... import symm, world
+from ... import world
+from ...kernels import slots
 from ...plans import Plan, Problem
 from ...plans.auto import as_plan, fit_plan, plan_source, resolve_auto
 from ..context import FLOAT_DTYPES, CallContext, describe
@@ -303,23 +305,6 @@ def moe_problem(tokens: int, hidden: int, ffn: int, num_experts: int, top_k: int
         return None
 
 
-def flags_per_peer(world_size: int) -> int:
-    return symm.MAX_FLAGS // world_size
-
-
-def expert_groups(num_local_experts: int, world_size: int) -> int:
-    """How many flags (expert groups) a producer has per peer."""
-    return max(1, min(num_local_experts, flags_per_peer(world_size) - 1))
-
-
-def group_of(e: int, num_local_experts: int, num_groups: int) -> int:
-    return e * num_groups // num_local_experts
-
-
-def header_bytes(world_size: int, num_local_experts: int) -> int:
-    return (world_size * num_local_experts * 4 + 15) // 16 * 16
-
-
 def heap_need(strategy: str, num_tokens: int, top_k: int, num_local_experts: int, send_splits: list[int],
               row_bytes: int, world_size: int) -> int:
     """Slot bytes this rank needs: the header and ``W`` regions, each for the worst case of this rank
@@ -327,26 +312,15 @@ def heap_need(strategy: str, num_tokens: int, top_k: int, num_local_experts: int
     if strategy not in ("symm", "fused"):
         return 0
     rows = max([num_tokens * min(top_k, num_local_experts), *send_splits])
-    region = (max(rows, 1) * row_bytes + 15) // 16 * 16
-    return header_bytes(world_size, num_local_experts) + world_size * region
-
-
-def region_stride(call, world_size: int, num_local_experts: int) -> int:
-    """Bytes between regions of a slot: from the largest need of any rank (the same on every rank)."""
-    return (call.need - header_bytes(world_size, num_local_experts)) // world_size // 16 * 16
+    return slots.moe_slot_bytes(rows, row_bytes, world_size, num_local_experts)
 
 
 def region(call, h: MoELayout, owner: int, source: int, dtype: torch.dtype, cols: int) -> torch.Tensor:
     """Region `source` of `owner`'s buffer in this call's slot, as ``[capacity, cols]`` rows."""
     W, L = h.info.world_size, h.num_local_experts
-    stride = region_stride(call, W, L)
+    stride = slots.region_stride(call.need, W, L)
     row_bytes = cols * torch.empty((), dtype=dtype).element_size()
-    return call.buffer(owner, dtype, (stride // row_bytes, cols), offset=header_bytes(W, L) + source * stride)
-
-
-def group_experts(g: int, num_local_experts: int, num_groups: int) -> range:
-    """The local experts of expert group `g` (the inverse of `group_of`)."""
-    return range(-(-g * num_local_experts // num_groups), -(-(g + 1) * num_local_experts // num_groups))
+    return call.buffer(owner, dtype, (stride // row_bytes, cols), offset=slots.header_bytes(W, L) + source * stride)
 
 
 def signature(op: str, hidden: int, out: int | None, num_experts: int, top_k: int, dtype: torch.dtype,

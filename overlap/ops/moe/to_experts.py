@@ -31,13 +31,13 @@ import torch.distributed as dist
 
 from ... import comm
 from ...errors import OverlapTimeout
+from ...kernels import slots
 from .. import fused
 from ..context import CallContext
 from . import bound as moe_bound
 from . import cuda as moe_cuda
 from . import hierarchical as moe_hierarchical
 from . import layout
-from . import tiles as moe_tiles
 
 # ----------------------------------------------------------------------------------------------
 # One transfer towards the experts (dispatch forward; combine backward)
@@ -161,7 +161,7 @@ def _produced(call, h: layout.MoELayout, rows, row_of_send, counts: bool):
     """Write this rank's counts (a dispatch) and rows into every destination's region of this rank,
     flagging each; the body runs meanwhile (CPU ranks: the rows are written by the copy engine)."""
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
-    F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
+    F, G = slots.flags_per_peer(W), slots.expert_groups(L, W)
     call.wait_slot_free()
     if counts:
         mine = torch.tensor(h.send_counts, dtype=torch.int32, device=rows.device)
@@ -174,7 +174,7 @@ def _produced(call, h: layout.MoELayout, rows, row_of_send, counts: bool):
         region = layout.region(call, h, d, r, rows.dtype, rows.shape[1])
         base = h.send_offsets[d]
         for g in range(G):
-            experts = layout.group_experts(g, L, G)
+            experts = slots.group_experts(g, L, G)
             lo, hi = h.within_dest(d, experts.start), h.within_dest(d, experts.stop)
             if hi > lo:
                 torch.index_select(rows, 0, row_of_send[base + lo : base + hi], out=region[lo:hi])
@@ -204,7 +204,7 @@ def _produced(call, h: layout.MoELayout, rows, row_of_send, counts: bool):
 
 def _read_counts(call, h: layout.MoELayout) -> None:
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
-    F = layout.flags_per_peer(W)
+    F = slots.flags_per_peer(W)
     for s in range(W):
         call.wait_ready(s, r * F, chunk="counts")
     h.recv_counts = call.buffer(r, torch.int32, (W, L)).tolist()
@@ -218,7 +218,7 @@ def _read_counts(call, h: layout.MoELayout) -> None:
 
 def _consume(call, h: layout.MoELayout, dtype, cols: int, w):
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
-    F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
+    F, G = slots.flags_per_peer(W), slots.expert_groups(L, W)
     device = h.info.device
     recv = torch.empty((h.num_recv, cols), dtype=dtype, device=device)
     out = torch.empty((h.num_recv, w.shape[2]), dtype=dtype, device=device) if w is not None else None
@@ -226,7 +226,7 @@ def _consume(call, h: layout.MoELayout, dtype, cols: int, w):
         s = (r - i) % W
         region = layout.region(call, h, r, s, dtype, cols)
         for g in range(G):
-            experts = layout.group_experts(g, L, G)
+            experts = slots.group_experts(g, L, G)
             if not sum(h.recv_counts[s][e] for e in experts):
                 continue
             call.wait_ready(s, r * F + 1 + g, chunk=f"experts {experts.start}-{experts.stop - 1}")
@@ -251,16 +251,17 @@ def _consume_fused(cc: CallContext, call, h: layout.MoELayout, dtype, cols: int,
     recv = torch.empty((h.num_recv, cols), dtype=dtype, device=device)
     out = torch.empty((h.num_recv, w.shape[2]), dtype=dtype, device=device)
     bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(), dtype)
-    table = moe_tiles.dispatch_tile_table(h, r, bm, device)
+    kernel = fused.kernels().dispatch_grouped_matmul
+    table = kernel.dispatch_tile_table(h.recv_counts, r, bm, device)
     if not table.shape[0]:
         return recv, out
     heap = call.heap
-    stride = layout.region_stride(call, W, L)
-    src_table = heap.region_table(call.slot, r, stride, W, layout.header_bytes(W, L))
+    stride = slots.region_stride(call.need, W, L)
+    src_table = heap.region_table(call.slot, r, stride, W, slots.header_bytes(W, L))
     err = heap.kernel_err() if out.is_cuda else torch.zeros(1, dtype=torch.int32)
-    fused.kernels().launch_grouped_matmul_wait(src_table, heap.flag_table(call.slot, 0), table, w, out, recv,
-                                               epoch=call.epoch_word(), err=err, timeout_ns=int(timeout * 1e9),
-                                               block=(bm, bn, bk))
+    kernel.launch_grouped_matmul_wait(src_table, heap.flag_table(call.slot, 0), table, w, out, recv,
+                                      epoch=call.epoch_word(), err=err, timeout_ns=int(timeout * 1e9),
+                                      block=(bm, bn, bk))
     bad = 0 if out.is_cuda else int(err.item())
     if bad:
         raise OverlapTimeout(cc.op, r, bad - 1, "an expert block", timeout, "fused grouped GEMM wait")

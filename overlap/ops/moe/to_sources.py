@@ -29,13 +29,13 @@ import torch
 import torch.distributed as dist
 
 from ... import comm
+from ...kernels import slots
 from .. import fused
 from ..context import CallContext
 from . import bound as moe_bound
 from . import cuda as moe_cuda
 from . import hierarchical as moe_hierarchical
 from . import layout
-from . import tiles as moe_tiles
 
 # ----------------------------------------------------------------------------------------------
 # One transfer back to the sources (combine forward; dispatch backward)
@@ -104,13 +104,13 @@ def _pipelined(cc: CallContext, call, h, y, w, between):
 def _symm(cc: CallContext, call, h, y, w, between, weights=None):
     cols = y.shape[1] if w is None else w.shape[2]
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
-    F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
+    F, G = slots.flags_per_peer(W), slots.expert_groups(L, W)
     call.wait_slot_free()
     for i in range(1, W + 1):  # peers from rank + 1, our own rows last
         s = (r + i) % W
         region = layout.region(call, h, s, r, y.dtype, cols)
         for g in range(G):
-            experts = layout.group_experts(g, L, G)
+            experts = slots.group_experts(g, L, G)
             if not sum(h.recv_counts[s][e] for e in experts):
                 continue
             for e in experts:
@@ -134,15 +134,16 @@ def _fused(cc: CallContext, call, h, y, w, between, weights=None):
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
     bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(), y.dtype)
     call.wait_slot_free()
-    table = moe_tiles.combine_tile_table(h, r, bm, fused.cdiv(cols, bn), y.device)
+    kernel = fused.kernels().grouped_matmul_combine
+    table = kernel.combine_tile_table(h.recv_counts, r, bm, fused.cdiv(cols, bn), y.device)
     if table.shape[0]:
         heap = call.heap
-        stride = layout.region_stride(call, W, L)
+        stride = slots.region_stride(call.need, W, L)
         counters = heap.counters(call.slot)  # indices < W * F <= MAX_FLAGS; the kernel leaves them at zero
         if not y.is_cuda:
             counters.zero_()  # (an interpreted kernel can stop half-way on an exception; a memset is free here)
-        fused.kernels().launch_grouped_matmul_scatter(
-            y, w, table, heap.ptr_table(call.slot, layout.header_bytes(W, L) + r * stride), counters,
+        kernel.launch_grouped_matmul_scatter(
+            y, w, table, heap.ptr_table(call.slot, slots.header_bytes(W, L) + r * stride), counters,
             heap.flag_table(call.slot, 0), epoch=call.epoch_word(), rank=r, block=(bm, bn, bk))
         if y.is_cuda:  # the kernel released device flag words; `_collect`'s stream-ordered waits read the pads
             _mirror_flags(call, h)
@@ -155,10 +156,10 @@ def _mirror_flags(call, h: layout.MoELayout) -> None:
     """GPU: publish, after the kernel in stream order, every flag the combine kernel released (those of the
     (source, expert group) blocks with rows), for the peers' stream-ordered waits on the control pads."""
     W, L = h.info.world_size, h.num_local_experts
-    F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
+    F, G = slots.flags_per_peer(W), slots.expert_groups(L, W)
     for s in range(W):
         for g in range(G):
-            if sum(h.recv_counts[s][e] for e in layout.group_experts(g, L, G)):
+            if sum(h.recv_counts[s][e] for e in slots.group_experts(g, L, G)):
                 call.signal_ready(s * F + 1 + g)
 
 
@@ -167,13 +168,13 @@ def _collect(call, h: layout.MoELayout, dtype: torch.dtype, cols: int,
     """Wait for every rank's results for our rows (flag by flag) and copy them out, in send order.
     With `weights` (GPUs): after the same waits, the combine kernel sums them into ``[T, cols]``."""
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
-    F, G = layout.flags_per_peer(W), layout.expert_groups(L, W)
+    F, G = slots.flags_per_peer(W), slots.expert_groups(L, W)
     back = None if weights is not None else torch.empty((h.num_tokens * h.top_k, cols), dtype=dtype,
                                                          device=h.info.device)
     for i in range(W):
         d = (r - i) % W  # in the order the ranks write us (rank r - 1 first)
         for g in range(G):
-            experts = layout.group_experts(g, L, G)
+            experts = slots.group_experts(g, L, G)
             if sum(h.send_counts[d][e] for e in experts):
                 call.wait_ready(d, r * F + 1 + g, chunk=f"experts {experts.start}-{experts.stop - 1} of rank {d}")
         n = h.send_splits[d]

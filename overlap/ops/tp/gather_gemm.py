@@ -77,7 +77,7 @@ def _fused(cc: CallContext, call, a2, b, keep_gathered):
     chosen, timeout = cc.plan, cc.timeout
     if b is None:  # gather only (a weight gradient's gather): the kernel has no GEMM to run
         return _gathered(cc.derive(plan=dataclasses.replace(chosen, strategy="symm")), call, a2, None, keep_gathered)
-    kernels = fused.kernels()
+    kernels = fused.kernels().all_gather_matmul
     W, r, (m, k) = cc.world_size, cc.rank, a2.shape
     heap = call.heap
     call.wait_slot_free()

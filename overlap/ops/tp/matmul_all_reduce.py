@@ -48,12 +48,13 @@ import torch
 import torch.distributed as dist
 
 from ... import comm, symm
+from ...kernels import slots
 from ...plans import Plan
 from ...symm import p2p
 from .. import fused, library
 from ..context import CallContext, no_autocast, record
 from . import entry, hierarchical_reduce
-from .scatter_gemm import region_bytes, scatter_and_reduce
+from .scatter_gemm import scatter_and_reduce
 from .sums import sum_in_order
 
 OP = "matmul_all_reduce"
@@ -91,7 +92,7 @@ def matmul_all_reduce(
 def _layout(rows: int, n: int, dtype: torch.dtype, world_size: int) -> tuple[int, int, int]:
     """Two-shot heap layout: (rows per part, bytes of a part's region, offset of the reduced part)."""
     part = fused.cdiv(rows, world_size)
-    rb = region_bytes(part, n, dtype)
+    rb = slots.region_bytes(part, n, dtype)
     return part, rb, world_size * rb
 
 
@@ -99,7 +100,7 @@ def heap_bytes(chosen: Plan, a2: torch.Tensor, n: int, world_size: int) -> int:
     if chosen.strategy not in ("symm", "fused"):  # (hierarchical: across nodes, no heap of the group's)
         return 0
     if chosen.one_shot:
-        return region_bytes(a2.shape[0], n, a2.dtype)
+        return slots.region_bytes(a2.shape[0], n, a2.dtype)
     part, rb, reduced = _layout(a2.shape[0], n, a2.dtype, world_size)
     return reduced + rb
 
@@ -372,7 +373,7 @@ def _fused(cc: CallContext, call, a2, b):
     out = a2.new_empty((rows, n))
     if cc.plan.one_shot:
         # One destination (our own buffer), then a reduction over every rank's buffer.
-        rb = region_bytes(rows, n, dtype)
+        rb = slots.region_bytes(rows, n, dtype)
         scatter_and_reduce(cc, call, a2, b, out, block_rows=rows, dst_table=heap.region_table(call.slot, r, rb, 1),
                            flag_index=0, src_table=heap.ptr_table(call.slot), max_chunks=symm.MAX_FLAGS)
         return out

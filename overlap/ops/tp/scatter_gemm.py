@@ -1,7 +1,7 @@
 """Each destination's GEMM, scattered and summed: ``reduce_scatter(a @ b, dim=0)`` with the scatter hidden behind
 the GEMMs. The forward of `overlap.matmul_reduce_scatter`, the input gradient of `overlap.all_gather_matmul`,
 the weight gradient of `overlap.all_gather_weight_matmul` (``pipelined``) run it; `overlap.matmul_all_reduce`'s
-two-shot ``fused`` runs `scatter_and_reduce` and lays out its regions by `region_bytes`.
+two-shot ``fused`` runs `scatter_and_reduce`; its regions are laid out by `overlap.kernels.slots.region_bytes`.
 
 Strategies (same results up to rounding; `reference` is the oracle). Every one sums in a fixed
 order, so the same inputs and plan give bitwise the same result run after run:
@@ -35,6 +35,7 @@ import torch
 
 from ... import comm, symm
 from ...errors import OverlapTimeout
+from ...kernels import slots
 from ...plans import Plan
 from ...symm import p2p
 from .. import fused
@@ -43,18 +44,12 @@ from . import hierarchical_reduce
 from .sums import sum_in_order
 
 
-def region_bytes(m: int, n: int, dtype: torch.dtype) -> int:
-    """Bytes of one ``[m, n]`` region of a slot, padded so every region starts 16-byte aligned."""
-    nbytes = m * n * torch.empty((), dtype=dtype).element_size()
-    return (nbytes + 15) // 16 * 16
-
-
 def heap_bytes(chosen: Plan, a2: torch.Tensor, n: int, world_size: int) -> int:
     if chosen.strategy == "hierarchical":  # (across nodes: the node's slot)
         return hierarchical_reduce.reduce_bytes(a2.shape[0] // world_size, n, a2.dtype, world_size)
     if chosen.strategy not in ("symm", "fused"):
         return 0
-    return world_size * region_bytes(a2.shape[0] // world_size, n, a2.dtype)
+    return world_size * slots.region_bytes(a2.shape[0] // world_size, n, a2.dtype)
 
 
 def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
@@ -141,7 +136,7 @@ def _symm(cc: CallContext, call, a2, b):
     info = cc.info
     W, r, n, dtype = info.world_size, info.rank, b.shape[1], a2.dtype
     m = a2.shape[0] // W
-    rb = region_bytes(m, n, dtype)
+    rb = slots.region_bytes(m, n, dtype)
     bounds, stride = _flag_chunks(cc.plan, info, m)
 
     def region(owner: int, writer: int) -> torch.Tensor:
@@ -207,7 +202,7 @@ def _fused(cc: CallContext, call, a2, b):
     W, r, n = cc.world_size, cc.rank, b.shape[1]
     m = a2.shape[0] // W
     heap = call.heap
-    rb = region_bytes(m, n, a2.dtype)
+    rb = slots.region_bytes(m, n, a2.dtype)
     stride = symm.MAX_FLAGS // W
     out = a2.new_empty((m, n))
     # Block d goes to our region (r) of d's buffer; we sum the W regions of our own buffer.
@@ -228,7 +223,7 @@ def scatter_and_reduce(cc: CallContext, call, a2, b, out, *, block_rows: int, ds
     per rank) and by ``matmul_all_reduce`` (one-shot: one block, summed over every rank's buffer).
     """
     info, chosen = cc.info, cc.plan
-    kernels = fused.kernels()
+    kernels = fused.kernels().matmul_reduce_scatter
     heap = call.heap
     bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(), a2.dtype)
     nch = kernels.chunk_count(chosen.chunks_for(info.slowest_link), max_chunks, block_rows, bm)
@@ -249,8 +244,9 @@ def reduce_sources(cc: CallContext, call, out, src_table, flag_table, block_rows
     # GPU: the error word is pinned host memory, checked by the next call without a sync. CPU
     # (interpreted): checked right after the kernel.
     err = call.heap.kernel_err() if out.is_cuda else torch.zeros(1, dtype=torch.int32)
-    fused.kernels().launch_reduce_chunks(out, src_table, flag_table, block_rows=block_rows, num_chunks=nch,
-                                         epoch=epoch, err=err, timeout_ns=int(timeout * 1e9), block=(bm, bn))
+    fused.kernels().matmul_reduce_scatter.launch_reduce_chunks(
+        out, src_table, flag_table, block_rows=block_rows, num_chunks=nch, epoch=epoch, err=err,
+        timeout_ns=int(timeout * 1e9), block=(bm, bn))
     bad = 0 if out.is_cuda else int(err.item())
     if bad:
         raise OverlapTimeout(cc.op, info.rank, bad - 1, "a reduced chunk", timeout, "fused reduction wait")
