@@ -153,9 +153,10 @@ def machine_cores() -> int:
         return os.cpu_count() or 1
 
 
-def install_env() -> dict[str, str]:
-    """The install's environment: ``MAX_JOBS`` = this machine's cores unless the caller set it."""
-    env = dict(os.environ)
+def install_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The install's environment: ``MAX_JOBS`` = this machine's cores unless the caller set it, and what the
+    preflight found the build needs (``CUDACXX`` where CMake would not find nvcc)."""
+    env = {**os.environ, **(extra or {})}
     env.setdefault("MAX_JOBS", str(machine_cores()))
     return env
 
@@ -172,6 +173,7 @@ def ensure_installed(args: argparse.Namespace, log_file) -> str | None:
     Under torchrun only local rank 0 installs; the other local ranks wait for its marker file (one
     written after they started: a marker left by an earlier run with the same run id does not count).
     """
+    from gpu_check_preflight import preflight
     from gpu_check_runner import run_teed
 
     if args.no_install:
@@ -180,6 +182,11 @@ def ensure_installed(args: argparse.Namespace, log_file) -> str | None:
     if why is None:
         return None
     started = args.started_at
+    checked = preflight(dict(os.environ), gpu=not args.cpu_smoke and torch.cuda.is_available(), root=ROOT)
+    for fact in checked.facts:
+        log(f"preflight: {fact}", started)
+    if checked.problems:
+        return "the install cannot work here: " + "; ".join(checked.problems)
     until = install_deadline(started, args.time_limit)
     build = ROOT / "build"
     build.mkdir(exist_ok=True)
@@ -188,7 +195,7 @@ def ensure_installed(args: argparse.Namespace, log_file) -> str | None:
     several = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         cmd = [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "-e", str(ROOT)]
-        env = install_env()
+        env = install_env(checked.env)
         log(f"installing overlap ({why}), MAX_JOBS={env['MAX_JOBS']}, at most {until - time.time():.0f} s: "
             f"{' '.join(cmd)}", started)
         with open(build / ".gpu_check_install.lock", "w") as lock:
@@ -283,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{CONNECTIONS_BEFORE if CONNECTIONS_BEFORE is not None else 'unset'})"
             + ("; WARNING: torch was imported earlier, the setting may come too late" if TORCH_FIRST else ""), started)
     problem = ensure_installed(args, log_file)  # may re-exec this script
+    if problem is None and not args.cpu_smoke:
+        problem = project_problem()  # after the install too: a GPU with a _C that lacks CUDA is one clear FAIL
     args.seed = args.seed if args.seed is not None else int(time.time()) % (1 << 31)
     mode = ("cpu-smoke" if args.cpu_smoke else "gpu") + ("-distributed" if distributed else "")
     doc = new_doc(mode, args.seed, args.time_limit, started)

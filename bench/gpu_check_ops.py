@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 from gpu_check_common import Report
+from gpu_check_preflight import compute_mode_problem, gpu_facts
 
 RANK_SCRIPT = Path(__file__).resolve().with_name("gpu_check_ops_rank.py")
 PREFIX = "i.ops"
@@ -62,7 +63,7 @@ RUN_BUDGET_S = {"cuda": 180.0, "cpu": 120.0}
 ONE_QUEUE_BUDGET_S = 120.0
 #: the most the ranks may take to start, form the group and create the heap (the set-up smoke), seconds
 SETUP_BUDGET_S = {"cuda": 120.0, "cpu": 60.0}
-GRACE_S = 15.0  # after a rank failed, how long its peers get to report theirs beyond the call deadline
+GRACE_S = 15.0  # after a rank failed, how long its peers get to report before the run is stopped
 
 
 def run_ops(rep: Report, device: torch.device, prefix: str = PREFIX, budget_s: float | None = None) -> None:
@@ -79,7 +80,10 @@ def run_ops(rep: Report, device: torch.device, prefix: str = PREFIX, budget_s: f
         nonlocal setup_failed
         setup_failed = run_world(rep, 2, device, seed, label=two, budget_s=budget_s)
 
-    rep.run(f"{two} processes on one {kind}", run_two)
+    mode = compute_mode_problem(gpu_facts()) if kind == "cuda" and rep.dry is None else None
+    rep.run(f"{two} processes on one {kind}", run_two, skip=mode)
+    if mode is not None:
+        setup_failed = mode
     if rep.dry is not None or kind == "cpu" or setup_failed is not None or not rep.selected(two):
         rep.run(one, lambda: run_world(rep, 1, device, seed, label=one, budget_s=budget_s))
 
@@ -106,34 +110,51 @@ def run_ops_section_one_queue(rep: Report, dev) -> None:
 def run_world(rep: Report, world_size: int, device: torch.device, seed: int, label: str,
               budget_s: float | None = None) -> str | None:
     """Run `world_size` rank processes on `device` and add their merged results to `rep` under `label`.
-    Returns None if the ranks' set-up smoke passed (or the run was skipped), else why it did not (the results
-    then hold a FAIL)."""
+
+    A case whose call raises ends that run of the ranks (the group may be unusable after it): the ranks are
+    stopped and fresh ones start at the next case, so a failure costs one case, not every later one. Returns
+    None if the ranks' set-up smoke passed (or the run was skipped), else why it did not (the results then hold
+    a FAIL)."""
     kind = device.type
     timeout = CALL_TIMEOUT_S[kind]
-    budget = min(budget_s or RUN_BUDGET_S[kind], rep.time_limit - (time.time() - rep.started) - 10.0)
-    if budget < 30.0:
-        rep.add(label, "SKIP", f"{budget:.0f} s left of --time-limit {rep.time_limit:.0f} s")
+    end = time.monotonic() + min(budget_s or RUN_BUDGET_S[kind], rep.time_limit - (time.time() - rep.started) - 10.0)
+    if end - time.monotonic() < 30.0:
+        rep.add(label, "SKIP", f"{end - time.monotonic():.0f} s left of --time-limit {rep.time_limit:.0f} s")
         return None
-    tmp = tempfile.mkdtemp(prefix="gpu_check_ops-")
-    try:
-        codes, elapsed = spawn(world_size, device, seed, timeout, budget, tmp)
-        ranks = [read_records(Path(tmp) / f"rank{r}.jsonl") for r in range(world_size)]
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    ranks: list[list[dict]] = [[] for _ in range(world_size)]
+    first, codes, elapsed = 0, [], 0.0
+    while True:
+        tmp = tempfile.mkdtemp(prefix="gpu_check_ops-")
+        try:
+            codes, took = spawn(world_size, device, seed, timeout, end - time.monotonic(), tmp, first)
+            run = [read_records(Path(tmp) / f"rank{r}.jsonl") for r in range(world_size)]
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        elapsed += took
+        for q in range(world_size):
+            ranks[q] += run[q] if first == 0 else [r for r in run[q] if r["kind"] == "case"]
+        names = next((r["names"] for records in run for r in records if r["kind"] == "cases"), [])
+        raised = [names.index(r["name"]) for records in run for r in records if r["kind"] == "case" and r.get("error")]
+        set_up = all(any(r["kind"] == "setup" and r["status"] == "PASS" for r in records) for records in run)
+        if not raised or not set_up or min(raised) + 1 >= len(names) or end - time.monotonic() < 30.0:
+            break
+        first = min(raised) + 1
+        rep.log(f"{label}: the ranks stopped at {names[first - 1]}; fresh ranks go on from {names[first]}")
     return merge(rep, label, ranks, codes, elapsed)
 
 
 def spawn(world_size: int, device: torch.device, seed: int, timeout: float, budget: float,
-          tmp: str) -> tuple[list[int | None], float]:
-    """Start the rank processes and wait for them: at most `budget` seconds, `SETUP_BUDGET_S` until every rank
-    has reported its set-up, and `timeout` + `GRACE_S` after a rank failed. Returns each one's exit status
-    (None: killed at a deadline) and the seconds taken."""
+          tmp: str, first: int = 0) -> tuple[list[int | None], float]:
+    """Start the rank processes at case `first` and wait for them: at most `budget` seconds, `SETUP_BUDGET_S`
+    until every rank has reported its set-up, and `GRACE_S` after a rank failed (its peers may be stuck in the
+    call it left: they are stopped, not waited for). Returns each one's exit status (None: killed at a
+    deadline) and the seconds taken."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if device.type == "cuda":
         env["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"  # several ranks' symmetric memory on one device
     cmd = [sys.executable, str(RANK_SCRIPT), "--world-size", str(world_size), "--init-file",
            os.path.join(tmp, "store"), "--device", str(device), "--seed", str(seed), "--timeout", str(timeout),
-           "--out", tmp]
+           "--out", tmp, "--first", str(first)]
     started = time.monotonic()
     deadline = started + budget
     setup_by = started + min(SETUP_BUDGET_S[device.type], budget)
@@ -141,7 +162,7 @@ def spawn(world_size: int, device: torch.device, seed: int, timeout: float, budg
     try:
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if any(p.poll() not in (None, 0) for p in procs):
-                deadline = min(deadline, time.monotonic() + timeout + GRACE_S)
+                deadline = min(deadline, time.monotonic() + GRACE_S)
             if setup_by and time.monotonic() > setup_by:
                 reported = [read_records(Path(tmp) / f"rank{r}.jsonl") for r in range(world_size)]
                 if not all(any(rec["kind"] == "setup" for rec in records) for records in reported):
@@ -198,7 +219,7 @@ def merge(rep: Report, label: str, ranks: list[list[dict]], codes: list[int | No
         if failing:
             q, g = min(failing, key=lambda f: f[1] is None)  # a rank's own report before a missing one
             value = f"rank {q}: " + (g["value"] if g else f"no result ({fate[q]})")
-            if ended and (g is None or g.get("error")):
+            if ended and any(x is None for x in got):  # a rank stopped before it: why its peers failed
                 value += f" ({ended})"
             ended = ended or next((f"rank {p} stopped at {name}" for p, h in failing if h and h.get("error")), None)
             rep.add(f"{label} {name}", "FAIL", value, ranks_failed=[p for p, _ in failing])

@@ -15,9 +15,9 @@ gloo and ``fused`` runs under the Triton interpreter.
 Results go to ``<out>/rank<R>.jsonl``, one JSON object a line, flushed as they come (a rank that dies leaves
 what it had): ``{"kind": "cases", "names": [...]}`` first, then ``{"kind": "setup", ...}`` once the heap exists
 (the set-up smoke: the process group, the group's facts, ``overlap.reserve``, i.e. torch's symmetric-memory
-allocation and rendezvous and the flag words on GPUs), then one ``{"kind": "case", ...}`` per case. The first
-exception an op raises ends the run of this rank (the group may then be unusable; peers fail their next call by
-its deadline).
+allocation and rendezvous and the flag words on GPUs), then one ``{"kind": "case", ...}`` per case from
+``--first`` on. The first exception an op raises ends the run of this rank (the group may then be unusable); the
+parent then stops its peers and starts fresh ranks at the next case, so one failure costs one case.
 
 Imports overlap: only `gpu_check_ops` starts it, after the GPU check's self-install.
 """
@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--timeout", type=float, required=True, help="deadline of every wait on a peer, seconds")
     p.add_argument("--out", required=True, help="folder of the rank<R>.jsonl files")
+    p.add_argument("--first", type=int, default=0, help="index of the first case to run (the parent restarts the "
+                                                           "ranks after the case that ended a run)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu":
@@ -239,10 +241,12 @@ def main(argv: list[str] | None = None) -> int:
         out.write("setup", status="FAIL", value=f"{type(exc).__name__}: {exc}"[:500])
         world.exit_after_teardown(3)
     for i, case in enumerate(todo):
+        if i < args.first:
+            continue
         t0 = time.monotonic()
         try:
             result = run_case(case, i, args.seed, group, device, dtype, args.timeout)
-        except Exception as exc:  # noqa: BLE001 - the first error ends this rank's run
+        except Exception as exc:  # noqa: BLE001 - the first error ends this run (the parent starts a fresh one)
             traceback.print_exc()
             out.write("case", name=case.name, status="FAIL", error=True, value=f"{type(exc).__name__}: {exc}"[:500])
             code = 1

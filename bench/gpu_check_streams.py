@@ -51,6 +51,7 @@ WAIT_TIMEOUT_S = 10.0  # the watchdog deadline of the waits meant to pass (< SET
 RELEASE_TIMEOUT_S = 0.5  # the deadline of the wait meant to be released by the watchdog
 SYNC_TIMEOUT_S = 20.0  # how long the host waits for torch.cuda.synchronize to return
 OCCUPY_TIMEOUT_NS = 15_000_000_000  # the spinning kernel's own clock limit
+OCCUPY_POLL_NS: tl.constexpr = tl.constexpr(1_000_000)  # how often a spinning block reads the release word
 BLOCKS_PER_SM = 64  # the spinning grid per SM: more than any GPU keeps resident (32 blocks per SM on sm_90)
 PEER = 2
 VALUE = 5
@@ -105,14 +106,21 @@ class HostPage:
 
 @triton.jit
 def _occupy(release_ptr, started_ptr, timeout_ns):
-    """Each block marks itself started, then spins until ``*release_ptr`` is non-zero or `timeout_ns` passed."""
-    tl.atomic_xchg(started_ptr + tl.program_id(0), 1, sem="relaxed", scope="sys")
+    """Each block marks itself started, then spins until ``*release_ptr`` is non-zero or `timeout_ns` passed.
+
+    Both words are pinned host memory: the mark is a plain store (a system-scope atomic over PCIe is not atomic
+    with respect to the host), and the release word is read once every `OCCUPY_POLL_NS` per block, not every
+    iteration (thousands of spinning blocks would flood the bus the check's own transfers cross)."""
+    tl.store(started_ptr + tl.program_id(0), 1)
     start = tl.extra.cuda.globaltimer()
     go = tl.load(release_ptr, volatile=True)
-    elapsed = start - start
-    while (go == 0) & (elapsed < timeout_ns):
-        go = tl.load(release_ptr, volatile=True)
-        elapsed = tl.extra.cuda.globaltimer() - start
+    now = start
+    next_poll = start + OCCUPY_POLL_NS
+    while (go == 0) & (now - start < timeout_ns):
+        now = tl.extra.cuda.globaltimer()
+        poll = now >= next_poll
+        go = tl.load(release_ptr, mask=poll, other=0, volatile=True)
+        next_poll = tl.where(poll, now + OCCUPY_POLL_NS, next_poll)
 
 
 def _until(predicate, timeout_s: float) -> bool:

@@ -166,6 +166,47 @@ def test_merge_needs_every_rank_and_says_which_failed():
     assert [r.status for r in rep.results] == ["PASS", "FAIL", "PASS", "PASS", "PASS"]
 
 
+def test_a_case_that_raises_costs_that_case_only(monkeypatch):
+    """The ranks' run ends at a case that raised; fresh ranks go on from the next case, and the merged results
+    judge every case."""
+    names = {"kind": "cases", "names": ["a", "b", "c", "d"]}
+    rounds = [  # first run: rank 0 raised in b, rank 1 was stuck in c when the run was stopped; then c and d
+        ([[names, _setup(), _case("a"), _case("b", "FAIL", "RuntimeError: CUDA error", error=True)],
+          [names, _setup(), _case("a"), _case("b")]], [1, None]),
+        ([[names, _setup(), _case("c"), _case("d")], [names, _setup(), _case("c"), _case("d")]], [0, 0]),
+    ]
+    starts = []
+
+    def fake_spawn(world_size, device, seed, timeout, budget, tmp, first=0):
+        starts.append(first)
+        records, codes = rounds[len(starts) - 1]
+        for q, rs in enumerate(records):
+            (Path(tmp) / f"rank{q}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+        return codes, 1.0
+
+    monkeypatch.setattr(gpu_check_ops, "spawn", fake_spawn)
+    rep = _report()
+    assert gpu_check_ops.run_world(rep, 2, torch.device("cpu"), 7, "x") is None
+    assert starts == [0, 2]
+    got = {r.name: (r.status, r.value) for r in rep.results}
+    assert got.pop("x b") == ("FAIL", "rank 0: RuntimeError: CUDA error")
+    assert {name: status for name, (status, _) in got.items()} == {
+        "x setup": "PASS", "x a": "PASS", "x c": "PASS", "x d": "PASS"}, got
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="gloo ranks over /dev/shm")
+def test_a_rank_starts_at_the_case_it_is_given(tmp_path):
+    last = len(_expected_cases()) * 4 - 1
+    args = ["--rank", "0", "--world-size", "1", "--init-file", str(tmp_path / "store"), "--device", "cpu",
+            "--seed", "7", "--timeout", "30", "--out", str(tmp_path), "--first", str(last)]
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu_check_ops_rank.py"), *args], cwd=ROOT,
+                          env={**_env(), "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    records = gpu_check_ops.read_records(tmp_path / "rank0.jsonl")
+    names = next(r["names"] for r in records if r["kind"] == "cases")
+    assert [r["name"] for r in records if r["kind"] == "case"] == [names[last]], records
+
+
 def test_merge_reports_a_failed_setup_and_returns_why():
     rep = _report()
     why = gpu_check_ops.merge(rep, "x", [[_setup()], [_setup("FAIL")], []], [0, 3, None], 1.0)
