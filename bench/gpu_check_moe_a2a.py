@@ -42,16 +42,23 @@ def check_a2a_kernels(rep: Report, dev: Device, cfg: Config) -> None:
         return
     waiters = [dev.stream() for _ in range(W)]
     dev.idle(name)
+    G = slots.expert_groups(cfg.num_local_experts, W)
+
+    def dispatch(launch: tuple, value: int, stream: int) -> None:
+        s, h, table, dst, n, num_sends, num_chunks, per_chunk = launch
+        signals.moe_dispatch_rows(g.xs[s].data_ptr(), h.token_of.data_ptr(), num_sends, row_bytes,
+                                  dst.data_ptr(), table.data_ptr(), table.data_ptr() + 8 * n, W * G, G, num_chunks,
+                                  per_chunk, g.counters[s].data_ptr(), table.data_ptr() + 16 * n, value, stream)
+
+    if launches:  # the kernel loaded before any gate (`Device.warm`): at the stale epoch, its rows poisoned again
+        dev.warm(name, lambda: dispatch(launches[0], epoch - 1, torch.cuda.current_stream().cuda_stream))
+        g.poison_regions()
     # The producers first, in host order (each source's launch held by a gate until every wait is issued), then
     # the receivers' bounded waits (gpu_check_virtual's docstring: no wait queued in front of its producer).
     gate = dev.gate()
-    for s, h, table, dst, n, num_sends, num_chunks, per_chunk in launches:
-        G = slots.expert_groups(cfg.num_local_experts, W)
-        stream = g.streams[s].cuda_stream if dev.cuda else 0
-        gate.hold(g.streams[s])
-        signals.moe_dispatch_rows(g.xs[s].data_ptr(), h.token_of.data_ptr(), num_sends, row_bytes,
-                             dst.data_ptr(), table.data_ptr(), table.data_ptr() + 8 * n, W * G, G, num_chunks,
-                             per_chunk, g.counters[s].data_ptr(), table.data_ptr() + 16 * n, epoch, stream)
+    for launch in launches:
+        gate.hold(g.streams[launch[0]])
+        dispatch(launch, epoch, g.streams[launch[0]].cuda_stream if dev.cuda else 0)
     if dev.cuda:
         for r in range(W):
             for s in range(W):

@@ -174,6 +174,9 @@ def check_combine_racing(rep: Report, dev: Device, cfg: Config) -> None:
             return
         pub = dev.stream()
         dev.distinct([*g.streams, pub])
+        # the kernel loaded before any gate (`Device.warm`), at the stale epoch; the regions it wrote poisoned again
+        dev.warm(name, lambda: launch_scatter(g, ci.calls[0], stale))
+        g.poison_regions()
         # The scatter kernels first, in host order (held by a gate until every source's waits are issued), then
         # the sources' bounded waits, copies and end events (gpu_check_virtual's docstring).
         gate = dev.gate()

@@ -144,6 +144,9 @@ def check_dispatch_racing(rep: Report, dev: Device, cfg: Config) -> None:
             return
         pub = dev.stream()
         dev.distinct([*g.streams, pub])
+        runs = next((c for c in calls if c.runs), None)  # the kernel loaded before any gate (`Device.warm`)
+        if runs is not None:  # (on the stale flags it waits for nothing; its own scratch outputs)
+            dev.warm(name, lambda: launch_wait(g, wait_call(g, runs.rank, runs.w), epoch - 1, KERNEL_TIMEOUT_NS))
         # The copies first, in host order (held by a gate until every wait kernel is issued), then the wait
         # kernels and their end events (gpu_check_virtual's docstring).
         gate = dev.gate()

@@ -140,6 +140,14 @@ class MoEGroup:
         dev.idle("setting up virtual MoE ranks")  # the streams below must see these writes
         return g
 
+    def poison_regions(self) -> None:
+        """Every slot's regions NaN again (after a warm-up wrote rows there)."""
+        hb = slots.header_bytes(self.world_size, self.cfg.num_local_experts)
+        for b in self.bufs:
+            if b is not None:
+                b[hb:].view(self.cfg.dtype).fill_(math.nan)
+        self.dev.idle("regions poisoned again")
+
     @property
     def world_size(self) -> int:
         return self.cfg.world_size

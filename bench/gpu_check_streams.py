@@ -159,6 +159,7 @@ def check_register_and_wait(rep: Report, dev: Device, name: str, expected: str) 
         x, y, out = _gemm_inputs(dev)
         copy = torch.full_like(out, float("nan"))
         dev.idle(f"{name} setup")
+        dev.warm(name, lambda: torch.mm(x, y, out=out))  # cuBLAS's kernel loaded before the gate (`Device.warm`)
         gate = dev.gate()  # hold B until everything is issued: with queues of their own A waits first
         gate.hold(b)
         with dev.on(b):
@@ -211,6 +212,7 @@ def check_watchdog_release(rep: Report, dev: Device, name: str, expected: str) -
         a, b = dev.stream(), dev.stream()
         x, y, out = _gemm_inputs(dev)
         dev.idle(f"{name} setup")
+        dev.warm(name, lambda: torch.mm(x, y, out=out))  # loaded now, not behind the blocked wait (`Device.warm`)
         fired = signals.watchdog_fired()
         signals.cuda_stream_wait_value32(page.dev(FLAG), VALUE, a.cuda_stream)
         signals.cuda_stream_write_value32(page.dev(MARK), 9, a.cuda_stream)

@@ -119,7 +119,7 @@ class Consumer:
     """What one rank's all-gather kernel writes."""
 
     out: torch.Tensor  # [W*m, n], NaN-poisoned
-    err: torch.Tensor  # int32 [1]: src + 1 of a tile whose wait timed out (atomic max)
+    err: torch.Tensor  # int32 [1]: src + 1 of a tile whose wait timed out (any of them: a plain store)
     abort: torch.Tensor  # int32 [1]: the interpreter's abort word
 
 
@@ -270,6 +270,16 @@ class ScatterGroup:
         for e in self.errs:
             e.zero_()
         self.dev.idle("new inputs")  # the streams below must see these writes
+
+    def poison(self) -> None:
+        """Slots and outputs NaN again, error words cleared (after a warm-up wrote them)."""
+        for s in self.slots:
+            s.view(self.dtype).fill_(math.nan)
+        for out in self.outs:
+            out.fill_(math.nan)
+        for e in self.errs:
+            e.zero_()
+        self.dev.idle("poisoned again")
 
     @property
     def world_size(self) -> int:

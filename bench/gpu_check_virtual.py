@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 
 import torch
 from gpu_check_common import Report, do_bench, poll
@@ -201,6 +202,20 @@ class Device:
     def idle(self, what: str) -> None:
         """Bounded wait for everything this check enqueued, on every stream made here."""
         self.settle(self.streams, [], what)
+
+    def warm(self, what: str, launch: Callable[[], None]) -> None:
+        """Run `launch` (the kernels a check is about to race) once, ungated, and wait for it.
+
+        CUDA loads a kernel's code at its first launch (lazy loading, the default since CUDA 12.2) and waits for
+        the device to drain first. Behind a closed gate the device drains only once the host opens the gate,
+        which the host, blocked in that launch, never reaches: a 20 s stall and a false FAIL. So a check launches
+        every kernel it races once here, before it closes a gate, on data whose flags are already set (the
+        same variant: same dtype, tile and layout); `tests/test_gpu_check_order.py`'s model catches a check that
+        does not. Interpreted kernels load nothing: a no-op on the CPU."""
+        if not self.cuda:
+            return
+        launch()
+        self.idle(f"{what} (warm-up)")
 
 
 # ==============================================================================================

@@ -20,6 +20,10 @@ host synchronization). A small model of the device then replays each section's l
 
 The host issues commands in order; a host synchronization (`Device.settle`) lets it go on only once the events
 it polls are complete, and a gate opens when the host reaches its ``open`` (a host store to pinned memory).
+CUDA's lazy loading is modelled too (`support.device_model`): the first launch of a kernel (a Triton kernel by
+name, dtype and tile; each of ``_C``'s kernels; a cuBLAS GEMM by dtype and shape) in a section is a host
+synchronization on every device command issued before it, as if the section ran first in a fresh process; so a
+kernel a section races behind a gate must have been launched once before the gate (`Device.warm`).
 What this cannot prove: how the hardware maps streams to queues, kernel timing, memory ordering (the GPU run does).
 """
 
@@ -104,26 +108,40 @@ def run_sections(mp: pytest.MonkeyPatch) -> dict[str, tuple]:
     def keys_of(tensors):
         return frozenset(rec().tensor_key(t) for t in tensors)
 
-    def spin(keys, epoch, timeout_ns):
+    def spin(kernel, keys, epoch, timeout_ns):
         kind = "done" if timeout_ns <= virtual.SHORT_TIMEOUT_NS else "spin"
-        rec().add(Op(kind, rec().stream_now(), keys, epoch))
+        rec().launch(Op(kind, rec().stream_now(), keys, epoch), kernel)
 
-    mp.setattr(gpu_check_tp_ag, "launch_gather", lambda g, r, c, epoch, t, tile: spin(keys_of(g.flags), epoch, t))
-    mp.setattr(gpu_check_tp_ag, "launch_weight_gather",
-               lambda g, r, c, a, epoch, t, tile: spin(keys_of(g.flags), epoch, t))
-    mp.setattr(gpu_check_tp_rs, "launch_reduce",
-               lambda g, r, epoch, t, watchdog=True: spin(keys_of(g.flags), epoch, t))
-    mp.setattr(gpu_check_tp_rs, "launch_scatter", lambda g, r, epoch: rec().add(
-        Op("produce", rec().stream_now(), keys_of([g.flags[r]]), epoch)))
+    def produce(kernel, keys, epoch):
+        rec().launch(Op("produce", rec().stream_now(), keys, epoch), kernel)
+
+    # A kernel is known by its name, dtype and tile: each such variant is code of its own to load.
+    mp.setattr(gpu_check_tp_ag, "launch_gather", lambda g, r, c, epoch, t, tile: spin(
+        ("all_gather_matmul", g.b.dtype, tile), keys_of(g.flags), epoch, t))
+    mp.setattr(gpu_check_tp_ag, "launch_weight_gather", lambda g, r, c, a, epoch, t, tile: spin(
+        ("all_gather_weight_matmul", a.dtype, tile), keys_of(g.flags), epoch, t))
+    mp.setattr(gpu_check_tp_rs, "launch_reduce", lambda g, r, epoch, t, watchdog=True: spin(
+        ("reduce_chunks", g.outs[r].dtype, g.tile), keys_of(g.flags), epoch, t))
+    mp.setattr(gpu_check_tp_rs, "launch_scatter", lambda g, r, epoch: produce(
+        ("matmul_scatter", g.a[r].dtype, g.tile), keys_of([g.flags[r]]), epoch))
 
     def moe_wait(g, c, epoch, t, watchdog=True):
         if c.runs:
             sources = [g.pads[s] for s in range(g.world_size) if sum(g.handles[c.rank].recv_counts[s])]
-            spin(keys_of(sources), epoch, t)
+            spin(("grouped_matmul_wait", g.cfg.dtype), keys_of(sources), epoch, t)
 
     mp.setattr(gpu_check_moe_dispatch, "launch_wait", moe_wait)
-    mp.setattr(gpu_check_moe_combine, "launch_scatter", lambda g, c, epoch: rec().add(
-        Op("produce", rec().stream_now(), keys_of([g.pads[c.rank]]), epoch)))
+    mp.setattr(gpu_check_moe_combine, "launch_scatter", lambda g, c, epoch: produce(
+        ("grouped_matmul_scatter", g.cfg.dtype), keys_of([g.pads[c.rank]]), epoch))
+
+    def gemm(original):  # torch's GEMMs: cuBLAS kernels, one per dtype and shape
+        def run(a, b, *args, **kwargs):
+            rec().launch(Op("gemm", rec().stream_now()), ("cublas", a.dtype, tuple(a.shape), tuple(b.shape)))
+            return original(a, b, *args, **kwargs)
+        return run
+
+    for name in ("mm", "matmul"):
+        mp.setattr(torch, name, gemm(getattr(torch, name)))
 
     def track(cls, attr):  # register every group's flag tensors with the recorder
         original = cls.create.__func__
@@ -131,6 +149,8 @@ def run_sections(mp: pytest.MonkeyPatch) -> dict[str, tuple]:
         def create(kls, *a, **k):
             g = original(kls, *a, **k)
             rec().flag_tensors += list(getattr(g, attr))
+            for t in getattr(g, attr):  # the values the flags start at (a warm-up waits on them)
+                rec().add(Op("init", None, frozenset([rec().tensor_key(t)]), int(t.min())))
             if attr == "pads":
                 rec().moe_groups.append(g)
             return g
@@ -148,6 +168,16 @@ def run_sections(mp: pytest.MonkeyPatch) -> dict[str, tuple]:
         return g
 
     mp.setattr(virtual.Device, "gate", gate)
+    original_warm = virtual.Device.warm
+
+    def warm(self, what, launch):
+        rec().warming = True
+        try:
+            original_warm(self, what, launch)
+        finally:
+            rec().warming = False
+
+    mp.setattr(virtual.Device, "warm", warm)
 
     args = argparse.Namespace(started_at=None, time_limit=1e9, only=[], out="unused")
     results: dict[str, tuple] = {}
@@ -197,7 +227,7 @@ def queue_checks(mp: pytest.MonkeyPatch, rec, streams) -> None:
     class Occupy:
         def __getitem__(self, grid):
             def launch(release, started, timeout_ns, num_warps):
-                rec().add(Op("spin", rec().stream_now(), frozenset([rec().tensor_key(release)]), 1))
+                rec().launch(Op("spin", rec().stream_now(), frozenset([rec().tensor_key(release)]), 1), "_occupy")
             return launch
 
     mp.setattr(streams, "_occupy", Occupy())
@@ -266,3 +296,30 @@ def test_the_model_finds_a_waiter_issued_before_its_producer():
     assert not race_kept(gated, *replay(gated, one_queue=False)[1:3])
     ungated = [Op("produce", 2, frozenset([flag]), 5), Op("spin", 1, frozenset([flag]), 5), Op("record", 1)]
     assert race_kept(ungated, *replay(ungated, one_queue=False)[1:3])  # producers first without a gate: no race
+
+
+def test_the_model_finds_a_first_launch_behind_a_gate():
+    """Lazy loading in the replay: a kernel's first launch drains the device first, so behind a closed gate (which
+    only the host, blocked in that launch, could open) it never returns; launched once before the gate, it
+    does."""
+    flag = ("flags", 0)
+
+    def section(warm: bool) -> list[Op]:
+        rec = Recorder()
+        if warm:
+            rec.add(Op("init", None, frozenset([flag]), 4))
+            rec.warming = True
+            rec.launch(Op("spin", 1, frozenset([flag]), 4), "consumer")  # on the stale flag: no wait
+            rec.warming = False
+        rec.launch(Op("hold", 2, gate=1), "gate")
+        rec.add(Op("produce", 2, frozenset([flag]), 5))
+        rec.launch(Op("spin", 1, frozenset([flag]), 5), "consumer")
+        rec.add(Op("open", None, gate=1))
+        return rec.ops
+
+    cold, warmed = section(warm=False), section(warm=True)
+    for one_queue in (True, False):
+        done, *_, why = replay(cold, one_queue=one_queue)
+        assert not done and "first launch of consumer" in why, why
+        assert replay(warmed, one_queue=one_queue)[0], replay(warmed, one_queue=one_queue)[3]
+    assert not race_kept(warmed, *replay(warmed, one_queue=False)[1:3])  # the warm-up's wait races nothing

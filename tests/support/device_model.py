@@ -1,6 +1,12 @@
 """A model of a GPU's hardware queues for `tests/test_gpu_check_order.py`: recorded operations (`Op`, `Recorder`,
 fake streams, events and signals) and their replay with one queue for every stream or one queue per stream
-(`replay`), and whether the racing checks still race (`race_kept`)."""
+(`replay`), and whether the racing checks still race (`race_kept`).
+
+It also models CUDA's lazy loading (the default since CUDA 12.2): the first launch of a kernel whose code is not
+loaded yet waits, on the host, for the device to drain before it loads it (`Recorder.launch` records a ``load``:
+a host synchronization on every device operation issued before it). Each section is recorded as if it ran first
+in a fresh process (``--only``, or a group restarted after a crash), so a kernel a section launches behind a
+gate must have been launched once by that section before the gate closed."""
 
 from __future__ import annotations
 
@@ -13,12 +19,14 @@ import torch
 
 @dataclasses.dataclass
 class Op:
-    kind: str  # produce, spin, swait, hold, open, delay, done, record, dep, sync, watch (a watchdog entry), note
+    kind: str  # produce, init, spin, swait, hold, open, delay, done, record, dep, sync, load, gemm, watch, note
     stream: int | None  # None: a host operation (open, sync)
     keys: frozenset = frozenset()  # flags produced or awaited
     value: int = 0
     deps: tuple[int, ...] = ()  # ops that must be complete first (events, wait_stream, a sync's events)
     gate: int = 0  # the gate a hold waits on / an open opens
+    note: object = None  # what a ``load`` loads (for the messages)
+    warm: bool = False  # issued by a warm-up (`Device.warm`): it loads kernels, it races nothing
 
 
 class Recorder:
@@ -33,6 +41,16 @@ class Recorder:
         self.ids = itertools.count(1)
         self.current: list[FakeStream] = []
         self.default = FakeStream(self)
+        self.loaded: dict = {}  # kernel -> the ``load`` op of its first launch
+        self.warming = False  # inside `Device.warm`
+
+    def launch(self, op: Op, kernel) -> int:
+        """Record a kernel launch; its first launch in the section first loads the kernel (lazy loading: the host
+        waits until every device operation issued so far is complete)."""
+        if kernel not in self.loaded:
+            issued = tuple(i for i, o in enumerate(self.ops) if o.stream is not None)
+            self.loaded[kernel] = self.add(Op("load", None, deps=issued, note=kernel))
+        return self.add(op)
 
     def key(self, addr: int):
         for i, t in enumerate(self.flag_tensors):
@@ -50,6 +68,7 @@ class Recorder:
         return next((i for i in reversed(range(len(self.ops))) if self.ops[i].stream == stream), None)
 
     def add(self, op: Op) -> int:
+        op.warm = self.warming
         self.ops.append(op)
         return len(self.ops) - 1
 
@@ -88,15 +107,16 @@ def fake_signals(rec: Recorder, short_ns: int):
     def stream_wait(addr, value, stream):
         rec.add(Op("swait", stream, frozenset([rec.key(addr)]), value))
 
-    def bounded(addr, value, timeout_ns, err_addr, stream):
+    def bounded(addr, value, timeout_ns, err_addr, stream):  # _C's bounded wait kernel
         if addr in rec.gate_words:
-            rec.add(Op("hold", stream, gate=rec.gate_words[addr]))
+            op = Op("hold", stream, gate=rec.gate_words[addr])
         elif addr in rec.delay_words:
-            rec.add(Op("delay", stream))
+            op = Op("delay", stream)
         elif timeout_ns <= short_ns:
-            rec.add(Op("done", stream))  # meant to time out: it completes by itself
+            op = Op("done", stream)  # meant to time out: it completes by itself
         else:
-            rec.add(Op("spin", stream, frozenset([rec.key(addr)]), value))
+            op = Op("spin", stream, frozenset([rec.key(addr)]), value)
+        rec.launch(op, "_C wait_flag_bounded")
 
     def store(addr, value):
         if addr in rec.gate_words:
@@ -114,10 +134,10 @@ def fake_signals(rec: Recorder, short_ns: int):
         counters, epoch, stream = args[11], args[13], args[14]
         source = next(g for g in rec.moe_groups for c in g.counters if c.data_ptr() == counters)
         s = next(i for i, c in enumerate(source.counters) if c.data_ptr() == counters)
-        rec.add(Op("produce", stream, frozenset([rec.tensor_key(source.pads[s])]), epoch))
+        rec.launch(Op("produce", stream, frozenset([rec.tensor_key(source.pads[s])]), epoch), "_C moe_dispatch_rows")
 
     def combine_rows(*args):
-        rec.add(Op("record", args[-1]))
+        rec.launch(Op("record", args[-1]), "_C moe_combine_rows")
 
     return types.SimpleNamespace(cuda_stream_write_value32=write, cuda_stream_wait_value32=stream_wait,
                                  cuda_wait_flag_bounded=bounded, signal_store=store, moe_dispatch_rows=dispatch_rows,
@@ -163,7 +183,7 @@ def replay(ops: list[Op], one_queue: bool) -> tuple[bool, dict[int, int], list[i
     def finish(i: int) -> None:
         complete.add(i)
         order.append(i)
-        if ops[i].kind == "produce":
+        if ops[i].kind in ("produce", "init"):  # (init: a flag's value when its group was made)
             for k in ops[i].keys:
                 flags[k] = max(flags.get(k, -(1 << 62)), ops[i].value)
 
@@ -200,15 +220,17 @@ def replay(ops: list[Op], one_queue: bool) -> tuple[bool, dict[int, int], list[i
 
     for i, op in enumerate(ops):
         run_device()
-        if op.kind == "sync" and not all(d in complete for d in op.deps) and watches:
+        if op.kind in ("sync", "load") and not all(d in complete for d in op.deps) and watches:
             for w in watches:  # the host blocks past the deadlines: the watchdog releases the words
                 for k in ops[w].keys:
                     flags[k] = max(flags.get(k, -(1 << 62)), ops[w].value)
             watches.clear()
             run_device()
-        if op.kind == "sync" and not all(d in complete for d in op.deps):
+        if op.kind in ("sync", "load") and not all(d in complete for d in op.deps):
             missing = [j for j in range(i) if ops[j].stream is not None and j not in complete]
-            return False, started, order, f"host sync {i} never returns; stuck: " + \
+            what = f"the first launch of {op.note} (lazy loading drains the device)" if op.kind == "load" else \
+                "host sync"
+            return False, started, order, f"{what} at op {i} never returns; stuck: " + \
                 str([(j, ops[j].kind, ops[j].stream) for j in missing[:6]])
         issued = i + 1
         if op.kind == "open":
@@ -216,7 +238,7 @@ def replay(ops: list[Op], one_queue: bool) -> tuple[bool, dict[int, int], list[i
         if op.kind == "watch":
             watches.append(i)
         if op.stream is None:
-            if op.kind == "produce":
+            if op.kind in ("produce", "init"):
                 finish(i)
             else:
                 complete.add(i)
@@ -229,10 +251,11 @@ def replay(ops: list[Op], one_queue: bool) -> tuple[bool, dict[int, int], list[i
 def race_kept(ops: list[Op], started: dict[int, int], order: list[int]) -> list[str]:
     """Per waiter stream, its first wait must be armed before the first producer of a flag it waits for."""
     problems = []
-    waits = [i for i, op in enumerate(ops) if op.kind in ("spin", "swait") and op.keys]
+    waits = [i for i, op in enumerate(ops) if op.kind in ("spin", "swait") and op.keys and not op.warm]
     for stream in sorted({ops[i].stream for i in waits}):
         first = next(i for i in waits if ops[i].stream == stream)
-        producers = [i for i in order if ops[i].kind == "produce" and ops[i].keys & ops[first].keys]
+        producers = [i for i in order if ops[i].kind == "produce" and ops[i].keys & ops[first].keys
+                     and not ops[i].warm]
         if producers and (first not in started or started[first] > started[producers[0]]):
             problems.append(f"stream {stream}: its first wait (op {first}) starts after op {producers[0]} produced "
                             "its flag: no race")
