@@ -145,6 +145,30 @@ def test_bad_arguments_exit_2_in_process(args, capsys):
     assert "error" in capsys.readouterr().err
 
 
+def test_torchrun_passes_every_option_of_ours_through():
+    """torchrun's own parser reads the script's arguments too, and rejects one that abbreviates two of its
+    options: ``--nproc`` (``--nproc-per-node``, ``--nproc_per_node``). Every other option of every command,
+    ``--ranks`` included, reaches overlap as written."""
+    from torch.distributed.run import get_args_parser
+
+    from overlap.cli import build_parser
+
+    torchrun = get_args_parser()
+    commands = build_parser()._subparsers._group_actions[0].choices  # argparse keeps its subparsers there
+    for command, parser in commands.items():
+        options = {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
+        assert "--ranks" in options and "--nproc" in options, (command, options)
+        for option in sorted(options - {"--nproc"}):
+            argv = [command, option, "2"]
+            try:
+                parsed = torchrun.parse_args(["--nproc-per-node", "2", "-m", "overlap.cli", *argv])
+            except SystemExit:
+                pytest.fail(f"torchrun's parser rejects overlap {command} {option}")
+            assert parsed.training_script_args == argv, (option, parsed)
+    with pytest.raises(SystemExit):  # why --ranks exists: torchrun: error: ambiguous option: --nproc could match
+        torchrun.parse_args(["--nproc-per-node", "2", "-m", "overlap.cli", "demo", "--nproc", "2"])
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -15,7 +15,7 @@ import tempfile
 import textwrap
 import time
 
-from .argtypes import int_at_least, positive_float
+from .argtypes import add_ranks_option, int_at_least, positive_float
 
 _DESCRIPTION = (
     "Train a small GPT-style model (embedding; attention and MLP blocks with sequence-parallel tensor "
@@ -33,7 +33,7 @@ _EPILOG = """\
 examples:
   overlap demo
   overlap demo --steps 50 --strategy pipelined --json demo.json --plot demo.png
-  overlap demo --nproc 4 --seq-len 64 --batch 4
+  overlap demo --ranks 4 --seq-len 64 --batch 4
   torchrun --nproc-per-node 8 -m overlap.cli demo --heads 8 --experts 8
 """
 
@@ -41,7 +41,7 @@ examples:
 _positive_float = positive_float()
 
 
-def add_parser(sub, nproc_help: str) -> argparse.ArgumentParser:
+def add_parser(sub) -> argparse.ArgumentParser:
     """Add ``demo`` to the ``overlap`` command's subparsers `sub`."""
     from ..demo.config import ModelConfig  # no torch: the defaults only
 
@@ -51,7 +51,7 @@ def add_parser(sub, nproc_help: str) -> argparse.ArgumentParser:
                           description=textwrap.fill(_DESCRIPTION, 100), epilog=_EPILOG,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     positive = int_at_least(1)
-    demo.add_argument("--nproc", type=positive, default=None, metavar="N", help=nproc_help)
+    add_ranks_option(demo)
     demo.add_argument("--steps", type=int_at_least(2), default=30, metavar="N",
                       help="training steps of each run (default: %(default)s)")
     demo.add_argument("--strategy", default="auto",

@@ -1,4 +1,4 @@
-"""Where a command of ``overlap`` runs: on torchrun's ranks in place, or on ``--nproc`` local ranks it
+"""Where a command of ``overlap`` runs: on torchrun's ranks in place, or on ``--ranks`` local ranks it
 starts with `overlap.world.launch` (default: every GPU, else 2 CPU ranks on gloo).
 """
 
@@ -30,7 +30,7 @@ def on_ranks(command: str, fn: Callable, args: tuple, nproc: int | None) -> tupl
     if in_place:
         if nproc is not None and nproc != dist.get_world_size():
             print(
-                f"overlap {command}: running on the {dist.get_world_size()} ranks of torchrun; --nproc {nproc} "
+                f"overlap {command}: running on the {dist.get_world_size()} ranks of torchrun; --ranks {nproc} "
                 "is ignored",
                 file=sys.stderr,
             )
