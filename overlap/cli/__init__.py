@@ -1,11 +1,12 @@
 """The ``overlap`` command: ``overlap info``, ``overlap bench``, ``overlap tune``, ``overlap --version``.
 
 The commands need ranks. Started by torchrun (``torchrun --nproc-per-node 4 -m overlap.cli
-bench``) they run in place on the ranks torchrun made; started plainly they start ``--nproc``
-local ranks with `overlap.world.launch` (default: every GPU, else 2 CPU ranks on gloo).
+bench``) they run in place on the ranks torchrun made; started plainly they start ``--ranks``
+(or ``--nproc``) local ranks with `overlap.world.launch` (default: every GPU, else 2 CPU ranks on gloo).
 
 Exit codes: 0 success; 1 a rank failed (its traceback goes to stderr), a benchmark result did
-not match ``reference``, or tuning failed (the reason on stderr); 2 bad command-line arguments.
+not match ``reference``, or tuning failed (the reason on stderr); 2 bad command-line arguments; 130 after
+SIGINT, 143 after SIGTERM (129 after SIGHUP), every rank ended first (`overlap.lifetime`).
 
 This module is the entry point (`main`) and what each command does around its ranks. The parser is
 `overlap.cli.parser`, running on the ranks `overlap.cli.ranks`, what ``overlap info`` prints `overlap.cli.info`.
@@ -16,11 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 from typing import Any
 
 from ..benchmarks.names import BENCH_OPS, MODES, all_bench_labels, bench_labels
+from ..errors import Terminated
 from .parser import build_parser, selection
 
 # Nothing here imports torch before a command runs: the ranks (`ranks`), `info` and the benchmark's
@@ -83,7 +86,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except ValueError as exc:  # e.g. --strategies symm+one_shot for an op that has no such variant
             parser.error(str(exc))
         status_path = os.path.join(tmp, "status.json")
-        code, in_place = on_ranks("bench", _bench_rank, (config, status_path), args.nproc)
+        code, in_place = on_ranks("bench", _bench_rank, (config, status_path), args.nproc, tmp)
         if code != 0:
             return code
         if in_place is None:  # locally started ranks: rank 0 left the verdict in the file
@@ -144,7 +147,7 @@ def _tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                         args.warmup, args.probe, args.timeout)
     with tempfile.TemporaryDirectory(prefix="overlap-tune-") as tmp:
         status_path = os.path.join(tmp, "status.txt")
-        code, _ = on_ranks("tune", _tune_rank, (config, status_path), args.nproc)
+        code, _ = on_ranks("tune", _tune_rank, (config, status_path), args.nproc, tmp)
         if code == 0 and os.path.exists(status_path):
             with open(status_path) as f:
                 print(f"overlap tune: {f.read()}", file=sys.stderr)
@@ -187,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run as run_demo
 
             return run_demo(args, args.subparser)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # SIGINT: the ranks have been ended (`overlap.lifetime`)
         print(f"overlap {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Terminated as exc:  # SIGTERM or SIGHUP, the same
+        print(f"overlap {args.command}: stopped by {signal.Signals(exc.signum).name}", file=sys.stderr)
+        return 128 + exc.signum
     raise AssertionError(f"unhandled command {args.command!r}")

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="overlap-demo-") as tmp:
         out_path = os.path.join(tmp, "results.json")
-        code, in_place = on_ranks("demo", train_rank, (config, out_path), args.nproc)
+        code, in_place = on_ranks("demo", train_rank, (config, out_path), args.nproc, tmp)
         if code != 0:
             return code
         if in_place is None:  # locally started ranks: rank 0 left the results in the file

@@ -13,11 +13,13 @@ from typing import Any
 from .. import world
 
 
-def on_ranks(command: str, fn: Callable, args: tuple, nproc: int | None) -> tuple[int, Any]:
+def on_ranks(command: str, fn: Callable, args: tuple, nproc: int | None, scratch: str | None = None
+             ) -> tuple[int, Any]:
     """Run ``fn(*args)`` on torchrun's ranks in place, or on `nproc` freshly started local ranks.
 
     Returns (exit code, what `fn` returned in place or None): the code is 0, or 1 after printing
-    the failing rank's traceback to stderr.
+    the failing rank's traceback to stderr. `scratch`: the command's scratch folder, which local ranks
+    remove if this process is killed before it can (`overlap.world.launch`'s ``leftovers``).
     """
     import torch.distributed as dist
 
@@ -44,7 +46,7 @@ def on_ranks(command: str, fn: Callable, args: tuple, nproc: int | None) -> tupl
                 dist.destroy_process_group()
         return 0, value
     try:
-        world.launch(fn, nproc, args=args)
+        world.launch(fn, nproc, args=args, leftovers=(scratch,) if scratch else ())
     except RuntimeError as exc:
         print(f"overlap {command}: {exc}", file=sys.stderr)
         return 1, None
