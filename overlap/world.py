@@ -239,6 +239,15 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
+def ranks_device_type(world_size: int) -> str:
+    """The device type ranks compute on: torchrun's (`init_from_env`: CUDA wherever torch sees a GPU), or
+    `world_size` local ranks' (`init_rank`: CUDA where there is a GPU per rank)."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return "cuda" if under_torchrun or torch.cuda.device_count() >= world_size else "cpu"
+
+
 def init_rank(rank: int, world_size: int, init_file: str, timeout_s: float = 300.0, backend: str | None = None) -> None:
     """Initialize torch.distributed for one locally started rank (gloo on CPU, NCCL on GPUs; ``backend="gloo"``
     keeps CPU ranks where there are GPUs).

@@ -5,8 +5,9 @@ bench``) they run in place on the ranks torchrun made; started plainly they star
 (or ``--nproc``) local ranks with `overlap.world.launch` (default: every GPU, else 2 CPU ranks on gloo).
 
 Exit codes: 0 success; 1 a rank failed (its traceback goes to stderr), a benchmark result did
-not match ``reference``, or tuning failed (the reason on stderr); 2 bad command-line arguments; 130 after
-SIGINT, 143 after SIGTERM (129 after SIGHUP), every rank ended first (`overlap.lifetime`).
+not match ``reference``, or tuning failed (the reason on stderr); 2 bad command-line arguments, shapes or
+a model that do not fit the ranks (one line, before any rank starts); 130 after SIGINT, 143 after SIGTERM
+(129 after SIGHUP), every rank ended first (`overlap.lifetime`).
 
 This module is the entry point (`main`) and what each command does around its ranks. The parser is
 `overlap.cli.parser`, running on the ranks `overlap.cli.ranks`, what ``overlap info`` prints `overlap.cli.info`.
@@ -58,12 +59,16 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         earlier = command.check_outputs(args.json, args.plot, args.compare)  # before torch is even imported
     except ValueError as exc:
         parser.error(str(exc))
+    from .. import world
     from ..benchmarks.cases import BenchConfig
     from .ranks import num_ranks, on_ranks
 
-    try:
+    world_size = num_ranks(args.nproc)
+    try:  # the cases must fit the ranks before any starts (exit 2), as demo's model and tune's shapes
         ops, cases = command.cases_of(selection(args.op, BENCH_OPS) if args.op else None, modes, args.shape,
-                                      args.dtype, num_ranks(args.nproc))
+                                      args.dtype, world_size)
+        if not cases:
+            command.check_defaults(ops, modes, args.dtype, world.ranks_device_type(world_size), world_size)
     except ValueError as exc:
         parser.error(str(exc))
     with tempfile.TemporaryDirectory(prefix="overlap-bench-") as tmp:
@@ -130,8 +135,8 @@ def _tune_rank(config: Any, status_path: str) -> None:
 
 
 def _tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ..tune.command import TuneConfig, parse_shape
-    from .ranks import on_ranks
+    from ..tune.command import TuneConfig, parse_shape, problems_of
+    from .ranks import num_ranks, on_ranks
 
     if not args.shape and not args.model:
         parser.error("give --shape (one or more) or --model")
@@ -145,6 +150,10 @@ def _tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--out: folder {folder} does not exist")
     config = TuneConfig(args.shape, args.model, args.out, args.forward_only, args.measure, args.repeats,
                         args.warmup, args.probe, args.timeout)
+    try:  # the problems must fit the ranks before any starts (exit 2), as bench's cases and demo's model
+        problems_of(config, num_ranks(args.nproc))
+    except ValueError as exc:
+        parser.error(str(exc))
     with tempfile.TemporaryDirectory(prefix="overlap-tune-") as tmp:
         status_path = os.path.join(tmp, "status.txt")
         code, _ = on_ranks("tune", _tune_rank, (config, status_path), args.nproc, tmp)

@@ -129,7 +129,14 @@ class TuneConfig:
 
 
 def problems_of(config: TuneConfig, world_size: int) -> list[Problem]:
-    problems = [parse_shape(s, not config.forward_only) for s in config.shapes]
+    """The problems of `config` on `world_size` ranks; ValueError where one cannot run there (the command
+    line calls it before any rank starts, exit 2)."""
+    problems = []
+    for text in config.shapes:
+        problems.append(parse_shape(text, not config.forward_only))
+        if problems[-1].spec.family == "moe" and problems[-1].experts % world_size:
+            raise ValueError(f"--shape {text!r}: {problems[-1].experts} experts do not split evenly over "
+                             f"{world_size} ranks")
     if config.model:
         problems += parse_model(config.model, world_size, not config.forward_only)
     if not problems:
