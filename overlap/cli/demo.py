@@ -1,5 +1,6 @@
 """``overlap demo``: its parser (`add_parser`, registered by `overlap.cli.parser`) and what it does around
-its ranks (`run`): check the arguments before any rank starts (exit 2), train on the ranks
+its ranks (`run`): check the arguments before any rank starts (exit 2; ``--json`` and ``--plot`` as
+``overlap bench`` checks them), train on the ranks
 (`overlap.demo.train.train_rank`), then print the report and write ``--json``/``--plot`` (rank 0).
 
 The training, model and report live in `overlap.demo`, imported when the command runs.
@@ -75,15 +76,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return demo
 
 
-def _check_output(parser: argparse.ArgumentParser, option: str, path: str | None) -> None:
-    if path is not None:
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            parser.error(f"{option}: folder {folder} does not exist")
-
-
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``overlap demo``: exit 0, 1 (a rank failed) or 2 (arguments, checked before the ranks start)."""
+    from ..benchmarks.command import check_outputs
     from ..demo import report
     from ..demo.config import DemoConfig, ModelConfig
     from ..demo.train import train_rank
@@ -92,13 +87,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if args.strategy not in ("auto", *STRATEGIES):
         parser.error(f"--strategy: expected auto or one of {', '.join(STRATEGIES)}, got {args.strategy!r}")
-    _check_output(parser, "--json", args.json)
-    _check_output(parser, "--plot", args.plot)
-    if args.plot:
-        try:
-            report.require_matplotlib()
-        except ImportError as exc:
-            parser.error(str(exc))
+    try:  # as overlap bench checks them: folders, a format matplotlib writes (from the suffix), matplotlib
+        check_outputs(args.json, args.plot, None)
+    except ValueError as exc:
+        parser.error(str(exc))
     model = ModelConfig(vocab=args.vocab, hidden=args.hidden, heads=args.heads, ffn=args.ffn, layers=args.layers,
                         experts=args.experts, top_k=args.top_k, seq_len=args.seq_len, batch=args.batch)
     world_size = num_ranks(args.nproc)
