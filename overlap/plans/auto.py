@@ -195,7 +195,7 @@ def fit_plan(op: str, plan: Plan, info: GroupInfo, num_experts: int | None = Non
     ``num_experts``) also each expert below it and never to the node that holds the expert."""
     if plan.one_shot and not _takes_one_shot(op):
         takers = ", ".join(name for name in OPS if _takes_one_shot(name))
-        raise ValueError(f"overlap.{op}: plan.one_shot applies only to {takers}, got {plan.describe()}")
+        raise ValueError(f"overlap.{op}: plan.one_shot applies only to {takers}, got {plan.label()}")
     if op in OPS and plan.strategy not in OPS[op].strategies:
         raise ValueError(f"overlap.{op}: strategy {plan.strategy!r} is not implemented for this op; it has "
                          f"{OPS[op].strategies} and 'auto'")
