@@ -72,6 +72,7 @@ def test_bench_every_op_and_mode_with_json(tmp_path):
     assert "[6/8] matmul_all_reduce 16x24x8 float32 fwd+bwd:" in proc.stderr, proc.stderr
     assert "[8/8] all_gather_weight_matmul 16x24x8 float32 fwd+bwd:" in proc.stderr, proc.stderr
     assert re.search(r"^cases: all 8 ran$", proc.stdout, re.M), proc.stdout
+    assert proc.stdout.splitlines()[-1] == f"wrote {path}", proc.stdout  # as demo and tune say what they wrote
 
     data = json.loads(path.read_text())
     assert data["cases"] == {"ran": 8, "asked": 8}, data["cases"]

@@ -100,6 +100,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 failed = json.load(f)["failed"]
         else:
             rank, failed = in_place
+        if rank == 0 and args.json:
+            print(f"wrote {args.json}", flush=True)
         if rank == 0 and json_path and (args.plot or args.compare):
             lines, error = command.after_run(json_path, earlier, args.compare, args.plot)
             if lines:
