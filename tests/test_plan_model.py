@@ -484,23 +484,3 @@ def test_auto_heuristic_is_documented_and_never_fused_on_cpu(monkeypatch):
     with pytest.raises(ValueError, match="spans nodes"):
         auto.fit_plan("op", overlap.Plan("fused"), group(["a", "b"]))
 
-
-def test_plan_file_without_the_shape_says_so_once(tmp_path, caplog):
-    """A plan file that lacks a call's shape: auto falls back (the cost model with the file's profile, or the
-    heuristic), and says so once per file and shape, at warning level, naming both; on the group's first rank."""
-    topology = topology_of(group(["a", "a"]))
-    path = tmp_path / "plans.json"
-    f = PlanFile.new(topology, 2, default_profile("cpu"))
-    f.add(Entry(Problem("all_gather_matmul", 8, 16, 12), Plan("symm")))
-    f.save(path)
-    missing = Problem("all_gather_matmul", 8, 16, 24)
-    sig = "a=(8, 16):float32, b=(16, 24)"
-    with caplog.at_level("WARNING", logger="overlap"):
-        for rank in (0, 0, 1):
-            auto.resolve_auto("all_gather_matmul", sig, group(["a", "a"], rank), 8, "float32", 0, missing, str(path))
-        auto.resolve_auto("all_gather_matmul", sig, group(["a", "a"]), 8, "float32", 0, Problem(
-            "all_gather_matmul", 8, 16, 12), str(path))  # in the file: nothing to say
-    said = [r for r in caplog.records if r.name == "overlap" and r.levelname == "WARNING"]
-    assert len(said) == 1, [r.getMessage() for r in said]
-    text = said[0].getMessage()
-    assert str(path) in text and missing.key in text and "cost model" in text, text
