@@ -56,3 +56,13 @@ def warn_once(message: str, category: type[Warning] = UserWarning, *, key: str |
     if log:
         logging.getLogger("overlap").warning(message)
     return True
+
+
+class Terminated(SystemExit):
+    """SIGTERM or SIGHUP reached a process while it had ranks running (`overlap.lifetime`): raised in its main
+    thread so that ``finally`` blocks end the ranks. Exit status ``128 + signum``, as the signal's default
+    action would give, where nothing catches it; ``signum`` is the signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signum = signum

@@ -3,8 +3,10 @@
 A segment is a file in ``OVERLAP_SHM_DIR`` (default ``/dev/shm``) named
 ``overlap-<run id>-<creator pid>-<kind>-r<rank>``. `overlap.symm` creates one per rank, every peer
 maps it, then its creator unlinks it at once: the mappings live on, the directory holds nothing.
-A segment survives only if its creator dies inside that window; `remove_stale_segments` removes
-those at the next heap creation (the creator pid in the name proves it dead).
+A segment survives only if its creator dies inside that window: a rank ended by SIGTERM unlinks the
+segments it created (`unlink_created`, `overlap.lifetime`), the parent of a killed rank removes its segments
+(`remove_segments_of`), and `remove_stale_segments` removes any other at the next heap creation (the creator
+pid in the name proves it dead).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import torch
 from . import envs
 
 _NAME_RE = re.compile(r"^overlap-[0-9a-f]+-(\d+)-")
-
 
 
 def create_segment(path: str, nbytes: int) -> torch.Tensor:
@@ -87,6 +88,27 @@ def remove_stale_segments(directory: str | None = None, min_age_s: float = 60.0)
     return removed
 
 
+def remove_segments_of(pids, directory: str | None = None) -> list[str]:
+    """Remove the segments created by the processes `pids` (ranks that ended: a rank killed by SIGKILL leaves
+    the segments it had not unlinked yet). Returns the removed names."""
+    wanted = {str(pid) for pid in pids}
+    directory = directory or envs.shm_dir()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        m = _NAME_RE.match(name)
+        if m and m.group(1) in wanted:
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
 CREATED: set[str] = set()  # paths this process created and has not unlinked yet
 
 
@@ -99,6 +121,8 @@ def unlink(path: str) -> None:
 
 
 @atexit.register
-def _unlink_created() -> None:
+def unlink_created() -> None:
+    """Unlink every segment this process created and has not unlinked yet (at exit, or when a rank is ended:
+    `overlap.lifetime`)."""
     for path in list(CREATED):
         unlink(path)

@@ -9,7 +9,8 @@ Link classes: ``"shm"`` (CPU ranks of one node: POSIX shared memory), ``"nvlink"
 (GPU ranks of one node, told apart by peer access), ``"network"`` (ranks on different nodes).
 
 `launch` starts N local ranks when the program was not started by torchrun: gloo on CPU,
-NCCL with one rank per GPU where GPUs exist.
+NCCL with one rank per GPU where GPUs exist. No rank outlives its caller, whether the caller is
+interrupted, terminated or killed (`overlap.lifetime`).
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ import os
 import pickle
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import envs
+from . import envs, lifetime
 
 # Every module of overlap that uses torch (and so may reach Triton) imports this one first: where no GPU
 # exists, TRITON_INTERPRET is set here, before anything can import Triton (`envs.set_triton_interpret`).
@@ -238,6 +239,15 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
+def ranks_device_type(world_size: int) -> str:
+    """The device type ranks compute on: torchrun's (`init_from_env`: CUDA wherever torch sees a GPU), or
+    `world_size` local ranks' (`init_rank`: CUDA where there is a GPU per rank)."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return "cuda" if under_torchrun or torch.cuda.device_count() >= world_size else "cpu"
+
+
 def init_rank(rank: int, world_size: int, init_file: str, timeout_s: float = 300.0, backend: str | None = None) -> None:
     """Initialize torch.distributed for one locally started rank (gloo on CPU, NCCL on GPUs; ``backend="gloo"``
     keeps CPU ranks where there are GPUs).
@@ -273,7 +283,9 @@ def init_from_env() -> bool:
     return True
 
 
-def _rank_main(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, errors: Any) -> None:
+def _rank_main(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, report: Any,
+               parent_pid: int, leftovers: tuple[str, ...]) -> None:
+    lifetime.watch_parent(parent_pid, leftovers)  # first: no rank outlives its parent
     torch.set_num_threads(1)
     try:
         init_rank(rank, world_size, init_file)
@@ -281,7 +293,10 @@ def _rank_main(rank: int, world_size: int, init_file: str, fn: Callable, args: t
         # Every rank is done before any tears down, so no rank loses a peer mid-teardown.
         dist.barrier()
     except BaseException:  # noqa: BLE001 - reported to the parent, which exits non-zero
-        errors.put((rank, traceback.format_exc()))
+        try:
+            report.send(traceback.format_exc())
+        except OSError:  # the parent is gone: nobody to tell
+            pass
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
@@ -311,65 +326,79 @@ def exit_after_teardown(code: int) -> None:
     os._exit(code)
 
 
-def launch(fn: Callable, nproc: int | None = None, args: tuple = (), timeout_s: float | None = None) -> None:
+def launch(fn: Callable, nproc: int | None = None, args: tuple = (), timeout_s: float | None = None,
+           leftovers: Sequence[str] = ()) -> None:
     """Run ``fn(*args)`` on `nproc` freshly started local ranks and wait for all of them.
 
     `fn` must be importable (defined at module level). Raises ``RuntimeError`` with the first
     failing rank's traceback; the other ranks are then stopped, so one failure never hangs the rest.
+
+    No rank outlives this call (`overlap.lifetime`): when it ends by an exception (KeyboardInterrupt on
+    SIGINT; `overlap.errors.Terminated` on SIGTERM or SIGHUP, while it runs in the main thread) the ranks get
+    SIGTERM, then SIGKILL after a second; when the caller dies (SIGKILL included) they end by themselves.
+    Ranks ended either way remove the shared-memory segments they created, the rendezvous folder and
+    `leftovers` (the caller's scratch files or folders, which its own cleanup never reaches if it is killed).
     """
     import multiprocessing as mp
-    import queue
-    import time
+    import shutil
+    import tempfile
 
     nproc = default_nproc() if nproc is None else nproc
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
-    import tempfile
-
     ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="overlap-launch-")
     init_file = os.path.join(store_dir, "store")
-    procs = [ctx.Process(target=_rank_main, args=(r, nproc, init_file, fn, args, errors)) for r in range(nproc)]
-    for p in procs:
-        p.start()
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    # One one-way pipe per rank for its traceback: no semaphore (a multiprocessing queue's), nothing in /dev/shm.
+    pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]
+    leave = (store_dir, *leftovers)
+    procs = [ctx.Process(target=_rank_main, args=(r, nproc, init_file, fn, args, pipes[r][1], os.getpid(), leave))
+             for r in range(nproc)]
     failure = None
     try:
-        while any(p.is_alive() for p in procs):
+        with lifetime.raising_on_signals():
             try:
-                failure = errors.get(timeout=0.2)
-                break
-            except queue.Empty:
-                pass
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead:
-                failure = (dead[0], f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}")
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                failure = (-1, f"ranks did not finish within {timeout_s} s")
-                break
-        if failure is None:
-            try:
-                failure = errors.get_nowait()
-            except queue.Empty:
-                pass
-        if failure is None:
-            bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
-            if bad:
-                failure = (bad[0], f"rank {bad[0]} exited with code {procs[bad[0]].exitcode}")
+                for p in procs:
+                    p.start()
+                for _, sender in pipes:
+                    sender.close()  # the ranks hold their ends: a rank that exits closes its pipe
+                failure = _await_ranks(procs, [receiver for receiver, _ in pipes], timeout_s)
+            finally:
+                lifetime.stop(procs)
     finally:
-        for p in procs:
-            if failure is not None and p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        import shutil
-
+        for receiver, sender in pipes:
+            receiver.close()
+            sender.close()
         shutil.rmtree(store_dir, ignore_errors=True)
     if failure is not None:
         rank, text = failure
         raise RuntimeError(f"rank {rank} failed:\n{text}")
+
+
+def _await_ranks(procs: list, receivers: list, timeout_s: float | None) -> tuple[int, str] | None:
+    """Wait until every rank has ended; (rank, traceback or exit code) of the first one that failed (rank -1:
+    past `timeout_s`), at once, or None."""
+    import time
+    from multiprocessing import connection
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    running = dict(enumerate(procs))
+    listening = dict(enumerate(receivers))
+    while running:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return -1, f"ranks did not finish within {timeout_s} s"
+        ready = connection.wait([*listening.values(), *(p.sentinel for p in running.values())], left)
+        for r, receiver in list(listening.items()):
+            if receiver in ready:
+                try:
+                    return r, receiver.recv()
+                except EOFError:  # the rank ended without a word: its exit code tells
+                    del listening[r]
+        for r, p in list(running.items()):
+            if p.sentinel in ready:
+                p.join()
+                if p.exitcode != 0:
+                    return r, f"rank {r} exited with code {p.exitcode}"
+                del running[r]
+    return None

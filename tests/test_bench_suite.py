@@ -187,7 +187,28 @@ def test_plot_without_matplotlib_is_a_clear_usage_error(monkeypatch, capsys, tmp
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--plot", str(tmp_path / "out.png")])
     assert exc.value.code == 2
-    assert "--plot needs matplotlib" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib" in err and 'pip install ".[plot]"' in err, err  # the extra that installs it
+
+
+def test_demo_plot_without_matplotlib_names_the_extra(monkeypatch, capsys, tmp_path):
+    from overlap.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--plot", str(tmp_path / "demo.png")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib" in err and 'pip install ".[plot]"' in err, err
+
+
+def test_plot_extra_installs_matplotlib():
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert project["optional-dependencies"]["plot"] == ["matplotlib"], project["optional-dependencies"]
 
 
 def test_plot_draws_times_and_speedups_over_torch(tmp_path):

@@ -71,8 +71,11 @@ def test_bench_every_op_and_mode_with_json(tmp_path):
     assert "[1/8] all_gather_matmul 16x24x8 float32 fwd:" in proc.stderr, proc.stderr
     assert "[6/8] matmul_all_reduce 16x24x8 float32 fwd+bwd:" in proc.stderr, proc.stderr
     assert "[8/8] all_gather_weight_matmul 16x24x8 float32 fwd+bwd:" in proc.stderr, proc.stderr
+    assert re.search(r"^cases: all 8 ran$", proc.stdout, re.M), proc.stdout
+    assert proc.stdout.splitlines()[-1] == f"wrote {path}", proc.stdout  # as demo and tune say what they wrote
 
     data = json.loads(path.read_text())
+    assert data["cases"] == {"ran": 8, "asked": 8}, data["cases"]
     assert data["machine"]["world_size"] == 2 and data["machine"]["backend"] == "gloo"
     assert data["config"]["ops"] == list(OPS) and data["config"]["modes"] == list(MODES)
     rows = {(r["op"], r["mode"], r["strategy"]): r for r in data["results"]}
@@ -354,10 +357,24 @@ def test_bench_moe_every_strategy_with_json(tmp_path):
 
 
 def test_bench_moe_experts_must_split_over_ranks():
-    """Given MoE cases whose experts do not split evenly over the ranks fail on the ranks, with the reason."""
+    """Given MoE cases whose experts do not split evenly over the ranks: a one-line usage error before any rank
+    starts (exit 2), as overlap tune and overlap demo give."""
     proc = overlap_cmd("bench", "--nproc", "3", "--op", "moe", "--shape", "8,8,8,4,2", "--iters", "1", timeout=90)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "4 experts do not split evenly over 3 ranks" in proc.stderr, proc.stderr
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines()[-1] == ("overlap bench: error: --shape: cannot run on 3 ranks: moe 8,8,8,4,2 "
+                                            "float32: 4 experts do not split evenly over 3 ranks"), proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stdout + proc.stderr
+
+
+def test_bench_counts_the_default_cases_left_out():
+    """Default cases that do not fit the ranks are left out with a note, and the last line counts them."""
+    proc = overlap_cmd("bench", "--ranks", "3", "--op", "matmul_all_reduce", "--mode", "fwd", "--strategies",
+                       "reference", "--iters", "1", "--warmup", "0", "--timeout", "60", timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    # llama3-8b's two matmul_all_reduce layers do not split over 3 ranks; the tiny shape does
+    assert "note: left out: llama3-8b: heads (32)" in proc.stdout, proc.stdout
+    last = "cases: 1 of 3 ran; 2 left out on these ranks (the notes above say why)"
+    assert proc.stdout.splitlines()[-1] == last, proc.stdout
 
 
 _WRONG_MOE = """
@@ -418,7 +435,9 @@ def test_tune_two_ranks_end_to_end(tmp_path):
             os.environ.pop(k, None)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"\[#+\] \d+/\d+ done", proc.stderr), proc.stderr[-2000:]  # the progress bar ends full
-    assert "checking reference[]" in proc.stderr, proc.stderr[-2000:]  # names the candidate at hand
+    assert "checking reference (" in proc.stderr, proc.stderr[-2000:]  # names the candidate at hand
+    # plans written as overlap bench writes them (symm (shm x1)), never as in signatures (symm[shm=1])
+    assert not re.search(r"\b(reference|pipelined|symm|fused|hierarchical)\[", proc.stdout + proc.stderr), proc.stdout
     rows = [ln for ln in proc.stdout.splitlines() if re.match(r"^(all_gather_matmul|matmul_reduce_scatter|moe):", ln)]
     keys = [r.split()[0] for r in rows]
     assert len(keys) == len(set(keys)) == 4, proc.stdout  # the model's 3 problems + 1 shape, none twice
@@ -435,11 +454,13 @@ def test_tune_two_ranks_end_to_end(tmp_path):
         assert e.measured_s is not None and e.reference_s is not None and e.measured_s <= e.reference_s
 
 
-def test_tune_model_that_does_not_fit_the_ranks_exits_1(tmp_path):
+def test_tune_model_that_does_not_fit_the_ranks_exits_2(tmp_path):
+    """A one-line usage error before any rank starts, as overlap bench's cases and overlap demo's model."""
     proc = overlap_cmd("tune", "--nproc", "2", "--model", "hidden=63,ffn=128,tokens=64", "--probe", "none",
                        "--out", str(tmp_path / "p.json"), timeout=120)
-    assert proc.returncode == 1, (proc.stdout, proc.stderr[-2000:])
-    assert "must divide by the tensor-parallel size 2" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2, (proc.stdout, proc.stderr[-2000:])
+    assert proc.stderr.splitlines()[-1] == ("overlap tune: error: --model: hidden (63) must divide by the "
+                                            "tensor-parallel size 2 (the ranks)"), proc.stderr[-2000:]
     assert not (tmp_path / "p.json").exists()
 
 

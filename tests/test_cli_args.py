@@ -148,6 +148,58 @@ def test_bad_arguments_exit_2_in_process(args, capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
+        # shapes that do not fit the ranks: a one-line error before any rank starts, as overlap demo's model
+        (("bench", "--op", "moe", "--shape", "32,32,64,3,2"),
+         "--shape: cannot run on 2 ranks: moe 32,32,64,3,2 float32: 3 experts do not split evenly over 2 ranks"),
+        (("bench", "--ranks", "3", "--op", "moe"), "no default case of moe runs on 3 ranks"),
+        (("bench", "--ranks", "3", "--shape", "llama3-8b"), "--shape llama3-8b does not apply to 3 ranks"),
+        (("tune", "--shape", "moe:32x32x64:3:2"), "3 experts do not split evenly over 2 ranks"),
+        (("tune", "--ranks", "2", "--model", "hidden=63,ffn=128,tokens=64"),
+         "hidden (63) must divide by the tensor-parallel size 2"),
+        (("tune", "--ranks", "4", "--model", "hidden=64,ffn=128,tokens=64,experts=6,topk=2"),
+         "experts (6) must divide by the expert-parallel size 4"),
+    ],
+)
+def test_problems_that_do_not_fit_the_ranks_exit_2_before_they_start(args, message, capsys, monkeypatch):
+    from overlap import world
+    from overlap.cli import main
+
+    monkeypatch.setattr(world, "launch", lambda *a, **k: pytest.fail("a rank was started"))
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    assert message in err and err.strip().splitlines()[-1].startswith(f"overlap {args[0]}: error: "), err
+    assert "Traceback" not in err, err
+
+
+def test_torchrun_passes_every_option_of_ours_through():
+    """torchrun's own parser reads the script's arguments too, and rejects one that abbreviates two of its
+    options: ``--nproc`` (``--nproc-per-node``, ``--nproc_per_node``). Every other option of every command,
+    ``--ranks`` included, reaches overlap as written."""
+    from torch.distributed.run import get_args_parser
+
+    from overlap.cli import build_parser
+
+    torchrun = get_args_parser()
+    commands = build_parser()._subparsers._group_actions[0].choices  # argparse keeps its subparsers there
+    for command, parser in commands.items():
+        options = {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
+        assert "--ranks" in options and "--nproc" in options, (command, options)
+        for option in sorted(options - {"--nproc"}):
+            argv = [command, option, "2"]
+            try:
+                parsed = torchrun.parse_args(["--nproc-per-node", "2", "-m", "overlap.cli", *argv])
+            except SystemExit:
+                pytest.fail(f"torchrun's parser rejects overlap {command} {option}")
+            assert parsed.training_script_args == argv, (option, parsed)
+    with pytest.raises(SystemExit):  # why --ranks exists: torchrun: error: ambiguous option: --nproc could match
+        torchrun.parse_args(["--nproc-per-node", "2", "-m", "overlap.cli", "demo", "--nproc", "2"])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
         (("--shape", "all_gather_matmul:64x128"), "needs"),
         (("--shape", "conv2d:1x2x3"), "unknown op"),
         (("--shape", "moe:8x8x8:4:2:int8"), "neither a dtype"),

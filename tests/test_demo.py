@@ -50,6 +50,8 @@ def test_demo_two_ranks_losses_match(tmp_path):
         (["--nproc", "2", "--strategy", "bogus"], "--strategy"),
         (["--nproc", "2", "--steps", "1"], "--steps"),
         (["--nproc", "2", "--json", "/no/such/folder/x.json"], "does not exist"),
+        (["--ranks", "2", "--plot", "out.xyz"], "--plot: the suffix gives the format"),  # as overlap bench
+        (["--ranks", "2", "--plot", "out"], "--plot: the suffix gives the format"),  # matplotlib would add .png
     ],
 )
 def test_demo_bad_arguments_exit_2_before_ranks(args, message, capsys):

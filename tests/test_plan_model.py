@@ -483,3 +483,4 @@ def test_auto_heuristic_is_documented_and_never_fused_on_cpu(monkeypatch):
         assert auto.resolve_auto("op", sig + "x", gpu, 4096, "bfloat16").strategy == "pipelined"
     with pytest.raises(ValueError, match="spans nodes"):
         auto.fit_plan("op", overlap.Plan("fused"), group(["a", "b"]))
+

@@ -196,3 +196,33 @@ def test_problem_keys_of_calls_match_the_tuner(op):
         p = entry.tp_problem(op, a.shape[0], a, b, 3)
         want = plan_mod.Problem(op, 16, 64, 128, "float32", False)
     assert p == want and p.key == want.key
+
+
+def test_plan_file_without_the_shape_says_so_once(tmp_path, caplog):
+    """A plan file that lacks a call's shape: auto falls back (the cost model with the file's profile, or the
+    heuristic), and says so once per file and shape, at warning level, naming both; on the group's first rank."""
+    from overlap import world
+    from overlap.plans import Plan, Problem, auto, default_profile, topology_of
+    from overlap.plans.planfile import Entry, PlanFile
+
+    def group(nodes, rank=0):
+        return world.GroupInfo(rank=rank, world_size=len(nodes), global_ranks=tuple(range(len(nodes))),
+                               nodes=tuple(nodes), pids=tuple(range(len(nodes))), backend="gloo",
+                               device=torch.device("cpu"), peer_access=(False,) * len(nodes))
+
+    topology = topology_of(group(["a", "a"]))
+    path = tmp_path / "plans.json"
+    f = PlanFile.new(topology, 2, default_profile("cpu"))
+    f.add(Entry(Problem("all_gather_matmul", 8, 16, 12), Plan("symm")))
+    f.save(path)
+    missing = Problem("all_gather_matmul", 8, 16, 24)
+    sig = "a=(8, 16):float32, b=(16, 24)"
+    with caplog.at_level("WARNING", logger="overlap"):
+        for rank in (0, 0, 1):
+            auto.resolve_auto("all_gather_matmul", sig, group(["a", "a"], rank), 8, "float32", 0, missing, str(path))
+        auto.resolve_auto("all_gather_matmul", sig, group(["a", "a"]), 8, "float32", 0, Problem(
+            "all_gather_matmul", 8, 16, 12), str(path))  # in the file: nothing to say
+    said = [r for r in caplog.records if r.name == "overlap" and r.levelname == "WARNING"]
+    assert len(said) == 1, [r.getMessage() for r in said]
+    text = said[0].getMessage()
+    assert str(path) in text and missing.key in text and "cost model" in text, text

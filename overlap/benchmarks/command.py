@@ -66,7 +66,37 @@ def cases_of(
                 cases += preset_cases(shape[1], op, world_size, dtype, modes)
             else:
                 cases += [Case(op, *shape, dtype, backward=mode == "fwd+bwd") for mode in modes]
+    problems = world_problems(cases, world_size)
+    if problems:
+        raise ValueError(f"--shape: cannot run on {world_size} ranks: {problems}")
     return ops, tuple(dict.fromkeys(cases))
+
+
+def check_defaults(ops: Sequence[str], modes: Sequence[str], dtype: str | None, device_type: str,
+                   world_size: int) -> None:
+    """Raise ValueError where none of the default cases of `ops` runs on `world_size` ranks of `device_type`
+    (the run would have nothing to do), with the reasons; the runner leaves out those that do not fit and
+    says how many ran of how many in its summary."""
+    from .cases import default_cases
+
+    left_out: list[str] = []
+    cases = default_cases(ops, device_type, dtype, modes, world_size, left_out)
+    if all(c.world_problem(world_size) for c in cases):
+        why = "; ".join(filter(None, (*left_out, world_problems(cases, world_size))))
+        raise ValueError(f"no default case of {', '.join(ops)} runs on {world_size} ranks ({why}); pick another "
+                         "number of ranks (--ranks), or give --shape")
+
+
+def world_problems(cases: Sequence[Any], world_size: int) -> str:
+    """Why `cases` cannot run on `world_size` ranks, once per shape and dtype (not per mode); empty if they can."""
+    reasons: dict[str, str] = {}
+    for case in cases:
+        problem = case.world_problem(world_size)
+        if problem:
+            name, _, why = problem.partition(": ")
+            reasons.setdefault(name.rsplit(" ", 1)[0], why)  # the case's name less its mode
+    return "; ".join(f"{name}: {why}" for name, why in reasons.items())
+
 
 
 def check_output_path(option: str, path: str) -> None:

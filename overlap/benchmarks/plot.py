@@ -32,14 +32,17 @@ def _shown(row: dict[str, Any]) -> bool:
     return "median_ms" in row and "context" not in row and not row.get("interpreted")
 
 
+#: what --plot says without matplotlib (``overlap demo`` too): what to install
+MISSING_MATPLOTLIB = ("--plot needs matplotlib, which is not installed: pip install matplotlib (or install overlap "
+                      "with its plot extra: pip install \".[plot]\" in overlap's source folder)")
+
+
 def require_matplotlib() -> None:
     """Raise ImportError with what to install when matplotlib is missing."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ImportError(
-            "--plot needs matplotlib, which is not installed: pip install matplotlib (or pip install 'overlap[test]')"
-        ) from None
+        raise ImportError(MISSING_MATPLOTLIB) from None
 
 
 def _case_label(case: str, auto_plan: str) -> str:

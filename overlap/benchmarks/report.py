@@ -164,6 +164,14 @@ def auto_vs_torch_line(result: dict[str, Any]) -> str:
     return text + (": " + "; ".join(result["cases"]) if result["cases"] else " (goal: none)")
 
 
+def counts_line(counts: dict[str, int]) -> str:
+    """The run's last line: how many cases ran of how many were asked (`counts`: ``ran``, ``asked``)."""
+    ran, asked = counts["ran"], counts["asked"]
+    if ran == asked:
+        return f"cases: all {asked} ran"
+    return f"cases: {ran} of {asked} ran; {asked - ran} left out on these ranks (the notes above say why)"
+
+
 def notes(config: Any, interpreted: bool, interpreted_iters: int) -> list[str]:
     """The footnotes that apply to a run of `config` (a `cases.BenchConfig`; `interpreted`: whether
     fused runs under the Triton interpreter there, timed in at most `interpreted_iters` repeats)."""

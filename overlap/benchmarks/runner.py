@@ -33,7 +33,8 @@ op, per op family (tensor-parallel, moe) where a run has both, and per op, last;
 (and ``auto_vs_torch`` in the JSON) counts the cases where ``auto`` was slower than ``torch`` beyond
 the spreads (`report.auto_vs_torch`). Default cases that do not
 fit the ranks (MoE experts that do not split evenly, a Llama-3 layer whose heads do not) are left
-out with a note; given ones raise ValueError.
+out with a note, and the last line says how many cases ran of how many were asked (``cases`` in the JSON);
+given ones raise ValueError (the command line checks both before any rank starts).
 
 The table, the geometric means, the footnotes and the JSON file are `report`'s. `session` runs the
 same check (`checks.check_case`) and times one call at a time (`timing.timed_call`) for the
@@ -221,6 +222,7 @@ def run(config: BenchConfig, group: dist.ProcessGroup | None = None) -> list[dic
     if problems:
         raise ValueError(f"cases that cannot run on {info.world_size} ranks: {'; '.join(problems)}")
     left_out: list[str] = []
+    asked = len(config.cases)
     if not config.cases:
         cases = default_cases(config.ops, info.device.type, config.dtype, config.modes, info.world_size, left_out)
         left_out += [p for c in cases if (p := c.world_problem(info.world_size))]
@@ -228,6 +230,9 @@ def run(config: BenchConfig, group: dist.ProcessGroup | None = None) -> list[dic
         if not cases:
             raise ValueError(f"no default case of {config.ops} runs on {info.world_size} ranks: {'; '.join(left_out)}")
         config = dataclasses.replace(config, cases=tuple(cases))
+        # a preset's layers count whether or not they split over these ranks: one rank splits every one
+        asked = len(default_cases(config.ops, info.device.type, config.dtype, config.modes, 1))
+    counts = {"ran": len(config.cases), "asked": asked}
     seed = _agree_seed(config.seed, pg)
     machine = machine_info(info)
     table = report.Table(config.cases, config.strategies, fused_interpreted(info.device))
@@ -274,6 +279,7 @@ def run(config: BenchConfig, group: dist.ProcessGroup | None = None) -> list[dic
         out(f"FAILED: {len(failed)} strategy/case pair(s) did not match reference")
     for note in report.notes(config, fused_interpreted(info.device), min(config.iters, INTERPRETED_ITERS)) + all_notes:
         out(f"note: {note}")
+    out(report.counts_line(counts))
     bar.finish(f"done in {bar.elapsed():.1f} s")
     if lead and config.json_path:
         report.write_json(
@@ -285,6 +291,7 @@ def run(config: BenchConfig, group: dist.ProcessGroup | None = None) -> list[dic
                 "results": rows,
                 "summary": results,
                 "auto_vs_torch": slower,
+                "cases": counts,
             },
         )
     return rows

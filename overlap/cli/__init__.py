@@ -1,11 +1,13 @@
 """The ``overlap`` command: ``overlap info``, ``overlap bench``, ``overlap tune``, ``overlap --version``.
 
 The commands need ranks. Started by torchrun (``torchrun --nproc-per-node 4 -m overlap.cli
-bench``) they run in place on the ranks torchrun made; started plainly they start ``--nproc``
-local ranks with `overlap.world.launch` (default: every GPU, else 2 CPU ranks on gloo).
+bench``) they run in place on the ranks torchrun made; started plainly they start ``--ranks``
+(or ``--nproc``) local ranks with `overlap.world.launch` (default: every GPU, else 2 CPU ranks on gloo).
 
 Exit codes: 0 success; 1 a rank failed (its traceback goes to stderr), a benchmark result did
-not match ``reference``, or tuning failed (the reason on stderr); 2 bad command-line arguments.
+not match ``reference``, or tuning failed (the reason on stderr); 2 bad command-line arguments, shapes or
+a model that do not fit the ranks (one line, before any rank starts); 130 after SIGINT, 143 after SIGTERM
+(129 after SIGHUP), every rank ended first (`overlap.lifetime`).
 
 This module is the entry point (`main`) and what each command does around its ranks. The parser is
 `overlap.cli.parser`, running on the ranks `overlap.cli.ranks`, what ``overlap info`` prints `overlap.cli.info`.
@@ -16,11 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 from typing import Any
 
 from ..benchmarks.names import BENCH_OPS, MODES, all_bench_labels, bench_labels
+from ..errors import Terminated
 from .parser import build_parser, selection
 
 # Nothing here imports torch before a command runs: the ranks (`ranks`), `info` and the benchmark's
@@ -55,12 +59,16 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         earlier = command.check_outputs(args.json, args.plot, args.compare)  # before torch is even imported
     except ValueError as exc:
         parser.error(str(exc))
+    from .. import world
     from ..benchmarks.cases import BenchConfig
     from .ranks import num_ranks, on_ranks
 
-    try:
+    world_size = num_ranks(args.nproc)
+    try:  # the cases must fit the ranks before any starts (exit 2), as demo's model and tune's shapes
         ops, cases = command.cases_of(selection(args.op, BENCH_OPS) if args.op else None, modes, args.shape,
-                                      args.dtype, num_ranks(args.nproc))
+                                      args.dtype, world_size)
+        if not cases:
+            command.check_defaults(ops, modes, args.dtype, world.ranks_device_type(world_size), world_size)
     except ValueError as exc:
         parser.error(str(exc))
     with tempfile.TemporaryDirectory(prefix="overlap-bench-") as tmp:
@@ -83,7 +91,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except ValueError as exc:  # e.g. --strategies symm+one_shot for an op that has no such variant
             parser.error(str(exc))
         status_path = os.path.join(tmp, "status.json")
-        code, in_place = on_ranks("bench", _bench_rank, (config, status_path), args.nproc)
+        code, in_place = on_ranks("bench", _bench_rank, (config, status_path), args.nproc, tmp)
         if code != 0:
             return code
         if in_place is None:  # locally started ranks: rank 0 left the verdict in the file
@@ -92,6 +100,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 failed = json.load(f)["failed"]
         else:
             rank, failed = in_place
+        if rank == 0 and args.json:
+            print(f"wrote {args.json}", flush=True)
         if rank == 0 and json_path and (args.plot or args.compare):
             lines, error = command.after_run(json_path, earlier, args.compare, args.plot)
             if lines:
@@ -127,8 +137,8 @@ def _tune_rank(config: Any, status_path: str) -> None:
 
 
 def _tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ..tune.command import TuneConfig, parse_shape
-    from .ranks import on_ranks
+    from ..tune.command import TuneConfig, parse_shape, problems_of
+    from .ranks import num_ranks, on_ranks
 
     if not args.shape and not args.model:
         parser.error("give --shape (one or more) or --model")
@@ -142,9 +152,13 @@ def _tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--out: folder {folder} does not exist")
     config = TuneConfig(args.shape, args.model, args.out, args.forward_only, args.measure, args.repeats,
                         args.warmup, args.probe, args.timeout)
+    try:  # the problems must fit the ranks before any starts (exit 2), as bench's cases and demo's model
+        problems_of(config, num_ranks(args.nproc))
+    except ValueError as exc:
+        parser.error(str(exc))
     with tempfile.TemporaryDirectory(prefix="overlap-tune-") as tmp:
         status_path = os.path.join(tmp, "status.txt")
-        code, _ = on_ranks("tune", _tune_rank, (config, status_path), args.nproc)
+        code, _ = on_ranks("tune", _tune_rank, (config, status_path), args.nproc, tmp)
         if code == 0 and os.path.exists(status_path):
             with open(status_path) as f:
                 print(f"overlap tune: {f.read()}", file=sys.stderr)
@@ -187,7 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run as run_demo
 
             return run_demo(args, args.subparser)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # SIGINT: the ranks have been ended (`overlap.lifetime`)
         print(f"overlap {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Terminated as exc:  # SIGTERM or SIGHUP, the same
+        print(f"overlap {args.command}: stopped by {signal.Signals(exc.signum).name}", file=sys.stderr)
+        return 128 + exc.signum
     raise AssertionError(f"unhandled command {args.command!r}")

@@ -36,3 +36,15 @@ def positive_float(what: str = "a positive number") -> Callable[[str], float]:
         return value
 
     return parse
+
+
+#: what ``--ranks`` says in every command's help
+RANKS_HELP = ("local ranks to start when not under torchrun (default: one per GPU, else 2 CPU ranks); --nproc is "
+              "the same option, but torchrun's own parser rejects it (it reads it as its --nproc-per-node): under "
+              "torchrun, whose --nproc-per-node sets the ranks, leave it out or write --ranks")
+
+
+def add_ranks_option(parser: argparse.ArgumentParser) -> None:
+    """``--ranks N`` (also ``--nproc N``; ``args.nproc``) on the parser of a command that starts ranks."""
+    parser.add_argument("--ranks", "--nproc", dest="nproc", type=int_at_least(1, "a positive integer"), default=None,
+                        metavar="N", help=RANKS_HELP)

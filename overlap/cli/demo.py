@@ -1,5 +1,6 @@
 """``overlap demo``: its parser (`add_parser`, registered by `overlap.cli.parser`) and what it does around
-its ranks (`run`): check the arguments before any rank starts (exit 2), train on the ranks
+its ranks (`run`): check the arguments before any rank starts (exit 2; ``--json`` and ``--plot`` as
+``overlap bench`` checks them), train on the ranks
 (`overlap.demo.train.train_rank`), then print the report and write ``--json``/``--plot`` (rank 0).
 
 The training, model and report live in `overlap.demo`, imported when the command runs.
@@ -15,7 +16,7 @@ import tempfile
 import textwrap
 import time
 
-from .argtypes import int_at_least, positive_float
+from .argtypes import add_ranks_option, int_at_least, positive_float
 
 _DESCRIPTION = (
     "Train a small GPT-style model (embedding; attention and MLP blocks with sequence-parallel tensor "
@@ -33,7 +34,7 @@ _EPILOG = """\
 examples:
   overlap demo
   overlap demo --steps 50 --strategy pipelined --json demo.json --plot demo.png
-  overlap demo --nproc 4 --seq-len 64 --batch 4
+  overlap demo --ranks 4 --seq-len 64 --batch 4
   torchrun --nproc-per-node 8 -m overlap.cli demo --heads 8 --experts 8
 """
 
@@ -41,7 +42,7 @@ examples:
 _positive_float = positive_float()
 
 
-def add_parser(sub, nproc_help: str) -> argparse.ArgumentParser:
+def add_parser(sub) -> argparse.ArgumentParser:
     """Add ``demo`` to the ``overlap`` command's subparsers `sub`."""
     from ..demo.config import ModelConfig  # no torch: the defaults only
 
@@ -51,7 +52,7 @@ def add_parser(sub, nproc_help: str) -> argparse.ArgumentParser:
                           description=textwrap.fill(_DESCRIPTION, 100), epilog=_EPILOG,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     positive = int_at_least(1)
-    demo.add_argument("--nproc", type=positive, default=None, metavar="N", help=nproc_help)
+    add_ranks_option(demo)
     demo.add_argument("--steps", type=int_at_least(2), default=30, metavar="N",
                       help="training steps of each run (default: %(default)s)")
     demo.add_argument("--strategy", default="auto",
@@ -75,15 +76,9 @@ def add_parser(sub, nproc_help: str) -> argparse.ArgumentParser:
     return demo
 
 
-def _check_output(parser: argparse.ArgumentParser, option: str, path: str | None) -> None:
-    if path is not None:
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            parser.error(f"{option}: folder {folder} does not exist")
-
-
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``overlap demo``: exit 0, 1 (a rank failed) or 2 (arguments, checked before the ranks start)."""
+    from ..benchmarks.command import check_outputs
     from ..demo import report
     from ..demo.config import DemoConfig, ModelConfig
     from ..demo.train import train_rank
@@ -92,13 +87,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if args.strategy not in ("auto", *STRATEGIES):
         parser.error(f"--strategy: expected auto or one of {', '.join(STRATEGIES)}, got {args.strategy!r}")
-    _check_output(parser, "--json", args.json)
-    _check_output(parser, "--plot", args.plot)
-    if args.plot:
-        try:
-            report.require_matplotlib()
-        except ImportError as exc:
-            parser.error(str(exc))
+    try:  # as overlap bench checks them: folders, a format matplotlib writes (from the suffix), matplotlib
+        check_outputs(args.json, args.plot, None)
+    except ValueError as exc:
+        parser.error(str(exc))
     model = ModelConfig(vocab=args.vocab, hidden=args.hidden, heads=args.heads, ffn=args.ffn, layers=args.layers,
                         experts=args.experts, top_k=args.top_k, seq_len=args.seq_len, batch=args.batch)
     world_size = num_ranks(args.nproc)
@@ -110,7 +102,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="overlap-demo-") as tmp:
         out_path = os.path.join(tmp, "results.json")
-        code, in_place = on_ranks("demo", train_rank, (config, out_path), args.nproc)
+        code, in_place = on_ranks("demo", train_rank, (config, out_path), args.nproc, tmp)
         if code != 0:
             return code
         if in_place is None:  # locally started ranks: rank 0 left the results in the file

@@ -21,20 +21,21 @@ from ..benchmarks.names import (
     parse_shape,
 )
 from ..version import __version__
-from .argtypes import int_at_least, positive_float
+from .argtypes import add_ranks_option, int_at_least, positive_float
 
 _DESCRIPTION = "overlap: hide tensor- and expert-parallel communication behind the GEMMs around it."
 
 _EPILOG = """\
-Ranks: under torchrun the commands run on torchrun's ranks (--nproc is ignored); otherwise they
-start --nproc local ranks (default: one per GPU, else 2 CPU ranks on gloo).
+Ranks: under torchrun the commands run on torchrun's ranks (--ranks is ignored); otherwise they
+start --ranks local ranks (default: one per GPU, else 2 CPU ranks on gloo). --nproc is another name
+of --ranks that torchrun's own parser rejects: under torchrun, leave it out or write --ranks.
 
 examples:
   overlap info
   overlap info --probe
   overlap bench
   overlap bench --op matmul_all_reduce --mode fwd
-  overlap bench --nproc 4 --shape 1024x1024x1024 --dtype bfloat16 --json results.json
+  overlap bench --ranks 4 --shape 1024x1024x1024 --dtype bfloat16 --json results.json
   overlap bench --op moe
   overlap bench --shape mixtral 256,128,256,8,2 --mode fwd+bwd
   overlap bench --shape llama3-8b --json now.json --plot now.png --compare before.json
@@ -119,8 +120,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"overlap {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    nproc_help = "local ranks to start when not under torchrun (default: one per GPU, else 2 CPU ranks)"
-
     info = sub.add_parser(
         "info",
         help="versions, build, ranks and the link class of every rank pair",
@@ -128,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         "whether overlap._C has CUDA, the Triton interpreter state, the backend, every rank "
         "(pid, node, device) and the link class (shm, nvlink, pcie, network) of every pair of ranks.",
     )
-    info.add_argument("--nproc", type=_positive_int, default=None, metavar="N", help=nproc_help)
+    add_ranks_option(info)
     info.add_argument("--probe", action="store_true",
                       help="also print the machine profile the cost model uses (link latency and bandwidth per "
                       "link class, GEMM rates, interference, per-chunk cost), measured once and cached in "
@@ -150,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         "[,experts=E,topk=K][,gated=1][,dtype=D], one transformer layer with TP = the number of ranks and "
         "sequence parallelism.",
     )
-    tune.add_argument("--nproc", type=_positive_int, default=None, metavar="N", help=nproc_help)
+    add_ranks_option(tune)
     tune.add_argument("--shape", action="append", default=[], metavar="SPEC", help="a problem (repeatable)")
     tune.add_argument("--model", default=None, metavar="DESC", help="a model description (see above)")
     tune.add_argument("--out", default="overlap-plan.json", metavar="PATH",
@@ -181,14 +180,16 @@ def build_parser() -> argparse.ArgumentParser:
         "(T_ref - T) / min(T_comm, T_compute), the plan it ran: auto's choice), the plain collectives and the GEMMs "
         "alone for context, the geometric-mean speedup over torch per strategy and mode, then per op (reference "
         "and auto included), and a line counting the cases where auto was slower than torch beyond the spreads "
-        "(p25..p75 apart; also in --json). A progress bar on stderr names the case and strategy being checked or "
+        "(p25..p75 apart; also in --json). Default cases that do not fit the ranks are left out with a note, and the "
+        "last line says how many cases ran of how many were asked; given shapes that do not fit the ranks are an "
+        "error before any rank starts. A progress bar on stderr names the case and strategy being checked or "
         "timed. --plot draws the results, --compare sets them against an earlier --json file. matmul_all_reduce "
         "also runs each strategy's one-shot variant (label '+one_shot'). Op 'moe' is one MoE layer's experts on the "
         "expert-parallel group (overlap.moe.dispatch_grouped_matmul, gelu, overlap.moe.grouped_matmul_combine) "
         "with a fixed, uneven routing; its gradients of x, w1, w2 and topk_weights are checked. Interpreted "
         "'fused' (CPU ranks) runs only where every dim <= 128 and is left out of the summary and the plot.",
     )
-    bench.add_argument("--nproc", type=_positive_int, default=None, metavar="N", help=nproc_help)
+    add_ranks_option(bench)
     bench.add_argument(
         "--op",
         type=_ops,
@@ -284,5 +285,5 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(subparser=info)
     from .demo import add_parser as add_demo_parser  # overlap demo: its options live in overlap/cli/demo.py
 
-    add_demo_parser(sub, nproc_help)
+    add_demo_parser(sub)
     return parser

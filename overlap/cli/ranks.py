@@ -1,4 +1,4 @@
-"""Where a command of ``overlap`` runs: on torchrun's ranks in place, or on ``--nproc`` local ranks it
+"""Where a command of ``overlap`` runs: on torchrun's ranks in place, or on ``--ranks`` local ranks it
 starts with `overlap.world.launch` (default: every GPU, else 2 CPU ranks on gloo).
 """
 
@@ -13,11 +13,13 @@ from typing import Any
 from .. import world
 
 
-def on_ranks(command: str, fn: Callable, args: tuple, nproc: int | None) -> tuple[int, Any]:
+def on_ranks(command: str, fn: Callable, args: tuple, nproc: int | None, scratch: str | None = None
+             ) -> tuple[int, Any]:
     """Run ``fn(*args)`` on torchrun's ranks in place, or on `nproc` freshly started local ranks.
 
     Returns (exit code, what `fn` returned in place or None): the code is 0, or 1 after printing
-    the failing rank's traceback to stderr.
+    the failing rank's traceback to stderr. `scratch`: the command's scratch folder, which local ranks
+    remove if this process is killed before it can (`overlap.world.launch`'s ``leftovers``).
     """
     import torch.distributed as dist
 
@@ -30,7 +32,7 @@ def on_ranks(command: str, fn: Callable, args: tuple, nproc: int | None) -> tupl
     if in_place:
         if nproc is not None and nproc != dist.get_world_size():
             print(
-                f"overlap {command}: running on the {dist.get_world_size()} ranks of torchrun; --nproc {nproc} "
+                f"overlap {command}: running on the {dist.get_world_size()} ranks of torchrun; --ranks {nproc} "
                 "is ignored",
                 file=sys.stderr,
             )
@@ -44,7 +46,7 @@ def on_ranks(command: str, fn: Callable, args: tuple, nproc: int | None) -> tupl
                 dist.destroy_process_group()
         return 0, value
     try:
-        world.launch(fn, nproc, args=args)
+        world.launch(fn, nproc, args=args, leftovers=(scratch,) if scratch else ())
     except RuntimeError as exc:
         print(f"overlap {command}: {exc}", file=sys.stderr)
         return 1, None

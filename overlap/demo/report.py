@@ -79,7 +79,8 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ImportError("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
+        raise ImportError("--plot needs matplotlib, which is not installed: pip install matplotlib (or install "
+                          "overlap with its plot extra: pip install \".[plot]\" in overlap's source folder)") from None
 
 
 def plot(results: dict[str, Any], path: str) -> None:

@@ -147,6 +147,7 @@ def _from_plan_file(source, problem: Problem, info: GroupInfo) -> tuple[Plan | N
         # the heuristic (the model would need this rank's own count).
         same = [e for e in pf.entries.values() if dataclasses.replace(e.problem, m=problem.m) == problem]
         if not same:
+            _warn_missing(pf, problem, info, "the default heuristic")
             return None, ""
         return pf.lookup(max(same, key=lambda e: e.problem.m).problem), f"plan file {pf.path or ''}".rstrip()
     plan = pf.lookup(problem)
@@ -156,8 +157,25 @@ def _from_plan_file(source, problem: Problem, info: GroupInfo) -> tuple[Plan | N
         ranked = rank_candidates(problem, topology, pf.profile)
         best = next((p for p, pred in ranked if math.isfinite(pred.total_s)), None)
         if best is not None:
+            _warn_missing(pf, problem, info, "the cost model with the file's machine profile")
             return best, "cost model with the plan file's profile"
+    _warn_missing(pf, problem, info, "the default heuristic")
     return None, ""
+
+
+_MISSING: set[tuple[str, str]] = set()
+
+
+def _warn_missing(pf: PlanFile, problem: Problem, info: GroupInfo, instead: str) -> None:
+    """Say once per plan file and shape (on the group's first rank, at warning level) that the file has no entry
+    for the call: otherwise the fallback looks like the tuned plan at work."""
+    key = (pf.path or str(id(pf)), problem.key)
+    if info.rank != 0 or key in _MISSING:
+        return
+    _MISSING.add(key)
+    what = "the layer (hidden, ffn, experts, top-k, dtype, mode) of " if problem.spec.family == "moe" else ""
+    log.warning("overlap.%s: plan file %s has no entry for %s%s; auto uses %s instead (overlap tune adds it)",
+                problem.op, pf.path or "(given in memory)", what, problem.key, instead)
 
 
 def _log_once(op: str, signature: str, plan: Plan, how: str) -> None:
@@ -195,7 +213,7 @@ def fit_plan(op: str, plan: Plan, info: GroupInfo, num_experts: int | None = Non
     ``num_experts``) also each expert below it and never to the node that holds the expert."""
     if plan.one_shot and not _takes_one_shot(op):
         takers = ", ".join(name for name in OPS if _takes_one_shot(name))
-        raise ValueError(f"overlap.{op}: plan.one_shot applies only to {takers}, got {plan.describe()}")
+        raise ValueError(f"overlap.{op}: plan.one_shot applies only to {takers}, got {plan.label()}")
     if op in OPS and plan.strategy not in OPS[op].strategies:
         raise ValueError(f"overlap.{op}: strategy {plan.strategy!r} is not implemented for this op; it has "
                          f"{OPS[op].strategies} and 'auto'")

@@ -129,7 +129,14 @@ class TuneConfig:
 
 
 def problems_of(config: TuneConfig, world_size: int) -> list[Problem]:
-    problems = [parse_shape(s, not config.forward_only) for s in config.shapes]
+    """The problems of `config` on `world_size` ranks; ValueError where one cannot run there (the command
+    line calls it before any rank starts, exit 2)."""
+    problems = []
+    for text in config.shapes:
+        problems.append(parse_shape(text, not config.forward_only))
+        if problems[-1].spec.family == "moe" and problems[-1].experts % world_size:
+            raise ValueError(f"--shape {text!r}: {problems[-1].experts} experts do not split evenly over "
+                             f"{world_size} ranks")
     if config.model:
         problems += parse_model(config.model, world_size, not config.forward_only)
     if not problems:
@@ -137,13 +144,21 @@ def problems_of(config: TuneConfig, world_size: int) -> list[Problem]:
     return list(dict.fromkeys(problems))  # a shape given twice (or by the model too) is tuned once
 
 
+def _duration(seconds: float) -> str:
+    """``42 s``, ``6 min 05 s``."""
+    seconds = round(seconds)
+    return f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60:02d} s"
+
+
 class Progress:
-    """A one-line progress bar on rank 0 (stderr): the fraction done and the candidate being measured."""
+    """A one-line progress bar on rank 0 (stderr): the fraction done, the candidate being measured, the time
+    so far and, once a problem is done, an estimate of the time left (large problems take minutes)."""
 
     def __init__(self, enabled: bool, width: int = 28):
         self.enabled, self.width = enabled, width
         self.tty = sys.stderr.isatty()
         self.last = 0.0
+        self.start = time.monotonic()
 
     def __call__(self, text: str, done: int, total: int) -> None:
         if not self.enabled:
@@ -153,7 +168,9 @@ class Progress:
             return  # a log, not a terminal: a line every 2 s
         self.last = now
         filled = self.width * done // max(total, 1)
-        line = f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} {text}"
+        elapsed = now - self.start
+        left = f", ~{_duration(elapsed * (total - done) / done)} left" if 0 < done < total else ""
+        line = f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} {text} ({_duration(elapsed)}{left})"
         if self.tty:
             sys.stderr.write("\r\033[K" + line[:200] + ("\n" if done >= total else ""))
         else:
@@ -198,16 +215,17 @@ def report(outcomes, info, profile) -> list[str]:
     lines = [f"tuned on {info.world_size} ranks, {len({*info.nodes})} node(s); times are the slowest rank's "
              "medians; prediction = the cost model with "
              + ("the probed profile" if profile is not None else "the default profile")]
-    head = f"{'problem':<52} {'chosen plan':<24} {'predicted':>10} {'measured':>10} {'reference':>10} {'speedup':>8}"
+    links = tuple(info.link_classes().values())  # plans are written as overlap bench writes them (`Plan.label`)
+    head = f"{'problem':<52} {'chosen plan':<30} {'predicted':>10} {'measured':>10} {'reference':>10} {'speedup':>8}"
     lines += [head, "-" * len(head)]
     for o in outcomes:
         c, r = o.chosen, o.reference
         speedup = r.measured_s / c.measured_s if c.measured_s > 0 else float("nan")
-        lines.append(f"{o.problem.key:<52} {c.plan.describe():<24} {c.predicted_s * 1e3:>8.3f}ms "
+        lines.append(f"{o.problem.key:<52} {c.plan.label(links):<30} {c.predicted_s * 1e3:>8.3f}ms "
                      f"{c.measured_s * 1e3:>8.3f}ms {r.measured_s * 1e3:>8.3f}ms {speedup:>7.2f}x")
         for t in o.trials:
             if t.error:
-                lines.append(f"  {t.plan.describe()}: dropped ({t.error})")
+                lines.append(f"  {t.plan.label(links)}: dropped ({t.error})")
     errors = [abs(t.predicted_s / t.measured_s - 1) for o in outcomes for t in o.trials
               if t.measured_s > 0 and t.predicted_s == t.predicted_s and not t.error]
     if errors:

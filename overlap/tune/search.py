@@ -146,8 +146,9 @@ def _measure(problem: Problem, trials: list[Trial], pg, info, repeats: int, warm
 
     runs = []
     expected = None
+    links = tuple(info.link_classes().values())  # plans are named as overlap bench names them (`Plan.label`)
     for t in trials:
-        report(f"checking {t.plan.describe()}")
+        report(f"checking {t.plan.label(links)}")
         fn, result = build(problem, t.plan, pg, info, timeout, seed=1234)
         got = fn()
         if t.plan.strategy == "reference":
@@ -165,7 +166,7 @@ def _measure(problem: Problem, trials: list[Trial], pg, info, repeats: int, warm
         for i, t in enumerate(trials):
             if runs[i] is None:
                 continue
-            report(f"measuring {t.plan.describe()} ({rnd + 1}/{repeats})")
+            report(f"measuring {t.plan.label(links)} ({rnd + 1}/{repeats})")
             _sync(pg, info, timeout)
             start = time.perf_counter()
             runs[i]()
