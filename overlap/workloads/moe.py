@@ -57,11 +57,12 @@ def call(inputs: OpInputs, group, **kwargs) -> torch.Tensor:
     return combine.grouped_matmul_combine(torch.nn.functional.gelu(h), w2, weights, handle, **kwargs)
 
 
-def _dense(x: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-           experts: range) -> tuple[torch.Tensor, torch.Tensor]:
-    """``y[t] = sum_k wt[t, k] * gelu(x[t] @ w1[e]) @ w2[e]`` (``e = idx[t, k]``) for every token, one GEMM
-    per expert over its rows (token order), the sum in fp32 or wider (``k`` in order); also the rows of `experts`
-    in expert order (the ``x_recv`` of the ranks holding them). Autograd-able."""
+def dense(x: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+          experts: range = range(0), act=torch.nn.functional.gelu) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense model of an MoE layer: ``y[t] = sum_k wt[t, k] * act(x[t] @ w1[e]) @ w2[e]`` (``e = idx[t, k]``)
+    for every token, one GEMM per expert over its rows (token order), the sum in fp32 or wider (``k`` in order);
+    also the rows of `experts` in expert order (the ``x_recv`` of the ranks holding them). Autograd-able; in
+    float64 it is the oracle of the MoE ops, here and in the tests."""
     N, K = idx.shape
     flat = idx.reshape(-1)
     pieces, where, recv = [], [], []
@@ -72,8 +73,11 @@ def _dense(x: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor, w1: torch.Tenso
         rows = x.index_select(0, torch.div(pairs, K, rounding_mode="floor"))
         if e in experts:
             recv.append(rows)
-        pieces.append(torch.nn.functional.gelu(rows @ w1[e]) @ w2[e])
+        pieces.append(act(rows @ w1[e]) @ w2[e])
         where.append(pairs)
+    if not where:  # no token here; the inputs stay in the graph, so their gradients are zeros, not None
+        tie = (x.sum() + wt.sum() + w1.sum() + w2.sum()) * 0
+        return (x.new_zeros((N, w2.shape[-1])) + tie).to(x.dtype), x.new_empty(0, x.shape[1])
     order = torch.cat(where)
     back = torch.cat(pieces).index_select(0, torch.argsort(order))  # pair order: t*K + k
     wide = torch.promote_types(x.dtype, torch.float32)  # fp32, or float64 for a float64 oracle
@@ -109,7 +113,7 @@ def oracle(p, every: list[OpInputs], rank: int) -> list[Expected]:
         if p.backward:
             leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
         x_all, wt_all, w1_all, w2_all = leaves
-        y_all, _ = _dense(x_all, torch.cat([e.routing for e in every]), wt_all, w1_all, w2_all, routing.mine)
+        y_all, _ = dense(x_all, torch.cat([e.routing for e in every]), wt_all, w1_all, w2_all, routing.mine)
         rows, mine = slice(rank * T, (rank + 1) * T), slice(routing.mine.start, routing.mine.stop)
         expected = [Expected("out", y_all[rows].detach(), H + F)]
         if p.backward:
@@ -130,7 +134,7 @@ def plain(p, every: list[OpInputs], rank: int, group, info, timeout: float, comm
     r = _Routing(every, rank)
     x_TH, w1, w2 = every[rank].leaves[:3]
     with torch.no_grad():
-        _, x_recv = _dense(torch.cat([e.leaves[0] for e in every]), torch.cat([e.routing for e in every]),
+        _, x_recv = dense(torch.cat([e.leaves[0] for e in every]), torch.cat([e.routing for e in every]),
                            torch.cat([e.leaves[3] for e in every]), torch.cat([e.leaves[1] for e in every]),
                            torch.cat([e.leaves[2] for e in every]), r.mine)
 

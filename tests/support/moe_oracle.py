@@ -13,6 +13,8 @@ import functools
 
 import torch
 
+from overlap.workloads import moe as moe_workload
+
 ROUTINGS = ("balanced", "random", "skewed", "empty", "one")
 
 
@@ -66,17 +68,9 @@ def expert_fn(rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
 
 
 def dense(xs, idxs, weights, w1, w2, act):
-    """Float64 oracle of ``sum_k w[t,k] * act(x[t] @ w1[e]) @ w2[e]`` for every rank's tokens (autograd-able)."""
-    outs = []
-    for x, idx, wt in zip(xs, idxs, weights, strict=True):
-        T, K = idx.shape
-        y = torch.zeros(T, w2.shape[2], dtype=torch.float64)
-        for k in range(K):
-            e = idx[:, k]
-            hk = torch.bmm(x.unsqueeze(1), w1[e]).squeeze(1)
-            y = y + wt[:, k : k + 1] * torch.bmm(act(hk).unsqueeze(1), w2[e]).squeeze(1)
-        outs.append(y)
-    return outs
+    """Float64 oracle of ``sum_k w[t,k] * act(x[t] @ w1[e]) @ w2[e]`` for every rank's tokens: the workload's dense
+    model (`overlap.workloads.moe.dense`), rank by rank (autograd-able)."""
+    return [moe_workload.dense(x, idx, wt, w1, w2, act=act)[0] for x, idx, wt in zip(xs, idxs, weights, strict=True)]
 
 
 def pointwise_terms(act):
