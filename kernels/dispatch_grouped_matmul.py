@@ -168,12 +168,13 @@ def dispatch_tile_table(recv_counts: list[list[int]], rank: int, block_m: int, d
     """
     W, L = len(recv_counts), len(recv_counts[0]) if recv_counts else 0
     F, G = slots.flags_per_peer(W), slots.expert_groups(max(L, 1), W)
+    within, offsets = slots.source_offsets(recv_counts), slots.expert_offsets(recv_counts)
     tiles = []
     for i in range(W):
         s = (rank - i) % W
         for e in range(L):
             c = recv_counts[s][e]
-            lo, at = slots.within_source(recv_counts, s, e), slots.expert_offset(recv_counts, e, s)
+            lo, at = within[s][e], offsets[e][s]
             for t in range(0, c, block_m):
                 tiles.append((s, e, lo + t, at + t, min(block_m, c - t), rank * F + 1 + slots.group_of(e, L, G)))
     return torch.tensor(tiles, dtype=torch.int32, device=device).view(-1, 6)

@@ -65,11 +65,25 @@ def region_stride(slot_bytes: int, world_size: int, num_local_experts: int) -> i
     return (slot_bytes - header_bytes(world_size, num_local_experts)) // world_size // ALIGN * ALIGN
 
 
-def within_source(recv_counts: list[list[int]], s: int, e: int) -> int:
-    """First row of local expert `e`'s rows in source `s`'s region (its send order: by expert)."""
-    return sum(recv_counts[s][:e])
+def source_offsets(recv_counts: list[list[int]]) -> list[list[int]]:
+    """``[s][e]``: first row of local expert ``e``'s rows in source ``s``'s region (its send order: by expert)."""
+    out = []
+    for row in recv_counts:
+        at, starts = 0, []
+        for c in row:
+            starts.append(at)
+            at += c
+        out.append(starts)
+    return out
 
 
-def expert_offset(recv_counts: list[list[int]], e: int, s: int) -> int:
-    """First row of block ``(e, s)`` in expert order (by local expert, then source)."""
-    return sum(sum(row[:e]) for row in recv_counts) + sum(recv_counts[q][e] for q in range(s))
+def expert_offsets(recv_counts: list[list[int]]) -> list[list[int]]:
+    """``[e][s]``: first row of block ``(e, s)`` in expert order (by local expert, then source)."""
+    offsets, at = [], 0
+    for e in range(len(recv_counts[0]) if recv_counts else 0):
+        row = []
+        for counts in recv_counts:
+            row.append(at)
+            at += counts[e]
+        offsets.append(row)
+    return offsets

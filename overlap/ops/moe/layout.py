@@ -114,14 +114,7 @@ class MoELayout:
 
     @functools.cached_property
     def expert_offsets(self) -> list[list[int]]:
-        offsets, at = [], 0
-        for e in range(self.num_local_experts):
-            row = []
-            for s in range(len(self.recv_counts)):
-                row.append(at)
-                at += self.recv_counts[s][e]
-            offsets.append(row)
-        return offsets
+        return slots.expert_offsets(self.recv_counts)
 
     @property
     def num_recv(self) -> int:
