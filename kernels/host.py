@@ -34,6 +34,16 @@ def cdiv(x: int, y: int) -> int:
     return -(-x // y)
 
 
+def fused_tiles(block_m: int, block_n: int, block_k: int, interpreted: bool,
+                dtype: torch.dtype) -> tuple[int, int, int]:
+    """Tile shape of a fused GEMM kernel: the plan's, else a default per dtype (small when interpreted)."""
+    if block_m:
+        return block_m, block_n or block_m, block_k or 32
+    if interpreted:
+        return 32, 32, 32
+    return (128, 128, 64) if dtype != torch.float32 else (128, 64, 32)
+
+
 class Watchdog:
     """Sets ``abort[0] = 1`` after `timeout` seconds, releasing interpreted in-kernel spins."""
 

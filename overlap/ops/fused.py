@@ -1,7 +1,7 @@
-"""The host side of the ``fused`` strategy that the ops share: importing the Triton kernels, tiles.
+"""The host side of the ``fused`` strategy that the ops share: importing the Triton kernels.
 
-The kernels' launchers (argument checks, grids, the interpreter's watchdog) and tile tables are the kernels'
-own (`overlap.kernels`); this module imports the kernel modules lazily, so that a missing Triton fails only the
+The kernels' launchers (argument checks, grids, the interpreter's watchdog), default tiles (`fused_tiles`) and
+tile tables are the kernels' own (`overlap.kernels`); this module imports the kernel modules lazily, so that a missing Triton fails only the
 calls that need it (`overlap.kernels.slots`, the slot layouts, needs no Triton). Where no GPU exists the
 kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by ``import overlap``).
 """
@@ -15,6 +15,7 @@ import types
 import torch
 
 from .. import envs
+from ..kernels.host import cdiv, fused_tiles  # noqa: F401 - the ops call them as fused.*
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -55,21 +56,6 @@ def kernels() -> Kernels:
         raise RuntimeError(f"overlap: the 'fused' strategy needs Triton, which failed to import: {exc}") from exc
     return Kernels(all_gather_matmul, all_gather_weight_matmul, matmul_reduce_scatter, dispatch_grouped_matmul,
                    grouped_matmul_combine)
-
-
-def fused_tiles(block_m: int, block_n: int, block_k: int, interpreted: bool,
-                dtype: torch.dtype) -> tuple[int, int, int]:
-    """Tile shape of a fused GEMM kernel: the plan's, else a default per dtype (small when interpreted)."""
-    if block_m:
-        return block_m, block_n or block_m, block_k or 32
-    if interpreted:
-        return 32, 32, 32
-    return (128, 128, 64) if dtype != torch.float32 else (128, 64, 32)
-
-
-def cdiv(x: int, y: int) -> int:
-    """``ceil(x / y)`` for ints."""
-    return (x + y - 1) // y
 
 
 def check_fused_available(op: str, dtype: torch.dtype) -> None:

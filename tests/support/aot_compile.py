@@ -4,7 +4,7 @@ Run in its own process with TRITON_INTERPRET=0 (kernels defined under the interp
 compiled). Used by tests/test_kernels_aot.py. Each kernel is compiled as its launcher launches it: the
 launcher runs with CPU tensors of realistic shapes under `launch_specs.recording`, and the variant Triton
 would compile for that launch on an sm_90 GPU (the same specialization: which ints are constants, which
-arguments divisible by 16) is compiled, at the tiles the ops use (`overlap.ops.fused.fused_tiles`'s
+arguments divisible by 16) is compiled, at the tiles the ops use (`overlap.kernels.host.fused_tiles`'s
 defaults, Triton's default warps and stages; the all-gather kernel also at 8 warps). The report says what
 the PTX shows: the GEMM on ``wgmma`` (bf16/f16, and tf32 for fp32 inputs) fed by 16-byte loads, the flag
 protocol's system-scope release/acquire, the CTA barrier before the chunk count, the ``%globaltimer`` bound
