@@ -1,9 +1,9 @@
 """The host side of the ``fused`` strategy that the ops share: importing the Triton kernels.
 
 The kernels' launchers (argument checks, grids, the interpreter's watchdog), default tiles (`fused_tiles`) and
-tile tables are the kernels' own (`overlap.kernels`); this module imports the kernel modules lazily, so that a missing Triton fails only the
-calls that need it (`overlap.kernels.slots`, the slot layouts, needs no Triton). Where no GPU exists the
-kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by ``import overlap``).
+tile tables are the kernels' own (`overlap.kernels`); this module imports the kernel modules lazily, so that a
+missing Triton fails only the calls that need it (`overlap.kernels.slots`, the slot layouts, needs no Triton).
+Where no GPU exists the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by ``import overlap``).
 """
 
 from __future__ import annotations
