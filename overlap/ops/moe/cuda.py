@@ -15,8 +15,9 @@ for destination ``d`` and its expert group ``g``; block ``i`` is flagged with re
   them with their routing weights in fp32, ``k`` in order (`moe_layout.weighted_sum`'s operations). It runs
   where no gradient is needed (the weights' gradient needs the pair rows, which this path never forms).
 
-The table builders (`dispatch_blocks`, `chunk_offsets`, `block_flags`, `combine_positions`) are index
-math on a handle, tested on CPU. The launches are compiled for sm_80 and sm_90a but **not yet run on a GPU**.
+The tables (`dispatch_blocks`, `chunk_offsets`, `block_flags`: `overlap.kernels.all_to_all`, beside the other
+kernels' launch data; `combine_positions`) are index math on a handle, tested on CPU. The launches are compiled
+for sm_80 and sm_90a but **not yet run on a GPU**.
 """
 
 from __future__ import annotations
@@ -25,49 +26,17 @@ import torch
 
 from ...errors import warn_once
 from ...kernels import slots
+from ...kernels.all_to_all import (  # noqa: F401 - the tables, used here as cuda.*
+    CHUNK_BYTES,
+    DTYPE_CODES,
+    MAX_TOP_K,
+    ROW_ALIGN,
+    block_flags,
+    chunk_offsets,
+    dispatch_blocks,
+    rows_per_chunk,
+)
 from . import layout
-
-#: Row dtypes of the combine kernel and their codes in ``csrc/include/overlap/moe_a2a.cuh``.
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-ROW_ALIGN = 16  # bytes of one vectorized copy: row sizes and addresses must be multiples of it
-CHUNK_BYTES = 1 << 16  # bytes one CTA of the dispatch kernel copies, at most (at least one row)
-MAX_TOP_K = 1024  # the combine kernel keeps K addresses and weights in shared memory
-
-# ----------------------------------------------------------------------------------------------
-# Tables (index math on the handle; host lists)
-# ----------------------------------------------------------------------------------------------
-
-
-def dispatch_blocks(h: layout.MoELayout) -> list[int]:
-    """``[W*G + 1]`` first send position of each block, then ``P``. Block ``d*G + g`` holds the rows the
-    CPU path writes with ``index_select`` for destination ``d`` and expert group ``g``; ``[d*G]`` is
-    ``send_offsets[d]``."""
-    W, L = len(h.send_counts), h.num_local_experts
-    G = slots.expert_groups(L, W)
-    offsets = [h.send_offsets[d] + h.within_dest(d, slots.group_experts(g, L, G).start)
-               for d in range(W) for g in range(G)]
-    return [*offsets, sum(h.send_splits)]
-
-
-def rows_per_chunk(row_bytes: int) -> int:
-    """Rows one CTA of the dispatch kernel copies: about `CHUNK_BYTES`, at least one row."""
-    return max(1, CHUNK_BYTES // row_bytes)
-
-
-def chunk_offsets(blocks: list[int], rows_per_chunk: int) -> list[int]:
-    """``[W*G + 1]`` first chunk (CTA) of each block, then the number of chunks; empty blocks have none."""
-    out, at = [], 0
-    for lo, hi in zip(blocks[:-1], blocks[1:]):
-        out.append(at)
-        at += -(-(hi - lo) // rows_per_chunk)
-    return [*out, at]
-
-
-def block_flags(h: layout.MoELayout) -> list[int]:
-    """``[W*G]`` ready-flag index of each block: ``d*F + 1 + g`` (`moe_layout`'s flag layout)."""
-    W, L = len(h.send_counts), h.num_local_experts
-    F, G = slots.flags_per_peer(W), slots.expert_groups(L, W)
-    return [d * F + 1 + g for d in range(W) for g in range(G)]
 
 
 def combine_positions(h: layout.MoELayout) -> tuple[torch.Tensor, list[int]]:
