@@ -1,111 +1,59 @@
 #!/usr/bin/env python3
-"""The GPU check of overlap: one short run that proves and times its GPU paths (docs/design.md, tier 4).
+"""The GPU check of overlap: one run on a GPU machine that proves the GPU paths and times them (docs/gpu-check.md).
 
 Usage::
 
-    python3 bench/gpu_check.py                        # one GPU: virtual ranks, checks, then timings
-    python3 bench/gpu_check.py --only b.racing f.rs   # rerun some sections (a group, a name, a name prefix)
-    python3 bench/gpu_check.py --list                 # the groups and their sections
-    torchrun --nproc-per-node 8 bench/gpu_check.py    # several GPUs: every op x strategy over NCCL
-    python3 bench/gpu_check.py --cpu-smoke            # CPU, Triton interpreter, tiny sizes (CI)
+    python3 bench/gpu_check.py                       # a GPU machine: preflight, install, tests/gpu, timings
+    python3 bench/gpu_check.py -k "all_gather or moe" # only the tests pytest's -k selects (then the timings)
+    python3 bench/gpu_check.py --cpu --no-install    # the same on the CPU (interpreted kernels, no timings)
 
-It installs overlap first (``pip install --no-build-isolation --no-deps -e <repo>``, which builds
-``overlap._C`` with this machine's nvcc, ``MAX_JOBS`` = its cores) when ``overlap._C`` does not import, then
-re-executes itself. ``--time-limit`` (default 480 s) counts from the start, the install included: the install
-gets what is left less 30 s, and at the limit (less a margin) the run stops itself, records what ran and exits.
+In order, within ``--time-limit`` (default 480 s, counted from the start, the install included):
 
-A run always leaves a record: ``--out DIR`` (default ``gpu_check_out/``, under ``$OUT`` where that is set) holds
-``gpu_check.json`` (rewritten after every section: results, sections, the one running) and ``gpu_check.log``
-(everything printed, tracebacks included). The output ends with a summary: each FAIL with the ``--only`` that
-reruns it, the SKIPs by reason, headline figures and the count line. Exit status: 0 all selected sections ran
-and passed, 1 a FAIL, 2 the install or the command line failed, 3 some sections did not run (time limit).
+1. **preflight** (`gpu_check_preflight`): ``nvidia-smi``'s facts and compute mode, ``nvcc`` and ``CUDACXX``,
+   Python's headers, a writable install target; what would make the install fail ends the run here (exit 2);
+2. **install** (where ``overlap._C`` does not import, or ``--install``): ``pip install --no-build-isolation
+   --no-deps -e .``, building ``_C`` with ``MAX_JOBS`` = the machine's cores, then this script runs again; then
+   ``_C`` must have its CUDA half where a GPU is present (one clear FAIL, exit 2, also with ``--no-install``);
+3. **the tests**: ``pytest tests/gpu`` under ``CUDA_DEVICE_MAX_CONNECTIONS=32`` with pytest-xdist's one worker
+   (a sticky CUDA fault ends that worker; a fresh one runs the tests after it) and pytest-timeout's per-test limit,
+   then the tests marked ``one_queue`` again under ``CUDA_DEVICE_MAX_CONNECTIONS=1``; together they get at most two
+   thirds of what the install left;
+4. **the timings** (`gpu_timings`, GPU only): the rest.
 
-Before torch is imported this sets ``CUDA_DEVICE_MAX_CONNECTIONS=32`` (logged with the value it replaced):
-streams then get hardware queues of their own, so a waiting stream cannot sit in front of the producer it waits
-for (the checks also issue every producer before its waiters, see `gpu_check_virtual`).
-
-One GPU: NCCL refuses two ranks of one communicator on one GPU, so W *virtual ranks* live in one process
-(``gpu_check_virtual``), each with its own stream, its own symmetric buffer (a plain device tensor) and its own
-int32 flag word; one address space, so the peer-pointer table is an int64 tensor of the buffers' ``data_ptr()``.
-The kernels are launched through the launchers the ops call (``overlap.kernels``), MoE tile tables from the ops'
-own builders (``overlap.ops.moe.layout``). The sections come in groups (`gpu_check_groups.GROUPS`), each group in
-a process of its own (`gpu_check_runner`: a crash or a sticky CUDA error in one cannot poison the next), every
-correctness group before any timing group:
-
-* ``ag`` (``gpu_check_tp_ag``): the fused all-gather GEMM (``kernels/all_gather_matmul.py``) against
-  ``torch.cat(shards) @ b`` in float64, outputs NaN-poisoned: a. ordered (flags set before the consumers launch),
-  b. racing (flags published later from another stream), c. a flag never set (the kernel's bounded wait fires);
-  a.weight-ordered: the weight-side kernel (``kernels/all_gather_weight_matmul.py``, ``all_gather_weight_matmul``'s
-  fused) against ``a @ torch.cat(shards).T``, its shards flagged before the consumers launch.
-* ``streams``: d. ``overlap.signals``' bounded flag-wait kernel and stream-ordered wait/write, e. the ``symm``
-  pipeline (side-stream bounded waits and copies, per-chunk events, per-chunk GEMMs).
-* ``rs`` (``gpu_check_tp_rs``): f. the fused reduce-scatter kernels (``kernels/matmul_reduce_scatter.py``) in the
-  layouts of ``matmul_reduce_scatter`` and two-shot and one-shot ``matmul_all_reduce``, against float64 sums:
-  ordered (two calls back to back), racing, a source that never signals.
-* ``moe`` (``gpu_check_moe``): g. the fused MoE kernels (``kernels/dispatch_grouped_matmul.py``,
-  ``kernels/grouped_matmul_combine.py``) with the MoE ops' slot layout and a host-built routing: the dispatch
-  grouped GEMM that waits per block (ordered, racing, a block never flagged) and the combine grouped GEMM that
-  stores into the sources' regions (ordered twice, racing).
-* ``a2a``: h. ``overlap.signals``' MoE all-to-all kernels (GPU only).
-* ``ops`` (``gpu_check_ops``): i. the ops themselves through their public API, every op of the op table x
-  {symm, fused} x {fwd, fwd+bwd}, in two rank processes sharing the device (a one-rank fallback), against the
-  table's float64 oracle, each call twice and bitwise equal; ``ops1``: the same under
-  ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (every stream of a rank in one hardware queue).
-* ``queues``, ``queues1`` (``gpu_check_streams``): j. under 32 and 1 hardware queues: a wait on a registered host
-  word behind its publish, the host watchdog releasing a wait nobody publishes, a wait that passes while a
-  kernel holds every SM.
-* ``time_ag``, ``time_rs``, ``time_moe``: device copy bandwidth and the cost of a stream-ordered signal; the fused
-  kernels against cuBLAS / ``torch.mm`` (+ ``torch.sum``, ``torch._grouped_mm``) on 8192^3, Llama-3-70B TP=8,
-  Mixtral-8x7B and DeepSeek-V3 EP=8 shapes.
-
-Several GPUs (torchrun, WORLD_SIZE > 1; one process per rank, no groups): every strategy of every op in
-`build_ops` against ``reference`` and float64, forward and backward, then the timings of each strategy and of
-torch's own ``symm_mem.fused_all_gather_matmul`` where it exists; ``--only`` takes section-name prefixes there.
-
-Nothing waits unbounded: kernels spin with a timeout, stream-ordered waits are polled from the host with a
-deadline and released by a watchdog write, and the run has its deadline.
-
-Modules, by concept (imports go one way, from this entry point down; ``tests/test_gpu_check.py`` checks it):
-``gpu_check_common`` (the log, `Report`, tolerances, timing, shapes; torch only), ``gpu_check_report`` (the JSON
-record, the table, the summary), ``gpu_check_groups`` (the registry of groups, listing, ``--only``, one group in
-a process), ``gpu_check_runner`` (the group processes), ``gpu_check_virtual`` (virtual ranks: streams, gates,
-bounded drains; checks d), ``gpu_check_tp_group``, ``gpu_check_tp_ag``, ``gpu_check_tp_rs``,
-``gpu_check_moe_group``, ``gpu_check_moe_dispatch``, ``gpu_check_moe_combine``, ``gpu_check_moe_a2a``,
-``gpu_check_moe_timing``, ``gpu_check_moe`` (the MoE entries), ``gpu_check_dist`` (several GPUs under torchrun).
+Every stage runs in a process of its own that is killed at its share of the time, so the run always ends by itself
+within its limit, and always leaves a record in ``--out`` (default ``gpu_check_out/``, under ``$OUT`` where set):
+``gpu_check.json`` (the stages, their figures and the summary, rewritten after each), ``gpu_tests.json`` and
+``gpu_tests_one_queue.json`` (every test's outcome, written as it goes), ``junit*.xml``, ``gpu_timings.json`` and
+``gpu_check.log`` (everything printed). The output ends with a summary: each failed test (its node id reruns it
+with pytest), the skips by reason, the timings' headline figures and a count line. Exit status: 0 everything ran
+and passed, 1 a test or timing failed, 2 the preflight, the install or the command line failed, 3 something did not
+run (the time limit).
 """
 
 from __future__ import annotations
 
+import argparse
+import fcntl
+import importlib.util
+import json
 import os
+import signal
+import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
+from typing import Any
 
-T0 = time.time()  # --time-limit counts from here: before torch is imported (kept across the re-exec)
-
-# Before torch is imported (CUDA reads it when it creates the context): one hardware queue per stream, up to 32.
-# A group's process keeps what the runner set for it (a group may run under another count on purpose).
-CONNECTIONS = "32"
-CONNECTIONS_BEFORE = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
-TORCH_FIRST = "torch" in sys.modules  # imported before this script could set it (then the setting is too late)
-if "--group" not in sys.argv:
-    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = CONNECTIONS
-
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import fcntl  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-from gpu_check_common import Report, log, log_text, set_log_file  # noqa: E402
-from gpu_check_report import DOC_NAME, LOG_NAME, new_doc, report_sink, save_doc, summary, table  # noqa: E402
-
+T0 = time.time()  # --time-limit counts from here (kept across the re-exec after the install)
 ROOT = Path(__file__).resolve().parents[1]
-INSTALL_RESERVE_S = 30.0  # what the install leaves of --time-limit: enough to write the record and exit
-
-
-# ==============================================================================================
-# Command line and self-install
-# ==============================================================================================
+TESTS = ROOT / "tests" / "gpu"
+INSTALL_RESERVE_S = 30.0  # what the install leaves of --time-limit at least
+MARGIN_S = 8.0  # what the run keeps at its end: writing the record and the summary
+PER_TEST_S = 240.0  # pytest-timeout's limit per test (the ops' one run of the rank processes is the longest)
+WORKER_RESTARTS = 8  # pytest-xdist's --max-worker-restart: sticky faults the run survives
+PASSES = (("gpu_tests", "32", None), ("gpu_tests_one_queue", "1", "one_queue"))  # record, queues, marker
+EXIT_OK, EXIT_FAILED, EXIT_SETUP, EXIT_INCOMPLETE = 0, 1, 2, 3
 
 
 def default_out() -> str:
@@ -117,26 +65,101 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--install", action="store_true", help="(re)install overlap first, even if overlap._C imports")
     p.add_argument("--no-install", action="store_true", help="never install, even if overlap._C does not import")
-    p.add_argument("--cpu-smoke", action="store_true",
-                   help="run the virtual-rank checks on CPU under the Triton interpreter at tiny sizes")
-    p.add_argument("--out", default=default_out(),
-                   help="where the record (gpu_check.json) and the log (gpu_check.log) go, rewritten after every "
-                        "section (default gpu_check_out/, under $OUT where set)")
-    p.add_argument("--json", default=None, help="also write the record here")
+    p.add_argument("--cpu", action="store_true",
+                   help="run on the CPU: the tests under the Triton interpreter at tiny sizes, no timings")
+    p.add_argument("--out", default=default_out(), help="where the records and the log go (default gpu_check_out/, "
+                                                        "under $OUT where set)")
     p.add_argument("--time-limit", type=float, default=480.0,
-                   help="seconds from the start, the install included; at the limit the run records what it has "
-                        "and exits (default 480)")
-    p.add_argument("--only", nargs="+", default=[], metavar="SECTION",
-                   help="run only these: group names, section names, or prefixes of section names (--list)")
-    p.add_argument("--list", action="store_true", help="print the groups and their sections, run nothing")
-    p.add_argument("--seed", type=int, default=None, help="seed of the random inputs (default: from the clock)")
+                   help="seconds from the start, the install included; the run ends by itself within it (default "
+                        "480)")
+    p.add_argument("-k", dest="keyword", default=None, metavar="EXPR", help="only the tests pytest's -k EXPR selects")
+    p.add_argument("--no-timings", action="store_true", help="run the tests only")
     p.add_argument("--started-at", type=float, default=None, help=argparse.SUPPRESS)  # kept across the re-exec
-    p.add_argument("--group", default=None, help=argparse.SUPPRESS)  # run one group here (the runner's processes)
     return p.parse_args(argv)
+
+
+# ==============================================================================================
+# The log and the record
+# ==============================================================================================
+
+
+class Run:
+    """The run's clock, its log (stdout and ``gpu_check.log``) and its record (``gpu_check.json``)."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.started = args.started_at or T0
+        self.deadline = self.started + args.time_limit
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        fresh = args.started_at is None
+        self.log_file = open(self.out / "gpu_check.log", "w" if fresh else "a", encoding="utf-8")  # noqa: SIM115
+        record = self.out / "gpu_check.json"
+        self.doc: dict[str, Any] = {} if fresh or not record.exists() else json.loads(record.read_text())
+        self.doc.setdefault("started", self.started)
+        self.doc.update(time_limit=args.time_limit, mode="cpu" if args.cpu else "gpu")
+        self.doc.setdefault("stages", {})
+
+    def log(self, msg: str) -> None:
+        line = f"[gpu_check {time.time() - self.started:6.1f}s] {msg}"
+        self.write(line + "\n")
+
+    def write(self, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        self.log_file.write(text)
+        self.log_file.flush()
+
+    def stage(self, name: str, **facts: Any) -> None:
+        """Record what stage `name` found, and save the record."""
+        self.doc["stages"].setdefault(name, {}).update(facts)
+        self.save()
+
+    def save(self) -> None:
+        path = self.out / "gpu_check.json"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.doc, indent=1, default=str))
+        os.replace(tmp, path)
+
+    def left(self) -> float:
+        """Seconds left before the run must end (its margin kept)."""
+        return self.deadline - MARGIN_S - time.time()
+
+    def run_teed(self, cmd: list[str], env: dict[str, str], until: float) -> int | None:
+        """Run `cmd` in a session of its own, its output copied line by line to ours and to the log; kill its whole
+        process group at wall time `until`. Returns its exit status (negative: a signal), None if killed."""
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True, text=True, errors="replace", bufsize=1)
+
+        def copy() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                self.write(line)
+
+        copier = threading.Thread(target=copy, daemon=True)
+        copier.start()
+        try:
+            code: int | None = proc.wait(timeout=max(0.0, until - time.time()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            code = None
+        copier.join(timeout=5.0)
+        return code
+
+
+# ==============================================================================================
+# Preflight and install
+# ==============================================================================================
 
 
 def project_problem() -> str | None:
     """None if overlap._C imports and suits this machine, else what is wrong."""
+    import torch
+
     try:
         from overlap import signals  # overlap._C's exports: raises ImportError where it is not built
     except ImportError as exc:
@@ -166,163 +189,192 @@ def install_deadline(started: float, time_limit: float) -> float:
     return started + time_limit - min(INSTALL_RESERVE_S, 0.25 * time_limit)
 
 
-def ensure_installed(args: argparse.Namespace, log_file) -> str | None:
-    """Install overlap (editable, building _C here) if needed, then re-exec this script; else return None.
-    Returns what went wrong where the install failed or ran out of time.
-
-    Under torchrun only local rank 0 installs; the other local ranks wait for its marker file (one
-    written after they started: a marker left by an earlier run with the same run id does not count).
-    """
+def install(run: Run) -> str | None:
+    """Install overlap (editable, building _C here) if it is needed, then run this script again (no return);
+    else None. Returns what went wrong where the preflight or the install failed."""
     from gpu_check_preflight import preflight
-    from gpu_check_runner import run_teed
 
-    if args.no_install:
-        return None
-    why = "--install given" if args.install else project_problem()
+    args = run.args
+    why = None if args.no_install else "--install given" if args.install else project_problem()
     if why is None:
         return None
-    started = args.started_at
-    checked = preflight(dict(os.environ), gpu=not args.cpu_smoke and torch.cuda.is_available(), root=ROOT)
+    import torch
+
+    checked = preflight(dict(os.environ), gpu=not args.cpu and torch.cuda.is_available(), root=ROOT)
     for fact in checked.facts:
-        log(f"preflight: {fact}", started)
+        run.log(f"preflight: {fact}")
+    run.stage("preflight", facts=checked.facts, problems=checked.problems)
     if checked.problems:
         return "the install cannot work here: " + "; ".join(checked.problems)
-    until = install_deadline(started, args.time_limit)
-    build = ROOT / "build"
-    build.mkdir(exist_ok=True)
-    run_id = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'single')}-{os.environ.get('MASTER_PORT', os.getpid())}"
-    marker = build / f".gpu_check_install-{run_id}"
-    several = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        cmd = [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "-e", str(ROOT)]
-        env = install_env(checked.env)
-        log(f"installing overlap ({why}), MAX_JOBS={env['MAX_JOBS']}, at most {until - time.time():.0f} s: "
-            f"{' '.join(cmd)}", started)
-        with open(build / ".gpu_check_install.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # two runs on one checkout build one at a time
-            code = run_teed(cmd, env, until, log_file, cwd=str(ROOT))
-        if several:
-            marker.write_text("ok" if code == 0 else "failed")
-        if code != 0:
-            return ("the install ran out of time" if code is None else f"the install failed (exit {code})") + \
-                "; rerun with --no-install to check what is there"
-    else:
-        while not (marker.exists() and marker.stat().st_mtime >= started - 60):
-            if time.time() > until:
-                return "local rank 0 did not finish installing overlap in time"
-            time.sleep(1.0)
-        if marker.read_text() != "ok":
-            return "local rank 0 failed to install overlap"
-    argv = [a for a in sys.argv[1:] if a != "--install"]
-    if "--started-at" not in argv:
-        argv += ["--started-at", repr(started)]
+    until = install_deadline(run.started, args.time_limit)
+    cmd = [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "-e", str(ROOT)]
+    env = install_env(checked.env)
+    run.log(f"installing overlap ({why}), MAX_JOBS={env['MAX_JOBS']}, at most {until - time.time():.0f} s: "
+            f"{' '.join(cmd)}")
+    (ROOT / "build").mkdir(exist_ok=True)
+    began = time.time()
+    with open(ROOT / "build" / ".gpu_check_install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two runs on one checkout build one at a time
+        code = run.run_teed(cmd, env, until)
+    run.stage("install", exit=code, seconds=round(time.time() - began, 1))
+    if code != 0:
+        return ("the install ran out of time" if code is None else f"the install failed (exit {code})") + \
+            "; rerun with --no-install to check what is there"
+    argv = [a for a in sys.argv[1:] if a != "--install"] + ["--no-install", "--started-at", repr(run.started)]
+    run.log_file.close()
     sys.stdout.flush()
-    os.execv(sys.executable, [sys.executable, sys.argv[0], *argv, "--no-install"])
+    os.execv(sys.executable, [sys.executable, sys.argv[0], *argv])
     return None  # not reached
 
 
 # ==============================================================================================
-# Main
+# The tests and the timings
 # ==============================================================================================
 
 
-def finish(doc: dict, args: argparse.Namespace, code: int) -> int:
-    """The table of every result, then the summary (the last lines of the output); returns `code`."""
-    log_text("\n" + table(doc["results"]) + "\n\n" + summary(doc, args.out), sys.stdout)
-    return code
+def pytest_command(args: argparse.Namespace, record: str, marker: str | None, per_test_s: float) -> list[str]:
+    """``pytest tests/gpu`` with the plugins this machine has: one xdist worker (restarted after a sticky fault)
+    and pytest-timeout's limit per test, the junit record beside the JSON one."""
+    cmd = [sys.executable, "-m", "pytest", str(TESTS), "-p", "no:cacheprovider", "-o", "addopts=", "-rfEs",
+           "--strict-markers", "--junitxml", str(Path(args.out) / f"junit_{record}.xml")]
+    if importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", "1", "--max-worker-restart", str(WORKER_RESTARTS)]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        cmd += ["--timeout", str(int(per_test_s)), "--timeout-method", "thread"]  # a stuck C call ends its worker
+    if marker:
+        cmd += ["-m", marker]
+    if args.keyword:
+        cmd += ["-k", args.keyword]
+    return cmd
 
 
-def run_torchrun(args: argparse.Namespace, doc: dict, paths: list[str]) -> int:
-    """Several GPUs under torchrun: this rank's sections in this process (gpu_check_dist)."""
-    from gpu_check_dist import run_distributed
+def run_tests(run: Run, budget_s: float) -> None:
+    """The passes of `PASSES` (on the CPU only the first), each killed past its share of `budget_s`; what each
+    found goes into the record (``stages.tests``)."""
+    passes = PASSES if not run.args.cpu else PASSES[:1]
+    began = time.time()
+    for i, (record, queues, marker) in enumerate(passes):
+        share = 0.65 if i == 0 and len(passes) > 1 else 1.0  # the one-queue pass reruns a part of the first
+        end = began + share * budget_s
+        path = Path(run.args.out) / f"{record}.json"
+        path.unlink(missing_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_DEVICE_MAX_CONNECTIONS": queues,
+               "OVERLAP_GPU_RECORD": str(path), "OVERLAP_GPU_TESTS_UNTIL": repr(end)}
+        cmd = pytest_command(run.args, record, marker, PER_TEST_S)
+        run.log(f"tests under CUDA_DEVICE_MAX_CONNECTIONS={queues}, at most {end - time.time():.0f} s: "
+                f"{' '.join(cmd[2:])}")
+        code = run.run_teed(cmd, env, end)
+        run.stage("tests", **{record: summarize_tests(path, code)})
 
-    from overlap import world
 
-    rank = int(os.environ.get("RANK", "0"))
-    rep = Report(args, rank=rank)
-    torch.manual_seed(args.seed + rank)
-    if rank == 0:
-        rep.sink = report_sink(doc, paths)
-    rep.arm_deadline()
-    d = run_distributed(rep, args.cpu_smoke)
-    doc["complete"] = not any("time-limit" in r.value for r in rep.results if r.status != "PASS")
-    if rank == 0:
-        rep.sink(rep)
-        finish(doc, args, 0)
-    code = 1 if rep.failed else 0 if doc["complete"] else 3
-    if rep.stuck or d.broken:
-        os._exit(code)  # a stuck device or peer could hang the interpreter's teardown
-    with contextlib.suppress(Exception):
-        d.dist.barrier()  # no rank tears down while a peer is still in a collective
-        d.dist.destroy_process_group()
-    world.exit_after_teardown(code)  # (see its docstring: a rare abort in the interpreter's teardown)
-    return code
+def summarize_tests(path: Path, code: int | None) -> dict[str, Any]:
+    """Counts, failures and skips of one pass of pytest, from its JSON record (`code`: pytest's exit status, None
+    where the pass was killed at its time)."""
+    doc = json.loads(path.read_text()) if path.exists() else {"tests": [], "running": None}
+    outcome: dict[str, str] = {}
+    failures, skips = [], {}
+    for t in doc["tests"]:
+        if t["outcome"] == "failed":
+            outcome[t["test"]] = "failed"
+            failures.append({"test": t["test"], "phase": t["phase"], "message": (t["message"] or "")[-600:]})
+        elif t["outcome"] == "skipped":
+            outcome.setdefault(t["test"], "skipped")
+            reason = (t["message"] or "").split("Skipped: ")[-1][:200]
+            skips[reason] = skips.get(reason, 0) + 1
+        elif t["phase"] == "call":
+            outcome.setdefault(t["test"], "passed")
+    counts = {k: sum(1 for v in outcome.values() if v == k) for k in ("passed", "failed", "skipped")}
+    killed = None if code is not None else (doc.get("running") or {}).get("test", "(not started)")
+    return {"exit": code, "counts": counts, "failures": failures, "skips": skips, "killed_during": killed,
+            "complete": code is not None and doc.get("finished", False),
+            "figures": {t["test"]: t["properties"] for t in doc["tests"] if t.get("properties")}}
+
+
+def run_timings(run: Run) -> None:
+    """The timings (`gpu_timings`) until the run's end, their record into ``stages.timings``."""
+    path = Path(run.args.out) / "gpu_timings.json"
+    path.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).with_name("gpu_timings.py")), "--out", str(path),
+           "--until", repr(run.deadline - MARGIN_S - 2.0)]
+    run.log(f"timings, at most {run.left():.0f} s")
+    code = run.run_teed(cmd, {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "32"},
+                        run.deadline - MARGIN_S)
+    doc = json.loads(path.read_text()) if path.exists() else {"results": [], "complete": False}
+    run.stage("timings", exit=code, complete=code == 0 and doc.get("complete", False), results=doc["results"])
+
+
+# ==============================================================================================
+# The summary and main
+# ==============================================================================================
+
+
+def summary(doc: dict[str, Any]) -> tuple[str, int]:
+    """The closing lines of the output and the run's exit status."""
+    lines, failed, complete = [], False, True
+    for record, facts in doc["stages"].get("tests", {}).items():
+        c = facts["counts"]
+        lines.append(f"{record}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"
+                     + (f"; killed at its time during {facts['killed_during']}" if facts["killed_during"] else ""))
+        for f in facts["failures"]:
+            message = f["message"].strip().splitlines()[-1] if f["message"].strip() else ""
+            lines.append(f"  FAILED {f['test']} ({f['phase']}): {message[:200]}")
+        for reason, n in sorted(facts["skips"].items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {n} skipped: {reason}")
+        failed |= c["failed"] > 0
+        complete &= facts["complete"]
+    timings = doc["stages"].get("timings")
+    if timings is not None:
+        for r in timings["results"]:
+            if r.get("headline") or r["status"] == "FAIL":
+                lines.append(f"  {r['status']} {r['name']}: {r['value']}")
+        failed |= any(r["status"] == "FAIL" for r in timings["results"])
+        complete &= timings["complete"]
+    code = EXIT_FAILED if failed else EXIT_OK if complete else EXIT_INCOMPLETE
+    lines.append(f"gpu_check: {'FAILED' if failed else 'passed' if complete else 'INCOMPLETE'} in "
+                 f"{time.time() - doc['started']:.0f} s (records in this run's --out)")
+    return "\n".join(lines), code
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.cpu_smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before overlap imports its kernels
-    if args.group:  # one group in this process, for the runner
-        from gpu_check_groups import run_group
+    run = Run(args)
+    try:
+        return check(run)
+    finally:
+        run.log_file.close()
 
-        code = run_group(args)
-        sys.stdout.flush()
-        os._exit(code)  # no interpreter teardown: it could wait on a device a section left stuck
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    rank = int(os.environ.get("RANK", "0")) if distributed else 0
-    fresh = args.started_at is None  # not the re-exec after the install
-    started = args.started_at = args.started_at or T0
-    if args.list:  # no record, no log
-        from gpu_check_groups import list_sections, ordered_groups, print_listing
 
-        problem = ensure_installed(args, None)
-        if problem is not None:
-            log(problem, started)
-            return 2
-        print_listing({g.name: list_sections(g, not args.cpu_smoke, args) for g in ordered_groups()})
-        return 0
-    if rank == 0:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-    log_file = set_log_file(Path(args.out) / LOG_NAME, append=not fresh) if rank == 0 else None
-    if rank == 0 and fresh:
-        log(f"CUDA_DEVICE_MAX_CONNECTIONS={CONNECTIONS} set before torch was imported (it was "
-            f"{CONNECTIONS_BEFORE if CONNECTIONS_BEFORE is not None else 'unset'})"
-            + ("; WARNING: torch was imported earlier, the setting may come too late" if TORCH_FIRST else ""), started)
-    problem = ensure_installed(args, log_file)  # may re-exec this script
-    if problem is None and not args.cpu_smoke:
+def check(run: Run) -> int:
+    """The stages of the module docstring, in order; returns the exit status."""
+    args = run.args
+    if args.started_at is None:
+        run.log(f"--time-limit {args.time_limit:.0f} s, --out {args.out}")
+    problem = install(run)  # may run this script again
+    if problem is None and not args.cpu:
         problem = project_problem()  # after the install too: a GPU with a _C that lacks CUDA is one clear FAIL
-    args.seed = args.seed if args.seed is not None else int(time.time()) % (1 << 31)
-    mode = ("cpu-smoke" if args.cpu_smoke else "gpu") + ("-distributed" if distributed else "")
-    doc = new_doc(mode, args.seed, args.time_limit, started)
-    paths = [os.path.join(args.out, DOC_NAME)] + ([args.json] if args.json else [])
-    if problem is not None:
-        log(problem, started)
-        doc["results"].append({"name": "install", "status": "FAIL", "value": problem, "tflops": None,
-                               "ratio": None, "data": {}, "section": None})
-        if rank == 0:
-            save_doc(doc, paths)
-            finish(doc, args, 2)
-        return 2
-    if rank == 0:
-        log(f"mode {mode}, seed {args.seed}, torch {torch.__version__}, --out {args.out}", started)
-    if distributed:
-        return run_torchrun(args, doc, paths)
-    why_not = None
-    if not args.cpu_smoke and not torch.cuda.is_available():
-        why_not = "no CUDA device (use --cpu-smoke for the CPU checks)"
-    elif not args.cpu_smoke and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        why_not = "TRITON_INTERPRET is set: the kernels would run interpreted, unset it"
-    if why_not is not None:
-        doc["results"].append({"name": "gpu", "status": "FAIL", "value": why_not, "tflops": None, "ratio": None,
-                               "data": {}, "section": None})
-        save_doc(doc, paths)
-        return finish(doc, args, 1)
-    from gpu_check_runner import Runner
+    if problem is None and not args.cpu:
+        import torch
 
-    code = Runner(args, doc, log_file).run()
-    return finish(doc, args, code)
+        if not torch.cuda.is_available():
+            problem = "no CUDA device here (--cpu runs the tests on the CPU)"
+    if problem is not None:
+        run.log(problem)
+        run.stage("setup", problem=problem)
+        return EXIT_SETUP
+    run.stage("setup", problem=None)
+    pytest_budget = (2.0 / 3.0) * run.left()
+    run_tests(run, pytest_budget)
+    if not args.cpu and not args.no_timings and run.left() > 20.0:
+        run_timings(run)
+    elif not args.cpu and not args.no_timings:
+        run.stage("timings", exit=None, complete=False, results=[])
+    text, code = summary(run.doc)
+    run.doc.update(exit_status=code, summary=text)
+    run.save()
+    run.write(text + "\n")
+    return code
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.exit(main())

@@ -1,8 +1,9 @@
 """What the GPU check makes sure of before it installs anything: the machine's facts, and what would make the
 install fail or build `overlap._C` without its CUDA half.
 
-* **The GPU** (`gpu_facts`): ``nvidia-smi``'s name, driver and compute mode of each GPU. A compute mode other
-  than ``Default`` refuses a second process on the device, so the two-process ops section skips with that reason.
+* **The GPU** (`gpu_facts`, tests/gpu/machine.py): ``nvidia-smi``'s name, driver and compute mode of each GPU. A
+  compute mode other than ``Default`` refuses a second process on the device, so the two-process ops tests skip
+  with that reason.
 * **nvcc** (`find_nvcc`): CMake finds it only through ``CUDACXX``, ``PATH`` or ``CUDA_PATH``; one in
   ``CUDA_HOME`` or ``/usr/local/cuda`` alone would be missed and ``_C`` would build without CUDA, silently. The
   install's environment then names it in ``CUDACXX``; none at all on a GPU machine is a problem.
@@ -18,12 +19,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import subprocess
+import sys
 import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 
-DEFAULT_COMPUTE_MODE = "Default"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
+from machine import compute_mode_problem, gpu_facts  # noqa: E402 - the GPU tests' facts of the machine
+
 NVCC_PLACES = ("CUDA_HOME", "CUDA_PATH")  # environment variables naming a toolkit's root
 NVCC_FALLBACK = "/usr/local/cuda"
 
@@ -34,26 +37,6 @@ class Preflight:
     problems: list[str]  # each stops the run before the install
     env: dict[str, str]  # what the install's environment needs besides the run's (e.g. CUDACXX)
     compute_modes: list[str]  # per GPU, as nvidia-smi says it (empty without nvidia-smi)
-
-
-def gpu_facts(run: Callable[[list[str]], str | None] | None = None) -> list[dict[str, str]]:
-    """``[{"name", "driver", "compute_mode"}]`` per GPU from ``nvidia-smi`` (empty where it is missing or fails)."""
-    run = run or _run
-    out = run(["nvidia-smi", "--query-gpu=name,driver_version,compute_mode", "--format=csv,noheader"])
-    gpus = []
-    for line in (out or "").splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 3:
-            gpus.append(dict(zip(("name", "driver", "compute_mode"), parts)))
-    return gpus
-
-
-def compute_mode_problem(gpus: list[dict[str, str]]) -> str | None:
-    """Why two processes cannot share the first GPU (its compute mode), or None."""
-    if gpus and gpus[0]["compute_mode"] != DEFAULT_COMPUTE_MODE:
-        return (f"the GPU's compute mode is {gpus[0]['compute_mode']} (not {DEFAULT_COMPUTE_MODE}): it takes one "
-                "process at a time (nvidia-smi -c DEFAULT, as root, allows the two-process checks)")
-    return None
 
 
 def find_nvcc(env: dict[str, str], which: Callable[[str], str | None] = shutil.which) -> tuple[str | None, bool]:
@@ -98,7 +81,7 @@ def preflight(env: dict[str, str], gpu: bool, root: Path, run: Callable[[list[st
     if gpu and not gpus:
         facts.append("nvidia-smi gave no GPU facts (not found, or it failed)")
     if (why := compute_mode_problem(gpus)) is not None:
-        facts.append(f"note: {why}; the two-process ops checks will skip")
+        facts.append(f"note: {why}; the two-process ops tests will skip")
     nvcc, found_by_cmake = find_nvcc(env, which)
     if nvcc is None:
         (problems if gpu else facts).append(
@@ -118,11 +101,3 @@ def preflight(env: dict[str, str], gpu: bool, root: Path, run: Callable[[list[st
         if not writable(path, access):
             problems.append(f"{what} {path} is not writable: run from a virtual environment or a writable checkout")
     return Preflight(facts, problems, extra, [g["compute_mode"] for g in gpus])
-
-
-def _run(cmd: list[str]) -> str | None:
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return proc.stdout if proc.returncode == 0 else None

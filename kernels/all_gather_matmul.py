@@ -17,7 +17,7 @@ abort word that a host watchdog sets at the deadline. A tile that gives up recor
 in ``err_ptr`` (atomic max) and the host raises `OverlapTimeout` naming that peer.
 
 `launch_all_gather_matmul` (after the kernel) is its host launcher, called by
-`overlap.all_gather_matmul`'s ``fused`` strategy and by the GPU check (``bench/gpu_check.py``).
+`overlap.all_gather_matmul`'s ``fused`` strategy and by the GPU tests (``tests/gpu``).
 """
 
 import torch

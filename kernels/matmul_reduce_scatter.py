@@ -27,7 +27,7 @@ own buffer) and a reduction over every rank's buffer.
 
 Their host launchers (`launch_matmul_scatter`, `launch_reduce_chunks`, and `chunk_count`, the number of
 chunks both agree on) follow the kernels; `overlap.matmul_reduce_scatter`'s and `overlap.matmul_all_reduce`'s
-``fused`` strategies and the GPU check (``bench/gpu_check.py``) call them.
+``fused`` strategies and the GPU tests (``tests/gpu``) call them.
 """
 
 import torch

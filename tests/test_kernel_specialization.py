@@ -182,19 +182,21 @@ def _as_before(launch: Launch) -> str:
 
 
 def _gpu_check_launches() -> list[Launch]:
-    """Every fused-kernel launch of ``bench/gpu_check.py`` on one GPU, with the arguments it passes: the cases
-    of gpu_check_tp_ag.run_all_gather_virtual, gpu_check_tp_rs.run_reduce_scatter_virtual and
-    gpu_check_moe.run_moe_virtual (GPU branches; keep in step with them), through the same launchers, tiles,
+    """Every fused-kernel launch of the GPU check on one GPU, with the arguments it passes: the GPU cases of the
+    kernel tests (tests/gpu: test_all_gather_kernels, test_reduce_scatter_kernels, test_moe_*_kernel; keep in
+    step with their case tables) and of the timings (bench/gpu_timings.py), through the same launchers, tiles,
     layouts, ranks, epochs and timeouts, on CPU tensors of the same shapes (never touched)."""
-    sys.path.insert(0, str(ROOT / "bench"))
+    paths = [str(ROOT / "bench"), str(ROOT / "tests" / "gpu")]
+    sys.path[:0] = paths
     try:
-        from gpu_check_common import all_reduce_shapes, bench_shapes, moe_shapes, row_parallel_shapes
-        from gpu_check_moe_timing import TILES as MOE_TILES
-        from gpu_check_tp_ag import TILES as AG_TILES
-        from gpu_check_tp_group import Layout
-        from gpu_check_virtual import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Tile
+        from gpu_timings import AG_TILES, MOE_TILES, MOE_TIMED, tp_shapes
+        from tp_ranks import Layout
+        from virtual import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Tile
+
+        from overlap.benchmarks.names import MOE_PRESETS
     finally:
-        sys.path.remove(str(ROOT / "bench"))
+        for p in paths:
+            sys.path.remove(p)
     bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
     calls: list[Callable[[], None]] = []
     err = torch.zeros(1, dtype=i32)
@@ -206,7 +208,7 @@ def _gpu_check_launches() -> list[Launch]:
         transposed = layout in ("w.t()", "transposed")
         return torch.empty(n, k, dtype=dtype).t() if transposed else torch.empty(k, n, dtype=dtype)
 
-    # -- all-gather GEMM: a (ordered), b (racing), c (timeout), timings over every tile ------------------------
+    # -- all-gather GEMM: ordered, racing, timeout; the timings over every tile -------------------------------
     def gather(w, m, k, n, dtype, layout, epoch, timeout, tile, ranks=None):
         b, table = weight(k, n, dtype, layout), torch.zeros(w, dtype=i64)
         for r in range(w) if ranks is None else ranks:
@@ -221,10 +223,10 @@ def _gpu_check_launches() -> list[Launch]:
     for w in (2, 4):
         gather(w, 128, 512, 256, bf16, "w.t()", 9, KERNEL_TIMEOUT_NS, dev_tile)
     gather(2, 64, 256, 128, bf16, "w.t()", 5, SHORT_TIMEOUT_NS, dev_tile, ranks=[0])
-    for (_, s), tile in itertools.product(bench_shapes(8), AG_TILES):
-        gather(8, s["m"], s["k"], s["n"], bf16, "w.t()", 3, KERNEL_TIMEOUT_NS, tile, ranks=[0])
+    for (_, (m, k, n)), tile in itertools.product(tp_shapes()["ag"], AG_TILES):
+        gather(8, m, k, n, bf16, "w.t()", 3, KERNEL_TIMEOUT_NS, tile, ranks=[0])
 
-    # -- GEMM + reduce-scatter / all-reduce: f (ordered twice, racing, timeout), timings ---------------------
+    # -- GEMM + reduce-scatter / all-reduce: ordered twice, racing, timeout; the timings ----------------------
     def scatter_reduce(kind, w, rows, k, n, dtype, layout, epochs, timeout, num_chunks, ranks=None):
         lay, (bm, bn, bk) = Layout(kind, w, rows), op_tile(dtype)
         nch = rs.chunk_count(num_chunks, lay.max_chunks, lay.block_rows, bm)
@@ -252,12 +254,11 @@ def _gpu_check_launches() -> list[Launch]:
                                   ("ar1", 4, (256, 512, 256))):
         scatter_reduce(kind, w, rows, k, n, bf16, "w.t()", (9,), KERNEL_TIMEOUT_NS, 2)
     scatter_reduce("rs", 2, 256, 256, 256, bf16, "w.t()", (5,), SHORT_TIMEOUT_NS, 1, ranks=[0])
-    for _, s in row_parallel_shapes(8):
-        scatter_reduce("rs", 8, 8 * s["m"], s["k"], s["n"], bf16, "w.t()", (3,), KERNEL_TIMEOUT_NS, 1, ranks=[0])
-    for _, s in all_reduce_shapes(8, one_shot=True):
-        scatter_reduce("ar1", 8, s["m"], s["k"], s["n"], bf16, "w.t()", (3,), KERNEL_TIMEOUT_NS, 1, ranks=[0])
+    for kind in ("rs", "ar1"):
+        for _, (rows, k, n) in tp_shapes()[kind]:
+            scatter_reduce(kind, 8, rows, k, n, bf16, "w.t()", (3,), KERNEL_TIMEOUT_NS, 1, ranks=[0])
 
-    # -- MoE: g (dispatch ordered, racing, timeout; combine ordered twice, racing), timings ----------------
+    # -- MoE: dispatch ordered, racing, timeout; combine ordered twice, racing; the timings -----------------
     def moe(w, hidden, ffn, dtype, layout, wait_epochs, timeout, scatter_epochs, ranks=None, tiles=(None,)):
         # one local expert: the strides of w[e] and between experts are those of any L
         w1, w2 = weight(hidden, ffn, dtype, layout).unsqueeze(0), weight(ffn, hidden, dtype, layout).unsqueeze(0)
@@ -279,8 +280,9 @@ def _gpu_check_launches() -> list[Launch]:
         moe(w, hidden, ffn, dtype, layout, (7,), KERNEL_TIMEOUT_NS, (7, 8))
     moe(4, 256, 256, bf16, "stacked", (9,), KERNEL_TIMEOUT_NS, (9,))  # racing
     moe(2, 256, 128, bf16, "stacked", (5,), SHORT_TIMEOUT_NS, (), ranks=[0])  # timeout
-    for _, s in moe_shapes(8):
-        moe(8, s["h"], s["f"], bf16, "stacked", (3,), KERNEL_TIMEOUT_NS, (3,), ranks=[0], tiles=(None, *MOE_TILES))
+    for name in MOE_TIMED:
+        s = MOE_PRESETS[name][0]
+        moe(8, s.hidden, s.ffn, bf16, "stacked", (3,), KERNEL_TIMEOUT_NS, (3,), ranks=[0], tiles=(None, *MOE_TILES))
 
     with recording() as recorders:
         for call in calls:

@@ -107,9 +107,8 @@ def test_an_op_is_added_by_one_entry(monkeypatch):
 
 #: where an op's name may be compared or keyed: the table, its families' functions, the op modules, the
 #: workloads (one per op, keyed by its name); and
-#: the GPU check's torchrun section, whose checks are named by op and include what the table does not
-#: describe (matmul_all_reduce rows that do not divide by the ranks, the MoE ops' parts alone)
-OWNERS = {"overlap/plans/optable.py", "overlap/plans/tp_ops.py", "overlap/plans/moe_op.py", "bench/gpu_check_dist.py",
+#: the GPU check's timings, which time each op's kernels on the op's problems of a real model
+OWNERS = {"overlap/plans/optable.py", "overlap/plans/tp_ops.py", "overlap/plans/moe_op.py", "bench/gpu_timings.py",
           "overlap/workloads/__init__.py", "overlap/workloads/tp.py", "overlap/workloads/moe.py",
           # the package's export list and the command line's torch-free mirror of the table (checked
           # against OPS where the torch side loads): lists of names, not switches on them
@@ -221,7 +220,7 @@ def test_one_name_per_op_across_layers():
         assert all(f in defined and getattr(overlap.moe, f).__module__ == f"overlap.ops.moe.{module}"
                    for f in functions), (module, defined)
     op_names = set(ops_of("tp")) | {f for functions in MOE_OPS.values() for f in functions}
-    shared = {"__init__", "host", "flags", "compat", "slots"}
+    shared = {"__init__", "host", "flags", "compat", "slots", "all_to_all"}
     launchers, tile_tables = {}, {}
     for path in sorted((ROOT / "kernels").glob("*.py")):
         for fn in _top_functions(path):

@@ -60,15 +60,6 @@ def dev() -> Device:
 
 
 @pytest.fixture(autouse=True)
-def _notes_into_the_record(record_property):
-    """What the test noted (`tolerance.note`) becomes its properties (the JSON record, junit)."""
-    tolerance.take_notes()
-    yield
-    for name, value in tolerance.take_notes():
-        record_property(name, value)
-
-
-@pytest.fixture(autouse=True)
 def _test_hook(request):
     """What tests/test_gpu_check.py makes a test do, to prove the run's handling of it (unset in real runs):
     ``OVERLAP_GPU_TEST_HOOK="ACTION:SUBSTRING[;...]"``, applied to the tests whose node id holds SUBSTRING:
@@ -108,6 +99,8 @@ def unusable_after(excinfo: pytest.ExceptionInfo | None) -> str | None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     global _unusable
     report = yield
+    if call.when == "call":  # what the test noted (`tolerance.note`): its report's properties (the records, junit)
+        report.user_properties.extend(tolerance.take_notes())
     why = unusable_after(call.excinfo)
     if why is not None and _unusable is None:
         _unusable = f"{item.nodeid}: {why}"
@@ -115,6 +108,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    tolerance.take_notes()  # nothing an earlier test left
     if _unusable is not None:
         pytest.skip(f"this process is unusable since {_unusable} (run under pytest-xdist to go on in a fresh one)")
 

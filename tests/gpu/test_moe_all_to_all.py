@@ -7,8 +7,8 @@ The dispatch kernel copies each source's rows into its region of every destinati
 ops' bounded stream-ordered waits, racing the copies. Then the combine kernel sums each token's ``K`` rows from a
 rank's regions with their routing weights, in fp32.
 
-The kernels' tables (blocks, chunks, flag indices, dtype codes) come from `overlap.ops.moe.cuda`: they are the
-ABI of csrc/cuda/moe_a2a.cu and exist nowhere else yet. `signals` is looked up in this module at each call, so that
+The kernels' tables (blocks, chunks, flag indices, dtype codes) come from `overlap.kernels.all_to_all`, the
+kernels' launch data the ops use too. `signals` is looked up in this module at each call, so that
 tests/test_gpu_check_order.py can stand in for it.
 """
 

@@ -229,13 +229,13 @@ def per_thread_wait_kernel(flag_ptr, err_ptr, out_ptr, epoch, timeout_ns, BLOCK:
 
 
 def compile_occupy() -> dict:
-    """The GPU check's SM-occupying kernel (bench/gpu_check_streams.py): it writes and polls pinned host words."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
-    import gpu_check_streams
+    """The GPU tests' SM-occupying kernel (tests/gpu/test_host_waits.py): it writes and polls pinned host words."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gpu"))
+    import test_host_waits
 
     t0 = time.time()
     signature = {"release_ptr": "*i32", "started_ptr": "*i32", "timeout_ns": "i64"}
-    ptx, cubin = _compile(gpu_check_streams._occupy, signature, {}, {}, {"num_warps": 1})
+    ptx, cubin = _compile(test_host_waits._occupy, signature, {}, {}, {"num_warps": 1})
     return _common({"kernel": "_occupy", "key": "", "num_warps": 1}, "i32", (), ptx, cubin, t0)
 
 

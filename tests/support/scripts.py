@@ -1,5 +1,5 @@
 """Running the project's scripts (``bench/gpu_check.py`` and its kin) as subprocesses in tests: a clean
-environment (no ``OUT``, ``TRITON_INTERPRET`` or ``GPU_CHECK_TEST_HOOK`` leaking in from the caller), always
+environment (no ``OUT``, ``TRITON_INTERPRET`` or ``OVERLAP_GPU_TEST_HOOK`` leaking in from the caller), always
 with a timeout, so a script that hangs fails its test instead of the suite."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_script(args: list[str], timeout: float, **env_extra: str) -> subprocess.CompletedProcess:
     """``python *args`` from the repository's root with `env_extra` set; raises TimeoutExpired past `timeout`."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TRITON_INTERPRET", "GPU_CHECK_TEST_HOOK")}
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TRITON_INTERPRET", "OVERLAP_GPU_TEST_HOOK",
+                                                                 "OVERLAP_GPU_RECORD")}
     env["PYTHONUNBUFFERED"] = "1"
     env.update(env_extra)
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,

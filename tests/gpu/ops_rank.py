@@ -1,25 +1,24 @@
-"""One rank of the ops section (`gpu_check_ops`): every op of the op table x {``symm``, ``fused``} x {forward,
-forward and backward}, through the public API, against a float64 oracle computed here from the seed, each call
-made twice and required to give bitwise the same results.
+"""One rank of the ops run on one device (tests/gpu/test_ops_on_one_device.py): every op of the op table x
+{``symm``, ``fused``} x {forward, forward and backward}, through the public API, against a float64 oracle computed
+here from the seed, each call made twice and required to give bitwise the same results.
 
-Started by `gpu_check_ops.run_world` as ``python bench/gpu_check_ops_rank.py --rank R --world-size W ...``, one
-process per rank. On a GPU every rank computes on the same device: the process group is
-``cpu:gloo,cuda:nccl`` (one rank: ``nccl``), whose name tells overlap the group computes on CUDA
-(`overlap.world.group_device`), while no NCCL communicator is ever created (NCCL refuses two ranks on one GPU):
-``symm`` and ``fused`` make no collective, overlap's own set-up and torch's symmetric-memory rendezvous (torch
-2.11's CUDA backend) go through the group's store, and this module exchanges nothing (each rank checks its own
-results; the parent merges them). Symmetric memory across processes on one device needs
-``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``, set by the parent. On the CPU (``--device cpu``) the ranks use
-gloo and ``fused`` runs under the Triton interpreter.
+Started as ``python tests/gpu/ops_rank.py --rank R --world-size W ...``, one process per rank. On a GPU every rank
+computes on the same device: the process group is ``cpu:gloo,cuda:nccl`` (one rank: ``nccl``), whose name tells
+overlap the group computes on CUDA (`overlap.world.group_device`), while no NCCL communicator is ever created (NCCL
+refuses two ranks on one GPU): ``symm`` and ``fused`` make no collective, overlap's own set-up and torch's
+symmetric-memory rendezvous go through the group's store, and this module exchanges nothing (each rank checks its
+own results; the parent merges them). Symmetric memory across processes on one device needs
+``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``, set by the parent. On the CPU (``--device cpu``) the ranks use gloo
+and ``fused`` runs under the Triton interpreter.
 
-Results go to ``<out>/rank<R>.jsonl``, one JSON object a line, flushed as they come (a rank that dies leaves
-what it had): ``{"kind": "cases", "names": [...]}`` first, then ``{"kind": "setup", ...}`` once the heap exists
-(the set-up smoke: the process group, the group's facts, ``overlap.reserve``, i.e. torch's symmetric-memory
-allocation and rendezvous and the flag words on GPUs), then one ``{"kind": "case", ...}`` per case from
-``--first`` on. The first exception an op raises ends the run of this rank (the group may then be unusable); the
-parent then stops its peers and starts fresh ranks at the next case, so one failure costs one case.
+Results go to ``<out>/rank<R>.jsonl``, one JSON object a line, flushed as they come (a rank that dies leaves what
+it had): ``{"kind": "cases", "names": [...]}`` first, then ``{"kind": "setup", ...}`` once the heap exists (the
+set-up smoke: the process group, the group's facts, ``overlap.reserve``, i.e. torch's symmetric-memory allocation
+and rendezvous and the flag words on GPUs), then one ``{"kind": "case", ...}`` per case from ``--first`` on (up to
+``--stop``). The first exception an op raises ends the run of this rank (the group may then be unusable); the parent
+then stops its peers and starts fresh ranks at the next case, so one failure costs one case.
 
-Imports overlap: only `gpu_check_ops` starts it, after the GPU check's self-install.
+Imports overlap, and of the tests only `tolerance` (no pytest).
 """
 
 from __future__ import annotations
@@ -36,13 +35,14 @@ import traceback
 from typing import Any
 
 import torch
-from gpu_check_common import BLOCK_RTOL, FP32_ACCUMULATE, UNIT_ROUNDOFF, compare_bound, dtype_name
+from tolerance import BLOCK_RTOL, FP32_ACCUMULATE, UNIT_ROUNDOFF, compare_bound, dtype_name
 
 STRATEGIES = ("symm", "fused")
 #: chunks per link class of every call: more than one, so per-chunk flags, events and copies run
 CHUNKS = {"shm": 2, "nvlink": 2, "pcie": 2}
 #: MoE against the dense float64 model (docs/design.md, tolerance (c)): rtol, atol (times the largest value > 1)
 MOE_TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 3e-2), torch.float16: (2e-2, 3e-2)}
+TRACE_CHARS = 3000  # how much of a failing call's traceback a record keeps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +59,13 @@ class Case:
 
     @property
     def name(self) -> str:
-        op = f"{self.op}[{self.variant}]" if self.variant else self.op
-        dims = " ".join(f"{k}={v}" for k, v in self.shape.items())
-        return f"{op} {self.strategy} {'fwd+bwd' if self.backward else 'fwd'} {dims}"
+        """``op-strategy-mode``, e.g. ``matmul_all_reduce.one_shot-fused-fwd+bwd`` (a test id: no dims)."""
+        op = f"{self.op}.{self.variant}" if self.variant else self.op
+        return f"{op}-{self.strategy}-{'fwd+bwd' if self.backward else 'fwd'}"
+
+    @property
+    def dims(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.shape.items())
 
 
 def shapes(family: str, cuda: bool) -> dict[str, int]:
@@ -117,8 +121,8 @@ def bound_of(family: str, dtype: torch.dtype, exact: torch.Tensor, terms: torch.
     TP ops are bilinear in their inputs, so `terms` (the oracle on the inputs' absolute values) is the sum
     of the magnitudes of the products an element adds up, and a rounding bound follows: the result rounds
     at most ``world_size + 2`` times (a partial stored, each reduction step, the output) and accumulates in
-    fp32 over at most `depth` terms (`gpu_check_dist.dist_check`'s bound). MoE applies gelu between its
-    GEMMs: docs/design.md's tolerance (c), atol times the largest expected magnitude where that exceeds 1."""
+    fp32 over at most `depth` terms (the bound the torchrun checks of the ops use too). MoE applies gelu between
+    its GEMMs: docs/design.md's tolerance (c), atol times the largest expected magnitude where that exceeds 1."""
     if family == "tp":
         per_term = (world_size + 2) * UNIT_ROUNDOFF[dtype] + 2 * (depth + 2) * FP32_ACCUMULATE
         return per_term * terms * 1.01 + 1e-30
@@ -208,8 +212,13 @@ def setup_smoke(group, device: torch.device, timeout: float) -> str:
     return f"{info.world_size} rank(s) on {info.device}, backend {info.backend}, links {info.link_classes()}"
 
 
+def _failure(exc: BaseException) -> dict[str, str]:
+    """A record's fields for an exception: its text, and the end of its traceback."""
+    return {"value": f"{type(exc).__name__}: {exc}"[:500], "trace": traceback.format_exc()[-TRACE_CHARS:]}
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="one rank of bench/gpu_check_ops.py (started by it)")
+    p = argparse.ArgumentParser(description="one rank of the ops run on one device (tests/gpu)")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--init-file", required=True)
@@ -219,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="folder of the rank<R>.jsonl files")
     p.add_argument("--first", type=int, default=0, help="index of the first case to run (the parent restarts the "
                                                            "ranks after the case that ended a run)")
+    p.add_argument("--stop", type=int, default=None, help="index of the case to stop before (default: run to the "
+                                                          "end)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu":
@@ -238,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         out.write("setup", status="PASS", value=f"{what}, {time.monotonic() - t0:.1f} s")
     except Exception as exc:  # noqa: BLE001 - reported; the parent falls back
         traceback.print_exc()
-        out.write("setup", status="FAIL", value=f"{type(exc).__name__}: {exc}"[:500])
+        out.write("setup", status="FAIL", **_failure(exc))
         world.exit_after_teardown(3)
-    for i, case in enumerate(todo):
+    for i, case in enumerate(todo[:args.stop]):
         if i < args.first:
             continue
         t0 = time.monotonic()
@@ -248,10 +259,10 @@ def main(argv: list[str] | None = None) -> int:
             result = run_case(case, i, args.seed, group, device, dtype, args.timeout)
         except Exception as exc:  # noqa: BLE001 - the first error ends this run (the parent starts a fresh one)
             traceback.print_exc()
-            out.write("case", name=case.name, status="FAIL", error=True, value=f"{type(exc).__name__}: {exc}"[:500])
+            out.write("case", name=case.name, status="FAIL", error=True, **_failure(exc))
             code = 1
             break
-        out.write("case", name=case.name, seconds=round(time.monotonic() - t0, 2), **result)
+        out.write("case", name=case.name, dims=case.dims, seconds=round(time.monotonic() - t0, 2), **result)
     if code == 0:
         import overlap
 

@@ -1,32 +1,27 @@
-"""Checks j: the `symm` pipelines' stream-ordered waits under each hardware-queue setting (issue 17, finding 6).
+"""The ``symm`` pipelines' stream-ordered waits on host words, under each hardware-queue setting.
 
-The `symm` pipelines wait with ``cuStreamWaitValue32`` (``overlap.signals.cuda_stream_wait_value32``: the GPU's
+The ``symm`` pipelines wait with ``cuStreamWaitValue32`` (``overlap.signals.cuda_stream_wait_value32``: the GPU's
 front end polls the word, no SM) on control-pad words in host shared memory registered for the device
 (``cuda_host_register``), publish with ``cuda_stream_write_value32``, and bound every wait with the host watchdog
 (``watchdog_arm``, a C++ thread that at the deadline sets the error word, the abort word to peer + 1 and then the
-word itself, which releases the stream); docs/design.md section 4. Each group of this module runs the same three
-checks in a process of its own, one under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (every stream in one hardware queue,
-as Megatron-LM requires with sequence parallelism) and one under the check's default (32):
+word itself, which releases the stream); docs/design.md section 4. The GPU check runs these tests under its default
+``CUDA_DEVICE_MAX_CONNECTIONS=32`` and again under 1 (every stream in one hardware queue, as Megatron-LM requires
+with sequence parallelism); each test notes the setting it ran under.
 
-* ``register+wait``: a page of ``/dev/shm`` (an mmap of a temp file, like the control pads) registered; a GEMM
-  then the publish on stream B issued before the wait on stream A, then a copy of the GEMM's result and a marker
-  on A; the copy must equal the result, the marker must land, the watchdog must not fire; then unregistered.
-* ``watchdog release``: a wait on a word nobody writes, armed with a 0.5 s deadline, more work queued on another
-  stream, then ``torch.cuda.synchronize`` in a thread the host joins with a deadline (past it the host stores the
-  word itself and the section FAILs; if even that does not drain the device the process is marked stuck). It
+* A wait on a registered host word behind its publish: a page of ``/dev/shm`` (an mmap of a temp file, like the
+  control pads) registered; a GEMM then the publish on stream B issued before the wait on stream A, then a copy of
+  the GEMM's result and a marker on A; the copy must equal the result, the marker must land, the watchdog must not
+  fire; then unregistered.
+* The watchdog releasing a wait nobody publishes: armed with a 0.5 s deadline, more work queued on another stream,
+  then ``torch.cuda.synchronize`` in a thread the host joins with a deadline (past it the host stores the word
+  itself and the test fails; if even that does not drain the device the process is unusable: `DeviceStuck`). It
   must return, with the error word 1, the abort word peer + 1 and the word at its value. Under one queue this
-  proves that a host write frees a blocked queue and everything behind it.
-* ``no starvation``: a kernel whose blocks fill every SM's block slots (over-subscribed grid, each block spinning
-  on a pinned host word with a clock limit) on one stream; once the host sees the resident count stable and below
-  the grid (no slot free), a side stream's wait, copy to pinned memory and marker are issued and the wait is
-  released by a host store: the marker must land while the spinning kernel still holds every SM.
-
-On the CPU (``--cpu-smoke``) there is no CUDA: the device checks SKIP, and each group runs the host half of the
-watchdog release on a /dev/shm page (the same C++ watchdog, no stream) after checking that its process has the
-setting it names (so CI proves the group's environment reaches it). Section names do not depend on the
-environment (the parent lists them in its own process); every section FAILs in a process with another setting.
-
-Imports overlap: the entry point imports this module only after its self-install.
+  proves that a host write frees a blocked queue and everything behind it. Its host half (the same watchdog on a
+  /dev/shm page, no stream) runs on the CPU too.
+* No starvation: a kernel whose blocks fill every SM's block slots (over-subscribed grid, each block spinning on a
+  pinned host word with a clock limit) on one stream; once the host sees the resident count stable and below the
+  grid (no slot free), a side stream's wait, copy to pinned memory and marker are issued and the wait is released
+  by a host store: the marker must land while the spinning kernel still holds every SM.
 """
 
 from __future__ import annotations
@@ -38,13 +33,16 @@ import tempfile
 import threading
 import time
 
+import pytest
 import torch
 import triton
 import triton.language as tl
-from gpu_check_common import Report
-from gpu_check_virtual import SETTLE_TIMEOUT_S, Device
+from tolerance import verdict
+from virtual import SETTLE_TIMEOUT_S, Device, DeviceStuck
 
 from overlap import signals
+
+pytestmark = pytest.mark.one_queue
 
 FLAG, MARK, MARK2, ERR, ABORT = 0, 1, 2, 3, 4  # words of the host page
 WAIT_TIMEOUT_S = 10.0  # the watchdog deadline of the waits meant to pass (< SETTLE_TIMEOUT_S)
@@ -57,13 +55,18 @@ PEER = 2
 VALUE = 5
 
 
+def _connections() -> str | None:
+    """The hardware-queue setting this process runs under (the GPU check's run decides it)."""
+    return os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+
+
 class HostPage:
     """One page of host shared memory (an mmap of a file in /dev/shm, as the control pads are), optionally
     registered for the device. Its int32 words are read and written through their addresses."""
 
     def __init__(self):
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, self.path = tempfile.mkstemp(prefix="gpu_check_streams-", dir=folder)
+        fd, self.path = tempfile.mkstemp(prefix="gpu-test-host-waits-", dir=folder)
         try:
             os.ftruncate(fd, mmap.PAGESIZE)
             self.mm = mmap.mmap(fd, mmap.PAGESIZE)
@@ -110,7 +113,7 @@ def _occupy(release_ptr, started_ptr, timeout_ns):
 
     Both words are pinned host memory: the mark is a plain store (a system-scope atomic over PCIe is not atomic
     with respect to the host), and the release word is read once every `OCCUPY_POLL_NS` per block, not every
-    iteration (thousands of spinning blocks would flood the bus the check's own transfers cross)."""
+    iteration (thousands of spinning blocks would flood the bus the test's own transfers cross)."""
     tl.store(started_ptr + tl.program_id(0), 1)
     start = tl.extra.cuda.globaltimer()
     go = tl.load(release_ptr, volatile=True)
@@ -132,16 +135,6 @@ def _until(predicate, timeout_s: float) -> bool:
     return True
 
 
-def _wrong_connections(rep: Report, name: str, expected: str) -> bool:
-    """True (and a FAIL of `name` recorded) where this process's queue setting is not the one the section names."""
-    got = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
-    if got != expected:
-        rep.add(name, "FAIL", f"CUDA_DEVICE_MAX_CONNECTIONS={got} in this process, expected {expected}: the "
-                              "section would not test the setting it names")
-        return True
-    return False
-
-
 def _gemm_inputs(dev: Device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator(device=dev.device).manual_seed(17)
     x = torch.randn(2048, 2048, device=dev.device, generator=g)
@@ -149,17 +142,36 @@ def _gemm_inputs(dev: Device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return x, y, torch.empty_like(x)
 
 
-def check_register_and_wait(rep: Report, dev: Device, name: str, expected: str) -> None:
-    """j. register+wait: the publish (after a GEMM on B) issued before the wait on A; the copy behind the wait."""
-    if _wrong_connections(rep, name, expected):
-        return
+def _bounded_synchronize(dev: Device, timeout_s: float) -> tuple[bool, BaseException | None]:
+    """torch.cuda.synchronize in a thread joined with a deadline: (returned in time, its exception)."""
+    caught: list[BaseException] = []
+
+    def sync() -> None:
+        try:
+            torch.cuda.synchronize(dev.device)
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            caught.append(exc)
+
+    thread = threading.Thread(target=sync, daemon=True, name="gpu tests synchronize")
+    thread.start()
+    thread.join(timeout_s)
+    return not thread.is_alive(), (caught[0] if caught else None)
+
+
+# ==============================================================================================
+# The checks
+# ==============================================================================================
+
+
+def check_register_and_wait(dev: Device) -> None:
+    """The publish (after a GEMM on B) issued before the wait on A; the copy behind the wait."""
     with HostPage() as page:
         page.register(dev.device)
         a, b = dev.stream(), dev.stream()
         x, y, out = _gemm_inputs(dev)
         copy = torch.full_like(out, float("nan"))
-        dev.idle(f"{name} setup")
-        dev.warm(name, lambda: torch.mm(x, y, out=out))  # cuBLAS's kernel loaded before the gate (`Device.warm`)
+        dev.idle("the register+wait set-up")
+        dev.warm("register+wait", lambda: torch.mm(x, y, out=out))  # cuBLAS's kernel loaded before the gate
         gate = dev.gate()  # hold B until everything is issued: with queues of their own A waits first
         gate.hold(b)
         with dev.on(b):
@@ -175,7 +187,7 @@ def check_register_and_wait(rep: Report, dev: Device, name: str, expected: str) 
         time.sleep(0.05)
         held = not done.query()
         gate.open()
-        dev.settle([a, b], [], name)
+        dev.settle([a, b], [], "the wait on a registered host word")
         problems = [] if held else ["stream A was not held by the wait"]
         if page[MARK] != 9:
             problems.append(f"marker {page[MARK]} after the wait, expected 9")
@@ -183,36 +195,18 @@ def check_register_and_wait(rep: Report, dev: Device, name: str, expected: str) 
             problems.append(f"the watchdog fired (err={page[ERR]}, abort={page[ABORT]}): the publish never landed")
         if not torch.equal(copy, out):
             problems.append("the copy behind the wait differs from the GEMM published before it")
-    rep.add(name, "FAIL" if problems else "PASS",
-            "; ".join(problems) or "registered /dev/shm page: GEMM + write on B released the wait on A, copy equal")
+    verdict(problems, "registered /dev/shm page: GEMM + write on B released the wait on A, copy equal",
+            connections=_connections())
 
 
-def _bounded_synchronize(dev: Device, timeout_s: float) -> tuple[bool, BaseException | None]:
-    """torch.cuda.synchronize in a thread joined with a deadline: (returned in time, its exception)."""
-    caught: list[BaseException] = []
-
-    def sync() -> None:
-        try:
-            torch.cuda.synchronize(dev.device)
-        except BaseException as exc:  # noqa: BLE001 - reported by the caller
-            caught.append(exc)
-
-    thread = threading.Thread(target=sync, daemon=True, name="gpu_check synchronize")
-    thread.start()
-    thread.join(timeout_s)
-    return not thread.is_alive(), (caught[0] if caught else None)
-
-
-def check_watchdog_release(rep: Report, dev: Device, name: str, expected: str) -> None:
-    """j. watchdog release: a wait nobody publishes, released by the host watchdog at its 0.5 s deadline."""
-    if _wrong_connections(rep, name, expected):
-        return
+def check_watchdog_release(dev: Device) -> None:
+    """A wait nobody publishes, released by the host watchdog at its 0.5 s deadline."""
     with HostPage() as page:
         page.register(dev.device)
         a, b = dev.stream(), dev.stream()
         x, y, out = _gemm_inputs(dev)
-        dev.idle(f"{name} setup")
-        dev.warm(name, lambda: torch.mm(x, y, out=out))  # loaded now, not behind the blocked wait (`Device.warm`)
+        dev.idle("the watchdog release set-up")
+        dev.warm("watchdog release", lambda: torch.mm(x, y, out=out))  # loaded now, not behind the blocked wait
         fired = signals.watchdog_fired()
         signals.cuda_stream_wait_value32(page.dev(FLAG), VALUE, a.cuda_stream)
         signals.cuda_stream_write_value32(page.dev(MARK), 9, a.cuda_stream)
@@ -226,11 +220,10 @@ def check_watchdog_release(rep: Report, dev: Device, name: str, expected: str) -
         if not returned:  # the host releases the word itself, then gives the device one more chance
             signals.signal_store(page.addr(FLAG), VALUE)
             if not _bounded_synchronize(dev, SETTLE_TIMEOUT_S)[0]:
-                rep.stuck = name
-                raise RuntimeError(f"{name}: the device did not drain even after the host stored the word")
-            rep.add(name, "FAIL", f"torch.cuda.synchronize did not return within {SYNC_TIMEOUT_S:.0f} s: the "
-                                  "watchdog did not release the wait (the host's own store did)")
-            return
+                raise DeviceStuck("the watchdog release: the device did not drain even after the host stored the "
+                                  "word")
+            raise AssertionError(f"torch.cuda.synchronize did not return within {SYNC_TIMEOUT_S:.0f} s: the "
+                                 "watchdog did not release the wait (the host's own store did)")
         if error is not None:
             raise error
         got = {"flag": page[FLAG], "err": page[ERR], "abort": page[ABORT], "A": page[MARK], "B": page[MARK2]}
@@ -240,22 +233,18 @@ def check_watchdog_release(rep: Report, dev: Device, name: str, expected: str) -
             problems.append("watchdog_fired did not count the release")
         if waited < 0.8 * RELEASE_TIMEOUT_S:
             problems.append(f"synchronize returned after {waited:.3f} s, before the wait's deadline")
-    rep.add(name, "FAIL" if problems else "PASS", "; ".join(problems) or
-            f"synchronize returned after {waited:.2f} s: err=1, abort=peer+1, flag={VALUE}, both streams drained")
+    verdict(problems, f"synchronize returned after {waited:.2f} s: err=1, abort=peer+1, flag={VALUE}, both streams "
+                      "drained", waited_s=waited, connections=_connections())
 
 
-def check_watchdog_release_host(rep: Report, name: str, expected: str) -> None:
-    """j. watchdog release, host half (CPU): the same watchdog on a /dev/shm page, no stream, in the group's
-    process (whose queue setting is checked: the GPU sections of the group rely on it)."""
-    if _wrong_connections(rep, name, expected):
-        return
+def check_watchdog_release_host() -> None:
+    """The watchdog's host half: the same watchdog on a /dev/shm page, no stream."""
     with HostPage() as page:
         fired = signals.watchdog_fired()
         start = time.monotonic()
         page.arm(FLAG, VALUE, RELEASE_TIMEOUT_S)
         if not _until(lambda: page[FLAG] == VALUE, WAIT_TIMEOUT_S):
-            rep.add(name, "FAIL", f"the watchdog did not release the word within {WAIT_TIMEOUT_S:.0f} s")
-            return
+            raise AssertionError(f"the watchdog did not release the word within {WAIT_TIMEOUT_S:.0f} s")
         waited = time.monotonic() - start
         got = (page[ERR], page[ABORT])
         problems = [] if got == (1, PEER + 1) else [f"err, abort = {got}, expected (1, {PEER + 1})"]
@@ -263,15 +252,12 @@ def check_watchdog_release_host(rep: Report, name: str, expected: str) -> None:
             problems.append("watchdog_fired did not count the release")
         if waited < 0.8 * RELEASE_TIMEOUT_S:
             problems.append(f"released after {waited:.3f} s, before its deadline")
-    rep.add(name, "FAIL" if problems else "PASS", "; ".join(problems) or
-            f"host only (no CUDA), CUDA_DEVICE_MAX_CONNECTIONS={expected}: released after {waited:.2f} s with "
-            f"err=1, abort=peer+1, flag={VALUE}")
+    verdict(problems, f"host only, no stream: released after {waited:.2f} s with err=1, abort=peer+1, flag={VALUE}",
+            waited_s=waited, connections=_connections())
 
 
-def check_no_starvation(rep: Report, dev: Device, name: str, expected: str) -> None:
-    """j. no starvation: a side stream's wait, copy and marker complete while a kernel holds every SM."""
-    if _wrong_connections(rep, name, expected):
-        return
+def check_no_starvation(dev: Device) -> None:
+    """A side stream's wait, copy and marker complete while a kernel holds every SM."""
     grid = dev.sm_count * BLOCKS_PER_SM
     started = torch.zeros(grid, dtype=torch.int32, pin_memory=True)
     release = torch.zeros(1, dtype=torch.int32, pin_memory=True)
@@ -280,7 +266,7 @@ def check_no_starvation(rep: Report, dev: Device, name: str, expected: str) -> N
     with HostPage() as page:
         page.register(dev.device)
         main, side = dev.stream(), dev.stream()
-        dev.idle(f"{name} setup")
+        dev.idle("the no-starvation set-up")
         end = torch.cuda.Event()
         try:
             with dev.on(main):
@@ -295,8 +281,7 @@ def check_no_starvation(rep: Report, dev: Device, name: str, expected: str) -> N
                 return now == was and now >= dev.sm_count
 
             if not _until(stable, 10.0) or resident[0] >= grid:
-                rep.add(name, "FAIL", f"{resident[0]} of {grid} spinning blocks resident: not every SM was full")
-                return
+                raise AssertionError(f"{resident[0]} of {grid} spinning blocks resident: not every SM was full")
             page.arm(FLAG, 1, WAIT_TIMEOUT_S)
             signals.cuda_stream_wait_value32(page.dev(FLAG), 1, side.cuda_stream)
             with dev.on(side):
@@ -307,7 +292,7 @@ def check_no_starvation(rep: Report, dev: Device, name: str, expected: str) -> N
             still_full = not end.query() and int(started.sum()) == resident[0]
         finally:
             signals.signal_store(release.data_ptr(), 1)
-        dev.settle([main, side], [], name)
+        dev.settle([main, side], [], "the wait beside a kernel holding every SM")
         problems = [] if passed else ["the side stream's marker did not land within 5 s of the release"]
         if passed and not still_full:
             problems.append("the spinning kernel had ended or moved when the marker landed: not proven starved")
@@ -315,30 +300,29 @@ def check_no_starvation(rep: Report, dev: Device, name: str, expected: str) -> N
             problems.append("the copy behind the wait is wrong")
         if page[ERR]:
             problems.append("the watchdog fired")
-    rep.add(name, "FAIL" if problems else "PASS", "; ".join(problems) or
-            f"wait + copy + marker done while {resident[0]} spinning blocks held all {dev.sm_count} SMs")
+    verdict(problems, f"wait + copy + marker done while {resident[0]} spinning blocks held all {dev.sm_count} SMs",
+            resident_blocks=resident[0], sm_count=dev.sm_count, connections=_connections())
 
 
-def run_queue_checks(rep: Report, dev: Device, connections: str, label: str) -> None:
-    """The three checks under `connections` (this process's CUDA_DEVICE_MAX_CONNECTIONS), named by `label`; on
-    the CPU only the host half of the watchdog release (in this group's process: its setting is checked too)."""
-    no_cuda = None if dev.cuda else "no CUDA: needs a GPU's stream memory operations"
-    rep.run(f"j.{label} register+wait", lambda: check_register_and_wait(rep, dev, f"j.{label} register+wait",
-                                                                        connections), skip=no_cuda)
-    release = f"j.{label} watchdog release"
-    if dev.cuda:
-        rep.run(release, lambda: check_watchdog_release(rep, dev, release, connections))
-    else:
-        rep.run(release, lambda: check_watchdog_release_host(rep, release, connections))
-    rep.run(f"j.{label} no starvation", lambda: check_no_starvation(rep, dev, f"j.{label} no starvation",
-                                                                    connections), skip=no_cuda)
+# ==============================================================================================
+# The tests
+# ==============================================================================================
 
 
-def run_queue_checks_default(rep: Report, dev: Device) -> None:
-    """Group "queues": checks j under the check's default CUDA_DEVICE_MAX_CONNECTIONS=32."""
-    run_queue_checks(rep, dev, "32", "32-queue")
+@pytest.mark.cuda
+def test_a_wait_on_a_registered_host_word_passes_once_its_publish_lands(dev):
+    check_register_and_wait(dev)
 
 
-def run_queue_checks_one_queue(rep: Report, dev: Device) -> None:
-    """Group "queues1": checks j under CUDA_DEVICE_MAX_CONNECTIONS=1 (the group's environment)."""
-    run_queue_checks(rep, dev, "1", "1-queue")
+@pytest.mark.cuda
+def test_the_host_watchdog_releases_a_stream_wait_nobody_publishes(dev):
+    check_watchdog_release(dev)
+
+
+def test_the_host_watchdog_releases_a_host_word_nobody_publishes():
+    check_watchdog_release_host()
+
+
+@pytest.mark.cuda
+def test_a_stream_wait_passes_while_a_kernel_holds_every_sm(dev):
+    check_no_starvation(dev)
