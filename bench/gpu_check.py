@@ -320,14 +320,18 @@ def summary(doc: dict[str, Any]) -> tuple[str, int]:
             lines.append(f"  FAILED {f['test']} ({f['phase']}): {message[:200]}")
         for reason, n in sorted(facts["skips"].items(), key=lambda kv: -kv[1]):
             lines.append(f"  {n} skipped: {reason}")
-        failed |= c["failed"] > 0
+        if facts["exit"] not in (None, 0, 1, 5):  # 5: nothing selected; 2-4: interrupted, internal or usage error
+            lines.append(f"  pytest exited with status {facts['exit']} (see the log)")
+        failed |= c["failed"] > 0 or facts["exit"] not in (None, 0, 1, 5)
         complete &= facts["complete"]
     timings = doc["stages"].get("timings")
     if timings is not None:
         for r in timings["results"]:
             if r.get("headline") or r["status"] == "FAIL":
                 lines.append(f"  {r['status']} {r['name']}: {r['value']}")
-        failed |= any(r["status"] == "FAIL" for r in timings["results"])
+        if timings["exit"] not in (None, 0):
+            lines.append(f"  the timings exited with status {timings['exit']} (see the log)")
+        failed |= any(r["status"] == "FAIL" for r in timings["results"]) or timings["exit"] not in (None, 0)
         complete &= timings["complete"]
     code = EXIT_FAILED if failed else EXIT_OK if complete else EXIT_INCOMPLETE
     lines.append(f"gpu_check: {'FAILED' if failed else 'passed' if complete else 'INCOMPLETE'} in "

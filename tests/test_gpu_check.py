@@ -117,6 +117,7 @@ def test_the_summary_says_failed_incomplete_or_passed():
 
     def doc(tests_complete=True, failed=0, timings=None):
         facts = {"counts": {"passed": 5, "failed": failed, "skipped": 2}, "complete": tests_complete,
+                 "exit": (1 if failed else 0) if tests_complete else None,
                  "killed_during": None if tests_complete else "tests/gpu/test_x.py::test_y",
                  "failures": [{"test": "tests/gpu/test_x.py::test_z", "phase": "call", "message": "E  boom"}] * failed,
                  "skips": {"needs a GPU": 2}}
@@ -131,12 +132,17 @@ def test_the_summary_says_failed_incomplete_or_passed():
     assert code == 1 and "FAILED tests/gpu/test_x.py::test_z (call): E  boom" in text
     text, code = gpu_check.summary(doc(tests_complete=False))
     assert code == 3 and "killed at its time during tests/gpu/test_x.py::test_y" in text
-    slow = {"complete": True, "results": [{"name": "fused all-gather GEMM x", "status": "PASS", "value": "1.2x",
-                                           "headline": True}]}
+    text, code = gpu_check.summary({**doc(), "stages": {"tests": {"gpu_tests": {
+        **doc()["stages"]["tests"]["gpu_tests"], "exit": 4}}}})
+    assert code == 1 and "pytest exited with status 4" in text  # a usage error (a bad -k) is no pass
+    slow = {"exit": 0, "complete": True,
+            "results": [{"name": "fused all-gather GEMM x", "status": "PASS", "value": "1.2x", "headline": True}]}
     text, code = gpu_check.summary(doc(timings=slow))
     assert code == 0 and "PASS fused all-gather GEMM x: 1.2x" in text
     text, code = gpu_check.summary(doc(timings={**slow, "complete": False}))
     assert code == 3
+    text, code = gpu_check.summary(doc(timings={**slow, "exit": -11, "complete": False}))
+    assert code == 1 and "the timings exited with status -11" in text
 
 
 def test_the_install_uses_every_core_and_ends_before_the_time_limit():

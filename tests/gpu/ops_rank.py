@@ -121,7 +121,7 @@ def bound_of(family: str, dtype: torch.dtype, exact: torch.Tensor, terms: torch.
     TP ops are bilinear in their inputs, so `terms` (the oracle on the inputs' absolute values) is the sum
     of the magnitudes of the products an element adds up, and a rounding bound follows: the result rounds
     at most ``world_size + 2`` times (a partial stored, each reduction step, the output) and accumulates in
-    fp32 over at most `depth` terms (the bound the torchrun checks of the ops use too). MoE applies gelu between
+    fp32 over at most `depth` terms. MoE applies gelu between
     its GEMMs: docs/design.md's tolerance (c), atol times the largest expected magnitude where that exceeds 1."""
     if family == "tp":
         per_term = (world_size + 2) * UNIT_ROUNDOFF[dtype] + 2 * (depth + 2) * FP32_ACCUMULATE

@@ -1,7 +1,7 @@
 """The ops' own code on one device, through the public API, in several processes.
 
-The virtual-rank tests launch the kernels on ranks of one process; only the torchrun checks run the ops themselves,
-and they need a GPU per rank. These tests run every op of the op table (``overlap.plans.OPS``:
+The virtual-rank tests launch the kernels on ranks of one process; ``overlap bench`` runs the ops themselves, with a
+GPU per rank. These tests run every op of the op table (``overlap.plans.OPS``:
 ``all_gather_matmul``, ``matmul_reduce_scatter``, ``matmul_all_reduce`` and its ``one_shot`` variant, the
 weight-side ``all_gather_weight_matmul``, the MoE layer ``dispatch_grouped_matmul`` + gelu +
 ``grouped_matmul_combine``) x {``symm``, ``fused``} x {forward under ``no_grad``, forward and backward} on ranks that
