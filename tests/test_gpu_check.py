@@ -180,3 +180,32 @@ def test_the_gpu_check_imports_no_op_internals(path):
     modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not [m for m in modules if m.startswith("overlap.ops")], modules
+
+
+def test_on_a_gpu_the_tests_run_twice_the_second_time_under_one_queue(tmp_path, monkeypatch):
+    """The passes a GPU run makes (recorded, not run): all of tests/gpu under 32 hardware queues in 65% of the
+    pytest budget, then the ``one_queue`` tests under 1 until the budget's end, each with its record and deadline."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    run = gpu_check.Run(gpu_check.parse_args(["--out", str(tmp_path), "-k", "kernel"]))
+    calls = []
+    monkeypatch.setattr(run, "run_teed", lambda cmd, env, until: calls.append((cmd, env, until)) or 0)
+    began = time.time()
+    try:
+        gpu_check.run_tests(run, 100.0)
+    finally:
+        run.log_file.close()
+    assert len(calls) == 2, calls
+    (first, env1, until1), (second, env2, until2) = calls
+    assert env1["CUDA_DEVICE_MAX_CONNECTIONS"] == "32" and env2["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert "one_queue" not in first and second[second.index("-m", 3) + 1] == "one_queue"  # (after "-m pytest")
+    assert first[first.index("-k") + 1] == "kernel" == second[second.index("-k") + 1]
+    assert {"-n", "--max-worker-restart", "--timeout"} <= set(first) and str(tmp_path / "gpu_tests.json") == \
+        env1["OVERLAP_GPU_RECORD"] and env2["OVERLAP_GPU_RECORD"].endswith("gpu_tests_one_queue.json")
+    assert began + 64 <= until1 <= time.time() + 65 and began + 99 <= until2 <= time.time() + 100
+    assert float(env1["OVERLAP_GPU_TESTS_UNTIL"]) == until1 and float(env2["OVERLAP_GPU_TESTS_UNTIL"]) == until2
+    stages = json.loads((tmp_path / "gpu_check.json").read_text())["stages"]["tests"]
+    assert set(stages) == {"gpu_tests", "gpu_tests_one_queue"}, stages
