@@ -9,8 +9,9 @@ Usage::
 
 In order, within ``--time-limit`` (default 480 s, counted from the start, the install included):
 
-1. **preflight** (`gpu_check_preflight`): ``nvidia-smi``'s facts and compute mode, ``nvcc`` and ``CUDACXX``,
-   Python's headers, a writable install target; what would make the install fail ends the run here (exit 2);
+1. **preflight** (`gpu_check_preflight`), every run: ``nvidia-smi``'s facts and compute mode, ``nvcc`` and
+   ``CUDACXX``, Python's headers, a writable install target; where an install is needed, what would make it fail
+   ends the run here (exit 2);
 2. **install** (where ``overlap._C`` does not import, or ``--install``): ``pip install --no-build-isolation
    --no-deps -e .``, building ``_C`` with ``MAX_JOBS`` = the machine's cores, then this script runs again; then
    ``_C`` must have its CUDA half where a GPU is present (one clear FAIL, exit 2, also with ``--no-install``);
@@ -20,8 +21,9 @@ In order, within ``--time-limit`` (default 480 s, counted from the start, the in
    thirds of what the install left;
 4. **the timings** (`gpu_timings`, GPU only): the rest.
 
-Every stage runs in a process of its own that is killed at its share of the time, so the run always ends by itself
-within its limit, and always leaves a record in ``--out`` (default ``gpu_check_out/``, under ``$OUT`` where set):
+The install, each pass of the tests and the timings run in processes of their own, each killed at its share of the
+time (and a stuck test ends its xdist worker at pytest-timeout's limit), so the run always ends by itself within
+its limit, and always leaves a record in ``--out`` (default ``gpu_check_out/``, under ``$OUT`` where set):
 ``gpu_check.json`` (the stages, their figures and the summary, rewritten after each), ``gpu_tests.json`` and
 ``gpu_tests_one_queue.json`` (every test's outcome, written as it goes), ``junit*.xml``, ``gpu_timings.json`` and
 ``gpu_check.log`` (everything printed). The output ends with a summary: each failed test (its node id reruns it
@@ -50,7 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests" / "gpu"
 INSTALL_RESERVE_S = 30.0  # what the install leaves of --time-limit at least
 MARGIN_S = 8.0  # what the run keeps at its end: writing the record and the summary
-PER_TEST_S = 240.0  # pytest-timeout's limit per test (the ops' one run of the rank processes is the longest)
+PER_TEST_S = 240.0  # pytest-timeout's limit per test at most (the ops' one run of the rank processes is the longest)
+MIN_PER_TEST_S = 60.0  # ... and at least
 WORKER_RESTARTS = 8  # pytest-xdist's --max-worker-restart: sticky faults the run survives
 PASSES = (("gpu_tests", "32", None), ("gpu_tests_one_queue", "1", "one_queue"))  # record, queues, marker
 EXIT_OK, EXIT_FAILED, EXIT_SETUP, EXIT_INCOMPLETE = 0, 1, 2, 3
@@ -90,6 +93,7 @@ class Run:
         self.args = args
         self.started = args.started_at or T0
         self.deadline = self.started + args.time_limit
+        args.out = str(Path(args.out).resolve())  # the children run from the checkout's root
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         fresh = args.started_at is None
@@ -162,8 +166,8 @@ def project_problem() -> str | None:
 
     try:
         from overlap import signals  # overlap._C's exports: raises ImportError where it is not built
-    except ImportError as exc:
-        return f"overlap._C does not import ({exc})"
+    except Exception as exc:  # noqa: BLE001 - whatever keeps overlap from importing is this one problem
+        return f"overlap._C does not import ({type(exc).__name__}: {exc})"
     if torch.cuda.is_available() and not signals.has_cuda:
         return "overlap._C was built without its CUDA half, on a machine with a GPU"
     return None
@@ -190,25 +194,28 @@ def install_deadline(started: float, time_limit: float) -> float:
 
 
 def install(run: Run) -> str | None:
-    """Install overlap (editable, building _C here) if it is needed, then run this script again (no return);
-    else None. Returns what went wrong where the preflight or the install failed."""
+    """The preflight (its facts logged and recorded), then, where it is needed, the install of overlap (editable,
+    building _C here) and this script again (no return); else None. Returns what went wrong where the preflight
+    or the install failed."""
     from gpu_check_preflight import preflight
 
     args = run.args
+    import torch
+
+    if "preflight" not in run.doc["stages"]:  # (not again after the install)
+        checked = preflight(dict(os.environ), gpu=not args.cpu and torch.cuda.is_available(), root=ROOT)
+        for fact in checked.facts:
+            run.log(f"preflight: {fact}")
+        run.stage("preflight", facts=checked.facts, problems=checked.problems, env=checked.env)
     why = None if args.no_install else "--install given" if args.install else project_problem()
     if why is None:
         return None
-    import torch
-
-    checked = preflight(dict(os.environ), gpu=not args.cpu and torch.cuda.is_available(), root=ROOT)
-    for fact in checked.facts:
-        run.log(f"preflight: {fact}")
-    run.stage("preflight", facts=checked.facts, problems=checked.problems)
-    if checked.problems:
-        return "the install cannot work here: " + "; ".join(checked.problems)
+    checked_problems = run.doc["stages"]["preflight"]["problems"]
+    if checked_problems:
+        return "the install cannot work here: " + "; ".join(checked_problems)
     until = install_deadline(run.started, args.time_limit)
     cmd = [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "-e", str(ROOT)]
-    env = install_env(checked.env)
+    env = install_env(run.doc["stages"]["preflight"]["env"])
     run.log(f"installing overlap ({why}), MAX_JOBS={env['MAX_JOBS']}, at most {until - time.time():.0f} s: "
             f"{' '.join(cmd)}")
     (ROOT / "build").mkdir(exist_ok=True)
@@ -232,14 +239,21 @@ def install(run: Run) -> str | None:
 # ==============================================================================================
 
 
+def plugins() -> dict[str, bool]:
+    """Which of the plugins the run counts on this machine has."""
+    return {name: importlib.util.find_spec(module) is not None
+            for name, module in (("pytest-xdist", "xdist"), ("pytest-timeout", "pytest_timeout"))}
+
+
 def pytest_command(args: argparse.Namespace, record: str, marker: str | None, per_test_s: float) -> list[str]:
     """``pytest tests/gpu`` with the plugins this machine has: one xdist worker (restarted after a sticky fault)
     and pytest-timeout's limit per test, the junit record beside the JSON one."""
     cmd = [sys.executable, "-m", "pytest", str(TESTS), "-p", "no:cacheprovider", "-o", "addopts=", "-rfEs",
            "--strict-markers", "--junitxml", str(Path(args.out) / f"junit_{record}.xml")]
-    if importlib.util.find_spec("xdist") is not None:
+    have = plugins()
+    if have["pytest-xdist"]:
         cmd += ["-n", "1", "--max-worker-restart", str(WORKER_RESTARTS)]
-    if importlib.util.find_spec("pytest_timeout") is not None:
+    if have["pytest-timeout"]:
         cmd += ["--timeout", str(int(per_test_s)), "--timeout-method", "thread"]  # a stuck C call ends its worker
     if marker:
         cmd += ["-m", marker]
@@ -252,6 +266,11 @@ def run_tests(run: Run, budget_s: float) -> None:
     """The passes of `PASSES` (on the CPU only the first), each killed past its share of `budget_s`; what each
     found goes into the record (``stages.tests``)."""
     passes = PASSES if not run.args.cpu else PASSES[:1]
+    missing = [name for name, there in plugins().items() if not there]
+    if missing:
+        run.log(f"WARNING: {', '.join(missing)} missing here: without pytest-xdist a sticky CUDA fault skips every "
+                "later test; without pytest-timeout a stuck test takes the rest of its pass")
+    run.stage("setup", missing_plugins=missing)
     began = time.time()
     for i, (record, queues, marker) in enumerate(passes):
         share = 0.65 if i == 0 and len(passes) > 1 else 1.0  # the one-queue pass reruns a part of the first
@@ -260,7 +279,11 @@ def run_tests(run: Run, budget_s: float) -> None:
         path.unlink(missing_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_DEVICE_MAX_CONNECTIONS": queues,
                "OVERLAP_GPU_RECORD": str(path), "OVERLAP_GPU_TESTS_UNTIL": repr(end)}
-        cmd = pytest_command(run.args, record, marker, PER_TEST_S)
+        if run.args.cpu:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU mode even on a GPU machine
+        # a stuck test ends its worker (xdist starts another) well before the pass's end: the rest still run
+        per_test = min(PER_TEST_S, max(MIN_PER_TEST_S, 0.6 * (end - time.time())))
+        cmd = pytest_command(run.args, record, marker, per_test)
         run.log(f"tests under CUDA_DEVICE_MAX_CONNECTIONS={queues}, at most {end - time.time():.0f} s: "
                 f"{' '.join(cmd[2:])}")
         code = run.run_teed(cmd, env, end)
@@ -284,7 +307,12 @@ def summarize_tests(path: Path, code: int | None) -> dict[str, Any]:
         elif t["phase"] == "call":
             outcome.setdefault(t["test"], "passed")
     counts = {k: sum(1 for v in outcome.values() if v == k) for k in ("passed", "failed", "skipped")}
-    killed = None if code is not None else (doc.get("running") or {}).get("test", "(not started)")
+    running = (doc.get("running") or {}).get("test", "(no test started)")
+    killed = None if code is not None else running
+    if code is not None and not doc.get("finished", False):  # pytest ended by itself before its end (a crash)
+        failures.append({"test": running, "phase": "?", "message": f"pytest ended early (exit status {code}) "
+                                                                   "during this test; the log has its last output"})
+        counts["failed"] += 1
     return {"exit": code, "counts": counts, "failures": failures, "skips": skips, "killed_during": killed,
             "complete": code is not None and doc.get("finished", False),
             "figures": {t["test"]: t["properties"] for t in doc["tests"] if t.get("properties")}}
@@ -344,6 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(args)
     try:
         return check(run)
+    except Exception as exc:  # a bug of the driver itself, or a machine it did not foresee: said, recorded
+        import traceback
+
+        run.write(traceback.format_exc())
+        run.stage("setup", problem=f"the driver failed: {type(exc).__name__}: {exc}")
+        return EXIT_SETUP
     finally:
         run.log_file.close()
 

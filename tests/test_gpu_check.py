@@ -46,7 +46,12 @@ def test_help_names_every_option():
 
 
 def test_a_cpu_run_records_every_test_as_it_goes_and_ends_with_the_verdict(tmp_path):
-    proc = run_script([*CPU, "--out", str(tmp_path), "-k", "gives_up_on_a or host_word"], timeout=300)
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TRITON_INTERPRET", "OVERLAP_GPU_TEST_HOOK",
+                                                            "OVERLAP_GPU_RECORD")}
+    # from another folder, with a relative --out: every record lands there (the tests run from the checkout)
+    proc = subprocess.run([sys.executable, *CPU, "--out", "records", "-k", "gives_up_on_a or host_word"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    tmp_path = tmp_path / "records"
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert proc.stdout.rstrip().splitlines()[-1].startswith("gpu_check: passed in "), out[-2000:]
@@ -143,6 +148,24 @@ def test_the_summary_says_failed_incomplete_or_passed():
     assert code == 3
     text, code = gpu_check.summary(doc(timings={**slow, "exit": -11, "complete": False}))
     assert code == 1 and "the timings exited with status -11" in text
+
+
+def test_a_pytest_that_ends_before_its_end_is_a_failure_named_for_its_test(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    record = tmp_path / "gpu_tests.json"
+    record.write_text(json.dumps({"finished": False, "running": {"test": "tests/gpu/test_x.py::test_y"}, "tests": [
+        {"test": "tests/gpu/test_x.py::test_w", "phase": "call", "outcome": "passed", "message": None,
+         "properties": {}}]}))
+    crashed = gpu_check.summarize_tests(record, -11)
+    assert crashed["counts"] == {"passed": 1, "failed": 1, "skipped": 0} and not crashed["complete"], crashed
+    assert crashed["failures"][0]["test"] == "tests/gpu/test_x.py::test_y" and "exit status -11" in \
+        crashed["failures"][0]["message"], crashed
+    killed = gpu_check.summarize_tests(record, None)  # killed at its time: incomplete, not failed
+    assert killed["counts"]["failed"] == 0 and killed["killed_during"] == "tests/gpu/test_x.py::test_y", killed
 
 
 def test_the_install_uses_every_core_and_ends_before_the_time_limit():

@@ -162,6 +162,9 @@ def merge(ranks: list[list[dict]], codes: list[int | None], elapsed: float,
         ends = ", ".join(f"rank {q}: {f}" for q, f in enumerate(fate))
         if any(o.status == "FAIL" for o in world.cases.values()):
             world.exit = Outcome("SKIP", f"ranks ended early ({ends}) after a failing case: its test says why")
+        elif None in codes and any(o.status == "SKIP" for o in world.cases.values()):
+            world.exit = Outcome("SKIP", f"the ranks ran out of the run's time ({ends}): the cases they did not "
+                                         "reach skip, saying so")
         else:
             world.exit = Outcome("FAIL", "; ".join(silent(q, f"rank {q}") for q, c in enumerate(codes) if c != 0))
     return world
