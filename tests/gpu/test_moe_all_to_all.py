@@ -59,6 +59,7 @@ def check_a2a_kernels(dev: Device, cfg: Config) -> None:
         flags = [g.flag(s, i).data_ptr() for i in all_to_all.block_flags(h)]
         table = torch.tensor(blocks + chunks + flags, dtype=torch.int64, device=d)
         dst = torch.tensor([g.region(r, s).data_ptr() for r in range(W)], dtype=torch.int64, device=d)
+        assert h.token_of.numel() == blocks[-1]  # made here, before the idle below: the dispatch reads it elsewhere
         launches.append((s, h, table, dst, len(blocks), blocks[-1], chunks[-1], per_chunk))
     err = torch.zeros(W, dtype=torch.int32, device=d)
     dev.spin_guard(2 * W, 2 * W)  # a gate per source, a bounded wait per receiver
