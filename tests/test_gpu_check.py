@@ -46,11 +46,8 @@ def test_help_names_every_option():
 
 
 def test_a_cpu_run_records_every_test_as_it_goes_and_ends_with_the_verdict(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TRITON_INTERPRET", "OVERLAP_GPU_TEST_HOOK",
-                                                            "OVERLAP_GPU_RECORD")}
     # from another folder, with a relative --out: every record lands there (the tests run from the checkout)
-    proc = subprocess.run([sys.executable, *CPU, "--out", "records", "-k", "gives_up_on_a or host_word"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = run_script([*CPU, "--out", "records", "-k", "gives_up_on_a or host_word"], timeout=300, cwd=tmp_path)
     tmp_path = tmp_path / "records"
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

@@ -201,15 +201,9 @@ def check_timeout(dev: Device, dtype: torch.dtype) -> None:
     dev.spin_guard(gather_grid(g, dev.tile), 1)
     if dev.cuda:
         dev.publish(g.flags[0], epoch, g.streams[0])
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with dev.on(g.streams[0]):
-            start.record()
-            launch = time.perf_counter()
-            launch_gather(g, 0, c, epoch, SHORT_TIMEOUT_NS, dev.tile)
-            launch = time.perf_counter() - launch  # a first launch compiles first, the device idle meanwhile
-            end.record()
+        took = dev.timed(g.streams[0], lambda: launch_gather(g, 0, c, epoch, SHORT_TIMEOUT_NS, dev.tile))
         dev.settle(g.streams, g.flags, what)  # the kernel's own limit must end it long before this deadline
-        waited = start.elapsed_time(end) / 1e3 - launch
+        waited = took()
     else:
         dev.publish(g.flags[0], epoch, None)
         t0 = time.perf_counter()

@@ -199,15 +199,9 @@ def check_dispatch_timeout(dev: Device, cfg: Config) -> None:
     timeout_s = SHORT_TIMEOUT_NS / 1e9
     dev.spin_guard(c.grid, 1)
     if dev.cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with dev.on(g.streams[0]):
-            start.record()
-            launch = time.perf_counter()
-            launch_wait(g, c, epoch, SHORT_TIMEOUT_NS)
-            launch = time.perf_counter() - launch  # a first launch compiles first, the device idle meanwhile
-            end.record()
+        took = dev.timed(g.streams[0], lambda: launch_wait(g, c, epoch, SHORT_TIMEOUT_NS))
         dev.settle(g.streams, g.dispatch_flags(), what)  # the kernel's own limit must end it long before this deadline
-        waited = start.elapsed_time(end) / 1e3 - launch
+        waited = took()
     else:
         t0 = time.perf_counter()
         with Watchdog(c.abort, timeout_s):  # the interpreter's abort word stands in for %globaltimer

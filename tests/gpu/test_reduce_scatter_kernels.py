@@ -236,16 +236,11 @@ def check_timeout(dev: Device, dtype: torch.dtype) -> None:
     timeout_s = SHORT_TIMEOUT_NS / 1e9
     dev.spin_guard(reduce_grid(g), 1)
     if dev.cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with dev.on(g.streams[0]):
             launch_scatter(g, 0, epoch)
-            start.record()
-            launch = time.perf_counter()
-            launch_reduce(g, 0, epoch, SHORT_TIMEOUT_NS)
-            launch = time.perf_counter() - launch  # a first launch compiles first, the device idle meanwhile
-            end.record()
+        took = dev.timed(g.streams[0], lambda: launch_reduce(g, 0, epoch, SHORT_TIMEOUT_NS))
         dev.settle(g.streams, g.all_flag_words(), what)  # the kernel's own limit must end it long before this
-        waited = start.elapsed_time(end) / 1e3 - launch
+        waited = took()
     else:
         launch_scatter(g, 0, epoch)
         t0 = time.perf_counter()

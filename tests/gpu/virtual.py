@@ -217,6 +217,19 @@ class Device:
         """Bounded wait for everything this test enqueued, on every stream made here."""
         self.settle(self.streams, [], what)
 
+    def timed(self, stream: torch.cuda.Stream, launch: Callable[[], None]) -> Callable[[], float]:
+        """Issue `launch` on `stream` between two timing events; once the stream has drained (`settle`), the returned
+        function gives the seconds the device took. A first launch compiles its kernel on the host first, the device
+        idle meanwhile: that host time is taken off."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with self.on(stream):
+            start.record()
+            began = time.perf_counter()
+            launch()
+            host = time.perf_counter() - began
+            end.record()
+        return lambda: start.elapsed_time(end) / 1e3 - host
+
     def warm(self, what: str, launch: Callable[[], None]) -> None:
         """Run `launch` (the kernels a test is about to race) once, ungated, and wait for it.
 

@@ -12,11 +12,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_script(args: list[str], timeout: float, **env_extra: str) -> subprocess.CompletedProcess:
-    """``python *args`` from the repository's root with `env_extra` set; raises TimeoutExpired past `timeout`."""
+def run_script(args: list[str], timeout: float, cwd: Path = ROOT, **env_extra: str) -> subprocess.CompletedProcess:
+    """``python *args`` from `cwd` (default: the repository's root) with `env_extra` set; raises TimeoutExpired past
+    `timeout`."""
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TRITON_INTERPRET", "OVERLAP_GPU_TEST_HOOK",
                                                                  "OVERLAP_GPU_RECORD")}
     env["PYTHONUNBUFFERED"] = "1"
     env.update(env_extra)
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
