@@ -30,7 +30,7 @@ from .flags import matmul_tile, rank_major_tile, wait_rank_buffer
 
 # Not specialized on: values that differ between ranks or calls (one compiled variant serves them all) and M
 # (rows: it only masks and offsets rows). The sizes and strides that set the GEMM's vector loads stay specialized.
-@triton.jit(do_not_specialize=["epoch_ptr", "rank", "world_size", "abort_ptr", "err_ptr", "timeout_ns", "M"])
+@triton.jit(do_not_specialize=["epoch_ptr", "rank", "world_size", "abort_ptr", "err_ptr", "timeout_ns", "M", "ROWS"])
 def all_gather_matmul_kernel(
     # output and the local weight shard
     out_ptr, b_ptr,
@@ -38,8 +38,9 @@ def all_gather_matmul_kernel(
     ptr_table, flag_table,
     # protocol (the call's epoch is an int32 word on the device: `overlap.kernels.flags`)
     epoch_ptr, rank, world_size, abort_ptr, err_ptr, timeout_ns: tl.int64,
-    # sizes: M rows per rank, N, K
-    M, N, K,
+    # sizes: M rows per rank, N, K; a rank's rows land in runs of ROWS (M: one run; less: a gather dim past the
+    # first, `overlap.ops.tp.rows.Rows`)
+    M, N, K, ROWS,
     # strides (the shards are row-major [M, K] in their buffers)
     stride_am,
     stride_bk, stride_bn,
@@ -65,7 +66,8 @@ def all_gather_matmul_kernel(
     acc = matmul_tile(a_ptrs, b_ptrs, offs_m < M, offs_k, offs_n, N, K, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
 
     # ---- store into this source rank's rows of the output ------------------------------------
-    rows = src.to(tl.int64) * M + offs_m
+    run = offs_m.to(tl.int64) // ROWS
+    rows = (run * world_size + src) * ROWS + offs_m % ROWS
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
@@ -86,7 +88,8 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
                              epoch: torch.Tensor, rank: int, err: torch.Tensor, timeout_ns: int,
                              block: tuple[int, int, int], out: torch.Tensor | None = None,
                              abort: torch.Tensor | None = None, watchdog: bool = True,
-                             num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                             num_warps: int | None = None, num_stages: int | None = None,
+                             rows_per_outer: int | None = None) -> torch.Tensor:
     """``out = cat(shard_0, ..., shard_{W-1}) @ b`` on the current stream, each tile once its shard is flagged.
 
     Args:
@@ -106,9 +109,11 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
         abort: the interpreter's abort word (default: a new one when interpreted).
         watchdog: when interpreted, set `abort` after `timeout_ns` (False: the caller bounds the launch).
         num_warps, num_stages: Triton launch options on GPUs (default: Triton's).
+        rows_per_outer: ``R``, a divisor of `rows`: rank r's rows land in runs of ``R``, its row ``o*R + f`` at
+            ``(o*W + r)*R + f`` (a gather dim past the first); default `rows` (one run).
 
     Returns:
-        `out`: rank r's rows at ``r*rows ... (r+1)*rows - 1``.
+        `out`: rank r's rows at ``r*rows ... (r+1)*rows - 1`` (or in runs of `rows_per_outer`).
 
     Raises:
         ValueError: arguments of the wrong shape, dtype or device, a rank outside the tables, a tile size
@@ -121,6 +126,9 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
     host.check_table(kernel, "flag_table", flag_table, world_size, b.device)
     host.check_range(kernel, "rank", rank, 0, world_size)
     host.check_range(kernel, "rows", rows, 0, 1 << 31)
+    run = rows if rows_per_outer is None else rows_per_outer
+    if rows and (not isinstance(run, int) or run < 1 or rows % run):
+        host.fail(kernel, f"rows_per_outer must be a positive divisor of rows={rows}, got {run!r}")
     host.check_word(kernel, "err", err)
     host.check_epoch(kernel, epoch, b.device)
     bm, bn, bk = block
@@ -138,7 +146,7 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
             out, b,
             ptr_table, flag_table,
             epoch, rank, world_size, abort, err, timeout_ns,
-            rows, n, k,
+            rows, n, k, max(run, 1),
             k,
             b.stride(0), b.stride(1),
             out.stride(0), out.stride(1),

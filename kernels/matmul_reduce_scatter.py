@@ -40,7 +40,7 @@ from .flags import count_and_release, grouped_tile, matmul_tile, wait_flag
 
 # Not specialized on: values that differ between ranks or calls, and counts that only mask rows or index flags
 # (the sizes and strides that set the GEMM's vector loads stay specialized).
-@triton.jit(do_not_specialize=["FLAG_STRIDE", "epoch_ptr", "rank", "M", "MB", "NUM_DEST", "NCH"])
+@triton.jit(do_not_specialize=["FLAG_STRIDE", "epoch_ptr", "rank", "M", "MB", "NUM_DEST", "NCH", "ROWS"])
 def matmul_scatter_kernel(
     # the local operands: a [M, K] row-major (contiguous rows), b [K, N] any strides
     a_ptr, b_ptr,
@@ -49,8 +49,9 @@ def matmul_scatter_kernel(
     dst_table, counters_ptr, flag_table, FLAG_STRIDE,
     # protocol (the call's epoch is an int32 word on the device)
     epoch_ptr, rank,
-    # sizes: M rows in all, MB rows per block, NUM_DEST blocks, NCH chunks per block
-    M, N, K, MB, NUM_DEST, NCH,
+    # sizes: M rows in all, MB rows per block, NUM_DEST blocks, NCH chunks per block; the blocks interleave in
+    # runs of ROWS rows (MB: one run each; less: a scatter dim past the first, `overlap.ops.tp.rows.Rows`)
+    M, N, K, MB, NUM_DEST, NCH, ROWS,
     # strides
     stride_am,
     stride_bk, stride_bn,
@@ -75,7 +76,8 @@ def matmul_scatter_kernel(
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     row_ok = offs_m < rows_d
-    a_rows = d.to(tl.int64) * MB + offs_m  # 64-bit: D*MB*K can pass 2^31 elements
+    run = offs_m.to(tl.int64) // ROWS  # 64-bit: D*MB*K can pass 2^31 elements
+    a_rows = (run * NUM_DEST + d) * ROWS + offs_m % ROWS
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
     acc = matmul_tile(a_ptrs, b_ptrs, row_ok, offs_k, offs_n, N, K, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
@@ -157,7 +159,8 @@ def reduce_chunks_grid(block_rows: int, n: int, block_m: int, block_n: int) -> i
 
 def launch_matmul_scatter(a: torch.Tensor, b: torch.Tensor, dst_table: torch.Tensor, counters: torch.Tensor,
                           flag_table: torch.Tensor, *, block_rows: int, num_chunks: int, flag_stride: int,
-                          epoch: torch.Tensor, rank: int, block: tuple[int, int, int]) -> None:
+                          epoch: torch.Tensor, rank: int, block: tuple[int, int, int],
+                          rows_per_outer: int | None = None) -> None:
     """The producer on the current stream: ``a @ b`` cut into ``D`` blocks of `block_rows` rows, block ``d``
     stored at ``dst_table[d]`` and released per chunk in this rank's flags ``d * flag_stride + chunk``.
 
@@ -172,6 +175,8 @@ def launch_matmul_scatter(a: torch.Tensor, b: torch.Tensor, dst_table: torch.Ten
         epoch: int32 word on `a`'s device holding the value the flags get (`overlap.kernels.epoch_word`).
         rank: this rank (destinations are visited from ``rank + 1``).
         block: ``(BLOCK_M, BLOCK_N, BLOCK_K)``; `launch_reduce_chunks` must use the same ``BLOCK_M``.
+        rows_per_outer: the blocks interleave in `a` in runs of this many rows (``a``'s row ``(o * D + d) * R + f``
+            is row ``o * R + f`` of block ``d``); default `block_rows` (block ``d`` is rows ``d * block_rows ...``).
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit, rows past the blocks, flags of two destinations
@@ -195,6 +200,10 @@ def launch_matmul_scatter(a: torch.Tensor, b: torch.Tensor, dst_table: torch.Ten
     if num_dest < 1 or m > num_dest * block_rows:
         host.fail(kernel, f"a's {m} rows do not fit {num_dest} blocks of {block_rows} rows")
     host.check_range(kernel, "num_chunks", num_chunks, 1, max(1, host.cdiv(block_rows, bm)) + 1)
+    run = block_rows if rows_per_outer is None else rows_per_outer
+    host.check_range(kernel, "rows_per_outer", run, 1, block_rows + 1)
+    if block_rows % run or (run != block_rows and m != num_dest * block_rows):
+        host.fail(kernel, f"rows_per_outer {run} must divide block_rows {block_rows}, with every block whole")
     if num_dest > 1 and (not isinstance(flag_stride, int) or flag_stride < num_chunks):
         host.fail(kernel, f"flag_stride {flag_stride!r} < num_chunks {num_chunks}: destinations' flags would overlap")
     if counters.dtype != torch.int32 or counters.numel() < num_dest * num_chunks or counters.device != a.device:
@@ -204,7 +213,7 @@ def launch_matmul_scatter(a: torch.Tensor, b: torch.Tensor, dst_table: torch.Ten
         a, b,
         dst_table, counters, flag_table, flag_stride,
         epoch, rank,
-        m, n, k, block_rows, num_dest, num_chunks,
+        m, n, k, block_rows, num_dest, num_chunks, run,
         a.stride(0),
         b.stride(0), b.stride(1),
         n,

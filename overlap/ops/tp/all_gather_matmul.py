@@ -1,4 +1,5 @@
-"""all_gather_matmul: ``all_gather(a, dim=0) @ b``, with the gather hidden behind the GEMM.
+"""all_gather_matmul: ``all_gather(a, dim) @ b``, with the gather hidden behind the GEMM; one gather may feed
+several weights (q/k/v, gate/up).
 
 Problem. In a column-parallel layer with sequence parallelism every rank holds ``a_MK`` (its
 slice of the sequence) and a column shard ``b_KN`` of the weight; the layer needs
@@ -19,6 +20,11 @@ gradient is computed by `overlap.ops.tp.scatter_gemm` with the forward's plan (i
 behind its GEMMs) while the gather flies, then the weight gradient is one GEMM over the gathered
 rows (so it rounds exactly like the unfused one).
 
+Batch-first code gathers another dim (``gather_dim=1`` of ``[b, s, h]``): every rank's rows land in place in
+the output, in runs (`overlap.ops.tp.rows`); no transpose, no copy of the whole tensor. Several weights: each
+gathered chunk is multiplied by every weight as it arrives (``fused``: one kernel launch per weight); backward
+sums every output's input gradient into one reduce-scatter (and the gradient of a returned gathered input).
+
 Concurrency and aliasing: calls on one group are issued by one thread, in the same order on every
 rank; ``a`` and ``b`` may alias each other and any other tensor (they are only read); the output is
 a new tensor. A rank's shard is copied into the heap, so ``a`` may be modified once the call returns.
@@ -26,137 +32,221 @@ a new tensor. A rank's shard is copied into the heap, so ``a`` may be modified o
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-from ... import comm
 from ...plans import Plan
 from .. import library
-from ..context import CallContext, describe, no_autocast, record
+from ..context import CallContext, autocast_inputs, describe, no_autocast, record
 from . import entry, gather, gather_gemm, scatter_gemm
+from .rows import Product, normalize_dim, of, resized
 
 OP = "all_gather_matmul"
+DIM = "gather_dim"
 
 
 def all_gather_matmul(
     a: torch.Tensor,
-    b: torch.Tensor,
+    b: torch.Tensor | list[torch.Tensor],
     group: dist.ProcessGroup | None = None,
     strategy: str = "auto",
     plan: Plan | dict | None = None,
     timeout: float | None = None,
-) -> torch.Tensor:
-    """``all_gather(a, dim=0) @ b`` over `group`, overlapping the gather with the GEMM.
+    *,
+    gather_dim: int = 0,
+    return_gathered: bool = False,
+) -> Any:
+    """``all_gather(a, gather_dim) @ b`` over `group`, overlapping the gather with the GEMM.
 
     Args:
-        a: ``[m, ..., k]``, this rank's slice of dim 0 (the sequence of Megatron's ``[s, b, h]``).
-        b: ``[k, n]``, any strides (a weight ``w[n, k]`` is passed as ``w.t()``).
+        a: ``[..., m, ..., k]``, this rank's slice of `gather_dim` (the sequence: dim 0 of Megatron's ``[s, b, h]``,
+            dim 1 of batch-first ``[b, s, h]``).
+        b: ``[k, n]``, any strides (a weight ``w[n, k]`` is passed as ``w.t()``), or a list of them (one ``k`` and
+            dtype, any ``n``: q, k and v of grouped-query attention): every gathered chunk is read once for all.
         group: process group (default: the world); every rank of it must make the same call.
         strategy: ``"auto"`` (default), ``"reference"``, ``"pipelined"``, ``"symm"``, ``"fused"`` or ``"hierarchical"``.
         plan: an `overlap.Plan` (overrides `strategy`'s defaults, e.g. chunk counts).
         timeout: seconds any wait on a peer may take (default ``OVERLAP_TIMEOUT_S``, 300).
+        gather_dim: the dim of `a` that is gathered, any but the last (negative counts from the end).
+        return_gathered: also return the gathered ``a`` (a caller that keeps it for its own weight gradient).
 
     Returns:
-        ``[world_size * m, ..., n]``: rank r's rows at ``r*m ... (r+1)*m - 1``.
+        ``y``: `a`'s shape with ``world_size * m`` at `gather_dim` and ``n`` last, rank r's slice at
+        ``r*m ... (r+1)*m - 1`` of `gather_dim`; a list of them where `b` is a list; ``(a_full, y)`` with
+        `return_gathered`.
 
     Raises:
-        TypeError / ValueError: bad arguments (dims, dtypes, devices, plan), on this rank before
-            any data moves; peers already in the call raise `OverlapMismatchError` at once.
-        OverlapMismatchError: ranks made different calls (shapes, dtype, plan), on every rank.
+        TypeError / ValueError: bad arguments (dims, dtypes, devices, plan, an empty list of weights), on this
+            rank before any data moves; peers already in the call raise `OverlapMismatchError` at once.
+        OverlapMismatchError: ranks made different calls (shapes, dtype, gather_dim, plan), on every rank.
         ValueError: ``symm``/``fused`` forced on a group that spans nodes.
         OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
     """
-    return entry.tp_call(_op, OP, a, b, group, strategy, plan, timeout)
+    many = isinstance(b, (list, tuple))
+    weights = list(b) if many else [b]
+    check = _check_flag(return_gathered)
+    args = entry.call_args(OP, a, weights, group, strategy, plan, timeout, check, gather_dim, DIM, multi=True)
+    if not isinstance(return_gathered, bool):  # (call_args let it through: the op's check raises it, peers told)
+        entry.prepare(OP, a, b, group, strategy, plan, timeout, check, dim=gather_dim, dim_name=DIM, multi=True)
+    a, *weights = autocast_inputs(a, *weights)
+    ys, full, _ = _op(a, weights, gather_dim, return_gathered, *args, library.needs_grad(a, *weights))
+    ys = list(ys) if many else ys[0]
+    return (full, ys) if return_gathered else ys
 
 
-def _forward(a, b, group, strategy, plan, timeout, needs_grad):
+def _check_flag(return_gathered: Any):
+    def check(a, b, info) -> None:
+        if not isinstance(return_gathered, bool):
+            raise TypeError(f"overlap.{OP}: return_gathered must be a bool, got {type(return_gathered).__name__}")
+
+    return check
+
+
+def _weights(bs: list[torch.Tensor]) -> Any:
+    """`bs` as the preamble takes it: one weight alone (the signature of a call with one tensor)."""
+    return bs[0] if len(bs) == 1 else bs
+
+
+def _forward(a, bs, dim, keep, group, strategy, plan, timeout, needs_grad):
     """``overlap::all_gather_matmul``: the whole call (checks, plan, handshake, strategy) on this rank."""
-    cc = entry.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad)
+    cc = entry.tp_context(OP, a, _weights(bs), group, strategy, plan, timeout, needs_grad, dim=dim, dim_name=DIM,
+                          multi=True)
+    d = normalize_dim(OP, DIM, dim, a.shape)
+    W = cc.world_size
     # The handshake comes first (in `run`): nothing that can fail locally runs before the data.
     with record(OP), no_autocast(cc.info.device.type):
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
-        out2, _ = gather_gemm.run(a2, b, cc)
-        out = out2.view(cc.world_size * a.shape[0], *a.shape[1:-1], b.shape[1])
-    return out, library.context_out(cc, needs_grad)
+        outs, gathered = gather_gemm.run(a2, bs, cc, keep_gathered=keep, rows=of(a.shape, d, W, scatter=False))
+        shape = resized(a.shape, d, W * a.shape[d])
+        ys = [out.view(*shape[:-1], b.shape[1]) for out, b in zip(outs, bs, strict=True)]
+        full = gathered.view(shape) if keep else a.new_empty(0)
+    return ys, full, library.context_out(cc, needs_grad)
 
 
-def _fake(a, b, group, strategy, plan, timeout, needs_grad):
-    out = a.new_empty((library.world_size(group) * a.shape[0], *a.shape[1:-1], b.shape[-1]))
-    return out, library.context_fake(needs_grad)
+def _fake(a, bs, dim, keep, group, strategy, plan, timeout, needs_grad):
+    W = library.world_size(group)
+    try:
+        shape = resized(a.shape, normalize_dim(OP, DIM, dim, a.shape), W * a.shape[dim])
+    except (TypeError, ValueError):  # (the op raises it, on every rank, when it runs)
+        shape = a.shape
+    ys = [a.new_empty((*shape[:-1], b.shape[-1])) for b in bs]
+    return ys, a.new_empty(shape if keep else (0,)), library.context_fake(needs_grad)
 
 
-def _backward(grad_out, a, b, context, need_a, need_b):
-    """``overlap::all_gather_matmul_backward``: ``(grad_a, grad_b)`` in the forward's call context."""
+def _save(ctx: Any, inputs: tuple, output: Any) -> None:
+    a, bs, dim, keep, *_ = inputs
+    ctx.save_for_backward(a, *bs, output[2])
+    ctx.dim, ctx.keep, ctx.need_b = normalize_dim(OP, DIM, dim, a.shape), keep, [b.requires_grad for b in bs]
+    ctx.shapes = [y.shape for y in output[0]]
+
+
+def _autograd_backward(ctx: Any, grads: list, grad_full: torch.Tensor | None, _grad_context: Any):
+    a, *bs, context = ctx.saved_tensors
+    need_a = ctx.needs_input_grad[0]
+    need_b = ctx.need_b
+    grads = [g if g is not None else a.new_zeros(shape) for g, shape in zip(grads, ctx.shapes, strict=True)]
+    full = grad_full if ctx.keep and grad_full is not None else a.new_empty(0)
+    grad_a, grad_bs = _backward_op(grads, full, a, bs, context, ctx.dim, need_a, need_b)
+    return (grad_a if need_a else None, [g if need else None for g, need in zip(grad_bs, need_b, strict=True)],
+            None, None, None, None, None, None, None)
+
+
+def _backward(grads, grad_full, a, bs, context, dim, need_a, need_b):
+    """``overlap::all_gather_matmul_backward``: ``(grad_a, grad_bs)`` in the forward's call context."""
     cc = library.kept(context, f"{OP}.backward").derive(op=f"{OP}.backward")
+    W, k = cc.world_size, a.shape[-1]
+    ro = of(a.shape, dim, W, scatter=False)
+    g2s = [g.reshape(-1, b.shape[1]).contiguous() for g, b in zip(grads, bs, strict=True)]
+    extra = grad_full.reshape(-1, k).contiguous() if grad_full.numel() else None
+    prod = Product([(g2, b.t()) for g2, b in zip(g2s, bs, strict=True)], ro, extra) if need_a else None
     with no_autocast(cc.info.device.type):
-        if cc.plan.strategy == "reference":
-            grad_a, grad_b = _reference_backward(cc, a, b, grad_out, need_a, need_b)
-        else:
-            grad_a, grad_b = _overlapped_backward(cc, a, b, grad_out, need_a, need_b)
-    return library.grads_out(grad_a, grad_b, a, b)
+        run = _reference_backward if cc.plan.strategy == "reference" else _overlapped_backward
+        grad_a, full = run(cc, a, prod, any(need_b), ro)
+    grad_bs = [torch.mm(full.t(), g2) if need else b.new_empty(0)
+               for g2, b, need in zip(g2s, bs, need_b, strict=True)]
+    return grad_a.view(a.shape) if grad_a is not None else a.new_empty(0), grad_bs
 
 
-_backward_op = library.define(f"{OP}_backward", entry.TP_BACKWARD_SCHEMA, _backward, entry.tp_backward_fake)
-_op = library.define(OP, entry.TP_SCHEMA, _forward, _fake, entry.tp_backward(_backward_op), entry.tp_save)
+def _backward_fake(grads, grad_full, a, bs, context, dim, need_a, need_b):
+    return (a.new_empty(a.shape if need_a else (0,)),
+            [b.new_empty(b.shape if need else (0,)) for b, need in zip(bs, need_b, strict=True)])
 
 
-def _reference_backward(cc: CallContext, a, b, grad_out, need_a, need_b):
-    """Megatron's sequence-parallel backward with plain collectives (the baseline)."""
-    k, n = b.shape
-    cc = cc.derive(signature=f"{cc.op}(a={describe(a)}, b={tuple(b.shape)}, grads={int(need_a)}{int(need_b)}, "
-                             "reference)")
+BACKWARD_SCHEMA = ("(Tensor[] grads, Tensor grad_full, Tensor a, Tensor[] bs, Tensor context, int dim, bool need_a, "
+                   "bool[] need_b) -> (Tensor, Tensor[])")
+SCHEMA = ("(Tensor a, Tensor[] bs, int dim, bool keep, str group, str strategy, str plan, float? timeout, "
+          "bool needs_grad) -> (Tensor[], Tensor, Tensor)")
+_backward_op = library.define(f"{OP}_backward", BACKWARD_SCHEMA, _backward, _backward_fake)
+_op = library.define(OP, SCHEMA, _forward, _fake, _autograd_backward, _save)
+
+
+def _reference_backward(cc: CallContext, a, prod: Product | None, need_b: bool, rows):
+    """Megatron's sequence-parallel backward with plain collectives (the baseline): the gather of ``a`` in flight
+    while the input gradient's GEMMs run and its reduce-scatter is posted. Returns ``(grad_a2, gathered a)``."""
+    k = a.shape[-1]
+    cc = cc.derive(signature=f"{cc.op}(a={describe(a)}, grads={int(prod is not None)}{int(need_b)}, "
+                             f"{_terms(prod)}, reference)")
     call = cc.begin()
-    g2 = grad_out.reshape(-1, n)
     a2 = a.reshape(-1, k).contiguous()
-    grad_a = grad_b = None
+    grad_a = full = g = None
     with record(cc.op):
         try:
             if need_b:
-                full = a2.new_empty((cc.world_size * a2.shape[0], k))
-                work = comm.all_gather_async(full, a2, cc.pg)
-            if need_a:
-                partial = torch.mm(g2, b.t())
-                grad_a2 = a2.new_empty(a2.shape)
-                rs = comm.reduce_scatter_async(grad_a2, partial, cc.pg)
+                g = gather.start("reference", call, a2, cc, rows=rows)
+            if prod is not None:
+                grad_a, works, _partial = scatter_gemm.post_reference(cc, prod)
             if need_b:
-                cc.wait(work, "any", "all_gather of a")
-                grad_b = torch.mm(full.t(), g2)
-            if need_a:
-                cc.wait(rs, "any", "reduce_scatter of grad_a")
-                grad_a = grad_a2.view(a.shape)
+                for _ in g.chunks():
+                    pass
+                full = g.gathered()
+            if prod is not None:
+                for work in works:
+                    cc.wait(work, "any", "reduce_scatter of grad_a")
         finally:
+            if g is not None:
+                g.close()
             call.finish()
-    return grad_a, grad_b
+    return grad_a, full
 
 
-def _overlapped_backward(cc: CallContext, a, b, grad_out, need_a, need_b):
-    """The gather of ``a`` in flight while `matmul_reduce_scatter` computes grad_a; then grad_b by chunks."""
+def _terms(prod: Product | None) -> str:
+    """The input gradient's terms in a backward's signature (ranks must agree on them)."""
+    if prod is None:
+        return "terms=0"
+    return f"terms={[tuple(b.shape) for _, b in prod.pairs]}+{int(prod.extra is not None)}, rows={prod.rows}"
+
+
+def _overlapped_backward(cc: CallContext, a, prod: Product | None, need_b: bool, rows):
+    """The gather of ``a`` in flight while `matmul_reduce_scatter`'s strategies compute grad_a; then the gathered
+    rows for the weight gradients (one GEMM each over every row: they round exactly as the unfused ones do)."""
     chosen = cc.plan
-    k, n = b.shape
-    g2 = grad_out.reshape(-1, n).contiguous()
+    k = a.shape[-1]
     a2 = a.reshape(-1, k).contiguous()
     kind = "symm" if chosen.strategy == "fused" else chosen.strategy
-    grad_a = grad_b = None
+    grad_a = full = None
     gathered = None
     with record(cc.op):
         try:
             if need_b:
-                gather_cc = cc.derive(signature=f"{cc.op}.gather(a={describe(a)}, plan={chosen.describe()})")
+                gather_cc = cc.derive(signature=f"{cc.op}.gather(a={describe(a)}, rows={rows}, "
+                                                f"plan={chosen.describe()})")
                 # The heap cannot grow while this gather is in flight: size it for grad_a's call too.
                 need = gather.heap_bytes(kind, a2)
-                if need_a:
-                    need = max(need, scatter_gemm.heap_bytes(chosen, g2, k, cc.world_size))
+                if prod is not None:
+                    need = max(need, scatter_gemm.heap_bytes(chosen, prod.m, prod.n, prod.dtype, cc.world_size))
                 gather_call = gather_cc.begin(need, steady=kind in ("symm", "pipelined"))
-                gathered = gather.start(kind, gather_call, a2, gather_cc, need=need)
-            if need_a:
-                grad_cc = cc.derive(signature=f"{cc.op}.grad_a(g={describe(g2)}, b={(n, k)}, plan={chosen.describe()})")
-                grad_a = scatter_gemm.run(g2, b.t(), grad_cc).view(a.shape)
+                gathered = gather.start(kind, gather_call, a2, gather_cc, need=need, rows=rows)
+            if prod is not None:
+                grad_cc = cc.derive(signature=f"{cc.op}.grad_a(a={describe(a)}, {_terms(prod)}, "
+                                              f"plan={chosen.describe()})")
+                grad_a = scatter_gemm.run(prod, grad_cc)
             if need_b:
                 for _ in gathered.chunks():  # arrived during grad_a's GEMMs, most of it
                     pass
-                # One GEMM over every row: it rounds exactly as the unfused weight gradient does.
-                grad_b = torch.mm(gathered.gathered().t(), g2)
+                full = gathered.gathered()
         finally:
             if gathered is not None:
                 gathered.close()
-    return grad_a, grad_b
+    return grad_a, full

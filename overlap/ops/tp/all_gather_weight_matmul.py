@@ -57,6 +57,7 @@ from ...plans import Plan
 from .. import fused, library
 from ..context import CallContext, describe, no_autocast, record
 from . import entry, gather, grad_ring, hierarchical_weight, scatter_gemm, shard_ring
+from .rows import Product, Rows
 
 OP = "all_gather_weight_matmul"
 
@@ -199,14 +200,16 @@ def _overlapped_backward(cc: CallContext, a2, b, g2, need_a, need_b):
             if lay is not None:
                 need = max(need, grad_ring.heap_bytes(lay, cc.world_size))
             elif need_b:
-                need = max(need, scatter_gemm.heap_bytes(chosen, g2.t(), a2.shape[1], cc.world_size))
+                need = max(need, scatter_gemm.heap_bytes(chosen, g2.shape[1] // cc.world_size, a2.shape[1], a2.dtype,
+                                                         cc.world_size))
             gather_call = gather_cc.begin(need, steady=kind in ("symm", "pipelined"))
             gather = _start_gather(kind, gather_call, shard_NK, gather_cc, need)
         if need_b:
             grad_cc = cc.derive(signature=f"{cc.op}.grad_b(g={describe(g2)}, a={describe(a2)}, "
                                           f"plan={chosen.describe()})")
             if lay is None:  # grad_w = g.T @ a ([W*n, k]) reduce-scattered by rows: this rank's [n, k]
-                grad_b = scatter_gemm.run(g2.t().contiguous(), a2.contiguous(), grad_cc)
+                rows = Rows.flat(cc.world_size, g2.shape[1] // cc.world_size)
+                grad_b = scatter_gemm.run(Product([(g2.t().contiguous(), a2.contiguous())], rows), grad_cc)
             else:
                 grad_b = _ring_grad_b(grad_cc, g2, a2, n, lay)
         if need_a:

@@ -21,6 +21,7 @@ from ...plans.auto import as_plan, fit_plan, plan_source, resolve_auto
 from .. import library
 from ..context import FLOAT_DTYPES, CallContext, autocast_inputs, describe, preamble
 from ..fused import check_fused_available
+from .rows import normalize_dim
 
 # ----------------------------------------------------------------------------------------------
 # Checks, plan and signature
@@ -53,44 +54,65 @@ def check_matmul_operands(op: str, a: Any, b: Any, device: torch.device) -> None
 
 def prepare(op: str, a: Any, b: Any, group, strategy: str, plan, timeout: float | None,
             check: Callable[[torch.Tensor, torch.Tensor, world.GroupInfo], None] | None = None,
-            needs_grad: bool | None = None, cast: bool = True) -> tuple[torch.Tensor, torch.Tensor, CallContext]:
+            needs_grad: bool | None = None, cast: bool = True, dim: Any = 0,
+            dim_name: str | None = None, multi: bool = False) -> tuple[torch.Tensor, Any, CallContext]:
     """The TP ops' preamble: checks, autocast (unless `cast` is False: the custom op's caller cast them),
     plan and signature. Returns ``(a, b, context)``. `needs_grad`: whether the call's backward will run (plan
-    files keep forward and forward+backward plans apart); None: read from grad mode and the inputs."""
+    files keep forward and forward+backward plans apart); None: read from grad mode and the inputs.
 
-    def decide(cc: CallContext) -> tuple[Plan, str, tuple[torch.Tensor, torch.Tensor]]:
+    `b` may be a list of weights where `multi` (`overlap.all_gather_matmul` feeding several GEMMs: one ``k`` and
+    dtype, any ``n``; returned as a list); `dim`, the op's `dim_name` argument (``gather_dim``, ``scatter_dim``;
+    None: the op has none), is checked (`overlap.ops.tp.rows.normalize_dim`) and, past dim 0, part of the signature."""
+
+    def decide(cc: CallContext) -> tuple[Plan, str, tuple[torch.Tensor, Any]]:
         info = cc.info
-        a2, b2 = autocast_inputs(a, b) if cast else (a, b)
-        check_matmul_operands(op, a2, b2, info.device)
+        many = isinstance(b, (list, tuple))
+        weights = list(b) if many else [b]
+        if many and not multi:
+            raise TypeError(f"overlap.{op}: b must be a tensor, got a {type(b).__name__} (only all_gather_matmul "
+                            "takes a list of weights)")
+        if not weights:
+            raise ValueError(f"overlap.{op}: b is an empty list; pass one weight or a list of weights")
+        a2, *bs = autocast_inputs(a, *weights) if cast else (a, *weights)
+        for w in bs:
+            check_matmul_operands(op, a2, w, info.device)
+        b2 = bs[0]
+        d = normalize_dim(op, dim_name, dim, a2.shape) if dim_name is not None else 0
         if check is not None:
             check(a2, b2, info)
         chosen = as_plan(strategy, plan)
-        shape_sig = f"a={describe(a2)}, b={tuple(b2.shape)}"
+        n = sum(w.shape[1] for w in bs)
+        shape_sig = f"a={describe(a2)}, " + (f"bs={[tuple(w.shape) for w in bs]}" if many else f"b={tuple(b2.shape)}")
+        if d:
+            shape_sig += f", {dim_name}={d}"
         if chosen is None:
             rows = math.prod(a2.shape[:-1])
             dtype = str(a2.dtype).removeprefix("torch.")
-            chosen = resolve_auto(op, shape_sig, info, rows, dtype, out_bytes=rows * b2.shape[1] * a2.element_size(),
-                                  problem=tp_problem(op, rows, a2, b2, info.world_size, needs_grad),
+            chosen = resolve_auto(op, shape_sig, info, rows, dtype, out_bytes=rows * n * a2.element_size(),
+                                  problem=tp_problem(op, rows, a2, b2, info.world_size, needs_grad, n),
                                   plan_file=plan_source(plan))
         chosen = fit_plan(op, chosen, info)
         if chosen.strategy == "fused":
             check_fused_available(op, a2.dtype)
-        return chosen, f"{op}({shape_sig}, plan={chosen.describe()}, ring={info.slowest_link})", (a2, b2)
+        return chosen, f"{op}({shape_sig}, plan={chosen.describe()}, ring={info.slowest_link})", (a2, bs if many
+                                                                                                     else b2)
 
     cc, (a, b) = preamble(op, group, timeout, decide)
     return a, b, cc
 
 
 def tp_problem(op: str, rows: int, a: torch.Tensor, b: torch.Tensor, world_size: int,
-               needs_grad: bool | None = None) -> Problem | None:
-    """The `overlap.plans.Problem` of a TP call (plan files are keyed by it), None where it has none."""
+               needs_grad: bool | None = None, n: int | None = None) -> Problem | None:
+    """The `overlap.plans.Problem` of a TP call (plan files are keyed by it), None where it has none. `n`: the
+    columns of every weight together (one gather feeding several GEMMs moves the bytes of one)."""
     m = op_spec(op).rows_per_rank(rows, world_size)
     if m is None:
         return None
     backward = needs_grad if needs_grad is not None else (
         torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
     try:
-        return Problem(op, m, a.shape[-1], b.shape[1], str(a.dtype).removeprefix("torch."), backward)
+        return Problem(op, m, a.shape[-1], b.shape[1] if n is None else n, str(a.dtype).removeprefix("torch."),
+                       backward)
     except ValueError:  # a call the model does not describe: no plan file entry can match it
         return None
 
@@ -106,45 +128,62 @@ TP_SCHEMA = ("(Tensor a, Tensor b, str group, str strategy, str plan, float? tim
 TP_BACKWARD_SCHEMA = "(Tensor grad, Tensor a, Tensor b, Tensor context, bool need_a, bool need_b) -> (Tensor, Tensor)"
 
 
-def tp_call(packet: Any, op: str, a: Any, b: Any, group: Any, strategy: Any, plan: Any, timeout: Any,
-            check: Callable | None = None) -> torch.Tensor:
-    """A TP op's public function: its arguments as the custom op takes them (autocast applied here, where
-    torch.compile traces it), then the custom op. Arguments of the wrong types raise through the op's
-    checks (which tell the peers) instead."""
+def call_args(op: str, a: Any, weights: list, group: Any, strategy: Any, plan: Any, timeout: Any,
+              check: Callable | None = None, dim: Any = 0, dim_name: str | None = None, multi: bool = False) -> tuple:
+    """The call's arguments as a TP custom op takes them, or, where one is of a type the op does not take, this
+    rank's error raised through the op's checks (which tell the peers)."""
     args = library.call_args(group, strategy, plan, timeout)
-    if args is None or not library.tensors(a, b):
-        prepare(op, a, b, group, strategy, plan, timeout, check)  # raises this rank's error, peers told
+    dim_ok = dim_name is None or (isinstance(dim, int) and not isinstance(dim, bool))
+    if args is None or not weights or not library.tensors(a, *weights) or not dim_ok:
+        b = weights if len(weights) != 1 else weights[0]
+        prepare(op, a, b, group, strategy, plan, timeout, check, dim=dim, dim_name=dim_name,
+                multi=multi)  # raises, peers told
         raise TypeError(f"overlap.{op}: unsupported arguments")  # pragma: no cover - prepare raised
+    return args
+
+
+def tp_call(packet: Any, op: str, a: Any, b: Any, group: Any, strategy: Any, plan: Any, timeout: Any,
+            check: Callable | None = None, dim: Any = None, dim_name: str | None = None) -> torch.Tensor:
+    """A TP op's public function: its arguments as the custom op takes them (autocast applied here, where
+    torch.compile traces it), then the custom op (`dim` after ``b`` where the op has a `dim_name`). Arguments
+    of the wrong types raise through the op's checks (which tell the peers) instead."""
+    if isinstance(b, (list, tuple)):  # (one weight only: the op's check says so, on every rank)
+        prepare(op, a, b, group, strategy, plan, timeout, check, dim=dim, dim_name=dim_name)
+    args = call_args(op, a, [b], group, strategy, plan, timeout, check, dim, dim_name)
     a, b = autocast_inputs(a, b)
-    return packet(a, b, *args, library.needs_grad(a, b))[0]
+    extra = () if dim_name is None else (dim,)
+    return packet(a, b, *extra, *args, library.needs_grad(a, b))[0]
 
 
-def tp_context(op: str, a: torch.Tensor, b: torch.Tensor, group: str, strategy: str, plan: str,
-               timeout: float | None, needs_grad: bool, check: Callable | None = None):
+def tp_context(op: str, a: torch.Tensor, b: Any, group: str, strategy: str, plan: str,
+               timeout: float | None, needs_grad: bool, check: Callable | None = None, dim: int = 0,
+               dim_name: str | None = None, multi: bool = False):
     """Inside a TP custom op: the call context (checks, plan, signature) of the public call."""
     return prepare(op, a, b, library.group_of(group), strategy, library.plan_of(plan), timeout, check,
-                   needs_grad=needs_grad, cast=False)[2]
+                   needs_grad=needs_grad, cast=False, dim=dim, dim_name=dim_name, multi=multi)[2]
 
 
 def tp_save(ctx: Any, inputs: tuple, output: Any) -> None:
     """`setup_context` of the TP ops: the operands and the forward's call context."""
-    a, b, *_ = inputs
+    a, b, *rest = inputs
     ctx.save_for_backward(a, b, output[1])
+    ctx.rest = len(rest)
 
 
 def tp_backward(backward_packet: Any) -> Callable:
-    """The autograd backward of a TP op whose gradients a ``<op>_backward`` custom op computes."""
+    """The autograd backward of a TP op whose gradients a ``<op>_backward`` custom op computes (with
+    ``ctx.extra``, where `setup_context` set it, as its last arguments)."""
 
     def backward(ctx: Any, grad: torch.Tensor, _grad_context: Any):
         a, b, context = ctx.saved_tensors
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_a, grad_b = backward_packet(grad, a, b, context, need_a, need_b)
-        return grad_a if need_a else None, grad_b if need_b else None, None, None, None, None, None
+        grad_a, grad_b = backward_packet(grad, a, b, context, need_a, need_b, *getattr(ctx, "extra", ()))
+        return (grad_a if need_a else None, grad_b if need_b else None) + (None,) * ctx.rest
 
     return backward
 
 
-def tp_backward_fake(grad, a, b, context, need_a, need_b):
+def tp_backward_fake(grad, a, b, context, need_a, need_b, *_extra):
     """The fake of every ``<op>_backward``: the gradients have the operands' shapes (0 elements: not asked)."""
     return (a.new_empty(a.shape if need_a else (0,)), b.new_empty(b.shape if need_b else (0,)))
 

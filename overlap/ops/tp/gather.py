@@ -23,9 +23,10 @@ Kinds (a strategy's transport):
   ranks a gather of at most `overlap.comm.INLINE_COPY_BYTES` is pulled by the calling thread instead,
   each chunk when `Gather.chunks` reaches it (a thread's wake-up costs more than such a copy).
 
-Row coordinates are those of the gathered tensor ``[W*m, k]``: rank ``p``'s rows are
-``p*m ... (p+1)*m``. The caller has made the call's handshake (`CallContext.begin`) with
-`heap_bytes` bytes; `Gather.close` ends the call (always, also on error paths). The call's
+Row coordinates are those of the gathered tensor ``[W*m, k]``: rank ``p``'s rows are ``p*m ... (p+1)*m``, or,
+gathering a dim past the first, interleaved in runs (`overlap.ops.tp.rows.Rows`: every transfer lands in its
+runs, and `Gather.chunks` yields one run at a time). The caller has made the call's handshake
+(`CallContext.begin`) with `heap_bytes` bytes; `Gather.close` ends the call (always, also on error paths). The call's
 `overlap.ops.context.CallContext` gives the group, the plan (its chunks per link), the deadline and the
 op's name for errors.
 """
@@ -42,6 +43,7 @@ from ... import comm, symm
 from ...symm import p2p
 from ..context import CallContext
 from .hierarchical import HierGather
+from .rows import Rows
 
 
 def heap_bytes(kind: str, x2: torch.Tensor) -> int:
@@ -55,8 +57,8 @@ class Gather:
 
     own_rows_in_full = False  # the transport leaves this rank's rows in x2 only
 
-    def __init__(self, call, x2: torch.Tensor, cc: CallContext):
-        self.call, self.x2, self.cc, self.info = call, x2, cc, cc.info
+    def __init__(self, call, x2: torch.Tensor, cc: CallContext, rows: Rows):
+        self.call, self.x2, self.cc, self.info, self.ro = call, x2, cc, cc.info, rows
         self.m = x2.shape[0]
         self.full: torch.Tensor | None = None
         self.pending: list = []  # what chunks() waits on, in yield order
@@ -68,10 +70,19 @@ class Gather:
 
     def gathered(self) -> torch.Tensor:
         """The whole gathered tensor ``[W*m, k]``, once `chunks` has been consumed."""
-        r, m = self.info.rank, self.m
         if not self.own_rows_in_full:
-            self.full[r * m : (r + 1) * m].copy_(self.x2)
+            for lo, hi, f_lo, f_hi in self.runs(self.info.rank):
+                self.full[f_lo:f_hi].copy_(self.x2[lo:hi])
         return self.full
+
+    def runs(self, p: int, lo: int = 0, hi: int | None = None) -> list[tuple[int, int, int, int]]:
+        """Rank `p`'s rows ``lo ... hi`` as runs ``(lo, hi, full_lo, full_hi)`` of the gathered tensor."""
+        return self.ro.split(p, lo, self.m if hi is None else hi)
+
+    def own(self):
+        """This rank's rows, run by run, from `x2` (they are not copied into the gathered tensor)."""
+        for lo, hi, f_lo, f_hi in self.runs(self.info.rank):
+            yield f_lo, f_hi, self.x2[lo:hi]
 
     def close(self) -> None:
         exchange = getattr(self, "exchange", None)
@@ -86,59 +97,78 @@ class Gather:
 class _Reference(Gather):
     own_rows_in_full = True
     def post(self) -> None:
-        W = self.info.world_size
-        self.full = self.x2.new_empty((W * self.m, self.x2.shape[1]))
-        self.work = comm.all_gather_async(self.full, self.x2, self.cc.pg)
+        W, ro, x2 = self.info.world_size, self.ro, self.x2
+        self.full = full = x2.new_empty((W * self.m, x2.shape[1]))
+        # One collective per outer block (each is rank-major): the rows land in place.
+        self.works = [comm.all_gather_async(full[slice(*ro.block(o))], x2[o * ro.rows : (o + 1) * ro.rows],
+                                            self.cc.pg) for o in range(ro.outer)]
 
     def chunks(self):
-        self.cc.wait(self.work, "any", "all_gather")
+        for work in self.works:
+            self.cc.wait(work, "any", "all_gather")
         yield 0, self.full.shape[0], self.full
 
 
 class _Pipelined(Gather):
+    """One message segment per run (a gather dim past the first: one per outer block, the plan's chunks shared
+    among them), each cut into chunks for its link."""
+
     exchange: p2p.Exchange | None = None
 
     def post(self) -> None:
         cc, info, x2, m = self.cc, self.info, self.x2, self.m
-        W, r = info.world_size, info.rank
+        W, r, outer = info.world_size, info.rank, self.ro.outer
         self.full = full = x2.new_empty((W * m, x2.shape[1]))
+
+        def chunks_for(link: str) -> int:
+            return max(1, -(-cc.plan.chunks_for(link) // outer))
+
         if p2p.tagged(self.call):  # CPU ranks of one node: tagged messages with headers (`overlap.symm.p2p`)
             ex = self.exchange = p2p.Exchange(self.call, cc)
             for i in range(1, W):
                 src, dst = (r + i) % W, (r - i) % W
-                ex.send(x2, dst)
-                ex.expect(full[src * m : (src + 1) * m], src)
+                for lo, hi, _, _ in self.runs(dst):
+                    ex.send(x2[lo:hi], dst, self._bounds(hi - lo, dst, chunks_for))
+                for lo, hi, f_lo, f_hi in self.runs(src):
+                    ex.expect(full[f_lo:f_hi], src, self._bounds(hi - lo, src, chunks_for))
             ex.arm(block=False)
             return
         for i in range(1, W):
             src, dst = (r + i) % W, (r - i) % W
-            posted = comm.exchange_chunked(x2, dst, full[src * m : (src + 1) * m], src, cc.plan.chunks_for, info,
-                                           cc.pg, cc.op)
-            self.pending.extend((src, j, got, works) for j, got, works in posted)
+            for (lo, hi, _, _), (_, _, f_lo, f_hi) in zip(self.runs(dst), self.runs(src), strict=True):
+                posted = comm.exchange_chunked(x2[lo:hi], dst, full[f_lo:f_hi], src, chunks_for, info, cc.pg, cc.op)
+                self.pending.extend((f_lo, j, got, works) for j, got, works in posted)
+
+    def _bounds(self, rows: int, peer: int, chunks_for) -> list[tuple[int, int]] | None:
+        if self.ro.outer == 1:
+            return None  # (the plan's chunks for the link: `overlap.symm.p2p.Exchange`)
+        return comm.chunk_bounds(rows, chunks_for(self.info.link_class(peer))) if rows else []
 
     def chunks(self):
-        r, m = self.info.rank, self.m
-        yield r * m, (r + 1) * m, self.x2
+        r, W = self.info.rank, self.info.world_size
+        yield from self.own()
         if self.exchange is not None:
-            for i in range(1, self.info.world_size):
-                src = (r + i) % self.info.world_size
-                for _j, (lo, hi) in self.exchange.arrivals(src):
-                    yield src * m + lo, src * m + hi, self.full[src * m + lo : src * m + hi]
+            for i in range(1, W):
+                src = (r + i) % W
+                for s, (_, _, base, _) in enumerate(self.runs(src)):
+                    for _j, (lo, hi) in self.exchange.arrivals(src, s):
+                        yield base + lo, base + hi, self.full[base + lo : base + hi]
             self.exchange.close()
             return
-        for src, j, bounds, works in self.pending:
+        for base, j, bounds, works in self.pending:
             for work, peer in works:  # the send of the same step too: its buffer is the caller's
                 self.cc.wait(work, peer, j)
             if bounds is not None:
                 lo, hi = bounds
-                yield src * m + lo, src * m + hi, self.full[src * m + lo : src * m + hi]
+                yield base + lo, base + hi, self.full[base + lo : base + hi]
 
 
-def _pull(call: symm.Call, peer: int, lo: int, hi: int, dst: torch.Tensor, m: int, first: bool) -> None:
+def _pull(call: symm.Call, peer: int, runs: list, full: torch.Tensor, m: int, first: bool) -> None:
     if first:
         call.wait_ready(peer)
-    src = call.buffer(peer, dst.dtype, (m, dst.shape[1]))
-    dst.copy_(src[lo:hi])
+    src = call.buffer(peer, full.dtype, (m, full.shape[1]))
+    for lo, hi, f_lo, f_hi in runs:
+        full[f_lo:f_hi].copy_(src[lo:hi])
 
 
 class _Symm(Gather):
@@ -160,13 +190,14 @@ class _Symm(Gather):
             for i in range(1, W):
                 p = (r + i) % W
                 for j, (lo, hi) in enumerate(comm.chunk_bounds(m, chunks_for(info.link_class(p)))):
-                    args = (call, p, lo, hi, full[p * m + lo : p * m + hi], m, j == 0)
+                    runs = self.runs(p, lo, hi)
+                    args = (call, p, runs, full, m, j == 0)
                     if inline:
-                        self.pending.append((p * m + lo, p * m + hi, functools.partial(_pull, *args)))
+                        self.pending.append((runs, functools.partial(_pull, *args)))
                         continue
                     fut = engine.submit(_pull, *args)
                     self.futures.append(fut)
-                    self.pending.append((p * m + lo, p * m + hi, fut))
+                    self.pending.append((runs, fut))
             return
         # GPU: copy-engine pulls on a side stream behind stream-ordered, bounded flag waits; the side
         # stream also ends the call (done flags) once every pull has been issued.
@@ -178,41 +209,82 @@ class _Symm(Gather):
                 call.wait_ready(p, stream=side)
                 src = call.buffer(p, x2.dtype, (m, k))
                 for lo, hi in comm.chunk_bounds(m, chunks_for(info.link_class(p))):
-                    full[p * m + lo : p * m + hi].copy_(src[lo:hi], non_blocking=True)
+                    runs = self.runs(p, lo, hi)
+                    for s_lo, s_hi, f_lo, f_hi in runs:
+                        full[f_lo:f_hi].copy_(src[s_lo:s_hi], non_blocking=True)
                     ev = torch.cuda.Event()
                     ev.record(side)
-                    self.pending.append((p * m + lo, p * m + hi, ev))
+                    self.pending.append((runs, ev))
             call.finish(stream=side)
             self.finished = True
         full.record_stream(side)
 
     def chunks(self):
-        r, m = self.info.rank, self.m
-        yield r * m, (r + 1) * m, self.x2
-        for lo, hi, handle in self.pending:
+        yield from self.own()
+        for runs, handle in self.pending:
             if self.x2.is_cuda:
                 torch.cuda.current_stream().wait_event(handle)
             elif isinstance(handle, functools.partial):  # an inline pull (a small gather)
                 handle()
             else:
                 comm.result(handle, self.cc.timeout)
-            yield lo, hi, self.full[lo:hi]
+            for _, _, lo, hi in runs:
+                yield lo, hi, self.full[lo:hi]
 
 
-def start(kind: str, call, x2: torch.Tensor, cc: CallContext, need: int = 0) -> Gather:
-    """Post the gather of `x2` (``[m, k]`` contiguous) over the group; see the module docstring.
+class _Blocks:
+    """``hierarchical`` gathering a dim past the first: one `HierGather` per outer block (each block is rank-major),
+    each begun when `chunks` reaches it. Not hidden across blocks (each block's node call has its own handshake),
+    nor behind calls made before `chunks` (a backward's input gradient: its own calls take the heap's slots)."""
+
+    def __init__(self, cc: CallContext, x2: torch.Tensor, ro: Rows, need: int):
+        self.cc, self.x2, self.ro, self.need = cc, x2, ro, need
+        self.full = x2.new_empty((ro.outer * ro.world * ro.rows, x2.shape[1]))
+        self.current: HierGather | None = None
+
+    def _begin(self, o: int) -> HierGather:
+        ro, W = self.ro, self.ro.world
+        lo, hi = ro.block(o)
+        return HierGather(self.cc, self.x2[o * ro.rows : (o + 1) * ro.rows],
+                          [(p * ro.rows, (p + 1) * ro.rows) for p in range(W)], full=self.full[lo:hi], need=self.need)
+
+    def chunks(self):
+        for o in range(self.ro.outer):
+            if self.current is None:
+                self.current = self._begin(o)
+            base = self.ro.block(o)[0]
+            for lo, hi, rows in self.current.chunks():
+                yield base + lo, base + hi, rows
+            self.current.close()
+            self.current = None
+
+    def gathered(self) -> torch.Tensor:
+        return self.full
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.close()
+            self.current = None
+
+
+def start(kind: str, call, x2: torch.Tensor, cc: CallContext, need: int = 0, rows: Rows | None = None) -> Gather:
+    """Post the gather of `x2` (``[m, k]`` contiguous) over the group, its rows laid out as `rows` (default: rank
+    ``p``'s at ``p*m``); see the module docstring.
 
     ``hierarchical`` (a group spanning nodes; on one node the plan is ``symm``): the rows through
     `overlap.ops.tp.hierarchical.HierGather`, whose node slot holds `need` bytes at least (a call made while the
     gather is in flight fits in it)."""
+    m = x2.shape[0]
+    ro = Rows.flat(cc.world_size, m) if rows is None else rows
     if kind == "hierarchical":
-        m = x2.shape[0]
+        if ro.outer > 1:
+            return _Blocks(cc, x2, ro, need)
         return HierGather(cc, x2, [(p * m, (p + 1) * m) for p in range(cc.world_size)], need=need)
     if kind == "reference":
-        g = _Reference(call, x2, cc)
+        g = _Reference(call, x2, cc, ro)
         g.post()
     elif kind in ("pipelined", "symm"):
-        g = (_Pipelined if kind == "pipelined" else _Symm)(call, x2, cc)
+        g = (_Pipelined if kind == "pipelined" else _Symm)(call, x2, cc, ro)
         try:
             g.post()
         except BaseException:

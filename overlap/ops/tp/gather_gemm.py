@@ -33,6 +33,7 @@ from .. import fused
 from ..context import CallContext
 from ..nodes import guard
 from . import gather
+from .rows import Rows
 
 
 def heap_bytes(chosen: Plan, a2: torch.Tensor) -> int:
@@ -40,43 +41,48 @@ def heap_bytes(chosen: Plan, a2: torch.Tensor) -> int:
     return a2.numel() * a2.element_size() if chosen.strategy in ("symm", "fused", "hierarchical") else 0
 
 
-def run(a2: torch.Tensor, b: torch.Tensor | None, cc: CallContext,
-        keep_gathered: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def run(a2: torch.Tensor, bs: list[torch.Tensor], cc: CallContext, keep_gathered: bool = False,
+        rows: Rows | None = None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """One call on every rank (`cc`: its op, group, plan, deadline, signature): the handshake, then the strategy.
 
-    Returns ``(out [W*m, n], gathered [W*m, k])``: ``out`` is None when `b` is None (the call only
-    gathers), ``gathered`` (the whole gathered `a2`) is None unless `keep_gathered`: the weight
-    gradient of `matmul_reduce_scatter` takes it from the gather its input gradient needs.
+    Returns ``(outs, gathered)``: ``outs[i]`` is ``[W*m, n_i]``, the gathered rows times ``bs[i]`` (no weight:
+    the call only gathers); every chunk's GEMMs, one per weight, as soon as it is there. ``gathered`` (the whole
+    gathered `a2`) is None unless `keep_gathered`: the weight gradients take it from the gather. `rows`: where
+    each rank's rows go (`overlap.ops.tp.rows.Rows`; default rank-major, dim 0).
     """
+    rows = Rows.flat(cc.world_size, a2.shape[0]) if rows is None else rows
     call = cc.begin(heap_bytes(cc.plan, a2), steady=cc.plan.strategy in ("symm", "pipelined"))
     try:
-        return STRATEGIES[cc.plan.strategy](cc, call, a2, b, keep_gathered)
+        return STRATEGIES[cc.plan.strategy](cc, call, a2, bs, keep_gathered, rows)
     finally:
         call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
 
 
 # ----------------------------------------------------------------------------------------------
-# Forward strategies: (a2 [m, k] contiguous, b [k, n]) -> out [W*m, n]
+# Forward strategies: (a2 [m, k] contiguous, bs [k, n_i]) -> outs [W*m, n_i]
 # ----------------------------------------------------------------------------------------------
 
 
-def _gathered(cc: CallContext, call, a2, b, keep_gathered):
-    """reference, pipelined, symm: the GEMM of each gathered chunk as soon as it is there."""
-    g = gather.start(cc.plan.strategy, call, a2, cc)
+def _gathered(cc: CallContext, call, a2, bs, keep_gathered, rows):
+    """reference, pipelined, symm: the GEMMs of each gathered chunk as soon as it is there."""
+    g = gather.start(cc.plan.strategy, call, a2, cc, rows=rows)
     try:
-        out = a2.new_empty((cc.world_size * a2.shape[0], b.shape[1])) if b is not None else None
-        for lo, hi, rows in g.chunks():
-            if out is not None:
-                torch.mm(rows, b, out=out[lo:hi])
-        return out, (g.gathered() if keep_gathered else None)
+        outs = [a2.new_empty((cc.world_size * a2.shape[0], b.shape[1])) for b in bs]
+        for lo, hi, chunk in g.chunks():
+            for b, out in zip(bs, outs, strict=True):
+                torch.mm(chunk, b, out=out[lo:hi])
+        return outs, (g.gathered() if keep_gathered else None)
     finally:
         g.close()
 
 
-def _fused(cc: CallContext, call, a2, b, keep_gathered):
+def _fused(cc: CallContext, call, a2, bs, keep_gathered, rows):
+    """One kernel launch per weight; a second launch finds every flag set (the shards stay in the peers' buffers
+    until this rank ends the call) and reads them again."""
     chosen, timeout = cc.plan, cc.timeout
-    if b is None:  # gather only (a weight gradient's gather): the kernel has no GEMM to run
-        return _gathered(cc.derive(plan=dataclasses.replace(chosen, strategy="symm")), call, a2, None, keep_gathered)
+    if not bs:  # gather only (a weight gradient's gather): the kernel has no GEMM to run
+        return _gathered(cc.derive(plan=dataclasses.replace(chosen, strategy="symm")), call, a2, bs, keep_gathered,
+                         rows)
     kernels = fused.kernels().all_gather_matmul
     W, r, (m, k) = cc.world_size, cc.rank, a2.shape
     heap = call.heap
@@ -87,25 +93,31 @@ def _fused(cc: CallContext, call, a2, b, keep_gathered):
     # sync. CPU (interpreted): checked right after the kernel.
     err = heap.kernel_err() if a2.is_cuda else torch.zeros(1, dtype=torch.int32)
     tile = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(), a2.dtype)
-    out = kernels.launch_all_gather_matmul(b, heap.ptr_table(call.slot), heap.flag_table(call.slot, 0), rows=m,
-                                           epoch=call.epoch_word(), rank=r, err=err, timeout_ns=int(timeout * 1e9),
-                                           block=tile)
-    bad = 0 if a2.is_cuda else int(err.item())
-    if bad:
-        raise OverlapTimeout(cc.op, r, bad - 1, f"rank chunk {bad - 1}", timeout, "fused kernel tile wait")
+    outs = []
+    for b in bs:
+        outs.append(kernels.launch_all_gather_matmul(
+            b, heap.ptr_table(call.slot), heap.flag_table(call.slot, 0), rows=m, epoch=call.epoch_word(), rank=r,
+            err=err, timeout_ns=int(timeout * 1e9), block=tile, rows_per_outer=rows.rows))
+        bad = 0 if a2.is_cuda else int(err.item())
+        if bad:
+            raise OverlapTimeout(cc.op, r, bad - 1, f"rank chunk {bad - 1}", timeout, "fused kernel tile wait")
     gathered = None
     if keep_gathered:
         # Every peer's shard stays in its buffer until this rank finishes the call (on GPUs in
         # stream order: the kernel has waited for every flag), so the gathered rows are copied out.
-        gathered = torch.cat([call.buffer(p, a2.dtype, (m, k)) for p in range(W)])
-    return out, gathered
+        gathered = a2.new_empty((W * m, k))
+        for p in range(W):
+            shard = call.buffer(p, a2.dtype, (m, k))
+            for lo, hi, f_lo, f_hi in rows.split(p, 0, m):
+                gathered[f_lo:f_hi].copy_(shard[lo:hi])
+    return outs, gathered
 
 
-def _hierarchical(cc: CallContext, call, a2, b, keep_gathered):
+def _hierarchical(cc: CallContext, call, a2, bs, keep_gathered, rows):
     """Across nodes: `overlap.ops.tp.hierarchical.HierGather` under `gather` (on one node the plan is ``symm``:
     `overlap.plans.auto.fit_plan`)."""
     with guard(cc):
-        return _gathered(cc, call, a2, b, keep_gathered)
+        return _gathered(cc, call, a2, bs, keep_gathered, rows)
 
 
 STRATEGIES = {"reference": _gathered, "pipelined": _gathered, "symm": _gathered, "fused": _fused,

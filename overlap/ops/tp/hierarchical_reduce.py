@@ -33,6 +33,7 @@ from ... import comm, symm
 from ..context import CallContext
 from ..nodes import HEADER_BYTES, Layout, Poison, begin_node, guard, irecv, isend, layout_of, padded, wait_local
 from .hierarchical import HierGather
+from .rows import Product, Rows
 from .sums import LOW, sum_in_order
 
 
@@ -41,15 +42,15 @@ def reduce_bytes(rows: int, n: int, dtype: torch.dtype, world_size: int) -> int:
     return HEADER_BYTES + world_size * padded(rows * n * torch.empty((), dtype=dtype).element_size())
 
 
-def reduce_scatter(cc: CallContext, a2: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``matmul_reduce_scatter`` across nodes: ``[W*m, k] @ [k, n]``, this rank's ``[m, n]`` of the sum."""
+def reduce_scatter(cc: CallContext, prod: Product, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``matmul_reduce_scatter`` across nodes: `prod` (``[W*m, k] @ [k, n]``, rank-major: one outer block), this
+    rank's ``[m, n]`` of the sum (into `out` if given)."""
     lay = layout_of(cc.info)
-    W, n = cc.world_size, b.shape[1]
-    m = a2.shape[0] // W
+    W, n, m = cc.world_size, prod.n, prod.m
     with guard(cc, lay):
-        call = begin_node(cc, lay, reduce_bytes(m, n, a2.dtype, W))
+        call = begin_node(cc, lay, reduce_bytes(m, n, prod.dtype, W))
         try:
-            return reduce_scatter_parts(cc, lay, call, a2, b, [(d * m, (d + 1) * m) for d in range(W)])
+            return reduce_scatter_parts(cc, lay, call, prod, [(d * m, (d + 1) * m) for d in range(W)], out=out)
         finally:
             call.finish()
 
@@ -67,7 +68,8 @@ def all_reduce(cc: CallContext, a2: torch.Tensor, b: torch.Tensor) -> torch.Tens
     with guard(cc, lay):
         call = begin_node(cc, lay, rs + lay.num_nodes * ag)
         try:
-            mine = reduce_scatter_parts(cc, lay, call, a2, b, parts, flag_budget=half)
+            mine = reduce_scatter_parts(cc, lay, call, Product([(a2, b)], Rows.flat(W, size)), parts,
+                                        flag_budget=half)
             g = HierGather(cc, mine, parts, full=out, call=call, offset=rs, flag_base=half, flag_budget=half)
             try:
                 for _ in g.chunks():
@@ -79,12 +81,15 @@ def all_reduce(cc: CallContext, a2: torch.Tensor, b: torch.Tensor) -> torch.Tens
     return out
 
 
-def reduce_scatter_parts(cc: CallContext, lay: Layout, call: symm.Call, a2: torch.Tensor, b: torch.Tensor,
-                         parts: list[tuple[int, int]], flag_budget: int = symm.MAX_FLAGS) -> torch.Tensor:
-    """This rank's part of ``reduce_scatter(a2 @ b)``: rows ``parts[rank]`` of the sum over ranks, ``[rows, n]``
-    in `a2`'s dtype. `call` is the node's call (begun, slot free); the regions start after the header."""
+def reduce_scatter_parts(cc: CallContext, lay: Layout, call: symm.Call, prod: Product,
+                         parts: list[tuple[int, int]], flag_budget: int = symm.MAX_FLAGS,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's part of ``reduce_scatter(prod)`` (`prod`: rank-major, parts ``d * prod.m``): rows
+    ``parts[rank]`` of the sum over ranks, ``[rows, n]`` in its dtype (into `out` if given). `call` is the node's
+    call (begun, slot free); the regions start after the header."""
     n0, l0, N = lay.node, lay.local, lay.num_nodes
-    n, dtype = b.shape[1], a2.dtype
+    n, dtype = prod.n, prod.dtype
+    a2 = torch.empty((), dtype=dtype, device=prod.device)  # (new tensors' dtype and device)
     rows = max(hi - lo for lo, hi in parts)
     region = padded(rows * n * a2.element_size())
     F = flag_budget // N
@@ -130,7 +135,7 @@ def reduce_scatter_parts(cc: CallContext, lay: Layout, call: symm.Call, a2: torc
                 if j >= len(got):
                     continue
                 lo, hi = got[j]
-                torch.mm(a2[parts[d][0] + lo : parts[d][0] + hi], b, out=area(q, l0, node, size(node, q))[lo:hi])
+                prod.into(d, lo, hi, area(q, l0, node, size(node, q))[lo:hi])
                 if q != l0:
                     call.signal_ready(node * F + j)
             # Own: sum chunk j of our destination on `node` over the node's ranks, local order.
@@ -147,7 +152,7 @@ def reduce_scatter_parts(cc: CallContext, lay: Layout, call: symm.Call, a2: torc
     # Our rows: the node sums in node order (ours kept in fp32 for 16-bit dtypes), rounded once.
     for src, j, work in recvs:
         poison.wait(work, src, f"{j} of the node sum")
-    out = a2.new_empty((mine_rows, n))
+    out = a2.new_empty((mine_rows, n)) if out is None else out
     terms = [node_sums[n0] if node == n0 else received[node] for node in range(N)]
     if dtype in LOW:
         acc = terms[0].float()

@@ -1,4 +1,4 @@
-"""matmul_reduce_scatter: ``reduce_scatter(a @ b, dim=0)`` (sum), with the scatter hidden behind the GEMM.
+"""matmul_reduce_scatter: ``reduce_scatter(a @ b, dim)`` (sum), with the scatter hidden behind the GEMM.
 
 Problem. In a row-parallel layer with sequence parallelism every rank holds ``a_[W*m]K`` (all rows,
 its slice ``K`` of the inner dim) and the matching row shard ``b_KN`` of the weight; rank ``d``
@@ -16,6 +16,9 @@ gather hidden behind its chunk GEMMs), and ``grad_b = a.T @ all_gather(g)`` take
 rows, in one GEMM so that it rounds exactly like the unfused weight gradient (``a`` is saved, as
 Megatron saves the layer input).
 
+Batch-first code scatters another dim (``scatter_dim=1`` of ``[b, s, h]``): each destination's rows are runs of
+``a`` (`overlap.ops.tp.rows`), multiplied in place; the backward's gather lands in the same runs.
+
 Concurrency and aliasing: calls on one group are issued by one thread, in the same order on every
 rank; ``a`` and ``b`` are only read; the output is a new tensor.
 """
@@ -29,8 +32,10 @@ from ...plans import Plan
 from .. import library
 from ..context import describe, no_autocast, record
 from . import entry, gather_gemm, scatter_gemm
+from .rows import Product, normalize_dim, of, resized
 
 OP = "matmul_reduce_scatter"
+DIM = "scatter_dim"
 
 
 def matmul_reduce_scatter(
@@ -40,63 +45,94 @@ def matmul_reduce_scatter(
     strategy: str = "auto",
     plan: Plan | dict | None = None,
     timeout: float | None = None,
+    *,
+    scatter_dim: int = 0,
 ) -> torch.Tensor:
-    """``reduce_scatter(a @ b, dim=0)`` (sum) over `group`, overlapping the scatter with the GEMM.
+    """``reduce_scatter(a @ b, scatter_dim)`` (sum) over `group`, overlapping the scatter with the GEMM.
 
     Args:
-        a: ``[M, ..., k]``: every row, this rank's slice ``k`` of the inner dim (a row-parallel
-            layer's input). ``M`` (dim 0, the sequence of ``[s, b, h]``) must divide by the world size.
+        a: ``[..., M, ..., k]``: every row, this rank's slice ``k`` of the inner dim (a row-parallel
+            layer's input). ``M`` (`scatter_dim`, the sequence) must divide by the world size.
         b: ``[k, n]``, this rank's rows of the weight, any strides (``w[n, k]`` is passed as ``w.t()``).
         group, strategy, plan, timeout: as for `overlap.all_gather_matmul`.
+        scatter_dim: the dim of the product that is scattered, any but the last (dim 0 of ``[s, b, h]``, dim 1
+            of batch-first ``[b, s, h]``; negative counts from the end).
 
     Returns:
-        ``[M / world_size, ..., n]``: rows ``r*M/W ... (r+1)*M/W - 1`` of ``sum over ranks of a @ b``.
+        `a`'s shape with ``M / world_size`` at `scatter_dim` and ``n`` last: slice ``r*M/W ... (r+1)*M/W - 1``
+        of ``sum over ranks of a @ b``.
 
     Raises:
         TypeError / ValueError: bad arguments (dims, dtypes, devices, ``M`` not divisible by the world
             size, plan), on this rank before any data moves; peers raise `OverlapMismatchError` at once.
-        OverlapMismatchError: ranks made different calls (shapes, dtype, plan), on every rank.
+        OverlapMismatchError: ranks made different calls (shapes, dtype, scatter_dim, plan), on every rank.
         ValueError: ``symm``/``fused`` forced on a group that spans nodes.
         OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
     """
-    return entry.tp_call(_op, OP, a, b, group, strategy, plan, timeout, check=_check_rows)
+    check = _check_rows(scatter_dim)
+    return entry.tp_call(_op, OP, a, b, group, strategy, plan, timeout, check=check, dim=scatter_dim, dim_name=DIM)
 
 
-def _check_rows(a: torch.Tensor, b: torch.Tensor, info) -> None:
-    if a.shape[0] % info.world_size:
-        raise ValueError(f"overlap.{OP}: dim 0 of a ({a.shape[0]}, from a={describe(a)}) must divide by the "
-                         f"world size {info.world_size}; pad the sequence (overlap does not pad silently)")
+def _check_rows(dim: int):
+    def check(a: torch.Tensor, b: torch.Tensor, info) -> None:
+        d = normalize_dim(OP, DIM, dim, a.shape)
+        if a.shape[d] % info.world_size:
+            raise ValueError(f"overlap.{OP}: dim {d} of a ({a.shape[d]}, from a={describe(a)}, scatter_dim={dim}) "
+                             f"must divide by the world size {info.world_size}; pad the sequence (overlap does not "
+                             "pad silently)")
+
+    return check
 
 
-def _forward(a, b, group, strategy, plan, timeout, needs_grad):
+def _forward(a, b, dim, group, strategy, plan, timeout, needs_grad):
     """``overlap::matmul_reduce_scatter``: the whole call (checks, plan, handshake, strategy) on this rank."""
-    cc = entry.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad, _check_rows)
+    cc = entry.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad, _check_rows(dim), dim=dim,
+                          dim_name=DIM)
+    d = normalize_dim(OP, DIM, dim, a.shape)
+    W = cc.world_size
     with record(OP), no_autocast(cc.info.device.type):
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
-        out = scatter_gemm.run(a2, b, cc).view(a.shape[0] // cc.world_size, *a.shape[1:-1], b.shape[1])
+        out = scatter_gemm.run(Product([(a2, b)], of(a.shape, d, W, scatter=True)), cc)
+        out = out.view(*resized(a.shape, d, a.shape[d] // W)[:-1], b.shape[1])
     return out, library.context_out(cc, needs_grad)
 
 
-def _fake(a, b, group, strategy, plan, timeout, needs_grad):
-    out = a.new_empty((a.shape[0] // library.world_size(group), *a.shape[1:-1], b.shape[-1]))
-    return out, library.context_fake(needs_grad)
+def _fake(a, b, dim, group, strategy, plan, timeout, needs_grad):
+    try:
+        d = normalize_dim(OP, DIM, dim, a.shape)
+    except (TypeError, ValueError):  # (the op raises it, on every rank, when it runs)
+        d = 0
+    shape = resized(a.shape, d, a.shape[d] // library.world_size(group))
+    return a.new_empty((*shape[:-1], b.shape[-1])), library.context_fake(needs_grad)
 
 
-def _backward(grad_out, a, b, context, need_a, need_b):
+def _save(ctx, inputs: tuple, output) -> None:
+    entry.tp_save(ctx, inputs, output)
+    a, _b, dim, *_ = inputs
+    ctx.extra = (normalize_dim(OP, DIM, dim, a.shape),)
+
+
+def _backward(grad_out, a, b, context, need_a, need_b, dim):
     """``overlap::matmul_reduce_scatter_backward``: ``(grad_a, grad_b)`` in the forward's call context."""
     cc = library.kept(context, f"{OP}.backward")
     k, n = b.shape
     g2 = grad_out.reshape(-1, n).contiguous()
     a2 = a.reshape(-1, k)
     op = f"{OP}.backward"
-    cc = cc.derive(op=op, signature=f"{op}(g={describe(g2)}, a={describe(a)}, b={tuple(b.shape)}, "
+    dim_sig = f", {DIM}={dim}" if dim else ""
+    cc = cc.derive(op=op, signature=f"{op}(g={describe(g2)}, a={describe(a)}, b={tuple(b.shape)}{dim_sig}, "
                                     f"grads={int(need_a)}{int(need_b)}, plan={cc.plan.describe()})")
+    rows = of(grad_out.shape, dim, cc.world_size, scatter=False)
     with record(op), no_autocast(cc.info.device.type):
-        out2, gathered = gather_gemm.run(g2, b.t() if need_a else None, cc, keep_gathered=need_b)
+        outs, gathered = gather_gemm.run(g2, [b.t()] if need_a else [], cc, keep_gathered=need_b, rows=rows)
         # One GEMM over every gathered row: it rounds exactly as the unfused weight gradient does.
         grad_b = torch.mm(a2.t(), gathered) if need_b else None
-    return library.grads_out(out2.view(a.shape) if need_a else None, grad_b, a, b)
+    return library.grads_out(outs[0].view(a.shape) if need_a else None, grad_b, a, b)
 
 
-_backward_op = library.define(f"{OP}_backward", entry.TP_BACKWARD_SCHEMA, _backward, entry.tp_backward_fake)
-_op = library.define(OP, entry.TP_SCHEMA, _forward, _fake, entry.tp_backward(_backward_op), entry.tp_save)
+SCHEMA = ("(Tensor a, Tensor b, int dim, str group, str strategy, str plan, float? timeout, bool needs_grad) "
+          "-> (Tensor, Tensor)")
+BACKWARD_SCHEMA = ("(Tensor grad, Tensor a, Tensor b, Tensor context, bool need_a, bool need_b, int dim) "
+                   "-> (Tensor, Tensor)")
+_backward_op = library.define(f"{OP}_backward", BACKWARD_SCHEMA, _backward, entry.tp_backward_fake)
+_op = library.define(OP, SCHEMA, _forward, _fake, entry.tp_backward(_backward_op), _save)

@@ -31,6 +31,8 @@ of my partial for ``d`` is in ``d``'s buffer", ``F = MAX_FLAGS // W``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ... import comm, symm
@@ -41,68 +43,87 @@ from ...symm import p2p
 from .. import fused
 from ..context import CallContext
 from . import hierarchical_reduce
+from .rows import Product
 from .sums import sum_in_order
 
 
-def heap_bytes(chosen: Plan, a2: torch.Tensor, n: int, world_size: int) -> int:
+def heap_bytes(chosen: Plan, m: int, n: int, dtype: torch.dtype, world_size: int) -> int:
+    """Bytes of one heap slot a call with `m` rows per destination needs (0: no symmetric memory)."""
     if chosen.strategy == "hierarchical":  # (across nodes: the node's slot)
-        return hierarchical_reduce.reduce_bytes(a2.shape[0] // world_size, n, a2.dtype, world_size)
+        return hierarchical_reduce.reduce_bytes(m, n, dtype, world_size)
     if chosen.strategy not in ("symm", "fused"):
         return 0
-    return world_size * slots.region_bytes(a2.shape[0] // world_size, n, a2.dtype)
+    return world_size * slots.region_bytes(m, n, dtype)
 
 
-def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
+def run(prod: Product, cc: CallContext) -> torch.Tensor:
     """One call on every rank (`cc`: its op, group, plan, deadline, signature): the handshake, then the
-    strategy; returns ``[M / W, n]``."""
+    strategy; returns this rank's ``[m, n]`` of the sum over ranks of `prod` (`overlap.ops.tp.rows.Product`:
+    its rows in the gathered layout, one or more GEMMs)."""
+    if cc.plan.strategy == "fused" and not prod.simple:  # (the kernel multiplies one pair: symm's copies)
+        cc = cc.derive(plan=dataclasses.replace(cc.plan, strategy="symm"))
     steady = cc.plan.strategy in ("symm", "pipelined")  # (pipelined: checked in its messages, `overlap.symm.p2p`)
-    call = cc.begin(heap_bytes(cc.plan, a2, b.shape[1], cc.world_size), steady=steady)
+    call = cc.begin(heap_bytes(cc.plan, prod.m, prod.n, prod.dtype, cc.world_size), steady=steady)
     try:
-        return STRATEGIES[cc.plan.strategy](cc, call, a2, b)
+        return STRATEGIES[cc.plan.strategy](cc, call, prod)
     finally:
         call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
 
 
+def _new(prod: Product, rows: int) -> torch.Tensor:
+    return torch.empty((rows, prod.n), dtype=prod.dtype, device=prod.device)
+
+
 # ----------------------------------------------------------------------------------------------
-# Forward strategies: (a2 [W*m, k] contiguous, b [k, n]) -> out [m, n]
+# Forward strategies: prod (rows [outer*W*rows, k] in the gathered layout) -> out [m, n]
 # ----------------------------------------------------------------------------------------------
 
 
-def _reference(cc: CallContext, call, a2, b):
-    partial = torch.mm(a2, b)
-    out = a2.new_empty((a2.shape[0] // cc.world_size, b.shape[1]))
-    cc.wait(comm.reduce_scatter_async(out, partial, cc.pg), "any", "reduce_scatter")
+def post_reference(cc: CallContext, prod: Product) -> tuple[torch.Tensor, list, torch.Tensor]:
+    """``reference`` up to the wait: every GEMM, then the reduce-scatter posted (one collective per outer block:
+    each block is rank-major). Returns ``(out, works, partial)``; `out` is this rank's sum once every work is
+    done, and `partial` (what they send) must live until then."""
+    partial, ro = prod.whole(), prod.rows
+    out = _new(prod, prod.m)
+    works = [comm.reduce_scatter_async(out[o * ro.rows : (o + 1) * ro.rows], partial[slice(*ro.block(o))], cc.pg)
+             for o in range(ro.outer)]
+    return out, works, partial
+
+
+def _reference(cc: CallContext, call, prod):
+    out, works, _partial = post_reference(cc, prod)
+    for work in works:
+        cc.wait(work, "any", "reduce_scatter")
     return out
 
 
-def _pipelined(cc: CallContext, call, a2, b):
-    W, r, n = cc.world_size, cc.rank, b.shape[1]
-    m = a2.shape[0] // W
+def _pipelined(cc: CallContext, call, prod):
+    W, r, n = cc.world_size, cc.rank, prod.n
+    m = prod.m
     # Pairwise shift: at step i this rank sends its partial for block r+i to rank r+i and receives
     # rank r-i's partial for its own block (every send meets its receive at the same step, also
     # where a backend serializes steps). Each transfer is cut into chunks for its link.
-    received = a2.new_empty((W, m, n))  # received[s]: rank s's partial for our block
+    received = torch.empty((W, m, n), dtype=prod.dtype, device=prod.device)  # [s]: rank s's partial for our block
     if p2p.tagged(call):
-        return _pipelined_tagged(cc, call, a2, b, received)
+        return _pipelined_tagged(cc, call, prod, received)
     posted = []
     for i in range(1, W):
         d, src = (r + i) % W, (r - i) % W
-        part = torch.mm(a2[d * m : (d + 1) * m], b)  # the next GEMM runs while this partial travels
+        part = prod.block(d)  # the next GEMM runs while this partial travels
         pairs = comm.exchange_chunked(part, d, received[src], src, cc.plan.chunks_for, cc.info, cc.pg, cc.op)
         posted.extend((src, j, part, works) for j, _, works in pairs)  # part: kept alive until sent
-    torch.mm(a2[r * m : (r + 1) * m], b, out=received[r])
+    prod.into(r, 0, m, received[r])
     for _src, j, _part, works in posted:
         for work, peer in works:
             cc.wait(work, peer, j)
-    out = a2.new_empty((m, n))
+    out = _new(prod, m)
     sum_in_order(list(received.unbind(0)), out, 0, m)  # rank order, one rounding
     return out
 
 
-def _pipelined_tagged(cc: CallContext, call, a2, b, received):
+def _pipelined_tagged(cc: CallContext, call, prod, received):
     """`_pipelined` on CPU ranks of one node: tagged messages with headers (`overlap.symm.p2p`)."""
-    W, r = cc.world_size, cc.rank
-    m = a2.shape[0] // W
+    W, r, m = cc.world_size, cc.rank, prod.m
     ex = p2p.Exchange(call, cc)
     try:
         for i in range(1, W):
@@ -110,10 +131,10 @@ def _pipelined_tagged(cc: CallContext, call, a2, b, received):
         parts = []  # kept alive until sent
         for i in range(1, W):
             d = (r + i) % W
-            parts.append(torch.mm(a2[d * m : (d + 1) * m], b))  # the next GEMM runs while this partial travels
+            parts.append(prod.block(d))  # the next GEMM runs while this partial travels
             ex.send(parts[-1], d)
             ex.arm(block=False)
-        torch.mm(a2[r * m : (r + 1) * m], b, out=received[r])
+        prod.into(r, 0, m, received[r])
         for i in range(1, W):
             for _ in ex.arrivals((r - i) % W):
                 pass
@@ -121,7 +142,7 @@ def _pipelined_tagged(cc: CallContext, call, a2, b, received):
     except BaseException as exc:
         ex.abandon(exc)
         raise
-    out = a2.new_empty((m, received.shape[2]))
+    out = _new(prod, m)
     sum_in_order(list(received.unbind(0)), out, 0, m)  # rank order, one rounding
     return out
 
@@ -132,18 +153,17 @@ def _flag_chunks(chosen: Plan, info, m: int) -> tuple[list[tuple[int, int]], int
     return comm.chunk_bounds(m, min(chosen.chunks_for(info.slowest_link), stride)), stride
 
 
-def _symm(cc: CallContext, call, a2, b):
+def _symm(cc: CallContext, call, prod):
     info = cc.info
-    W, r, n, dtype = info.world_size, info.rank, b.shape[1], a2.dtype
-    m = a2.shape[0] // W
+    W, r, n, dtype, m = info.world_size, info.rank, prod.n, prod.dtype, prod.m
     rb = slots.region_bytes(m, n, dtype)
     bounds, stride = _flag_chunks(cc.plan, info, m)
 
     def region(owner: int, writer: int) -> torch.Tensor:
         return call.buffer(owner, dtype, (m, n), offset=writer * rb)
 
-    if a2.is_cuda:
-        return _symm_cuda(call, a2, b, info, region, bounds, stride)
+    if prod.device.type == "cuda":
+        return _symm_cuda(call, prod, info, region, bounds, stride)
     call.wait_slot_free()
     # Produce: the partial of each destination straight into our region of its buffer, peers first
     # (from rank + 1, so the owners are not all written by everyone at once), our own block last.
@@ -151,12 +171,12 @@ def _symm(cc: CallContext, call, a2, b):
         d = (r + i) % W
         dst = region(d, r)
         for j, (lo, hi) in enumerate(bounds):
-            torch.mm(a2[d * m + lo : d * m + hi], b, out=dst[lo:hi])
+            prod.into(d, lo, hi, dst[lo:hi])
             if d != r:
                 call.signal_ready(d * stride + j)
     # Consume: chunk by chunk, once every source has flagged it, sum the regions in rank order.
     mine = [region(r, s) for s in range(W)]
-    out = a2.new_empty((m, n))
+    out = _new(prod, m)
     for j, (lo, hi) in enumerate(bounds):
         for s in range(W):
             if s != r:
@@ -165,19 +185,18 @@ def _symm(cc: CallContext, call, a2, b):
     return out
 
 
-def _symm_cuda(call, a2, b, info, region, bounds, stride):
+def _symm_cuda(call, prod, info, region, bounds, stride):
     """GPU: GEMMs on the current stream into local buffers, copies to the owners on a side stream.
 
     Not yet run on a GPU. A wait that passes its deadline is reported by the next call on the group.
     """
-    W, r, n = info.world_size, info.rank, b.shape[1]
-    m = a2.shape[0] // W
+    W, r, m = info.world_size, info.rank, prod.m
     main = torch.cuda.current_stream()
-    side = comm.side_stream(a2.device)
+    side = comm.side_stream(prod.device)
     call.wait_slot_free(main)
     for i in range(1, W):
         d = (r + i) % W
-        part = torch.mm(a2[d * m : (d + 1) * m], b)
+        part = prod.block(d)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             dst = region(d, r)
@@ -185,9 +204,9 @@ def _symm_cuda(call, a2, b, info, region, bounds, stride):
                 dst[lo:hi].copy_(part[lo:hi], non_blocking=True)
                 call.signal_ready(d * stride + j, stream=side)
         part.record_stream(side)
-    torch.mm(a2[r * m : (r + 1) * m], b, out=region(r, r))
+    prod.into(r, 0, m, region(r, r))
     mine = [region(r, s) for s in range(W)]
-    out = a2.new_empty((m, n))
+    out = _new(prod, m)
     for j, (lo, hi) in enumerate(bounds):
         for s in range(W):
             if s != r:
@@ -198,26 +217,28 @@ def _symm_cuda(call, a2, b, info, region, bounds, stride):
     return out
 
 
-def _fused(cc: CallContext, call, a2, b):
-    W, r, n = cc.world_size, cc.rank, b.shape[1]
-    m = a2.shape[0] // W
+def _fused(cc: CallContext, call, prod):
+    W, r, n, m = cc.world_size, cc.rank, prod.n, prod.m
+    a2, b = prod.only()
     heap = call.heap
     rb = slots.region_bytes(m, n, a2.dtype)
     stride = symm.MAX_FLAGS // W
     out = a2.new_empty((m, n))
     # Block d goes to our region (r) of d's buffer; we sum the W regions of our own buffer.
-    scatter_and_reduce(cc, call, a2, b, out, block_rows=m,
+    scatter_and_reduce(cc, call, a2, b, out, block_rows=m, rows_per_outer=prod.rows.rows,
                        dst_table=heap.ptr_table(call.slot, r * rb), flag_index=r * stride,
                        src_table=heap.region_table(call.slot, r, rb, W), max_chunks=stride, flag_stride=stride)
     return out
 
 
 def scatter_and_reduce(cc: CallContext, call, a2, b, out, *, block_rows: int, dst_table: torch.Tensor,
-                       flag_index: int, src_table: torch.Tensor, max_chunks: int, flag_stride: int = 0) -> None:
+                       flag_index: int, src_table: torch.Tensor, max_chunks: int, flag_stride: int = 0,
+                       rows_per_outer: int | None = None) -> None:
     """The two fused kernels (`overlap.kernels.matmul_reduce_scatter`, through their launchers).
 
     Producer: ``a2 @ b`` cut into ``len(dst_table)`` blocks of `block_rows` rows, block ``d`` stored at
-    ``dst_table[d]`` and flagged per chunk in this rank's ready flags ``d * flag_stride + chunk``.
+    ``dst_table[d]`` and flagged per chunk in this rank's ready flags ``d * flag_stride + chunk``; the blocks
+    interleave in runs of `rows_per_outer` rows (default `block_rows`: `overlap.ops.tp.rows.Rows`).
     Consumer: ``out = sum_s src_table[s]`` (``out.shape[0]`` rows), rank order, each chunk once every
     rank's flag ``flag_index + chunk`` has this call's epoch. Used by the reduce-scatter (one block
     per rank) and by ``matmul_all_reduce`` (one-shot: one block, summed over every rank's buffer).
@@ -234,7 +255,7 @@ def scatter_and_reduce(cc: CallContext, call, a2, b, out, *, block_rows: int, ds
     epoch = call.epoch_word()  # (after wait_slot_free: the slot's word)
     kernels.launch_matmul_scatter(a2, b, dst_table, counters, heap.flag_table(call.slot, 0), block_rows=block_rows,
                                   num_chunks=nch, flag_stride=flag_stride, epoch=epoch, rank=info.rank,
-                                  block=(bm, bn, bk))
+                                  block=(bm, bn, bk), rows_per_outer=rows_per_outer)
     reduce_sources(cc, call, out, src_table, heap.flag_table(call.slot, flag_index), block_rows, nch, bm, bn, epoch)
 
 
@@ -252,9 +273,16 @@ def reduce_sources(cc: CallContext, call, out, src_table, flag_table, block_rows
         raise OverlapTimeout(cc.op, info.rank, bad - 1, "a reduced chunk", timeout, "fused reduction wait")
 
 
-def _hierarchical(cc: CallContext, call, a2, b):
-    """Across nodes (on one node the plan is ``symm``): `overlap.ops.tp.hierarchical_reduce.reduce_scatter`."""
-    return hierarchical_reduce.reduce_scatter(cc, a2, b)
+def _hierarchical(cc: CallContext, call, prod):
+    """Across nodes (on one node the plan is ``symm``): `overlap.ops.tp.hierarchical_reduce.reduce_scatter`, one
+    call per outer block of a gather dim past the first (each block is rank-major)."""
+    ro = prod.rows
+    if ro.outer == 1:
+        return hierarchical_reduce.reduce_scatter(cc, prod)
+    out = _new(prod, prod.m)
+    for o in range(ro.outer):
+        hierarchical_reduce.reduce_scatter(cc, prod.outer_block(o), out=out[o * ro.rows : (o + 1) * ro.rows])
+    return out
 
 
 STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused,
