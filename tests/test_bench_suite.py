@@ -101,24 +101,24 @@ def test_preset_cases_expand_for_every_op_and_mode():
 
 
 def test_default_cases_are_the_llama_layer_and_a_tiny_shape():
-    cases = default_cases(OPS, "cpu", world_size=2)
+    cases = [c for c in default_cases(OPS, "cpu", world_size=2) if not c.batch]  # (batch-first: test_bench_layouts)
     for op in OPS:
         mine = [c for c in cases if c.op == op]
         layers = 4 if op == "all_gather_weight_matmul" else 2  # FSDP: every projection; TP: two per op
         assert [c.mode for c in mine] == ["fwd", "fwd+bwd"] * (layers + 1), mine
         assert [c.preset for c in mine[:2 * layers]] == ["llama3-8b"] * 2 * layers and not mine[2 * layers].preset
         assert [c.fits_interpreted_fused for c in mine] == [False] * 2 * layers + [True] * 2
-    assert len(default_cases(world_size=2)) == 34  # and the 6 MoE cases
+    assert len(default_cases(world_size=2)) == 40  # and the 6 MoE cases and 6 batch-first ones
     left_out: list[str] = []
     three = default_cases(OPS, "cpu", world_size=3, left_out=left_out)
     assert all(not c.preset for c in three) and len(three) == 8, three  # only the tiny shape fits 3 ranks
     assert left_out == ["llama3-8b: heads (32), kv_heads (8), ffn (896), tokens (1024) do not divide by the "
                         "tensor-parallel size 3 (the ranks)"]
-    gpu = default_cases("all_gather_matmul", "cuda", world_size=8)
+    gpu = [c for c in default_cases("all_gather_matmul", "cuda", world_size=8) if not c.batch]
     assert {c.preset for c in gpu} == {"llama3-8b-full", "llama3-70b-full", ""}
     quick, tiny = suite_cases("quick"), suite_cases("tiny")
     assert set(SUITES) == {"quick", "default", "tiny"} and suite_cases("default") == default_cases()
-    assert all(c.mode == "fwd" and not c.fits_interpreted_fused for c in quick) and len(quick) == 12
+    assert all(c.mode == "fwd" and not c.fits_interpreted_fused for c in quick) and len(quick) == 15
     assert all(c.mode == "fwd" and c.fits_interpreted_fused for c in tiny) and len(tiny) == 5
 
 

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from .. import world
 from ..plans import Plan
 from ..workloads import Expected, OpInputs, SeededDraw, workload
+from . import layouts
 from .baseline import torch_call
-from .definitions import TORCH, AnyCase, label_plan
+from .definitions import TORCH, AnyCase, Case, label_plan
 
 __all__ = ["CaseData", "Expected", "build", "strategy_fn"]
 
@@ -28,10 +30,10 @@ __all__ = ["CaseData", "Expected", "build", "strategy_fn"]
 class CaseData:
     """One case's tensors on this rank and the functions the runner checks and times."""
 
-    op: Callable[..., torch.Tensor]  # op(*inputs, strategy=, plan=, timeout=): the workload's call
-    torch_op: Callable[..., torch.Tensor]  # torch_op(*inputs): the op in plain torch (`baseline`), the torch row
+    op: Callable[..., Any]  # op(*inputs, strategy=, plan=, timeout=): the workload's call (a list: `Case.split`)
+    torch_op: Callable[..., Any]  # torch_op(*inputs): the op in plain torch (`baseline`), the torch row
     inputs: tuple[torch.Tensor, ...]  # leaves that require grad in fwd+bwd: (a, b); moe: (x, w1, w2, topk_weights)
-    grad_out: torch.Tensor | None  # fwd+bwd only
+    grad_out: torch.Tensor | list[torch.Tensor] | None  # fwd+bwd only; one per output
     expected: list[Expected]  # out, then in fwd+bwd the gradient of each input, in order
     comm: Callable[[], None]  # the plain collectives alone
     compute: Callable[[], None]  # the GEMMs alone
@@ -51,18 +53,29 @@ def build(case: AnyCase, seed: int, case_index: int, info: world.GroupInfo, pg, 
         expected = work.oracle(problem, every, r)
         plain = work.plain(problem, every, r, pg, info, timeout, problem.spec.comm_bytes(problem, W))
     mine = every[r]
+    leaves, grad_out, operands, extra = mine.leaves, mine.grad_out, (lambda *t: t), {}
+    torch_op = torch_call(case.op, pg, mine.routing, mine.num_experts)
+    laid = layouts.arrange(case, W, leaves, grad_out, expected, pg) if isinstance(case, Case) else None
+    if laid is not None:  # batch-first or several weights: the same rows in the order the call takes them
+        leaves, grad_out, expected = laid.leaves, laid.grad_out, laid.expected
+        operands, extra, torch_op = laid.operands, laid.kwargs, laid.torch_op
     if case.backward:
-        for t in mine.leaves:
+        for t in leaves:
             t.requires_grad_(True)
 
-    def op(*leaves: torch.Tensor, **kwargs) -> torch.Tensor:  # timed: no more than the call itself
-        return work.call(OpInputs(leaves, mine.grad_out, mine.routing, mine.num_experts), pg, **kwargs)
+    def op(*leaves: torch.Tensor, **kwargs) -> Any:  # timed: no more than the call itself
+        return work.call(OpInputs(operands(*leaves), mine.grad_out, mine.routing, mine.num_experts), pg, **extra,
+                         **kwargs)
 
     # The collectives and GEMMs alone read the inputs, leaves that require grad in fwd+bwd: no autograd.
-    return CaseData(op, torch_call(case.op, pg, mine.routing, mine.num_experts), mine.leaves, mine.grad_out,
-                    expected, torch.no_grad()(plain.comm), torch.no_grad()(plain.compute), plain.comm_label,
-                    plain.compute_label, plain.comm_bytes,
+    return CaseData(op, torch_op, leaves, grad_out, expected, torch.no_grad()(plain.comm),
+                    torch.no_grad()(plain.compute), plain.comm_label, plain.compute_label, plain.comm_bytes,
                     [f"{case.name}: {note}" for note in plain.notes])
+
+
+def _outputs(out: Any) -> list[torch.Tensor]:
+    """A call's outputs as a list (several weights: the op returns one per weight)."""
+    return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
 def strategy_fn(w: CaseData, case: AnyCase, label: str, timeout: float | None) -> Callable[[], list[torch.Tensor]]:
@@ -76,10 +89,11 @@ def strategy_fn(w: CaseData, case: AnyCase, label: str, timeout: float | None) -
     else:
         call = w.op
     if not case.backward:
-        return lambda: [call(*w.inputs, **kwargs)]
+        return lambda: _outputs(call(*w.inputs, **kwargs))
 
     def forward_backward() -> list[torch.Tensor]:
-        out = call(*w.inputs, **kwargs)
-        return [out.detach(), *torch.autograd.grad(out, w.inputs, w.grad_out)]
+        outs = _outputs(call(*w.inputs, **kwargs))
+        grads = w.grad_out if isinstance(w.grad_out, list) else [w.grad_out]
+        return [*(o.detach() for o in outs), *torch.autograd.grad(outs, w.inputs, grads)]
 
     return forward_backward

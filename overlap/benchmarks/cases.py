@@ -12,8 +12,10 @@ its name (``all_gather_matmul llama3-8b/mlp-up:512x256x896 float32 fwd``); it ru
 ranks.
 
 Default CPU cases (2 gloo ranks on a 2-core machine, one torch thread per rank): for each
-tensor-parallel op the ``llama3-8b`` projections it has (two per op) and one tiny shape, and the
-three CPU presets of `MOE_PRESETS`, each forward and forward+backward, 24 cases. The Llama-3 8B projections
+tensor-parallel op the ``llama3-8b`` projections it has (two per op; ``all_gather_weight_matmul``: four) and one
+tiny shape, three batch-first projections (`_BATCH_FIRST`: torchtitan's layout, q/k/v and gate/up as separate
+weights fed by one gather), and the three CPU presets of `MOE_PRESETS`, each forward and forward+backward, 40
+cases. The Llama-3 8B projections
 at 1/16 width in fp32 keep the real layer's balance of compute and communication per projection
 (`models` explains the scale): attention's are communication-heavy, ``mlp-up`` compute-heavy,
 ``mlp-down`` in between, as on GPUs; a call takes milliseconds to tens of milliseconds, far above
@@ -57,7 +59,7 @@ from .definitions import (
     parse_shape,
     strategy_labels,
 )
-from .models import TP_PRESETS, tp_problem, tp_problems
+from .models import TP_PRESETS, layer_split, tp_problem, tp_problems
 
 __all__ = [
     # defined here
@@ -104,6 +106,18 @@ _DEFAULTS: dict[str, list[tuple[str | tuple[int, int, int], str, tuple[str, ...]
         ("llama3-70b-full", "bfloat16", MODES),
         ((1024, 8192, 8192), "bfloat16", ("fwd",)),
     ],
+}
+
+# Batch-first cases per device type: (preset, layer, op, batch, several weights?, dtype, modes): torchtitan's
+# layout ([b, s, h], the sequence on dim 1) with its separate q/k/v and gate/up weights (`layouts`).
+_BATCH_FIRST: dict[str, list[tuple[str, str, str, int, bool, str, tuple[str, ...]]]] = {
+    "cpu": [("llama3-8b", "qkv", "all_gather_matmul", 2, True, "float32", MODES),
+            ("llama3-8b", "mlp-up", "all_gather_matmul", 2, True, "float32", MODES),
+            ("llama3-8b", "attn-out", "matmul_reduce_scatter", 2, False, "float32", MODES)],
+    # Not yet measured on a GPU.
+    "cuda": [("llama3-8b-full", "qkv", "all_gather_matmul", 2, True, "bfloat16", MODES),
+             ("llama3-8b-full", "mlp-up", "all_gather_matmul", 2, True, "bfloat16", MODES),
+             ("llama3-8b-full", "attn-out", "matmul_reduce_scatter", 2, False, "bfloat16", MODES)],
 }
 
 # (preset, dtype, modes) per device type for op "moe"
@@ -189,7 +203,27 @@ def default_cases(
                     left_out.append(f"{shape}: {why}")
             else:
                 cases += preset_cases(shape, o, world_size, dtype or dt, selected)
+        cases += _batch_first_cases(o, device_type, dtype, modes, world_size)
     return list(dict.fromkeys(cases))  # a dtype override can make two cases equal
+
+
+def _batch_first_cases(op: str, device_type: str, dtype: str | None, modes: Sequence[str],
+                       world_size: int) -> list[Case]:
+    """The `_BATCH_FIRST` cases of `op` that apply to `world_size` ranks (those that do not: left out, as the
+    presets' own cases are, with the reason `default_cases` notes)."""
+    cases = []
+    for preset, layer, o, batch, several, dt, case_modes in _BATCH_FIRST[device_type]:
+        model = TP_PRESETS[preset][0]
+        if o != op or tp_problem(model, world_size):
+            continue
+        dims = next(d for name, layer_op, d in tp_problems(model, world_size) if (name, layer_op) == (layer, o))
+        if dims[0] % batch:
+            continue
+        split = layer_split(model, layer, world_size) if several else ()
+        cases += [Case(o, *dims, dtype or dt, backward=mode == "fwd+bwd", preset=preset, layer=layer,
+                       tp=world_size, batch=batch, split=split)
+                  for mode in MODES if mode in case_modes and mode in modes]
+    return cases
 
 
 #: named selections of the default cases (`suite_cases`), for the pytest-benchmark wrappers in bench/

@@ -38,6 +38,11 @@ A case made from a layer of a `models.TP_PRESETS` preset (`cases.preset_cases`) 
 the layer and ``tp``: they only label it (in its name), and it runs only on ``tp`` ranks
 (`Case.world_problem`).
 
+Batch-first and several weights (`layouts`; same FLOPs and bytes as the case without them): ``batch=B`` runs
+``all_gather_matmul`` / ``matmul_reduce_scatter`` on batch-first ``[B, m/B, k]`` activations with
+``gather_dim=1`` / ``scatter_dim=1`` (name suffix ``/bsh<B>``); ``split=(n_1, ...)`` runs ``all_gather_matmul``
+with the weight's columns as several weights, one gather feeding each (``/split<n_1>+...``: q, k and v).
+
 MoE (op ``moe``, `MoECase`): one MoE layer's expert part on the expert-parallel group,
 ``h, handle = overlap.moe.dispatch_grouped_matmul(x, topk_idx, w1)``, ``a = gelu(h)``,
 ``y = overlap.moe.grouped_matmul_combine(a, w2, topk_weights, handle)``. Its shape is
@@ -134,6 +139,8 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 #: the tensor-parallel ops of the op table, each benchmarked as ``overlap.<op>`` at a shape ``m x k x n``
 #: (`Case`; bench/soak.py runs these too, by that name)
 OPS = TP_OPS
+#: the ops that gather or scatter an activation dim (``gather_dim``, ``scatter_dim``): batch-first cases
+DIM_OPS = ("all_gather_matmul", "matmul_reduce_scatter")
 
 # `names` spells out what the command line needs without torch; it must be the op table's.
 _TABLE = (ops_of("tp"), ops_of("moe"), STRATEGIES, {n: s.variants for n, s in OP_TABLE.items() if s.variants},
@@ -189,10 +196,21 @@ class Case(_CaseNames):
     preset: str = ""  # a `models.TP_PRESETS` name, with `layer` and `tp`: the problem of that model's layer
     layer: str = ""  # ... at tensor-parallel size `tp` (`preset_cases`); they only label the case
     tp: int = 0
+    batch: int = 0  # batch-first [batch, m/batch, k], the sequence on dim 1 (`layouts`); 0: sequence-first [m, k]
+    split: tuple[int, ...] = ()  # all_gather_matmul: the weight's n columns as several weights (`layouts`)
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
             raise ValueError(f"unknown op {self.op!r}; known: {OPS}")
+        object.__setattr__(self, "split", tuple(self.split))
+        if self.batch and (isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 0
+                           or self.op not in DIM_OPS or self.m % self.batch):
+            raise ValueError(f"batch must be an int >= 1 dividing m={self.m}, for {DIM_OPS} only, got "
+                             f"{self.batch!r} ({self.op})")
+        if self.split and (self.op != "all_gather_matmul" or sum(self.split) != self.n
+                           or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in self.split)):
+            raise ValueError(f"split must be ints >= 1 summing to n={self.n}, for all_gather_matmul only, got "
+                             f"{self.split!r} ({self.op})")
         if self.preset or self.layer or self.tp:
             layers = [name for name, ops in LAYERS if self.op in ops]
             if self.preset not in TP_PRESETS or self.layer not in layers or not isinstance(self.tp, int) or self.tp < 1:
@@ -212,6 +230,8 @@ class Case(_CaseNames):
     @property
     def shape(self) -> str:
         dims = f"{self.m}x{self.k}x{self.n}"
+        dims += f"/bsh{self.batch}" if self.batch else ""
+        dims += f"/split{'+'.join(map(str, self.split))}" if self.split else ""
         return f"{self.preset}/{self.layer}:{dims}" if self.preset else dims
 
     @property
@@ -233,7 +253,8 @@ class Case(_CaseNames):
 
     def shape_fields(self) -> dict[str, Any]:
         """The shape as fields of a result row."""
-        return {"m": self.m, "k": self.k, "n": self.n, "preset": self.preset or None, "layer": self.layer or None}
+        return {"m": self.m, "k": self.k, "n": self.n, "preset": self.preset or None, "layer": self.layer or None,
+                "batch": self.batch or None, "split": list(self.split) or None}
 
     def world_problem(self, world_size: int) -> str | None:
         """Why the case cannot run on `world_size` ranks, or None: any shape runs on any number of ranks,

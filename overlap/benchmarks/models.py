@@ -158,6 +158,17 @@ def tp_problems(model: DenseModel, world_size: int) -> list[tuple[str, str, tupl
     return [(layer, op, dims(layer, op)) for layer, ops in LAYERS for op in ops]
 
 
+def layer_split(model: DenseModel, layer: str, world_size: int) -> tuple[int, ...]:
+    """The weights a fused projection is made of, as its columns per rank: q, k and v of ``qkv``, gate and up of a
+    gated ``mlp-up`` (the several-weight form of `tp_problems`' fused ``n``; empty for the other layers)."""
+    W, hd = world_size, model.head_dim
+    if layer == "qkv":
+        return (model.heads * hd // W, model.kv_heads * hd // W, model.kv_heads * hd // W)
+    if layer == "mlp-up" and model.gated:
+        return (model.ffn // W, model.ffn // W)
+    return ()
+
+
 def parse_tp_preset(text: str) -> str | None:
     """The `TP_PRESETS` name `text` spells (case and surrounding blanks ignored), or None."""
     name = text.strip().lower()

@@ -24,6 +24,12 @@ its inputs order them (TP ``(a, b)``, moe ``(x, w1, w2, topk_weights)``):
 
 The TP ops take the benchmark's 2-D operands (``a [rows, k]``, ``b [k, n]``). Their backward collectives are
 explicit in an autograd `Function`, since torch's collectives have no autograd of their own.
+
+Batch-first and several-weight cases (`torch_all_gather_matmul_on`, `torch_matmul_reduce_scatter_on`): torch's
+collectives gather and scatter dim 0, so a user of another dim moves it, as DTensor's redistribution does:
+the gathered ``[W, ...]`` is concatenated along the dim (a copy), the partial's chunks along the dim stacked
+into ``[W, ...]`` (a copy) before the reduce-scatter; one gather feeds every weight (one ``torch.matmul`` each)
+and backward sums their input gradients before its one reduce-scatter.
 """
 
 from __future__ import annotations
@@ -151,6 +157,63 @@ def _moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weights: torch.Ten
     pairs = back.index_select(0, torch.argsort(order))  # pair order t*K + k
     wide = torch.promote_types(x.dtype, torch.float32)
     return (pairs.view(T, K, -1).to(wide) * weights.to(wide).unsqueeze(-1)).sum(1).to(x.dtype)
+
+
+def _gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    full = _gather_rows(x, group)  # [W * x.shape[0], ...]: rank-major
+    return torch.cat(full.chunk(dist.get_world_size(group)), dim=dim) if dim else full
+
+
+def _scatter_dim(partial: torch.Tensor, dim: int, group) -> torch.Tensor:
+    W = dist.get_world_size(group)
+    return _scatter_rows(torch.cat(partial.chunk(W, dim=dim)) if dim else partial, group)
+
+
+class _AllGatherMatmulOn(torch.autograd.Function):
+    """`_AllGatherMatmul` on any dim, the gathered rows feeding every weight of `bs`."""
+
+    @staticmethod
+    def forward(ctx, a, dim, group, *bs):
+        ctx.save_for_backward(a, *bs)
+        ctx.dim, ctx.group = dim, group
+        full = _gather_dim(a, dim, group)
+        return tuple(torch.matmul(full, b) for b in bs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        a, *bs = ctx.saved_tensors
+        full = _gather_dim(a, ctx.dim, ctx.group)  # gathered again, as Megatron does
+        partial = sum(torch.matmul(g, b.t()) for g, b in zip(gs, bs, strict=True))
+        flat = full.reshape(-1, full.shape[-1])
+        grads_b = [torch.matmul(flat.t(), g.reshape(-1, g.shape[-1])) for g in gs]
+        return (_scatter_dim(partial, ctx.dim, ctx.group), None, None, *grads_b)
+
+
+class _MatmulReduceScatterOn(torch.autograd.Function):
+    """`_MatmulReduceScatter` on any dim."""
+
+    @staticmethod
+    def forward(ctx, a, b, dim, group):
+        ctx.save_for_backward(a, b)
+        ctx.dim, ctx.group = dim, group
+        return _scatter_dim(torch.matmul(a, b), dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        full_g = _gather_dim(g, ctx.dim, ctx.group)
+        flat = full_g.reshape(-1, full_g.shape[-1])
+        return torch.matmul(full_g, b.t()), torch.matmul(a.reshape(-1, a.shape[-1]).t(), flat), None, None
+
+
+def torch_all_gather_matmul_on(group, dim: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """``fn(a, *bs) -> (y_1, ...)``: ``all_gather(a, dim) @ b_i`` in plain torch, one gather for every weight."""
+    return lambda a, *bs: _AllGatherMatmulOn.apply(a, dim, group, *bs)
+
+
+def torch_matmul_reduce_scatter_on(group, dim: int) -> Callable[..., torch.Tensor]:
+    """``fn(a, b)``: ``reduce_scatter(a @ b, dim)`` in plain torch."""
+    return lambda a, b: _MatmulReduceScatterOn.apply(a, b, dim, group)
 
 
 def torch_all_gather_matmul(group, routing=None, num_experts: int = 0) -> Callable[..., torch.Tensor]:
