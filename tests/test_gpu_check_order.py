@@ -205,7 +205,7 @@ def run_tests(mp: pytest.MonkeyPatch) -> dict[str, tuple]:
         results[name] = (ops, replay(ops, one_queue=True), replay(ops, one_queue=False), skipped)
 
     bf16 = torch.bfloat16
-    for c in tp_ranks.cases_for(dev, ag.ORDERED):
+    for c in [*tp_ranks.cases_for(dev, ag.ORDERED), *tp_ranks.cases_for(dev, ag.RUNS)]:
         record(f"all-gather ordered {c}", lambda c=c: ag.check_ordered(dev, *c))
     for c in tp_ranks.cases_for(dev, ag.WEIGHT_ORDERED):
         record(f"all-gather weight ordered {c}", lambda c=c: ag.check_weight_ordered(dev, *c))
@@ -216,7 +216,7 @@ def run_tests(mp: pytest.MonkeyPatch) -> dict[str, tuple]:
     record("stream signals stream wait", lambda: stream_signals.check_stream_wait(dev))
     for w in (2, 4):  # after the stream signals, as in a run (`Device.idle` drains every stream made before)
         record(f"symm pipeline W={w}", lambda w=w: symm_pipeline.check_symm_pipeline(dev, w, (256, 512, 384), bf16))
-    for c in tp_ranks.cases_for(dev, rs.ORDERED):
+    for c in [*tp_ranks.cases_for(dev, rs.ORDERED), *tp_ranks.cases_for(dev, rs.RUNS)]:
         record(f"reduce-scatter ordered {c}", lambda c=c: rs.check_ordered(dev, *c))
     for c in tp_ranks.cases_for(dev, rs.RACING):
         record(f"reduce-scatter racing {c}", lambda c=c: rs.check_racing(dev, *c))

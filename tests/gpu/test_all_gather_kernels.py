@@ -53,6 +53,11 @@ ORDERED = [(GPU, w, shape, BF16, layout) for w in (2, 4)
            for shape, layout in (((256, 1024, 512), "w.t()"), ((100, 1000, 300), "row-major"))]
 ORDERED += [(CPU, w, shape, dtype, layout) for dtype in (FP32, BF16) for w in (2, 4)
             for shape, layout in (((16, 32, 24), "w.t()"), ((24, 40, 64), "row-major"))]
+# (sized for, world size, (m, k, n), dtype, b layout, runs): a gather dim past the first (batch-first ``[B, s, h]``,
+# the sequence on dim 1): each shard lands in runs of ``runs = s`` rows, ``m / runs`` of them (the second of each is
+# no multiple of the tiles, its runs cut through row tiles).
+RUNS = [(GPU, 2, (256, 1024, 512), BF16, "w.t()", 64), (GPU, 4, (100, 1000, 300), BF16, "row-major", 25),
+        (CPU, 2, (24, 40, 64), FP32, "w.t()", 8), (CPU, 3, (15, 32, 24), FP32, "row-major", 5)]
 # (sized for, world size, (m, k, n), dtype): the weight-side kernel's shards are n rows of the weight each.
 WEIGHT_ORDERED = [(GPU, w, (256, 1024, 384), BF16) for w in (2, 4)] + [(CPU, 2, (20, 32, 24), FP32),
                                                                          (CPU, 4, (20, 32, 24), FP32)]
@@ -60,8 +65,10 @@ WEIGHT_ORDERED = [(GPU, w, (256, 1024, 384), BF16) for w in (2, 4)] + [(CPU, 2, 
 RACING = [(GPU, 2, (128, 512, 256), BF16), (GPU, 4, (128, 512, 256), BF16), (CPU, 2, (16, 32, 32), FP32)]
 
 
-def describe(world_size: int, shape: tuple[int, int, int], dtype: torch.dtype, b_layout: str | None = None) -> str:
-    return f"W={world_size}-{DTYPE_IDS[dtype]}-{shape_id(shape)}" + (f"-{B_IDS[b_layout]}" if b_layout else "")
+def describe(world_size: int, shape: tuple[int, int, int], dtype: torch.dtype, b_layout: str | None = None,
+             runs: int = 0) -> str:
+    return (f"W={world_size}-{DTYPE_IDS[dtype]}-{shape_id(shape)}" + (f"-{B_IDS[b_layout]}" if b_layout else "")
+            + (f"-runs={runs}" if runs else ""))
 
 
 # ==============================================================================================
@@ -70,12 +77,13 @@ def describe(world_size: int, shape: tuple[int, int, int], dtype: torch.dtype, b
 
 
 def check_ordered(dev: Device, world_size: int, shape: tuple[int, int, int], dtype: torch.dtype,
-                  b_layout: str) -> None:
-    """Every shard copied and flagged before any consumer launches; each rank's output against float64."""
+                  b_layout: str, runs: int = 0) -> None:
+    """Every shard copied and flagged before any consumer launches; each rank's output against float64 (`runs`:
+    the shards interleaved in runs of that many rows, `GatherGroup.reference`)."""
     m, k, n = shape
-    what = f"all-gather ordered W={world_size} {shape_id(shape)}"
+    what = f"all-gather ordered W={world_size} {shape_id(shape)}" + (f" runs={runs}" if runs else "")
     epoch = 7
-    g = GatherGroup.create(dev, world_size, m, k, n, dtype, stale=epoch - 1, b_layout=b_layout)
+    g = GatherGroup.create(dev, world_size, m, k, n, dtype, stale=epoch - 1, b_layout=b_layout, runs=runs)
     ref = g.reference()
     consumers = [new_consumer(g) for _ in range(world_size)]
     for r in range(world_size):
@@ -228,6 +236,11 @@ def check_timeout(dev: Device, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("case", sized_params(ORDERED, describe))
 def test_all_gather_kernel_matches_float64_with_every_shard_flagged_first(dev, case):
+    check_ordered(dev, *sized_for(dev, case))
+
+
+@pytest.mark.parametrize("case", sized_params(RUNS, describe))
+def test_all_gather_kernel_lands_each_shard_in_runs_for_a_gather_dim_past_the_first(dev, case):
     check_ordered(dev, *sized_for(dev, case))
 
 

@@ -64,6 +64,10 @@ ORDERED += [(GPU, "rs", 4, (400, 1000, 300), BF16, "row-major"), (GPU, "rs", 2, 
             (GPU, "ar1", 2, (256, 512, 384), BF16, "w.t()"), (GPU, "ar1", 4, (100, 1000, 300), BF16, "row-major")]
 ORDERED += [(CPU, "rs", 2, (80, 32, 24), FP32, "w.t()"), (CPU, "rs", 3, (72, 40, 40), BF16, "row-major"),
             (CPU, "ar2", 3, (100, 32, 24), FP32, "w.t()"), (CPU, "ar1", 2, (40, 32, 24), BF16, "w.t()")]
+# (sized for, layout kind, world size, (rows, k, n), dtype, b layout, runs): a scatter dim past the first (batch-first
+# ``[B, W*s, h]``, the sequence on dim 1): every destination's rows are runs of ``runs = s`` rows of ``a``.
+RUNS = [(GPU, "rs", 2, (512, 512, 384), BF16, "w.t()", 64), (GPU, "rs", 4, (400, 1000, 300), BF16, "row-major", 20),
+        (CPU, "rs", 2, (80, 32, 24), FP32, "w.t()", 8), (CPU, "rs", 3, (72, 40, 40), FP32, "row-major", 6)]
 # (sized for, layout kind, world size, (rows, k, n), dtype)
 RACING = [(GPU, "rs", 2, (512, 512, 256), BF16), (GPU, "rs", 4, (1024, 512, 256), BF16),
           (GPU, "ar1", 4, (256, 512, 256), BF16), (CPU, "rs", 2, (128, 32, 32), FP32),
@@ -71,8 +75,9 @@ RACING = [(GPU, "rs", 2, (512, 512, 256), BF16), (GPU, "rs", 4, (1024, 512, 256)
 
 
 def describe(kind: str, world_size: int, shape: tuple[int, int, int], dtype: torch.dtype,
-             b_layout: str | None = None) -> str:
-    return f"{kind}-W={world_size}-{DTYPE_IDS[dtype]}-{shape_id(shape)}" + (f"-{B_IDS[b_layout]}" if b_layout else "")
+             b_layout: str | None = None, runs: int = 0) -> str:
+    return (f"{kind}-W={world_size}-{DTYPE_IDS[dtype]}-{shape_id(shape)}" + (f"-{B_IDS[b_layout]}" if b_layout else "")
+            + (f"-runs={runs}" if runs else ""))
 
 
 # ==============================================================================================
@@ -81,12 +86,13 @@ def describe(kind: str, world_size: int, shape: tuple[int, int, int], dtype: tor
 
 
 def check_ordered(dev: Device, kind: str, world_size: int, shape: tuple[int, int, int], dtype: torch.dtype,
-                  b_layout: str = "w.t()", num_chunks: int = 2) -> None:
-    """Scatters, settle, reductions; twice (epochs 7 and 8) on the same slots and counters."""
+                  b_layout: str = "w.t()", runs: int = 0, num_chunks: int = 2) -> None:
+    """Scatters, settle, reductions; twice (epochs 7 and 8) on the same slots and counters (`runs`: each
+    destination's rows of ``a`` in runs of that many, `Layout.rows_of`)."""
     rows, k, n = shape
-    lay = Layout(kind, world_size, rows)
+    lay = Layout(kind, world_size, rows, runs)
     g = ScatterGroup.create(dev, lay, k, n, dtype, num_chunks, stale=6, b_layout=b_layout)
-    what = f"{kind} ordered W={world_size} {shape_id(shape)} chunks={g.nch}"
+    what = f"{kind} ordered W={world_size} {shape_id(shape)} chunks={g.nch}" + (f" runs={runs}" if runs else "")
     problems: list[str] = []
     worst_err = worst_rel = 0.0
     for call, epoch in enumerate((7, 8)):
@@ -265,6 +271,11 @@ def check_timeout(dev: Device, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("case", sized_params(ORDERED, describe))
 def test_reduction_matches_float64_sums_over_two_calls_with_every_scatter_done_first(dev, case):
+    check_ordered(dev, *sized_for(dev, case))
+
+
+@pytest.mark.parametrize("case", sized_params(RUNS, describe))
+def test_scatter_reads_each_destination_in_runs_for_a_scatter_dim_past_the_first(dev, case):
     check_ordered(dev, *sized_for(dev, case))
 
 

@@ -115,11 +115,13 @@ class GatherGroup:
     flag_table: torch.Tensor  # int64 [W]: flags[r].data_ptr()
     b: torch.Tensor
     streams: list[torch.cuda.Stream | None]
+    runs: int = 0  # a gather dim past the first: each shard lands in runs of this many rows (0: one run)
 
     @classmethod
     def create(cls, dev: Device, world_size: int, m: int, k: int, n: int, dtype: torch.dtype,
-               stale: int, b_layout: str = "w.t()") -> GatherGroup:
-        """Flags start at `stale` (a previous call's epoch), not 0: consumers must wait for >= epoch."""
+               stale: int, b_layout: str = "w.t()", runs: int = 0) -> GatherGroup:
+        """Flags start at `stale` (a previous call's epoch), not 0: consumers must wait for >= epoch. `runs`: the
+        output interleaves the shards in runs of that many rows (`overlap.ops.tp.rows.Rows`)."""
         d = dev.device
         shards = [torch.randn(m, k, device=d, dtype=dtype) / math.sqrt(k) for _ in range(world_size)]
         b = torch.randn(n, k, device=d, dtype=dtype).t() if b_layout == "w.t()" else torch.randn(k, n, device=d,
@@ -130,14 +132,18 @@ class GatherGroup:
         flag_table = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=d)
         streams = [dev.stream() for _ in range(world_size)]
         dev.idle("setting up virtual ranks")  # the streams below must see these writes
-        return cls(dev, shards, buffers, flags, ptr_table, flag_table, b, streams)
+        return cls(dev, shards, buffers, flags, ptr_table, flag_table, b, streams, runs)
 
     @property
     def world_size(self) -> int:
         return len(self.shards)
 
     def reference(self) -> torch.Tensor:
-        """The unfused result ``torch.cat(shards) @ b``, in float64."""
+        """The unfused result ``torch.cat(shards) @ b``, in float64 (with `runs`: ``torch.cat(dim=1)`` of the shards
+        seen as ``[m / runs, runs, k]``, as a batch-first gather of the sequence lays them out)."""
+        if self.runs:
+            full = torch.cat([s.view(-1, self.runs, s.shape[1]) for s in self.shards], dim=1)
+            return full.reshape(-1, full.shape[-1]).double() @ self.b.double()
         return torch.cat(self.shards).double() @ self.b.double()
 
     def produce(self, rank: int, epoch: int) -> None:
@@ -183,7 +189,7 @@ def launch_gather(g: GatherGroup, rank: int, c: Consumer, epoch: int, timeout_ns
                              epoch=epoch_word(epoch, g.b.device), rank=rank,
                              err=c.err, timeout_ns=timeout_ns, block=(tile.block_m, tile.block_n, tile.block_k),
                              out=c.out, abort=c.abort, watchdog=False, num_warps=tile.num_warps,
-                             num_stages=tile.num_stages)
+                             num_stages=tile.num_stages, rows_per_outer=g.runs or None)
 
 
 def judge_consumers(consumers: list[Consumer], ref: torch.Tensor, expect_err: int = 0,
@@ -216,6 +222,7 @@ class Layout:
     kind: str
     world_size: int
     rows: int
+    runs: int = 0  # "rs" scattering a dim past the first: the blocks interleave in runs of this many rows
 
     @property
     def num_dest(self) -> int:
@@ -238,6 +245,13 @@ class Layout:
     def flag_index(self, rank: int) -> int:
         """First ready flag (in every producer's pad) that rank `rank`'s reduction waits on."""
         return rank * self.flag_stride
+
+    def rows_of(self, a: torch.Tensor, rank: int) -> torch.Tensor:
+        """The rows of `a` (a rank's ``[rows, k]``) whose products rank `rank` reduces."""
+        if self.runs:
+            return a.view(-1, self.world_size, self.runs, a.shape[1])[:, rank].reshape(-1, a.shape[1])
+        lo, hi = self.block(rank)
+        return a[lo:hi]
 
     def block(self, rank: int) -> tuple[int, int]:
         """Rows of the result rank `rank` reduces."""
@@ -368,10 +382,10 @@ class ScatterGroup:
         added in float32 (``W`` roundings at most) and rounded once more when the sum is stored, each GEMM
         accumulated in float32 (twice the textbook bound: tensor cores may truncate), TF32 inputs where a
         GPU runs a fp32 dot. A partial that is missing, stale or added twice is off by a whole term."""
-        lo, hi = self.lay.block(rank)
-        parts = [a[lo:hi].double() @ b.double() for a, b in zip(self.a, self.b, strict=True)]
+        mine = [self.lay.rows_of(a, rank).double() for a in self.a]
+        parts = [x @ b.double() for x, b in zip(mine, self.b, strict=True)]
         total = sum(parts)
-        terms = sum(a[lo:hi].double().abs() @ b.double().abs() for a, b in zip(self.a, self.b, strict=True))
+        terms = sum(x.abs() @ b.double().abs() for x, b in zip(mine, self.b, strict=True))
         u = UNIT_ROUNDOFF[self.dtype]
         if not self.dev.cuda and self.dtype == torch.bfloat16:
             u *= 2  # Triton 3.9's interpreter truncates fp32 -> bf16 (`.to`): up to one ulp, not half
@@ -398,7 +412,8 @@ def launch_scatter(g: ScatterGroup, rank: int, epoch: int) -> None:
     """Rank `rank`'s producer kernel on the current stream, through the launcher `scatter_and_reduce` calls."""
     launch_matmul_scatter(g.a[rank], g.b[rank], g.dst_tables[rank], g.counters[rank], g.flag_base,
                           block_rows=g.lay.block_rows, num_chunks=g.nch, flag_stride=g.lay.flag_stride,
-                          epoch=epoch_word(epoch, g.a[rank].device), rank=rank, block=g.tile)
+                          epoch=epoch_word(epoch, g.a[rank].device), rank=rank, block=g.tile,
+                          rows_per_outer=g.lay.runs or None)
 
 
 def launch_reduce(g: ScatterGroup, rank: int, epoch: int, timeout_ns: int, watchdog: bool = True) -> None:
