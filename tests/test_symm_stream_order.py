@@ -23,6 +23,7 @@ from overlap.ops.tp import gather as _gather
 from overlap.ops.tp import grad_ring as _grad_ring
 from overlap.ops.tp import matmul_all_reduce, scatter_gemm
 from overlap.ops.tp import shard_ring as _shard_ring
+from overlap.ops.tp.rows import Product, Rows
 
 RANKS = [(W, r) for W in (2, 3, 4) for r in range(W)]
 IDS = [f"W{W}-r{r}" for W, r in RANKS]
@@ -107,7 +108,8 @@ def test_matmul_reduce_scatter(monkeypatch, W, r):
     call = gpu_call(heap)
     rec = _record(monkeypatch, heap, call)
     with gpu_order.fake_cuda(monkeypatch):
-        scatter_gemm._symm(_context(W, r), call, on_gpu(torch.randn(5 * W, 4)), on_gpu(torch.randn(4, 3)))
+        a2, b = on_gpu(torch.randn(5 * W, 4)), on_gpu(torch.randn(4, 3))
+        scatter_gemm._symm(_context(W, r), call, Product([(a2, b)], Rows.flat(W, 5)))
     check_order(rec.ops)
     _nontrivial(rec.ops, W)
 

@@ -323,11 +323,15 @@ def opchecks(rank: int, world_size: int, seed: int) -> dict[str, str]:
     ops = torch.ops.overlap
     a3 = torch.randn(2 * world_size, 2, 8, generator=g, requires_grad=True)
     b = torch.randn(8, 6, generator=g, requires_grad=True)
+    b2 = torch.randn(8, 3, generator=g, requires_grad=True)
     tp = ("", "symm", "", None, True)
     x, idx, w1, w2, tw, E = moe_inputs(rank, world_size, seed)
     cases = {
-        "all_gather_matmul": (ops.all_gather_matmul.default, (a3, b, *tp)),
-        "matmul_reduce_scatter": (ops.matmul_reduce_scatter.default, (a3, b, *tp)),
+        "all_gather_matmul": (ops.all_gather_matmul.default, (a3, [b], 0, False, *tp)),
+        # batch-first: gather dim 1, two weights, the gathered input returned
+        "all_gather_matmul dim 1": (ops.all_gather_matmul.default, (a3, [b, b2], 1, True, *tp)),
+        "matmul_reduce_scatter": (ops.matmul_reduce_scatter.default, (a3, b, 0, *tp)),
+        "matmul_reduce_scatter dim 1": (ops.matmul_reduce_scatter.default, (a3, b, 1, *tp)),
         "matmul_all_reduce": (ops.matmul_all_reduce.default, (a3, b, *tp)),
         "all_gather_weight_matmul": (ops.all_gather_weight_matmul.default, (a3, b, *tp)),
         "all_reduce": (ops.all_reduce.default, (a3, "", None, "opcheck")),

@@ -57,8 +57,9 @@ class Gather:
 
     own_rows_in_full = False  # the transport leaves this rank's rows in x2 only
 
-    def __init__(self, call, x2: torch.Tensor, cc: CallContext, rows: Rows):
-        self.call, self.x2, self.cc, self.info, self.ro = call, x2, cc, cc.info, rows
+    def __init__(self, call, x2: torch.Tensor, cc: CallContext, rows: Rows | None = None):
+        self.call, self.x2, self.cc, self.info = call, x2, cc, cc.info
+        self.ro = Rows.flat(cc.world_size, x2.shape[0]) if rows is None else rows
         self.m = x2.shape[0]
         self.full: torch.Tensor | None = None
         self.pending: list = []  # what chunks() waits on, in yield order

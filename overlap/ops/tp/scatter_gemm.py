@@ -2,6 +2,9 @@
 the GEMMs. The forward of `overlap.matmul_reduce_scatter`, the input gradient of `overlap.all_gather_matmul`,
 the weight gradient of `overlap.all_gather_weight_matmul` (``pipelined``) run it; `overlap.matmul_all_reduce`'s
 two-shot ``fused`` runs `scatter_and_reduce`; its regions are laid out by `overlap.kernels.slots.region_bytes`.
+What is scattered is a `overlap.ops.tp.rows.Product`: one GEMM or the sum of several (the input gradient of a
+gather that fed several weights, plus that of its returned gathered input), its rows in the gathered layout
+(a scatter dim past the first: each destination's rows are runs, multiplied in place).
 
 Strategies (same results up to rounding; `reference` is the oracle). Every one sums in a fixed
 order, so the same inputs and plan give bitwise the same result run after run:
