@@ -139,8 +139,6 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 #: the tensor-parallel ops of the op table, each benchmarked as ``overlap.<op>`` at a shape ``m x k x n``
 #: (`Case`; bench/soak.py runs these too, by that name)
 OPS = TP_OPS
-#: the ops that gather or scatter an activation dim (``gather_dim``, ``scatter_dim``): batch-first cases
-DIM_OPS = ("all_gather_matmul", "matmul_reduce_scatter")
 
 # `names` spells out what the command line needs without torch; it must be the op table's.
 _TABLE = (ops_of("tp"), ops_of("moe"), STRATEGIES, {n: s.variants for n, s in OP_TABLE.items() if s.variants},
@@ -203,14 +201,15 @@ class Case(_CaseNames):
         if self.op not in OPS:
             raise ValueError(f"unknown op {self.op!r}; known: {OPS}")
         object.__setattr__(self, "split", tuple(self.split))
+        spec = OP_TABLE[self.op]
         if self.batch and (isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 0
-                           or self.op not in DIM_OPS or self.m % self.batch):
-            raise ValueError(f"batch must be an int >= 1 dividing m={self.m}, for {DIM_OPS} only, got "
-                             f"{self.batch!r} ({self.op})")
-        if self.split and (self.op != "all_gather_matmul" or sum(self.split) != self.n
+                           or not spec.dim_arg or self.m % self.batch):
+            raise ValueError(f"batch must be an int >= 1 dividing m={self.m}, for an op with a gather or scatter "
+                             f"dim, got {self.batch!r} ({self.op})")
+        if self.split and (not spec.several_weights or sum(self.split) != self.n
                            or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in self.split)):
-            raise ValueError(f"split must be ints >= 1 summing to n={self.n}, for all_gather_matmul only, got "
-                             f"{self.split!r} ({self.op})")
+            raise ValueError(f"split must be ints >= 1 summing to n={self.n}, for an op taking several weights, "
+                             f"got {self.split!r} ({self.op})")
         if self.preset or self.layer or self.tp:
             layers = [name for name, ops in LAYERS if self.op in ops]
             if self.preset not in TP_PRESETS or self.layer not in layers or not isinstance(self.tp, int) or self.tp < 1:

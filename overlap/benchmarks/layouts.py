@@ -59,7 +59,8 @@ def arrange(case: Case, W: int, leaves: tuple[torch.Tensor, ...], grad_out: torc
     if not (case.batch or case.split):
         return None
     a, b = leaves
-    B, gather = case.batch, case.op == "all_gather_matmul"
+    spec = case.problem.spec
+    B, gather = case.batch, spec.in_rows(1, W) == 1  # (gather: a rank's own rows in; else every row, scattered)
     values = {e.what: e.value for e in expected}
     if B and gather:  # a: this rank's rows; out and grad_out: gathered rows
         a = _local(a, B)
@@ -72,7 +73,7 @@ def arrange(case: Case, W: int, leaves: tuple[torch.Tensor, ...], grad_out: torc
                   for k, v in values.items()}
         grad_out = _local(grad_out, B) if grad_out is not None else None
     expected = [Expected(e.what, values[e.what], e.reduction) for e in expected]
-    kwargs = {("gather_dim" if gather else "scatter_dim"): 1} if B else {}
+    kwargs = {spec.dim_arg: 1} if B else {}
     dim = 1 if B else 0
     if not case.split:
         torch_op = (plain_torch.torch_all_gather_matmul_on(group, dim) if gather

@@ -48,6 +48,8 @@ class OpSpec:
         the weight's columns).
     strategies: the strategies the op implements (`Plan.STRATEGIES` unless it says otherwise); ``auto``
         never picks another, forcing one raises ValueError, the tuner and the benchmark skip the rest.
+    dim_arg: the keyword naming the activation dim the op gathers or scatters (``gather_dim``, ``scatter_dim``;
+        empty: dim 0 only); several_weights: whether ``b`` may be a list of weights fed by one transfer.
     """
 
     name: str
@@ -62,6 +64,8 @@ class OpSpec:
     variants: tuple[str, ...] = ()
     out_cols: Callable[[int, int], int] = lambda n, W: n
     strategies: tuple[str, ...] = STRATEGIES
+    dim_arg: str = ""
+    several_weights: bool = False
 
     def __post_init__(self) -> None:
         assert self.family in FAMILIES and set(self.strategies) <= set(STRATEGIES), self
@@ -82,12 +86,13 @@ class OpSpec:
 
 
 def _tp(name: str, label: str, in_rows, out_rows, per_peer_elements, chunked, cost, variants=(),
-        out_cols=lambda n, W: n, strategies=STRATEGIES):
+        out_cols=lambda n, W: n, strategies=STRATEGIES, dim_arg="", several_weights=False):
     return OpSpec(
         name, "tp", label, in_rows, out_rows,
         flops=lambda p, W: (3 if p.backward else 1) * 2 * W * p.m * p.k * p.n,
         bytes_per_peer=lambda p, W: per_peer_elements(p) * ITEMSIZE[p.dtype], chunked=chunked, cost=cost,
-        variants=variants, out_cols=out_cols, strategies=strategies)
+        variants=variants, out_cols=out_cols, strategies=strategies, dim_arg=dim_arg,
+        several_weights=several_weights)
 
 
 def _moe_bytes_per_peer(p, W: int) -> float:
@@ -99,10 +104,11 @@ def _moe_bytes_per_peer(p, W: int) -> float:
 OPS: dict[str, OpSpec] = {s.name: s for s in (
     _tp("all_gather_matmul", "AG+MM", in_rows=lambda m, W: m, out_rows=lambda m, W: W * m,
         per_peer_elements=lambda p: p.m * p.k * (3 if p.backward else 1),
-        chunked=tp_ops.chunked_all_gather_matmul, cost=tp_ops.cost_all_gather_matmul),
+        chunked=tp_ops.chunked_all_gather_matmul, cost=tp_ops.cost_all_gather_matmul, dim_arg="gather_dim",
+        several_weights=True),
     _tp("matmul_reduce_scatter", "MM+RS", in_rows=lambda m, W: W * m, out_rows=lambda m, W: m,
         per_peer_elements=lambda p: p.m * p.n * (2 if p.backward else 1),
-        chunked=tp_ops.chunked_matmul_reduce_scatter, cost=tp_ops.cost_matmul_reduce_scatter),
+        chunked=tp_ops.chunked_matmul_reduce_scatter, cost=tp_ops.cost_matmul_reduce_scatter, dim_arg="scatter_dim"),
     _tp("matmul_all_reduce", "MM+AR", in_rows=lambda m, W: W * m, out_rows=lambda m, W: W * m,
         per_peer_elements=lambda p: 2 * p.m * p.n, variants=("one_shot",),
         chunked=tp_ops.chunked_matmul_all_reduce, cost=tp_ops.cost_matmul_all_reduce),

@@ -1,10 +1,12 @@
 """How a tensor-parallel op is entered: its checks, plan and signature (`prepare`), and the custom-op schema, public
 call and autograd plumbing the four ops share (`tp_call`, `tp_context`, `tp_save`, `tp_backward`).
 
-Every TP op takes ``(a, b, group, strategy, plan, timeout)`` and has the same custom-op signature
-(`TP_SCHEMA`: the operands, the call's arguments as text, whether a backward will run; two outputs, the result
-and the key of the call context its backward reuses) and, except `matmul_all_reduce`, a backward custom op
-(`TP_BACKWARD_SCHEMA`) computing ``(grad_a, grad_b)`` in the forward's call context.
+Every TP op takes ``(a, b, group, strategy, plan, timeout)``; `matmul_all_reduce` and `all_gather_weight_matmul`
+have the same custom-op signature (`TP_SCHEMA`: the operands, the call's arguments as text, whether a backward
+will run; two outputs, the result and the key of the call context its backward reuses), `matmul_reduce_scatter`
+that with its ``scatter_dim`` after ``b``, and `all_gather_matmul` one of its own (a list of weights, its
+``gather_dim``, the gathered input as an output). Each but `matmul_all_reduce` has a backward custom op
+(`TP_BACKWARD_SCHEMA` and its variants) computing the input gradients in the forward's call context.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def tp_problem(op: str, rows: int, a: torch.Tensor, b: torch.Tensor, world_size:
 
 
 # ----------------------------------------------------------------------------------------------
-# The custom ops: one signature for the four, forward and backward
+# The custom ops: the signature they share, forward and backward
 # ----------------------------------------------------------------------------------------------
 
 TP_SCHEMA = ("(Tensor a, Tensor b, str group, str strategy, str plan, float? timeout, bool needs_grad) "
