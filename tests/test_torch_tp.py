@@ -242,13 +242,23 @@ def api_task(rank, world_size, seed):
     assert isinstance(x.grad, DTensor) and x.grad.placements == (Shard(0),), x.grad
 
     # Bad input: raised on every rank before any communication.
-    replicated = distribute_tensor(torch.randn(2 * world_size, 3, 8), mesh, [Replicate()])
-    out["dtensor_wrong_placement"] = expect_error(ours, replicated)
     out["two_args"] = expect_error(ours[0], torch.randn(2, 3, 8), torch.randn(2))
-    out["embedding"] = expect_error(parallelize_module, nn.Embedding(4, 8), mesh, ColwiseParallel())
-    out["uneven"] = expect_error(parallelize_module, nn.Linear(8, 2 * world_size + 1), mesh, ColwiseParallel())
-    out["uneven_row"] = expect_error(parallelize_module, nn.Linear(2 * world_size + 1, 4), mesh, RowwiseParallel())
+    out["not_a_tensor"] = expect_error(ours[0], [1.0])
     out["twice"] = expect_error(ColwiseParallel()._apply, ours[0], mesh)
+    out["row_last_dim"] = expect_error(parallelize_module(nn.Linear(8, 4), mesh, RowwiseParallel(
+        output_layouts=Shard(2))), torch.randn(2, 3, 8 // world_size))
+    # What torch's styles take, overlap's take: a DTensor with another placement than input_layouts (used as it
+    # is), an nn.Embedding and uneven features (torch's own style), as torch's give them.
+    replicated = distribute_tensor(torch.randn(2 * world_size, 3, 8), mesh, [Replicate()])
+    y_o, y_t = ours(replicated), theirs(replicated)
+    _close(y_o, y_t, f"rank {rank}: a replicated DTensor input")
+    out["dtensor_other_placement"] = tuple(y_o.shape)
+    out["embedding"] = ColwiseParallel()
+    parallelize_module(nn.Embedding(4, 8), mesh, out["embedding"])
+    out["embedding"] = out["embedding"].fused
+    uneven = ColwiseParallel()
+    parallelize_module(nn.Linear(8, 2 * world_size + 1), mesh, uneven)
+    out["uneven"] = uneven.fused
 
     # The pool's group is still usable after all of that.
     y = ours(torch.randn(2, 3, 8))
@@ -261,27 +271,27 @@ def test_api_and_bad_input(pools, seed):
     for rank, res in enumerate(pools(2).run(api_task, seed, timeout=60)):
         ctx = f"rank {rank}"
         assert res["plan_passed"][0] == "ValueError" and "one_shot" in res["plan_passed"][1], (ctx, res)
-        kind, msg, secs = res["dtensor_wrong_placement"]
-        assert kind == "ValueError" and "Replicate" in msg and "Shard(dim=0)" in msg and secs < FALLBACK_TIMEOUT_S, \
-            (ctx, kind, msg)
         assert res["two_args"][0] == "TypeError", (ctx, res["two_args"])
-        assert res["embedding"][0] == "TypeError" and "nn.Linear" in res["embedding"][1], (ctx, res["embedding"])
-        assert res["uneven"][0] == "ValueError" and "5 features" in res["uneven"][1], (ctx, res["uneven"])
-        assert res["uneven_row"][0] == "ValueError", (ctx, res["uneven_row"])
+        assert res["not_a_tensor"][0] == "TypeError", (ctx, res["not_a_tensor"])
         assert res["twice"][0] == "ValueError" and "already" in res["twice"][1], (ctx, res["twice"])
+        kind, msg, secs = res["row_last_dim"]
+        assert kind == "ValueError" and "last dim" in msg and secs < FALLBACK_TIMEOUT_S, (ctx, kind, msg)
+        # a replicated DTensor input: nothing gathered, the row-wise layer scatters the whole sequence, as torch's
+        assert res["dtensor_other_placement"] == (2, 3, 8), (ctx, res["dtensor_other_placement"])
+        assert res["embedding"] is False and res["uneven"] is False, (ctx, res)
         assert res["then_ok"] == (2, 3, 8), (ctx, res["then_ok"])
 
 
-def test_constructor_rejects_unsupported_layouts():
+def test_constructor_takes_torch_layouts_and_rejects_bad_arguments():
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import parallel as torch_tp
 
     from overlap.hooks.torch_tp import ColwiseParallel, RowwiseParallel
 
+    for style in (ColwiseParallel(input_layouts=Shard(1)), ColwiseParallel(output_layouts=Replicate()),
+                  RowwiseParallel(input_layouts=Replicate()), RowwiseParallel(output_layouts=Shard(1))):
+        assert isinstance(style, (torch_tp.ColwiseParallel, torch_tp.RowwiseParallel))  # torch's, subclassed
     for make, match in [
-        (lambda: ColwiseParallel(input_layouts=Shard(1)), "Shard\\(0\\)"),
-        (lambda: ColwiseParallel(output_layouts=Replicate()), "Shard\\(-1\\)"),
-        (lambda: RowwiseParallel(input_layouts=Replicate()), "Shard\\(-1\\)"),
-        (lambda: RowwiseParallel(output_layouts=Shard(1)), "Shard\\(0\\)"),
         (lambda: ColwiseParallel(strategy="bogus"), "strategy"),
         (lambda: RowwiseParallel(timeout=0), "timeout"),
     ]:
@@ -293,3 +303,171 @@ def test_constructor_rejects_unsupported_layouts():
     assert style.output_layouts == (Shard(0),) and style.input_layouts == (Shard(-1),)
     assert "strategy='symm'" in repr(style) and "timeout=5" in repr(style)
     assert ColwiseParallel().input_layouts == (Replicate(),)  # torch's default
+
+
+# ----------------------------------------------------------------------------------------------
+# Every layout torch's styles take: the same results as torch's, fused where there is something to fuse
+# ----------------------------------------------------------------------------------------------
+
+
+def _layout_cases(W):
+    """(name, kind, module, style kwargs, this rank's input (of rank and the whole input), overlap's path?, and
+    whether one of overlap's TP ops runs in forward: a replicated column-wise input is a plain local GEMM)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    def seq(dim):
+        return lambda r, x: x.chunk(W, dim)[r]
+
+    def feat(r, x):
+        return x.chunk(W, -1)[r]
+
+    whole = lambda r, x: x  # noqa: E731
+    return [
+        ("col Shard(1) batch-first", "col", nn.Linear(6, 6), dict(input_layouts=Shard(1)), seq(1), True, True),
+        ("col Shard(0)", "col", nn.Linear(6, 6), dict(input_layouts=Shard(0)), seq(0), True, True),
+        ("col Shard(-2)", "col", nn.Linear(6, 6), dict(input_layouts=Shard(-2)), seq(1), True, True),
+        ("col LM head Shard(1) -> Replicate", "col", nn.Linear(6, 6, bias=False),
+         dict(input_layouts=Shard(1), output_layouts=Replicate()), seq(1), True, True),
+        ("col loss parallel Shard(1) -> DTensor Shard(-1)", "col", nn.Linear(6, 6, bias=False),
+         dict(input_layouts=Shard(1), use_local_output=False), seq(1), True, True),
+        ("col replicated", "col", nn.Linear(6, 6), {}, whole, True, False),
+        ("col features sharded in", "col", nn.Linear(6, 6), dict(input_layouts=Shard(2)), feat, True, False),
+        ("col uneven features (torch's)", "col", nn.Linear(6, 2 * W + 1), dict(input_layouts=Shard(1)), seq(1),
+         False, False),
+        ("row Shard(1) batch-first", "row", nn.Linear(6, 6), dict(output_layouts=Shard(1)), feat, True, True),
+        ("row Shard(0)", "row", nn.Linear(6, 6), dict(output_layouts=Shard(0)), feat, True, True),
+        ("row replicated", "row", nn.Linear(6, 6), {}, feat, True, True),
+        ("row replicated in, Shard(1) out", "row", nn.Linear(6, 6),
+         dict(input_layouts=Replicate(), output_layouts=Shard(1)), whole, True, True),
+        ("row Shard(-1) out (torch's)", "row", nn.Linear(6, 6), dict(output_layouts=Shard(-1)), feat, False, False),
+    ]
+
+
+def layouts_task(rank, world_size, seed):
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import parallel as torch_tp
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from overlap.hooks import torch_tp as ours_tp
+    from overlap.ops import library
+
+    mesh = _mesh(world_size)
+    W = world_size
+    gen = torch.Generator().manual_seed(seed)
+    done = []
+    for name, kind, module, kwargs, local_of, fused, runs_op in _layout_cases(W):
+        x = torch.randn(2 * W, 2 * W, 6, generator=gen)  # (dims 0 and 1 both split over the ranks)
+        theirs_style = (torch_tp.ColwiseParallel if kind == "col" else torch_tp.RowwiseParallel)(**kwargs)
+        ours_style = (ours_tp.ColwiseParallel if kind == "col" else ours_tp.RowwiseParallel)(**kwargs)
+        results = []
+        for style in (theirs_style, ours_style):
+            m = parallelize_module(copy.deepcopy(module), mesh, style)
+            xi = local_of(rank, x).clone().requires_grad_()
+            before = sum(library.CALLS[op] for op in ("all_gather_matmul", "matmul_reduce_scatter",
+                                                      "matmul_all_reduce"))
+            y = m(xi)
+            calls = sum(library.CALLS[op] for op in ("all_gather_matmul", "matmul_reduce_scatter",
+                                                     "matmul_all_reduce")) - before
+            y_full = y.full_tensor() if isinstance(y, DTensor) else y
+            g = torch.randn(y_full.shape, generator=torch.Generator().manual_seed(seed + 1))
+            (y_full * g).sum().backward()
+            grads = {n: (_full(p.grad), _placements(p.grad), _placements(p)) for n, p in m.named_parameters()}
+            results.append((isinstance(y, DTensor), _placements(y), y_full.detach(), xi.grad, grads, calls))
+        (t_type, t_pl, t_y, t_dx, t_grads, _), (o_type, o_pl, o_y, o_dx, o_grads, o_calls) = results
+        ctx = f"rank {rank}/{W} {name}"
+        assert ours_style.fused is fused, (ctx, ours_style.fused)
+        assert (o_calls > 0) is runs_op, (ctx, o_calls)  # overlap's op ran where it fuses, none where torch's did
+        assert o_type == t_type and o_pl == t_pl, (ctx, o_type, t_type, o_pl, t_pl)  # a DTensor where torch's is
+        _close(o_y, t_y, f"{ctx}: output")
+        _close(o_dx, t_dx, f"{ctx}: input grad")
+        assert o_grads.keys() == t_grads.keys(), ctx
+        for pname, (grad, grad_pl, pl) in o_grads.items():
+            assert (grad_pl, pl) == t_grads[pname][1:], (ctx, pname, grad_pl, pl, t_grads[pname][1:])
+            _close(grad, t_grads[pname][0], f"{ctx}: {pname}.grad")
+        done.append(name)
+
+    # Embeddings are torch's styles' (nothing to fuse): torchtitan's token embedding, and a column-wise one.
+    for name, style_kw, kind in (("row embedding Replicate -> Shard(1)", dict(input_layouts=Replicate(),
+                                                                             output_layouts=Shard(1)), "row"),
+                                 ("col embedding", {}, "col")):
+        ids = torch.randint(0, 10, (2, 2 * W), generator=gen)
+        emb = nn.Embedding(10, 6)
+        outs = []
+        for mod in (torch_tp, ours_tp):
+            style = (mod.ColwiseParallel if kind == "col" else mod.RowwiseParallel)(**style_kw)
+            m = parallelize_module(copy.deepcopy(emb), mesh, style)
+            y = m(ids)
+            y.sum().backward()
+            outs.append((y.detach(), _full(m.weight.grad), getattr(style, "fused", None)))
+        assert outs[1][2] is False, name
+        _close(outs[1][0], outs[0][0], f"rank {rank} {name}: output")
+        _close(outs[1][1], outs[0][1], f"rank {rank} {name}: weight grad")
+        done.append(name)
+    # A DTensor input is taken with the placement it has, as torch's style takes it.
+    lin = nn.Linear(6, 6)
+    for placement in (Replicate(), Shard(1), Shard(0)):
+        x = distribute_tensor(torch.randn(2 * W, 2 * W, 6, generator=gen), mesh, [placement])
+        y_t, y_o = (parallelize_module(copy.deepcopy(lin), mesh, mod.ColwiseParallel(input_layouts=Shard(0)))(x)
+                    for mod in (torch_tp, ours_tp))
+        _close(y_o, y_t, f"rank {rank} DTensor input {placement}")
+        done.append(f"dtensor {placement}")
+    return done
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_styles_match_torch_on_every_layout_they_take(pools, seed, world_size):
+    for rank, done in enumerate(pools(world_size).run(layouts_task, seed, timeout=240)):
+        assert len(done) == len(_layout_cases(world_size)) + 5, (rank, done)
+
+
+def swap_task(rank, world_size, seed):
+    """`use_overlap_styles` on a module that imported torch's styles: its plan then runs overlap's ops."""
+    import types
+
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import parallel as torch_tp
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from overlap.hooks.torch_tp import ColwiseParallel, RowwiseParallel, use_overlap_styles
+    from overlap.ops import library
+
+    client = types.ModuleType("client")  # a parallelize module as torchtitan writes one
+    client.ColwiseParallel, client.RowwiseParallel = torch_tp.ColwiseParallel, torch_tp.RowwiseParallel
+
+    def parallelize(model, mesh):
+        return parallelize_module(model, mesh, {"0": client.ColwiseParallel(input_layouts=Shard(1)),
+                                                "2": client.RowwiseParallel(output_layouts=Shard(1))})
+
+    client.parallelize = parallelize
+    mesh = _mesh(world_size)
+    torch.manual_seed(seed)
+    mlp = nn.Sequential(nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 6))
+    x = torch.randn(2, 2 * world_size, 6).chunk(world_size, 1)[rank]
+    before = library.CALLS["all_gather_matmul"] + library.CALLS["matmul_reduce_scatter"]
+    with use_overlap_styles(client):
+        assert client.ColwiseParallel is ColwiseParallel and client.RowwiseParallel is RowwiseParallel
+        ours = client.parallelize(copy.deepcopy(mlp), mesh)
+    assert client.ColwiseParallel is torch_tp.ColwiseParallel  # restored
+    y_o = ours(x)
+    ran = library.CALLS["all_gather_matmul"] + library.CALLS["matmul_reduce_scatter"] - before
+    y_t = client.parallelize(copy.deepcopy(mlp), mesh)(x)
+    _close(y_o, y_t, f"rank {rank}: swapped styles vs torch's")
+    with pytest.raises(RuntimeError), use_overlap_styles(client):
+        raise RuntimeError("inside")
+    assert client.RowwiseParallel is torch_tp.RowwiseParallel  # restored on an error too
+    return ran
+
+
+def test_use_overlap_styles_swaps_and_restores(pools, seed):
+    assert pools(2).run(swap_task, seed, timeout=120) == [2, 2]  # one gather and one scatter per rank
+
+
+def test_use_overlap_styles_rejects_what_it_cannot_swap():
+    import types
+
+    from overlap.hooks.torch_tp import use_overlap_styles
+
+    with pytest.raises(TypeError, match="modules"), use_overlap_styles("torchtitan"):
+        pass
+    with pytest.raises(ValueError, match="nothing to swap"), use_overlap_styles(types.ModuleType("empty")):
+        pass

@@ -1,53 +1,51 @@
 """Parallel styles for torch's tensor-parallel API whose ``nn.Linear`` layers run through the fused ops.
 
-``ColwiseParallel`` and ``RowwiseParallel`` here take the keyword arguments of torch's styles of the
-same names (``torch.distributed.tensor.parallel``), with the same defaults and meaning, plus
-``strategy``/``plan``/``timeout`` for the ops; pass them to ``parallelize_module`` in place of torch's::
+``ColwiseParallel`` and ``RowwiseParallel`` here are torch's styles of the same names
+(``torch.distributed.tensor.parallel``, subclassed: the same keyword arguments, defaults and meaning, plus
+``strategy``/``plan``/``timeout`` for the ops). Pass them to ``parallelize_module`` in place of torch's, or let
+`use_overlap_styles` rebind the names a parallelizing module imported (torchtitan's ``parallelize_llama``)::
 
     from overlap.hooks.torch_tp import ColwiseParallel, RowwiseParallel
     parallelize_module(block, tp_mesh, {
-        "up": ColwiseParallel(input_layouts=Shard(0)),     # all_gather_matmul
-        "down": RowwiseParallel(output_layouts=Shard(0)),  # matmul_reduce_scatter
+        "up": ColwiseParallel(input_layouts=Shard(1)),     # all_gather_matmul(x, w.t(), gather_dim=1)
+        "down": RowwiseParallel(output_layouts=Shard(1)),  # matmul_reduce_scatter(x, w.t(), scatter_dim=1)
     })
 
-Activations are in Megatron's ``[s, b, h]`` layout: the sequence is dim 0, the dim the ops gather
-and scatter. What each style runs, ``w`` being this rank's shard of the weight ``[out, in]``:
+What each style runs for an ``nn.Linear`` (``w`` this rank's shard of the weight ``[out, in]``; the sequence
+sharded on any dim ``d`` but the last: 0 for Megatron's ``[s, b, h]``, 1 for batch-first ``[b, s, h]``):
 
-* ``ColwiseParallel(input_layouts=Shard(0))``: ``all_gather_matmul(x, w.t())``; the input gradient
-  is reduce-scattered (overlapped by the op's backward).
-* ``ColwiseParallel()`` (replicated input, torch's default): ``x @ w.t()`` with no communication; the
-  input gradient is all-reduced in backward, as with torch's style.
-* ``RowwiseParallel(output_layouts=Shard(0))``: ``matmul_reduce_scatter(x, w.t())``; the output
+* ``ColwiseParallel(input_layouts=Shard(d))``: ``all_gather_matmul(x, w.t(), gather_dim=d)``; the input
+  gradient is reduce-scattered (overlapped by the op's backward).
+* ``ColwiseParallel()`` (replicated input, torch's default): ``x @ w.t()`` with no communication; the input
+  gradient is all-reduced in backward, as with torch's style.
+* ``RowwiseParallel(output_layouts=Shard(d))``: ``matmul_reduce_scatter(x, w.t(), scatter_dim=d)``; the output
   gradient is all-gathered (overlapped by the op's backward).
-* ``RowwiseParallel()`` (replicated output, torch's default): ``matmul_all_reduce(x, w.t())``; no
-  communication in backward (the output gradient is replicated).
+* ``RowwiseParallel()`` (replicated output, torch's default): ``matmul_all_reduce(x, w.t())``; no communication
+  in backward (the output gradient is replicated).
 
-Each adds the local bias after the op. Parameters are sharded as torch's styles shard them, as
-``DTensor`` parameters (column-wise: weight and bias ``Shard(0)``; row-wise: weight ``Shard(1)``, bias
-``Replicate()``), so a ``state_dict``, a distributed checkpoint or an optimizer sees the same
-tensors as with torch's styles, and the parameters' gradients are ``DTensor`` s with the same
-placements and values. The row-wise bias with a sequence-sharded output sees only this rank's rows
-in backward: its gradient is all-reduced over the mesh (as torch's own arrangement yields), one
-small extra collective.
+Each adds the local bias after the op. Every other layout torch's styles take is taken as torch takes it: a
+column-wise output other than ``Shard(-1)`` (an LM head's ``Replicate()``) is redistributed from ``Shard(-1)``
+by ``DTensor`` as torch's style does, after the fused gather; a ``DTensor`` input is used with the placement it
+has (redistributed as torch's style would where that is neither a sequence shard nor replicated), a row-wise
+input other than ``Shard(-1)`` is redistributed to it. Where nothing is left to fuse, the style is torch's own
+(its ``_apply``): an ``nn.Embedding`` (torchtitan's ``tok_embeddings``), a mesh of more than one dim, features
+that do not divide by the mesh size (torch shards them unevenly), a row-wise output that is neither
+``Replicate()`` nor a sequence shard.
 
-Inputs are local tensors holding this rank's part (the layout given by ``input_layouts``), or
-``DTensor`` s on the same mesh with exactly that placement (they are taken with ``to_local()``; their
-gradient comes back as a ``DTensor``). Outputs are local tensors unless ``use_local_output=False``.
-
-Not supported (``ValueError``/``TypeError`` when the style is constructed or applied, or in forward for
-inputs; never a silent fallback):
-modules other than ``nn.Linear`` (torch's styles also shard ``nn.Embedding``); meshes of more than
-one dim (pass the tensor-parallel sub-mesh, ``mesh["tp"]``, as with torch's styles); sequence
-sharding on a dim other than 0 (transpose to ``[s, b, h]``); column-wise outputs other than
-``Shard(-1)``, row-wise inputs other than ``Shard(-1)``; ``DTensor`` inputs whose placement differs
-from ``input_layouts`` (torch's styles would redistribute them; here ``x.redistribute(...)`` it
-first); features that do not divide by the mesh size (torch's styles shard them unevenly). Only
-``input`` is taken from the module's arguments, as ``nn.Linear.forward`` takes it.
+Parameters are sharded as torch's styles shard them, as ``DTensor`` parameters (column-wise: weight and bias
+``Shard(0)``; row-wise: weight ``Shard(1)``, bias ``Replicate()``), so a ``state_dict``, a distributed
+checkpoint or an optimizer sees the same tensors as with torch's styles, and the parameters' gradients are
+``DTensor`` s with the same placements and values. The row-wise bias with a sequence-sharded output sees only
+this rank's rows in backward: its gradient is all-reduced over the mesh (as torch's own arrangement yields), one
+small extra collective. Outputs are local tensors unless ``use_local_output=False``. Only ``input`` is taken from
+the module's arguments, as ``nn.Linear.forward`` takes it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -55,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor import parallel as torch_tp
 from torch.distributed.tensor.placement_types import Placement
 
 from .. import envs
@@ -66,7 +64,7 @@ from ..ops.tp.matmul_reduce_scatter import matmul_reduce_scatter
 from ..plans import Plan
 from ..plans.auto import as_plan
 
-__all__ = ["ColwiseParallel", "RowwiseParallel"]
+__all__ = ["ColwiseParallel", "RowwiseParallel", "use_overlap_styles"]
 
 
 def _norm(placement: Placement, ndim: int) -> Placement:
@@ -76,25 +74,37 @@ def _norm(placement: Placement, ndim: int) -> Placement:
     return placement
 
 
-class _LinearStyle(ParallelStyle):
-    """What both styles share: argument checks, parameter sharding, input and output handling."""
+def _sequence_dim(placement: Placement, ndim: int) -> int | None:
+    """The dim `placement` shards when that is a sequence dim (any but the last), else None."""
+    p = _norm(placement, ndim)
+    return p.dim if isinstance(p, Shard) and p.dim < ndim - 1 else None
+
+
+class _Fused:
+    """What both styles add to torch's: the ops' arguments, the fused ``nn.Linear`` path, torch's own elsewhere."""
 
     _param_placements: dict[str, Placement]
+    _sharded_features: str  # the nn.Linear attribute the mesh splits
 
-    def __init__(self, input_layouts: Placement, output_layouts: Placement, use_local_output: bool,
-                 strategy: str, plan: Plan | dict | None, timeout: float | None):
-        super().__init__()
-        for name, value in (("input_layouts", input_layouts), ("output_layouts", output_layouts)):
+    def _setup(self, strategy: str, plan: Plan | dict | None, timeout: float | None) -> None:
+        for name in ("input_layouts", "output_layouts"):
+            value = getattr(self, name)[0]
             if not isinstance(value, Placement):
                 raise TypeError(f"overlap's {type(self).__name__}: {name} must be a Placement "
-                                f"(Shard(d) or Replicate()), got {value!r}")
+                                f"(Shard(d), Replicate(), ...), got {value!r}")
         as_plan(strategy, plan)  # raises on a bad strategy or plan now, not at the first forward
         if timeout is not None:
             envs.resolve_timeout(timeout)
-        self.input_layouts = (input_layouts,)
-        self.output_layouts = (output_layouts,)
-        self.use_local_output = use_local_output
         self.strategy, self.plan, self.timeout = strategy, plan, timeout
+        self.fused: bool | None = None  # set when applied: whether the module runs through overlap's ops
+
+    def _fuses(self, module: nn.Module, device_mesh: DeviceMesh) -> bool:
+        """Whether `module` runs through the fused ops (else torch's style applies, unchanged)."""
+        return (isinstance(module, nn.Linear) and device_mesh.ndim == 1
+                and getattr(module, self._sharded_features) % device_mesh.size() == 0 and self._layouts_fuse())
+
+    def _layouts_fuse(self) -> bool:
+        return True
 
     # ------------------------------------------------------------------------------------------
     # parallelize_module's entry point
@@ -102,18 +112,11 @@ class _LinearStyle(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         name = type(self).__name__
-        if not isinstance(module, nn.Linear):
-            raise TypeError(f"overlap's {name} supports nn.Linear only, got {type(module).__name__}")
-        if device_mesh.ndim != 1:
-            raise ValueError(f"overlap's {name} needs a 1-D mesh (the tensor-parallel one, e.g. mesh['tp']), "
-                             f"got a mesh of shape {tuple(device_mesh.shape)}")
         if any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             raise ValueError(f"overlap's {name}: {module} is already parallelized (its parameters are DTensors)")
-        world_size = device_mesh.size()
-        sharded = module.out_features if self._param_placements["weight"] == Shard(0) else module.in_features
-        if sharded % world_size:
-            raise ValueError(f"overlap's {name}: {module} shards {sharded} features over {world_size} ranks; "
-                             "they must divide evenly (torch's styles would shard them unevenly)")
+        self.fused = self._fuses(module, device_mesh)
+        if not self.fused:
+            return super()._apply(module, device_mesh)  # torch's style: nothing of overlap to run here
 
         def partition(_name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             for pname, param in list(mod.named_parameters(recurse=False)):
@@ -129,37 +132,16 @@ class _LinearStyle(ParallelStyle):
                 raise TypeError(f"overlap's {name}: the linear layer takes one tensor, got {len(args)} positional "
                                 f"and keyword arguments {sorted(kwargs)}")
             x = args[0] if args else kwargs["input"]
-            return self._forward(mod, self._local_input(x, device_mesh), pg, device_mesh)
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"overlap's {name}: input must be a tensor or DTensor, got {type(x).__name__}")
+            if isinstance(x, DTensor) and x.device_mesh != device_mesh:
+                raise ValueError(f"overlap's {name}: the input DTensor lives on {x.device_mesh}, the layer on "
+                                 f"{device_mesh}")
+            return self._forward(mod, x, pg, device_mesh)
 
         # An instance attribute shadows nn.Linear.forward; nn.Module.__call__ (and its hooks) call it.
         module.forward = types.MethodType(forward, module)
         return module
-
-    # ------------------------------------------------------------------------------------------
-    # Inputs and outputs
-    # ------------------------------------------------------------------------------------------
-
-    def _local_input(self, x: Any, mesh: DeviceMesh) -> torch.Tensor:
-        if isinstance(x, DTensor):
-            if x.device_mesh != mesh:
-                raise ValueError(f"overlap's {type(self).__name__}: the input DTensor lives on {x.device_mesh}, "
-                                 f"the layer on {mesh}")
-            want = _norm(self.input_layouts[0], x.ndim)
-            got = tuple(_norm(p, x.ndim) for p in x.placements)
-            if got != (want,):
-                raise ValueError(f"overlap's {type(self).__name__}(input_layouts={self.input_layouts[0]!r}): the input "
-                                 f"DTensor has placements {x.placements}; redistribute it to [{want!r}] first, or "
-                                 "construct the style with the input_layouts it has")
-            return x.to_local()
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"overlap's {type(self).__name__}: input must be a tensor or DTensor, "
-                            f"got {type(x).__name__}")
-        return x
-
-    def _output(self, y: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        if self.use_local_output:
-            return y
-        return DTensor.from_local(y, mesh, [_norm(self.output_layouts[0], y.ndim)], run_check=False)
 
     def _op_kwargs(self, pg) -> dict[str, Any]:
         return dict(group=pg, strategy=self.strategy, plan=self.plan, timeout=self.timeout)
@@ -173,100 +155,168 @@ class _LinearStyle(ParallelStyle):
                 f"strategy={self.strategy!r}, plan={self.plan!r}, timeout={self.timeout!r})")
 
 
-class ColwiseParallel(_LinearStyle):
+def _placed(x: torch.Tensor, placement: Placement, mesh: DeviceMesh) -> tuple[torch.Tensor, Placement]:
+    """``(local tensor, its placement)``: a ``DTensor``'s own, a local tensor's the style's input layout."""
+    if isinstance(x, DTensor):
+        return x.to_local(), x.placements[0]
+    return x, placement
+
+
+def _redistributed(x: torch.Tensor, placement: Placement, want: Placement, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's part of `x` (local, laid out as `placement`, or a ``DTensor``) laid out as `want`, the way torch's
+    styles get there (``DTensor.redistribute``)."""
+    dt = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [placement], run_check=False)
+    return dt.redistribute(placements=[want]).to_local()
+
+
+class ColwiseParallel(_Fused, torch_tp.ColwiseParallel):
     """Column-wise ``nn.Linear``: each rank holds ``out_features / W`` rows of the weight (and bias).
 
     Keyword Args:
-        input_layouts: ``Shard(0)``: the input is this rank's slice of the sequence, ``[s/W, ..., in]``,
-            gathered by `overlap.all_gather_matmul` behind the GEMM (sequence parallelism).
-            ``Replicate()`` (default, as torch's): the whole input ``[s, ..., in]`` on every rank; a
-            plain local GEMM whose input gradient is all-reduced in backward.
-        output_layouts: ``Shard(-1)`` only (default): the output is ``[s, ..., out/W]``, this rank's
-            columns, as a row-wise layer wants it.
-        use_local_output: return a local tensor (default) or a ``DTensor`` (``Shard(-1)``).
+        input_layouts: ``Shard(d)``, ``d`` not the last dim: the input is this rank's slice of the sequence on dim
+            ``d`` (``Shard(0)`` for ``[s, b, h]``, ``Shard(1)`` for batch-first ``[b, s, h]``), gathered by
+            `overlap.all_gather_matmul` behind the GEMM (sequence parallelism). ``Replicate()`` (default, as
+            torch's): the whole input on every rank; a plain local GEMM whose input gradient is all-reduced in
+            backward. Any other placement: redistributed to ``Replicate()`` first, as torch's style does.
+        output_layouts: ``Shard(-1)`` (default): this rank's columns, as a row-wise layer wants them; any other
+            (``Replicate()`` for an LM head) is redistributed from ``Shard(-1)`` as torch's style does.
+        use_local_output: return a local tensor (default) or a ``DTensor`` (loss parallel: ``Shard(-1)`` logits).
         strategy, plan, timeout: passed to `overlap.all_gather_matmul` (default ``"auto"``).
 
     Raises:
-        TypeError / ValueError: a layout other than those above, a bad strategy/plan/timeout (here);
-            a module other than ``nn.Linear``, a mesh of more than one dim, ``out_features`` not
-            divisible by the mesh size (when applied); an input ``DTensor`` on another mesh or with
-            other placements (in forward).
+        TypeError / ValueError: a layout that is not a ``Placement``, a bad strategy/plan/timeout (here); a module
+            parallelized already (when applied); an input ``DTensor`` on another mesh (in forward).
     """
 
     _param_placements = {"weight": Shard(0), "bias": Shard(0)}
+    _sharded_features = "out_features"
 
     def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
                  use_local_output: bool = True, strategy: str = "auto", plan: Plan | dict | None = None,
                  timeout: float | None = None):
-        super().__init__(input_layouts or Replicate(), output_layouts or Shard(-1), use_local_output,
-                         strategy, plan, timeout)
-        if self.input_layouts[0] not in (Replicate(), Shard(0)):
-            raise ValueError(f"overlap's ColwiseParallel: input_layouts must be Shard(0) (sequence-parallel "
-                             f"[s, b, h]) or Replicate(), got {self.input_layouts[0]!r}")
-        if self.output_layouts[0] != Shard(-1):
-            raise ValueError(f"overlap's ColwiseParallel: output_layouts must be Shard(-1), got "
-                             f"{self.output_layouts[0]!r} (redistribute the output yourself)")
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts,
+                         use_local_output=use_local_output)
+        self._setup(strategy, plan, timeout)
 
     def _forward(self, mod: nn.Linear, x: torch.Tensor, pg, mesh: DeviceMesh) -> torch.Tensor:
         w_NK = mod.weight.to_local()  # backward: this rank's gradient, a Shard(0) DTensor
         bias = mod.bias.to_local() if mod.bias is not None else None
-        if self.input_layouts[0] == Shard(0):
-            y = all_gather_matmul(x, w_NK.t(), **self._op_kwargs(pg))
+        local, placement = _placed(x, self.input_layouts[0], mesh)
+        dim = _sequence_dim(placement, local.ndim)
+        if dim is not None:
+            y = all_gather_matmul(local, w_NK.t(), gather_dim=dim, **self._op_kwargs(pg))
             if bias is not None:
                 y = y + bias.to(y.dtype)
         else:
+            if not isinstance(placement, Replicate):
+                local = _redistributed(x, placement, Replicate(), mesh)
             if mesh.size() > 1:
-                x = all_reduce_grad(x, pg, self.timeout, "torch_tp.ColwiseParallel")
-            y = F.linear(x, w_NK, bias)
-        return self._output(y, mesh)
+                local = all_reduce_grad(local, pg, self.timeout, "torch_tp.ColwiseParallel")
+            y = F.linear(local, w_NK, bias)
+        want = _norm(self.output_layouts[0], y.ndim)
+        if want == Shard(y.ndim - 1):
+            return y if self.use_local_output else DTensor.from_local(y, mesh, [want], run_check=False)
+        out = DTensor.from_local(y, mesh, [Shard(y.ndim - 1)], run_check=False).redistribute(placements=[want])
+        return out.to_local() if self.use_local_output else out
 
 
-class RowwiseParallel(_LinearStyle):
+class RowwiseParallel(_Fused, torch_tp.RowwiseParallel):
     """Row-wise ``nn.Linear``: each rank holds ``in_features / W`` columns of the weight; the bias is replicated.
 
     Keyword Args:
-        input_layouts: ``Shard(-1)`` only (default): the input is ``[s, ..., in/W]``, this rank's
-            features, as a column-wise layer leaves them.
-        output_layouts: ``Shard(0)``: the output is this rank's slice of the sequence,
-            ``[s/W, ..., out]``, reduce-scattered by `overlap.matmul_reduce_scatter` (sequence
-            parallelism; ``s`` must divide by the mesh size). ``Replicate()`` (default, as torch's):
-            the whole output on every rank, all-reduced by `overlap.matmul_all_reduce`.
+        input_layouts: ``Shard(-1)`` (default): the input is this rank's features, as a column-wise layer leaves
+            them; any other is redistributed to it first, as torch's style does.
+        output_layouts: ``Shard(d)``, ``d`` not the last dim: this rank's slice of the sequence on dim ``d``,
+            reduce-scattered by `overlap.matmul_reduce_scatter` (sequence parallelism; that dim must divide by the
+            mesh size). ``Replicate()`` (default, as torch's): the whole output on every rank, all-reduced by
+            `overlap.matmul_all_reduce`. Any other: torch's style.
         use_local_output: return a local tensor (default) or a ``DTensor`` with ``output_layouts``.
         strategy, plan, timeout: passed to the op (default ``"auto"``).
 
-    The bias is added once, after the reduction. With ``Shard(0)`` its gradient is all-reduced over
+    The bias is added once, after the reduction. With a sequence-sharded output its gradient is all-reduced over
     the mesh in backward (each rank sees only its rows), so it equals torch's own styles' gradient.
 
     Raises:
-        TypeError / ValueError: a layout other than those above, a bad strategy/plan/timeout (here);
-            a module other than ``nn.Linear``, a mesh of more than one dim, ``in_features`` not
-            divisible by the mesh size (when applied); an input ``DTensor`` on another mesh or with
-            other placements (in forward).
+        TypeError / ValueError: a layout that is not a ``Placement``, a bad strategy/plan/timeout (here); a module
+            parallelized already (when applied); an input ``DTensor`` on another mesh, a ``Shard(d)`` output whose
+            ``d`` is the last dim of the input (in forward).
     """
 
     _param_placements = {"weight": Shard(1), "bias": Replicate()}
+    _sharded_features = "in_features"
 
     def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
                  use_local_output: bool = True, strategy: str = "auto", plan: Plan | dict | None = None,
                  timeout: float | None = None):
-        super().__init__(input_layouts or Shard(-1), output_layouts or Replicate(), use_local_output,
-                         strategy, plan, timeout)
-        if self.input_layouts[0] != Shard(-1):
-            raise ValueError(f"overlap's RowwiseParallel: input_layouts must be Shard(-1), "
-                             f"got {self.input_layouts[0]!r}")
-        if self.output_layouts[0] not in (Replicate(), Shard(0)):
-            raise ValueError(f"overlap's RowwiseParallel: output_layouts must be Shard(0) (sequence-parallel "
-                             f"[s, b, h]) or Replicate(), got {self.output_layouts[0]!r}")
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts,
+                         use_local_output=use_local_output)
+        self._setup(strategy, plan, timeout)
+
+    def _layouts_fuse(self) -> bool:
+        out = self.output_layouts[0]
+        return isinstance(out, Replicate) or (isinstance(out, Shard) and out.dim != -1)
 
     def _forward(self, mod: nn.Linear, x: torch.Tensor, pg, mesh: DeviceMesh) -> torch.Tensor:
         w_NK = mod.weight.to_local()  # [out, in/W]; backward: a Shard(1) DTensor
-        sequence_parallel = self.output_layouts[0] == Shard(0)
-        op = matmul_reduce_scatter if sequence_parallel else matmul_all_reduce
-        y = op(x, w_NK.t(), **self._op_kwargs(pg))
+        local, placement = _placed(x, self.input_layouts[0], mesh)
+        if _norm(placement, local.ndim) != Shard(local.ndim - 1):
+            local = _redistributed(x, placement, Shard(local.ndim - 1), mesh)
+        out = self.output_layouts[0]
+        dim = _sequence_dim(out, local.ndim)
+        if isinstance(out, Shard) and dim is None:
+            raise ValueError(f"overlap's RowwiseParallel(output_layouts={out!r}): dim {out.dim} is the last dim of "
+                             f"the {local.ndim}-d input (its features); a sequence dim or Replicate() is fused, "
+                             "torch's own style takes Shard(-1)")
+        if dim is not None:
+            y = matmul_reduce_scatter(local, w_NK.t(), scatter_dim=dim, **self._op_kwargs(pg))
+        else:
+            y = matmul_all_reduce(local, w_NK.t(), **self._op_kwargs(pg))
         if mod.bias is not None:
             bias = mod.bias.to_local()
-            if sequence_parallel and mesh.size() > 1:
+            if dim is not None and mesh.size() > 1:
                 # Each rank adds the bias to its own rows only: the full gradient is the sum over ranks.
                 bias = all_reduce_grad(bias, pg, self.timeout, "torch_tp.RowwiseParallel")
             y = y + bias.to(y.dtype)
-        return self._output(y, mesh)
+        if self.use_local_output:
+            return y
+        return DTensor.from_local(y, mesh, [_norm(out, y.ndim)], run_check=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# One call swaps torch's styles for these in a module that imported them
+# ----------------------------------------------------------------------------------------------
+
+#: torch's style -> overlap's, by the name a module imports it under
+_SWAPS = {"ColwiseParallel": (torch_tp.ColwiseParallel, ColwiseParallel),
+          "RowwiseParallel": (torch_tp.RowwiseParallel, RowwiseParallel)}
+
+
+@contextlib.contextmanager
+def use_overlap_styles(*modules: types.ModuleType) -> Iterator[None]:
+    """Within the ``with`` block, the names ``ColwiseParallel`` and ``RowwiseParallel`` that each of `modules`
+    imported from torch are overlap's styles (restored on exit, also on an error), so that code parallelizing a
+    model with torch's styles (torchtitan's ``parallelize_llama``) runs overlap's ops unchanged::
+
+        import torchtitan.models.llama3.infra.parallelize as llama_tp
+        with overlap.hooks.torch_tp.use_overlap_styles(llama_tp):
+            llama_tp.parallelize_llama(model, parallel_dims, job_config)
+
+    ``SequenceParallel`` and ``PrepareModuleInput`` stay torch's. Raises TypeError for an argument that is not a
+    module, ValueError for a module that imported neither of torch's two styles."""
+    swapped: list[tuple[types.ModuleType, str, type]] = []
+    for module in modules:
+        if not isinstance(module, types.ModuleType):
+            raise TypeError(f"use_overlap_styles takes modules (the one that imports torch's styles), got "
+                            f"{type(module).__name__}")
+        names = [name for name, (theirs, _) in _SWAPS.items() if getattr(module, name, None) is theirs]
+        if not names:
+            raise ValueError(f"use_overlap_styles: {module.__name__} imports neither of torch's ColwiseParallel and "
+                             "RowwiseParallel under those names: nothing to swap")
+        swapped += [(module, name, _SWAPS[name][0]) for name in names]
+    try:
+        for module, name, _theirs in swapped:
+            setattr(module, name, _SWAPS[name][1])
+        yield
+    finally:
+        for module, name, theirs in swapped:
+            setattr(module, name, theirs)

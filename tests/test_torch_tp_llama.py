@@ -1,0 +1,187 @@
+"""A batch-first Llama as a client would parallelize it with torch's styles, swapped for overlap's.
+
+The model (token embedding, blocks of RMSNorm, grouped-query attention with separate ``wq``/``wk``/``wv``/``wo``,
+a SwiGLU feed-forward ``w1``/``w3``/``w2``, a final norm and the LM head) runs on ``[b, s, h]`` with the sequence
+sharded on dim 1, and is parallelized by a plan written against torch's names, the arrangement torchtitan's
+``parallelize_llama`` uses: the embedding row-wise (``Replicate()`` in, ``Shard(1)`` out), the norms
+``SequenceParallel()``, the attention and feed-forward inputs gathered by ``PrepareModuleInput`` to
+``Replicate()``, the column-wise projections behind them, ``wo`` and ``w2`` row-wise with ``Shard(1)`` outputs,
+the LM head column-wise from ``Shard(1)`` to ``Replicate()`` logits. `use_overlap_styles` swaps the styles while
+the plan runs. A few SGD steps on CPU ranks: losses, gradient norms, gradients and parameters against torch's
+styles (``1e-5``) and an unsharded float64 run (``1e-4``) at every step, and overlap's ops counted.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import overlap  # noqa: F401  (before any DTensor op: see test_torch_tp.py)
+
+STEPS, BATCH, SEQ, VOCAB = 3, 2, 8, 32
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq = nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # this rank's heads
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, hidden: int):
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.attention, self.feed_forward = Attention(dim, heads, kv_heads), FeedForward(dim, hidden)
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, hidden: int, layers: int = 2):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, dim)
+        self.layers = nn.ModuleDict({str(i): Block(dim, heads, kv_heads, hidden) for i in range(layers)})
+        self.norm, self.output = nn.RMSNorm(dim), nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def _client() -> types.ModuleType:
+    """A parallelizing module as a client writes one: torch's styles imported under their names."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import parallel as tp
+
+    client = types.ModuleType("client")
+    client.ColwiseParallel, client.RowwiseParallel = tp.ColwiseParallel, tp.RowwiseParallel
+    client.SequenceParallel, client.PrepareModuleInput = tp.SequenceParallel, tp.PrepareModuleInput
+
+    def parallelize(model: Llama, mesh) -> Llama:
+        c = client
+        tp.parallelize_module(model, mesh, {
+            "tok_embeddings": c.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": c.SequenceParallel(),
+            "output": c.ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        })
+        for block in model.layers.values():
+            tp.parallelize_module(block, mesh, {
+                "attention_norm": c.SequenceParallel(),
+                "attention": c.PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "attention.wq": c.ColwiseParallel(),
+                "attention.wk": c.ColwiseParallel(),
+                "attention.wv": c.ColwiseParallel(),
+                "attention.wo": c.RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": c.SequenceParallel(),
+                "feed_forward": c.PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": c.ColwiseParallel(),
+                "feed_forward.w2": c.RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": c.ColwiseParallel(),
+            })
+        return model
+
+    client.parallelize = parallelize
+    return client
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _train(model, batches, lr=0.1):
+    """Per step: (loss, grad norm, {name: grad}); then {name: parameter}."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    steps = []
+    for tokens, targets in batches:
+        opt.zero_grad()
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+        grads = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters()}
+        norm = torch.stack([g.double().norm() for g in grads.values()]).norm()
+        steps.append((loss.detach().double(), norm, grads))
+        opt.step()
+    return steps, {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def llama_task(rank, world_size, seed, heads, kv_heads):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from overlap.hooks.torch_tp import use_overlap_styles
+    from overlap.ops import library
+
+    mesh = DeviceMesh("cpu", list(range(world_size)))
+    torch.manual_seed(seed)
+    model = Llama(dim=4 * heads, heads=heads, kv_heads=kv_heads, hidden=8 * heads)
+    gen = torch.Generator().manual_seed(seed + 1)
+    batches = [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen), torch.randint(0, VOCAB, (BATCH, SEQ),
+                                                                                   generator=gen))
+               for _ in range(STEPS)]
+    client = _client()
+    exact_steps, exact_params = _train(copy.deepcopy(model).double(), batches)
+    theirs_steps, theirs_params = _train(client.parallelize(copy.deepcopy(model), mesh), batches)
+    ops = ("all_gather_matmul", "matmul_reduce_scatter")
+    before = {op: library.CALLS[op] for op in ops}
+    with use_overlap_styles(client):
+        ours = client.parallelize(copy.deepcopy(model), mesh)
+    ours_steps, ours_params = _train(ours, batches)
+    ran = {op: library.CALLS[op] - before[op] for op in ops}
+    for i, ((lo, no, go), (lt, nt, gt), (le, ne, ge)) in enumerate(zip(ours_steps, theirs_steps, exact_steps,
+                                                                       strict=True)):
+        ctx = f"rank {rank}/{world_size} step {i}"
+        for what, o, t, e in (("loss", lo, lt, le), ("grad norm", no, nt, ne), *(
+                (f"{name}.grad", g, gt[name], ge[name]) for name, g in go.items())):
+            _close(o, t, e, f"{ctx}: {what}")
+    for name, p in ours_params.items():
+        _close(p, theirs_params[name], exact_params[name], f"rank {rank}/{world_size}: {name} after the steps")
+    return ran
+
+
+def _close(ours, torchs, exact, what):
+    """Within 1e-5 of torch's styles and 1e-4 of the unsharded float64 run."""
+    for want, tol, whose in ((torchs, 1e-5, "torch's styles"), (exact, 1e-4, "the float64 run")):
+        err = (ours.double() - want.double()).abs().max().item()
+        torch.testing.assert_close(ours.double(), want.double(), rtol=tol, atol=tol,
+                                   msg=f"{what} vs {whose}: max abs err {err:.3g}")
+
+
+@pytest.mark.parametrize("world_size,heads,kv_heads", [(2, 4, 2), (4, 8, 4)])
+def test_batch_first_llama_with_swapped_styles_trains_as_torchs(pools, seed, world_size, heads, kv_heads):
+    for rank, ran in enumerate(pools(world_size).run(llama_task, seed, heads, kv_heads, timeout=600)):
+        # Per step: the LM head's gather (forward) and its backward's scatter; wo and w2 scatter per layer
+        # (forward), their backward gathers.
+        assert ran["all_gather_matmul"] >= STEPS and ran["matmul_reduce_scatter"] >= 2 * 2 * STEPS, (rank, ran)
