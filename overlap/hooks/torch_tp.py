@@ -64,7 +64,7 @@ from ..ops.tp.matmul_reduce_scatter import matmul_reduce_scatter
 from ..plans import Plan
 from ..plans.auto import as_plan
 
-__all__ = ["ColwiseParallel", "RowwiseParallel", "use_overlap_styles"]
+__all__ = ["ColwiseParallel", "PrepareModuleInput", "RowwiseParallel", "use_overlap_styles"]
 
 
 def _norm(placement: Placement, ndim: int) -> Placement:
@@ -117,6 +117,7 @@ class _Fused:
         self.fused = self._fuses(module, device_mesh)
         if not self.fused:
             return super()._apply(module, device_mesh)  # torch's style: nothing of overlap to run here
+        module._overlap_style = self  # (found by a PrepareModuleInput above it: `PrepareModuleInput`)
 
         def partition(_name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             for pname, param in list(mod.named_parameters(recurse=False)):
@@ -197,13 +198,21 @@ class ColwiseParallel(_Fused, torch_tp.ColwiseParallel):
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts,
                          use_local_output=use_local_output)
         self._setup(strategy, plan, timeout)
+        self.ready: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(input) -> (input, output without bias)
+
+    def _gathers_into(self) -> bool:
+        """Whether a gather in front of this layer may compute its output (a replicated input, fused)."""
+        return bool(self.fused) and isinstance(self.input_layouts[0], Replicate)
 
     def _forward(self, mod: nn.Linear, x: torch.Tensor, pg, mesh: DeviceMesh) -> torch.Tensor:
         w_NK = mod.weight.to_local()  # backward: this rank's gradient, a Shard(0) DTensor
         bias = mod.bias.to_local() if mod.bias is not None else None
+        ready = self.ready.pop(id(x), None)
         local, placement = _placed(x, self.input_layouts[0], mesh)
         dim = _sequence_dim(placement, local.ndim)
-        if dim is not None:
+        if ready is not None and ready[0] is x:  # computed by the gather in front of this layer (`PrepareModuleInput`)
+            y = ready[1] if bias is None else ready[1] + bias.to(ready[1].dtype)
+        elif dim is not None:
             y = all_gather_matmul(local, w_NK.t(), gather_dim=dim, **self._op_kwargs(pg))
             if bias is not None:
                 y = y + bias.to(y.dtype)
@@ -283,26 +292,114 @@ class RowwiseParallel(_Fused, torch_tp.RowwiseParallel):
 
 
 # ----------------------------------------------------------------------------------------------
+# The gather in front of several column-wise layers, fused into them
+# ----------------------------------------------------------------------------------------------
+
+
+class PrepareModuleInput(torch_tp.PrepareModuleInput):
+    """torch's ``PrepareModuleInput``, whose gather of a sequence-sharded input feeds the column-wise layers behind it.
+
+    Where the module's first input goes from ``Shard(d)`` (a sequence dim) to ``Replicate()`` and the module holds
+    ``nn.Linear`` layers parallelized by overlap's ``ColwiseParallel()`` (a replicated input: torchtitan's
+    ``wq``/``wk``/``wv`` behind ``attention``, ``w1``/``w3`` behind ``feed_forward``), the gather is one
+    `overlap.all_gather_matmul` with every such layer's weight: each gathered chunk is multiplied by all of them as
+    it arrives, the module gets the gathered input as torch's style gives it, and each layer, called with that
+    input, returns its product (its bias added). Backward: the layers' input gradients and the gathered input's
+    are summed into one reduce-scatter (torch's arrangement also reduce-scatters once; overlap's layers alone would
+    all-reduce once each). A layer that is not called with that input computes as usual (its product here was
+    wasted, its gradient zero). Every other input and layout is prepared exactly as torch's style prepares it.
+    The ops' arguments: `strategy`, `plan`, `timeout` (default ``"auto"``).
+    """
+
+    def __init__(self, *args: Any, strategy: str = "auto", plan: Plan | dict | None = None,
+                 timeout: float | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        as_plan(strategy, plan)
+        if timeout is not None:
+            envs.resolve_timeout(timeout)
+        self.strategy, self.plan, self.timeout = strategy, plan, timeout
+        self.module: nn.Module | None = None
+        self.mesh: DeviceMesh | None = None
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.module, self.mesh = module, device_mesh
+        return super()._apply(module, device_mesh)
+
+    def _layers(self) -> list[tuple[nn.Linear, ColwiseParallel]]:
+        """The module's layers a gather of its input may compute (found at each call: the plan may apply them after
+        this style)."""
+        found = []
+        for m in self.module.modules():
+            style = getattr(m, "_overlap_style", None)
+            if isinstance(style, ColwiseParallel) and style._gathers_into():
+                found.append((m, style))
+        return found
+
+    def _prepare_input_fn(self, inputs, device_mesh):
+        layouts, desired = self.input_layouts, self.desired_input_layouts
+        if not isinstance(inputs, tuple):
+            inputs = (inputs,)
+        if (layouts is None or not inputs or device_mesh.ndim != 1 or len(inputs) != len(layouts)
+                or not isinstance(desired[0], Replicate) or not isinstance(inputs[0], torch.Tensor)):
+            return super()._prepare_input_fn(inputs, device_mesh)
+        x = inputs[0]
+        local, placement = _placed(x, layouts[0], device_mesh)
+        dim = _sequence_dim(placement, local.ndim) if placement is not None else None
+        layers = self._layers() if dim is not None else []
+        if not layers:
+            return super()._prepare_input_fn(inputs, device_mesh)
+        weights = [m.weight.to_local().t() for m, _ in layers]
+        full, ys = all_gather_matmul(local, weights, group=device_mesh.get_group(), strategy=self.strategy,
+                                     plan=self.plan, timeout=self.timeout, gather_dim=dim, return_gathered=True)
+        # The module gets the gathered input as torch's style gives it: replicated, so the gradient that comes back
+        # to it is whole (every rank's contributions summed, as DTensor sums them), and this rank's slice of it is
+        # its input's (`_Replica`). The layers' outputs bring their own contributions through the op's backward.
+        full = _Replica.apply(local, full.detach(), dim, device_mesh.get_local_rank(), device_mesh.size())
+        prepared = full if self.use_local_output else DTensor.from_local(full, device_mesh, [Replicate()],
+                                                                         run_check=False)
+        for (_, style), y in zip(layers, ys, strict=True):
+            style.ready = {id(prepared): (prepared, y)}  # (one call's: an earlier one's is dropped)
+        rest = [self._prepare_input_arg(inp, device_mesh, il, dl)
+                for inp, il, dl in zip(inputs[1:], layouts[1:], desired[1:], strict=True)]
+        return (prepared, *rest)
+
+
+class _Replica(torch.autograd.Function):
+    """The gathered input (computed already) as a replicated tensor of `x`: its gradient is whole on every rank, so
+    `x`'s is this rank's slice of it along `dim` (torch's ``Replicate() -> Shard(dim)``: no communication)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, full: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+        ctx.dim, ctx.rank, ctx.world = dim, rank, world
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return grad.chunk(ctx.world, ctx.dim)[ctx.rank].contiguous(), None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------
 # One call swaps torch's styles for these in a module that imported them
 # ----------------------------------------------------------------------------------------------
 
 #: torch's style -> overlap's, by the name a module imports it under
 _SWAPS = {"ColwiseParallel": (torch_tp.ColwiseParallel, ColwiseParallel),
-          "RowwiseParallel": (torch_tp.RowwiseParallel, RowwiseParallel)}
+          "RowwiseParallel": (torch_tp.RowwiseParallel, RowwiseParallel),
+          "PrepareModuleInput": (torch_tp.PrepareModuleInput, PrepareModuleInput)}
 
 
 @contextlib.contextmanager
 def use_overlap_styles(*modules: types.ModuleType) -> Iterator[None]:
-    """Within the ``with`` block, the names ``ColwiseParallel`` and ``RowwiseParallel`` that each of `modules`
-    imported from torch are overlap's styles (restored on exit, also on an error), so that code parallelizing a
-    model with torch's styles (torchtitan's ``parallelize_llama``) runs overlap's ops unchanged::
+    """Within the ``with`` block, the names ``ColwiseParallel``, ``RowwiseParallel`` and ``PrepareModuleInput`` that
+    each of `modules` imported from torch are overlap's styles (restored on exit, also on an error), so that code
+    parallelizing a model with torch's styles (torchtitan's ``parallelize_llama``) runs overlap's ops unchanged::
 
         import torchtitan.models.llama3.infra.parallelize as llama_tp
         with overlap.hooks.torch_tp.use_overlap_styles(llama_tp):
             llama_tp.parallelize_llama(model, parallel_dims, job_config)
 
-    ``SequenceParallel`` and ``PrepareModuleInput`` stay torch's. Raises TypeError for an argument that is not a
-    module, ValueError for a module that imported neither of torch's two styles."""
+    ``SequenceParallel`` stays torch's. Raises TypeError for an argument that is not a module, ValueError for a
+    module that imported none of those styles."""
     swapped: list[tuple[types.ModuleType, str, type]] = []
     for module in modules:
         if not isinstance(module, types.ModuleType):
@@ -310,8 +407,8 @@ def use_overlap_styles(*modules: types.ModuleType) -> Iterator[None]:
                             f"{type(module).__name__}")
         names = [name for name, (theirs, _) in _SWAPS.items() if getattr(module, name, None) is theirs]
         if not names:
-            raise ValueError(f"use_overlap_styles: {module.__name__} imports neither of torch's ColwiseParallel and "
-                             "RowwiseParallel under those names: nothing to swap")
+            raise ValueError(f"use_overlap_styles: {module.__name__} imports none of torch's {', '.join(_SWAPS)} "
+                             "under those names: nothing to swap")
         swapped += [(module, name, _SWAPS[name][0]) for name in names]
     try:
         for module, name, _theirs in swapped:

@@ -140,6 +140,7 @@ def _save(ctx: Any, inputs: tuple, output: Any) -> None:
     ctx.save_for_backward(a, *bs, output[2])
     ctx.dim, ctx.keep, ctx.need_b = normalize_dim(OP, DIM, dim, a.shape), keep, [b.requires_grad for b in bs]
     ctx.shapes = [y.shape for y in output[0]]
+    ctx.set_materialize_grads(False)  # (an unused gathered input: no gradient of zeros to add in backward)
 
 
 def _autograd_backward(ctx: Any, grads: list, grad_full: torch.Tensor | None, _grad_context: Any):
