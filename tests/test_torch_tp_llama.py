@@ -25,11 +25,12 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from support.train_compare import close, compare, full, train
 from torch import nn
 
 import overlap  # noqa: F401  (before any DTensor op: see test_torch_tp.py)
 
-STEPS, BATCH, SEQ, VOCAB, LAYERS = 3, 2, 8, 32, 2
+STEPS, BATCH, SEQ, VOCAB, LAYERS, LR = 3, 2, 8, 32, 2, 0.1
 
 
 class Attention(nn.Module):
@@ -125,26 +126,8 @@ def _client() -> types.ModuleType:
     return client
 
 
-def _full(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _train(model, batches, lr=0.1):
-    """Per step: (loss, grad norm, {name: grad}); then {name: parameter}."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    steps = []
-    for tokens, targets in batches:
-        opt.zero_grad()
-        logits = model(tokens)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        loss.backward()
-        grads = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters()}
-        norm = torch.stack([g.double().norm() for g in grads.values()]).norm()
-        steps.append((loss.detach().double(), norm, grads))
-        opt.step()
-    return steps, {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
 
 
 def llama_task(rank, world_size, seed, heads, kv_heads):
@@ -161,31 +144,18 @@ def llama_task(rank, world_size, seed, heads, kv_heads):
                                                                                    generator=gen))
                for _ in range(STEPS)]
     client = _client()
-    exact_steps, exact_params = _train(copy.deepcopy(model).double(), batches)
-    theirs_steps, theirs_params = _train(client.parallelize(copy.deepcopy(model), mesh), batches)
+    exact = train(copy.deepcopy(model).double(), batches, LR)
+    theirs = train(client.parallelize(copy.deepcopy(model), mesh), batches, LR)
     ops = ("all_gather_matmul", "matmul_reduce_scatter")
     before = {op: library.CALLS[op] for op in ops}
     with use_overlap_styles(client):
         ours = client.parallelize(copy.deepcopy(model), mesh)
-    ours_steps, ours_params = _train(ours, batches)
+    ours_run = train(ours, batches, LR)
     ran = {op: library.CALLS[op] - before[op] for op in ops}
-    for i, ((lo, no, go), (lt, nt, gt), (le, ne, ge)) in enumerate(zip(ours_steps, theirs_steps, exact_steps,
-                                                                       strict=True)):
-        ctx = f"rank {rank}/{world_size} step {i}"
-        for what, o, t, e in (("loss", lo, lt, le), ("grad norm", no, nt, ne), *(
-                (f"{name}.grad", g, gt[name], ge[name]) for name, g in go.items())):
-            _close(o, t, e, f"{ctx}: {what}")
-    for name, p in ours_params.items():
-        _close(p, theirs_params[name], exact_params[name], f"rank {rank}/{world_size}: {name} after the steps")
+    compare(ours_run, theirs, exact, f"rank {rank}/{world_size}")
     return ran
 
 
-def _close(ours, torchs, exact, what):
-    """Within 1e-5 of torch's styles and 1e-4 of the unsharded float64 run."""
-    for want, tol, whose in ((torchs, 1e-5, "torch's styles"), (exact, 1e-4, "the float64 run")):
-        err = (ours.double() - want.double()).abs().max().item()
-        torch.testing.assert_close(ours.double(), want.double(), rtol=tol, atol=tol,
-                                   msg=f"{what} vs {whose}: max abs err {err:.3g}")
 
 
 @pytest.mark.parametrize("world_size,heads,kv_heads", [(2, 4, 2), (4, 8, 4)])
@@ -233,14 +203,14 @@ def fallback_task(rank, world_size, seed):
         before = library.CALLS["all_gather_matmul"]
         y = m(xi)
         (y * g).sum().backward()
-        results[name] = (y.detach(), xi.grad, {n: _full(p.grad) for n, p in m.named_parameters()},
+        results[name] = (y.detach(), xi.grad, {n: full(p.grad) for n, p in m.named_parameters()},
                          library.CALLS["all_gather_matmul"] - before)
     want = results.pop("torch")
     for name, (y, dx, grads, gathers) in results.items():
-        _close(y, want[0], want[0].double(), f"rank {rank} {name}: output")
-        _close(dx, want[1], want[1].double(), f"rank {rank} {name}: input grad")
+        close(y, want[0], want[0].double(), f"rank {rank} {name}: output")
+        close(dx, want[1], want[1].double(), f"rank {rank} {name}: input grad")
         for pname, grad in grads.items():
-            _close(grad, want[2][pname], want[2][pname].double(), f"rank {rank} {name}: {pname}.grad")
+            close(grad, want[2][pname], want[2][pname].double(), f"rank {rank} {name}: {pname}.grad")
         # one gather computing a's output (b's computed anew), or none where no overlap layer is behind it
         assert gathers == (1 if name == "overlap" else 0), (name, gathers)
     return True

@@ -12,56 +12,25 @@ shardings equal torch's; overlap's gathers and scatters counted. Needs the ``tor
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib.util
 
 import pytest
 import torch
-import torch.nn.functional as F
+from support.train_compare import compare, train
 
 import overlap  # noqa: F401  (before any DTensor op: see test_torch_tp.py)
 
 if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed: pip install -e '.[torchtitan]'", allow_module_level=True)
 
-STEPS, BATCH, SEQ, VOCAB, LAYERS = 3, 2, 16, 256, 2
+STEPS, BATCH, SEQ, VOCAB, LAYERS, LR = 3, 2, 16, 256, 2, 0.05
 
 
-def _full(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _train(model, batches, lr=0.05):
-    """Per step ``(loss, grad norm, {name: grad})``, then ``{name: parameter}``. ``Shard(-1)`` DTensor logits (loss
-    parallel) go through torch's ``loss_parallel()``."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    steps = []
-    for tokens, targets in batches:
-        opt.zero_grad()
-        logits = model(tokens)
-        with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-            loss.backward()
-        loss = _full(loss)
-        grads = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters()}
-        norm = torch.stack([g.double().norm() for g in grads.values()]).norm()
-        steps.append((loss.detach().double(), norm, grads))
-        opt.step()
-    return steps, {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
 
 
-def _close(ours, torchs, exact, what):
-    """Within 1e-5 of torch's styles and 1e-4 of the unparallelized float64 run."""
-    for want, tol, whose in ((torchs, 1e-5, "torch's styles"), (exact, 1e-4, "the float64 run")):
-        err = (ours.double() - want.double()).abs().max().item()
-        torch.testing.assert_close(ours.double(), want.double(), rtol=tol, atol=tol,
-                                   msg=f"{what} vs {whose}: max abs err {err:.3g}")
 
 
 def titan_task(rank, world_size, seed, heads, kv_heads, loss_parallel):
@@ -93,25 +62,18 @@ def titan_task(rank, world_size, seed, heads, kv_heads, loss_parallel):
     batches = [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen),
                 torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)) for _ in range(STEPS)]
 
-    exact_steps, exact_params = _train(copy.deepcopy(model).double(), batches)
+    exact = train(copy.deepcopy(model).double(), batches, LR)
     theirs = llama_tp.parallelize_llama(copy.deepcopy(model), dims, job)
     ops = ("all_gather_matmul", "matmul_reduce_scatter")
     with use_overlap_styles(llama_tp):
         ours = llama_tp.parallelize_llama(copy.deepcopy(model), dims, job)
     shardings = {n: tuple(getattr(p, "placements", ())) for n, p in ours.named_parameters()}
     assert shardings == {n: tuple(getattr(p, "placements", ())) for n, p in theirs.named_parameters()}, shardings
-    theirs_steps, theirs_params = _train(theirs, batches)
+    theirs_run = train(theirs, batches, LR)
     before = {op: library.CALLS[op] for op in ops}
-    ours_steps, ours_params = _train(ours, batches)
+    ours_run = train(ours, batches, LR)
     ran = {op: library.CALLS[op] - before[op] for op in ops}
-    for i, ((lo, no, go), (lt, nt, gt), (le, ne, ge)) in enumerate(zip(ours_steps, theirs_steps, exact_steps,
-                                                                       strict=True)):
-        ctx = f"rank {rank}/{world_size} step {i}"
-        for what, o, t, e in (("loss", lo, lt, le), ("grad norm", no, nt, ne), *(
-                (f"{name}.grad", g, gt[name], ge[name]) for name, g in go.items())):
-            _close(o, t, e, f"{ctx}: {what}")
-    for name, p in ours_params.items():
-        _close(p, theirs_params[name], exact_params[name], f"rank {rank}/{world_size}: {name} after the steps")
+    compare(ours_run, theirs_run, exact, f"rank {rank}/{world_size}")
     return ran
 
 
