@@ -25,15 +25,15 @@ import triton
 import triton.language as tl
 
 from . import host
-from .flags import matmul_tile, rank_major_tile, wait_rank_buffer
+from .flags import matmul_tile, rank_major_tile, scale_tile, wait_rank_buffer
 
 
 # Not specialized on: values that differ between ranks or calls (one compiled variant serves them all) and M
 # (rows: it only masks and offsets rows). The sizes and strides that set the GEMM's vector loads stay specialized.
 @triton.jit(do_not_specialize=["epoch_ptr", "rank", "world_size", "abort_ptr", "err_ptr", "timeout_ns", "M", "ROWS"])
 def all_gather_matmul_kernel(
-    # output and the local weight shard
-    out_ptr, b_ptr,
+    # output and the local weight shard (fp8: its scales, one or one per column)
+    out_ptr, b_ptr, b_scale_ptr,
     # symmetric memory: per-rank shard addresses and ready-flag addresses (int64 tables)
     ptr_table, flag_table,
     # protocol (the call's epoch is an int32 word on the device: `overlap.kernels.flags`)
@@ -41,13 +41,14 @@ def all_gather_matmul_kernel(
     # sizes: M rows per rank, N, K; a rank's rows land in runs of ROWS (M: one run; less: a gather dim past the
     # first, `overlap.ops.tp.rows.Rows`)
     M, N, K, ROWS,
-    # strides (the shards are row-major [M, K] in their buffers)
-    stride_am,
+    # strides (the shards are row-major [M, K] in their buffers; fp8: rows of bytes, each row's float32 scale at
+    # byte SCALE_OFF of the row, `overlap.ops.tp.operands.Packed`)
+    stride_am, SCALE_OFF,
     stride_bk, stride_bn,
     stride_om, stride_on,
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr, INTERPRETED: tl.constexpr,
+    UPCAST: tl.constexpr, INTERPRETED: tl.constexpr, B_SCALE: tl.constexpr,
 ):
     # ---- which tile: chunk-major, own chunk first --------------------------------------------
     src, tile_m, tile_n = rank_major_tile(tl.program_id(0), rank, world_size, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -64,6 +65,10 @@ def all_gather_matmul_kernel(
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
     acc = matmul_tile(a_ptrs, b_ptrs, offs_m < M, offs_k, offs_n, N, K, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+    if B_SCALE:  # fp8: each row's scale from its packed row, the weight's from b_scale_ptr
+        a_scale_ptrs = (a_ptr + offs_m.to(tl.int64) * stride_am + SCALE_OFF).to(tl.pointer_type(tl.float32))
+        a_scale = tl.load(a_scale_ptrs, mask=offs_m < M, other=0.0)
+        acc = scale_tile(acc, a_scale, True, b_scale_ptr, offs_n, N, B_SCALE)
 
     # ---- store into this source rank's rows of the output ------------------------------------
     run = offs_m.to(tl.int64) // ROWS
@@ -89,13 +94,16 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
                              block: tuple[int, int, int], out: torch.Tensor | None = None,
                              abort: torch.Tensor | None = None, watchdog: bool = True,
                              num_warps: int | None = None, num_stages: int | None = None,
-                             rows_per_outer: int | None = None) -> torch.Tensor:
+                             rows_per_outer: int | None = None, b_scale: torch.Tensor | None = None,
+                             out_dtype: torch.dtype | None = None, scale_offset: int = 0) -> torch.Tensor:
     """``out = cat(shard_0, ..., shard_{W-1}) @ b`` on the current stream, each tile once its shard is flagged.
 
     Args:
-        b: ``[K, N]`` this rank's weight, any strides; its dtype is the shards' and the output's.
+        b: ``[K, N]`` this rank's weight, any strides; its dtype is the shards' and the output's (fp8: see
+            `b_scale`).
         ptr_table: int64 ``[W]``, on `b`'s device: the address of rank r's shard, row-major ``[rows, K]``,
-            16-byte aligned (a symmetric buffer).
+            16-byte aligned (a symmetric buffer); fp8: ``[rows, scale_offset + 4]`` bytes, each row's float32
+            scale at byte `scale_offset` (`overlap.ops.tp.operands.Packed`).
         flag_table: int64 ``[W]``: the address of rank r's int32 ready flag; a tile waits until it reaches `epoch`.
         rows: ``M``, rows of every rank's shard.
         epoch: int32 word on `b`'s device holding this call's epoch (`overlap.kernels.epoch_word`; the ops pass
@@ -111,6 +119,8 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
         num_warps, num_stages: Triton launch options on GPUs (default: Triton's).
         rows_per_outer: ``R``, a divisor of `rows`: rank r's rows land in runs of ``R``, its row ``o*R + f`` at
             ``(o*W + r)*R + f`` (a gather dim past the first); default `rows` (one run).
+        b_scale: fp8 `b` (e4m3): its float32 scale, one element or ``[1, N]``; the tile is multiplied in fp8 and
+            scaled in its epilogue. out_dtype: the output's dtype then (default bfloat16). scale_offset: as above.
 
     Returns:
         `out`: rank r's rows at ``r*rows ... (r+1)*rows - 1`` (or in runs of `rows_per_outer`).
@@ -120,7 +130,7 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
             that is not a power of two >= 16.
     """
     kernel = "launch_all_gather_matmul"
-    host.check_matrix(kernel, "b", b)
+    host.check_matrix(kernel, "b", b, fp8=True)
     world_size = host.table_size(ptr_table)
     host.check_table(kernel, "ptr_table", ptr_table, world_size, b.device)
     host.check_table(kernel, "flag_table", flag_table, world_size, b.device)
@@ -134,24 +144,31 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
     bm, bn, bk = block
     host.check_tile(kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     k, n = b.shape
+    b_mode, row_bytes = 0, k
+    if b_scale is not None or b.dtype in host.FP8_DTYPES:
+        b_mode = host.check_b_scale(kernel, b, b_scale)
+        if not isinstance(scale_offset, int) or scale_offset < k or scale_offset % 4:
+            host.fail(kernel, f"scale_offset must be a multiple of 4 at least K={k}, got {scale_offset!r}")
+        row_bytes = scale_offset + 4
+    out_dtype = (out_dtype or torch.bfloat16) if b_mode else b.dtype
     if out is None:
-        out = b.new_empty((world_size * rows, n))
-    elif tuple(out.shape) != (world_size * rows, n) or out.dtype != b.dtype or out.device != b.device:
-        host.fail(kernel, f"out must be {b.dtype} [{world_size * rows}, {n}] on {b.device}, got {out.dtype} "
+        out = b.new_empty((world_size * rows, n), dtype=out_dtype)
+    elif tuple(out.shape) != (world_size * rows, n) or out.dtype != out_dtype or out.device != b.device:
+        host.fail(kernel, f"out must be {out_dtype} [{world_size * rows}, {n}] on {b.device}, got {out.dtype} "
                           f"{list(out.shape)} on {out.device}")
     interpreted = host.interpreted()
     abort = host.abort_word(kernel, abort, err, interpreted)
     with host.bounded(abort, timeout_ns, watchdog, interpreted):
         all_gather_matmul_kernel[(all_gather_matmul_grid(world_size, rows, n, bm, bn),)](
-            out, b,
+            out, b, b_scale if b_mode else b,
             ptr_table, flag_table,
             epoch, rank, world_size, abort, err, timeout_ns,
             rows, n, k, max(run, 1),
-            k,
+            row_bytes, scale_offset,
             b.stride(0), b.stride(1),
             out.stride(0), out.stride(1),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M,
-            UPCAST=interpreted and b.dtype == torch.bfloat16, INTERPRETED=interpreted,
+            UPCAST=interpreted and b.dtype == torch.bfloat16, INTERPRETED=interpreted, B_SCALE=b_mode,
             **host.meta_options(num_warps, num_stages, interpreted),
         )
     return out

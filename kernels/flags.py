@@ -112,6 +112,21 @@ def matmul_tile(a_ptrs, b_ptrs, row_ok, offs_k, offs_n, N, K, stride_bk,
 
 
 @triton.jit
+def scale_tile(acc, a_scale, A_ROWWISE: tl.constexpr, b_scale_ptr, offs_n, N, B_SCALE: tl.constexpr):
+    """An fp8 tile's epilogue: ``acc * a_scale * b_scale`` (`a_scale`: the tile's rows' scales, ``[BLOCK_M]``, where
+    ``A_ROWWISE``, else one value; ``B_SCALE`` 1: one value at `b_scale_ptr`, 2: one per column, ``[N]``)."""
+    if A_ROWWISE:
+        acc = acc * a_scale[:, None]
+    else:
+        acc = acc * a_scale
+    if B_SCALE == 2:
+        acc = acc * tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
+    else:
+        acc = acc * tl.load(b_scale_ptr)
+    return acc
+
+
+@triton.jit
 def rank_major_tile(pid, rank, world_size, M, N,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """``(src, tile_m, tile_n)`` of program `pid` in a launch over every rank's ``[M, N]`` block of the output,

@@ -22,6 +22,8 @@ from .. import envs
 
 #: tensor dtypes the GEMM kernels take (fp32 runs as TF32 on Hopper)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: the fp8 operands the GEMM kernels take with their scales (fp8 wgmma on Hopper; the epilogue scales)
+FP8_DTYPES = (torch.float8_e4m3fn,)
 
 
 def interpreted() -> bool:
@@ -155,15 +157,45 @@ def check_device(kernel: str, name: str, t: torch.Tensor, device: torch.device) 
 
 
 def check_matrix(kernel: str, name: str, t: torch.Tensor, dtype: torch.dtype | None = None,
-                 unit_cols: bool = False) -> None:
-    """A 2-D tensor of a kernel dtype (`dtype` where given); `unit_cols`: rows of unit column stride."""
+                 unit_cols: bool = False, fp8: bool = False) -> None:
+    """A 2-D tensor of a kernel dtype (`dtype` where given; `fp8`: an fp8 one too); `unit_cols`: rows of unit
+    column stride."""
+    dtypes = DTYPES + FP8_DTYPES if fp8 else DTYPES
     if not isinstance(t, torch.Tensor) or t.dim() != 2:
         fail(kernel, f"{name} must be a 2-D tensor, got "
                      f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    if t.dtype not in DTYPES or (dtype is not None and t.dtype != dtype):
-        fail(kernel, f"{name} must be {dtype or DTYPES}, got {t.dtype}")
+    if t.dtype not in dtypes or (dtype is not None and t.dtype != dtype):
+        fail(kernel, f"{name} must be {dtype or dtypes}, got {t.dtype}")
     if unit_cols and t.shape[1] > 1 and t.stride(1) != 1:
         fail(kernel, f"{name} must have unit column stride, got strides {t.stride()}")
+
+
+def check_b_scale(kernel: str, b: torch.Tensor, b_scale: torch.Tensor | None) -> int:
+    """An fp8 GEMM's weight `b` ``[K, N]`` (e4m3) and its float32 scale on `b`'s device: one element (returns 1)
+    or ``[1, N]`` (returns 2, one per column)."""
+    if b.dtype != torch.float8_e4m3fn:
+        fail(kernel, f"with b_scale, b must be {torch.float8_e4m3fn}, got {b.dtype}")
+    n = b.shape[1]
+    if (not isinstance(b_scale, torch.Tensor) or b_scale.dtype != torch.float32 or b_scale.device != b.device
+            or not (b_scale.numel() == 1 or tuple(b_scale.shape) == (1, n))):
+        got = (f"{b_scale.dtype} {list(b_scale.shape)} on {b_scale.device}" if isinstance(b_scale, torch.Tensor)
+               else type(b_scale).__name__)
+        fail(kernel, f"b_scale must be float32, one element or [1, {n}], on {b.device}; got {got}")
+    return 1 if b_scale.numel() == 1 and tuple(b_scale.shape) != (1, n) else 2
+
+
+def check_a_scale(kernel: str, a: torch.Tensor, a_scale: torch.Tensor) -> int:
+    """An fp8 GEMM's activation `a` ``[M, K]`` (e4m3) and its float32 scale: one element (returns 1) or
+    ``[M, 1]`` contiguous (returns 2, one per row)."""
+    m = a.shape[0]
+    if a.dtype != torch.float8_e4m3fn:
+        fail(kernel, f"with a_scale, a must be {torch.float8_e4m3fn}, got {a.dtype}")
+    if (not isinstance(a_scale, torch.Tensor) or a_scale.dtype != torch.float32 or a_scale.device != a.device
+            or not (a_scale.numel() == 1 or (tuple(a_scale.shape) == (m, 1) and a_scale.is_contiguous()))):
+        got = (f"{a_scale.dtype} {list(a_scale.shape)} on {a_scale.device}" if isinstance(a_scale, torch.Tensor)
+               else type(a_scale).__name__)
+        fail(kernel, f"a_scale must be float32, one element or [{m}, 1] contiguous, on {a.device}; got {got}")
+    return 1 if a_scale.numel() == 1 and tuple(a_scale.shape) != (m, 1) else 2
 
 
 def check_range(kernel: str, name: str, value: int, lo: int, hi: int) -> None:

@@ -35,15 +35,16 @@ import triton
 import triton.language as tl
 
 from . import host
-from .flags import count_and_release, grouped_tile, matmul_tile, wait_flag
+from .flags import count_and_release, grouped_tile, matmul_tile, scale_tile, wait_flag
 
 
 # Not specialized on: values that differ between ranks or calls, and counts that only mask rows or index flags
 # (the sizes and strides that set the GEMM's vector loads stay specialized).
 @triton.jit(do_not_specialize=["FLAG_STRIDE", "epoch_ptr", "rank", "M", "MB", "NUM_DEST", "NCH", "ROWS"])
 def matmul_scatter_kernel(
-    # the local operands: a [M, K] row-major (contiguous rows), b [K, N] any strides
-    a_ptr, b_ptr,
+    # the local operands: a [M, K] row-major (contiguous rows), b [K, N] any strides; fp8: their float32 scales
+    # (A_SCALE, B_SCALE: 0 none, 1 one value, 2 one per row of a / column of b), the partials float32
+    a_ptr, b_ptr, a_scale_ptr, b_scale_ptr,
     # where block d goes (int64 addresses, one per destination), chunk counters, every rank's flag
     # base (int64; this rank's is used), flags per destination block in the flag area
     dst_table, counters_ptr, flag_table, FLAG_STRIDE,
@@ -58,7 +59,7 @@ def matmul_scatter_kernel(
     stride_dm,
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, A_SCALE: tl.constexpr, B_SCALE: tl.constexpr,
 ):
     # ---- which tile: block-major, destinations from rank + 1 ---------------------------------
     pid = tl.program_id(0)
@@ -82,10 +83,21 @@ def matmul_scatter_kernel(
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
     acc = matmul_tile(a_ptrs, b_ptrs, row_ok, offs_k, offs_n, N, K, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
 
-    # ---- store into the owner's buffer ------------------------------------------------------
-    dst = tl.multiple_of(tl.load(dst_table + d).to(tl.pointer_type(a_ptr.dtype.element_ty)), 16)
-    out_ptrs = dst + offs_m[:, None].to(tl.int64) * stride_dm + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(a_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))
+    # ---- store into the owner's buffer (fp8: scaled, float32) ---------------------------------
+    mask = row_ok[:, None] & (offs_n[None, :] < N)
+    if A_SCALE:
+        if A_SCALE == 2:
+            a_scale = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)
+        else:
+            a_scale = tl.load(a_scale_ptr)
+        acc = scale_tile(acc, a_scale, A_SCALE == 2, b_scale_ptr, offs_n, N, B_SCALE)
+        dst = tl.multiple_of(tl.load(dst_table + d).to(tl.pointer_type(tl.float32)), 16)
+        out_ptrs = dst + offs_m[:, None].to(tl.int64) * stride_dm + offs_n[None, :]
+        tl.store(out_ptrs, acc, mask=mask)
+    else:
+        dst = tl.multiple_of(tl.load(dst_table + d).to(tl.pointer_type(a_ptr.dtype.element_ty)), 16)
+        out_ptrs = dst + offs_m[:, None].to(tl.int64) * stride_dm + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(a_ptr.dtype.element_ty), mask=mask)
 
     # ---- count the tile; the chunk's last tile publishes the flag ----------------------------
     chunk = tile_m * NCH // tiles_m
@@ -160,7 +172,8 @@ def reduce_chunks_grid(block_rows: int, n: int, block_m: int, block_n: int) -> i
 def launch_matmul_scatter(a: torch.Tensor, b: torch.Tensor, dst_table: torch.Tensor, counters: torch.Tensor,
                           flag_table: torch.Tensor, *, block_rows: int, num_chunks: int, flag_stride: int,
                           epoch: torch.Tensor, rank: int, block: tuple[int, int, int],
-                          rows_per_outer: int | None = None) -> None:
+                          rows_per_outer: int | None = None, a_scale: torch.Tensor | None = None,
+                          b_scale: torch.Tensor | None = None) -> None:
     """The producer on the current stream: ``a @ b`` cut into ``D`` blocks of `block_rows` rows, block ``d``
     stored at ``dst_table[d]`` and released per chunk in this rank's flags ``d * flag_stride + chunk``.
 
@@ -177,14 +190,19 @@ def launch_matmul_scatter(a: torch.Tensor, b: torch.Tensor, dst_table: torch.Ten
         block: ``(BLOCK_M, BLOCK_N, BLOCK_K)``; `launch_reduce_chunks` must use the same ``BLOCK_M``.
         rows_per_outer: the blocks interleave in `a` in runs of this many rows (``a``'s row ``(o * D + d) * R + f``
             is row ``o * R + f`` of block ``d``); default `block_rows` (block ``d`` is rows ``d * block_rows ...``).
+        a_scale, b_scale: fp8 `a` and `b` (e4m3): their float32 scales (``a_scale`` one element or ``[M, 1]``,
+            ``b_scale`` one element or ``[1, N]``); the blocks are then float32 partials, scaled in the epilogue.
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit, rows past the blocks, flags of two destinations
             that overlap, a rank outside `flag_table`, a tile size that is not a power of two >= 16.
     """
     kernel = "launch_matmul_scatter"
-    host.check_matrix(kernel, "a", a, unit_cols=True)
-    host.check_matrix(kernel, "b", b, a.dtype)
+    host.check_matrix(kernel, "a", a, unit_cols=True, fp8=True)
+    host.check_matrix(kernel, "b", b, a.dtype, fp8=True)
+    a_mode = b_mode = 0
+    if a_scale is not None or b_scale is not None or a.dtype in host.FP8_DTYPES:
+        a_mode, b_mode = host.check_a_scale(kernel, a, a_scale), host.check_b_scale(kernel, b, b_scale)
     (m, k), n = a.shape, b.shape[1]
     if b.shape[0] != k or b.device != a.device:
         host.fail(kernel, f"b must be [{k}, N] on {a.device}, got {list(b.shape)} on {b.device}")
@@ -210,7 +228,7 @@ def launch_matmul_scatter(a: torch.Tensor, b: torch.Tensor, dst_table: torch.Ten
         host.fail(kernel, f"counters must be int32 of at least {num_dest * num_chunks} words on {a.device}, got "
                           f"{counters.dtype} [{counters.numel()}] on {counters.device}")
     matmul_scatter_kernel[(matmul_scatter_grid(num_dest, block_rows, n, bm, bn),)](
-        a, b,
+        a, b, a_scale if a_mode else a, b_scale if b_mode else b,
         dst_table, counters, flag_table, flag_stride,
         epoch, rank,
         m, n, k, block_rows, num_dest, num_chunks, run,
@@ -218,7 +236,7 @@ def launch_matmul_scatter(a: torch.Tensor, b: torch.Tensor, dst_table: torch.Ten
         b.stride(0), b.stride(1),
         n,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M,
-        UPCAST=host.interpreted() and a.dtype == torch.bfloat16,
+        UPCAST=host.interpreted() and a.dtype == torch.bfloat16, A_SCALE=a_mode, B_SCALE=b_mode,
     )
 
 

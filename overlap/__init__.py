@@ -35,6 +35,7 @@ if "torch" in _sys.modules:  # torch is loaded already: costs nothing now, and c
 #: public name -> (module, attribute or None for the module itself), imported on first use
 _LAZY: dict[str, tuple[str, str | None]] = {
     "all_gather_matmul": (".ops.tp.all_gather_matmul", "all_gather_matmul"),
+    "quantize_fp8": (".ops.fp8", "quantize_fp8"),
     "matmul_reduce_scatter": (".ops.tp.matmul_reduce_scatter", "matmul_reduce_scatter"),
     "matmul_all_reduce": (".ops.tp.matmul_all_reduce", "matmul_all_reduce"),
     "all_gather_weight_matmul": (".ops.tp.all_gather_weight_matmul", "all_gather_weight_matmul"),

@@ -17,7 +17,7 @@ import torch
 from .. import envs
 from ..kernels.host import cdiv, fused_tiles  # noqa: F401 - the ops call them as fused.*
 
-FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 
 
 def interpreted() -> bool:

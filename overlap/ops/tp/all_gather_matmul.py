@@ -40,7 +40,7 @@ import torch.distributed as dist
 from ...plans import Plan
 from .. import library
 from ..context import CallContext, autocast_inputs, describe, no_autocast, record
-from . import entry, gather, gather_gemm, scatter_gemm
+from . import entry, gather, gather_gemm, operands, scatter_gemm
 from .rows import Product, normalize_dim, of, resized
 
 OP = "all_gather_matmul"
@@ -57,6 +57,10 @@ def all_gather_matmul(
     *,
     gather_dim: int = 0,
     return_gathered: bool = False,
+    a_scale: torch.Tensor | None = None,
+    b_scale: torch.Tensor | list[torch.Tensor] | None = None,
+    out_dtype: torch.dtype | None = None,
+    fp8: str | None = None,
 ) -> Any:
     """``all_gather(a, gather_dim) @ b`` over `group`, overlapping the gather with the GEMM.
 
@@ -70,7 +74,16 @@ def all_gather_matmul(
         plan: an `overlap.Plan` (overrides `strategy`'s defaults, e.g. chunk counts).
         timeout: seconds any wait on a peer may take (default ``OVERLAP_TIMEOUT_S``, 300).
         gather_dim: the dim of `a` that is gathered, any but the last (negative counts from the end).
-        return_gathered: also return the gathered ``a`` (a caller that keeps it for its own weight gradient).
+        return_gathered: also return the gathered ``a`` (a caller that keeps it for its own weight gradient; not
+            with fp8).
+        a_scale, b_scale: fp8 operands (``a`` and ``b`` ``torch.float8_e4m3fn``, `overlap.quantize_fp8`): ``a``'s
+            float32 scale, ``a.shape[:-1] + (1,)`` (rowwise: it travels with its rows) or one element (tensorwise),
+            and ``b``'s, ``[1, n]`` or one element (a list of them where `b` is a list). The op computes
+            ``all_gather(a * a_scale) @ (b * b_scale)`` with scaled GEMMs, forward only.
+        out_dtype: the result's dtype with fp8 operands (default ``torch.bfloat16``).
+        fp8: ``"rowwise"`` or ``"tensorwise"``: the fp8 training recipe on high-precision operands (quantized on
+            their owner, so the gather moves fp8 bytes; forward GEMMs scaled; backward in the operands' dtype, as
+            without it: docs/fp8.md). The result has `a`'s dtype.
 
     Returns:
         ``y``: `a`'s shape with ``world_size * m`` at `gather_dim` and ``n`` last, rank r's slice at
@@ -86,20 +99,27 @@ def all_gather_matmul(
     """
     many = isinstance(b, (list, tuple))
     weights = list(b) if many else [b]
-    check = _check_flag(return_gathered)
-    args = entry.call_args(OP, a, weights, group, strategy, plan, timeout, check, gather_dim, DIM, multi=True)
-    if not isinstance(return_gathered, bool):  # (call_args let it through: the op's check raises it, peers told)
-        entry.prepare(OP, a, b, group, strategy, plan, timeout, check, dim=gather_dim, dim_name=DIM, multi=True)
+    check = _check_flag(return_gathered, fp8 is not None or a_scale is not None)
+    args, scaled = entry.call_args(OP, a, weights, group, strategy, plan, timeout, check, gather_dim, DIM,
+                                   multi=True, fp8=(a_scale, b_scale, out_dtype, fp8))
+    if not isinstance(return_gathered, bool) or (return_gathered and (scaled[0] is not None or scaled[3])):
+        # (call_args let it through: the op's check raises it, peers told)
+        entry.prepare(OP, a, b, group, strategy, plan, timeout, check, dim=gather_dim, dim_name=DIM, multi=True,
+                      scaled=scaled)
     a, *weights = autocast_inputs(a, *weights)
-    ys, full, _ = _op(a, weights, gather_dim, return_gathered, *args, library.needs_grad(a, *weights))
+    a_scale, b_scales, out_dtype, recipe = scaled
+    ys, full, _ = _op(a, weights, gather_dim, return_gathered, *args, library.needs_grad(a, *weights), a_scale,
+                      b_scales or None, out_dtype, recipe)
     ys = list(ys) if many else ys[0]
     return (full, ys) if return_gathered else ys
 
 
-def _check_flag(return_gathered: Any):
+def _check_flag(return_gathered: Any, fp8: bool = False):
     def check(a, b, info) -> None:
         if not isinstance(return_gathered, bool):
             raise TypeError(f"overlap.{OP}: return_gathered must be a bool, got {type(return_gathered).__name__}")
+        if return_gathered and fp8:
+            raise ValueError(f"overlap.{OP}: return_gathered is not supported with fp8 (the gather moves fp8 rows)")
 
     return check
 
@@ -109,29 +129,39 @@ def _weights(bs: list[torch.Tensor]) -> Any:
     return bs[0] if len(bs) == 1 else bs
 
 
-def _forward(a, bs, dim, keep, group, strategy, plan, timeout, needs_grad):
+def _forward(a, bs, dim, keep, group, strategy, plan, timeout, needs_grad, a_scale=None, b_scales=None,
+             out_dtype=None, fp8=""):
     """``overlap::all_gather_matmul``: the whole call (checks, plan, handshake, strategy) on this rank."""
-    cc = entry.tp_context(OP, a, _weights(bs), group, strategy, plan, timeout, needs_grad, dim=dim, dim_name=DIM,
-                          multi=True)
+    scaled = (a_scale, list(b_scales or ()), out_dtype, fp8)
+    cc = entry.tp_context(OP, a, _weights(bs), group, strategy, plan, timeout, needs_grad, _check_flag(keep, bool(
+        fp8 or a_scale is not None)), dim=dim, dim_name=DIM, multi=True, scaled=scaled)
     d = normalize_dim(OP, DIM, dim, a.shape)
     W = cc.world_size
     # The handshake comes first (in `run`): nothing that can fail locally runs before the data.
     with record(OP), no_autocast(cc.info.device.type):
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
-        outs, gathered = gather_gemm.run(a2, bs, cc, keep_gathered=keep, rows=of(a.shape, d, W, scatter=False))
+        act = operands.activation(a2, scaled)
+        weights = bs
+        if act is not None:  # fp8: the rows move packed with their scales, the GEMMs are scaled
+            b8s, b_scales = operands.weights(bs, scaled)
+            weights = operands.Weights(b8s, b_scales, entry.out_dtype_of(a, scaled))
+            a2 = weights.packed.pack(*act)
+        outs, gathered = gather_gemm.run(a2, weights, cc, keep_gathered=keep, rows=of(a.shape, d, W, scatter=False))
         shape = resized(a.shape, d, W * a.shape[d])
         ys = [out.view(*shape[:-1], b.shape[1]) for out, b in zip(outs, bs, strict=True)]
         full = gathered.view(shape) if keep else a.new_empty(0)
     return ys, full, library.context_out(cc, needs_grad)
 
 
-def _fake(a, bs, dim, keep, group, strategy, plan, timeout, needs_grad):
+def _fake(a, bs, dim, keep, group, strategy, plan, timeout, needs_grad, a_scale=None, b_scales=None,
+          out_dtype=None, fp8=""):
     W = library.world_size(group)
     try:
         shape = resized(a.shape, normalize_dim(OP, DIM, dim, a.shape), W * a.shape[dim])
     except (TypeError, ValueError):  # (the op raises it, on every rank, when it runs)
         shape = a.shape
-    ys = [a.new_empty((*shape[:-1], b.shape[-1])) for b in bs]
+    dtype = entry.out_dtype_of(a, (a_scale, [], out_dtype, fp8))
+    ys = [a.new_empty((*shape[:-1], b.shape[-1]), dtype=dtype) for b in bs]
     return ys, a.new_empty(shape if keep else (0,)), library.context_fake(needs_grad)
 
 
@@ -140,6 +170,7 @@ def _save(ctx: Any, inputs: tuple, output: Any) -> None:
     ctx.save_for_backward(a, *bs, output[2])
     ctx.dim, ctx.keep, ctx.need_b = normalize_dim(OP, DIM, dim, a.shape), keep, [b.requires_grad for b in bs]
     ctx.shapes = [y.shape for y in output[0]]
+    ctx.rest = len(inputs) - 2
     ctx.set_materialize_grads(False)  # (an unused gathered input: no gradient of zeros to add in backward)
 
 
@@ -151,7 +182,7 @@ def _autograd_backward(ctx: Any, grads: list, grad_full: torch.Tensor | None, _g
     full = grad_full if ctx.keep and grad_full is not None else a.new_empty(0)
     grad_a, grad_bs = _backward_op(grads, full, a, bs, context, ctx.dim, need_a, need_b)
     return (grad_a if need_a else None, [g if need else None for g, need in zip(grad_bs, need_b, strict=True)],
-            None, None, None, None, None, None, None)
+            *(None,) * ctx.rest)
 
 
 def _backward(grads, grad_full, a, bs, context, dim, need_a, need_b):
@@ -178,7 +209,8 @@ def _backward_fake(grads, grad_full, a, bs, context, dim, need_a, need_b):
 BACKWARD_SCHEMA = ("(Tensor[] grads, Tensor grad_full, Tensor a, Tensor[] bs, Tensor context, int dim, bool need_a, "
                    "bool[] need_b) -> (Tensor, Tensor[])")
 SCHEMA = ("(Tensor a, Tensor[] bs, int dim, bool keep, str group, str strategy, str plan, float? timeout, "
-          "bool needs_grad) -> (Tensor[], Tensor, Tensor)")
+          "bool needs_grad, Tensor? a_scale, Tensor[]? b_scales, ScalarType? out_dtype, str fp8) "
+          "-> (Tensor[], Tensor, Tensor)")
 _backward_op = library.define(f"{OP}_backward", BACKWARD_SCHEMA, _backward, _backward_fake)
 _op = library.define(OP, SCHEMA, _forward, _fake, _autograd_backward, _save)
 

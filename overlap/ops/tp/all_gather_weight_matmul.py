@@ -177,7 +177,7 @@ def _backward(grad_out, a, b, context, need_a, need_b):
 
 
 _backward_op = library.define(f"{OP}_backward", entry.TP_BACKWARD_SCHEMA, _backward, _backward_fake)
-_op = library.define(OP, entry.TP_SCHEMA, _forward, _fake, entry.tp_backward(_backward_op), entry.tp_save)
+_op = library.define(OP, entry.PLAIN_SCHEMA, _forward, _fake, entry.tp_backward(_backward_op), entry.tp_save)
 
 
 def _overlapped_backward(cc: CallContext, a2, b, g2, need_a, need_b):

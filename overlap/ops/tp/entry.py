@@ -20,6 +20,7 @@ import torch
 from ... import world
 from ...plans import Plan, Problem, op_spec
 from ...plans.auto import as_plan, fit_plan, plan_source, resolve_auto
+from .. import fp8 as fp8s
 from .. import library
 from ..context import FLOAT_DTYPES, CallContext, autocast_inputs, describe, preamble
 from ..fused import check_fused_available
@@ -34,6 +35,12 @@ def check_matmul_operands(op: str, a: Any, b: Any, device: torch.device) -> None
     """Checks shared by the TP ops: ``a`` is ``[..., k]``, ``b`` is ``[k, n]``, same float dtype/device."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise TypeError(f"overlap.{op}: a and b must be tensors, got {type(a).__name__} and {type(b).__name__}")
+    if fp8s.is_fp8(a) or fp8s.is_fp8(b):  # (their dtypes: `check_fp8`)
+        pass
+    elif a.dtype != b.dtype:
+        raise TypeError(f"overlap.{op}: a and b must have one dtype outside autocast, got {a.dtype} and {b.dtype}")
+    elif a.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"overlap.{op}: dtype must be one of {FLOAT_DTYPES}, got {a.dtype}")
     if a.dim() < 2:
         raise ValueError(f"overlap.{op}: a must be [..., k] with at least 2 dims (dim 0 is gathered or scattered), "
                          f"got {describe(a)}")
@@ -42,10 +49,6 @@ def check_matmul_operands(op: str, a: Any, b: Any, device: torch.device) -> None
     if a.shape[-1] != b.shape[0]:
         raise ValueError(f"overlap.{op}: inner dims differ: a is {describe(a)} (k={a.shape[-1]}), "
                          f"b is {describe(b)} (k={b.shape[0]})")
-    if a.dtype != b.dtype:
-        raise TypeError(f"overlap.{op}: a and b must have one dtype outside autocast, got {a.dtype} and {b.dtype}")
-    if a.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"overlap.{op}: dtype must be one of {FLOAT_DTYPES}, got {a.dtype}")
     if a.numel() == 0 or b.numel() == 0:
         raise ValueError(f"overlap.{op}: empty operands are not supported: a is {describe(a)}, b is {describe(b)}")
     if a.device != b.device:
@@ -54,17 +57,62 @@ def check_matmul_operands(op: str, a: Any, b: Any, device: torch.device) -> None
         raise ValueError(f"overlap.{op}: this rank's group computes on {device} but the inputs are on {a.device}")
 
 
+def check_fp8(op: str, a: torch.Tensor, bs: list[torch.Tensor], scaled: Fp8Args | None) -> str:
+    """The fp8 checks of a call (`overlap.ops.fp8`): fp8 operands with their scales and ``out_dtype``, or the
+    ``fp8=`` recipe on high-precision operands, or neither. Returns what the call's signature adds."""
+    a_scale, b_scales, out_dtype, recipe = scaled if scaled is not None else (None, [], None, "")
+    recipe = None if recipe == "" else recipe
+    if fp8s.is_fp8(a) or any(fp8s.is_fp8(b) for b in bs):
+        fp8s.check_recipe(op, recipe, a)
+        a_kind, b_kinds = fp8s.check_scales(op, a, bs, a_scale, b_scales, out_dtype)
+        return f", scales={a_kind}/{'+'.join(b_kinds)}, out={str(out_dtype).removeprefix('torch.')}"
+    fp8s.check_no_scales(op, a, a_scale, b_scales or None, out_dtype)
+    fp8s.check_recipe(op, recipe, a)
+    return f", fp8={recipe}" if recipe else ""
+
+
+Fp8Args = tuple  # (a_scale or None, [b_scale per weight], out_dtype or None, recipe: "", "rowwise" or "tensorwise")
+
+
+def fp8_args(a_scale: Any, b_scale: Any, out_dtype: Any, fp8: Any) -> Fp8Args | None:
+    """An op's fp8 arguments as its custom op takes them (`Fp8Args`), None where one is of a type it does not
+    take (the caller then lets the op's checks raise)."""
+    b_scales = _listed(b_scale)
+    ok = ((a_scale is None or isinstance(a_scale, torch.Tensor)) and library.tensors(*b_scales)
+          and (out_dtype is None or isinstance(out_dtype, torch.dtype)) and (fp8 is None or isinstance(fp8, str)))
+    return (a_scale, b_scales, out_dtype, fp8 or "") if ok else None
+
+
+def _listed(b_scale: Any) -> list:
+    return list(b_scale) if isinstance(b_scale, (list, tuple)) else ([] if b_scale is None else [b_scale])
+
+
+def wire_dtype(a: torch.Tensor, scaled: Fp8Args | None) -> torch.dtype:
+    """The dtype a call's operands move and multiply in: fp8 for fp8 operands and the recipe."""
+    return fp8s.OPERAND_DTYPE if fp8s.is_fp8(a) or (scaled is not None and scaled[3]) else a.dtype
+
+
+def out_dtype_of(a: torch.Tensor, scaled: Fp8Args | None) -> torch.dtype:
+    """The dtype of a call's result: `a`'s, but fp8 operands' ``out_dtype`` (default bfloat16)."""
+    if fp8s.is_fp8(a):
+        out = scaled[2] if scaled is not None else None
+        return out if out is not None else torch.bfloat16
+    return a.dtype
+
+
 def prepare(op: str, a: Any, b: Any, group, strategy: str, plan, timeout: float | None,
             check: Callable[[torch.Tensor, torch.Tensor, world.GroupInfo], None] | None = None,
             needs_grad: bool | None = None, cast: bool = True, dim: Any = 0,
-            dim_name: str | None = None, multi: bool = False) -> tuple[torch.Tensor, Any, CallContext]:
+            dim_name: str | None = None, multi: bool = False,
+            scaled: Fp8Args | None = None) -> tuple[torch.Tensor, Any, CallContext]:
     """The TP ops' preamble: checks, autocast (unless `cast` is False: the custom op's caller cast them),
     plan and signature. Returns ``(a, b, context)``. `needs_grad`: whether the call's backward will run (plan
     files keep forward and forward+backward plans apart); None: read from grad mode and the inputs.
 
     `b` may be a list of weights where `multi` (`overlap.all_gather_matmul` feeding several GEMMs: one ``k`` and
     dtype, any ``n``; returned as a list); `dim`, the op's `dim_name` argument (``gather_dim``, ``scatter_dim``;
-    None: the op has none), is checked (`overlap.ops.tp.rows.normalize_dim`) and, past dim 0, part of the signature."""
+    None: the op has none), is checked (`overlap.ops.tp.rows.normalize_dim`) and, past dim 0, part of the signature.
+    `scaled`: the call's fp8 arguments (`fp8_args`; `check_fp8`)."""
 
     def decide(cc: CallContext) -> tuple[Plan, str, tuple[torch.Tensor, Any]]:
         info = cc.info
@@ -80,6 +128,7 @@ def prepare(op: str, a: Any, b: Any, group, strategy: str, plan, timeout: float 
             check_matmul_operands(op, a2, w, info.device)
         b2 = bs[0]
         d = normalize_dim(op, dim_name, dim, a2.shape) if dim_name is not None else 0
+        fp8_sig = check_fp8(op, a2, bs, scaled)
         if check is not None:
             check(a2, b2, info)
         chosen = as_plan(strategy, plan)
@@ -87,15 +136,18 @@ def prepare(op: str, a: Any, b: Any, group, strategy: str, plan, timeout: float 
         shape_sig = f"a={describe(a2)}, " + (f"bs={[tuple(w.shape) for w in bs]}" if many else f"b={tuple(b2.shape)}")
         if d:
             shape_sig += f", {dim_name}={d}"
+        shape_sig += fp8_sig
+        wire = wire_dtype(a2, scaled)
         if chosen is None:
             rows = math.prod(a2.shape[:-1])
-            dtype = str(a2.dtype).removeprefix("torch.")
-            chosen = resolve_auto(op, shape_sig, info, rows, dtype, out_bytes=rows * n * a2.element_size(),
-                                  problem=tp_problem(op, rows, a2, b2, info.world_size, needs_grad, n),
+            dtype = str(wire).removeprefix("torch.")
+            out_bytes = rows * n * out_dtype_of(a2, scaled).itemsize
+            chosen = resolve_auto(op, shape_sig, info, rows, dtype, out_bytes=out_bytes,
+                                  problem=tp_problem(op, rows, a2, b2, info.world_size, needs_grad, n, wire),
                                   plan_file=plan_source(plan))
         chosen = fit_plan(op, chosen, info)
         if chosen.strategy == "fused":
-            check_fused_available(op, a2.dtype)
+            check_fused_available(op, wire)
         return chosen, f"{op}({shape_sig}, plan={chosen.describe()}, ring={info.slowest_link})", (a2, bs if many
                                                                                                      else b2)
 
@@ -104,17 +156,19 @@ def prepare(op: str, a: Any, b: Any, group, strategy: str, plan, timeout: float 
 
 
 def tp_problem(op: str, rows: int, a: torch.Tensor, b: torch.Tensor, world_size: int,
-               needs_grad: bool | None = None, n: int | None = None) -> Problem | None:
+               needs_grad: bool | None = None, n: int | None = None,
+               dtype: torch.dtype | None = None) -> Problem | None:
     """The `overlap.plans.Problem` of a TP call (plan files are keyed by it), None where it has none. `n`: the
-    columns of every weight together (one gather feeding several GEMMs moves the bytes of one)."""
+    columns of every weight together (one gather feeding several GEMMs moves the bytes of one); `dtype`: the
+    operands' on the wire (default `a`'s: fp8 for the fp8 recipe)."""
     m = op_spec(op).rows_per_rank(rows, world_size)
     if m is None:
         return None
     backward = needs_grad if needs_grad is not None else (
         torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
     try:
-        return Problem(op, m, a.shape[-1], b.shape[1] if n is None else n, str(a.dtype).removeprefix("torch."),
-                       backward)
+        return Problem(op, m, a.shape[-1], b.shape[1] if n is None else n,
+                       str(a.dtype if dtype is None else dtype).removeprefix("torch."), backward)
     except ValueError:  # a call the model does not describe: no plan file entry can match it
         return None
 
@@ -125,44 +179,65 @@ def tp_problem(op: str, rows: int, a: torch.Tensor, b: torch.Tensor, world_size:
 # The custom ops: the signature they share, forward and backward
 # ----------------------------------------------------------------------------------------------
 
-TP_SCHEMA = ("(Tensor a, Tensor b, str group, str strategy, str plan, float? timeout, bool needs_grad) "
-             "-> (Tensor, Tensor)")
+FP8_SCHEMA = "Tensor? a_scale, Tensor? b_scale, ScalarType? out_dtype, str fp8"
+"""The fp8 arguments the activation-side TP ops' custom ops take last (`Fp8Args`; one weight, one ``b_scale``)."""
+PLAIN_SCHEMA = ("(Tensor a, Tensor b, str group, str strategy, str plan, float? timeout, bool needs_grad) "
+                "-> (Tensor, Tensor)")
+"""`all_gather_weight_matmul`'s (no fp8 yet)."""
+TP_SCHEMA = ("(Tensor a, Tensor b, str group, str strategy, str plan, float? timeout, bool needs_grad, "
+             f"{FP8_SCHEMA}) -> (Tensor, Tensor)")
 TP_BACKWARD_SCHEMA = "(Tensor grad, Tensor a, Tensor b, Tensor context, bool need_a, bool need_b) -> (Tensor, Tensor)"
 
 
 def call_args(op: str, a: Any, weights: list, group: Any, strategy: Any, plan: Any, timeout: Any,
-              check: Callable | None = None, dim: Any = 0, dim_name: str | None = None, multi: bool = False) -> tuple:
-    """The call's arguments as a TP custom op takes them, or, where one is of a type the op does not take, this
-    rank's error raised through the op's checks (which tell the peers)."""
+              check: Callable | None = None, dim: Any = 0, dim_name: str | None = None, multi: bool = False,
+              fp8: tuple = (None, None, None, None)) -> tuple[tuple, Fp8Args]:
+    """The call's arguments as a TP custom op takes them: ``(group, strategy, plan, timeout)`` and the fp8 ones
+    (`fp8` = ``(a_scale, b_scale, out_dtype, fp8)`` as `Fp8Args`), or, where one is of a type the op does not take, this rank's error raised through
+    the op's checks (which tell the peers)."""
     args = library.call_args(group, strategy, plan, timeout)
+    scaled = fp8_args(*fp8)
+    if scaled is not None and isinstance(a, torch.Tensor) and any(
+            s.device != a.device for s in (scaled[0], *scaled[1]) if s is not None):
+        scaled = None  # (a scale on another device, e.g. meta, would send the custom op to another kernel)
     dim_ok = dim_name is None or (isinstance(dim, int) and not isinstance(dim, bool))
-    if args is None or not weights or not library.tensors(a, *weights) or not dim_ok:
+    if args is None or scaled is None or not weights or not library.tensors(a, *weights) or not dim_ok:
         b = weights if len(weights) != 1 else weights[0]
-        prepare(op, a, b, group, strategy, plan, timeout, check, dim=dim, dim_name=dim_name,
-                multi=multi)  # raises, peers told
+        raw = (fp8[0], _listed(fp8[1]), fp8[2], fp8[3])
+        prepare(op, a, b, group, strategy, plan, timeout, check, dim=dim, dim_name=dim_name, multi=multi,
+                scaled=raw if scaled is None else scaled)  # raises, peers told
         raise TypeError(f"overlap.{op}: unsupported arguments")  # pragma: no cover - prepare raised
-    return args
+    return args, scaled
 
 
 def tp_call(packet: Any, op: str, a: Any, b: Any, group: Any, strategy: Any, plan: Any, timeout: Any,
-            check: Callable | None = None, dim: Any = None, dim_name: str | None = None) -> torch.Tensor:
+            check: Callable | None = None, dim: Any = None, dim_name: str | None = None,
+            fp8: tuple | None = None) -> torch.Tensor:
     """A TP op's public function: its arguments as the custom op takes them (autocast applied here, where
-    torch.compile traces it), then the custom op (`dim` after ``b`` where the op has a `dim_name`). Arguments
-    of the wrong types raise through the op's checks (which tell the peers) instead."""
+    torch.compile traces it), then the custom op (`dim` after ``b`` where the op has a `dim_name`; the fp8
+    arguments, `fp8` = ``(a_scale, b_scale, out_dtype, fp8)``, last where the op takes them: `TP_SCHEMA`).
+    Arguments of the wrong types raise through the op's checks (which tell the peers) instead."""
     if isinstance(b, (list, tuple)):  # (one weight only: the op's check says so, on every rank)
         prepare(op, a, b, group, strategy, plan, timeout, check, dim=dim, dim_name=dim_name)
-    args = call_args(op, a, [b], group, strategy, plan, timeout, check, dim, dim_name)
+    args, scaled = call_args(op, a, [b], group, strategy, plan, timeout, check, dim, dim_name,
+                             fp8=fp8 or (None, None, None, None))
     a, b = autocast_inputs(a, b)
     extra = () if dim_name is None else (dim,)
-    return packet(a, b, *extra, *args, library.needs_grad(a, b))[0]
+    if fp8 is None:
+        return packet(a, b, *extra, *args, library.needs_grad(a, b))[0]
+    a_scale, b_scales, out_dtype, recipe = scaled
+    b_scale = b_scales[0] if len(b_scales) == 1 else None
+    if len(b_scales) > 1:  # (one weight: the op's check says so, on every rank)
+        prepare(op, a, b, group, strategy, plan, timeout, check, dim=dim, dim_name=dim_name, scaled=scaled)
+    return packet(a, b, *extra, *args, library.needs_grad(a, b), a_scale, b_scale, out_dtype, recipe)[0]
 
 
 def tp_context(op: str, a: torch.Tensor, b: Any, group: str, strategy: str, plan: str,
                timeout: float | None, needs_grad: bool, check: Callable | None = None, dim: int = 0,
-               dim_name: str | None = None, multi: bool = False):
+               dim_name: str | None = None, multi: bool = False, scaled: Fp8Args | None = None):
     """Inside a TP custom op: the call context (checks, plan, signature) of the public call."""
     return prepare(op, a, b, library.group_of(group), strategy, library.plan_of(plan), timeout, check,
-                   needs_grad=needs_grad, cast=False, dim=dim, dim_name=dim_name, multi=multi)[2]
+                   needs_grad=needs_grad, cast=False, dim=dim, dim_name=dim_name, multi=multi, scaled=scaled)[2]
 
 
 def tp_save(ctx: Any, inputs: tuple, output: Any) -> None:

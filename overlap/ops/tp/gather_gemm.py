@@ -33,6 +33,7 @@ from .. import fused
 from ..context import CallContext
 from ..nodes import guard
 from . import gather
+from .operands import Weights
 from .rows import Rows
 
 
@@ -41,16 +42,18 @@ def heap_bytes(chosen: Plan, a2: torch.Tensor) -> int:
     return a2.numel() * a2.element_size() if chosen.strategy in ("symm", "fused", "hierarchical") else 0
 
 
-def run(a2: torch.Tensor, bs: list[torch.Tensor], cc: CallContext, keep_gathered: bool = False,
+def run(a2: torch.Tensor, bs: list[torch.Tensor] | Weights, cc: CallContext, keep_gathered: bool = False,
         rows: Rows | None = None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """One call on every rank (`cc`: its op, group, plan, deadline, signature): the handshake, then the strategy.
 
     Returns ``(outs, gathered)``: ``outs[i]`` is ``[W*m, n_i]``, the gathered rows times ``bs[i]`` (no weight:
     the call only gathers); every chunk's GEMMs, one per weight, as soon as it is there. ``gathered`` (the whole
     gathered `a2`) is None unless `keep_gathered`: the weight gradients take it from the gather. `rows`: where
-    each rank's rows go (`overlap.ops.tp.rows.Rows`; default rank-major, dim 0).
+    each rank's rows go (`overlap.ops.tp.rows.Rows`; default rank-major, dim 0). `bs` may be a
+    `overlap.ops.tp.operands.Weights` (fp8: `a2` holds packed rows, `overlap.ops.tp.operands.Packed`).
     """
     rows = Rows.flat(cc.world_size, a2.shape[0]) if rows is None else rows
+    bs = bs if isinstance(bs, Weights) else Weights(bs)
     call = cc.begin(heap_bytes(cc.plan, a2), steady=cc.plan.strategy in ("symm", "pipelined"))
     try:
         return STRATEGIES[cc.plan.strategy](cc, call, a2, bs, keep_gathered, rows)
@@ -67,10 +70,9 @@ def _gathered(cc: CallContext, call, a2, bs, keep_gathered, rows):
     """reference, pipelined, symm: the GEMMs of each gathered chunk as soon as it is there."""
     g = gather.start(cc.plan.strategy, call, a2, cc, rows=rows)
     try:
-        outs = [a2.new_empty((cc.world_size * a2.shape[0], b.shape[1])) for b in bs]
+        outs = bs.outputs(cc.world_size * a2.shape[0], a2)
         for lo, hi, chunk in g.chunks():
-            for b, out in zip(bs, outs, strict=True):
-                torch.mm(chunk, b, out=out[lo:hi])
+            bs.multiply(chunk, outs, lo, hi)
         return outs, (g.gathered() if keep_gathered else None)
     finally:
         g.close()
@@ -80,7 +82,7 @@ def _fused(cc: CallContext, call, a2, bs, keep_gathered, rows):
     """One kernel launch per weight; a second launch finds every flag set (the shards stay in the peers' buffers
     until this rank ends the call) and reads them again."""
     chosen, timeout = cc.plan, cc.timeout
-    if not bs:  # gather only (a weight gradient's gather): the kernel has no GEMM to run
+    if not bs.bs:  # gather only (a weight gradient's gather): the kernel has no GEMM to run
         return _gathered(cc.derive(plan=dataclasses.replace(chosen, strategy="symm")), call, a2, bs, keep_gathered,
                          rows)
     kernels = fused.kernels().all_gather_matmul
@@ -94,10 +96,12 @@ def _fused(cc: CallContext, call, a2, bs, keep_gathered, rows):
     err = heap.kernel_err() if a2.is_cuda else torch.zeros(1, dtype=torch.int32)
     tile = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(), a2.dtype)
     outs = []
-    for b in bs:
+    for i, b in enumerate(bs.bs):
+        fp8 = {} if bs.packed is None else {"b_scale": bs.b_scales[i], "out_dtype": bs.out_dtype,
+                                            "scale_offset": bs.packed.k4}
         outs.append(kernels.launch_all_gather_matmul(
             b, heap.ptr_table(call.slot), heap.flag_table(call.slot, 0), rows=m, epoch=call.epoch_word(), rank=r,
-            err=err, timeout_ns=int(timeout * 1e9), block=tile, rows_per_outer=rows.rows))
+            err=err, timeout_ns=int(timeout * 1e9), block=tile, rows_per_outer=rows.rows, **fp8))
         bad = 0 if a2.is_cuda else int(err.item())
         if bad:
             raise OverlapTimeout(cc.op, r, bad - 1, f"rank chunk {bad - 1}", timeout, "fused kernel tile wait")

@@ -33,6 +33,7 @@ from ... import comm, symm
 from ..context import CallContext
 from ..nodes import HEADER_BYTES, Layout, Poison, begin_node, guard, irecv, isend, layout_of, padded, wait_local
 from .hierarchical import HierGather
+from .operands import Gemm
 from .rows import Product, Rows
 from .sums import LOW, sum_in_order
 
@@ -55,20 +56,20 @@ def reduce_scatter(cc: CallContext, prod: Product, out: torch.Tensor | None = No
             call.finish()
 
 
-def all_reduce(cc: CallContext, a2: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``matmul_all_reduce`` across nodes: ``[M, k] @ [k, n]`` summed over ranks, ``[M, n]`` on every rank."""
+def all_reduce(cc: CallContext, g: Gemm) -> torch.Tensor:
+    """``matmul_all_reduce`` across nodes: ``[M, k] @ [k, n]`` (`g`) summed over ranks, ``[M, n]`` on every rank."""
     lay = layout_of(cc.info)
-    W, n, M = cc.world_size, b.shape[1], a2.shape[0]
+    W, n, M = cc.world_size, g.n, g.a.shape[0]
     size = -(-M // W)
     parts = [(min(d * size, M), min((d + 1) * size, M)) for d in range(W)]
-    rs = reduce_bytes(size, n, a2.dtype, W)
-    ag = padded(size * n * a2.element_size())
+    rs = reduce_bytes(size, n, g.dtype, W)
+    ag = padded(size * n * g.dtype.itemsize)
     half = symm.MAX_FLAGS // 2
-    out = a2.new_empty((M, n))
+    out = torch.empty((M, n), dtype=g.dtype, device=g.device)
     with guard(cc, lay):
         call = begin_node(cc, lay, rs + lay.num_nodes * ag)
         try:
-            mine = reduce_scatter_parts(cc, lay, call, Product([(a2, b)], Rows.flat(W, size)), parts,
+            mine = reduce_scatter_parts(cc, lay, call, Product([g], Rows.flat(W, size)), parts,
                                         flag_budget=half)
             g = HierGather(cc, mine, parts, full=out, call=call, offset=rs, flag_base=half, flag_budget=half)
             try:

@@ -53,7 +53,8 @@ from ...plans import Plan
 from ...symm import p2p
 from .. import fused, library
 from ..context import CallContext, no_autocast, record
-from . import entry, hierarchical_reduce
+from . import entry, hierarchical_reduce, operands
+from .operands import Gemm
 from .scatter_gemm import scatter_and_reduce
 from .sums import sum_in_order
 
@@ -67,6 +68,11 @@ def matmul_all_reduce(
     strategy: str = "auto",
     plan: Plan | dict | None = None,
     timeout: float | None = None,
+    *,
+    a_scale: torch.Tensor | None = None,
+    b_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    fp8: str | None = None,
 ) -> torch.Tensor:
     """``all_reduce(a @ b)`` (sum) over `group`, overlapping the reduction with the GEMM.
 
@@ -75,6 +81,8 @@ def matmul_all_reduce(
         b: ``[k, n]``, this rank's rows of the weight, any strides (``w[n, k]`` is passed as ``w.t()``).
         group, strategy, timeout: as for `overlap.all_gather_matmul`.
         plan: an `overlap.Plan`; ``one_shot=True`` selects the one-shot variant.
+        a_scale, b_scale, out_dtype, fp8: as for `overlap.all_gather_matmul` (fp8 operands: forward-only; the
+            partial sums and their reduction are float32).
 
     Returns:
         ``[M, ..., n]``, ``sum over ranks of a @ b``, bitwise the same on every rank.
@@ -86,7 +94,7 @@ def matmul_all_reduce(
         ValueError: ``symm``/``fused`` forced on a group that spans nodes.
         OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
     """
-    return entry.tp_call(_op, OP, a, b, group, strategy, plan, timeout)
+    return entry.tp_call(_op, OP, a, b, group, strategy, plan, timeout, fp8=(a_scale, b_scale, out_dtype, fp8))
 
 
 def _layout(rows: int, n: int, dtype: torch.dtype, world_size: int) -> tuple[int, int, int]:
@@ -96,42 +104,47 @@ def _layout(rows: int, n: int, dtype: torch.dtype, world_size: int) -> tuple[int
     return part, rb, world_size * rb
 
 
-def heap_bytes(chosen: Plan, a2: torch.Tensor, n: int, world_size: int) -> int:
+def heap_bytes(chosen: Plan, g: Gemm, world_size: int) -> int:
     if chosen.strategy not in ("symm", "fused"):  # (hierarchical: across nodes, no heap of the group's)
         return 0
+    rows = g.a.shape[0]
     if chosen.one_shot:
-        return slots.region_bytes(a2.shape[0], n, a2.dtype)
-    part, rb, reduced = _layout(a2.shape[0], n, a2.dtype, world_size)
+        return slots.region_bytes(rows, g.n, g.dtype)
+    part, rb, reduced = _layout(rows, g.n, g.dtype, world_size)
     return reduced + rb
 
 
-def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
+def run(g: Gemm, cc: CallContext) -> torch.Tensor:
     """One call on every rank (`cc`: its op, group, plan, deadline, signature): the handshake, then the
-    strategy; returns ``[M, n]``."""
+    strategy; returns ``[M, n]`` in `g`'s partials' dtype (`overlap.ops.tp.operands.Gemm`: fp8, float32)."""
     steady = cc.plan.strategy in ("symm", "pipelined")  # (pipelined: checked in its messages, `overlap.symm.p2p`)
-    call = cc.begin(heap_bytes(cc.plan, a2, b.shape[1], cc.world_size), steady=steady)
+    call = cc.begin(heap_bytes(cc.plan, g, cc.world_size), steady=steady)
     try:
-        return STRATEGIES[cc.plan.strategy](cc, call, a2, b)
+        return STRATEGIES[cc.plan.strategy](cc, call, g)
     finally:
         call.finish()
 
 
-def _forward(a, b, group, strategy, plan, timeout, needs_grad):
+def _forward(a, b, group, strategy, plan, timeout, needs_grad, a_scale=None, b_scale=None, out_dtype=None, fp8=""):
     """``overlap::matmul_all_reduce``: the whole call (checks, plan, handshake, strategy) on this rank."""
-    cc = entry.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad)
+    scaled = (a_scale, [] if b_scale is None else [b_scale], out_dtype, fp8)
+    cc = entry.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad, scaled=scaled)
     with record(OP), no_autocast(cc.info.device.type):
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
-        out = run(a2, b, cc).view(*a.shape[:-1], b.shape[1])
+        out = run(operands.gemm(a2, b, scaled), cc).view(*a.shape[:-1], b.shape[1])
+    out = out.to(entry.out_dtype_of(a, scaled))
     return out, torch.empty(0, dtype=torch.int64)  # (its backward communicates nothing: no context kept)
 
 
-def _fake(a, b, group, strategy, plan, timeout, needs_grad):
-    return a.new_empty((*a.shape[:-1], b.shape[-1])), torch.empty(0, dtype=torch.int64)
+def _fake(a, b, group, strategy, plan, timeout, needs_grad, a_scale=None, b_scale=None, out_dtype=None, fp8=""):
+    dtype = entry.out_dtype_of(a, (a_scale, [], out_dtype, fp8))
+    return a.new_empty((*a.shape[:-1], b.shape[-1]), dtype=dtype), torch.empty(0, dtype=torch.int64)
 
 
 def _save(ctx, inputs, output) -> None:
-    a, b, *_ = inputs
+    a, b, *rest = inputs
     ctx.save_for_backward(a, b)
+    ctx.rest = len(rest)
 
 
 def _backward(ctx, grad_out, _grad_context):
@@ -142,21 +155,26 @@ def _backward(ctx, grad_out, _grad_context):
     g2 = grad_out.reshape(-1, n)
     grad_a = torch.mm(g2, b.t()).view(a.shape) if ctx.needs_input_grad[0] else None
     grad_b = torch.mm(a.reshape(-1, k).t(), g2) if ctx.needs_input_grad[1] else None
-    return grad_a, grad_b, None, None, None, None, None
+    return grad_a, grad_b, *(None,) * ctx.rest
 
 
 _op = library.define(OP, entry.TP_SCHEMA, _forward, _fake, _backward, _save)
 
 
 # ----------------------------------------------------------------------------------------------
-# Forward strategies: (a2 [M, k] contiguous, b [k, n]) -> out [M, n]
+# Forward strategies: g (`overlap.ops.tp.operands.Gemm`, a [M, k]) -> out [M, n]
 # ----------------------------------------------------------------------------------------------
 
 
-def _reference(cc: CallContext, call, a2, b):
-    out = torch.mm(a2, b)
+def _reference(cc: CallContext, call, g: Gemm):
+    out = g.whole()
     cc.wait(dist.all_reduce(out, group=cc.pg, async_op=True), "any", "all_reduce")
     return out
+
+
+def _empty(g: Gemm, shape: tuple[int, ...]) -> torch.Tensor:
+    """A new tensor of `g`'s partials' dtype."""
+    return torch.empty(shape, dtype=g.dtype, device=g.device)
 
 
 def _sum_in_rank_order(parts: list[torch.Tensor], out: torch.Tensor) -> None:
@@ -172,18 +190,18 @@ def _sum_in_rank_order(parts: list[torch.Tensor], out: torch.Tensor) -> None:
         out += p
 
 
-def _pipelined(cc: CallContext, call, a2, b):
+def _pipelined(cc: CallContext, call, g: Gemm):
     if p2p.tagged(call):
-        return _pipelined_p2p(cc, call, a2, b)
+        return _pipelined_p2p(cc, call, g)
     chosen, pg = cc.plan, cc.pg
-    W, (rows, _), n = cc.world_size, a2.shape, b.shape[1]
-    out = a2.new_empty((rows, n))
+    W, (rows, _), n = cc.world_size, g.a.shape, g.n
+    out = _empty(g, (rows, n))
     pieces = comm.chunk_bounds(rows, W * chosen.chunks_for(cc.info.slowest_link))
     posted = []
     for lo, hi in pieces:
-        torch.mm(a2[lo:hi], b, out=out[lo:hi])
+        g.into(lo, hi, out[lo:hi])
         if chosen.one_shot:
-            every = a2.new_empty((W * (hi - lo), n))  # rank-major: rank s's piece at rows s*(hi-lo)...
+            every = _empty(g, (W * (hi - lo), n))  # rank-major: rank s's piece at rows s*(hi-lo)...
             posted.append((lo, hi, every, comm.all_gather_async(every, out[lo:hi], pg)))
         else:
             posted.append((lo, hi, None, dist.all_reduce(out[lo:hi], group=pg, async_op=True)))
@@ -194,23 +212,23 @@ def _pipelined(cc: CallContext, call, a2, b):
     return out
 
 
-def _pipelined_p2p(cc: CallContext, call, a2, b):
+def _pipelined_p2p(cc: CallContext, call, g: Gemm):
     """`_pipelined` on CPU ranks of one node: point-to-point messages with tags and headers (`overlap.symm.p2p`).
 
     One-shot: each piece's partial sent to every peer as soon as its GEMM is done; every rank sums every piece
     in rank order. Two-shot: each part's partial sent to its owner (parts of ``ceil(M / W)`` rows), the owner
     sums them in rank order and sends the reduced part to every peer. Bitwise the same on every rank."""
-    W, r, (rows, _), n = cc.world_size, cc.rank, a2.shape, b.shape[1]
-    out = a2.new_empty((rows, n))
+    W, r, (rows, _), n = cc.world_size, cc.rank, g.a.shape, g.n
+    out = _empty(g, (rows, n))
     ex = p2p.Exchange(call, cc)
     try:
         if cc.plan.one_shot:
             pieces = comm.chunk_bounds(rows, W * cc.plan.chunks_for(cc.info.slowest_link))
-            every = a2.new_empty((W, rows, n))  # every[s]: rank s's partial
+            every = _empty(g, (W, rows, n))  # every[s]: rank s's partial
             for i in range(1, W):
                 ex.expect(every[(r + i) % W], (r + i) % W, pieces)
             for lo, hi in pieces:
-                torch.mm(a2[lo:hi], b, out=every[r][lo:hi])
+                g.into(lo, hi, every[r][lo:hi])
                 for i in range(1, W):
                     ex.send(every[r][lo:hi], (r - i) % W, [(0, hi - lo)])
                 ex.arm(block=False)
@@ -222,7 +240,7 @@ def _pipelined_p2p(cc: CallContext, call, a2, b):
         else:
             parts = _parts(rows, W)
             mine = parts[r]
-            partials = a2.new_empty((W, mine[1] - mine[0], n))  # partials[s]: rank s's partial of our part
+            partials = _empty(g, (W, mine[1] - mine[0], n))  # partials[s]: rank s's partial of our part
             for i in range(1, W):
                 ex.expect(partials[(r - i) % W], (r - i) % W)
             for i in range(1, W):
@@ -231,10 +249,10 @@ def _pipelined_p2p(cc: CallContext, call, a2, b):
             sent = []  # kept alive until sent
             for i in range(1, W):
                 d = (r + i) % W
-                sent.append(torch.mm(a2[parts[d][0] : parts[d][1]], b))
+                sent.append(g.rows(parts[d][0], parts[d][1]))
                 ex.send(sent[-1], d)
                 ex.arm(block=False)
-            torch.mm(a2[mine[0] : mine[1]], b, out=partials[r])
+            g.into(mine[0], mine[1], partials[r])
             for i in range(1, W):
                 for _ in ex.arrivals((r - i) % W, 0):
                     pass
@@ -255,22 +273,22 @@ def _one_shot_chunks(chosen: Plan, info, rows: int) -> list[tuple[int, int]]:
     return comm.chunk_bounds(rows, min(chosen.chunks_for(info.slowest_link), symm.MAX_FLAGS))
 
 
-def _symm(cc: CallContext, call, a2, b):
+def _symm(cc: CallContext, call, g: Gemm):
     if cc.plan.one_shot:
-        return _symm_one_shot(call, a2, b, cc.info, cc.plan)
-    return _symm_two_shot(call, a2, b, cc.info, cc.plan)
+        return _symm_one_shot(call, g, cc.info, cc.plan)
+    return _symm_two_shot(call, g, cc.info, cc.plan)
 
 
-def _symm_one_shot(call, a2, b, info, chosen):
-    W, r, (rows, _), n = info.world_size, info.rank, a2.shape, b.shape[1]
+def _symm_one_shot(call, g: Gemm, info, chosen):
+    W, r, (rows, _), n = info.world_size, info.rank, g.a.shape, g.n
     chosen_chunks = _one_shot_chunks(chosen, info, rows)
-    main = torch.cuda.current_stream() if a2.is_cuda else None
+    main = torch.cuda.current_stream() if g.a.is_cuda else None
     call.wait_slot_free(main)
-    bufs = [call.buffer(p, a2.dtype, (rows, n)) for p in range(W)]
+    bufs = [call.buffer(p, g.dtype, (rows, n)) for p in range(W)]
     for j, (lo, hi) in enumerate(chosen_chunks):
-        torch.mm(a2[lo:hi], b, out=bufs[r][lo:hi])
+        g.into(lo, hi, bufs[r][lo:hi])
         call.signal_ready(j, stream=main)
-    out = a2.new_empty((rows, n))
+    out = _empty(g, (rows, n))
     for j, (lo, hi) in enumerate(chosen_chunks):
         for p in range(W):
             if p != r:
@@ -285,15 +303,15 @@ def _parts(rows: int, world_size: int) -> list[tuple[int, int]]:
     return [(min(d * part, rows), min((d + 1) * part, rows)) for d in range(world_size)]
 
 
-def _symm_two_shot(call, a2, b, info, chosen):
-    W, r, (rows, _), n, dtype = info.world_size, info.rank, a2.shape, b.shape[1], a2.dtype
+def _symm_two_shot(call, g: Gemm, info, chosen):
+    W, r, (rows, _), n, dtype = info.world_size, info.rank, g.a.shape, g.n, g.dtype
     part, rb, reduced_at = _layout(rows, n, dtype, W)
     parts = _parts(rows, W)
     stride = symm.MAX_FLAGS // (W + 1)  # flags d*stride + j: partials for d; W*stride + j: reduced chunks
     nch = min(chosen.chunks_for(info.slowest_link), stride)
-    cuda = a2.is_cuda
+    cuda = g.a.is_cuda
     main = torch.cuda.current_stream() if cuda else None
-    side = comm.side_stream(a2.device) if cuda else None
+    side = comm.side_stream(g.device) if cuda else None
 
     def region(owner: int, writer: int, size: int) -> torch.Tensor:
         return call.buffer(owner, dtype, (size, n), offset=writer * rb)
@@ -308,11 +326,11 @@ def _symm_two_shot(call, a2, b, info, chosen):
         if not cuda or d == r:
             dst = region(d, r, hi_d - lo_d)
             for j, (lo, hi) in enumerate(comm.chunk_bounds(hi_d - lo_d, nch)):
-                torch.mm(a2[lo_d + lo : lo_d + hi], b, out=dst[lo:hi])
+                g.into(lo_d + lo, lo_d + hi, dst[lo:hi])
                 if d != r:
                     call.signal_ready(d * stride + j)
             continue
-        staged = torch.mm(a2[lo_d:hi_d], b)
+        staged = g.rows(lo_d, hi_d)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             dst = region(d, r, hi_d - lo_d)
@@ -321,7 +339,7 @@ def _symm_two_shot(call, a2, b, info, chosen):
                 call.signal_ready(d * stride + j, stream=side)
         staged.record_stream(side)
     # ---- our part: sum the regions in rank order into the heap, chunk by chunk, and flag it --------
-    out = a2.new_empty((rows, n))
+    out = _empty(g, (rows, n))
     lo_r, hi_r = parts[r]
     own = hi_r - lo_r
     if own:
@@ -366,15 +384,15 @@ def _pull_parts(call, info, out, parts, reduced_at, stride, nch, main, side) -> 
     call.finish(stream=main)
 
 
-def _fused(cc: CallContext, call, a2, b):
+def _fused(cc: CallContext, call, g: Gemm):
     info = cc.info
-    W, r, (rows, _), n, dtype = info.world_size, info.rank, a2.shape, b.shape[1], a2.dtype
+    W, r, (rows, _), n, dtype = info.world_size, info.rank, g.a.shape, g.n, g.dtype
     heap = call.heap
-    out = a2.new_empty((rows, n))
+    out = _empty(g, (rows, n))
     if cc.plan.one_shot:
         # One destination (our own buffer), then a reduction over every rank's buffer.
         rb = slots.region_bytes(rows, n, dtype)
-        scatter_and_reduce(cc, call, a2, b, out, block_rows=rows, dst_table=heap.region_table(call.slot, r, rb, 1),
+        scatter_and_reduce(cc, call, g, out, block_rows=rows, dst_table=heap.region_table(call.slot, r, rb, 1),
                            flag_index=0, src_table=heap.ptr_table(call.slot), max_chunks=symm.MAX_FLAGS)
         return out
     part, rb, reduced_at = _layout(rows, n, dtype, W)
@@ -382,20 +400,20 @@ def _fused(cc: CallContext, call, a2, b):
     stride = symm.MAX_FLAGS // (W + 1)
     lo_r, hi_r = parts[r]
     reduced = call.buffer(r, dtype, (max(hi_r - lo_r, 1), n), offset=reduced_at)[: hi_r - lo_r]
-    scatter_and_reduce(cc, call, a2, b, reduced, block_rows=part, dst_table=heap.ptr_table(call.slot, r * rb),
+    scatter_and_reduce(cc, call, g, reduced, block_rows=part, dst_table=heap.ptr_table(call.slot, r * rb),
                        flag_index=r * stride, src_table=heap.region_table(call.slot, r, rb, W), max_chunks=stride,
                        flag_stride=stride)
-    main = torch.cuda.current_stream() if a2.is_cuda else None
-    side = comm.side_stream(a2.device) if a2.is_cuda else None
+    main = torch.cuda.current_stream() if g.a.is_cuda else None
+    side = comm.side_stream(g.device) if g.a.is_cuda else None
     call.signal_ready(W * stride, stream=main)  # the whole reduced part at once: the kernel is one step
     out[lo_r:hi_r].copy_(reduced)
     _pull_parts(call, info, out, parts, reduced_at, stride, 1, main, side)
     return out
 
 
-def _hierarchical(cc: CallContext, call, a2, b):
+def _hierarchical(cc: CallContext, call, g: Gemm):
     """Across nodes (on one node the plan is ``symm``): `overlap.ops.tp.hierarchical_reduce.all_reduce` (two-shot)."""
-    return hierarchical_reduce.all_reduce(cc, a2, b)
+    return hierarchical_reduce.all_reduce(cc, g)
 
 
 STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused,

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ...plans import Plan
 from .. import library
 from ..context import describe, no_autocast, record
-from . import entry, gather_gemm, scatter_gemm
+from . import entry, gather_gemm, operands, scatter_gemm
 from .rows import Product, normalize_dim, of, resized
 
 OP = "matmul_reduce_scatter"
@@ -47,6 +47,10 @@ def matmul_reduce_scatter(
     timeout: float | None = None,
     *,
     scatter_dim: int = 0,
+    a_scale: torch.Tensor | None = None,
+    b_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    fp8: str | None = None,
 ) -> torch.Tensor:
     """``reduce_scatter(a @ b, scatter_dim)`` (sum) over `group`, overlapping the scatter with the GEMM.
 
@@ -57,6 +61,8 @@ def matmul_reduce_scatter(
         group, strategy, plan, timeout: as for `overlap.all_gather_matmul`.
         scatter_dim: the dim of the product that is scattered, any but the last (dim 0 of ``[s, b, h]``, dim 1
             of batch-first ``[b, s, h]``; negative counts from the end).
+        a_scale, b_scale, out_dtype, fp8: as for `overlap.all_gather_matmul` (fp8 operands: forward-only; the
+            partial sums and their reduction are float32).
 
     Returns:
         `a`'s shape with ``M / world_size`` at `scatter_dim` and ``n`` last: slice ``r*M/W ... (r+1)*M/W - 1``
@@ -70,7 +76,8 @@ def matmul_reduce_scatter(
         OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
     """
     check = _check_rows(scatter_dim)
-    return entry.tp_call(_op, OP, a, b, group, strategy, plan, timeout, check=check, dim=scatter_dim, dim_name=DIM)
+    return entry.tp_call(_op, OP, a, b, group, strategy, plan, timeout, check=check, dim=scatter_dim, dim_name=DIM,
+                         fp8=(a_scale, b_scale, out_dtype, fp8))
 
 
 def _check_rows(dim: int):
@@ -84,26 +91,30 @@ def _check_rows(dim: int):
     return check
 
 
-def _forward(a, b, dim, group, strategy, plan, timeout, needs_grad):
+def _forward(a, b, dim, group, strategy, plan, timeout, needs_grad, a_scale=None, b_scale=None, out_dtype=None,
+             fp8=""):
     """``overlap::matmul_reduce_scatter``: the whole call (checks, plan, handshake, strategy) on this rank."""
+    scaled = (a_scale, [] if b_scale is None else [b_scale], out_dtype, fp8)
     cc = entry.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad, _check_rows(dim), dim=dim,
-                          dim_name=DIM)
+                          dim_name=DIM, scaled=scaled)
     d = normalize_dim(OP, DIM, dim, a.shape)
     W = cc.world_size
     with record(OP), no_autocast(cc.info.device.type):
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
-        out = scatter_gemm.run(Product([(a2, b)], of(a.shape, d, W, scatter=True)), cc)
+        out = scatter_gemm.run(Product([operands.gemm(a2, b, scaled)], of(a.shape, d, W, scatter=True)), cc)
         out = out.view(*resized(a.shape, d, a.shape[d] // W)[:-1], b.shape[1])
-    return out, library.context_out(cc, needs_grad)
+    return out.to(entry.out_dtype_of(a, scaled)), library.context_out(cc, needs_grad)
 
 
-def _fake(a, b, dim, group, strategy, plan, timeout, needs_grad):
+def _fake(a, b, dim, group, strategy, plan, timeout, needs_grad, a_scale=None, b_scale=None, out_dtype=None,
+          fp8=""):
     try:
         d = normalize_dim(OP, DIM, dim, a.shape)
     except (TypeError, ValueError):  # (the op raises it, on every rank, when it runs)
         d = 0
     shape = resized(a.shape, d, a.shape[d] // library.world_size(group))
-    return a.new_empty((*shape[:-1], b.shape[-1])), library.context_fake(needs_grad)
+    dtype = entry.out_dtype_of(a, (a_scale, [], out_dtype, fp8))
+    return a.new_empty((*shape[:-1], b.shape[-1]), dtype=dtype), library.context_fake(needs_grad)
 
 
 def _save(ctx, inputs: tuple, output) -> None:
@@ -130,8 +141,8 @@ def _backward(grad_out, a, b, context, need_a, need_b, dim):
     return library.grads_out(outs[0].view(a.shape) if need_a else None, grad_b, a, b)
 
 
-SCHEMA = ("(Tensor a, Tensor b, int dim, str group, str strategy, str plan, float? timeout, bool needs_grad) "
-          "-> (Tensor, Tensor)")
+SCHEMA = ("(Tensor a, Tensor b, int dim, str group, str strategy, str plan, float? timeout, bool needs_grad, "
+          f"{entry.FP8_SCHEMA}) -> (Tensor, Tensor)")
 BACKWARD_SCHEMA = ("(Tensor grad, Tensor a, Tensor b, Tensor context, bool need_a, bool need_b, int dim) "
                    "-> (Tensor, Tensor)")
 _backward_op = library.define(f"{OP}_backward", BACKWARD_SCHEMA, _backward, entry.tp_backward_fake)

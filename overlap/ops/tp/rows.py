@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .operands import Gemm
+
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
@@ -85,13 +87,15 @@ class Product:
     """``sum_i a_i @ b_i (+ extra)`` over rows laid out as `rows` (each ``a_i`` ``[outer*W*rows, k_i]``
     contiguous, ``extra`` ``[outer*W*rows, n]``): the partial sums a reduce-scatter sends, one destination block
     at a time. One pair and no extra (a plain ``matmul_reduce_scatter``) is one GEMM per run; more pairs (the
-    input gradient of a gather feeding several weights) add into it, in pair order."""
+    input gradient of a gather that fed several weights) add into it, in pair order. A pair is ``(a, b)`` or a
+    `overlap.ops.tp.operands.Gemm` (fp8: float32 partials)."""
 
-    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: Rows,
+    def __init__(self, pairs: Sequence[Gemm | tuple[torch.Tensor, torch.Tensor]], rows: Rows,
                  extra: torch.Tensor | None = None):
-        self.pairs, self.rows, self.extra = list(pairs), rows, extra
-        a0, b0 = self.pairs[0]
-        self.n, self.dtype, self.device = b0.shape[1], a0.dtype, a0.device
+        self.gemms, self.rows, self.extra = [Gemm.of(p) for p in pairs], rows, extra
+        self.pairs = [(g.a, g.b) for g in self.gemms]
+        g0 = self.gemms[0]
+        self.n, self.dtype, self.device = g0.n, g0.dtype, g0.device
         self.simple = len(self.pairs) == 1 and extra is None
 
     @property
@@ -103,10 +107,10 @@ class Product:
         """Rows ``lo ... hi`` of destination `d`'s block into `out` (``[hi - lo, n]``, contiguous); returns it."""
         for s_lo, s_hi, f_lo, f_hi in self.rows.split(d, lo, hi):
             piece = out[s_lo - lo : s_hi - lo]
-            (a0, b0), *rest = self.pairs
-            torch.mm(a0[f_lo:f_hi], b0, out=piece)
-            for a, b in rest:
-                piece.addmm_(a[f_lo:f_hi], b)
+            g0, *rest = self.gemms
+            g0.into(f_lo, f_hi, piece)
+            for g in rest:
+                g.add_into(f_lo, f_hi, piece)
             if self.extra is not None:
                 piece.add_(self.extra[f_lo:f_hi])
         return out
@@ -117,10 +121,10 @@ class Product:
 
     def whole(self) -> torch.Tensor:
         """Every row, ``[outer*W*rows, n]``, in the gathered layout (one GEMM per pair)."""
-        (a0, b0), *rest = self.pairs
-        out = torch.mm(a0, b0)
-        for a, b in rest:
-            out.addmm_(a, b)
+        g0, *rest = self.gemms
+        out = g0.whole()
+        for g in rest:
+            g.add_into(0, g.a.shape[0], out)
         if self.extra is not None:
             out.add_(self.extra)
         return out
@@ -129,9 +133,9 @@ class Product:
         """Outer block `o` alone, as a dim-0 product (`overlap.ops.tp.hierarchical_reduce` takes one at a time)."""
         lo, hi = self.rows.block(o)
         extra = self.extra[lo:hi] if self.extra is not None else None
-        return Product([(a[lo:hi], b) for a, b in self.pairs], Rows.flat(self.rows.world, self.rows.rows), extra)
+        return Product([g.sliced(lo, hi) for g in self.gemms], Rows.flat(self.rows.world, self.rows.rows), extra)
 
-    def only(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def only(self) -> Gemm:
         """The one pair of a simple product (the fused kernel's operands)."""
         assert self.simple
-        return self.pairs[0]
+        return self.gemms[0]

@@ -46,6 +46,7 @@ from ...symm import p2p
 from .. import fused
 from ..context import CallContext
 from . import hierarchical_reduce
+from .operands import Gemm
 from .rows import Product
 from .sums import sum_in_order
 
@@ -222,24 +223,24 @@ def _symm_cuda(call, prod, info, region, bounds, stride):
 
 def _fused(cc: CallContext, call, prod):
     W, r, n, m = cc.world_size, cc.rank, prod.n, prod.m
-    a2, b = prod.only()
+    g = prod.only()
     heap = call.heap
-    rb = slots.region_bytes(m, n, a2.dtype)
+    rb = slots.region_bytes(m, n, g.dtype)
     stride = symm.MAX_FLAGS // W
-    out = a2.new_empty((m, n))
+    out = _new(prod, m)
     # Block d goes to our region (r) of d's buffer; we sum the W regions of our own buffer.
-    scatter_and_reduce(cc, call, a2, b, out, block_rows=m, rows_per_outer=prod.rows.rows,
+    scatter_and_reduce(cc, call, g, out, block_rows=m, rows_per_outer=prod.rows.rows,
                        dst_table=heap.ptr_table(call.slot, r * rb), flag_index=r * stride,
                        src_table=heap.region_table(call.slot, r, rb, W), max_chunks=stride, flag_stride=stride)
     return out
 
 
-def scatter_and_reduce(cc: CallContext, call, a2, b, out, *, block_rows: int, dst_table: torch.Tensor,
+def scatter_and_reduce(cc: CallContext, call, g: Gemm, out, *, block_rows: int, dst_table: torch.Tensor,
                        flag_index: int, src_table: torch.Tensor, max_chunks: int, flag_stride: int = 0,
                        rows_per_outer: int | None = None) -> None:
     """The two fused kernels (`overlap.kernels.matmul_reduce_scatter`, through their launchers).
 
-    Producer: ``a2 @ b`` cut into ``len(dst_table)`` blocks of `block_rows` rows, block ``d`` stored at
+    Producer: ``g`` (``a2 @ b``, `overlap.ops.tp.operands.Gemm`: fp8 scaled into float32 partials) cut into ``len(dst_table)`` blocks of `block_rows` rows, block ``d`` stored at
     ``dst_table[d]`` and flagged per chunk in this rank's ready flags ``d * flag_stride + chunk``; the blocks
     interleave in runs of `rows_per_outer` rows (default `block_rows`: `overlap.ops.tp.rows.Rows`).
     Consumer: ``out = sum_s src_table[s]`` (``out.shape[0]`` rows), rank order, each chunk once every
@@ -249,6 +250,7 @@ def scatter_and_reduce(cc: CallContext, call, a2, b, out, *, block_rows: int, ds
     info, chosen = cc.info, cc.plan
     kernels = fused.kernels().matmul_reduce_scatter
     heap = call.heap
+    a2, b = g.a, g.b
     bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(), a2.dtype)
     nch = kernels.chunk_count(chosen.chunks_for(info.slowest_link), max_chunks, block_rows, bm)
     call.wait_slot_free()
@@ -258,7 +260,8 @@ def scatter_and_reduce(cc: CallContext, call, a2, b, out, *, block_rows: int, ds
     epoch = call.epoch_word()  # (after wait_slot_free: the slot's word)
     kernels.launch_matmul_scatter(a2, b, dst_table, counters, heap.flag_table(call.slot, 0), block_rows=block_rows,
                                   num_chunks=nch, flag_stride=flag_stride, epoch=epoch, rank=info.rank,
-                                  block=(bm, bn, bk), rows_per_outer=rows_per_outer)
+                                  block=(bm, bn, bk), rows_per_outer=rows_per_outer, a_scale=g.a_scale,
+                                  b_scale=g.b_scale)
     reduce_sources(cc, call, out, src_table, heap.flag_table(call.slot, flag_index), block_rows, nch, bm, bn, epoch)
 
 

@@ -1,0 +1,179 @@
+"""How the TP ops multiply and move their operands, plain or fp8: the GEMM of one operand pair over a range of rows
+(`Gemm`), and fp8 rows packed with their scales for a gather (`Packed`).
+
+A plain `Gemm` is ``a @ b`` by `torch.mm` in the operands' dtype. An fp8 one (``a`` and ``b`` e4m3 with their
+scales, `overlap.ops.fp8`) is a scaled GEMM in float32: the partial sums that a reduce-scatter or an all-reduce
+sends and adds are float32, and the op casts its result to the caller's ``out_dtype`` at the end.
+
+An fp8 all-gather moves each row's fp8 bytes with its float32 scale in one row of bytes (`Packed`: ``k`` bytes,
+padded to 4, then the scale), so every gather transport (collective, messages, shared memory, the fused kernel)
+moves them as it moves any rows: a row's scale travels with it, in the layout of a gather dim past the first
+too. A tensorwise scale is repeated on each row (4 bytes a row; rowwise scales cost the same).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..fp8 import OPERAND_DTYPE, is_fp8, quantize_fp8, scaled_mm
+
+SCALE_BYTES = 4
+
+
+class Gemm:
+    """``a @ b`` (``a`` ``[M, k]``, ``b`` ``[k, n]``) row range by row range; with `a_scale` and `b_scale` an fp8
+    GEMM (``a_scale`` ``[M, 1]`` or one element, ``b_scale`` ``[1, n]`` or one element) whose partials are
+    float32."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor | None = None,
+                 b_scale: torch.Tensor | None = None):
+        self.a, self.b, self.a_scale, self.b_scale = a, b, a_scale, b_scale
+        self.scaled = a_scale is not None
+        self.n = b.shape[1]
+        self.dtype = torch.float32 if self.scaled else a.dtype
+        self.device = a.device
+
+    @classmethod
+    def of(cls, pair: Gemm | tuple[torch.Tensor, torch.Tensor]) -> Gemm:
+        return pair if isinstance(pair, Gemm) else cls(*pair)
+
+    def _scale(self, lo: int, hi: int) -> torch.Tensor:
+        return self.a_scale if self.a_scale.numel() == 1 else self.a_scale[lo:hi]
+
+    def into(self, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+        """``out = a[lo:hi] @ b`` (`out` ``[hi - lo, n]`` of `dtype`)."""
+        if self.scaled:
+            return scaled_mm(self.a[lo:hi], self.b, self._scale(lo, hi), self.b_scale, self.dtype, out=out)
+        return torch.mm(self.a[lo:hi], self.b, out=out)
+
+    def add_into(self, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+        """``out += a[lo:hi] @ b``."""
+        if self.scaled:
+            return out.add_(scaled_mm(self.a[lo:hi], self.b, self._scale(lo, hi), self.b_scale, self.dtype))
+        return out.addmm_(self.a[lo:hi], self.b)
+
+    def rows(self, lo: int, hi: int) -> torch.Tensor:
+        """``a[lo:hi] @ b``, a new tensor."""
+        return self.into(lo, hi, torch.empty((hi - lo, self.n), dtype=self.dtype, device=self.device))
+
+    def whole(self) -> torch.Tensor:
+        return self.rows(0, self.a.shape[0])
+
+    def sliced(self, lo: int, hi: int) -> Gemm:
+        """Rows ``lo ... hi`` alone."""
+        s = self.a_scale
+        if s is not None and s.numel() != 1:
+            s = s[lo:hi]
+        return Gemm(self.a[lo:hi], self.b, s, self.b_scale)
+
+    def flat(self) -> Gemm:
+        """The same GEMM with ``a`` ``[M, k]`` (and a rowwise ``a_scale`` ``[M, 1]``) flattened from ``[..., k]``."""
+        a = self.a.reshape(-1, self.a.shape[-1]).contiguous()
+        s = self.a_scale
+        if s is not None and s.numel() != 1:
+            s = s.reshape(-1, 1)
+        return Gemm(a, self.b, s, self.b_scale)
+
+
+class Packed:
+    """fp8 rows and their float32 scales as rows of bytes ``[m, width]``: the row's ``k`` fp8 bytes, zeros up to
+    ``k4`` (``k`` rounded up to 4), the scale's 4 bytes."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.k4 = -(-k // 4) * 4
+        self.width = self.k4 + SCALE_BYTES
+
+    def pack(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """`x` ``[m, k]`` fp8 and its scale (``[m, 1]`` or one element) as ``[m, width]`` uint8."""
+        m = x.shape[0]
+        out = torch.empty((m, self.width), dtype=torch.uint8, device=x.device)
+        out[:, : self.k].copy_(x.view(torch.uint8))
+        if self.k4 > self.k:
+            out[:, self.k : self.k4].zero_()
+        s = scale.reshape(-1, 1).float().expand(m, 1).contiguous()
+        out[:, self.k4 :].copy_(s.view(torch.uint8))
+        return out
+
+    def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x [r, k] fp8, scale [r, 1] float32)`` of packed `rows` (a view of the data, a copy of the scales)."""
+        x = rows[:, : self.k].view(OPERAND_DTYPE)
+        s = rows[:, self.k4 :].contiguous().view(torch.float32)
+        return x, s
+
+    def gemm(self, rows: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> Gemm:
+        """The fp8 `Gemm` of packed `rows` times `b`."""
+        x, s = self.unpack(rows)
+        return Gemm(x, b, s, b_scale)
+
+
+class Weights:
+    """The weights a gathered operand is multiplied by, chunk by chunk as it arrives: plain ``[k, n_i]``, or fp8
+    with their scales (the gathered rows are then `Packed`, the outputs `out_dtype`)."""
+
+    def __init__(self, bs: list[torch.Tensor], b_scales: list[torch.Tensor] | None = None,
+                 out_dtype: torch.dtype | None = None):
+        self.bs, self.b_scales = bs, b_scales
+        self.packed = Packed(bs[0].shape[0]) if b_scales is not None and bs else None
+        self.out_dtype = out_dtype
+
+    def outputs(self, rows: int, like: torch.Tensor) -> list[torch.Tensor]:
+        """One new ``[rows, n_i]`` output per weight."""
+        dtype = self.out_dtype if self.packed is not None else like.dtype
+        return [torch.empty((rows, b.shape[1]), dtype=dtype, device=like.device) for b in self.bs]
+
+    def multiply(self, chunk: torch.Tensor, outs: list[torch.Tensor], lo: int, hi: int) -> None:
+        """``outs[i][lo:hi] = chunk @ bs[i]`` for every weight (`chunk`: gathered rows, packed where fp8)."""
+        if self.packed is None:
+            for b, out in zip(self.bs, outs, strict=True):
+                torch.mm(chunk, b, out=out[lo:hi])
+            return
+        x, s = self.packed.unpack(chunk)
+        for b, b_scale, out in zip(self.bs, self.b_scales, outs, strict=True):
+            scaled_mm(x, b, s, b_scale, self.out_dtype, out=out[lo:hi])
+
+
+# ----------------------------------------------------------------------------------------------
+# An op's fp8 operands: given (with their scales), or quantized on their owner by the fp8 recipe
+# ----------------------------------------------------------------------------------------------
+
+
+def quantize_weight(b: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(b_fp8, b_scale)`` of a weight ``b`` ``[k, n]``: rowwise is one scale per column, ``[1, n]``."""
+    if granularity == "rowwise":
+        bt, s = quantize_fp8(b.t(), "rowwise")
+        return bt.t(), s.t()
+    return quantize_fp8(b, "tensorwise")
+
+
+def activation(a2: torch.Tensor, scaled: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(a_fp8 [M, k], a_scale [M, 1] or one element)`` of an fp8 call's activation `a2` ``[M, k]`` (fp8 operands:
+    their scale flattened; the recipe ``scaled[3]``: quantized here), None for a plain call. `scaled`: the op's
+    ``(a_scale, [b_scale...], out_dtype, recipe)``."""
+    a_scale, _b_scales, _out, recipe = scaled
+    if is_fp8(a2):
+        return a2, (a_scale.reshape(-1, 1).contiguous() if a_scale.numel() != 1 else a_scale.reshape(()))
+    if recipe:
+        return quantize_fp8(a2, recipe)
+    return None
+
+
+def weights(bs: list[torch.Tensor], scaled: tuple) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """``([b_fp8...], [b_scale...])`` of an fp8 call's weights (given, or quantized by the recipe), None for a plain
+    call."""
+    _a_scale, b_scales, _out, recipe = scaled
+    if bs and is_fp8(bs[0]):
+        return bs, list(b_scales)
+    if recipe:
+        pairs = [quantize_weight(b, recipe) for b in bs]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+    return None
+
+
+def gemm(a2: torch.Tensor, b: torch.Tensor, scaled: tuple) -> Gemm:
+    """The `Gemm` of a call whose activation rows are `a2` ``[M, k]`` and weight `b` (fp8 per `scaled`, or plain)."""
+    act = activation(a2, scaled)
+    if act is None:
+        return Gemm(a2, b)
+    (b8,), (b_scale,) = weights([b], scaled)
+    return Gemm(act[0], b8, act[1], b_scale)
