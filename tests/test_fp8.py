@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 from support import nodes
-from support.tp_oracle import TOL, compare, expect_error
+from support.tp_oracle import compare, expect_error
 
 import overlap
 from overlap.ops import fp8 as fp8s

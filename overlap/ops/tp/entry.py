@@ -193,8 +193,8 @@ def call_args(op: str, a: Any, weights: list, group: Any, strategy: Any, plan: A
               check: Callable | None = None, dim: Any = 0, dim_name: str | None = None, multi: bool = False,
               fp8: tuple = (None, None, None, None)) -> tuple[tuple, Fp8Args]:
     """The call's arguments as a TP custom op takes them: ``(group, strategy, plan, timeout)`` and the fp8 ones
-    (`fp8` = ``(a_scale, b_scale, out_dtype, fp8)`` as `Fp8Args`), or, where one is of a type the op does not take, this rank's error raised through
-    the op's checks (which tell the peers)."""
+    (`fp8` = ``(a_scale, b_scale, out_dtype, fp8)`` as `Fp8Args`), or, where one is of a type the op does not
+    take, this rank's error raised through the op's checks (which tell the peers)."""
     args = library.call_args(group, strategy, plan, timeout)
     scaled = fp8_args(*fp8)
     if scaled is not None and isinstance(a, torch.Tensor) and any(
