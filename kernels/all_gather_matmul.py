@@ -95,15 +95,16 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
                              abort: torch.Tensor | None = None, watchdog: bool = True,
                              num_warps: int | None = None, num_stages: int | None = None,
                              rows_per_outer: int | None = None, b_scale: torch.Tensor | None = None,
-                             out_dtype: torch.dtype | None = None, scale_offset: int = 0) -> torch.Tensor:
+                             out_dtype: torch.dtype | None = None, scale_offset: int = 0,
+                             row_bytes: int | None = None) -> torch.Tensor:
     """``out = cat(shard_0, ..., shard_{W-1}) @ b`` on the current stream, each tile once its shard is flagged.
 
     Args:
         b: ``[K, N]`` this rank's weight, any strides; its dtype is the shards' and the output's (fp8: see
             `b_scale`).
         ptr_table: int64 ``[W]``, on `b`'s device: the address of rank r's shard, row-major ``[rows, K]``,
-            16-byte aligned (a symmetric buffer); fp8: ``[rows, scale_offset + 4]`` bytes, each row's float32
-            scale at byte `scale_offset` (`overlap.ops.tp.operands.Packed`).
+            16-byte aligned (a symmetric buffer); fp8: ``[rows, row_bytes]`` bytes, each row's float32 scale at
+            byte `scale_offset` (`overlap.ops.tp.operands.Packed`; `row_bytes` default ``scale_offset + 4``).
         flag_table: int64 ``[W]``: the address of rank r's int32 ready flag; a tile waits until it reaches `epoch`.
         rows: ``M``, rows of every rank's shard.
         epoch: int32 word on `b`'s device holding this call's epoch (`overlap.kernels.epoch_word`; the ops pass
@@ -144,12 +145,14 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
     bm, bn, bk = block
     host.check_tile(kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     k, n = b.shape
-    b_mode, row_bytes = 0, k
+    b_mode = 0
     if b_scale is not None or b.dtype in host.FP8_DTYPES:
         b_mode = host.check_b_scale(kernel, b, b_scale)
         if not isinstance(scale_offset, int) or scale_offset < k or scale_offset % 4:
             host.fail(kernel, f"scale_offset must be a multiple of 4 at least K={k}, got {scale_offset!r}")
-        row_bytes = scale_offset + 4
+        row_bytes = scale_offset + 4 if row_bytes is None else row_bytes
+        if not isinstance(row_bytes, int) or row_bytes < scale_offset + 4:
+            host.fail(kernel, f"row_bytes must be at least scale_offset + 4 = {scale_offset + 4}, got {row_bytes!r}")
     out_dtype = (out_dtype or torch.bfloat16) if b_mode else b.dtype
     if out is None:
         out = b.new_empty((world_size * rows, n), dtype=out_dtype)
@@ -164,7 +167,7 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
             ptr_table, flag_table,
             epoch, rank, world_size, abort, err, timeout_ns,
             rows, n, k, max(run, 1),
-            row_bytes, scale_offset,
+            row_bytes if b_mode else k, scale_offset,
             b.stride(0), b.stride(1),
             out.stride(0), out.stride(1),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M,

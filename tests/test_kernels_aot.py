@@ -43,7 +43,7 @@ def _of(report: list[dict], kernel: str) -> list[dict]:
 
 def test_all_gather_matmul_compiles_for_sm90_with_wgmma(report):
     rows = _of(report, "all_gather_matmul_kernel")
-    assert {r["dtype"] for r in rows} == {"bf16", "fp16", "fp32"} and {r["num_warps"] for r in rows} == {4, 8}
+    assert {r["dtype"] for r in rows} == {"bf16", "fp16", "fp32", "fp8"} and {r["num_warps"] for r in rows} == {4, 8}
     for r in rows:
         assert r["wgmma"], f"no wgmma in the PTX of {r}"
         assert r["globaltimer"], f"the bounded wait does not read %globaltimer: {r}"
@@ -65,8 +65,8 @@ def test_all_gather_weight_matmul_compiles_for_sm90_with_wgmma(report):
 
 def test_matmul_scatter_compiles_for_sm90_with_wgmma_and_release_flags(report):
     rows = _of(report, "matmul_scatter_kernel")
-    assert {r["dtype"] for r in rows} == {"bf16", "fp16", "fp32"}
-    wgmma_type = {"bf16": "bf16", "fp16": "f16", "fp32": "tf32"}  # fp32 tl.dot runs as TF32 (docs/design.md)
+    assert {r["dtype"] for r in rows} == {"bf16", "fp16", "fp32", "fp8"}
+    wgmma_type = {"bf16": "bf16", "fp16": "f16", "fp32": "tf32", "fp8": "e4m3"}  # fp32: TF32 (docs/design.md)
     for r in rows:
         assert r["wgmma"] and r["wgmma_types"] == [wgmma_type[r["dtype"]]], f"GEMM not on wgmma {r['dtype']}: {r}"
         assert r["count_acq_rel_sys"], f"the chunk count is not a system-scope acq_rel atomic: {r}"
@@ -198,6 +198,17 @@ def _launch_with_bad_argument(case: str) -> None:
     elif case == "reduction of more rows than a block":
         rs.launch_reduce_chunks(torch.empty(9, 16), table, table, block_rows=8, num_chunks=1, epoch=epoch,
                                      err=word, timeout_ns=1, block=(32, 32))
+    elif case == "fp8 weight without its scale":
+        ag.launch_all_gather_matmul(b.to(torch.float8_e4m3fn), table, table, rows=4, epoch=epoch, rank=0, err=word,
+                                    timeout_ns=1, block=(32, 32, 32), scale_offset=32)
+    elif case == "fp8 scale of the wrong shape":
+        rs.launch_matmul_scatter(torch.randn(8, 32).to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn), table,
+                                 torch.zeros(8, dtype=i32), table, block_rows=4, num_chunks=1, flag_stride=4,
+                                 epoch=epoch, rank=0, block=(32, 32, 32), a_scale=torch.ones(7, 1),
+                                 b_scale=torch.ones(1, 16))
+    elif case == "fp8 scale offset inside the row":
+        ag.launch_all_gather_matmul(b.to(torch.float8_e4m3fn), table, table, rows=4, epoch=epoch, rank=0, err=word,
+                                    timeout_ns=1, block=(32, 32, 32), b_scale=torch.ones(()), scale_offset=8)
     elif case == "tile table of 5 columns":
         gwait.launch_grouped_matmul_wait(table, table, torch.zeros(3, 5, dtype=i32), torch.randn(2, 8, 16),
                                            torch.empty(4, 16), torch.empty(4, 8), epoch=epoch, err=word, timeout_ns=1,
@@ -217,6 +228,9 @@ def _launch_with_bad_argument(case: str) -> None:
     ("rows past the blocks", "a's 9 rows do not fit 2 blocks of 4 rows"),
     ("flags of two destinations overlap", "flag_stride 0 < num_chunks 1"),
     ("reduction of more rows than a block", r"block_rows must be an int in \[9, .*got 8"),
+    ("fp8 weight without its scale", r"b_scale must be float32, one element or \[1, 16\], on cpu; got NoneType"),
+    ("fp8 scale of the wrong shape", r"a_scale must be float32, one element or \[8, 1\] contiguous.*\[7, 1\]"),
+    ("fp8 scale offset inside the row", "scale_offset must be a multiple of 4 at least K=32, got 8"),
     ("tile table of 5 columns", r"tile_table must be torch.int32 \[n, 6\], got torch.int32 \[3, 5\]"),
     ("weights of another inner dim", r"w must be torch.float32 \[L, 8, N\].*got torch.float32 \[2, 9, 16\]"),
 ])

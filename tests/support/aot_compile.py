@@ -35,7 +35,7 @@ _k = _kernel_modules()  # the kernel files, one per op
 ag, agw, rs = _k.all_gather_matmul, _k.all_gather_weight_matmul, _k.matmul_reduce_scatter
 gwait, gscatter = _k.dispatch_grouped_matmul, _k.grouped_matmul_combine
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 W = 8  # ranks of the tables (the kernels are the same for any: W is not specialized on)
 
 
@@ -151,9 +151,11 @@ def compile_all_gather_matmul(dtype: str, block: tuple[int, int, int], num_warps
     """The all-gather GEMM as the op launches it: a shard of 1024 x 4096 rows per rank, b [4096, 2048]."""
     t0 = time.time()
     b = torch.empty(4096, 2048, dtype=DTYPES[dtype])
+    # fp8: rows packed with their scales (`overlap.ops.tp.operands.Packed`), the weight's scale per column
+    fp8 = dict(b_scale=torch.ones(1, 2048), scale_offset=4096, row_bytes=4112) if dtype == "fp8" else {}
     head, ptx, cubin = _compile_launch(lambda: ag.launch_all_gather_matmul(
         b, _table(), _table(), rows=1024, epoch=_words(1, 3), rank=1, err=_words(), timeout_ns=30 * 10**9,
-        block=block, num_warps=num_warps))
+        block=block, num_warps=num_warps, **fp8))
     return _common(head, dtype, block, ptx, cubin, t0)
 
 
@@ -171,9 +173,10 @@ def compile_matmul_scatter(dtype: str, block: tuple[int, int, int]) -> dict:
     """The reduce-scatter's producer: a [W * 512, 1024] @ [1024, 2048], 2 chunks per destination."""
     t0 = time.time()
     a, b = torch.empty(W * 512, 1024, dtype=DTYPES[dtype]), torch.empty(1024, 2048, dtype=DTYPES[dtype])
+    fp8 = dict(a_scale=torch.ones(W * 512, 1), b_scale=torch.ones(1, 2048)) if dtype == "fp8" else {}
     head, ptx, cubin = _compile_launch(lambda: rs.launch_matmul_scatter(
         a, b, _table(), _words(256), _table(), block_rows=512, num_chunks=2, flag_stride=16, epoch=_words(1, 3),
-        rank=1, block=block))
+        rank=1, block=block, **fp8))
     return _common(head, dtype, block, ptx, cubin, t0)
 
 
@@ -252,10 +255,11 @@ if __name__ == "__main__":
     report = [compile_all_gather_matmul("bf16", (128, 128, 64)),
               compile_all_gather_matmul("bf16", (128, 128, 64), num_warps=8),
               compile_all_gather_matmul("fp16", (128, 128, 64)), compile_all_gather_matmul("fp32", (128, 64, 32)),
+              compile_all_gather_matmul("fp8", (128, 128, 64)),
               compile_all_gather_weight_matmul("bf16", (128, 128, 64)),
               compile_all_gather_weight_matmul("fp32", (128, 64, 32)),
               compile_matmul_scatter("bf16", (128, 128, 64)), compile_matmul_scatter("fp16", (128, 128, 64)),
-              compile_matmul_scatter("fp32", (128, 64, 32)),
+              compile_matmul_scatter("fp32", (128, 64, 32)), compile_matmul_scatter("fp8", (128, 128, 64)),
               compile_reduce_chunks("bf16", (128, 128)), compile_reduce_chunks("fp32", (128, 64)),
               compile_moe_wait("bf16", (128, 128, 64)), compile_moe_wait("fp32", (128, 64, 32)),
               compile_moe_scatter("bf16", (128, 128, 64)), compile_moe_scatter("fp32", (128, 64, 32)),

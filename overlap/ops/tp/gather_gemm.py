@@ -98,7 +98,7 @@ def _fused(cc: CallContext, call, a2, bs, keep_gathered, rows):
     outs = []
     for i, b in enumerate(bs.bs):
         fp8 = {} if bs.packed is None else {"b_scale": bs.b_scales[i], "out_dtype": bs.out_dtype,
-                                            "scale_offset": bs.packed.k4}
+                                            "scale_offset": bs.packed.k4, "row_bytes": bs.packed.width}
         outs.append(kernels.launch_all_gather_matmul(
             b, heap.ptr_table(call.slot), heap.flag_table(call.slot, 0), rows=m, epoch=call.epoch_word(), rank=r,
             err=err, timeout_ns=int(timeout * 1e9), block=tile, rows_per_outer=rows.rows, **fp8))

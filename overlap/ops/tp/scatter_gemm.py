@@ -242,7 +242,8 @@ def scatter_and_reduce(cc: CallContext, call, g: Gemm, out, *, block_rows: int, 
 
     Producer: ``g`` (``a2 @ b``, `overlap.ops.tp.operands.Gemm`: fp8 scaled into float32 partials) cut into
     ``len(dst_table)`` blocks of `block_rows` rows, block ``d`` stored at ``dst_table[d]`` and flagged per chunk
-    in this rank's ready flags ``d * flag_stride + chunk``; the blocks interleave in runs of `rows_per_outer` rows (default `block_rows`: `overlap.ops.tp.rows.Rows`).
+    in this rank's ready flags ``d * flag_stride + chunk``; the blocks interleave in runs of `rows_per_outer`
+    rows (default `block_rows`: `overlap.ops.tp.rows.Rows`).
     Consumer: ``out = sum_s src_table[s]`` (``out.shape[0]`` rows), rank order, each chunk once every
     rank's flag ``flag_index + chunk`` has this call's epoch. Used by the reduce-scatter (one block
     per rank) and by ``matmul_all_reduce`` (one-shot: one block, summed over every rank's buffer).
