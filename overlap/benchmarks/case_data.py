@@ -54,7 +54,7 @@ def build(case: AnyCase, seed: int, case_index: int, info: world.GroupInfo, pg, 
         plain = work.plain(problem, every, r, pg, info, timeout, problem.spec.comm_bytes(problem, W))
     mine = every[r]
     leaves, grad_out, operands, extra = mine.leaves, mine.grad_out, (lambda *t: t), {}
-    torch_op = torch_call(case.op, pg, mine.routing, mine.num_experts)
+    torch_op = torch_call(case.op, pg, mine.routing, mine.num_experts, **mine.options)
     laid = layouts.arrange(case, W, leaves, grad_out, expected, pg) if isinstance(case, Case) else None
     if laid is not None:  # batch-first or several weights: the same rows in the order the call takes them
         leaves, grad_out, expected = laid.leaves, laid.grad_out, laid.expected
@@ -64,8 +64,8 @@ def build(case: AnyCase, seed: int, case_index: int, info: world.GroupInfo, pg, 
             t.requires_grad_(True)
 
     def op(*leaves: torch.Tensor, **kwargs) -> Any:  # timed: no more than the call itself
-        return work.call(OpInputs(operands(*leaves), mine.grad_out, mine.routing, mine.num_experts), pg, **extra,
-                         **kwargs)
+        return work.call(OpInputs(operands(*leaves), mine.grad_out, mine.routing, mine.num_experts, mine.options),
+                         pg, **extra, **kwargs)
 
     # The collectives and GEMMs alone read the inputs, leaves that require grad in fwd+bwd: no autograd.
     return CaseData(op, torch_op, leaves, grad_out, expected, torch.no_grad()(plain.comm),

@@ -40,6 +40,8 @@ from .definitions import (
     AUTO,
     BENCH_OPS,
     DTYPES,
+    FP8_DTYPES,
+    FP8_OPS,
     INTERPRETED_FUSED_MAX_DIM,
     MODES,
     MOE_OPS,
@@ -175,7 +177,8 @@ def default_cases(
     `device_type` (``"cpu"`` or ``"cuda"``), in the given `modes` (see `MODES`), grouped by op, then
     shape (a preset's layers in order), then mode.
 
-    `dtype` (a name of `DTYPES`) replaces every case's own dtype when given. A preset whose layer
+    `dtype` (a name of `DTYPES`) replaces every case's own dtype when given (an fp8 dtype: `FP8_OPS` only,
+    sequence-first, the other ops' reason appended to `left_out`). A preset whose layer
     does not split over `world_size` ranks is left out, and the reason appended to `left_out`
     (MoE presets whose experts do not split are returned: `MoECase.world_problem` says why).
     Raises ValueError for an unknown op, device type, dtype or mode.
@@ -186,6 +189,11 @@ def default_cases(
         raise ValueError(f"no default case for device type {device_type!r}; known: {tuple(_DEFAULTS)}")
     cases: list[AnyCase] = []
     for o in ops:
+        if dtype in FP8_DTYPES and o not in FP8_OPS:
+            why = f"{o}: no {dtype} cases (the fp8 recipe is benchmarked for {', '.join(FP8_OPS)})"
+            if left_out is not None and why not in left_out:
+                left_out.append(why)
+            continue
         if o in MOE_OPS:
             cases += [
                 MoECase(MOE_PRESETS[preset][0], dtype or dt, backward=mode == "fwd+bwd", preset=preset)
@@ -203,7 +211,8 @@ def default_cases(
                     left_out.append(f"{shape}: {why}")
             else:
                 cases += preset_cases(shape, o, world_size, dtype or dt, selected)
-        cases += _batch_first_cases(o, device_type, dtype, modes, world_size)
+        if dtype not in FP8_DTYPES:  # (fp8 cases are sequence-first with one weight)
+            cases += _batch_first_cases(o, device_type, dtype, modes, world_size)
     return list(dict.fromkeys(cases))  # a dtype override can make two cases equal
 
 

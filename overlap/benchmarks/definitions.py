@@ -24,6 +24,12 @@ For the two row-parallel ops ``k`` is this rank's slice of the reduced dim (the 
 sequence is the whole ``W*m``. "Elements in" counts what one rank receives in a ring or pairwise
 implementation, the basis of the GB/s column.
 
+fp8 (dtype ``float8_e4m3fn``; the three ops of the op table that take fp8): the op's ``fp8="rowwise"`` training
+recipe on bfloat16 leaves (`overlap.workloads.tp`): quantized on each operand's owner, the gather moving fp8 rows
+with their scales and the reductions float32 partials, scaled GEMMs forward, the backward in bfloat16; the ``torch``
+row casts, runs the plain collectives of the fp8 bytes (and scales) and ``torch._scaled_mm``, its backward the
+bfloat16 one. The GB/s column counts those bytes (`overlap.plans.wire_sizes`).
+
 Modes. ``fwd+bwd`` times the forward and the backward of a fresh output: three GEMMs
 (``6*W*m*k*n`` FLOPs) and, per Megatron's conventions (docs/design.md), more communication:
 ``all_gather_matmul`` gathers ``a`` again and reduce-scatters ``grad_a`` (``+2*(W-1)*m*k``),
@@ -102,8 +108,8 @@ from typing import Any
 
 import torch
 
+from ..plans import FP8_DTYPES, STRATEGIES, Problem, ops_of
 from ..plans import OPS as OP_TABLE
-from ..plans import STRATEGIES, Problem, ops_of
 from .models import LAYERS, TP_PRESETS
 from .names import (
     AUTO,
@@ -129,16 +135,19 @@ from .names import (
 )
 
 __all__ = [
-    "AUTO", "BENCH_OPS", "DTYPES", "INTERPRETED_FUSED_MAX_DIM", "MODES", "MOE_OPS", "MOE_PRESETS", "OPS", "TORCH",
-    "VARIANTS", "AnyCase", "Case", "MoECase", "MoEShape", "all_bench_labels", "all_strategy_labels", "bench_labels",
-    "label_plan", "parse_moe_shape", "parse_shape", "strategy_labels",
+    "AUTO", "BENCH_OPS", "DTYPES", "FP8_DTYPES", "FP8_OPS", "INTERPRETED_FUSED_MAX_DIM", "MODES", "MOE_OPS",
+    "MOE_PRESETS", "OPS", "TORCH", "VARIANTS", "AnyCase", "Case", "MoECase", "MoEShape", "all_bench_labels",
+    "all_strategy_labels", "bench_labels", "label_plan", "parse_moe_shape", "parse_shape", "strategy_labels",
 ]
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                                  "float8_e4m3fn": torch.float8_e4m3fn}
 
 #: the tensor-parallel ops of the op table, each benchmarked as ``overlap.<op>`` at a shape ``m x k x n``
 #: (`Case`; bench/soak.py runs these too, by that name)
 OPS = TP_OPS
+#: the ops with fp8 cases (dtype in `FP8_DTYPES`: the ``fp8="rowwise"`` recipe)
+FP8_OPS = tuple(name for name in OPS if OP_TABLE[name].fp8)
 
 # `names` spells out what the command line needs without torch; it must be the op table's.
 _TABLE = (ops_of("tp"), ops_of("moe"), STRATEGIES, {n: s.variants for n, s in OP_TABLE.items() if s.variants},
@@ -219,6 +228,11 @@ class Case(_CaseNames):
                 )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.dtype in FP8_DTYPES and (self.op not in FP8_OPS or self.batch or self.split):
+            raise ValueError(f"{self.dtype} (the fp8 recipe) is benchmarked for {FP8_OPS}, sequence-first with one "
+                             "weight: "
+                             f"got {self.op}" + (f", batch={self.batch}" if self.batch else "")
+                             + (f", split={self.split}" if self.split else ""))
         for name in ("m", "k", "n"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -278,8 +292,9 @@ class MoECase(_CaseNames):
     def __post_init__(self) -> None:
         if not isinstance(self.dims, MoEShape):
             raise ValueError(f"dims must be an MoEShape, got {self.dims!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES or self.dtype in FP8_DTYPES:
+            raise ValueError(f"an MoE case's dtype must be one of {tuple(d for d in DTYPES if d not in FP8_DTYPES)}, "
+                             f"got {self.dtype!r}")
         if not isinstance(self.backward, bool):
             raise ValueError(f"backward must be a bool, got {self.backward!r}")
         if self.preset and self.preset not in MOE_PRESETS:

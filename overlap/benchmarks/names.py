@@ -23,8 +23,9 @@ BENCH_OPS = TP_OPS + MOE_OPS
 #: ``fwd``: the forward alone; ``fwd+bwd``: forward, then backward of the fresh output
 MODES = ("fwd", "fwd+bwd")
 
-#: the dtypes a case may have (`definitions.DTYPES` maps them to torch's)
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
+#: the dtypes a case may have (`definitions.DTYPES` maps them to torch's); ``float8_e4m3fn``: the op's ``fp8="rowwise"``
+#: recipe on bfloat16 leaves (`definitions`)
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
 
 #: `overlap.plans.STRATEGIES` that ``overlap bench`` runs
 STRATEGY_NAMES = ("reference", "pipelined", "symm", "fused")

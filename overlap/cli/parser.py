@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench, all_gather_weight_matmul's [m, k] @ [k, W*n]) or "
         "moe:TxHxF:EXPERTS:TOPK[:DTYPE][:fwd|fwd+bwd]. A model: hidden=H,ffn=F,tokens=S[,heads=A,kv_heads=B]"
         "[,experts=E,topk=K][,gated=1][,dtype=D], one transformer layer with TP = the number of ranks and "
-        "sequence parallelism.",
+        "sequence parallelism. DTYPE float32, bfloat16, float16, or float8_e4m3fn: the op's fp8='rowwise' recipe on "
+        "bfloat16 leaves (all_gather_matmul, matmul_reduce_scatter, matmul_all_reduce; plans are keyed by it).",
     )
     add_ranks_option(tune)
     tune.add_argument("--shape", action="append", default=[], metavar="SPEC", help="a problem (repeatable)")
@@ -232,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=DTYPE_NAMES,
         default=None,
-        help="dtype of the cases (default: float32 for --shape, presets included, else each built-in case's own)",
+        help="dtype of the cases (default: float32 for --shape, presets included, else each built-in case's own); "
+        "float8_e4m3fn: the fp8='rowwise' recipe on bfloat16 leaves, for all_gather_matmul, matmul_reduce_scatter "
+        "and matmul_all_reduce (the torch row casts, runs the collectives of the fp8 bytes and torch._scaled_mm)",
     )
     bench.add_argument(
         "--strategies",

@@ -2,7 +2,8 @@
 
 * `Plan` (`plan`): strategy, chunks per link class, tiles, variants; part of every call signature.
 * the op table (`optable`): one `OpSpec` per op (`OPS`, `op_spec`): family, rows, FLOPs, bytes per link,
-  chunked links, cost, strategies; `Problem` of a call (what an op needs to run on made-up data is its
+  chunked links, cost, strategies; `Problem` of a call, the bytes its transfers move (`wire_sizes`: fp8 calls'
+  differ from their dtype's size) (what an op needs to run on made-up data is its
   workload: `overlap.workloads`);
 * the cost model (`costmodel`): `Profile` of a machine, `Topology` of a group (both in `machine`), `predict`,
   `candidates`, `rank_candidates`, `default_profile`; expert migration (`migration`): `expected_loads`,
@@ -29,13 +30,15 @@ from .costmodel import (
     topology_of,
 )
 from .migration import MIGRATE_OPS, choose_migration, expected_loads, measured_loads
-from .optable import OPS, OpSpec, Problem, op_spec, ops_of
+from .optable import FP8_DTYPES, FP8_LEAVES, OPS, OpSpec, Problem, op_spec, ops_of, wire_sizes
 from .plan import DEFAULT_CHUNKS, STRATEGIES, Plan
 from .planfile import PLAN_FILE_VERSION, Entry, PlanFile
 
 __all__ = [
     "CHUNK_CHOICES",
     "DEFAULT_CHUNKS",
+    "FP8_DTYPES",
+    "FP8_LEAVES",
     "MIGRATE_OPS",
     "MODEL_OPS",
     "OPS",
@@ -58,6 +61,7 @@ __all__ = [
     "expected_loads",
     "measured_loads",
     "op_spec",
+    "wire_sizes",
     "ops_of",
     "predict",
     "rank_candidates",

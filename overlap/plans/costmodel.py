@@ -19,7 +19,7 @@ import math
 from ..symm import MAX_FLAGS
 from . import hier_cost, migration
 from .machine import PROFILE_VERSION, GemmFit, LinkFit, Profile, Topology, topology_of
-from .optable import ITEMSIZE, OPS, Problem, op_spec
+from .optable import FP8_DTYPES, FP8_LEAVES, OPS, Problem, op_spec, wire_sizes
 from .plan import Plan
 
 # ----------------------------------------------------------------------------------------------
@@ -82,10 +82,15 @@ class _Model:
     def __init__(self, problem: Problem, plan: Plan, topo: Topology, profile: Profile,
                  migrated: tuple[float, float] = (1.0, 0.0)):
         self.W, self.peers, self.plan, self.profile = topo.world_size, topo.links, plan, profile
-        self.slowest, self.size = topo.slowest_link, ITEMSIZE[problem.dtype]
-        self.fused = plan.strategy == "fused"
+        # bytes per element of the gathered operands, of the reduced partials, of the backward (`wire_sizes`)
+        self.slowest = topo.slowest_link
+        self.size, self.part_size, self.grad_size = wire_sizes(problem)
+        self.fused, self.fp8 = plan.strategy == "fused", problem.dtype in FP8_DTYPES
         self.transport = "p2p" if plan.strategy in ("reference", "pipelined") else "copy"
-        self.gfit = profile.gemm.get(problem.dtype) or profile.gemm.get("float32")
+        # fp8 GEMMs: no fit of their own yet; a GPU's scaled GEMM runs at least at its bf16 rate, a CPU's
+        # dequantizes to fp32 (`overlap.ops.fp8.scaled_mm`)
+        fallback = (FP8_LEAVES if topo.device != "cpu" else "float32") if self.fp8 else "float32"
+        self.gfit = profile.gemm.get(problem.dtype) or profile.gemm.get(fallback) or profile.gemm.get("float32")
         if self.gfit is None:
             raise ValueError(f"machine profile has no GEMM fit for {problem.dtype} (nor float32): probe again")
         self.launch = self.gfit.overhead_s if self.fused else 0.0  # a fused kernel's one launch
@@ -99,6 +104,13 @@ class _Model:
         # expert migration (`migration.network_effect`): the share of MoE token rows still crossing the network,
         # the weights' time on it
         self.token_share, self.weights_s = migrated
+
+    def backward(self) -> None:
+        """What follows is the call's backward: its transfers move `grad_size` bytes per element; an fp8 call's
+        backward GEMMs run in its leaves' dtype (`optable.FP8_LEAVES`)."""
+        self.size = self.part_size = self.grad_size
+        if self.fp8:
+            self.gfit = self.profile.gemm.get(FP8_LEAVES) or self.gfit
 
     # ---- costs ---------------------------------------------------------------------------------
     def msgs(self, link: str, nbytes: float, count: float = 1) -> float:
@@ -169,7 +181,7 @@ class _Model:
 
     def mm_rs(self, m: int, k: int, n: int, lead: float = 0.0, max_chunks: int = 0) -> None:
         """``reduce_scatter(a @ b)``; `lead`: link work posted first (the backward's re-gather)."""
-        W, part = self.W, m * n * self.size
+        W, part = self.W, m * n * self.part_size
         if self.hier:
             return hier_cost.mm_rs(self, m, k, n, lead)
         if self.plan.strategy == "reference":
@@ -186,7 +198,7 @@ class _Model:
 
     def mm_ar(self, m: int, k: int, n: int) -> None:
         """``all_reduce(a @ b)`` over ``M = W*m`` rows: ring (two-shot) or every partial to every rank."""
-        W, M, plan, size = self.W, self.W * m, self.plan, self.size
+        W, M, plan, size = self.W, self.W * m, self.plan, self.part_size
         if self.hier:
             return hier_cost.mm_ar(self, m, k, n)
         if plan.strategy == "reference":

@@ -44,7 +44,7 @@ def mm_rs(x, m: int, k: int, n: int, lead: float = 0.0) -> None:
     then the partials into their node owners (copies) and each owner's node sum over the network; our node's
     rows last (copies only). `lead`: link work posted first (the backward's re-gather)."""
     N, L, loc = x.nodes, x.local_ranks, x.local_link
-    part = m * n * x.size
+    part = m * n * x.part_size
     c_loc, c_net = _chunks(x, loc, m), _chunks(x, "network", m)
     stages = [(1, 0.0, lead)] if lead else []
     stages.append(((N - 1) * c_net, x.gemm(2 * L * m * k * n / c_net),
@@ -58,7 +58,7 @@ def mm_ar(x, m: int, k: int, n: int) -> None:
     of the reduced parts (exposed: nothing is left to compute)."""
     N, L, loc = x.nodes, x.local_ranks, x.local_link
     mm_rs(x, m, k, n)
-    part = m * n * x.size
+    part = m * n * x.part_size
     c_loc, c_net = _chunks(x, loc, m), _chunks(x, "network", m)
     x.serial((N - 1) * x.msgs("network", part, c_net) + (L - 1) * (x.msgs(loc, part, c_loc)
                                                                   + (N - 1) * x.msgs(loc, part, c_net)))

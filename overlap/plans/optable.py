@@ -28,9 +28,26 @@ FAMILIES = ("tp", "moe")
 #: names of the dtypes a problem may have -> torch dtypes
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
 }
 #: bytes per element of every dtype a problem may have
 ITEMSIZE = {name: dtype.itemsize for name, dtype in DTYPES.items()}
+#: the fp8 dtypes: a problem in one is an fp8 call of a tensor-parallel op (fp8 operands, or the ``fp8=`` recipe on
+#: high-precision leaves), whose transfers move what `wire_sizes` says
+FP8_DTYPES = ("float8_e4m3fn",)
+#: the dtype of an fp8 problem's leaves and output (the recipe's convention: its backward runs in it)
+FP8_LEAVES = "bfloat16"
+
+
+def wire_sizes(p: Problem) -> tuple[float, float, float]:
+    """Bytes per element `p`'s transfers move: ``(gathered operand, reduced partial, backward)``. The dtype's size
+    for all three, except fp8 (`FP8_DTYPES`): the gathered rows' fp8 bytes with each row's 4-byte scale
+    (``1 + 4/k``; a GPU pads rows to 16 bytes, not counted), the reductions' float32 partials (4), and the
+    backward in the leaves' `FP8_LEAVES` (2)."""
+    if p.dtype in FP8_DTYPES:
+        return 1.0 + 4.0 / p.k, 4.0, float(ITEMSIZE[FP8_LEAVES])
+    size = float(ITEMSIZE[p.dtype])
+    return size, size, size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +67,7 @@ class OpSpec:
         never picks another, forcing one raises ValueError, the tuner and the benchmark skip the rest.
     dim_arg: the keyword naming the activation dim the op gathers or scatters (``gather_dim``, ``scatter_dim``;
         empty: dim 0 only); several_weights: whether ``b`` may be a list of weights fed by one transfer.
+    fp8: whether the op takes fp8 operands and the ``fp8=`` recipe (a `Problem` in an fp8 dtype).
     """
 
     name: str
@@ -66,6 +84,7 @@ class OpSpec:
     strategies: tuple[str, ...] = STRATEGIES
     dim_arg: str = ""
     several_weights: bool = False
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         assert self.family in FAMILIES and set(self.strategies) <= set(STRATEGIES), self
@@ -85,14 +104,14 @@ class OpSpec:
         return {link: int(count * per_peer) for link, count in topology.links}
 
 
-def _tp(name: str, label: str, in_rows, out_rows, per_peer_elements, chunked, cost, variants=(),
-        out_cols=lambda n, W: n, strategies=STRATEGIES, dim_arg="", several_weights=False):
+def _tp(name: str, label: str, in_rows, out_rows, per_peer_bytes, chunked, cost, variants=(),
+        out_cols=lambda n, W: n, strategies=STRATEGIES, dim_arg="", several_weights=False, fp8=True):
     return OpSpec(
         name, "tp", label, in_rows, out_rows,
         flops=lambda p, W: (3 if p.backward else 1) * 2 * W * p.m * p.k * p.n,
-        bytes_per_peer=lambda p, W: per_peer_elements(p) * ITEMSIZE[p.dtype], chunked=chunked, cost=cost,
+        bytes_per_peer=lambda p, W: per_peer_bytes(p, *wire_sizes(p)), chunked=chunked, cost=cost,
         variants=variants, out_cols=out_cols, strategies=strategies, dim_arg=dim_arg,
-        several_weights=several_weights)
+        several_weights=several_weights, fp8=fp8)
 
 
 def _moe_bytes_per_peer(p, W: int) -> float:
@@ -103,18 +122,19 @@ def _moe_bytes_per_peer(p, W: int) -> float:
 #: every op, by name
 OPS: dict[str, OpSpec] = {s.name: s for s in (
     _tp("all_gather_matmul", "AG+MM", in_rows=lambda m, W: m, out_rows=lambda m, W: W * m,
-        per_peer_elements=lambda p: p.m * p.k * (3 if p.backward else 1),
+        per_peer_bytes=lambda p, gather, part, grad: p.m * p.k * gather + (2 * p.m * p.k * grad if p.backward else 0),
         chunked=tp_ops.chunked_all_gather_matmul, cost=tp_ops.cost_all_gather_matmul, dim_arg="gather_dim",
         several_weights=True),
     _tp("matmul_reduce_scatter", "MM+RS", in_rows=lambda m, W: W * m, out_rows=lambda m, W: m,
-        per_peer_elements=lambda p: p.m * p.n * (2 if p.backward else 1),
+        per_peer_bytes=lambda p, gather, part, grad: p.m * p.n * part + (p.m * p.n * grad if p.backward else 0),
         chunked=tp_ops.chunked_matmul_reduce_scatter, cost=tp_ops.cost_matmul_reduce_scatter, dim_arg="scatter_dim"),
     _tp("matmul_all_reduce", "MM+AR", in_rows=lambda m, W: W * m, out_rows=lambda m, W: W * m,
-        per_peer_elements=lambda p: 2 * p.m * p.n, variants=("one_shot",),
+        per_peer_bytes=lambda p, gather, part, grad: 2 * p.m * p.n * part, variants=("one_shot",),
         chunked=tp_ops.chunked_matmul_all_reduce, cost=tp_ops.cost_matmul_all_reduce),
     # The weight-side gather (FSDP): a [m, k] per rank, b_shard [k, n] (this rank's columns), out [m, W*n].
     _tp("all_gather_weight_matmul", "AG(W)+MM", in_rows=lambda m, W: m, out_rows=lambda m, W: m,
-        per_peer_elements=lambda p: p.k * p.n * (3 if p.backward else 1), out_cols=lambda n, W: W * n,
+        per_peer_bytes=lambda p, gather, part, grad: p.k * p.n * (3 if p.backward else 1) * gather,
+        out_cols=lambda n, W: W * n, fp8=False,
         chunked=tp_ops.chunked_all_gather_weight_matmul, cost=tp_ops.cost_all_gather_weight_matmul),
     OpSpec("moe", "moe", "moe", in_rows=lambda m, W: m, out_rows=lambda m, W: m,
            flops=lambda p, W: (3 if p.backward else 1) * 4 * p.m * p.top_k * p.k * p.n,
@@ -156,8 +176,10 @@ class Problem:
         if self.op not in OPS or self.dtype not in ITEMSIZE or not isinstance(self.backward, bool) \
                 or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in dims.values()) \
                 or min(self.m, self.k, self.n) < 1 \
-                or (not 1 <= self.top_k <= self.experts if moe else self.top_k or self.experts):
-            raise ValueError(f"Problem: op in {tuple(OPS)}, dtype in {tuple(ITEMSIZE)}, m, k, n ints >= 1, "
+                or (not 1 <= self.top_k <= self.experts if moe else self.top_k or self.experts) \
+                or (self.dtype in FP8_DTYPES and not OPS[self.op].fp8):
+            raise ValueError(f"Problem: op in {tuple(OPS)}, dtype in {tuple(ITEMSIZE)} (fp8 only for "
+                             f"{tuple(n for n, s in OPS.items() if s.fp8)}), m, k, n ints >= 1, "
                              f"backward a bool, experts >= top_k >= 1 for moe: got {self}")
 
     @property

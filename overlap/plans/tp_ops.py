@@ -62,6 +62,7 @@ def chunked_matmul_all_reduce(strategy: str, backward: bool, topology) -> tuple[
 def cost_all_gather_matmul(x, p) -> None:
     x.ag_mm(p.m, p.k, p.n)
     if p.backward:  # re-gather a (posted first) beside grad_a = matmul_reduce_scatter, then grad_b
+        x.backward()
         x.mm_rs(p.m, p.n, p.k, lead=x.gather_again(p.m, p.k))
         x.serial(gemm=x.weight_gradient(p.m, p.k, p.n))
 
@@ -69,6 +70,7 @@ def cost_all_gather_matmul(x, p) -> None:
 def cost_matmul_reduce_scatter(x, p) -> None:
     x.mm_rs(p.m, p.k, p.n)
     if p.backward:  # grad_a = all_gather_matmul(grad_out, b.T), then grad_b over the same rows
+        x.backward()
         x.ag_mm(p.m, p.n, p.k)
         x.serial(gemm=x.weight_gradient(p.m, p.k, p.n))
 
@@ -78,6 +80,7 @@ def cost_all_gather_weight_matmul(x, p) -> None:
     # all_gather_matmul's pipeline with the roles of m and n swapped.
     x.ag_mm(p.n, p.k, p.m)
     if p.backward:  # re-gather the weight (posted first) beside grad_b = reduce_scatter(g.T @ a), then grad_a
+        x.backward()
         x.mm_rs(p.n, p.m, p.k, lead=x.gather_again(p.n, p.k))
         x.serial(gemm=x.weight_gradient(p.m, p.k, p.n))
 

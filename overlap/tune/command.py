@@ -25,7 +25,7 @@ import time
 from ..plans import OPS, Problem, ops_of
 
 TP_OPS = ops_of("tp")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")  # fp8: the op's fp8="rowwise" recipe
 
 
 def _dims(text: str) -> tuple[int, int, int]:

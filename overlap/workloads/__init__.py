@@ -12,8 +12,11 @@ A `Workload` per op in `WORKLOADS` (`workload`):
   inputs' dtype with fp32 sums;
 * plain: ``(p, every, rank, group, info, timeout, comm_bytes) -> Plain``: the op's plain collectives and GEMMs
   alone (``T_comm`` and ``T_compute`` of the benchmark's overlap efficiency);
-* plain_torch: ``(group, routing, num_experts) -> fn(*leaves)``: the op written with torch alone
-  (`plain_torch`), every benchmark's baseline.
+* plain_torch: ``(group, routing, num_experts, **options) -> fn(*leaves)``: the op written with torch alone
+  (`plain_torch`), every benchmark's baseline (`options`: the inputs' `OpInputs.options`, ``fp8``).
+
+A problem in an fp8 dtype (`overlap.plans.FP8_DTYPES`; the three TP ops that take fp8) is the op's ``fp8=``
+recipe on bf16 leaves (`leaf_dtype`; `tp` says what each function does with it).
 
 The tensor-parallel ops' functions: `tp`; the MoE layer's: `moe`.
 """
@@ -26,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from . import moe, plain_torch, tp
-from .data import Expected, OpInputs, Plain, SeededDraw, fp32_sum
+from .data import Expected, OpInputs, Plain, SeededDraw, fp32_sum, leaf_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,4 +66,4 @@ def workload(name: str) -> Workload:
     return WORKLOADS[name]
 
 
-__all__ = ["WORKLOADS", "Expected", "OpInputs", "Plain", "SeededDraw", "Workload", "fp32_sum", "workload"]
+__all__ = ["WORKLOADS", "Expected", "OpInputs", "Plain", "SeededDraw", "Workload", "fp32_sum", "leaf_dtype", "workload"]

@@ -19,14 +19,17 @@ from collections.abc import Callable
 
 import torch
 
+from ..plans import FP8_DTYPES, FP8_LEAVES
+
 
 class SeededDraw:
     """Seeded tensors of rank `rank` for one case: tensor `name` of rank ``q`` is drawn from a generator
     seeded by ``(seed, name, q)``; ``shared=True`` uses one stream for every rank. Values are standard
-    normal fp32 (`fp32`), or scaled and cast to `dtype` (`normal`); never zeros."""
+    normal fp32 (`fp32`), or scaled and cast to `dtype` (`normal`; an fp8 dtype draws `leaf_dtype`'s); never
+    zeros."""
 
     def __init__(self, seed: int, rank: int, device: torch.device | str, dtype: torch.dtype):
-        self.seed, self.rank, self.device, self.dtype = seed, rank, torch.device(device), dtype
+        self.seed, self.rank, self.device, self.dtype = seed, rank, torch.device(device), leaf_dtype(dtype)
 
     def for_rank(self, rank: int) -> SeededDraw:
         """The same draw for another rank (to regenerate that rank's inputs)."""
@@ -44,16 +47,24 @@ class SeededDraw:
         return (x * scale if scale != 1.0 else x).to(self.dtype)
 
 
+def leaf_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a problem's leaves: its own, but an fp8 problem's are `overlap.plans.FP8_LEAVES` (the ``fp8=``
+    recipe quantizes high-precision leaves inside the call; the output and the backward are in their dtype)."""
+    return getattr(torch, FP8_LEAVES) if str(dtype).removeprefix("torch.") in FP8_DTYPES else dtype
+
+
 @dataclasses.dataclass
 class OpInputs:
     """One rank's inputs of one call. `leaves`: the differentiable inputs in the call's order (TP ops
     ``(a, b)``; moe ``(x, w1, w2, topk_weights)``); `grad_out`: the output gradient of a backward (None
-    for a forward); moe: `routing` (``topk_idx`` ``[T, K]``) and `num_experts`."""
+    for a forward); moe: `routing` (``topk_idx`` ``[T, K]``) and `num_experts`; `options`: keywords of the
+    op's call that the problem sets (an fp8 problem's ``fp8="rowwise"``), taken by its plain-torch row too."""
 
     leaves: tuple[torch.Tensor, ...]
     grad_out: torch.Tensor | None
     routing: torch.Tensor | None = None
     num_experts: int = 0
+    options: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

@@ -25,6 +25,12 @@ its inputs order them (TP ``(a, b)``, moe ``(x, w1, w2, topk_weights)``):
 The TP ops take the benchmark's 2-D operands (``a [rows, k]``, ``b [k, n]``). Their backward collectives are
 explicit in an autograd `Function`, since torch's collectives have no autograd of their own.
 
+fp8 (the factories' ``fp8="rowwise" | "tensorwise"``, as the ops' recipe): the forward written the way a user
+would with torch alone: each operand cast to ``float8_e4m3fn`` on its owner (amax scales), the plain collective
+of the fp8 bytes and, beside it, of the scales, and ``torch._scaled_mm`` (where it does not take those operands
+on that device: the dequantized ``torch.matmul``); the reductions' partials in float32. The backward is the
+plain one above, in the leaves' dtype (the recipe's convention).
+
 Batch-first and several-weight cases (`torch_all_gather_matmul_on`, `torch_matmul_reduce_scatter_on`): torch's
 collectives gather and scatter dim 0, so a user of another dim moves it, as DTensor's redistribution does:
 the gathered ``[W, ...]`` is concatenated along the dim (a copy), the partial's chunks along the dim stacked
@@ -97,6 +103,88 @@ class _MatmulAllReduce(torch.autograd.Function):
     def backward(ctx, g):
         a, b = ctx.saved_tensors
         return torch.matmul(g, b.t()), torch.matmul(a.t(), g), None
+
+
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = torch.finfo(_FP8).max
+#: ``(device type, out dtype, a rowwise, b rowwise, dims multiples of 16)`` -> whether ``torch._scaled_mm`` took them
+_SCALED_MM: dict[tuple, bool] = {}
+
+
+def _to_fp8(x: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_fp8, scale)``, ``x ~= x_fp8 * scale``: amax over each row (``[rows, 1]``) or the tensor (one element)."""
+    amax = x.abs().amax(dim=-1, keepdim=True) if granularity == "rowwise" else x.abs().amax()
+    scale = (amax.float() / _FP8_MAX).clamp(min=1e-12)
+    return (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8), scale
+
+
+def _weight_to_fp8(b: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight ``[k, n]`` cast column-major (``torch._scaled_mm``'s layout); rowwise: a scale per column
+    ``[1, n]``."""
+    bt, scale = _to_fp8(b.t(), granularity)
+    return bt.t(), scale.t() if scale.dim() else scale
+
+
+def _scaled_mm(a8, a_scale, b8, b_scale, out_dtype: torch.dtype) -> torch.Tensor:
+    key = (a8.device.type, out_dtype, a_scale.numel() > 1, b_scale.numel() > 1,
+           all(d % 16 == 0 for d in (*a8.shape, b8.shape[1])))
+    if _SCALED_MM.get(key, True):
+        try:
+            out = torch._scaled_mm(a8, b8, scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
+            _SCALED_MM[key] = True
+            return out
+        except (RuntimeError, NotImplementedError):
+            _SCALED_MM[key] = False
+    return torch.matmul(a8.float() * a_scale, b8.float() * b_scale).to(out_dtype)
+
+
+def _gather_fp8(a: torch.Tensor, granularity: str, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's ``a`` cast on its owner: the fp8 bytes gathered, then the scales (per row of the gathered rows)."""
+    a8, scale = _to_fp8(a, granularity)
+    full8 = _gather_rows(a8.view(torch.uint8), group).view(_FP8)
+    scales = _gather_rows(scale.reshape(-1, 1), group)
+    if granularity != "rowwise":  # one scale per rank: per row of its block
+        scales = scales.repeat_interleave(a.shape[0], dim=0)
+    return full8, scales
+
+
+class _AllGatherMatmulFp8(_AllGatherMatmul):
+    @staticmethod
+    def forward(ctx, a, b, group, granularity):
+        ctx.save_for_backward(a, b)
+        ctx.group = group
+        full8, scales = _gather_fp8(a, granularity, group)
+        return _scaled_mm(full8, scales, *_weight_to_fp8(b, granularity), a.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (*_AllGatherMatmul.backward(ctx, g), None)
+
+
+class _MatmulReduceScatterFp8(_MatmulReduceScatter):
+    @staticmethod
+    def forward(ctx, a, b, group, granularity):
+        ctx.save_for_backward(a, b)
+        ctx.group = group
+        partial = _scaled_mm(*_to_fp8(a, granularity), *_weight_to_fp8(b, granularity), torch.float32)
+        return _scatter_rows(partial, group).to(a.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (*_MatmulReduceScatter.backward(ctx, g), None)
+
+
+class _MatmulAllReduceFp8(_MatmulAllReduce):
+    @staticmethod
+    def forward(ctx, a, b, group, granularity):
+        ctx.save_for_backward(a, b)
+        out = _scaled_mm(*_to_fp8(a, granularity), *_weight_to_fp8(b, granularity), torch.float32)
+        dist.all_reduce(out, group=group)
+        return out.to(a.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (*_MatmulAllReduce.backward(ctx, g), None)
 
 
 class _AllGatherWeightMatmul(torch.autograd.Function):
@@ -216,15 +304,22 @@ def torch_matmul_reduce_scatter_on(group, dim: int) -> Callable[..., torch.Tenso
     return lambda a, b: _MatmulReduceScatterOn.apply(a, b, dim, group)
 
 
-def torch_all_gather_matmul(group, routing=None, num_experts: int = 0) -> Callable[..., torch.Tensor]:
+def torch_all_gather_matmul(group, routing=None, num_experts: int = 0, fp8: str = "") -> Callable[..., torch.Tensor]:
+    if fp8:
+        return lambda a, b: _AllGatherMatmulFp8.apply(a, b, group, fp8)
     return lambda a, b: _AllGatherMatmul.apply(a, b, group)
 
 
-def torch_matmul_reduce_scatter(group, routing=None, num_experts: int = 0) -> Callable[..., torch.Tensor]:
+def torch_matmul_reduce_scatter(group, routing=None, num_experts: int = 0, fp8: str = ""
+                                ) -> Callable[..., torch.Tensor]:
+    if fp8:
+        return lambda a, b: _MatmulReduceScatterFp8.apply(a, b, group, fp8)
     return lambda a, b: _MatmulReduceScatter.apply(a, b, group)
 
 
-def torch_matmul_all_reduce(group, routing=None, num_experts: int = 0) -> Callable[..., torch.Tensor]:
+def torch_matmul_all_reduce(group, routing=None, num_experts: int = 0, fp8: str = "") -> Callable[..., torch.Tensor]:
+    if fp8:
+        return lambda a, b: _MatmulAllReduceFp8.apply(a, b, group, fp8)
     return lambda a, b: _MatmulAllReduce.apply(a, b, group)
 
 

@@ -17,18 +17,28 @@ whose output and loss are replicated). The oracle (`oracle_*`) computes this ran
 rank's inputs, sums over ranks in fp32. "Alone" (`plain_*`): the op's plain collectives on tensors of
 their size (``fwd+bwd``: every collective of the unfused forward and backward, back to back) and its
 GEMMs with the operand layouts the backward uses.
+
+An fp8 problem (`overlap.plans.FP8_DTYPES`) is the op's ``fp8="rowwise"`` recipe on bf16 leaves (`data.leaf_dtype`;
+the ``fp8`` keyword travels in `OpInputs.options`): its oracle's forward multiplies the leaves as the recipe
+quantizes them on their owners (dequantized, in fp32), its gradients are the leaves' own (the recipe's backward
+runs in their dtype); alone, its forward collective moves the fp8 rows with their scales (all-gather) or float32
+partials (reductions), its forward GEMM is the scaled GEMM, its backward is the bf16 one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..ops.fp8 import quantize_fp8, scaled_mm
 from ..ops.tp import all_gather_matmul, all_gather_weight_matmul, matmul_all_reduce, matmul_reduce_scatter
-from ..plans import op_spec
+from ..ops.tp.operands import Packed, quantize_weight
+from ..plans import FP8_DTYPES, op_spec
 from .data import Expected, OpInputs, Plain, SeededDraw, fp32_sum
 
 # ----------------------------------------------------------------------------------------------
@@ -41,6 +51,12 @@ REDUCTION = {"all_gather_matmul": lambda k, W: k, "matmul_reduce_scatter": lambd
              "matmul_all_reduce": lambda k, W: W * k, "all_gather_weight_matmul": lambda k, W: k}
 #: the ops whose output (hence its gradient) is the same on every rank
 REPLICATED = ("matmul_all_reduce",)
+#: the recipe an fp8 problem runs
+FP8_RECIPE = "rowwise"
+
+
+def _fp8(p) -> bool:
+    return p.dtype in FP8_DTYPES
 
 
 def inputs(p, world_size: int, draw: SeededDraw) -> OpInputs:
@@ -51,32 +67,57 @@ def inputs(p, world_size: int, draw: SeededDraw) -> OpInputs:
     cols = spec.out_cols(p.n, world_size)
     g = (draw.normal("grad_out", spec.out_rows(p.m, world_size), cols, shared=p.op in REPLICATED)
          if p.backward else None)
-    return OpInputs((a, b), g)
+    return OpInputs((a, b), g, options={"fp8": FP8_RECIPE} if _fp8(p) else {})
 
 
 # The calls look the op up on its module when called (a test's wrong op, put there, is the one called).
 
 
 def call_all_gather_matmul(inputs: OpInputs, group, **kwargs) -> torch.Tensor:
-    return all_gather_matmul.all_gather_matmul(*inputs.leaves, group=group, **kwargs)
+    return all_gather_matmul.all_gather_matmul(*inputs.leaves, group=group, **inputs.options, **kwargs)
 
 
 def call_matmul_reduce_scatter(inputs: OpInputs, group, **kwargs) -> torch.Tensor:
-    return matmul_reduce_scatter.matmul_reduce_scatter(*inputs.leaves, group=group, **kwargs)
+    return matmul_reduce_scatter.matmul_reduce_scatter(*inputs.leaves, group=group, **inputs.options, **kwargs)
 
 
 def call_matmul_all_reduce(inputs: OpInputs, group, **kwargs) -> torch.Tensor:
-    return matmul_all_reduce.matmul_all_reduce(*inputs.leaves, group=group, **kwargs)
+    return matmul_all_reduce.matmul_all_reduce(*inputs.leaves, group=group, **inputs.options, **kwargs)
 
 
 def call_all_gather_weight_matmul(inputs: OpInputs, group, **kwargs) -> torch.Tensor:
-    return all_gather_weight_matmul.all_gather_weight_matmul(*inputs.leaves, group=group, **kwargs)
+    return all_gather_weight_matmul.all_gather_weight_matmul(*inputs.leaves, group=group, **inputs.options,
+                                                             **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------
 # Oracles: this rank's expected results from every rank's inputs
 # ----------------------------------------------------------------------------------------------
 
+
+def _quantized(x: OpInputs) -> OpInputs:
+    """A rank's ``(a, b)`` as the fp8 recipe quantizes them on their owner, dequantized to fp32."""
+    a, b = x.leaves
+    (a8, sa), (b8, sb) = quantize_fp8(a, FP8_RECIPE), quantize_weight(b, FP8_RECIPE)
+    return OpInputs((a8.float() * sa, b8.float() * sb), x.grad_out)
+
+
+def _fp8_forward(oracle: Callable[..., list[Expected]]) -> Callable[..., list[Expected]]:
+    """`oracle`, answering an fp8 problem too: the forward of the quantized leaves (`_quantized`), in the
+    leaves' dtype; the gradients of the leaves themselves."""
+
+    @functools.wraps(oracle)
+    def fn(p, every: list[OpInputs], rank: int) -> list[Expected]:
+        if not _fp8(p):
+            return oracle(p, every, rank)
+        out = oracle(dataclasses.replace(p, backward=False), [_quantized(e) for e in every], rank)[0]
+        grads = oracle(p, every, rank)[1:] if p.backward else []
+        return [Expected(out.what, out.value.to(every[rank].leaves[0].dtype), out.reduction), *grads]
+
+    return fn
+
+
+@_fp8_forward
 
 def oracle_all_gather_matmul(p, every: list[OpInputs], rank: int) -> list[Expected]:
     W, m = len(every), p.m
@@ -92,6 +133,7 @@ def oracle_all_gather_matmul(p, every: list[OpInputs], rank: int) -> list[Expect
     return expected
 
 
+@_fp8_forward
 def oracle_matmul_reduce_scatter(p, every: list[OpInputs], rank: int) -> list[Expected]:
     W, m = len(every), p.m
     rows = slice(rank * m, (rank + 1) * m)
@@ -106,6 +148,7 @@ def oracle_matmul_reduce_scatter(p, every: list[OpInputs], rank: int) -> list[Ex
     return expected
 
 
+@_fp8_forward
 def oracle_matmul_all_reduce(p, every: list[OpInputs], rank: int) -> list[Expected]:
     W = len(every)
     a_MK, b_KN = every[rank].leaves
@@ -141,12 +184,17 @@ def _wait(work, what: str, info, timeout: float) -> None:
     comm.wait_work(work, f"bench {what}", info.rank, "any", "all", timeout, info.device)
 
 
-def _gemms(p, x: torch.Tensor, b: torch.Tensor, g: torch.Tensor | None) -> Callable[[], None]:
-    """``x @ b`` and, in fwd+bwd, the backward's ``g @ b.T`` and ``x.T @ g`` (``x``: the full input rows,
-    ``g``: the output gradient they meet)."""
+def _gemms(p, x: torch.Tensor, b: torch.Tensor, g: torch.Tensor | None, reduced: bool) -> Callable[[], None]:
+    """``x @ b`` (an fp8 problem: the scaled GEMM of their quantized values, in float32 where the output is
+    `reduced` across ranks) and, in fwd+bwd, the backward's ``g @ b.T`` and ``x.T @ g`` (``x``: the full input
+    rows, ``g``: the output gradient they meet)."""
+    forward = functools.partial(torch.mm, x, b)
+    if _fp8(p):
+        (x8, sx), (b8, sb) = quantize_fp8(x, FP8_RECIPE), quantize_weight(b, FP8_RECIPE)
+        forward = functools.partial(scaled_mm, x8, b8, sx, sb, torch.float32 if reduced else x.dtype)
 
     def compute() -> None:
-        torch.mm(x, b)
+        forward()
         if p.backward:
             torch.mm(g, b.t())
             torch.mm(x.t(), g)
@@ -154,11 +202,18 @@ def _gemms(p, x: torch.Tensor, b: torch.Tensor, g: torch.Tensor | None) -> Calla
     return compute
 
 
-def _plain(p, comm_fn, comm_label: str, x, b, g, comm_bytes: int, same_in_backward: bool = False) -> Plain:
+def _plain(p, comm_fn, comm_label: str, x, b, g, comm_bytes: int, same_in_backward: bool = False,
+           reduced: bool = False) -> Plain:
     """`Plain` of a TP op: its collectives are labelled `comm_label` forward (and in fwd+bwd where the backward
-    adds none: `same_in_backward`), ``(comm alone)`` otherwise."""
+    adds none: `same_in_backward`), ``(comm alone)`` otherwise; `reduced`: its output is a sum over ranks."""
     label = comm_label if same_in_backward or not p.backward else "(comm alone)"
-    return Plain(comm_fn, _gemms(p, x, b, g), label, "(GEMMs alone)" if p.backward else "(GEMM alone)", comm_bytes)
+    return Plain(comm_fn, _gemms(p, x, b, g, reduced), label, "(GEMMs alone)" if p.backward else "(GEMM alone)",
+                 comm_bytes)
+
+
+def _partials(p, like: torch.Tensor, *shape: int) -> torch.Tensor:
+    """Zeros for a forward reduction's partial: the leaves' dtype, an fp8 problem's float32."""
+    return like.new_zeros(shape, dtype=torch.float32 if _fp8(p) else like.dtype)
 
 
 def plain_all_gather_matmul(p, every: list[OpInputs], rank: int, group, info, timeout: float,
@@ -167,9 +222,14 @@ def plain_all_gather_matmul(p, every: list[OpInputs], rank: int, group, info, ti
     full_MK = torch.cat([e.leaves[0] for e in every])
     # Zeros in the buffers of the collectives alone: values that stay put, never denormal garbage.
     gathered, partial_MK, grad_a_MK = torch.zeros_like(full_MK), torch.zeros_like(full_MK), torch.zeros_like(a_MK)
+    sent, got = a_MK, gathered
+    if _fp8(p):  # the fp8 rows packed with their scales, as the op gathers them
+        width = Packed(p.k, a_MK.device).width
+        sent = a_MK.new_zeros((a_MK.shape[0], width), dtype=torch.uint8)
+        got = a_MK.new_zeros((full_MK.shape[0], width), dtype=torch.uint8)
 
     def comm_fn() -> None:
-        _wait(comm.all_gather_async(gathered, a_MK, group), "all_gather", info, timeout)
+        _wait(comm.all_gather_async(got, sent, group), "all_gather", info, timeout)
         if p.backward:  # backward gathers a again, then reduce-scatters grad_a's partial
             _wait(comm.all_gather_async(gathered, a_MK, group), "all_gather", info, timeout)
             _wait(comm.reduce_scatter_async(grad_a_MK, partial_MK, group), "reduce_scatter", info, timeout)
@@ -181,27 +241,28 @@ def plain_matmul_reduce_scatter(p, every: list[OpInputs], rank: int, group, info
                                 comm_bytes: int) -> Plain:
     a_MK, b_KN = every[rank].leaves
     partial, out = a_MK.new_zeros((a_MK.shape[0], p.n)), a_MK.new_zeros((p.m, p.n))  # zeros: see above
+    sent, got = _partials(p, a_MK, a_MK.shape[0], p.n), _partials(p, a_MK, p.m, p.n)
     full_grad = torch.cat([e.grad_out for e in every]) if p.backward else None
 
     def comm_fn() -> None:
-        _wait(comm.reduce_scatter_async(out, partial, group), "reduce_scatter", info, timeout)
+        _wait(comm.reduce_scatter_async(got, sent, group), "reduce_scatter", info, timeout)
         if p.backward:
             _wait(comm.all_gather_async(partial, out, group), "all_gather", info, timeout)
 
-    return _plain(p, comm_fn, "(reduce_scatter alone)", a_MK, b_KN, full_grad, comm_bytes)
+    return _plain(p, comm_fn, "(reduce_scatter alone)", a_MK, b_KN, full_grad, comm_bytes, reduced=True)
 
 
 def plain_matmul_all_reduce(p, every: list[OpInputs], rank: int, group, info, timeout: float,
                             comm_bytes: int) -> Plain:
     a_MK, b_KN = every[rank].leaves
     # Zeros: the timed all_reduce runs in place again and again, and any other values would grow.
-    partial = a_MK.new_zeros((a_MK.shape[0], p.n))
+    partial = _partials(p, a_MK, a_MK.shape[0], p.n)
 
     def comm_fn() -> None:  # the backward passes the gradient through: nothing more in fwd+bwd
         _wait(dist.all_reduce(partial, group=group, async_op=True), "all_reduce", info, timeout)
 
     return _plain(p, comm_fn, "(all_reduce alone)", a_MK, b_KN, every[rank].grad_out, comm_bytes,
-                  same_in_backward=True)
+                  same_in_backward=True, reduced=True)
 
 
 def plain_all_gather_weight_matmul(p, every: list[OpInputs], rank: int, group, info, timeout: float,

@@ -1,6 +1,8 @@
 """One rank of the ops run on one device (tests/gpu/test_ops_on_one_device.py): every op of the op table x
-{``symm``, ``fused``} x {forward, forward and backward}, through the public API, against a float64 oracle computed
-here from the seed, each call made twice and required to give bitwise the same results.
+{``symm``, ``fused``} x {forward, forward and backward}, and the ops that take fp8 once more in their fp8 recipe
+(``fp8="rowwise"`` on bf16 leaves: the packed fp8 rows, the scaled GEMMs, the fused kernels' fp8 dot), through the
+public API, against a float64 oracle computed here from the seed (fp8: of the leaves as the recipe quantizes
+them), each call made twice and required to give bitwise the same results.
 
 Started as ``python tests/gpu/ops_rank.py --rank R --world-size W ...``, one process per rank. On a GPU every rank
 computes on the same device: the process group is ``cpu:gloo,cuda:nccl`` (one rank: ``nccl``), whose name tells
@@ -49,18 +51,20 @@ TRACE_CHARS = 3000  # how much of a failing call's traceback a record keeps
 class Case:
     """One check: an op of the table, a `Plan` variant flag (``""`` or e.g. ``one_shot``), a strategy, and
     whether the call runs its backward too (forward-only calls run under ``torch.no_grad``, which takes other
-    paths: the MoE combine's CUDA sum kernel)."""
+    paths: the MoE combine's CUDA sum kernel); `fp8`: the op's fp8 recipe on bf16 leaves."""
 
     op: str
     variant: str
     strategy: str
     backward: bool
     shape: dict[str, int]
+    fp8: bool = False
 
     @property
     def name(self) -> str:
-        """``op-strategy-mode``, e.g. ``matmul_all_reduce.one_shot-fused-fwd+bwd`` (a test id: no dims)."""
-        op = f"{self.op}.{self.variant}" if self.variant else self.op
+        """``op-strategy-mode``, e.g. ``matmul_all_reduce.one_shot-fused-fwd+bwd`` (a test id: no dims; fp8:
+        ``all_gather_matmul.fp8-fused-fwd``)."""
+        op = ".".join((self.op, *((self.variant,) if self.variant else ()), *(("fp8",) if self.fp8 else ())))
         return f"{op}-{self.strategy}-{'fwd+bwd' if self.backward else 'fwd'}"
 
     @property
@@ -78,12 +82,13 @@ def shapes(family: str, cuda: bool) -> dict[str, int]:
 
 
 def cases(cuda: bool) -> list[Case]:
-    """Every op of the table (and every `Plan` variant it takes) x `STRATEGIES` x {fwd, fwd+bwd}, table order."""
+    """Every op of the table (and every `Plan` variant it takes) x `STRATEGIES` x {fwd, fwd+bwd}, table order; then
+    the same of the ops that take fp8, in their fp8 recipe."""
     from overlap.plans import OPS
 
-    return [Case(name, variant, strategy, backward, shapes(spec.family, cuda))
-            for name, spec in OPS.items() for variant in ("", *spec.variants)
-            for strategy in STRATEGIES for backward in (False, True)]
+    return [Case(name, variant, strategy, backward, shapes(spec.family, cuda), fp8)
+            for fp8 in (False, True) for name, spec in OPS.items() if spec.fp8 or not fp8
+            for variant in ("", *spec.variants) for strategy in STRATEGIES for backward in (False, True)]
 
 
 # ==============================================================================================
@@ -137,11 +142,14 @@ def run_case(case: Case, index: int, seed: int, group, device: torch.device, dty
     import torch.distributed as dist
 
     from overlap.plans import OPS, Plan, Problem
-    from overlap.workloads import SeededDraw, workload
+    from overlap.workloads import SeededDraw, leaf_dtype, workload
 
     spec, work = OPS[case.op], workload(case.op)
     W, rank = dist.get_world_size(group), dist.get_rank(group)
-    problem = Problem(case.op, dtype=dtype_name(dtype), backward=case.backward, **case.shape)
+    if case.fp8:  # the recipe on bf16 leaves (the workload's fp8 problem): results rounded as bf16's
+        dtype = leaf_dtype(torch.float8_e4m3fn)
+    problem = Problem(case.op, dtype="float8_e4m3fn" if case.fp8 else dtype_name(dtype), backward=case.backward,
+                      **case.shape)
     draw = SeededDraw((seed * 1_000_003 + index) % 2**62, rank, device, dtype)
     with torch.no_grad():
         every = [work.inputs(problem, W, draw.for_rank(q)) for q in range(W)]
