@@ -23,6 +23,7 @@ from overlap.ops.tp import gather as _gather
 from overlap.ops.tp import grad_ring as _grad_ring
 from overlap.ops.tp import matmul_all_reduce, scatter_gemm
 from overlap.ops.tp import shard_ring as _shard_ring
+from overlap.ops.tp.operands import Gemm
 from overlap.ops.tp.rows import Product, Rows
 
 RANKS = [(W, r) for W in (2, 3, 4) for r in range(W)]
@@ -121,8 +122,8 @@ def test_matmul_all_reduce(monkeypatch, W, r, one_shot):
     call = gpu_call(heap)
     rec = _record(monkeypatch, heap, call)
     with gpu_order.fake_cuda(monkeypatch):
-        matmul_all_reduce._symm(_context(W, r, one_shot), call, on_gpu(torch.randn(7 * W, 4)),
-                                on_gpu(torch.randn(4, 3)))
+        matmul_all_reduce._symm(_context(W, r, one_shot), call, Gemm(on_gpu(torch.randn(7 * W, 4)),
+                                                                     on_gpu(torch.randn(4, 3))))
     stride = symm.MAX_FLAGS // (W + 1)
     # Two-shot: the reduced chunks (flags W*stride + j) need the partials' waits first: a second phase.
     check_order(rec.ops, phase=(lambda index: 1) if one_shot else (lambda index: 2 if index >= W * stride else 1))

@@ -65,7 +65,7 @@ def all_reduce(cc: CallContext, g: Gemm) -> torch.Tensor:
     rs = reduce_bytes(size, n, g.dtype, W)
     ag = padded(size * n * g.dtype.itemsize)
     half = symm.MAX_FLAGS // 2
-    out = torch.empty((M, n), dtype=g.dtype, device=g.device)
+    out = g.a.new_empty((M, n), dtype=g.dtype)
     with guard(cc, lay):
         call = begin_node(cc, lay, rs + lay.num_nodes * ag)
         try:

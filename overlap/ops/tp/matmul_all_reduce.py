@@ -174,7 +174,7 @@ def _reference(cc: CallContext, call, g: Gemm):
 
 def _empty(g: Gemm, shape: tuple[int, ...]) -> torch.Tensor:
     """A new tensor of `g`'s partials' dtype."""
-    return torch.empty(shape, dtype=g.dtype, device=g.device)
+    return g.a.new_empty(shape, dtype=g.dtype)
 
 
 def _sum_in_rank_order(parts: list[torch.Tensor], out: torch.Tensor) -> None:
