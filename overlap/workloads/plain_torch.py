@@ -138,6 +138,11 @@ def _scaled_mm(a8, a_scale, b8, b_scale, out_dtype: torch.dtype) -> torch.Tensor
     return torch.matmul(a8.float() * a_scale, b8.float() * b_scale).to(out_dtype)
 
 
+def _scaled_partial(a: torch.Tensor, b: torch.Tensor, granularity: str) -> torch.Tensor:
+    """``a @ b`` of both cast to fp8 on this rank, in float32 (a reduction's partial)."""
+    return _scaled_mm(*_to_fp8(a, granularity), *_weight_to_fp8(b, granularity), torch.float32)
+
+
 def _gather_fp8(a: torch.Tensor, granularity: str, group) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's ``a`` cast on its owner: the fp8 bytes gathered, then the scales (per row of the gathered rows)."""
     a8, scale = _to_fp8(a, granularity)
@@ -166,8 +171,7 @@ class _MatmulReduceScatterFp8(_MatmulReduceScatter):
     def forward(ctx, a, b, group, granularity):
         ctx.save_for_backward(a, b)
         ctx.group = group
-        partial = _scaled_mm(*_to_fp8(a, granularity), *_weight_to_fp8(b, granularity), torch.float32)
-        return _scatter_rows(partial, group).to(a.dtype)
+        return _scatter_rows(_scaled_partial(a, b, granularity), group).to(a.dtype)
 
     @staticmethod
     def backward(ctx, g):
@@ -178,7 +182,7 @@ class _MatmulAllReduceFp8(_MatmulAllReduce):
     @staticmethod
     def forward(ctx, a, b, group, granularity):
         ctx.save_for_backward(a, b)
-        out = _scaled_mm(*_to_fp8(a, granularity), *_weight_to_fp8(b, granularity), torch.float32)
+        out = _scaled_partial(a, b, granularity)
         dist.all_reduce(out, group=group)
         return out.to(a.dtype)
 

@@ -35,12 +35,12 @@ def check_matmul_operands(op: str, a: Any, b: Any, device: torch.device) -> None
     """Checks shared by the TP ops: ``a`` is ``[..., k]``, ``b`` is ``[k, n]``, same float dtype/device."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise TypeError(f"overlap.{op}: a and b must be tensors, got {type(a).__name__} and {type(b).__name__}")
-    if fp8s.is_fp8(a) or fp8s.is_fp8(b):  # (their dtypes: `check_fp8`)
-        pass
-    elif a.dtype != b.dtype:
-        raise TypeError(f"overlap.{op}: a and b must have one dtype outside autocast, got {a.dtype} and {b.dtype}")
-    elif a.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"overlap.{op}: dtype must be one of {FLOAT_DTYPES}, got {a.dtype}")
+    if not (fp8s.is_fp8(a) or fp8s.is_fp8(b)):  # (fp8 operands' dtypes: `check_fp8`)
+        if a.dtype != b.dtype:
+            raise TypeError(f"overlap.{op}: a and b must have one dtype outside autocast, got {a.dtype} and "
+                            f"{b.dtype}")
+        if a.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"overlap.{op}: dtype must be one of {FLOAT_DTYPES}, got {a.dtype}")
     if a.dim() < 2:
         raise ValueError(f"overlap.{op}: a must be [..., k] with at least 2 dims (dim 0 is gathered or scattered), "
                          f"got {describe(a)}")
@@ -57,6 +57,9 @@ def check_matmul_operands(op: str, a: Any, b: Any, device: torch.device) -> None
         raise ValueError(f"overlap.{op}: this rank's group computes on {device} but the inputs are on {a.device}")
 
 
+Fp8Args = tuple  # (a_scale or None, [b_scale per weight], out_dtype or None, recipe: "", "rowwise" or "tensorwise")
+
+
 def check_fp8(op: str, a: torch.Tensor, bs: list[torch.Tensor], scaled: Fp8Args | None) -> str:
     """The fp8 checks of a call (`overlap.ops.fp8`): fp8 operands with their scales and ``out_dtype``, or the
     ``fp8=`` recipe on high-precision operands, or neither. Returns what the call's signature adds."""
@@ -69,9 +72,6 @@ def check_fp8(op: str, a: torch.Tensor, bs: list[torch.Tensor], scaled: Fp8Args 
     fp8s.check_no_scales(op, a, a_scale, b_scales or None, out_dtype)
     fp8s.check_recipe(op, recipe, a)
     return f", fp8={recipe}" if recipe else ""
-
-
-Fp8Args = tuple  # (a_scale or None, [b_scale per weight], out_dtype or None, recipe: "", "rowwise" or "tensorwise")
 
 
 def fp8_args(a_scale: Any, b_scale: Any, out_dtype: Any, fp8: Any) -> Fp8Args | None:
