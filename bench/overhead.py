@@ -1,7 +1,7 @@
 """Protocol overhead of one op call on local ranks: what the runtime adds around the GEMM.
 
 For `all_gather_matmul` (default ``32x64x64`` fp32, forward, ``--strategy symm``) on ``--nproc`` ranks, the
-median over ``--iters`` calls (after ``--warmup``) of:
+median (and p25..p75) over ``--iters`` calls (after ``--warmup``) of:
 
 * ``op``: the op itself;
 * ``gemm``: ``torch.matmul`` on the gathered input alone (no communication);
@@ -15,12 +15,16 @@ wrapped for that run), ``copy-engine hop`` (waits for the copy engine's thread; 
 pulled inline), ``dispatch`` (torch's custom-op dispatch, autograd wrapper, the op's Python outside its
 ranges) and the rest (copies and GEMMs, the strategy's Python). Also the host synchronizations per call
 (`overlap.symm.host_sync_counts`). The protocol per call is ``op - gemm``; against plain torch,
-``op - torch``. Each rank's timings are taken between barriers; the table shows rank 0's. Results go to
-stdout (``--json PATH`` as well).
+``op - torch``. Calls run back to back (the steady state of a training loop), or with ``--barrier`` each
+after a ``dist.barrier()``, as `overlap bench` times them (a call then starts with its peers, and with the
+barrier's last messages still in flight: the case where the slow half of small calls came from). Each
+rank's timings are taken between barriers; the table shows rank 0's. Results go to stdout (``--json PATH``
+as well).
 
 usage:
   python bench/overhead.py                       # 2 CPU ranks
   python bench/overhead.py --nproc 3 --shape 32x64x64 --strategy pipelined --iters 2000 --json before.json
+  python bench/overhead.py --barrier               # every call after a barrier, as overlap bench times it
   OVERLAP_CHECK_EVERY_CALL=1 python bench/overhead.py   # every call a full handshake (no steady state)
 """
 
@@ -35,13 +39,16 @@ import time
 RANGES = ("overlap.preamble", "overlap.handshake", "overlap.all_gather_matmul", "bench.call")
 
 
-def _median_us(fn, iters: int) -> float:
+def _quartiles_us(fn, iters: int, barrier) -> tuple[float, float, float]:
+    """p25, median, p75 of `iters` calls of `fn` in microseconds (`barrier` called before each, untimed)."""
     times = []
     for _ in range(iters):
+        barrier()
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
+    q1, q2, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
+    return q1 * 1e6, q2 * 1e6, q3 * 1e6
 
 
 class _Timed:
@@ -79,7 +86,8 @@ def _rank(args: argparse.Namespace) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)
     a, b = torch.randn(m, k), torch.randn(k, n)
-    full = torch.empty(world * m, k)
+    full = torch.zeros(world * m, k)  # (not empty: stale denormals would make the GEMM alone ~50x slower)
+    barrier = dist.barrier if args.barrier else (lambda: None)
 
     def op():
         overlap.all_gather_matmul(a, b, strategy=args.strategy)
@@ -98,7 +106,7 @@ def _rank(args: argparse.Namespace) -> dict:
         dist.barrier()
         if name == "op":
             before = symm.host_sync_counts()
-        out[name] = _median_us(fn, args.iters)
+        out[f"{name}_p25"], out[name], out[f"{name}_p75"] = _quartiles_us(fn, args.iters, barrier)
         if name == "op":
             after = symm.host_sync_counts()
             out["rendezvous_per_call"] = (after["rendezvous"] - before["rendezvous"]) / args.iters
@@ -107,6 +115,7 @@ def _rank(args: argparse.Namespace) -> dict:
     with profile(activities=[ProfilerActivity.CPU]) as prof, _Timed(handshake, "wait_checked") as waits, \
             _Timed(comm, "result") as hop:
         for _ in range(args.profiled):
+            barrier()
             with record_function("bench.call"):
                 op()
     totals = {e.key: e.cpu_time_total for e in prof.key_averages()}
@@ -128,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=1000)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--profiled", type=int, default=300)
+    parser.add_argument("--barrier", action="store_true",
+                        help="each call after a dist.barrier(), as overlap bench times it")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     try:
@@ -141,8 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     with RankPool(args.nproc) as pool:
         r = pool.run(_rank, args)[0]
     inner = r["all_gather_matmul"]  # the op's range: handshake, waits, hop, copies and GEMMs
+
+    def spread(name: str) -> str:
+        return f"  ({r[name + '_p25']:.0f}..{r[name + '_p75']:.0f})"
+
     rows = [
-        ("op (median)", r["op"]), ("gemm alone (median)", r["gemm"]), ("plain torch ag+mm (median)", r["torch"]),
+        ("op (median)", r["op"], spread("op")), ("gemm alone (median)", r["gemm"], spread("gemm")),
+        ("plain torch ag+mm (median)", r["torch"], spread("torch")),
         ("protocol = op - gemm", r["op"] - r["gemm"]), ("op - plain torch", r["op"] - r["torch"]),
         ("profiled call (mean)", r["op_profiled"]),
         ("  preamble", r["preamble"]), ("  handshake", r["handshake"]), ("  waits for peers", r["waits"]),
@@ -151,9 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         ("  copies, GEMMs, the rest", inner - r["handshake"] - r["waits"] - r["hop"]),
         ("host rendezvous per call", r["rendezvous_per_call"]), ("steady-state calls per call", r["steady_per_call"]),
     ]
-    print(f"all_gather_matmul {args.shape} fp32 forward, {args.strategy}, {args.nproc} ranks (rank 0, us per call)")
-    for name, us in rows:
-        print(f"  {name:34s} {us:9.1f}" if "per call" not in name else f"  {name:34s} {us:9.2f}")
+    timing = "each call after a barrier" if args.barrier else "calls back to back"
+    print(f"all_gather_matmul {args.shape} fp32 forward, {args.strategy}, {args.nproc} ranks, {timing} "
+          "(rank 0, us per call; p25..p75)")
+    for name, us, *extra in rows:
+        print(f"  {name:34s} {us:9.1f}{''.join(extra)}" if "per call" not in name else f"  {name:34s} {us:9.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rank0_us": r}, f, indent=1)

@@ -15,3 +15,44 @@ def test_chunk_bounds_cover_rows_exactly(rows, chunks):
     assert len(bounds) == min(rows, chunks)
     sizes = [hi - lo for lo, hi in bounds]
     assert max(sizes) - min(sizes) <= 1
+
+
+class _FakeWork:
+    """A work whose blocking ``wait()`` returns once `release` is set (or raises `error`), recording its thread."""
+
+    def __init__(self, error: Exception | None = None):
+        import threading
+
+        self.release, self.error, self.threads = threading.Event(), error, []
+
+    def wait(self):
+        import threading
+
+        self.threads.append(threading.current_thread())
+        if not self.release.wait(30):
+            raise AssertionError("never released")
+        if self.error is not None:
+            raise self.error
+
+
+def test_polled_waits_share_one_waiter_thread_and_a_stuck_one_is_replaced():
+    """`PolledWork` (gloo's reduce-scatter) waits on the process's waiter thread: one thread for every wait, not one
+    per wait; a wait past its deadline returns False and leaves that thread to it, and the next wait gets another."""
+    works = [_FakeWork() for _ in range(3)]
+    for w in works:
+        w.release.set()
+        assert comm.PolledWork(w).wait() is True
+    assert works[0].threads[0] is works[1].threads[0] is works[2].threads[0]  # one waiter thread
+    stuck = _FakeWork()
+    import datetime
+
+    assert comm.PolledWork(stuck).wait(timeout=datetime.timedelta(seconds=0.05)) is False
+    fresh = _FakeWork()
+    fresh.release.set()
+    assert comm.PolledWork(fresh).wait() is True
+    assert fresh.threads[0] is not stuck.threads[0]  # the stuck thread still holds the old wait
+    stuck.release.set()
+    failing = _FakeWork(RuntimeError("connection closed by peer"))
+    failing.release.set()
+    with pytest.raises(RuntimeError, match="connection closed"):  # the wait's error, on the caller's thread
+        comm.PolledWork(failing).wait()

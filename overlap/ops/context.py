@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -98,6 +99,11 @@ def preamble(op: str, group, timeout: float | None,
 
     A TypeError/ValueError raised by `decide` or a bad `timeout` is a local mistake: posted to the peers,
     then raised here (`CallContext.fail`)."""
+    # CPU ranks share their cores with the backend's threads: one of this process's may still be finishing the
+    # collective before this call (a barrier's, the last op's final send) while its peer waits for it. Give it
+    # the core now rather than after this call's Python and first spin-wait (right after a barrier, every
+    # other call found its peer ~0.4 ms late without it: `bench/overhead.py --barrier`). ~1 us.
+    os.sched_yield()
     with record("preamble"):
         return _preamble(op, group, timeout, decide)
 
