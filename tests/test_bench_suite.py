@@ -100,25 +100,39 @@ def test_preset_cases_expand_for_every_op_and_mode():
         Case("all_gather_matmul", 8, 8, 8, preset="llama3-8b", layer="mlp-down", tp=2)  # not a layer of that op
 
 
-def test_default_cases_are_the_llama_layer_and_a_tiny_shape():
+SMALL = ("llama3-8b-decode", "llama3-70b-decode", "llama3-8b-prefill")
+
+
+def test_default_cases_are_the_llama_layer_a_tiny_shape_and_small_calls():
     cases = [c for c in default_cases(OPS, "cpu", world_size=2) if not c.batch]  # (batch-first: test_bench_layouts)
     for op in OPS:
-        mine = [c for c in cases if c.op == op]
+        mine = [c for c in cases if c.op == op and c.preset not in SMALL]
         layers = 4 if op == "all_gather_weight_matmul" else 2  # FSDP: every projection; TP: two per op
         assert [c.mode for c in mine] == ["fwd", "fwd+bwd"] * (layers + 1), mine
         assert [c.preset for c in mine[:2 * layers]] == ["llama3-8b"] * 2 * layers and not mine[2 * layers].preset
         assert [c.fits_interpreted_fused for c in mine] == [False] * 2 * layers + [True] * 2
-    assert len(default_cases(world_size=2)) == 40  # and the 6 MoE cases and 6 batch-first ones
+        small = [c for c in cases if c.op == op and c.preset in SMALL]
+        if op == "all_gather_weight_matmul":  # (the weight gather of FSDP has no decode cases)
+            assert not small
+            continue
+        # decode: forward only, 8 rows per rank (16 sequences on 2 ranks); the short prompt: 64 rows, both modes
+        assert [(c.preset, c.mode, c.m) for c in small] == (
+            [("llama3-8b-decode", "fwd", 8)] * 2 + [("llama3-70b-decode", "fwd", 8)] * 2
+            + [("llama3-8b-prefill", mode, 64) for _ in range(2) for mode in ("fwd", "fwd+bwd")]), small
+    assert len(default_cases(world_size=2)) == 64  # and the 6 MoE cases and 6 batch-first ones
     left_out: list[str] = []
     three = default_cases(OPS, "cpu", world_size=3, left_out=left_out)
     assert all(not c.preset for c in three) and len(three) == 8, three  # only the tiny shape fits 3 ranks
-    assert left_out == ["llama3-8b: heads (32), kv_heads (8), ffn (896), tokens (1024) do not divide by the "
-                        "tensor-parallel size 3 (the ranks)"]
+    assert left_out[0] == ("llama3-8b: heads (32), kv_heads (8), ffn (896), tokens (1024) do not divide by the "
+                           "tensor-parallel size 3 (the ranks)")
+    assert [line.split(":")[0] for line in left_out[1:]] == list(SMALL), left_out
     gpu = [c for c in default_cases("all_gather_matmul", "cuda", world_size=8) if not c.batch]
-    assert {c.preset for c in gpu} == {"llama3-8b-full", "llama3-70b-full", ""}
+    assert {c.preset for c in gpu} == {"llama3-8b-full", "llama3-70b-full", "", "llama3-8b-full-decode",
+                                       "llama3-70b-full-decode"}
+    assert {c.m for c in gpu if c.preset.endswith("decode")} == {2}  # 16 sequences over 8 GPUs
     quick, tiny = suite_cases("quick"), suite_cases("tiny")
     assert set(SUITES) == {"quick", "default", "tiny"} and suite_cases("default") == default_cases()
-    assert all(c.mode == "fwd" and not c.fits_interpreted_fused for c in quick) and len(quick) == 15
+    assert all(c.mode == "fwd" and not c.fits_interpreted_fused for c in quick) and len(quick) == 33
     assert all(c.mode == "fwd" and c.fits_interpreted_fused for c in tiny) and len(tiny) == 5
 
 
@@ -232,21 +246,23 @@ def test_plot_draws_times_and_speedups_over_torch(tmp_path):
         plot(_payload([_row(case, "fused", 900.0, interpreted=True)]), str(tmp_path / "q.png"))
 
 
-def test_auto_slower_than_torch_counts_cases_whose_spreads_do_not_overlap():
+def test_auto_slower_than_torch_counts_cases_beyond_a_tenth_or_half_the_wider_spread():
     from overlap.benchmarks.report import auto_vs_torch, auto_vs_torch_line
 
-    a, b, c, d = (f"op {n}x8x8 float32 fwd" for n in (1, 2, 3, 4))
+    a, b, c, d, e, f = (f"op {n}x8x8 float32 fwd" for n in (1, 2, 3, 4, 5, 6))
     rows = [
-        _row(a, "torch", 10.0, spread=0.05), _row(a, "auto", 12.0, spread=0.05),  # 11.4 > 10.5: slower
-        _row(b, "torch", 10.0, spread=0.05), _row(b, "auto", 11.0, spread=0.05),  # 10.45 < 10.5: within
+        _row(a, "torch", 10.0, spread=0.05), _row(a, "auto", 11.2, spread=0.05),  # 1.2 > max(1.0, 0.56): slower
+        _row(b, "torch", 10.0, spread=0.05), _row(b, "auto", 10.9, spread=0.05),  # 0.9 < 1.0: within a tenth
         _row(c, "torch", 10.0, spread=0.05), _row(c, "auto", 5.0, spread=0.05),  # faster
         _row(d, "torch", 10.0), {"case": d, "strategy": "auto", "status": "FAILED"},  # not timed: not compared
+        _row(e, "torch", 10.0, spread=0.1), _row(e, "auto", 11.5, spread=0.2),  # 1.5 < max(1.0, 4.6 / 2): noise
+        _row(f, "torch", 10.0, spread=0.3), _row(f, "auto", 13.5, spread=0.05),  # 3.5 > max(1.0, 6 / 2): slower
         _row(a, "(comm alone)", 99.0, context="comm"),
     ]
     result = auto_vs_torch(rows)
-    assert result == {"slower": 1, "compared": 3, "cases": [a]}
+    assert result == {"slower": 2, "compared": 5, "cases": [a, f]}
     assert auto_vs_torch_line(result) == (
-        f"auto slower than torch beyond the spreads (p25..p75 apart) in 1 of 3 case(s): {a}")
+        f"auto slower than torch beyond max(10%, half the wider p25..p75 spread) in 2 of 5 case(s): {a}; {f}")
     none = auto_vs_torch(rows[2:6])
     assert none == {"slower": 0, "compared": 2, "cases": []}
     assert auto_vs_torch_line(none).endswith("in 0 of 2 case(s) (goal: none)")

@@ -14,8 +14,10 @@ ranks.
 Default CPU cases (2 gloo ranks on a 2-core machine, one torch thread per rank): for each
 tensor-parallel op the ``llama3-8b`` projections it has (two per op; ``all_gather_weight_matmul``: four) and one
 tiny shape, three batch-first projections (`_BATCH_FIRST`: torchtitan's layout, q/k/v and gate/up as separate
-weights fed by one gather), and the three CPU presets of `MOE_PRESETS`, each forward and forward+backward, 40
-cases. The Llama-3 8B projections
+weights fed by one gather), and the three CPU presets of `MOE_PRESETS`, each forward and forward+backward; and
+small calls of the three tensor-parallel ops, where a plain collective and ``torch.matmul`` are hardest to beat: a
+decode step of ``llama3-8b-decode`` and ``llama3-70b-decode`` (forward) and a short prompt of
+``llama3-8b-prefill`` (both modes); 64 cases. The Llama-3 8B projections
 at 1/16 width in fp32 keep the real layer's balance of compute and communication per projection
 (`models` explains the scale): attention's are communication-heavy, ``mlp-up`` compute-heavy,
 ``mlp-down`` in between, as on GPUs; a call takes milliseconds to tens of milliseconds, far above
@@ -95,18 +97,28 @@ __all__ = [
 ]
 
 
-# Per device type, for every tensor-parallel op: (a `models.TP_PRESETS` name or ``(m, k, n)``, dtype, modes).
-_DEFAULTS: dict[str, list[tuple[str | tuple[int, int, int], str, tuple[str, ...]]]] = {
+#: the tensor-parallel ops of the small-call presets (decode, short prefill): no weight gather (FSDP)
+_TP_ONLY = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+
+# Per device type, for every tensor-parallel op: (a `models.TP_PRESETS` name or ``(m, k, n)``, dtype, modes, the
+# ops it is a case of).
+_DEFAULTS: dict[str, list[tuple[str | tuple[int, int, int], str, tuple[str, ...], tuple[str, ...]]]] = {
     "cpu": [
-        ("llama3-8b", "float32", MODES),  # Llama-3 8B's four projections, scaled for CPU ranks (`models`)
-        ((32, 64, 64), "float32", MODES),  # small enough for interpreted fused
+        ("llama3-8b", "float32", MODES, OPS),  # Llama-3 8B's four projections, scaled for CPU ranks (`models`)
+        ((32, 64, 64), "float32", MODES, OPS),  # small enough for interpreted fused
+        # small calls: a decode step (8 rows per rank on 2 ranks), a short prompt (64 rows per rank)
+        ("llama3-8b-decode", "float32", ("fwd",), _TP_ONLY),
+        ("llama3-70b-decode", "float32", ("fwd",), _TP_ONLY),
+        ("llama3-8b-prefill", "float32", MODES, _TP_ONLY),
     ],
     # Not yet measured on a GPU. The generic shape runs on any number of GPUs, the presets where
     # heads, FFN and tokens divide by it.
     "cuda": [
-        ("llama3-8b-full", "bfloat16", MODES),
-        ("llama3-70b-full", "bfloat16", MODES),
-        ((1024, 8192, 8192), "bfloat16", ("fwd",)),
+        ("llama3-8b-full", "bfloat16", MODES, OPS),
+        ("llama3-70b-full", "bfloat16", MODES, OPS),
+        ((1024, 8192, 8192), "bfloat16", ("fwd",), OPS),
+        ("llama3-8b-full-decode", "bfloat16", ("fwd",), _TP_ONLY),
+        ("llama3-70b-full-decode", "bfloat16", ("fwd",), _TP_ONLY),
     ],
 }
 
@@ -202,8 +214,10 @@ def default_cases(
                 if mode in case_modes and mode in modes
             ]
             continue
-        for shape, dt, case_modes in _DEFAULTS[device_type]:
+        for shape, dt, case_modes, case_ops in _DEFAULTS[device_type]:
             selected = [mode for mode in MODES if mode in case_modes and mode in modes]
+            if o not in case_ops:
+                continue
             if not isinstance(shape, str):
                 cases += [Case(o, *shape, dtype or dt, backward=mode == "fwd+bwd") for mode in selected]
             elif why := tp_problem(TP_PRESETS[shape][0], world_size):

@@ -31,6 +31,11 @@ Presets (`TP_PRESETS`): ``llama3-8b-full`` and ``llama3-70b-full`` are those (th
 ``llama3-8b`` and ``llama3-70b`` are the CPU versions, every width (hidden, FFN, head dim) at
 1/16 and the tokens at 1/4, heads kept (`CPU_WIDTH_SCALE`, `CPU_TOKEN_SCALE`).
 
+Small calls, where a plain collective and ``torch.matmul`` are hard to beat (`DECODE_TOKENS`, `PREFILL_TOKENS`):
+``llama3-8b-decode`` and ``llama3-70b-decode`` are one decode step of a batch of 16 sequences (16 tokens: 1 to 16
+rows per rank on 16 down to 1 ranks), widths at 1/16; ``llama3-8b-prefill`` a short prompt, 128 tokens at the
+same widths (a 512-token prompt at the token scale of ``llama3-8b``); ``-full`` versions at the real widths.
+
 Why that scale. Per byte it receives, a projection does ``2*W/(W-1) * n / itemsize`` FLOPs
 (all-gather: ``n`` the output columns per rank) or ``2*W/(W-1) * k / itemsize`` (reduce-scatter:
 ``k`` the reduction per rank); the tokens cancel. For Llama-3 8B at TP=8 in bf16 that is ~880
@@ -112,12 +117,31 @@ LLAMA3_70B = DenseModel(hidden=8192, ffn=28672, heads=64, kv_heads=8, head_dim=1
 
 _CPU = f"widths at 1/{CPU_WIDTH_SCALE}, tokens at 1/{CPU_TOKEN_SCALE}"
 
+#: tokens of the decode presets: one step of 16 sequences
+DECODE_TOKENS = 16
+#: tokens of the short-prompt prefill preset at CPU widths
+PREFILL_TOKENS = 128
+
+
+def _tokens(model: DenseModel, tokens: int, width: int = 1) -> DenseModel:
+    """`model` with `tokens` per micro-batch and its widths divided by `width`."""
+    return dataclasses.replace(model.scaled(width, 1), tokens=tokens)
+
+
 #: name -> (layer, what it is); the scaling is explained in the module docstring
 TP_PRESETS: dict[str, tuple[DenseModel, str]] = {
     "llama3-8b": (LLAMA3_8B.scaled(CPU_WIDTH_SCALE, CPU_TOKEN_SCALE), f"Llama-3 8B ({LLAMA3_8B.spec}), {_CPU}"),
     "llama3-70b": (LLAMA3_70B.scaled(CPU_WIDTH_SCALE, CPU_TOKEN_SCALE), f"Llama-3 70B ({LLAMA3_70B.spec}), {_CPU}"),
     "llama3-8b-full": (LLAMA3_8B, "Llama-3 8B at full size"),
     "llama3-70b-full": (LLAMA3_70B, "Llama-3 70B at full size"),
+    "llama3-8b-decode": (_tokens(LLAMA3_8B, DECODE_TOKENS, CPU_WIDTH_SCALE),
+                         f"Llama-3 8B decoding {DECODE_TOKENS} sequences, widths at 1/{CPU_WIDTH_SCALE}"),
+    "llama3-70b-decode": (_tokens(LLAMA3_70B, DECODE_TOKENS, CPU_WIDTH_SCALE),
+                          f"Llama-3 70B decoding {DECODE_TOKENS} sequences, widths at 1/{CPU_WIDTH_SCALE}"),
+    "llama3-8b-prefill": (_tokens(LLAMA3_8B, PREFILL_TOKENS, CPU_WIDTH_SCALE),
+                          f"Llama-3 8B on a {PREFILL_TOKENS}-token prompt, widths at 1/{CPU_WIDTH_SCALE}"),
+    "llama3-8b-full-decode": (_tokens(LLAMA3_8B, DECODE_TOKENS), f"Llama-3 8B decoding {DECODE_TOKENS} sequences"),
+    "llama3-70b-full-decode": (_tokens(LLAMA3_70B, DECODE_TOKENS), f"Llama-3 70B decoding {DECODE_TOKENS} sequences"),
 }
 
 
