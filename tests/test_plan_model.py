@@ -484,3 +484,67 @@ def test_auto_heuristic_is_documented_and_never_fused_on_cpu(monkeypatch):
     with pytest.raises(ValueError, match="spans nodes"):
         auto.fit_plan("op", overlap.Plan("fused"), group(["a", "b"]))
 
+
+
+# ---- the fixed cost of a call (Profile.call_s) -------------------------------------------------
+
+
+def _protocol_costly(device: str) -> Profile:
+    """The default profile of `device` whose overlapped plans cost 1 ms per call, the plain collectives nothing."""
+    return dataclasses.replace(default_profile(device), call_s={"reference": 0.0, "pipelined": 1e-3, "symm": 1e-3,
+                                                                "fused": 1e-3, "hierarchical": 1e-3})
+
+
+@pytest.mark.parametrize("op,calls", [("all_gather_matmul", (1, 2)), ("matmul_reduce_scatter", (1, 1)),
+                                      ("matmul_all_reduce", (1, 0)), ("all_gather_weight_matmul", (1, 2))])
+def test_a_call_is_charged_its_strategy_fixed_cost_per_call(op, calls):
+    """`predict` adds `Profile.call_s[strategy]` once per call of the forward and of the backward (`OpSpec.calls`)."""
+    topology = TOPOLOGIES[5]
+    free = dataclasses.replace(default_profile("cuda"), call_s={})
+    costly = dataclasses.replace(free, call_s={"symm": 7e-5, "reference": 3e-5})
+    for backward in (False, True):
+        p = Problem(op, 64, 1024, 512, "bfloat16", backward)
+        n = calls[0] + (calls[1] if backward else 0)
+        for strategy, each in (("symm", 7e-5), ("reference", 3e-5), ("pipelined", 0.0)):
+            extra = predict(p, Plan(strategy), topology, costly).total_s - predict(p, Plan(strategy), topology,
+                                                                                   free).total_s
+            assert extra == pytest.approx(n * each, rel=1e-9, abs=1e-15), (op, backward, strategy)
+            assert plans.costmodel.call_cost(p, strategy, costly) == pytest.approx(n * each)
+
+
+@pytest.mark.parametrize("topology", [TOPOLOGIES[1], TOPOLOGIES[5]], ids=["cpu", "cuda"])
+def test_per_call_costs_make_the_plain_plan_win_small_calls_only(topology):
+    """From a given profile where an overlapped call costs 1 ms more than a plain one: the plain collectives rank
+    first for a decode-sized call, an overlapped plan for a call whose overlap saves more than that."""
+    profile = _protocol_costly(topology.device)
+    dtype = "bfloat16" if topology.device == "cuda" else "float32"
+    for op in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
+        small = Problem(op, 2, 256, 256, dtype)
+        assert rank_candidates(small, topology, profile)[0][0] == Plan("reference"), op
+        big = Problem(op, 1 << 16, 4096, 4096, dtype)
+        assert rank_candidates(big, topology, profile)[0][0].strategy != "reference", op
+
+
+def test_auto_takes_the_plain_plan_where_the_profile_says_the_protocol_costs_more(monkeypatch):
+    """`auto` on one node without a plan file: the heuristic's plan, but ``reference`` where the cost model with the
+    device's default profile predicts the plain collectives faster (here a given profile stands in for it)."""
+    monkeypatch.delenv("OVERLAP_PLAN", raising=False)
+    info = world.GroupInfo(0, 2, (0, 1), ("n",) * 2, (1, 2), "gloo", torch.device("cpu"), (False,) * 2)
+
+    def choice(m: int, op: str = "all_gather_matmul") -> Plan:
+        problem = Problem(op, m, 256, 256, "float32")
+        return auto.resolve_auto(op, f"sig {op} {m}", info, m, "float32", out_bytes=m * 256 * 4, problem=problem)
+
+    monkeypatch.setattr(auto, "default_profile", _protocol_costly)
+    auto._plain_is_cheaper.cache_clear()
+    try:
+        assert choice(2) == Plan("reference") and choice(2, "matmul_all_reduce") == Plan("reference")
+        assert choice(1 << 16).strategy == "symm"  # the overlap saves more than the protocol costs
+        monkeypatch.setattr(auto, "default_profile", lambda device: dataclasses.replace(
+            default_profile(device), call_s={}))  # no per-call costs: the heuristic's plan everywhere
+        auto._plain_is_cheaper.cache_clear()
+        assert choice(2).strategy == "symm" and choice(2, "matmul_all_reduce") == Plan("symm", one_shot=True)
+    finally:
+        auto._plain_is_cheaper.cache_clear()
+    # the real default CPU profile (measured per-call costs: gloo's collectives cost more than shared-memory flags)
+    assert choice(2).strategy == "symm" and choice(8, "matmul_reduce_scatter").strategy == "symm"

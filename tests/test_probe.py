@@ -89,6 +89,7 @@ def _profile() -> Profile:
                "network": {"p2p": LinkFit(1e-3, 1.25e8)}},
         gemm={"float32": GemmFit(1.1e11, 1e-5), "bfloat16": GemmFit(4e11, 3e-5)},
         gemm_slowdown=1.25, comm_slowdown=1.5, per_chunk_s=3e-5, device="cpu", machine="host: 2 rank(s)",
+        call_s={"reference": 4e-4, "symm": 1.5e-4},
     )
 
 
@@ -104,6 +105,7 @@ def test_format_profile_lists_everything():
     assert any(line.split() == ["float32", "0.110", "10.00"] for line in lines), text
     assert any(line.split() == ["bfloat16", "0.400", "30.00"] for line in lines), text
     assert "x1.25" in text and "x1.50" in text and "30.00 us" in text and "host: 2 rank(s)" in text, text
+    assert "fixed cost of a call (us): reference 400, symm 150" in text, text
     one_rank = format_profile(Profile(links={}, gemm={"float32": GemmFit(1e11, 0.0)}))
     assert "none measured" in one_rank, one_rank
 
@@ -193,9 +195,12 @@ def test_quick_probe_on_two_ranks(pools, tmp_path):
         assert 0 < fit.peak_flops < math.inf and 0 <= fit.overhead_s < math.inf, (name, fit)
     assert 1.0 <= profile.gemm_slowdown < math.inf and 1.0 <= profile.comm_slowdown < math.inf, profile
     assert 0.0 <= profile.per_chunk_s < math.inf, profile
+    # the fixed cost of a call of every strategy that runs on one node of CPU ranks
+    assert set(profile.call_s) == {"reference", "pipelined", "symm"}, profile.call_s
+    assert all(0.0 <= t < math.inf for t in profile.call_s.values()), profile.call_s
     assert profile.device == "cpu" and "2 rank(s)" in profile.machine, profile
     for step in ("links: p2p over shm", "links: copy over shm", "GEMM float32", "GEMM bfloat16", "interference",
-                 "chunking"):
+                 "chunking", "calls: 16x64x64 all_gather_matmul, reference, pipelined, symm"):
         assert any(s.startswith(step) for s in said), (step, said)
     # The cache: rank 0 wrote the file; every rank read it back and probe_cached took it from there.
     assert os.path.dirname(path) == str(tmp_path) and Profile.from_json(json.loads(open(path).read())) == profile

@@ -21,7 +21,12 @@ Default heuristic (`resolve_auto`, where no plan file covers a call):
   built without CUDA, or a torch without ``_symmetric_memory``);
 * ops with the ``one_shot`` variant (`OpSpec.variants`: ``matmul_all_reduce``): one-shot (every rank
   sums every rank's whole partial) for outputs up to `ONE_SHOT_MAX_BYTES` or fewer than
-  ``2 * world_size`` rows, else two-shot (reduce-scatter, then all-gather).
+  ``2 * world_size`` rows, else two-shot (reduce-scatter, then all-gather);
+* then, for a tensor-parallel call on one node: ``reference`` (the plain collectives) where the cost model with
+  the default profile of the device predicts it faster than that plan, i.e. where the plan's fixed per-call cost
+  (`Profile.call_s`) is more than its overlap saves (`_plain_is_cheaper`). With the default CPU profile (measured
+  on a 2-core VM: gloo's collectives cost more per call than shared-memory flags) that never happens; with the
+  default GPU profile (guessed) it does for decode-sized calls.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from collections.abc import Mapping
 from .. import envs
 from ..errors import warn_once
 from ..world import GroupInfo
-from .costmodel import default_profile, rank_candidates, topology_of
+from .costmodel import default_profile, predict, rank_candidates, topology_of
 from .migration import check_migrate, nodes_of
 from .optable import OPS, Problem
 from .plan import Plan
@@ -126,8 +131,33 @@ def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int | 
     if _takes_one_shot(op) and plan.strategy != "reference":
         one_shot = out_bytes <= ONE_SHOT_MAX_BYTES or rows_per_rank < 2 * info.world_size
         plan = dataclasses.replace(plan, one_shot=one_shot)
-    _log_once(op, signature, plan, "default heuristic")
+    how = "default heuristic"
+    if plan.strategy != "reference" and problem is not None and problem.spec.family == "tp" \
+            and _plain_is_cheaper(problem, _topology(info), plan):
+        plan, how = Plan("reference"), "cost model: the protocol costs more than the overlap saves"
+    _log_once(op, signature, plan, how)
     return plan
+
+
+@functools.lru_cache(maxsize=64)
+def _topology(info: GroupInfo):
+    """`topology_of` a group's facts, once per group (every call of auto asks)."""
+    return topology_of(info)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plain_is_cheaper(problem: Problem, topology, plan: Plan) -> bool:
+    """Whether the cost model, with the default profile of the group's device, predicts the plain collectives
+    (``reference``) faster than `plan` for `problem`: a call so small that the overlapped plan's fixed per-call
+    cost (`Profile.call_s`) is more than its overlap saves (a decode step on GPUs, by the default profile's
+    guesses). The same on every rank (a pure function of the call and the topology); cached per call shape."""
+    profile = default_profile(topology.device)
+    try:
+        plain = predict(problem, Plan("reference"), topology, profile).total_s
+        chosen = predict(problem, plan, topology, profile).total_s
+    except ValueError:  # (a dtype or link class the default profile does not describe)
+        return False
+    return plain < chosen
 
 
 def _across_nodes(problem: Problem, info: GroupInfo) -> Plan:

@@ -32,8 +32,8 @@ MODEL_OPS = tuple(OPS)
 CHUNK_CHOICES = (1, 2, 4, 8)
 
 __all__ = ["CHUNK_CHOICES", "MODEL_OPS", "PROFILE_VERSION", "GemmFit", "LinkFit", "Prediction", "Profile", "Topology",
-           "candidates", "default_profile", "hierarchical_fits", "pipeline_makespan", "predict", "rank_candidates",
-           "topology_of"]
+           "call_cost", "candidates", "default_profile", "hierarchical_fits", "pipeline_makespan", "predict",
+           "rank_candidates", "topology_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,7 +263,9 @@ def predict(problem: Problem, plan: Plan, topology: Topology, profile: Profile,
 
     A transfer of ``b`` bytes in ``c`` chunks over a link costs ``c * (latency + per_chunk_s) + b / bandwidth``
     (``p2p`` fits for reference and pipelined, ``copy`` fits for symm and fused, else ``p2p``); a GEMM of
-    ``f`` flops in ``c`` calls ``c * overhead + f / peak`` (a fused kernel pays one overhead).
+    ``f`` flops in ``c`` calls ``c * overhead + f / peak`` (a fused kernel pays one overhead). Every call adds its
+    strategy's fixed per-call cost (`Profile.call_s`, measured by the probe; `call_cost`), serial: on small calls
+    it decides between a plain collective (``reference``) and an overlapped plan.
 
     * ``reference``: the collective, then the GEMMs (or the reverse), in sequence: total = comm + compute.
       Its collectives are rings, ``W - 1`` steps (all-reduce ``2 * (W - 1)``) over the slowest link;
@@ -311,8 +313,17 @@ def predict(problem: Problem, plan: Plan, topology: Topology, profile: Profile,
     x = _Model(problem, plan, topology, profile, migrated)
     spec.cost(x, problem)
     x.serial(x.weights_s)
+    calls = call_cost(problem, plan.strategy, profile)
+    x.total += calls
     return Prediction(x.total, x.comm, x.compute, f"{plan.describe()}: comm {x.comm * 1e3:.4g} ms, GEMMs "
-                      f"{x.compute * 1e3:.4g} ms, total {x.total * 1e3:.4g} ms")
+                      f"{x.compute * 1e3:.4g} ms, calls {calls * 1e3:.4g} ms, total {x.total * 1e3:.4g} ms")
+
+
+def call_cost(problem: Problem, strategy: str, profile: Profile) -> float:
+    """Seconds of the fixed per-call cost of `problem` run by `strategy`: `Profile.call_s` per call, times the calls
+    its forward (and backward) make (`OpSpec.calls`)."""
+    forward, backward = op_spec(problem.op).calls
+    return profile.call_s.get(strategy, 0.0) * (forward + (backward if problem.backward else 0))
 
 
 def hierarchical_fits(topology: Topology) -> bool:
@@ -366,16 +377,27 @@ def rank_candidates(problem: Problem, topology: Topology, profile: Profile,
     return sorted(scored, key=lambda pp: (pp[1].total_s, pp[0].describe()))
 
 
+#: the default CPU profile's fixed cost of a call per strategy: the probe's on the 2-core VM, rounded (two runs:
+#: reference 898-974 us, pipelined 1105-1440, symm 135-448)
+CPU_CALL_S = {"reference": 900e-6, "pipelined": 1200e-6, "symm": 250e-6, "hierarchical": 1200e-6, "fused": 250e-6}
+#: the default GPU profile's: guesses, not measurements (see `default_profile`)
+CUDA_CALL_S = {"reference": 15e-6, "pipelined": 40e-6, "symm": 40e-6, "hierarchical": 60e-6, "fused": 35e-6}
+
+
 def default_profile(device: str) -> Profile:
     """Rough defaults, not measurements: the model works before any probe (``overlap tune`` measures).
 
     ``"cpu"``, a 2-core VM with gloo ranks of one torch thread: gloo point-to-point ~100 us + 0.3 GB/s (the
     benchmarks' all-to-alls see ~0.1-0.7 GB/s), shared-memory copies ~20 us + 3 GB/s, a 1 Gb/s network;
     fp32 GEMMs ~70 GFLOP/s (bf16 ~200 with AMX, fp16 ~30), 20 us a call; interference 1.3 both ways (two
-    cores shared with gloo's and the copy engine's threads), 30 us a chunk (Python-level messages, flags).
+    cores shared with gloo's and the copy engine's threads), 30 us a chunk (Python-level messages, flags); the
+    fixed cost of a call as the probe measured it there (`CPU_CALL_S`: gloo's collectives cost far more per call
+    than shared-memory flags).
     ``"cuda"``, an H100/H200-class node: NVLink ~350 GB/s per direction effective (copy engine; NCCL ~300),
     PCIe ~25 GB/s, network ~40 GB/s (400 Gb/s InfiniBand), 5-20 us latencies; bf16/fp16 GEMMs ~650 TFLOP/s
-    effective, fp32 ~50, 8 us a launch; interference 1.1 on GEMMs, 1.05 on transfers; 5 us a chunk.
+    effective, fp32 ~50, 8 us a launch; interference 1.1 on GEMMs, 1.05 on transfers; 5 us a chunk; the fixed
+    cost of a call guessed (`CUDA_CALL_S`, not measured: no GPU has run the probe): a plain NCCL collective's
+    launch and the op's Python for ``reference``, the host handshake and stream-ordered flags besides for the others.
     Raises ValueError for another device.
     """
     kind = device.split(":")[0]
@@ -384,7 +406,7 @@ def default_profile(device: str) -> Profile:
             links={"shm": {"p2p": LinkFit(100e-6, 0.3e9), "copy": LinkFit(20e-6, 3e9)},
                    "network": {"p2p": LinkFit(150e-6, 0.125e9)}},
             gemm={"float32": GemmFit(7e10, 20e-6), "bfloat16": GemmFit(2e11, 20e-6), "float16": GemmFit(3e10, 20e-6)},
-            gemm_slowdown=1.3, comm_slowdown=1.3, per_chunk_s=30e-6, device="cpu",
+            gemm_slowdown=1.3, comm_slowdown=1.3, per_chunk_s=30e-6, device="cpu", call_s=dict(CPU_CALL_S),
             machine="default: 2-core VM, gloo (rough constants, not measured here)")
     if kind == "cuda":
         return Profile(
@@ -392,6 +414,6 @@ def default_profile(device: str) -> Profile:
                    "pcie": {"p2p": LinkFit(15e-6, 2.2e10), "copy": LinkFit(8e-6, 2.5e10)},
                    "network": {"p2p": LinkFit(20e-6, 4.0e10)}},
             gemm={"bfloat16": GemmFit(6.5e14, 8e-6), "float16": GemmFit(6.5e14, 8e-6), "float32": GemmFit(5e13, 8e-6)},
-            gemm_slowdown=1.1, comm_slowdown=1.05, per_chunk_s=5e-6, device="cuda",
+            gemm_slowdown=1.1, comm_slowdown=1.05, per_chunk_s=5e-6, device="cuda", call_s=dict(CUDA_CALL_S),
             machine="default: H100/H200-class node (rough constants, not measured here)")
     raise ValueError(f"default_profile: device must be 'cpu' or 'cuda', got {device!r}")

@@ -52,6 +52,10 @@ class Profile:
     gemm_slowdown: factor (>= 1) on a GEMM's time while a transfer runs beside it; comm_slowdown the
         reverse (CPU ranks share cores with gloo's threads; GPUs share memory bandwidth).
     per_chunk_s: fixed cost of one more chunk (a message, a flag, a kernel launch).
+    call_s: per strategy, the fixed host cost of one call beyond its transfers and GEMMs (checks, plan,
+        signature, handshake or its steady-state post, dispatch, the waits' wake-ups): what a call costs that
+        moves and multiplies almost nothing (`overlap.tune.probe` times one; a strategy missing costs 0, as in
+        a profile saved before the probe measured them: probe again, ``overlap info --probe``, to add them).
     device: ``"cpu"`` or the GPU's name; machine: where it was measured (informative).
     """
 
@@ -62,6 +66,7 @@ class Profile:
     per_chunk_s: float = 0.0
     device: str = "cpu"
     machine: str = ""
+    call_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {
@@ -69,6 +74,7 @@ class Profile:
             "links": {c: {t: dataclasses.asdict(f) for t, f in ts.items()} for c, ts in self.links.items()},
             "gemm": {d: dataclasses.asdict(f) for d, f in self.gemm.items()},
             "gemm_slowdown": self.gemm_slowdown, "comm_slowdown": self.comm_slowdown, "per_chunk_s": self.per_chunk_s,
+            "call_s": dict(self.call_s),
         }
 
     @classmethod
@@ -81,7 +87,7 @@ class Profile:
             gemm={d: GemmFit(**f) for d, f in data["gemm"].items()},
             gemm_slowdown=float(data.get("gemm_slowdown", 1.0)), comm_slowdown=float(data.get("comm_slowdown", 1.0)),
             per_chunk_s=float(data.get("per_chunk_s", 0.0)), device=data.get("device", "cpu"),
-            machine=data.get("machine", ""),
+            machine=data.get("machine", ""), call_s={s: float(t) for s, t in data.get("call_s", {}).items()},
         )
 
 

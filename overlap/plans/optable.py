@@ -68,6 +68,8 @@ class OpSpec:
     dim_arg: the keyword naming the activation dim the op gathers or scatters (``gather_dim``, ``scatter_dim``;
         empty: dim 0 only); several_weights: whether ``b`` may be a list of weights fed by one transfer.
     fp8: whether the op takes fp8 operands and the ``fp8=`` recipe (a `Problem` in an fp8 dtype).
+    calls: the calls (each a handshake or its steady-state post) one forward and one backward make: what the
+        cost model charges `Profile.call_s` for.
     """
 
     name: str
@@ -85,6 +87,7 @@ class OpSpec:
     dim_arg: str = ""
     several_weights: bool = False
     fp8: bool = False
+    calls: tuple[int, int] = (1, 1)
 
     def __post_init__(self) -> None:
         assert self.family in FAMILIES and set(self.strategies) <= set(STRATEGIES), self
@@ -105,13 +108,13 @@ class OpSpec:
 
 
 def _tp(name: str, label: str, in_rows, out_rows, per_peer_bytes, chunked, cost, variants=(),
-        out_cols=lambda n, W: n, strategies=STRATEGIES, dim_arg="", several_weights=False, fp8=True):
+        out_cols=lambda n, W: n, strategies=STRATEGIES, dim_arg="", several_weights=False, fp8=True, calls=(1, 2)):
     return OpSpec(
         name, "tp", label, in_rows, out_rows,
         flops=lambda p, W: (3 if p.backward else 1) * 2 * W * p.m * p.k * p.n,
         bytes_per_peer=lambda p, W: per_peer_bytes(p, *wire_sizes(p)), chunked=chunked, cost=cost,
         variants=variants, out_cols=out_cols, strategies=strategies, dim_arg=dim_arg,
-        several_weights=several_weights, fp8=fp8)
+        several_weights=several_weights, fp8=fp8, calls=calls)
 
 
 def _moe_bytes_per_peer(p, W: int) -> float:
@@ -127,10 +130,12 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
         several_weights=True),
     _tp("matmul_reduce_scatter", "MM+RS", in_rows=lambda m, W: W * m, out_rows=lambda m, W: m,
         per_peer_bytes=lambda p, gather, part, grad: p.m * p.n * part + (p.m * p.n * grad if p.backward else 0),
-        chunked=tp_ops.chunked_matmul_reduce_scatter, cost=tp_ops.cost_matmul_reduce_scatter, dim_arg="scatter_dim"),
+        chunked=tp_ops.chunked_matmul_reduce_scatter, cost=tp_ops.cost_matmul_reduce_scatter, dim_arg="scatter_dim",
+        calls=(1, 1)),  # (its backward: one gather of the output gradient feeding both GEMMs)
     _tp("matmul_all_reduce", "MM+AR", in_rows=lambda m, W: W * m, out_rows=lambda m, W: W * m,
         per_peer_bytes=lambda p, gather, part, grad: 2 * p.m * p.n * part, variants=("one_shot",),
-        chunked=tp_ops.chunked_matmul_all_reduce, cost=tp_ops.cost_matmul_all_reduce),
+        chunked=tp_ops.chunked_matmul_all_reduce, cost=tp_ops.cost_matmul_all_reduce,
+        calls=(1, 0)),  # (its backward communicates nothing)
     # The weight-side gather (FSDP): a [m, k] per rank, b_shard [k, n] (this rank's columns), out [m, W*n].
     _tp("all_gather_weight_matmul", "AG(W)+MM", in_rows=lambda m, W: m, out_rows=lambda m, W: m,
         per_peer_bytes=lambda p, gather, part, grad: p.k * p.n * (3 if p.backward else 1) * gather,
@@ -138,7 +143,8 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
         chunked=tp_ops.chunked_all_gather_weight_matmul, cost=tp_ops.cost_all_gather_weight_matmul),
     OpSpec("moe", "moe", "moe", in_rows=lambda m, W: m, out_rows=lambda m, W: m,
            flops=lambda p, W: (3 if p.backward else 1) * 4 * p.m * p.top_k * p.k * p.n,
-           bytes_per_peer=_moe_bytes_per_peer, chunked=moe_op.chunked, cost=moe_op.cost),
+           bytes_per_peer=_moe_bytes_per_peer, chunked=moe_op.chunked, cost=moe_op.cost,
+           calls=(2, 2)),  # (dispatch and combine)
 )}
 
 

@@ -77,7 +77,8 @@ def fit_gemm(flops: Sequence[float], times: Sequence[float]) -> GemmFit:
 
 def format_profile(profile: Profile) -> str:
     """A human-readable table of `profile`: links (latency in us, bandwidth in GB/s = 1e9 B/s per
-    transport), GEMM peak (TFLOP/s) and overhead per dtype, interference factors, the per-chunk cost."""
+    transport), GEMM peak (TFLOP/s) and overhead per dtype, interference factors, the per-chunk cost, the fixed cost
+    of a call per strategy."""
     lines = [f"machine profile: {profile.machine or 'unknown machine'} ({profile.device})", ""]
     if profile.links:
         lines.append(f"{'link':<8} {'transport':<9} {'latency (us)':>12} {'bandwidth (GB/s)':>16}")
@@ -98,4 +99,7 @@ def format_profile(profile: Profile) -> str:
     lines.append(f"interference: a GEMM runs x{profile.gemm_slowdown:.2f} beside a transfer, "
                  f"a transfer x{profile.comm_slowdown:.2f} beside a GEMM")
     lines.append(f"cost of one more chunk: {profile.per_chunk_s * 1e6:.2f} us")
+    if profile.call_s:
+        costs = ", ".join(f"{s} {t * 1e6:.0f}" for s, t in profile.call_s.items())
+        lines.append(f"fixed cost of a call (us): {costs}")
     return "\n".join(lines)

@@ -374,3 +374,59 @@ def measure_chunking(p: Probe, cfg: Config) -> None:
     p.record("chunk/1", times[1])
     p.record(f"chunk/{CHUNKS}", times[CHUNKS])
 
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. The fixed cost of a call
+# ----------------------------------------------------------------------------------------------
+
+#: the problem whose calls the call-cost step times: ``all_gather_matmul``, so few rows that its transfers and
+#: GEMMs cost about their latencies and overheads (which the links' and GEMMs' fits price apart)
+CALL_PROBLEM = (16, 64, 64)
+
+
+def call_strategies(info: GroupInfo) -> tuple[str, ...]:
+    """The strategies whose per-call cost the probe times on this group: those `auto` and the tuner may run here."""
+    if info.world_size == 1:
+        return ()
+    if not info.single_node:
+        return ("reference", "pipelined") + (("hierarchical",) if info.device.type == "cpu" else ())
+    if info.device.type == "cuda":
+        return ("reference", "pipelined") + (("symm", "fused") if gpu_symmetric_memory() else ())
+    return ("reference", "pipelined", "symm")
+
+
+def measure_calls(p: Probe, cfg: Config) -> None:
+    """Step 5: back-to-back forward calls of `CALL_PROBLEM` per strategy (`call_strategies`), interleaved
+    against drift; records ``call/<strategy>``, the median seconds per call (`probing` subtracts what the
+    fitted links and GEMMs predict for it, leaving the fixed cost `Profile.call_s`)."""
+    from ..ops.tp.all_gather_matmul import all_gather_matmul  # (this layer sits above the ops)
+
+    strategies = call_strategies(p.info)
+    if not strategies:
+        return
+    m, k, n = CALL_PROBLEM
+    dtype = torch.bfloat16 if p.info.device.type == "cuda" else torch.float32
+    a = torch.randn(m, k, dtype=dtype, device=p.info.device)
+    b = torch.randn(k, n, dtype=dtype, device=p.info.device)
+    p.say(f"calls: {m}x{k}x{n} all_gather_matmul, {', '.join(strategies)}")
+    times: dict[str, list[float]] = {s: [] for s in strategies}
+    reps = max(3, cfg.chunk_reps)
+    for s in strategies:  # the first call of a signature handshakes in full: warm each up
+        for _ in range(3):
+            all_gather_matmul(a, b, group=p.pg, strategy=s, timeout=p.timeout)
+    _sync(p.info.device)
+    p.barrier()
+    for _ in range(reps):
+        for s in strategies:
+            t0 = time.perf_counter()
+            for _ in range(CALL_BATCH):
+                all_gather_matmul(a, b, group=p.pg, strategy=s, timeout=p.timeout)
+            _sync(p.info.device)
+            times[s].append((time.perf_counter() - t0) / CALL_BATCH)
+    for s, ts in times.items():
+        p.record(f"call/{s}", ts)
+
+
+#: calls per timed batch of the call-cost step (back to back, as a training loop issues them)
+CALL_BATCH = 10

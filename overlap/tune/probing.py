@@ -22,6 +22,11 @@ separated by bounded store barriers so that none overlaps the next:
    clamped to >= 1).
 4. **Chunking.** That ring exchange posted whole and in 8 chunks at once, as ``pipelined`` posts them
    (`overlap.comm.exchange_chunked`): per_chunk_s = (t8 - t1) / 7, clamped to >= 0.
+5. **Calls.** Batches of back-to-back forward calls of a tiny ``all_gather_matmul`` (`CALL_PROBLEM`: 16 rows
+   per rank) per strategy that can run on the group (`call_strategies`), warmed up (so in the steady state
+   where the strategy has one), interleaved: call_s[strategy] = the median time of a call minus what the cost
+   model predicts for it from the fits above, clamped to >= 0: the fixed per-call cost (checks, plan,
+   handshake or its post, dispatch, wake-ups) that decides small calls (`overlap.plans.costmodel.call_cost`).
 
 **Combining the ranks.** Each rank publishes the median of each of its measurements through the
 store (`world.store_exchange`); a measurement's value is the MAXIMUM over ranks (a collective runs
@@ -50,8 +55,10 @@ measurements; the steps are in `probe_steps`, the cache files in `cache`, the fi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import socket
 import time
 from collections.abc import Callable
@@ -60,17 +67,19 @@ import torch
 import torch.distributed as dist
 
 from .. import envs, world
-from ..plans import LinkFit, Profile
+from ..plans import LinkFit, Plan, Problem, Profile, predict, topology_of
 from ..world import GroupInfo
 from .cache import cache_dir, cache_path, load_cached, save_cached
 from .fits import TRANSPORTS, fit_gemm, fit_line, fit_link, format_profile
 from .probe_steps import (
+    CALL_PROBLEM,
     CHUNKS,
     OP,
     Probe,
     config_for,
     device_name,
     link_pairs,
+    measure_calls,
     measure_chunking,
     measure_gemms,
     measure_interference,
@@ -117,13 +126,33 @@ def _profile(values: dict[str, float], pairs: dict[str, tuple[int, int]], facts:
     machine = f"{first['host']}: {info.world_size} rank(s) on {len(set(info.nodes))} node(s), {info.backend}"
     if info.device.type != "cuda":
         machine += f", {first['threads']} torch thread(s) per rank"
-    return Profile(
+    profile = Profile(
         links=links, gemm=gemm,
         gemm_slowdown=ratio("busy/gemm_beside", "busy/gemm_alone"),
         comm_slowdown=ratio("busy/comm_beside", "busy/comm_alone"),
         per_chunk_s=max(0.0, (tn - t1) / (CHUNKS - 1)) if t1 > 0 and tn > 0 else 0.0,
         device=first["device"], machine=machine,
     )
+    return dataclasses.replace(profile, call_s=_call_costs(values, profile, info))
+
+
+def _call_costs(values: dict[str, float], profile: Profile, info: GroupInfo) -> dict[str, float]:
+    """Per strategy: the measured time of a `CALL_PROBLEM` call minus what `profile` (without call costs) predicts
+    for it, clamped to >= 0 (`Profile.call_s`)."""
+    m, k, n = CALL_PROBLEM
+    problem = Problem("all_gather_matmul", m, k, n, "bfloat16" if info.device.type == "cuda" else "float32")
+    topology = topology_of(info)
+    out = {}
+    for key, t in sorted(values.items()):
+        kind, _, strategy = key.partition("/")
+        if kind != "call":
+            continue
+        try:
+            modelled = predict(problem, Plan(strategy), topology, profile).total_s
+        except ValueError:  # (a link class or GEMM fit the probe could not measure)
+            continue
+        out[strategy] = max(0.0, t - modelled) if math.isfinite(modelled) else t
+    return out
 
 
 def probe(group: dist.ProcessGroup | None = None, *, quick: bool = False, timeout: float | None = None,
@@ -158,6 +187,7 @@ def probe(group: dist.ProcessGroup | None = None, *, quick: bool = False, timeou
             if info.world_size > 1:
                 measure_interference(p, cfg)
                 measure_chunking(p, cfg)
+                measure_calls(p, cfg)
         p.say("combining the ranks' measurements")
         values: dict[str, float] = {}
         for row in p.exchange("values", p.values):
