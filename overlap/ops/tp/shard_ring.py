@@ -3,7 +3,8 @@
 `all_gather_weight_matmul` multiplies by every rank's block of a weight, one block after another, and needs
 no block once its GEMMs have run. So ``symm`` never materializes the whole weight: this rank's shard
 ``x2`` (``[n, k]``, rows of the weight ``w``) is copied into its heap slot and flagged once; a copy engine
-(a worker thread on CPU ranks, a side stream on GPUs) pulls peer ``rank+1``'s shard, in chunks for the
+(a worker thread on CPU ranks, or the calling thread itself for a weight of at most
+`overlap.comm.INLINE_COPY_BYTES` from the peers; a side stream on GPUs) pulls peer ``rank+1``'s shard, in chunks for the
 link to it, into one of two local buffers while the GEMMs read the other, then ``rank+2``'s into the first
 once its GEMMs are done, and so on (two ranks: one buffer, there is one peer). Each peer's shard is read from
 that peer once per call.
@@ -17,6 +18,7 @@ call's handshake with `heap_bytes`; `ShardRing.close` ends the call (always, als
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -66,9 +68,16 @@ class ShardRing:
         self.bytes_from_peers += self.x2.numel() * self.x2.element_size()
         out = []
         if not self.cuda:
-            engine = comm.copy_engine()
+            # A small weight is pulled by this thread as `chunks` reaches each piece: handing it to the copy
+            # engine's thread would cost more (a wake-up) than the copy it hides (`comm.INLINE_COPY_BYTES`).
+            inline = (info.world_size - 1) * self.x2.numel() * self.x2.element_size() <= comm.INLINE_COPY_BYTES
+            engine = None if inline else comm.copy_engine()
             for j, (lo, hi) in enumerate(bounds):
-                fut = engine.submit(_pull, call, p, lo, hi, dst[lo:hi], n, j == 0)
+                args = (call, p, lo, hi, dst[lo:hi], n, j == 0)
+                if inline:
+                    out.append((p * n + lo, p * n + hi, functools.partial(_pull, *args)))
+                    continue
+                fut = engine.submit(_pull, *args)
                 self.futures.append(fut)
                 out.append((p * n + lo, p * n + hi, fut))
             return out
@@ -104,6 +113,8 @@ class ShardRing:
             for lo, hi, handle in mine:
                 if self.cuda:
                     torch.cuda.current_stream().wait_event(handle)
+                elif isinstance(handle, functools.partial):  # an inline pull (a small weight)
+                    handle()
                 else:
                     comm.result(handle, self.cc.timeout)
                 yield lo, hi, self._buffer(i)[lo - base : hi - base]
