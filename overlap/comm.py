@@ -122,8 +122,8 @@ def wait_work(work, op: str, rank: int, peer: int | str, chunk: int | str, timeo
         if device is not None and device.type == "cuda":
             work.wait()
             return
-        # CPU ranks: the backend's thread that runs the transfer was just woken; give it this core now
-        # rather than when this thread blocks (on a 2-core machine that halves a small collective's time)
+        # CPU ranks: the backend's thread that runs the transfer was just woken; give it this core now rather
+        # than when this thread blocks (2-core VM, an 8 KiB all-gather after an op's Python: ~0.43 -> ~0.28 ms)
         os.sched_yield()
         ok = _wait_polled(work, timeout) if isinstance(work, PolledWork) else work.wait(
             timeout=datetime.timedelta(seconds=timeout))
@@ -238,6 +238,11 @@ _ENGINE_LOCK = threading.Lock()
 #: thread (as the consumer reaches each chunk) instead of the copy engine's: the engine's wake-up (tens of
 #: microseconds, more on a busy machine) costs more than it hides below this size.
 INLINE_COPY_BYTES = 256 * 1024
+
+
+def pulls_inline(nbytes: int) -> bool:
+    """Whether a CPU rank pulls `nbytes` from its peers on the calling thread (`INLINE_COPY_BYTES`)."""
+    return nbytes <= INLINE_COPY_BYTES
 
 
 def copy_engine() -> ThreadPoolExecutor:

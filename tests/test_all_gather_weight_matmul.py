@@ -35,6 +35,41 @@ def test_matches_float64(pools, seed, world_size, dtype, strategy):
     assert all(len(r) == len(CASES) for r in results)
 
 
+def engine_task(rank, world_size, seed, inline_bytes):
+    """`check` of symm with the weight's peer shards pulled inline (small) or by the copy engine's thread (every
+    pull, `INLINE_COPY_BYTES` 0); returns the checked cases and the pulls the engine ran."""
+    from overlap import comm
+    from support.weight_oracle import check as check_here
+
+    limit, engine = comm.INLINE_COPY_BYTES, comm.copy_engine
+    submitted = [0]
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def submit(self, *args, **kwargs):
+            submitted[0] += 1
+            return self.inner.submit(*args, **kwargs)
+
+    comm.INLINE_COPY_BYTES = inline_bytes
+    comm.copy_engine = lambda: Counting(engine())
+    try:
+        return check_here(rank, world_size, "symm", torch.float32, seed, CASES), submitted[0]
+    finally:
+        comm.INLINE_COPY_BYTES, comm.copy_engine = limit, engine
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_symm_weight_pulls_inline_or_by_the_copy_engine_alike(pools, seed, world_size):
+    """Small weights are pulled on the calling thread; with the limit at 0 every pull goes through the copy engine's
+    thread: both match float64, forward and backward."""
+    for inline_bytes, engine_used in ((256 * 1024, False), (0, True)):
+        for checked, submitted in pools(world_size).run(engine_task, seed, inline_bytes):
+            assert len(checked) == len(CASES)
+            assert (submitted > 0) == engine_used, (inline_bytes, submitted)
+
+
 FUSED_CASES = [(5, (), 24, 19, "weight.t()"), (4, (2,), 48, 40, "contiguous")]
 
 

@@ -25,8 +25,9 @@ Default heuristic (`resolve_auto`, where no plan file covers a call):
 * then, for a tensor-parallel call on one node: ``reference`` (the plain collectives) where the cost model with
   the default profile of the device predicts it faster than that plan, i.e. where the plan's fixed per-call cost
   (`Profile.call_s`) is more than its overlap saves (`_plain_is_cheaper`). With the default CPU profile (measured
-  on a 2-core VM: gloo's collectives cost more per call than shared-memory flags) that never happens; with the
-  default GPU profile (guessed) it does for decode-sized calls.
+  on a 2-core VM: gloo's collectives cost more per call than shared-memory flags) that never happens; the default
+  GPU profile's per-call costs are guesses (with them it does not happen either: the model prices NCCL's small
+  collectives above the overlapped plans'), so a probe on the machine decides (`overlap.tune.probe`).
 """
 
 from __future__ import annotations
@@ -149,8 +150,8 @@ def _topology(info: GroupInfo):
 def _plain_is_cheaper(problem: Problem, topology, plan: Plan) -> bool:
     """Whether the cost model, with the default profile of the group's device, predicts the plain collectives
     (``reference``) faster than `plan` for `problem`: a call so small that the overlapped plan's fixed per-call
-    cost (`Profile.call_s`) is more than its overlap saves (a decode step on GPUs, by the default profile's
-    guesses). The same on every rank (a pure function of the call and the topology); cached per call shape."""
+    cost (`Profile.call_s`) is more than its overlap saves. The same on every rank (a pure function of the call and
+    the topology); cached per call shape."""
     profile = default_profile(topology.device)
     try:
         plain = predict(problem, Plan("reference"), topology, profile).total_s

@@ -383,6 +383,8 @@ def measure_chunking(p: Probe, cfg: Config) -> None:
 #: the problem whose calls the call-cost step times: ``all_gather_matmul``, so few rows that its transfers and
 #: GEMMs cost about their latencies and overheads (which the links' and GEMMs' fits price apart)
 CALL_PROBLEM = (16, 64, 64)
+#: calls per timed batch of the call-cost step (back to back, as a training loop issues them)
+CALL_BATCH = 10
 
 
 def call_strategies(info: GroupInfo) -> tuple[str, ...]:
@@ -426,7 +428,3 @@ def measure_calls(p: Probe, cfg: Config) -> None:
             times[s].append((time.perf_counter() - t0) / CALL_BATCH)
     for s, ts in times.items():
         p.record(f"call/{s}", ts)
-
-
-#: calls per timed batch of the call-cost step (back to back, as a training loop issues them)
-CALL_BATCH = 10

@@ -153,6 +153,12 @@ def _gather_fp8(a: torch.Tensor, granularity: str, group) -> tuple[torch.Tensor,
     return full8, scales
 
 
+def _fp8_backward(plain: type[torch.autograd.Function]) -> staticmethod:
+    """The backward of an fp8 recipe's Function: `plain`'s (the recipe's backward runs in the operands' dtype), and
+    no gradient for the granularity argument."""
+    return staticmethod(lambda ctx, g: (*plain.backward(ctx, g), None))
+
+
 class _AllGatherMatmulFp8(_AllGatherMatmul):
     @staticmethod
     def forward(ctx, a, b, group, granularity):
@@ -161,9 +167,7 @@ class _AllGatherMatmulFp8(_AllGatherMatmul):
         full8, scales = _gather_fp8(a, granularity, group)
         return _scaled_mm(full8, scales, *_weight_to_fp8(b, granularity), a.dtype)
 
-    @staticmethod
-    def backward(ctx, g):
-        return (*_AllGatherMatmul.backward(ctx, g), None)
+    backward = _fp8_backward(_AllGatherMatmul)
 
 
 class _MatmulReduceScatterFp8(_MatmulReduceScatter):
@@ -173,9 +177,7 @@ class _MatmulReduceScatterFp8(_MatmulReduceScatter):
         ctx.group = group
         return _scatter_rows(_scaled_partial(a, b, granularity), group).to(a.dtype)
 
-    @staticmethod
-    def backward(ctx, g):
-        return (*_MatmulReduceScatter.backward(ctx, g), None)
+    backward = _fp8_backward(_MatmulReduceScatter)
 
 
 class _MatmulAllReduceFp8(_MatmulAllReduce):
@@ -186,9 +188,7 @@ class _MatmulAllReduceFp8(_MatmulAllReduce):
         dist.all_reduce(out, group=group)
         return out.to(a.dtype)
 
-    @staticmethod
-    def backward(ctx, g):
-        return (*_MatmulAllReduce.backward(ctx, g), None)
+    backward = _fp8_backward(_MatmulAllReduce)
 
 
 class _AllGatherWeightMatmul(torch.autograd.Function):

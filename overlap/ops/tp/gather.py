@@ -186,7 +186,7 @@ class _Symm(Gather):
         if not cuda:
             # A small gather is pulled by this thread as `chunks` reaches each piece: handing it to the copy
             # engine's thread would cost more (a wake-up) than the copy it hides (`comm.INLINE_COPY_BYTES`).
-            inline = (W - 1) * x2.numel() * x2.element_size() <= comm.INLINE_COPY_BYTES
+            inline = comm.pulls_inline((W - 1) * x2.numel() * x2.element_size())
             engine = None if inline else comm.copy_engine()
             for i in range(1, W):
                 p = (r + i) % W

@@ -1,13 +1,12 @@
 """Every rank's shard of a weight, streamed through a two-shard local ring (the ``symm`` weight gather).
 
-`all_gather_weight_matmul` multiplies by every rank's block of a weight, one block after another, and needs
-no block once its GEMMs have run. So ``symm`` never materializes the whole weight: this rank's shard
-``x2`` (``[n, k]``, rows of the weight ``w``) is copied into its heap slot and flagged once; a copy engine
-(a worker thread on CPU ranks, or the calling thread itself for a weight of at most
-`overlap.comm.INLINE_COPY_BYTES` from the peers; a side stream on GPUs) pulls peer ``rank+1``'s shard, in chunks for the
-link to it, into one of two local buffers while the GEMMs read the other, then ``rank+2``'s into the first
-once its GEMMs are done, and so on (two ranks: one buffer, there is one peer). Each peer's shard is read from
-that peer once per call.
+`all_gather_weight_matmul` multiplies by every rank's block of a weight, one block after another, and needs no
+block once its GEMMs have run. So ``symm`` never materializes the whole weight: this rank's shard ``x2``
+(``[n, k]``, rows of the weight ``w``) is copied into its heap slot and flagged once; a copy engine (a worker thread on
+CPU ranks, or the calling thread itself for a small weight, `overlap.comm.pulls_inline`; a side stream on GPUs)
+pulls peer ``rank+1``'s shard, in chunks for the link to it, into one of two local buffers while the GEMMs read
+the other, then ``rank+2``'s into the first once its GEMMs are done, and so on (two ranks: one buffer, there is
+one peer). Each peer's shard is read from that peer once per call.
 
 `ShardRing.chunks` yields ``(lo, hi, rows)`` in a fixed order: this rank's own rows first (``x2`` itself),
 then each peer's chunks from ``rank+1`` on, each only once it has arrived; ``lo, hi`` are rows of the
@@ -46,6 +45,9 @@ class ShardRing:
         self.n, self.k = x2.shape
         self.cuda = x2.is_cuda
         self.ring = x2.new_empty((min(2, cc.world_size - 1), self.n, self.k)) if cc.world_size > 1 else None
+        # CPU ranks: a small weight is pulled by this thread as `chunks` reaches each piece: handing it to the copy
+        # engine's thread would cost more (a wake-up) than the copy it hides (`comm.pulls_inline`).
+        self.inline = not self.cuda and comm.pulls_inline((cc.world_size - 1) * x2.numel() * x2.element_size())
         self.futures: list = []  # CPU copy-engine futures (drained by close)
         self.finished = False
         self.bytes_from_peers = 0
@@ -68,13 +70,10 @@ class ShardRing:
         self.bytes_from_peers += self.x2.numel() * self.x2.element_size()
         out = []
         if not self.cuda:
-            # A small weight is pulled by this thread as `chunks` reaches each piece: handing it to the copy
-            # engine's thread would cost more (a wake-up) than the copy it hides (`comm.INLINE_COPY_BYTES`).
-            inline = (info.world_size - 1) * self.x2.numel() * self.x2.element_size() <= comm.INLINE_COPY_BYTES
-            engine = None if inline else comm.copy_engine()
+            engine = None if self.inline else comm.copy_engine()
             for j, (lo, hi) in enumerate(bounds):
                 args = (call, p, lo, hi, dst[lo:hi], n, j == 0)
-                if inline:
+                if self.inline:
                     out.append((p * n + lo, p * n + hi, functools.partial(_pull, *args)))
                     continue
                 fut = engine.submit(_pull, *args)
@@ -113,7 +112,7 @@ class ShardRing:
             for lo, hi, handle in mine:
                 if self.cuda:
                     torch.cuda.current_stream().wait_event(handle)
-                elif isinstance(handle, functools.partial):  # an inline pull (a small weight)
+                elif self.inline:
                     handle()
                 else:
                     comm.result(handle, self.cc.timeout)
