@@ -2,7 +2,9 @@
 
 * waits on ``torch.distributed`` work with a deadline, and blame: a timeout or a dead peer becomes an
   `OverlapTimeout` / `OverlapError` naming the op, this rank and the peer (`wait_work`); the collectives
-  under the names of the installed torch (`all_gather_async`, `reduce_scatter_async`);
+  under the names of the installed torch (`all_gather_async`, `reduce_scatter_async`, `all_reduce_async`),
+  which a plain call can record per group and a rank leaving that call replay with zeros (`record_on`,
+  `replay`: `overlap.symm.plain`);
 * chunked point-to-point exchanges: one pairwise step cut into chunks per link class (`exchange_chunked`,
   `chunk_bounds`);
 * the copy engines that let copies run beside GEMMs: on CPU ranks one worker thread per process
@@ -30,10 +32,50 @@ from .errors import OverlapError, OverlapTimeout
 # ----------------------------------------------------------------------------------------------
 
 
+#: Per group (``id(pg)``): the list that records the collectives issued on it, while a plain call records them.
+_RECORDING: dict[int, list] = {}
+
+
+def record_on(pg, into: list | None) -> None:
+    """From now on append every collective issued on `pg` through this module to `into` (None: stop), as
+    ``(issue function, ((shape, dtype) of each tensor argument))``: what `replay` issues again."""
+    if into is None:
+        _RECORDING.pop(id(pg), None)
+    else:
+        _RECORDING[id(pg)] = into
+
+
+def stop_recording(pg, into: list) -> None:
+    """Stop recording on `pg` if `into` is what records there (a later call may have started its own)."""
+    if _RECORDING.get(id(pg)) is into:
+        del _RECORDING[id(pg)]
+
+
+def _note(pg, issue: Callable, *tensors: torch.Tensor) -> None:
+    into = _RECORDING.get(id(pg)) if _RECORDING else None
+    if into is not None:
+        into.append((issue, tuple((tuple(t.shape), t.dtype) for t in tensors)))
+
+
+def replay(recorded: list, pg, device: torch.device) -> list:
+    """Issue the recorded collectives again on `pg`, in order, on zero tensors of the same shapes and dtypes
+    (what a rank that leaves a plain call sends so that the peers' collectives of that call complete);
+    returns their works."""
+    return [issue(*(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in metas), pg)
+            for issue, metas in recorded]
+
+
 def all_gather_async(out: torch.Tensor, inp: torch.Tensor, pg):
     """``all_gather_into_tensor`` under the name of the installed torch (renamed in 2.12+)."""
+    _note(pg, all_gather_async, out, inp)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, inp, group=pg, async_op=True)
+
+
+def all_reduce_async(out: torch.Tensor, pg):
+    """``all_reduce`` (sum) of `out` in place."""
+    _note(pg, all_reduce_async, out)
+    return dist.all_reduce(out, group=pg, async_op=True)
 
 
 def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, pg):
@@ -41,6 +83,7 @@ def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, pg):
 
     On CPU (gloo) the work's ``wait(timeout=...)`` ignores its timeout (torch 2.13: the collective
     runs inside ``wait()``), so it comes back as a `PolledWork`, which `wait_work` bounds."""
+    _note(pg, reduce_scatter_async, out, inp)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     work = fn(out, inp, group=pg, async_op=True)
     return work if out.is_cuda else PolledWork(work)

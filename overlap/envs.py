@@ -16,7 +16,8 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "OVERLAP_NODE_ID": ("", "node identity of this rank; overrides torchrun's GROUP_RANK and the hostname"),
     "OVERLAP_PLAN": ("", "path of a plan file written by `overlap tune`; `auto` looks calls up in it"),
     "OVERLAP_CACHE_DIR": ("~/.cache/overlap", "where `overlap info --probe` / `overlap tune` cache machine profiles"),
-    "OVERLAP_CHECK_EVERY_CALL": ("0", "1: every call runs the full cross-rank handshake (no steady state)"),
+    "OVERLAP_CHECK_EVERY_CALL": ("0", "1: every call runs the full cross-rank handshake (no steady state, no "
+                                      "reference call going ahead)"),
     "OVERLAP_SHM_DIR": ("/dev/shm", "where CPU symmetric memory segments are created (then unlinked at once)"),
     "OVERLAP_BUILD_CUDA": ("1", "build time: 0 skips the CUDA half of overlap._C even where nvcc exists"),
     "MAX_JOBS": ("2", "build time: parallel compile jobs of overlap._C"),

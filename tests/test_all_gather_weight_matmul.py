@@ -38,8 +38,9 @@ def test_matches_float64(pools, seed, world_size, dtype, strategy):
 def engine_task(rank, world_size, seed, inline_bytes):
     """`check` of symm with the weight's peer shards pulled inline (small) or by the copy engine's thread (every
     pull, `INLINE_COPY_BYTES` 0); returns the checked cases and the pulls the engine ran."""
-    from overlap import comm
     from support.weight_oracle import check as check_here
+
+    from overlap import comm
 
     limit, engine = comm.INLINE_COPY_BYTES, comm.copy_engine
     submitted = [0]

@@ -55,13 +55,15 @@ class CallContext:
         """This context with some fields replaced (`op`, `signature`, `plan`, ...)."""
         return dataclasses.replace(self, **changes)
 
-    def begin(self, need_bytes: int = 0, steady: bool = False):
+    def begin(self, need_bytes: int = 0, steady: bool = False, plain: bool = False):
         """The handshake on every rank: check the signatures, size the heap for `need_bytes` per slot.
 
         Returns the call (`overlap.symm.Call` on one node; a collective epoch across nodes) whose
         ``finish()`` must run when this rank is done with the call, also on error paths. `steady`: the
         strategy waits on every peer's flags through the `Call` and `need_bytes` is fixed by the signature,
-        so a warmed signature skips the rendezvous (`overlap.symm.handshake`)."""
+        so a warmed signature skips the rendezvous (`overlap.symm.handshake`). `plain`: the call runs only plain
+        collectives through `overlap.comm` (``reference``), which go ahead without the rendezvous where the
+        group's recent calls predict the call (`overlap.symm.plain`; CPU ranks of one node)."""
         world.CALLER.set(self.op)
         info = self.info
         with record("handshake"):
@@ -69,7 +71,7 @@ class CallContext:
                 if need_bytes > 0 and info.device.type == "cuda":
                     warn_device_connections(self.op)
                 return symm.heap_for(self.pg, self.timeout).begin(self.op, self.signature, need_bytes, self.timeout,
-                                                                  steady=steady)
+                                                                  steady=steady, plain=plain)
             return _collective_handshake(self.op, self.pg, info, self.signature, self.timeout, post_only=False)
 
     def fail(self, exc: Exception) -> NoReturn:

@@ -23,7 +23,9 @@ The buffer protocol (docs/design.md) as implemented here:
   stays usable. A **steady-state** call (``symm`` strategies of the TP ops on CPU ranks, once this
   rank has seen the signature pass a full handshake) posts and goes on: its signature is checked in
   the data waits (`overlap.symm.handshake`), and a peer that made another call still makes it raise
-  `OverlapMismatchError`. A rank whose own arguments are wrong posts a poisoned signature without
+  `OverlapMismatchError`. A ``reference`` call of a TP op that the group's recent calls predict goes
+  ahead too: it issues its plain collectives at once and compares the peers' signatures once they
+  complete; a disagreeing rank answers them with zeros before it raises (`overlap.symm.plain`). A rank whose own arguments are wrong posts a poisoned signature without
   waiting (``post_only``) and raises; its peers raise at once. Ranks can run several calls
   ahead, so every call first waits until its peers are within the ring (a peer that posted epoch
   ``E - 3`` has read every entry of ``E - 4``): a ring of four entries per rank is never
@@ -104,7 +106,8 @@ def heap_if_open(group: Any = None) -> SymmHeap | None:
 def host_sync_counts() -> dict[str, int]:
     """This process's host synchronizations between ranks so far, by kind (`overlap.symm.handshake.COUNTS`):
     ``rendezvous`` (full handshakes: the call waited on the host until every peer had started it),
-    ``steady`` (calls that skipped it: a warmed signature, checked in the data), ``ring_wait`` (steady calls
+    ``steady`` (calls that skipped it: a warmed signature, checked in the data; a predicted ``reference`` call,
+    checked after its collectives, `overlap.symm.plain`), ``ring_wait`` (steady calls
     that waited for a peer more than three calls behind)."""
     return {k: handshake.COUNTS[k] for k in ("rendezvous", "steady", "ring_wait")}
 

@@ -14,6 +14,7 @@ phase (`overlap.ops` pipelines; tests/test_symm_stream_order.py records it).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -46,6 +47,8 @@ class Call:
         self.uses_heap, self.prev_data_epoch = uses_heap, prev_data_epoch
         # A steady-state call (no rendezvous at its start) checks the peers' signatures in its waits.
         self.check = check
+        # A plain call's collectives, while they are recorded for drains (`overlap.symm.plain`).
+        self.recording: list | None = None
         self._finished = False
 
     def buffer(self, peer: int, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
@@ -146,8 +149,21 @@ class Call:
             return
         self._finished = True
         h = self.heap
-        if self.check is not None and self.check.pending:
-            h.defer_check(self.check)
+        if self.recording is not None:  # (kept where no exception is on its way: called from `finally` blocks)
+            h.plain.recorded(h, self.sig, self.recording, keep=sys.exc_info()[1] is None)
+        check = self.check
+        if check is not None and check.ahead:
+            # A plain call that went ahead: every peer has posted by now (its side of the collectives, real or
+            # a drain, came after its entry); a difference raises before any result of this call is returned
+            # (also on an error path: the mismatch is then the better error).
+            for p in range(self.world_size):
+                if p != self.rank:
+                    check.verify(p)
+        if check is not None:
+            if check.pending:
+                h.defer_check(check)
+            elif check.agreed:
+                h.plain.agreement.add(self.epoch, self.sig)
         if not self.uses_heap:
             return
         h.in_flight -= 1

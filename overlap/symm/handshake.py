@@ -16,6 +16,10 @@ epoch sees the whole entry). What happens next depends on the call:
   peer this rank never waited on is compared at this rank's next call (`SignatureCheck.resolve`). A
   ``pipelined`` call (no slot, no flag) checks the entries before it posts its receives and carries the
   signature on its point-to-point messages (`overlap.symm.p2p`).
+* **Ahead** (a ``reference`` call of a TP op whose signature the group's recent calls predict,
+  `overlap.symm.plain`): post with the `AHEAD` flag and issue the plain collectives at once; the peers' entries
+  are compared once they complete. A rank that leaves a call where a peer went ahead issues that peer's
+  collectives with zeros first (`overlap.symm.plain.drain`).
 
 A rank that leaves a call without using its slot (a mismatch, its own bad input) stores its "done" flags of
 the slot as if it had used it (`abandon`), since a peer in the steady state may have counted the call as one
@@ -39,8 +43,10 @@ from .layout import HS_BASE, HS_RING, HS_STRIDE, NUM_SLOTS, SIG_TEXT_BYTES, W_HS
 #: `HS_RING` - 1 calls behind). Read with `overlap.symm.host_sync_counts`.
 COUNTS: collections.Counter = collections.Counter()
 
-#: Words of an entry: epoch tag, signature hash (lo, hi), bytes needed (lo, hi), then the text.
-_TAG, _LO, _HI, _NEED_LO, _NEED_HI, _TEXT = 0, 1, 2, 3, 4, 5
+#: Words of an entry: epoch tag, signature hash (lo, hi), bytes needed (lo, hi), flags, then the text.
+_TAG, _LO, _HI, _NEED_LO, _NEED_HI, _FLAGS, _TEXT = 0, 1, 2, 3, 4, 5, 6
+#: Flag of an entry: the rank issued the call's collectives without a rendezvous (`overlap.symm.plain`).
+AHEAD = 1
 
 #: Signatures remembered as warmed per heap; past it the set starts over (a run of ever-new shapes then
 #: pays the full handshake, which it pays anyway for new shapes).
@@ -51,18 +57,18 @@ _SLICE_S = 0.01
 
 #: How long a rank that found a mismatch in the steady state waits for the other peers' entries, so that its
 #: message lists every signature that differs (a peer that never posts is left out).
-_COMPLETE_S = 2.0
+COMPLETE_S = 2.0
 
 
 def entry_word(epoch: int) -> int:
     return HS_BASE + (epoch % HS_RING) * HS_STRIDE
 
 
-def post(heap, epoch: int, lo: int, hi: int, need: int, signature: str) -> None:
+def post(heap, epoch: int, lo: int, hi: int, need: int, signature: str, flags: int = 0) -> None:
     """Write this rank's entry of `epoch`, then publish the epoch (release)."""
     entry = entry_word(epoch)
     mine = heap.pad(heap.rank)
-    mine[entry + _LO : entry + _TEXT] = (lo, hi, need & 0x7FFFFFFF, need >> 31)
+    mine[entry + _LO : entry + _TEXT] = (lo, hi, need & 0x7FFFFFFF, need >> 31, flags)
     mine[entry + _TEXT : entry + HS_STRIDE] = _text_words(signature)
     mine[entry + _TAG] = epoch
     signals().signal_store(heap.ctrl_addr(heap.rank, W_HS_EPOCH), epoch)
@@ -89,6 +95,17 @@ def entry_of(heap, peer: int, epoch: int) -> tuple[int, int, int] | None:
     if int(words[_TAG]) != epoch:
         return None
     return int(words[_LO]), int(words[_HI]), int(words[_NEED_LO]) | (int(words[_NEED_HI]) << 31)
+
+
+def went_ahead(heap, peer: int, epoch: int) -> tuple[int, int] | None:
+    """The signature hash of `peer`'s entry of `epoch` if that rank issued the call's collectives without a
+    rendezvous (`AHEAD`), else None (not that, or not posted)."""
+    if not posted(heap, peer, epoch):
+        return None
+    words = heap.pad(peer)[entry_word(epoch) : entry_word(epoch) + _TEXT].copy()
+    if int(words[_TAG]) != epoch or not int(words[_FLAGS]) & AHEAD:
+        return None
+    return int(words[_LO]), int(words[_HI])
 
 
 def text_of(heap, peer: int, epoch: int) -> str:
@@ -145,16 +162,24 @@ class SignatureCheck:
         self.heap, self.op, self.epoch, self.lo, self.hi, self.signature = heap, op, epoch, lo, hi, signature
         self.timeout = timeout
         self.unverified = {p for p in range(heap.world_size) if p != heap.rank}
+        self.compared: set[int] = set()  # the peers whose entries were read and found alike
         self.failed: dict[int, str] = {}  # the peers found to differ, with their signatures
+        self.ahead = False  # this rank issued the call's collectives without a rendezvous (`overlap.symm.plain`)
 
     def error(self, differ: dict[int, str], note: str = "") -> OverlapMismatchError:
         """The mismatch error of this call. Once found, every later look (`scan`: other threads of the same
         call wait on other peers) raises it too, and nothing is left to compare at the next call.
 
         The message lists every peer that differs, as a full handshake's does: on the first find, this rank
-        waits a little (at most `_COMPLETE_S`, within the call's deadline) for every peer to post the call."""
+        waits a little (at most `COMPLETE_S`, within the call's deadline) for every peer to post the call.
+        A peer that went ahead with its plain collectives gets them answered first (`overlap.symm.plain.drain`)."""
         if not self.failed:
             self.failed = self._every_difference(differ)
+            self.heap.plain.agreement.forget(self.epoch)
+            if self.ahead:  # (no slot: a peer may have counted the call as one that used it)
+                abandon(self.heap, self.epoch)
+            else:
+                self.heap.plain.drain(self.heap, self.op, self.epoch, min(self.timeout, COMPLETE_S))
         exc = OverlapMismatchError.of(self.op, self.epoch, self.heap.rank, self.signature, self.failed)
         if note:
             exc.args = (f"{exc.args[0]}\n({note})",)
@@ -163,8 +188,13 @@ class SignatureCheck:
     def _every_difference(self, differ: dict[int, str]) -> dict[int, str]:
         heap, peers = self.heap, [p for p in range(self.heap.world_size) if p != self.heap.rank]
         addrs = [heap.ctrl_addr(p, W_HS_EPOCH) for p in peers]
-        signals().signal_wait_all(addrs, self.epoch, min(self.timeout, _COMPLETE_S))  # (best effort)
+        signals().signal_wait_all(addrs, self.epoch, min(self.timeout, COMPLETE_S))  # (best effort)
         return {**differing(heap, self.epoch, self.lo, self.hi, peers), **differ}
+
+    @property
+    def agreed(self) -> bool:
+        """Whether every peer's entry of this call was read and found alike."""
+        return not self.failed and len(self.compared) == self.heap.world_size - 1
 
     @property
     def pending(self) -> bool:
@@ -183,6 +213,7 @@ class SignatureCheck:
         self.unverified.discard(peer)
         if got[:2] != (self.lo, self.hi):
             raise self.error({peer: text_of(self.heap, peer, self.epoch)})
+        self.compared.add(peer)
 
     def scan(self) -> None:
         """Between slices of a wait: raise if any peer has posted this call with another signature."""
@@ -204,6 +235,7 @@ class SignatureCheck:
             if got[:2] != (self.lo, self.hi):
                 raise self.error({p: text_of(self.heap, p, self.epoch)},
                                  "found at this rank's next call on the group: it had not waited on that rank")
+            self.compared.add(p)
         return not self.unverified
 
 

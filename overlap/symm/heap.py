@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .. import envs, shm, world
 from ..errors import OverlapMismatchError, OverlapTimeout
-from . import handshake
+from . import handshake, plain
 from .call import Call
 from .cuda_memory import CudaFlags, cuda_data
 from .layout import (
@@ -63,6 +63,7 @@ class SymmHeap:
         self.device = info.device
         self.epoch = 0
         self._rebases = 0  # (`rebases`)
+        self.plain = plain.Plain()  # plain calls that go ahead without a rendezvous
         self.generation = 0
         self.slot_bytes = 0
         self.closed = False
@@ -151,7 +152,7 @@ class SymmHeap:
         return self._ctrl_np[peer]
 
     def begin(self, op: str, signature: str, need_bytes: int, timeout: float, post_only: bool = False,
-              steady: bool = False) -> Call:
+              steady: bool = False, plain: bool = False) -> Call:
         """Start a call: advance the epoch, agree on the signature, grow if needed (`overlap.symm.handshake`).
 
         ``need_bytes`` is what one slot must hold for this call; 0 means the call uses no heap
@@ -160,7 +161,9 @@ class SymmHeap:
         on its own bad input uses it, so its peers fail fast too). ``steady``: the caller's strategy
         checks the signature in its data waits (`Call.wait_ready`) and ``need_bytes`` is fixed by the
         signature, so once the signature has passed a full handshake on this rank, later calls skip the
-        rendezvous (CPU ranks; GPU ranks always run the full handshake).
+        rendezvous (CPU ranks; GPU ranks always run the full handshake). ``plain``: the call runs only plain
+        collectives through `overlap.comm` (a TP op's ``reference``; no heap data): where the group's recent calls
+        predict its signature it goes ahead without the rendezvous (`overlap.symm.plain`).
         """
         if self.closed:
             raise RuntimeError("overlap: this group's symmetric heap was released; it cannot be used again")
@@ -170,8 +173,10 @@ class SymmHeap:
         lo, hi = signature_hash(signature)
         if not post_only and world.capturing():
             raise self._capture_error(op, (lo, hi, need_bytes) in self.warmed, need_bytes)
-        fast = (steady and not post_only and self.device.type == "cpu" and not envs.check_every_call()
-                and (lo, hi, need_bytes) in self.warmed and self.epoch + 1 < REBASE_EPOCH)
+        live = (not post_only and self.device.type == "cpu" and not envs.check_every_call()
+                and self.epoch + 1 < REBASE_EPOCH)
+        fast = steady and live and (lo, hi, need_bytes) in self.warmed
+        plain = plain and need_bytes == 0 and not steady
         self.epoch += 1
         epoch = self.epoch
         peers = [p for p in range(self.world_size) if p != self.rank]
@@ -183,13 +188,20 @@ class SymmHeap:
             # Tell the peers at once (they raise at this call), leave the slot whole, then raise.
             handshake.post(self, epoch, 0, 0, 0, f"<rank {self.rank}: ranks disagreed on an earlier call>")
             handshake.abandon(self, epoch)
+            self.plain.recording(self, None)
+            self.plain.drain(self, op, epoch, min(timeout, handshake.COMPLETE_S))
             raise
-        handshake.post(self, epoch, lo, hi, need_bytes, signature)
+        recording = self.plain.recording(self, (lo, hi) if plain and not post_only else None)
+        ahead = plain and live and self.plain.goes_ahead((lo, hi), epoch)
+        handshake.post(self, epoch, lo, hi, need_bytes, signature, handshake.AHEAD if ahead else 0)
         if post_only:
             handshake.abandon(self, epoch)
+            self.plain.drain(self, op, epoch, min(timeout, handshake.COMPLETE_S))
             return None
         if fast:
             return self._steady(op, epoch, lo, hi, signature, need_bytes, timeout, peers)
+        if ahead:
+            return self._ahead(op, epoch, lo, hi, signature, timeout)
         handshake.COUNTS["rendezvous"] += 1
         missing = signals().signal_wait_all([self.ctrl_addr(p, W_HS_EPOCH) for p in peers], epoch, timeout)
         if missing >= 0:
@@ -205,7 +217,10 @@ class SymmHeap:
                 need = max(need, got[2])
         if differ:  # nothing was exchanged and no slot was used: the group stays usable
             handshake.abandon(self, epoch)
+            self.plain.recording(self, None)  # (nothing of this call is kept; the drain is not recorded)
+            self.plain.drain(self, op, epoch, timeout)
             raise OverlapMismatchError.of(op, epoch, self.rank, signature, differ)
+        self.plain.agreement.add(epoch, (lo, hi))
         if need == need_bytes:
             self.warmed.add(lo, hi, need)
         if epoch >= REBASE_EPOCH and self.in_flight == 0:  # (same on every rank: same calls in flight)
@@ -215,7 +230,21 @@ class SymmHeap:
             # (an op that nests calls, like an overlapped backward, sizes its first call for both).
             assert self.in_flight == 0, f"overlap.{op}: heap growth with {self.in_flight} call(s) in flight"
             self._grow(need, op, timeout)
-        return self._open(op, epoch, timeout, need, signature=signature, sig=(lo, hi))
+        call = self._open(op, epoch, timeout, need, signature=signature, sig=(lo, hi))
+        call.recording = recording
+        return call
+
+    def _ahead(self, op: str, epoch: int, lo: int, hi: int, signature: str, timeout: float) -> Call:
+        """A plain call that goes ahead (`overlap.symm.plain`): no rendezvous; every peer's entry is compared
+        when the call finishes (after its collectives), or at this rank's next call if that starts first."""
+        handshake.COUNTS["steady"] += 1
+        check = handshake.SignatureCheck(self, op, epoch, lo, hi, signature, timeout)
+        check.ahead = True
+        self.pending.append(check)
+        # Agreed for the next calls' predictions until a difference is found: every rank that predicts the next
+        # call has this one as agreed or went ahead with it too, with the same signature (the same prediction).
+        self.plain.agreement.add(epoch, (lo, hi))
+        return self._open(op, epoch, timeout, 0, check, signature, (lo, hi))
 
     def _capture_error(self, op: str, warmed: bool, need: int) -> RuntimeError:
         """Why this call cannot run under CUDA graph capture, and what to do (checked before the handshake:
@@ -282,6 +311,8 @@ class SymmHeap:
             try:
                 if not check.resolve():
                     self.pending.append(check)
+                elif check.agreed:
+                    self.plain.agreement.add(check.epoch, (check.lo, check.hi))
             except OverlapMismatchError:
                 self.pending = []
                 raise
@@ -352,6 +383,7 @@ class SymmHeap:
         self.epoch = 1
         self.last_data_epoch = [0] * NUM_SLOTS
         self.pending = []  # (every rank passed this call's full handshake: earlier calls are all agreed)
+        self.plain.agreement.clear()
         log.info("overlap: re-based the epochs of a group (every %d calls)", REBASE_EPOCH)
         return 1
 

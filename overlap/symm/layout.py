@@ -30,7 +30,7 @@ W_ASYNC_ERR = 6
 #: flags and epochs are always int32 values far apart from wrapping (see `SymmHeap._rebase`).
 REBASE_EPOCH = 2**30
 HS_BASE = 16
-HS_STRIDE = 5 + SIG_TEXT_BYTES // 4  # epoch tag, sig_lo, sig_hi, need_lo, need_hi, text (`overlap.symm.handshake`)
+HS_STRIDE = 6 + SIG_TEXT_BYTES // 4  # tag, sig_lo, sig_hi, need_lo, need_hi, flags, text (`overlap.symm.handshake`)
 SLOT_BASE = 512
 assert HS_BASE + HS_RING * HS_STRIDE <= SLOT_BASE
 SLOT_STRIDE = MAX_FLAGS + MAX_PEERS  # ready[MAX_FLAGS], done[MAX_PEERS]

@@ -221,7 +221,7 @@ def _reference_backward(cc: CallContext, a, prod: Product | None, need_b: bool, 
     k = a.shape[-1]
     cc = cc.derive(signature=f"{cc.op}(a={describe(a)}, grads={int(prod is not None)}{int(need_b)}, "
                              f"{_terms(prod)}, reference)")
-    call = cc.begin()
+    call = cc.begin(plain=True)
     a2 = a.reshape(-1, k).contiguous()
     grad_a = full = g = None
     with record(cc.op):

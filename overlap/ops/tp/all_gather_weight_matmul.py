@@ -120,7 +120,8 @@ def _start_gather(kind: str, call, shard_NK: torch.Tensor, cc: CallContext, need
 
 def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
     """One forward call on every rank: the handshake, then each block of columns as its shard is there."""
-    call = cc.begin(heap_bytes(cc.plan, b), steady=cc.plan.strategy in ("symm", "pipelined"))
+    call = cc.begin(heap_bytes(cc.plan, b), steady=cc.plan.strategy in ("symm", "pipelined"),
+                    plain=cc.plan.strategy == "reference")
     try:
         if cc.plan.strategy == "fused":
             return _fused(cc, call, a2, b)
@@ -202,7 +203,7 @@ def _overlapped_backward(cc: CallContext, a2, b, g2, need_a, need_b):
             elif need_b:
                 need = max(need, scatter_gemm.heap_bytes(chosen, g2.shape[1] // cc.world_size, a2.shape[1], a2.dtype,
                                                          cc.world_size))
-            gather_call = gather_cc.begin(need, steady=kind in ("symm", "pipelined"))
+            gather_call = gather_cc.begin(need, steady=kind in ("symm", "pipelined"), plain=kind == "reference")
             gather = _start_gather(kind, gather_call, shard_NK, gather_cc, need)
         if need_b:
             grad_cc = cc.derive(signature=f"{cc.op}.grad_b(g={describe(g2)}, a={describe(a2)}, "

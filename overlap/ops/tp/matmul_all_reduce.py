@@ -118,7 +118,7 @@ def run(g: Gemm, cc: CallContext) -> torch.Tensor:
     """One call on every rank (`cc`: its op, group, plan, deadline, signature): the handshake, then the
     strategy; returns ``[M, n]`` in `g`'s partials' dtype (`overlap.ops.tp.operands.Gemm`: fp8, float32)."""
     steady = cc.plan.strategy in ("symm", "pipelined")  # (pipelined: checked in its messages, `overlap.symm.p2p`)
-    call = cc.begin(heap_bytes(cc.plan, g, cc.world_size), steady=steady)
+    call = cc.begin(heap_bytes(cc.plan, g, cc.world_size), steady=steady, plain=cc.plan.strategy == "reference")
     try:
         return STRATEGIES[cc.plan.strategy](cc, call, g)
     finally:
@@ -168,7 +168,7 @@ _op = library.define(OP, entry.TP_SCHEMA, _forward, _fake, _backward, _save)
 
 def _reference(cc: CallContext, call, g: Gemm):
     out = g.whole()
-    cc.wait(dist.all_reduce(out, group=cc.pg, async_op=True), "any", "all_reduce")
+    cc.wait(comm.all_reduce_async(out, cc.pg), "any", "all_reduce")
     return out
 
 
@@ -204,7 +204,7 @@ def _pipelined(cc: CallContext, call, g: Gemm):
             every = _empty(g, (W * (hi - lo), n))  # rank-major: rank s's piece at rows s*(hi-lo)...
             posted.append((lo, hi, every, comm.all_gather_async(every, out[lo:hi], pg)))
         else:
-            posted.append((lo, hi, None, dist.all_reduce(out[lo:hi], group=pg, async_op=True)))
+            posted.append((lo, hi, None, comm.all_reduce_async(out[lo:hi], pg)))
     for i, (lo, hi, every, work) in enumerate(posted):
         cc.wait(work, "any", f"piece {i}")
         if every is not None:

@@ -67,7 +67,8 @@ def run(prod: Product, cc: CallContext) -> torch.Tensor:
     if cc.plan.strategy == "fused" and not prod.simple:  # (the kernel multiplies one pair: symm's copies)
         cc = cc.derive(plan=dataclasses.replace(cc.plan, strategy="symm"))
     steady = cc.plan.strategy in ("symm", "pipelined")  # (pipelined: checked in its messages, `overlap.symm.p2p`)
-    call = cc.begin(heap_bytes(cc.plan, prod.m, prod.n, prod.dtype, cc.world_size), steady=steady)
+    call = cc.begin(heap_bytes(cc.plan, prod.m, prod.n, prod.dtype, cc.world_size), steady=steady,
+                    plain=cc.plan.strategy == "reference")
     try:
         return STRATEGIES[cc.plan.strategy](cc, call, prod)
     finally:

@@ -1,0 +1,194 @@
+"""Plain calls without a rendezvous (`overlap.symm.plain`): a ``reference`` call of a TP op whose signature the
+group's recent calls predict issues its collectives at once, on CPU ranks of one node.
+
+* The prediction (`Agreement`): from a window of agreed epochs only, the same on every rank that has them all.
+* After `WINDOW` agreed calls, forward calls and forward+backward calls of every TP op make no rendezvous and
+  compute the float64 oracle's result on fresh random inputs.
+* A rank that disagrees while its peers go ahead (a new shape, another warmed `reference` signature, a warmed
+  `symm` signature, its own bad input) gets its error, the peers `OverlapMismatchError`, within seconds (the
+  disagreeing rank answers the peers' collectives with zeros: no abort, no timeout, no result returned), and
+  the group computes right afterwards, going ahead again once the window is agreed again.
+* ``OVERLAP_CHECK_EVERY_CALL=1`` makes every call a full handshake.
+Every assertion is on counts, error kinds and numbers; the only clock is the generous "within seconds".
+"""
+
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import pytest
+import torch
+from support.harness import FALLBACK_TIMEOUT_S
+from support.tp_oracle import AGM, MAR, MRS, call, compare, expect_error, forward_backward, oracle
+
+from overlap.symm.plain import WINDOW, Agreement
+
+AGWM = "all_gather_weight_matmul"
+CASE = (2, (), 8, 6, "contiguous")
+OTHER = (2, (), 8, 5, "contiguous")  # another signature (n differs)
+WEIGHT_CASE = (4, (), 8, 6, "weight.t()")
+WEIGHT_OTHER = (4, (), 8, 5, "weight.t()")
+R = "reference"
+TOL = dict(rtol=1e-4, atol=1e-4)
+OPS = [AGM, MRS, MAR, AGWM]
+
+
+# -- the prediction ----------------------------------------------------------------------------------------
+
+
+def _agreed(keys, start=1):
+    agreement = Agreement()
+    for i, key in enumerate(keys):
+        if key is not None:
+            agreement.add(start + i, key)
+    return agreement, start + len(keys)
+
+
+def test_the_prediction_repeats_the_window_period():
+    a, b, c = (1, 1), (2, 2), (3, 3)
+    agreement, nxt = _agreed([a, b, c] * 6)
+    assert agreement.predict(nxt) == a
+    agreement.add(nxt, a)
+    assert agreement.predict(nxt + 1) == b
+    same, nxt = _agreed([a] * WINDOW)
+    assert same.predict(nxt) == a
+
+
+def test_no_prediction_without_a_whole_agreed_window():
+    a, b = (1, 1), (2, 2)
+    short, nxt = _agreed([a] * (WINDOW - 1))
+    assert short.predict(nxt) is None  # too few agreed calls
+    hole, nxt = _agreed([a] * 5 + [None] + [a] * WINDOW)
+    assert hole.predict(nxt) == a  # the hole is older than the window
+    hole, nxt = _agreed([a] * WINDOW + [None] + [a] * 5)
+    assert hole.predict(nxt) is None  # an epoch of the window is not agreed (a mismatch, a pending check)
+    new, nxt = _agreed([a] * (WINDOW - 1) + [b])
+    assert new.predict(nxt) is None  # the last signature never came before in the window
+    cleared, nxt = _agreed([a] * 2 * WINDOW)
+    cleared.clear()
+    assert cleared.predict(nxt) is None
+
+
+# -- on ranks ----------------------------------------------------------------------------------------------
+
+
+def _inputs(op, seed, world_size, rank, case=None):
+    """``(a, b, g, want)``: this rank's inputs and its float64 ``(out, grad_a, grad_b)``."""
+    if op == AGWM:
+        from support import weight_oracle
+
+        inputs, want = weight_oracle.oracle(seed, world_size, case or WEIGHT_CASE, torch.float32)
+        a, w, g = inputs[rank]
+        return a, w.t(), g, want[rank]
+    inputs, want = oracle(op, seed, world_size, case or CASE, torch.float32)
+    a, b, g = inputs[rank]
+    return a, b, g, want[rank]
+
+
+def _fb(op, a, b, g):
+    if op == AGWM:
+        from support import weight_oracle
+
+        return weight_oracle.forward_backward(R, a, b.t(), "weight.t()", g)
+    return forward_backward(op, R, a, b, "contiguous", g)
+
+
+def _delta(before, after):
+    return {k: after[k] - before[k] for k in before}
+
+
+def ahead_task(rank, world_size, seed, op):
+    from overlap import symm
+
+    a, b, g, _ = _inputs(op, seed, world_size, rank)
+    for _ in range(WINDOW + 2):  # the window of agreed calls: full handshakes
+        call(op, a, b, R)
+    before = symm.host_sync_counts()
+    for i in range(30):  # fresh random inputs every call, the same shapes
+        a, b, _, want = _inputs(op, seed + 1 + i, world_size, rank)
+        compare(f"{op} call {i} ahead, rank {rank}", [call(op, a, b, R)], want[:1], torch.float32, TOL)
+    forward = symm.host_sync_counts()
+    for _ in range(WINDOW + 2):  # forward and backward alternate: a new period to agree on
+        _fb(op, a, b, g)
+    start = symm.host_sync_counts()
+    for i in range(8):
+        a, b, g, want = _inputs(op, seed + 100 + i, world_size, rank)
+        compare(f"{op} forward+backward {i} ahead, rank {rank}", _fb(op, a, b, g), want, torch.float32, TOL)
+    both = symm.host_sync_counts()
+    with mock.patch.dict(os.environ, {"OVERLAP_CHECK_EVERY_CALL": "1"}):
+        checked = symm.host_sync_counts()["rendezvous"]
+        for _ in range(5):
+            call(op, a, b, R)
+        checked = symm.host_sync_counts()["rendezvous"] - checked
+    return _delta(before, forward), _delta(start, both), checked
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_predicted_reference_calls_go_ahead_without_rendezvous(pools, seed, op, world_size):
+    for rank, (forward, both, checked) in enumerate(pools(world_size).run(ahead_task, seed, op, timeout=300)):
+        assert forward["rendezvous"] == 0 and forward["steady"] == 30, (rank, forward)
+        # the backward's calls go ahead too (matmul_all_reduce's backward communicates nothing)
+        assert both["rendezvous"] == 0 and both["steady"] >= (8 if op == MAR else 16), (rank, both)
+        assert checked == 5, (rank, checked)
+
+
+KINDS = ("new", "other warmed", "symm warmed", "bad input")
+
+
+def _case(op, other: bool):
+    if op == AGWM:
+        return WEIGHT_OTHER if other else WEIGHT_CASE
+    return OTHER if other else CASE
+
+
+def mismatch_task(rank, world_size, seed, op, who):
+    """Per kind: warm up (the other rank's signature too where it is a warmed one), agree on a window of the
+    common call, then rank `who` disagrees while the others go ahead; the group computes right afterwards."""
+    from overlap import symm
+
+    results = {}
+    base = _case(op, False)
+    for kind in KINDS:
+        a2, b2, _, _ = _inputs(op, seed, world_size, rank, _case(op, True))
+        if kind == "other warmed":
+            call(op, a2, b2, R)
+        if kind == "symm warmed":
+            for _ in range(2):
+                call(op, a2, b2, "symm")
+        a, b, _, _ = _inputs(op, seed, world_size, rank, base)
+        for _ in range(WINDOW + 1):
+            call(op, a, b, R)
+        strategy = "symm" if kind == "symm warmed" and rank == who else R
+        if rank == who:
+            a, b = (a2, b2) if kind != "bad input" else (a, b[:-1])  # (bad input: inner dims differ)
+        before = symm.host_sync_counts()
+        kind_msg = expect_error(call, op, a, b, strategy, timeout=20)
+        results[kind] = (*kind_msg, _delta(before, symm.host_sync_counts()))
+        for i in range(WINDOW + 3):  # the group computes right, and goes ahead again once agreed again
+            a, b, _, want = _inputs(op, seed + 1 + i, world_size, rank, base)
+            compare(f"{op} after '{kind}', rank {rank}", [call(op, a, b, R)], want[:1], torch.float32, TOL)
+        before = symm.host_sync_counts()
+        call(op, a, b, R)
+        results[kind + " then"] = _delta(before, symm.host_sync_counts())
+    return results
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("world_size,who", [(2, 1), (3, 0)])
+def test_a_rank_that_disagrees_with_peers_gone_ahead_gets_no_data_and_no_hang(pools, seed, op, world_size, who):
+    results = pools(world_size).run(mismatch_task, seed, op, who, timeout=300)
+    for rank, res in enumerate(results):
+        for kind in KINDS:
+            name, msg, secs, counts = res[kind]
+            ctx = f"{op}, W={world_size}, {kind}, rank {rank}: {name}: {msg}"
+            want = "ValueError" if kind == "bad input" and rank == who else "OverlapMismatchError"
+            assert name == want, ctx
+            assert secs < FALLBACK_TIMEOUT_S, ctx
+            if name == "OverlapMismatchError":
+                assert "disagree" in msg and op in msg, ctx
+            if rank != who:  # the peers did go ahead: the disagreeing rank answered their collectives
+                assert counts["steady"] == 1 and counts["rendezvous"] == 0, (ctx, counts)
+            after = res[kind + " then"]
+            assert after["steady"] == 1 and after["rendezvous"] == 0, (ctx, after)
