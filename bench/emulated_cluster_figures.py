@@ -50,12 +50,17 @@ def placement(spec: dict, rank: int, world_size: int) -> tuple[Any, Any, bool, s
     return info, topology_of(info), leader, spec["link"]["dev"]["ab".index(node)] if node in "ab" else ""
 
 
-def tuned(cfg: Any, problem: Any, profile: Any, plan_file: Any) -> tuple[Any, list]:
+def tuned(cfg: Any, problem: Any, profile: Any, plan_file: Any, routing: Any = None) -> tuple[Any, list]:
     """``overlap tune``'s work for one problem (its plan file entry added to `plan_file`, or a new plan file where
-    it is None) and its outcomes."""
+    it is None) and its outcomes; `routing`: a MoE problem's (``overlap tune --routing``), where the tuner takes
+    one."""
+    import inspect
+
     from overlap.tune.search import tune
 
-    pf, outcomes = tune([problem], profile=profile, measure=cfg.measure, repeats=cfg.tune_repeats, warmup=cfg.warmup)
+    given = {"routing": routing} if routing is not None and "routing" in inspect.signature(tune).parameters else {}
+    pf, outcomes = tune([problem], profile=profile, measure=cfg.measure, repeats=cfg.tune_repeats, warmup=cfg.warmup,
+                        **given)
     if plan_file is None:
         return pf, outcomes
     for entry in pf.entries.values():

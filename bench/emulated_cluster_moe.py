@@ -21,8 +21,9 @@ and gradients checked against ``reference``'s first), then one more call each wi
   ``hot_pipelined``: the same pairs with ``pipelined`` for the tokens that still travel;
 * ``model``: ``hierarchical`` with the cost model's migration (`overlap.plans.migration.choose_migration`
   given this routing's loads per node and expert); empty where the model says not to migrate;
-* ``pick``: the tuner's (`overlap.tune.search.tune` with the rate's profile: what ``overlap tune`` writes,
-  tuned on the op table's own routing, as a plan file has no routing).
+* ``pick``: the tuner's (`overlap.tune.search.tune` with the rate's profile: what ``overlap tune`` writes),
+  tuned for the case's routing (``overlap tune --routing``: its pairs per node and expert as the shares; the
+  plan file keeps the last routing's pick, as a plan file has no routing).
 
 Imports torch and overlap only inside the functions: the parent imports this module too.
 """
@@ -141,7 +142,6 @@ def run_moe_figures(cfg: Any, spec: dict, rank: int, world_size: int, profile: A
     out, plan_file = [], None
     for fields in cfg.problems:
         p = Problem(**fields)
-        plan_file, outcomes = tuned(cfg, p, profile, plan_file)
         ranked = [(plan, pred) for plan, pred in rank_candidates(p, topology, profile) if not plan.migrate]
         best = {}
         for plan, _ in ranked:
@@ -151,6 +151,8 @@ def run_moe_figures(cfg: Any, spec: dict, rank: int, world_size: int, profile: A
             every = [routing(kind, p.m, p.experts, p.top_k, r) for r in range(world_size)]
             node_loads = loads([idx for idx, _ in every], p.experts, rpn)
             exact = model_loads([idx for idx, _ in every], info, p.experts)
+            shares = tuple(tuple(node_loads[n][e] for n in range(len(node_loads))) for e in range(p.experts))
+            plan_file, outcomes = tuned(cfg, p, profile, plan_file, shares)
             chosen = model_migration(p, profile, info, exact)
             hot = hot_pairs(HOT_EXPERTS, p.experts, world_size, rpn)
             plans = {"reference": Plan("reference"), "pipelined": best["pipelined"], "hierarchical": hier,

@@ -204,6 +204,11 @@ def test_torchrun_passes_every_option_of_ours_through():
         (("--shape", "conv2d:1x2x3"), "unknown op"),
         (("--shape", "moe:8x8x8:4:2:int8"), "neither a dtype"),
         (("--nproc", "2"), "give --shape"),
+        (("--shape", "moe:8x8x8:4:2", "--routing", "1,1,1"), "gives 3 experts' shares, moe:8x8x8"),
+        (("--shape", "moe:8x8x8:4:2", "--routing", "1,x,1,1"), "--routing '1,x,1,1'"),
+        (("--shape", "moe:8x8x8:4:2", "--routing", "1,-1,1,1"), "numbers >= 0"),
+        (("--shape", "moe:8x8x8:4:2", "--routing", "@/nonexistent/loads.json"), "No such file"),
+        (("--shape", "all_gather_matmul:8x8x8", "--routing", "1,1"), "the MoE problems' routing"),
     ],
 )
 def test_tune_bad_arguments_exit_2(args, message, capsys):

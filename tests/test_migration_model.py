@@ -26,7 +26,7 @@ from overlap.plans import (
 )
 from overlap.plans.auto import fit_plan
 from overlap.plans.migration import MIN_GAIN, check_migrate, network_effect, nodes_of, owner_node, pair_bytes
-from overlap.tune.search import to_measure
+from overlap.tune.search import family, to_measure
 
 TWO_BY_TWO = ((0, 1), (2, 3))
 TOPOLOGY = Topology("cpu", 4, 2, 2, (("shm", 1), ("network", 2)))
@@ -264,14 +264,25 @@ def test_candidates_and_ranking_add_the_models_migrate_set():
     assert candidates(tp, TOPOLOGY, profile=slow) == candidates(tp, TOPOLOGY)
 
 
-def test_the_tuner_measures_the_best_migrating_plan():
+@pytest.mark.parametrize("rate, loads", [(0.1, HOT), (0.1, None), (1.0, None), (10.0, HOT)])
+def test_the_tuner_measures_the_best_plan_of_every_family(rate, loads):
     p = moe()
-    ranked = rank_candidates(p, TOPOLOGY, profile(gbit(0.1)), expected_loads(p, TWO_BY_TWO, HOT))
-    trials = to_measure(ranked, 3)
-    assert trials[0].plan == Plan("reference") and len(trials) == 4 and any(t.plan.migrate for t in trials)
-    behind = [(plan, pred) for plan, pred in ranked if not plan.migrate] + [pp for pp in ranked if pp[0].migrate]
-    trials = to_measure(behind, 2)  # migration ranked last: measured all the same
-    assert len(trials) == 4 and trials[-1].plan.migrate and not any(t.plan.migrate for t in trials[:-1])
+    ranked = rank_candidates(p, TOPOLOGY, profile(gbit(rate)), expected_loads(p, TWO_BY_TWO, loads))
+    families = {family(plan) for plan, _ in ranked}
+    assert {("pipelined", False), ("hierarchical", False), ("reference", False)} <= families
+    for measure in (1, 2, 3):
+        trials = to_measure(ranked, measure)
+        others = [plan for plan, _ in ranked if plan.strategy != "reference"]
+        assert trials[0].plan == Plan("reference") and [t.plan for t in trials[1 : measure + 1]] == others[:measure]
+        assert {family(t.plan) for t in trials} == families, (rate, loads, measure)  # flat beside hierarchical
+        for t in trials[measure + 1 :]:  # a family's plan beyond the best few: its best-predicted one
+            assert t.plan == next(plan for plan, _ in ranked if family(plan) == family(t.plan))
+        assert len({t.plan for t in trials}) == len(trials)
+    if rate < 1.0 and loads is not None:
+        assert any(plan.migrate for plan, _ in ranked)  # (a hot routing on a slow link: the model migrates)
+        behind = [(plan, pred) for plan, pred in ranked if not plan.migrate] + [pp for pp in ranked if pp[0].migrate]
+        trials = to_measure(behind, 2)  # migration ranked last: measured all the same
+        assert trials[-1].plan.migrate and not trials[1].plan.migrate
 
 
 # ---- forced plans -------------------------------------------------------------------------------------------------

@@ -151,7 +151,7 @@ def _tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not os.path.isdir(folder):
         parser.error(f"--out: folder {folder} does not exist")
     config = TuneConfig(args.shape, args.model, args.out, args.forward_only, args.measure, args.repeats,
-                        args.warmup, args.probe, args.timeout)
+                        args.warmup, args.probe, args.timeout, args.routing)
     try:  # the problems must fit the ranks before any starts (exit 2), as bench's cases and demo's model
         problems_of(config, num_ranks(args.nproc))
     except ValueError as exc:

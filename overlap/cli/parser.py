@@ -167,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
                       "quick uncached one, or the built-in defaults (default: %(default)s)")
     tune.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
                       help="deadline in seconds of each wait on a peer (default: OVERLAP_TIMEOUT_S, 300)")
+    tune.add_argument("--routing", default=None, metavar="SHARES",
+                      help="the MoE problems' routing, which picks the expert-migration candidates and draws the "
+                      "measured calls' tokens: E comma-separated shares of the routed pairs per expert (a skew, "
+                      "e.g. 6,1,1,1,6,1,1,1), or @FILE, a JSON list of E shares or of E lists of one share per node "
+                      "(a router's measured loads, overlap.plans.measured_loads) (default: the model assumes "
+                      "balanced routing, the measured calls draw an uneven router-like one)")
     tune.set_defaults(subparser=tune)
 
     bench = sub.add_parser(

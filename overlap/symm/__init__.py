@@ -25,8 +25,9 @@ The buffer protocol (docs/design.md) as implemented here:
   the data waits (`overlap.symm.handshake`), and a peer that made another call still makes it raise
   `OverlapMismatchError`. A ``reference`` call of a TP op that the group's recent calls predict goes
   ahead too: it issues its plain collectives at once and compares the peers' signatures once they
-  complete; a disagreeing rank answers them with zeros before it raises (`overlap.symm.plain`). A rank whose own arguments are wrong posts a poisoned signature without
-  waiting (``post_only``) and raises; its peers raise at once. Ranks can run several calls
+  complete; a disagreeing rank answers them with zeros before it raises (`overlap.symm.plain`). A
+  rank whose own arguments are wrong posts a poisoned signature without waiting (``post_only``) and
+  raises; its peers raise at once. Ranks can run several calls
   ahead, so every call first waits until its peers are within the ring (a peer that posted epoch
   ``E - 3`` has read every entry of ``E - 4``): a ring of four entries per rank is never
   overwritten before it is read.

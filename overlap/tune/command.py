@@ -126,6 +126,29 @@ class TuneConfig:
     warmup: int = 2
     probe: str = "cached"  # "cached", "refresh", "quick", "none" (the default profile)
     timeout: float | None = None
+    routing: str | None = None  # `parse_routing`'s text
+
+
+def parse_routing(text: str):
+    """``--routing``: ``S1,S2,...`` (one share per expert) or ``@FILE`` (a JSON list of shares, or of one list
+    of shares per node) -> a tuple (of tuples) of floats; ValueError with the reason."""
+    import json
+
+    try:
+        if text.startswith("@"):
+            with open(text[1:]) as f:
+                raw = json.load(f)
+        else:
+            raw = [float(x) for x in text.split(",")]
+        rows = tuple(tuple(float(v) for v in r) if isinstance(r, list) else float(r) for r in raw)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ValueError(f"--routing {text!r}: {exc}; give E comma-separated shares or @FILE (a JSON list of E "
+                         "shares, or of E lists of one share per node)") from None
+    if not rows or isinstance(raw, dict) or len({isinstance(r, tuple) for r in rows}) > 1 \
+            or any(v < 0 for r in rows for v in (r if isinstance(r, tuple) else (r,))):
+        raise ValueError(f"--routing {text!r}: shares must be numbers >= 0, one per expert (or one list per "
+                         "expert, a share per node)")
+    return rows
 
 
 def problems_of(config: TuneConfig, world_size: int) -> list[Problem]:
@@ -141,6 +164,14 @@ def problems_of(config: TuneConfig, world_size: int) -> list[Problem]:
         problems += parse_model(config.model, world_size, not config.forward_only)
     if not problems:
         raise ValueError("nothing to tune: give --shape (one or more) or --model")
+    if config.routing is not None:
+        routing = parse_routing(config.routing)
+        moe = [p for p in problems if p.spec.family == "moe"]
+        if not moe:
+            raise ValueError("--routing is the MoE problems' routing: give a moe --shape or a --model with experts=")
+        for p in moe:
+            if len(routing) != p.experts:
+                raise ValueError(f"--routing gives {len(routing)} experts' shares, {p.key} has {p.experts}")
     return list(dict.fromkeys(problems))  # a shape given twice (or by the model too) is tuned once
 
 
@@ -188,9 +219,13 @@ def tune_rank(config: TuneConfig) -> list[str]:
     info = world.group_info()
     problems = problems_of(config, info.world_size)
     profile = _profile(config.probe, info.rank == 0)
+    routing = parse_routing(config.routing) if config.routing is not None else None
     pf, outcomes = tune(problems, profile=profile, measure=config.measure, repeats=config.repeats,
-                        warmup=config.warmup, timeout=config.timeout, progress=Progress(info.rank == 0))
+                        warmup=config.warmup, timeout=config.timeout, routing=routing,
+                        progress=Progress(info.rank == 0))
     lines = report(outcomes, info, profile)
+    if routing is not None:
+        lines.insert(1, f"MoE routing as given: {config.routing} (normalized per node)")
     if info.rank == 0:
         pf.save(config.out)
         lines.append(f"wrote {config.out} ({len(pf.entries)} entries, topology {pf.topology}); use it with "
@@ -245,4 +280,4 @@ def probe_rank(refresh: bool, quick: bool) -> list[str]:
     return [format_profile(profile), "" if quick else f"cached in {cache_path()}"]
 
 
-__all__ = ["TuneConfig", "parse_model", "parse_shape", "probe_rank", "tune_rank"]
+__all__ = ["TuneConfig", "parse_model", "parse_routing", "parse_shape", "probe_rank", "tune_rank"]

@@ -4,11 +4,13 @@ every rank, and rank 0 decides from the slowest rank's times.
 For each problem (`overlap.plans.Problem`):
 
 1. Rank 0 ranks every candidate with the cost model (`overlap.plans.rank_candidates`, on the group's
-   topology and machine profile) and broadcasts the list to measure: ``reference`` and the
-   ``measure`` best-predicted others. Every rank therefore measures the same plans in the same order.
+   topology and machine profile) and broadcasts the list to measure: ``reference``, the ``measure``
+   best-predicted others, and the best-predicted plan of every family not among them (a family: a
+   strategy, with or without expert migration), so the pick is never a family's loser by the model's
+   word alone (the model prices a strategy's fixed costs and contention roughly: flat ``pipelined`` can
+   beat ``hierarchical`` where it predicts otherwise). Every rank measures the same plans in the same order.
    For a MoE problem across nodes the model's candidates include expert migration (``Plan.migrate``, the
-   pairs `overlap.plans.choose_migration` picks for balanced routing, the problem's only description of
-   it); where any is ranked, the best migrating plan is measured too, even outside the best ``measure``.
+   pairs `overlap.plans.choose_migration` picks for the `routing` given, balanced where none is).
 2. Each candidate is checked once against ``reference`` (same inputs, assert_close with DESIGN's
    tolerances; a candidate that disagrees is dropped and reported), warmed up, then all candidates are
    timed in interleaved rounds (a barrier before every call), ``repeats`` times each.
@@ -33,7 +35,10 @@ import torch
 import torch.distributed as dist
 
 from .. import comm, envs, world
-from ..plans import Entry, Plan, PlanFile, Problem, default_profile, rank_candidates, topology_of
+from ..plans import Entry, Plan, PlanFile, Problem, default_profile, expected_loads, rank_candidates, topology_of
+
+#: a MoE routing as `overlap.plans.expected_loads` reads it: ``E`` shares, or ``E`` rows of one share per node
+Routing = tuple[float, ...] | tuple[tuple[float, ...], ...]
 
 #: default number of plans measured besides `reference`
 MEASURE = 3
@@ -62,10 +67,15 @@ class Outcome:
 
 
 def tune(problems: list[Problem], group=None, *, profile=None, measure: int = MEASURE, repeats: int = 5,
-         warmup: int = 2, timeout: float | None = None,
+         warmup: int = 2, timeout: float | None = None, routing: Routing | None = None,
          progress: Callable[[str, int, int], None] | None = None) -> tuple[Any, list[Outcome]]:
     """Tune every problem on `group` (a collective: every rank calls it with the same problems).
 
+    `routing`: the MoE problems' routing, as `overlap.plans.expected_loads` reads it (``E`` per-expert shares
+    of the routed pairs, or ``E`` rows of one share per node, e.g. a model router's measured loads); it
+    decides the migration candidates and draws the tokens' experts of every measurement (each token's ``K``
+    experts in proportion to its node's shares). None: the workload's own uneven routing, balanced for the
+    model. ValueError (on every rank, before any communication) where it does not fit a MoE problem.
     Returns ``(plan_file, outcomes)``; `progress(text, done, total)` is called before every measurement.
     """
     pg = world.resolve_group(group)
@@ -74,7 +84,9 @@ def tune(problems: list[Problem], group=None, *, profile=None, measure: int = ME
     topology = topology_of(info)
     if profile is None:
         profile = default_profile(info.device.type)
-    plans_per_problem = [_agreed_candidates(p, topology, profile, measure, pg, info) for p in problems]
+    loads = [_loads(p, topology, routing) for p in problems]  # (raises before any communication)
+    plans_per_problem = [_agreed_candidates(p, topology, profile, measure, pg, info, ld)
+                         for p, ld in zip(problems, loads, strict=True)]
     total = sum(len(c) for c in plans_per_problem)
     done = [0]
     outcomes = []
@@ -85,7 +97,7 @@ def tune(problems: list[Problem], group=None, *, profile=None, measure: int = ME
             if progress is not None:
                 progress(f"{p.key}: {text}", done[0], total)
 
-        _measure(problem, trials, pg, info, repeats, warmup, timeout, report)
+        _measure(problem, trials, pg, info, repeats, warmup, timeout, report, routing)
         done[0] += len(trials)
         outcomes.append(_decide(problem, trials, pg, info, timeout, time.monotonic() - start))
     if progress is not None:
@@ -98,21 +110,30 @@ def tune(problems: list[Problem], group=None, *, profile=None, measure: int = ME
 
 
 def measure(problem: Problem, plans: list[Plan], group=None, *, repeats: int = 5, warmup: int = 2,
-            timeout: float | None = None, progress: Callable[[str], None] | None = None) -> list[Trial]:
+            timeout: float | None = None, routing: Routing | None = None,
+            progress: Callable[[str], None] | None = None) -> list[Trial]:
     """Measure `plans` (the first should be ``reference``: the others are checked against it) for
     `problem` on every rank, interleaved, the slowest rank's medians: the exhaustive grid of a
-    comparison uses it with every candidate."""
+    comparison uses it with every candidate. `routing`: as `tune`'s."""
     pg = world.resolve_group(group)
     timeout = envs.resolve_timeout(timeout)
     info = world.group_info(pg, timeout)
+    _loads(problem, topology_of(info), routing)  # (raises before any communication)
     trials = [Trial(p, math.nan) for p in plans]
-    _measure(problem, trials, pg, info, repeats, warmup, timeout, progress or (lambda text: None))
+    _measure(problem, trials, pg, info, repeats, warmup, timeout, progress or (lambda text: None), routing)
     return trials
 
 
-def _agreed_candidates(problem: Problem, topology, profile, measure: int, pg, info) -> list[Trial]:
-    """Rank 0's model ranking, broadcast: reference first, then the `measure` best-predicted others."""
-    chosen = to_measure(rank_candidates(problem, topology, profile), measure)
+def _loads(problem: Problem, topology, routing: Routing | None):
+    """The expected loads of a MoE problem under `routing` (None: balanced, the model's default)."""
+    if routing is None or problem.spec.family != "moe":
+        return None
+    return expected_loads(problem, topology, routing)
+
+
+def _agreed_candidates(problem: Problem, topology, profile, measure: int, pg, info, loads=None) -> list[Trial]:
+    """Rank 0's model ranking, broadcast: reference first, then the plans `to_measure` picks."""
+    chosen = to_measure(rank_candidates(problem, topology, profile, loads), measure)
     payload = [[dataclasses.asdict(t.plan), t.predicted_s] for t in chosen]
     box = [payload]
     dist.broadcast_object_list(box, src=info.global_ranks[0], group=pg)
@@ -120,15 +141,21 @@ def _agreed_candidates(problem: Problem, topology, profile, measure: int, pg, in
             for fields, pred in box[0]]
 
 
+def family(plan: Plan) -> tuple[str, bool]:
+    """A plan's family: its strategy, and whether it migrates experts."""
+    return plan.strategy, bool(plan.migrate)
+
+
 def to_measure(ranked: list, measure: int) -> list[Trial]:
-    """The trials of one problem from the model's ranking (`rank_candidates`): ``reference``, the `measure`
-    best-predicted others, and the best plan with ``migrate`` where none of those migrates."""
+    """The trials of one problem from the model's ranking (`rank_candidates`, fastest first): ``reference``,
+    the `measure` best-predicted others, then the best-predicted plan of every family none of those is of
+    (`family`), in the ranking's order."""
     ref = next((pred for plan, pred in ranked if plan.strategy == "reference"), None)
     chosen = [Trial(Plan("reference"), ref.total_s if ref is not None else math.nan)]
     chosen += [Trial(plan, pred.total_s) for plan, pred in ranked if plan.strategy != "reference"][:measure]
-    migrating = next(((plan, pred) for plan, pred in ranked if plan.migrate), None)
-    if migrating is not None and not any(t.plan.migrate for t in chosen):  # measured like any plan
-        chosen.append(Trial(migrating[0], migrating[1].total_s))
+    for plan, pred in ranked:
+        if family(plan) not in {family(t.plan) for t in chosen}:
+            chosen.append(Trial(plan, pred.total_s))
     return chosen
 
 
@@ -141,7 +168,7 @@ def _sync(pg, info, timeout: float, values: torch.Tensor | None = None, op=dist.
 
 
 def _measure(problem: Problem, trials: list[Trial], pg, info, repeats: int, warmup: int, timeout: float,
-             report: Callable[[str], None]) -> None:
+             report: Callable[[str], None], routing: Routing | None = None) -> None:
     from .workload import build
 
     runs = []
@@ -149,7 +176,7 @@ def _measure(problem: Problem, trials: list[Trial], pg, info, repeats: int, warm
     links = tuple(info.link_classes().values())  # plans are named as overlap bench names them (`Plan.label`)
     for t in trials:
         report(f"checking {t.plan.label(links)}")
-        fn, result = build(problem, t.plan, pg, info, timeout, seed=1234)
+        fn, result = build(problem, t.plan, pg, info, timeout, seed=1234, routing=routing)
         got = fn()
         if t.plan.strategy == "reference":
             expected = [result(got)]

@@ -5,7 +5,7 @@ the GPU check and the tests import it; it imports the ops' public functions dire
 A `Workload` per op in `WORKLOADS` (`workload`):
 
 * inputs: ``(p, W, draw) -> OpInputs`` of the rank `draw` is for (`data.SeededDraw`: any rank can draw any
-  rank's inputs);
+  rank's inputs; moe also takes ``shares=``, the experts' weights for that rank's tokens);
 * call: ``(inputs, group, **kwargs) -> out``: the public op on those inputs (kwargs: ``strategy``, ``plan``,
   ``timeout``);
 * oracle: ``(p, every rank's OpInputs, rank) -> [Expected]``: this rank's results, computed locally in the

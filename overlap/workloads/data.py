@@ -25,8 +25,8 @@ from ..plans import FP8_DTYPES, FP8_LEAVES
 class SeededDraw:
     """Seeded tensors of rank `rank` for one case: tensor `name` of rank ``q`` is drawn from a generator
     seeded by ``(seed, name, q)``; ``shared=True`` uses one stream for every rank. Values are standard
-    normal fp32 (`fp32`), or scaled and cast to `dtype` (`normal`; an fp8 dtype draws `leaf_dtype`'s); never
-    zeros."""
+    normal fp32 (`fp32`), or scaled and cast to `dtype` (`normal`; an fp8 dtype draws `leaf_dtype`'s; never
+    zeros), or uniform in [0, 1) (`uniform`)."""
 
     def __init__(self, seed: int, rank: int, device: torch.device | str, dtype: torch.dtype):
         self.seed, self.rank, self.device, self.dtype = seed, rank, torch.device(device), leaf_dtype(dtype)
@@ -41,6 +41,10 @@ class SeededDraw:
 
     def fp32(self, name: str, *shape: int, shared: bool = False) -> torch.Tensor:
         return torch.randn(*shape, generator=self._generator(name, shared), device=self.device)
+
+    def uniform(self, name: str, *shape: int, shared: bool = False) -> torch.Tensor:
+        """Uniform fp32 values in [0, 1)."""
+        return torch.rand(*shape, generator=self._generator(name, shared), device=self.device)
 
     def normal(self, name: str, *shape: int, scale: float = 1.0, shared: bool = False) -> torch.Tensor:
         x = self.fp32(name, *shape, shared=shared)

@@ -36,13 +36,26 @@ from .data import Expected, OpInputs, Plain, SeededDraw
 POPULARITY = 0.15
 
 
-def inputs(p, world_size: int, draw: SeededDraw) -> OpInputs:
+def inputs(p, world_size: int, draw: SeededDraw, shares=None) -> OpInputs:
+    """One rank's inputs (module docstring). `shares`: ``E`` weights (>= 0) of the experts for this rank's
+    tokens instead of the router-like draw: each token's ``K`` experts drawn without replacement in proportion
+    to them (Gumbel top-k), its weights the softmax of normal logits."""
     T, H, F, E, K = p.m, p.k, p.n, p.experts, p.top_k
     L = E // world_size
     x = draw.normal("x", T, H)
-    logits = draw.fp32("logits", T, E) + POPULARITY * draw.fp32("popularity", E, shared=True)
-    top = torch.topk(logits, K, dim=1)
-    weights = torch.softmax(top.values, dim=1).to(torch.promote_types(draw.dtype, torch.float32))
+    if shares is None:
+        logits = draw.fp32("logits", T, E) + POPULARITY * draw.fp32("popularity", E, shared=True)
+        top = torch.topk(logits, K, dim=1)
+        values = top.values
+    else:
+        weight = torch.tensor([float(s) for s in shares], device=draw.device)
+        if weight.numel() != E or bool((weight < 0).any()) or int((weight > 0).sum()) < K:
+            raise ValueError(f"moe inputs: shares must be {E} values >= 0, at least top_k={K} of them > 0; "
+                             f"got {list(shares)}")
+        gumbel = -torch.log(-torch.log(draw.uniform("experts", T, E).clamp(1e-12, 1 - 1e-7)))
+        top = torch.topk(weight.log() + gumbel, K, dim=1)
+        values = draw.fp32("logits", T, K)
+    weights = torch.softmax(values, dim=1).to(torch.promote_types(draw.dtype, torch.float32))
     w1 = draw.normal("w1", L * H, F, scale=H**-0.5).view(L, H, F)
     w2 = draw.normal("w2", L * F, H, scale=F**-0.5).view(L, F, H)
     g = draw.normal("grad_out", T, H) if p.backward else None
