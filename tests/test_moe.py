@@ -258,6 +258,9 @@ def bad_input_task(rank, world_size):
     # The same mistake on every rank: every rank raises ValueError locally.
     expect(ValueError, lambda: overlap.moe.dispatch(x, idx, E + 1), "must divide by the expert-parallel world size")
     expect(ValueError, lambda: overlap.moe.dispatch(x, idx, E, strategy="fused"), "plain dispatch")
+    # num_experts and the weights swapped: the error names the tensor's shape, not its values
+    expect(ValueError, lambda: overlap.moe.dispatch_grouped_matmul(x, idx, E, w1),
+           f"got a tensor of shape {tuple(w1.shape)} (arguments in the wrong order?)")
     # One rank's mistake: it raises ValueError/TypeError, its peers OverlapMismatchError, at once.
     cases = [
         (ValueError, lambda: overlap.moe.dispatch(x, idx + (E if rank == 1 else 0), E), "expert ids"),
@@ -302,7 +305,7 @@ def bad_input_task(rank, world_size):
 
 def test_bad_input_raises_on_every_rank_and_group_recovers(pools):
     seen = pools(3).run(bad_input_task, timeout=120)
-    assert all(len(s) == 11 for s in seen), seen
+    assert all(len(s) == 12 for s in seen), seen
 
 
 # ----------------------------------------------------------------------------------------------

@@ -173,7 +173,9 @@ def prefix_sums(values: list[int]) -> list[int]:
 
 def check_experts(op: str, num_experts: Any, world_size: int) -> int:
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"overlap.moe.{op}: num_experts must be a positive int, got {num_experts!r}")
+        got = (f"a tensor of shape {tuple(num_experts.shape)} (arguments in the wrong order?)"
+               if isinstance(num_experts, torch.Tensor) else repr(num_experts))
+        raise ValueError(f"overlap.moe.{op}: num_experts must be a positive int, got {got}")
     if num_experts % world_size:
         raise ValueError(f"overlap.moe.{op}: num_experts ({num_experts}) must divide by the expert-parallel "
                          f"world size ({world_size}): experts are split evenly and contiguously over ranks")
