@@ -20,39 +20,15 @@ from unittest import mock
 import pytest
 import torch
 from support.harness import FALLBACK_TIMEOUT_S
-from support.tp_oracle import AGM, MAR, MRS, call, compare, expect_error, forward_backward, oracle
+from support.steady_cases import AGWM, CASE, TOL, case_of, fb
+from support.steady_cases import inputs as _inputs
+from support.tp_oracle import AGM, MAR, MRS, call, compare, expect_error
 
-AGWM = "all_gather_weight_matmul"
-CASE = (2, (), 8, 6, "contiguous")
-OTHER = (2, (), 8, 5, "contiguous")  # another signature (n differs)
-WEIGHT_CASE = (4, (), 8, 6, "weight.t()")
-WEIGHT_OTHER = (4, (), 8, 5, "weight.t()")
 P = "pipelined"
 
 
-def _inputs(op, seed, world_size, rank, case=None):
-    """``(a, b, g, want)``: this rank's inputs and its float64 ``(out, grad_a, grad_b)``."""
-    if op == AGWM:
-        from support import weight_oracle
-
-        inputs, want = weight_oracle.oracle(seed, world_size, case or WEIGHT_CASE, torch.float32)
-        a, w, g = inputs[rank]
-        return a, w.t(), g, want[rank]
-    inputs, want = oracle(op, seed, world_size, case or CASE, torch.float32)
-    a, b, g = inputs[rank]
-    return a, b, g, want[rank]
-
-
 def _fb(op, a, b, g):
-    """One forward and backward on fresh leaves: ``(y, grad_a, grad_b)`` (grad_b as b's shape)."""
-    if op == AGWM:
-        from support import weight_oracle
-
-        return weight_oracle.forward_backward(P, a, b.t(), "weight.t()", g)
-    return forward_backward(op, P, a, b, "contiguous", g)
-
-
-TOL = dict(rtol=1e-4, atol=1e-4)
+    return fb(op, P, a, b, g)
 
 
 def steady_task(rank, world_size, seed, op):
@@ -96,10 +72,7 @@ def test_warmed_pipelined_calls_make_no_rendezvous(pools, seed, op, world_size):
 
 
 def _case_for(op, kind: str, rank: int, who: int):
-    other = kind in ("new", "other warmed") and rank == who
-    if op == AGWM:
-        return WEIGHT_OTHER if other else WEIGHT_CASE
-    return OTHER if other else CASE
+    return case_of(op, kind in ("new", "other warmed") and rank == who)
 
 
 def mismatch_task(rank, world_size, seed, op, who):
@@ -112,7 +85,7 @@ def mismatch_task(rank, world_size, seed, op, who):
         for _ in range(2):
             call(op, a, b, P)
         if kind == "other warmed":
-            a2, b2, _, _ = _inputs(op, seed, world_size, rank, WEIGHT_OTHER if op == AGWM else OTHER)
+            a2, b2, _, _ = _inputs(op, seed, world_size, rank, case_of(op, True))
             for _ in range(2):
                 call(op, a2, b2, P)
         for attempt in range(2):

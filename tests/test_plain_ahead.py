@@ -20,17 +20,13 @@ from unittest import mock
 import pytest
 import torch
 from support.harness import FALLBACK_TIMEOUT_S
-from support.tp_oracle import AGM, MAR, MRS, call, compare, expect_error, forward_backward, oracle
+from support.steady_cases import AGWM, TOL, case_of, fb
+from support.steady_cases import inputs as _inputs
+from support.tp_oracle import AGM, MAR, MRS, call, compare, expect_error
 
 from overlap.symm.plain import WINDOW, Agreement
 
-AGWM = "all_gather_weight_matmul"
-CASE = (2, (), 8, 6, "contiguous")
-OTHER = (2, (), 8, 5, "contiguous")  # another signature (n differs)
-WEIGHT_CASE = (4, (), 8, 6, "weight.t()")
-WEIGHT_OTHER = (4, (), 8, 5, "weight.t()")
 R = "reference"
-TOL = dict(rtol=1e-4, atol=1e-4)
 OPS = [AGM, MRS, MAR, AGWM]
 
 
@@ -73,25 +69,8 @@ def test_no_prediction_without_a_whole_agreed_window():
 # -- on ranks ----------------------------------------------------------------------------------------------
 
 
-def _inputs(op, seed, world_size, rank, case=None):
-    """``(a, b, g, want)``: this rank's inputs and its float64 ``(out, grad_a, grad_b)``."""
-    if op == AGWM:
-        from support import weight_oracle
-
-        inputs, want = weight_oracle.oracle(seed, world_size, case or WEIGHT_CASE, torch.float32)
-        a, w, g = inputs[rank]
-        return a, w.t(), g, want[rank]
-    inputs, want = oracle(op, seed, world_size, case or CASE, torch.float32)
-    a, b, g = inputs[rank]
-    return a, b, g, want[rank]
-
-
 def _fb(op, a, b, g):
-    if op == AGWM:
-        from support import weight_oracle
-
-        return weight_oracle.forward_backward(R, a, b.t(), "weight.t()", g)
-    return forward_backward(op, R, a, b, "contiguous", g)
+    return fb(op, R, a, b, g)
 
 
 def _delta(before, after):
@@ -137,21 +116,15 @@ def test_predicted_reference_calls_go_ahead_without_rendezvous(pools, seed, op, 
 KINDS = ("new", "other warmed", "symm warmed", "bad input")
 
 
-def _case(op, other: bool):
-    if op == AGWM:
-        return WEIGHT_OTHER if other else WEIGHT_CASE
-    return OTHER if other else CASE
-
-
 def mismatch_task(rank, world_size, seed, op, who):
     """Per kind: warm up (the other rank's signature too where it is a warmed one), agree on a window of the
     common call, then rank `who` disagrees while the others go ahead; the group computes right afterwards."""
     from overlap import symm
 
     results = {}
-    base = _case(op, False)
+    base = case_of(op, False)
     for kind in KINDS:
-        a2, b2, _, _ = _inputs(op, seed, world_size, rank, _case(op, True))
+        a2, b2, _, _ = _inputs(op, seed, world_size, rank, case_of(op, True))
         if kind == "other warmed":
             call(op, a2, b2, R)
         if kind == "symm warmed":
