@@ -383,7 +383,7 @@ class SymmHeap:
         self.epoch = 1
         self.last_data_epoch = [0] * NUM_SLOTS
         self.pending = []  # (every rank passed this call's full handshake: earlier calls are all agreed)
-        self.plain.agreement.clear()
+        self.plain.clear()
         log.info("overlap: re-based the epochs of a group (every %d calls)", REBASE_EPOCH)
         return 1
 

@@ -90,6 +90,11 @@ class Plain:
         self.recipes: collections.OrderedDict[tuple[int, int], list] = collections.OrderedDict()
         self._drained: collections.deque[int] = collections.deque(maxlen=64)
 
+    def clear(self) -> None:
+        """The epochs start over (`overlap.symm.heap.SymmHeap._rebase`): forget the agreed and drained ones."""
+        self.agreement.clear()
+        self._drained.clear()
+
     def goes_ahead(self, key: tuple[int, int], epoch: int) -> bool:
         """Whether a plain call of signature `key` issues its collectives without a rendezvous at `epoch`."""
         return key in self.recipes and self.agreement.predict(epoch) == key
@@ -115,7 +120,7 @@ class Plain:
         that went ahead in it, so that they complete and every rank's collectives stay paired. Waits (within
         `timeout`) for every peer's entry of the call to know. Once per epoch; nothing where no plain call was
         ever recorded here (then no peer can go ahead: its prediction is a signature every rank has run)."""
-        if not self.recipes or epoch in self._drained:
+        if not self.recipes or epoch in self._drained or heap.device.type != "cpu":  # (GPU ranks never go ahead)
             return
         self._drained.append(epoch)
         peers = [p for p in range(heap.world_size) if p != heap.rank]
