@@ -15,6 +15,7 @@ Every assertion is on counts, error kinds and numbers; the only clock is the gen
 from __future__ import annotations
 
 import os
+import time
 from unittest import mock
 
 import pytest
@@ -165,3 +166,49 @@ def test_a_rank_that_disagrees_with_peers_gone_ahead_gets_no_data_and_no_hang(po
                 assert counts["steady"] == 1 and counts["rendezvous"] == 0, (ctx, counts)
             after = res[kind + " then"]
             assert after["steady"] == 1 and after["rendezvous"] == 0, (ctx, after)
+
+
+def late_task(rank, world_size, seed, op):
+    """Rank 1's input is bad and it arrives first; rank 0 goes ahead 2.5 s later (past the 2 s a mismatch waits to
+    list every signature): rank 1 still answers its collectives, then the group computes right."""
+    a, b, _, _ = _inputs(op, seed, world_size, rank)
+    for _ in range(WINDOW + 1):
+        call(op, a, b, R)
+    if rank == 0:
+        time.sleep(2.5)
+    got = expect_error(call, op, a, b[:-1] if rank == 1 else b, R, timeout=30)
+    for i in range(3):
+        a, b, _, want = _inputs(op, seed + 1 + i, world_size, rank)
+        compare(f"{op} after a late peer, rank {rank}", [call(op, a, b, R)], want[:1], torch.float32, TOL)
+    return got
+
+
+def test_a_peer_that_goes_ahead_late_is_still_answered(pools, seed):
+    results = pools(2).run(late_task, seed, AGM, timeout=120)
+    assert results[0][0] == "OverlapMismatchError" and results[1][0] == "ValueError", results
+
+
+def unanswered_task(rank, world_size, seed, op):
+    """Rank 1 disagrees while rank 0 goes ahead, but has lost the record of the collectives to answer: rank 1's
+    later calls raise that the group is unusable (never pair with rank 0's stale collective), rank 0 times out."""
+    from overlap import symm
+
+    a, b, _, _ = _inputs(op, seed, world_size, rank)
+    for _ in range(WINDOW + 1):
+        call(op, a, b, R)
+    if rank == 1:
+        symm.heap_for(None).plain.recipes = {(0, 0): []}  # (a plain call recorded, not the one to answer)
+    a2, b2, _, _ = _inputs(op, seed, world_size, rank, case_of(op, True))
+    first = expect_error(call, op, *((a2, b2) if rank == 1 else (a, b)), R, timeout=5)
+    then = expect_error(call, op, a, b, R, timeout=5)
+    return first, then
+
+
+def test_a_collective_that_cannot_be_answered_makes_the_group_unusable_not_wrong(seed):
+    from support.harness import run_isolated
+
+    (first0, then0), (first1, then1) = run_isolated(2, unanswered_task, seed, AGM, timeout=120)
+    assert first1[0] == "OverlapMismatchError", first1
+    assert then1[0] == "OverlapError" and "unusable" in then1[1] and "could not answer" in then1[1], then1
+    assert first0[0] in ("OverlapTimeout", "OverlapMismatchError"), first0  # (never a result)
+    assert then0[0] is not None, then0

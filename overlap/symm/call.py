@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..errors import OverlapTimeout
+from ..errors import OverlapError, OverlapTimeout
 from . import handshake
 from .layout import NUM_SLOTS, W_ASYNC_ERR, signals
 
@@ -47,8 +47,10 @@ class Call:
         self.uses_heap, self.prev_data_epoch = uses_heap, prev_data_epoch
         # A steady-state call (no rendezvous at its start) checks the peers' signatures in its waits.
         self.check = check
-        # A plain call's collectives, while they are recorded for drains (`overlap.symm.plain`).
+        # A plain call (`overlap.symm.plain`), and its collectives while they are recorded for drains.
+        self.plain = False
         self.recording: list | None = None
+        self._outer = sys.exc_info()[1]  # (an exception handled around the call, if any: not the call's own)
         self._finished = False
 
     def buffer(self, peer: int, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
@@ -149,16 +151,25 @@ class Call:
             return
         self._finished = True
         h = self.heap
-        if self.recording is not None:  # (kept where no exception is on its way: called from `finally` blocks)
-            h.plain.recorded(h, self.sig, self.recording, keep=sys.exc_info()[1] is None)
+        # (called from `finally` blocks: an exception other than one handled around the call is the call's own)
+        failing = sys.exc_info()[1] not in (None, self._outer)
+        if self.plain:
+            h.plain.in_flight -= 1
+        if self.recording is not None:  # (kept where the call did not fail)
+            h.plain.recorded(h, self.sig, self.recording, keep=not failing)
         check = self.check
-        if check is not None and check.ahead:
+        if check is not None and check.ahead and not isinstance(sys.exc_info()[1], OverlapError):
             # A plain call that went ahead: every peer has posted by now (its side of the collectives, real or
             # a drain, came after its entry); a difference raises before any result of this call is returned
-            # (also on an error path: the mismatch is then the better error).
+            # (also on another error path: the mismatch is then the better error; a timeout is the error).
             for p in range(self.world_size):
                 if p != self.rank:
                     check.verify(p)
+            if not check.agreed and not failing:  # (an entry gone before it was compared: the peer moved on)
+                others = sorted(set(range(self.world_size)) - check.compared - {self.rank})
+                raise OverlapError(f"overlap.{self.op}: rank {self.rank} could not compare the signature of "
+                                   f"rank(s) {others} in call {self.epoch} of this group, which it issued without a "
+                                   "rendezvous; its result is not returned")
         if check is not None:
             if check.pending:
                 h.defer_check(check)

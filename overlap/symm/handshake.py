@@ -179,7 +179,7 @@ class SignatureCheck:
             if self.ahead:  # (no slot: a peer may have counted the call as one that used it)
                 abandon(self.heap, self.epoch)
             else:
-                self.heap.plain.drain(self.heap, self.op, self.epoch, min(self.timeout, COMPLETE_S))
+                self.heap.plain.drain(self.heap, self.op, self.epoch, self.timeout)
         exc = OverlapMismatchError.of(self.op, self.epoch, self.heap.rank, self.signature, self.failed)
         if note:
             exc.args = (f"{exc.args[0]}\n({note})",)

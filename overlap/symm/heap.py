@@ -168,6 +168,7 @@ class SymmHeap:
         if self.closed:
             raise RuntimeError("overlap: this group's symmetric heap was released; it cannot be used again")
         self.check_async_errors(op, timeout)
+        self.plain.check()
         if steady:  # the bytes are part of what ranks agree on (they are not compared in the steady state)
             signature = f"{signature} [slot={need_bytes}]"
         lo, hi = signature_hash(signature)
@@ -189,14 +190,14 @@ class SymmHeap:
             handshake.post(self, epoch, 0, 0, 0, f"<rank {self.rank}: ranks disagreed on an earlier call>")
             handshake.abandon(self, epoch)
             self.plain.recording(self, None)
-            self.plain.drain(self, op, epoch, min(timeout, handshake.COMPLETE_S))
+            self.plain.drain(self, op, epoch, timeout)
             raise
         recording = self.plain.recording(self, (lo, hi) if plain and not post_only else None)
         ahead = plain and live and self.plain.goes_ahead((lo, hi), epoch)
         handshake.post(self, epoch, lo, hi, need_bytes, signature, handshake.AHEAD if ahead else 0)
         if post_only:
             handshake.abandon(self, epoch)
-            self.plain.drain(self, op, epoch, min(timeout, handshake.COMPLETE_S))
+            self.plain.drain(self, op, epoch, timeout)
             return None
         if fast:
             return self._steady(op, epoch, lo, hi, signature, need_bytes, timeout, peers)
@@ -223,7 +224,7 @@ class SymmHeap:
         self.plain.agreement.add(epoch, (lo, hi))
         if need == need_bytes:
             self.warmed.add(lo, hi, need)
-        if epoch >= REBASE_EPOCH and self.in_flight == 0:  # (same on every rank: same calls in flight)
+        if epoch >= REBASE_EPOCH and self.in_flight == 0 and self.plain.in_flight == 0:  # (same on every rank)
             epoch = self._rebase(op, timeout)
         if need > self.slot_bytes:
             # Growth replaces every buffer: no call of this process may still have data in the heap
@@ -232,6 +233,9 @@ class SymmHeap:
             self._grow(need, op, timeout)
         call = self._open(op, epoch, timeout, need, signature=signature, sig=(lo, hi))
         call.recording = recording
+        if plain:
+            call.plain = True
+            self.plain.in_flight += 1
         return call
 
     def _ahead(self, op: str, epoch: int, lo: int, hi: int, signature: str, timeout: float) -> Call:
@@ -244,7 +248,10 @@ class SymmHeap:
         # Agreed for the next calls' predictions until a difference is found: every rank that predicts the next
         # call has this one as agreed or went ahead with it too, with the same signature (the same prediction).
         self.plain.agreement.add(epoch, (lo, hi))
-        return self._open(op, epoch, timeout, 0, check, signature, (lo, hi))
+        call = self._open(op, epoch, timeout, 0, check, signature, (lo, hi))
+        call.plain = True
+        self.plain.in_flight += 1
+        return call
 
     def _capture_error(self, op: str, warmed: bool, need: int) -> RuntimeError:
         """Why this call cannot run under CUDA graph capture, and what to do (checked before the handshake:

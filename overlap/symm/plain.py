@@ -17,14 +17,19 @@ come before it, and without a wait. It comes from three rules.
   recorded, `overlap.comm.record_on`); every other call makes its full handshake as before.
 * **Drains.** A rank that leaves a call without running it (its signature differs, its own input is bad, a
   steady call found a mismatch) while a peer went ahead (the `AHEAD` flag of that peer's entry) issues the
-  peer's recorded collectives itself, on zeros, before it raises (`drain`). Every rank's stream of collectives
-  stays paired: every rank issues the predicted call's collectives exactly once, for real or as a drain.
+  peer's recorded collectives itself, on zeros, before it raises (`drain`). To know, it waits for every peer's
+  entry of the call, within the call's deadline (an error path only). Every rank's stream of collectives
+  stays paired: every rank issues the predicted call's collectives exactly once, for real or as a drain. Where
+  a drain cannot be done (a peer never posted, the collectives were not recorded here, the replay failed) the
+  group is marked unusable and every later call on it raises `OverlapError` (`Plain.check`), rather than pair
+  its collectives with a peer's stale one.
 
 What a disagreeing rank gets: a rank that went ahead compares every peer's entry once its collectives complete
 (a peer issues its side, real or drain, only after posting its entry) and raises `OverlapMismatchError` before
-any result is returned; the other ranks raise it as a full handshake does. The group stays usable, and the
-next `WINDOW` calls make full handshakes (the disagreeing epoch is not agreed). A peer that never comes is an
-`OverlapTimeout` of the collective's wait, as for any plain collective.
+any result is returned (`OverlapError` where an entry is gone before it could be compared); the other ranks
+raise it as a full handshake does. The group stays usable, and the next `WINDOW` calls make full handshakes
+(the disagreeing epoch is not agreed). A peer that never comes is an `OverlapTimeout` of the collective's wait,
+as for any plain collective. The epoch re-base waits for a moment with no plain call in flight.
 
 CPU ranks only for now: on GPUs a plain call's collectives complete in stream order, after the host has
 returned the result, so the check after them would come too late; GPU ranks always make the full handshake.
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 
 from .. import comm
 from ..errors import OverlapError
@@ -46,8 +52,12 @@ log = logging.getLogger("overlap")
 #: calls on one group per layer (forward and backward), short enough that a disagreement costs few handshakes.
 WINDOW = 16
 
-#: Signatures whose collectives are remembered per group (least recently recorded forgotten first).
-_MAX_RECIPES = 512
+#: Signatures whose collectives are remembered per group; past it the memory starts over on every rank alike (the
+#: same calls record the same signatures in the same order), as `overlap.symm.handshake.Warmed` does.
+_MAX_RECIPES = 4096
+
+#: Slice of a drain's wait for the peers' entries between two looks for a peer whose process is gone.
+_SLICE_S = 0.05
 
 
 class Agreement:
@@ -87,8 +97,11 @@ class Plain:
 
     def __init__(self):
         self.agreement = Agreement()
-        self.recipes: collections.OrderedDict[tuple[int, int], list] = collections.OrderedDict()
+        self.recipes: dict[tuple[int, int], list] = {}
         self._drained: collections.deque[int] = collections.deque(maxlen=64)
+        self.in_flight = 0  # plain calls of this process not finished (the same on every rank: the same calls)
+        # Why the group's collectives can no longer be trusted to pair (a drain that could not be done), or None.
+        self.broken: str | None = None
 
     def clear(self) -> None:
         """The epochs start over (`overlap.symm.heap.SymmHeap._rebase`): forget the agreed and drained ones."""
@@ -111,29 +124,57 @@ class Plain:
         comm.stop_recording(heap.group, into)
         if not keep:
             return
+        if len(self.recipes) >= _MAX_RECIPES:
+            self.recipes.clear()
         self.recipes[key] = into
-        while len(self.recipes) > _MAX_RECIPES:
-            self.recipes.popitem(last=False)
 
     def drain(self, heap, op: str, epoch: int, timeout: float) -> None:
         """This rank leaves call `epoch` without running it: first issue, on zeros, the collectives of any peer
-        that went ahead in it, so that they complete and every rank's collectives stay paired. Waits (within
-        `timeout`) for every peer's entry of the call to know. Once per epoch; nothing where no plain call was
-        ever recorded here (then no peer can go ahead: its prediction is a signature every rank has run)."""
+        that went ahead in it, so that they complete and every rank's collectives stay paired. It must know
+        whether any did: it waits for every peer's entry of the call (within `timeout`, the call's deadline; an
+        error path only), less where a missing peer's process is gone. Once per epoch; nothing where no plain
+        call was ever recorded here (then no peer can go ahead: its prediction is a signature every rank ran).
+
+        Where it cannot answer (a peer never posted, a collective this rank has not recorded, the replay
+        failed), the group's collectives can no longer be trusted to pair: `broken` says why, and every later
+        call on the group raises it (`check`) instead of pairing its collectives with a peer's stale one."""
         if not self.recipes or epoch in self._drained or heap.device.type != "cpu":  # (GPU ranks never go ahead)
             return
         self._drained.append(epoch)
         peers = [p for p in range(heap.world_size) if p != heap.rank]
-        signals().signal_wait_all([heap.ctrl_addr(p, W_HS_EPOCH) for p in peers], epoch, timeout)  # (best effort)
+        missing = _wait_posted(heap, peers, epoch, timeout)
+        if missing:
+            self.broken = (f"overlap.{op}: rank {heap.rank} left call {epoch} of this group without knowing whether "
+                           f"rank(s) {missing} issued its collectives (they never started it within {timeout:g} s)")
+            return
         keys = {key for p in peers if (key := handshake.went_ahead(heap, p, epoch)) is not None}
         for key in sorted(keys):  # (one: every rank that goes ahead has the same prediction)
             into = self.recipes.get(key)
-            if into is None:
-                log.warning("overlap.%s: a peer went ahead in call %d with collectives this rank has not recorded; "
-                            "its collectives stay unanswered until its deadline", op, epoch)
-                continue
             try:
+                if into is None:
+                    raise OverlapError("this rank has not recorded that call's collectives")
                 for work in comm.replay(into, heap.group, heap.device):
                     comm.wait_work(work, op, heap.rank, "any", "drain", timeout, heap.info)
-            except OverlapError as exc:  # (the mismatch is the error to raise; this one goes to the log)
-                log.warning("overlap.%s: answering a peer's collectives of call %d failed: %s", op, epoch, exc)
+            except OverlapError as exc:  # (raised by every later call: the mismatch is this call's error)
+                self.broken = (f"overlap.{op}: rank {heap.rank} could not answer the collectives that its peers "
+                               f"issued ahead in call {epoch} of this group ({exc})")
+                log.warning("%s", self.broken)
+
+    def check(self) -> None:
+        """At a call's start: raise if a drain could not be done (the group is unusable)."""
+        if self.broken is not None:
+            raise OverlapError(f"{self.broken}. This group is now unusable: destroy and re-create it "
+                               "(torch.distributed.destroy_process_group, overlap.release).")
+
+
+def _wait_posted(heap, peers: list[int], epoch: int, timeout: float) -> list[int]:
+    """Wait until every peer has posted `epoch`, within `timeout`, in slices (a peer whose process is gone
+    ends the wait); returns the peers that have not."""
+    addrs = {p: heap.ctrl_addr(p, W_HS_EPOCH) for p in peers}
+    deadline = time.monotonic() + timeout
+    while True:
+        missing = [p for p in peers if not handshake.posted(heap, p, epoch)]
+        left = deadline - time.monotonic()
+        if not missing or left <= 0 or heap.info.gone_peers():
+            return missing
+        signals().signal_wait_all([addrs[p] for p in missing], epoch, min(_SLICE_S, left))
