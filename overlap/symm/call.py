@@ -152,13 +152,14 @@ class Call:
         self._finished = True
         h = self.heap
         # (called from `finally` blocks: an exception other than one handled around the call is the call's own)
-        failing = sys.exc_info()[1] not in (None, self._outer)
+        exc = sys.exc_info()[1]
+        failing = exc not in (None, self._outer)
         if self.plain:
             h.plain.in_flight -= 1
         if self.recording is not None:  # (kept where the call did not fail)
             h.plain.recorded(h, self.sig, self.recording, keep=not failing)
         check = self.check
-        if check is not None and check.ahead and not isinstance(sys.exc_info()[1], OverlapError):
+        if check is not None and check.ahead and not isinstance(exc, OverlapError):
             # A plain call that went ahead: every peer has posted by now (its side of the collectives, real or
             # a drain, came after its entry); a difference raises before any result of this call is returned
             # (also on another error path: the mismatch is then the better error; a timeout is the error).

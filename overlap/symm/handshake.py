@@ -57,7 +57,7 @@ _SLICE_S = 0.01
 
 #: How long a rank that found a mismatch in the steady state waits for the other peers' entries, so that its
 #: message lists every signature that differs (a peer that never posts is left out).
-COMPLETE_S = 2.0
+_COMPLETE_S = 2.0
 
 
 def entry_word(epoch: int) -> int:
@@ -86,13 +86,19 @@ def posted(heap, peer: int, epoch: int) -> bool:
     return int(heap.pad(peer)[W_HS_EPOCH]) >= epoch
 
 
-def entry_of(heap, peer: int, epoch: int) -> tuple[int, int, int] | None:
-    """``(lo, hi, need)`` of `peer`'s entry of `epoch`, or None if it has not posted it (or, impossible while
-    the ring rule holds, has overwritten it)."""
+def _words(heap, peer: int, epoch: int):
+    """A copy of the numeric words of `peer`'s entry of `epoch`, or None if it has not posted it (or, impossible
+    while the ring rule holds, has overwritten it)."""
     if not posted(heap, peer, epoch):
         return None
     words = heap.pad(peer)[entry_word(epoch) : entry_word(epoch) + _TEXT].copy()
-    if int(words[_TAG]) != epoch:
+    return words if int(words[_TAG]) == epoch else None
+
+
+def entry_of(heap, peer: int, epoch: int) -> tuple[int, int, int] | None:
+    """``(lo, hi, need)`` of `peer`'s entry of `epoch`, or None (`_words`)."""
+    words = _words(heap, peer, epoch)
+    if words is None:
         return None
     return int(words[_LO]), int(words[_HI]), int(words[_NEED_LO]) | (int(words[_NEED_HI]) << 31)
 
@@ -100,10 +106,8 @@ def entry_of(heap, peer: int, epoch: int) -> tuple[int, int, int] | None:
 def went_ahead(heap, peer: int, epoch: int) -> tuple[int, int] | None:
     """The signature hash of `peer`'s entry of `epoch` if that rank issued the call's collectives without a
     rendezvous (`AHEAD`), else None (not that, or not posted)."""
-    if not posted(heap, peer, epoch):
-        return None
-    words = heap.pad(peer)[entry_word(epoch) : entry_word(epoch) + _TEXT].copy()
-    if int(words[_TAG]) != epoch or not int(words[_FLAGS]) & AHEAD:
+    words = _words(heap, peer, epoch)
+    if words is None or not int(words[_FLAGS]) & AHEAD:
         return None
     return int(words[_LO]), int(words[_HI])
 
@@ -171,7 +175,7 @@ class SignatureCheck:
         call wait on other peers) raises it too, and nothing is left to compare at the next call.
 
         The message lists every peer that differs, as a full handshake's does: on the first find, this rank
-        waits a little (at most `COMPLETE_S`, within the call's deadline) for every peer to post the call.
+        waits a little (at most `_COMPLETE_S`, within the call's deadline) for every peer to post the call.
         A peer that went ahead with its plain collectives gets them answered first (`overlap.symm.plain.drain`)."""
         if not self.failed:
             self.failed = self._every_difference(differ)
@@ -188,7 +192,7 @@ class SignatureCheck:
     def _every_difference(self, differ: dict[int, str]) -> dict[int, str]:
         heap, peers = self.heap, [p for p in range(self.heap.world_size) if p != self.heap.rank]
         addrs = [heap.ctrl_addr(p, W_HS_EPOCH) for p in peers]
-        signals().signal_wait_all(addrs, self.epoch, min(self.timeout, COMPLETE_S))  # (best effort)
+        signals().signal_wait_all(addrs, self.epoch, min(self.timeout, _COMPLETE_S))  # (best effort)
         return {**differing(heap, self.epoch, self.lo, self.hi, peers), **differ}
 
     @property

@@ -231,12 +231,8 @@ class SymmHeap:
             # (an op that nests calls, like an overlapped backward, sizes its first call for both).
             assert self.in_flight == 0, f"overlap.{op}: heap growth with {self.in_flight} call(s) in flight"
             self._grow(need, op, timeout)
-        call = self._open(op, epoch, timeout, need, signature=signature, sig=(lo, hi))
-        call.recording = recording
-        if plain:
-            call.plain = True
-            self.plain.in_flight += 1
-        return call
+        return self._open(op, epoch, timeout, need, signature=signature, sig=(lo, hi), plain=plain,
+                          recording=recording)
 
     def _ahead(self, op: str, epoch: int, lo: int, hi: int, signature: str, timeout: float) -> Call:
         """A plain call that goes ahead (`overlap.symm.plain`): no rendezvous; every peer's entry is compared
@@ -248,10 +244,7 @@ class SymmHeap:
         # Agreed for the next calls' predictions until a difference is found: every rank that predicts the next
         # call has this one as agreed or went ahead with it too, with the same signature (the same prediction).
         self.plain.agreement.add(epoch, (lo, hi))
-        call = self._open(op, epoch, timeout, 0, check, signature, (lo, hi))
-        call.plain = True
-        self.plain.in_flight += 1
-        return call
+        return self._open(op, epoch, timeout, 0, check, signature, (lo, hi), plain=True)
 
     def _capture_error(self, op: str, warmed: bool, need: int) -> RuntimeError:
         """Why this call cannot run under CUDA graph capture, and what to do (checked before the handshake:
@@ -268,14 +261,18 @@ class SymmHeap:
                             "Run overlap's ops outside the captured region for now.")
 
     def _open(self, op: str, epoch: int, timeout: float, need: int, check=None, signature: str = "",
-              sig: tuple[int, int] = (0, 0)) -> Call:
+              sig: tuple[int, int] = (0, 0), plain: bool = False, recording: list | None = None) -> Call:
         slot = epoch % NUM_SLOTS
         prev = self.last_data_epoch[slot]
         if need > 0:
             self.last_data_epoch[slot] = epoch
             self.in_flight += 1
-        return Call(self, op, epoch, timeout, uses_heap=need > 0, prev_data_epoch=prev, need=need, check=check,
+        call = Call(self, op, epoch, timeout, uses_heap=need > 0, prev_data_epoch=prev, need=need, check=check,
                     signature=signature, sig=sig)
+        if plain:  # (`overlap.symm.plain`: counted until it finishes; its collectives recorded where new)
+            call.plain, call.recording = True, recording
+            self.plain.in_flight += 1
+        return call
 
     def _steady(self, op: str, epoch: int, lo: int, hi: int, signature: str, need: int, timeout: float,
                 peers: list[int]) -> Call:
