@@ -1,115 +1,59 @@
-"""Groups that span nodes: the node layout and the plumbing that ``hierarchical`` shares between the TP ops
+"""Groups that span nodes: the plumbing that ``hierarchical`` shares between the TP ops
 (`overlap.ops.tp.hierarchical`, `overlap.ops.tp.hierarchical_reduce`) and the MoE ops
-(`overlap.ops.moe.hierarchical`, `overlap.ops.moe.migrate`).
+(`overlap.ops.moe.hierarchical`, `overlap.ops.moe.migrate`): the node's call on its heap, waits on the node's
+flags, failures.
 
-Topology (`Layout`). The group's nodes, ordered by their lowest group rank; the ranks of a node in group
-rank order; ``(node, local)`` names a rank. Every node must hold the same number of ranks ``L`` (ValueError
-otherwise, from `overlap.plans.auto.fit_plan`, in the preamble). Rank ``(n, l)``'s **counterparts**
-are the ranks ``(n', l)`` of the other nodes: all network traffic is between counterparts, chunked for the
-``network`` link (`Plan.chunks_for("network")`); traffic within a node goes through the node's heap, chunked
-for the node's link (``shm`` on CPU ranks).
+Topology (`overlap.ops.across.Layout`). The group's nodes, ordered by their lowest group rank; the ranks of a node
+in group rank order; ``(node, local)`` names a rank. ``hierarchical`` needs every node to hold the same number of
+ranks ``L`` (ValueError otherwise, from `overlap.plans.auto.fit_plan`, in the preamble). Rank ``(n, l)``'s
+**counterparts** are the ranks ``(n', l)`` of the other nodes: all network traffic is between counterparts,
+chunked for the ``network`` link (`Plan.chunks_for("network")`); traffic within a node goes through the node's
+heap, chunked for the node's link (``shm`` on CPU ranks).
 
-The node's heap belongs to a **node group**: a process group of the node's ranks, made once per set of
-ranks (``dist.new_group(..., use_local_synchronization=True)``: only its members take part, so nothing is
-collective over the world) and shared by every group whose node holds those ranks. A call makes the group's
-handshake (`CallContext.begin`: across nodes a collective of the call signatures), then the node's
-handshake (`begin_node`, the same signature) and runs on a slot of the node heap. Every slot starts with a
-64-byte header (int64: ``dead + 1``, a failed remote rank this rank saw, else 0); the op's areas follow.
+The node's heap belongs to the **node group** (`overlap.ops.across.node_group`). A call makes the group's
+handshake (`CallContext.begin`: across nodes `overlap.ops.across`, for the TP ops in their data), then the node's
+handshake (`begin_node`, the same signature; the TP ops' in its steady state) and runs on a slot of the node heap.
+Every slot starts with a `HEADER_BYTES` header (int64 ``dead + 1``: a failed remote rank this rank saw, else 0;
+the kind of an error that ended the call on this rank and its text); the op's areas follow.
 
 Failures. Every wait has the call's deadline. A network wait that fails (the counterpart's process died:
 its connection closed) or times out on a rank whose process is gone writes ``dead + 1`` in this rank's
 header, raises every flag this rank owns in the call (so its node's peers stop waiting for it and read the
 header) and records the dead rank in the process group's store (`report_dead`); an error raised in a
-hierarchical call names the dead rank recorded there, whichever rank it reached first (`guard`).
+hierarchical call names the dead rank recorded there, whichever rank it reached first (`guard`). Any other
+error that ends a TP op's call on a rank is written in its header the same way (`Poison.error`; its node's
+waiters raise it, a mismatch as `OverlapMismatchError`) and in its trailer to its counterparts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import datetime
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from .. import comm, symm, world
-from ..errors import OverlapError, OverlapTimeout
+from .. import comm, symm
+from ..errors import OverlapError, OverlapMismatchError, OverlapTimeout
+from .across import FAILED, MISMATCH, Counterparts, Layout, layout_of, node_heap, put_text
 from .context import CallContext
 
-#: bytes of a slot's header (the failed remote rank, then padding)
-HEADER_BYTES = 64
+#: bytes of a slot's header: int64 ``dead + 1`` (a failed remote rank this rank saw, else 0), the kind of an error
+#: that ended the call on this rank (`overlap.ops.across.MISMATCH` or ``FAILED``, else 0), its text's length, then
+#: the text
+HEADER_BYTES = 512
+_TEXT_AT = 32
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """The group's nodes: ``nodes[n]`` is the group ranks of node ``n`` (nodes by lowest rank, ranks in
-    order); this rank is ``(node, local)``."""
-
-    nodes: tuple[tuple[int, ...], ...]
-    names: tuple[str, ...]
-    node: int
-    local: int
-
-    @property
-    def num_nodes(self) -> int:
-        return len(self.nodes)
-
-    @property
-    def ranks_per_node(self) -> int:
-        return len(self.nodes[self.node])
-
-    def rank(self, node: int, local: int) -> int:
-        return self.nodes[node][local]
-
-    def remote_order(self) -> list[int]:
-        """The other nodes, from the next one on (so the counterparts do not all send to one node at once)."""
-        N = self.num_nodes
-        return [(self.node + i) % N for i in range(1, N)]
-
-    def local_order(self) -> list[int]:
-        """Local indices from this rank's next one on, this rank's own last."""
-        L = self.ranks_per_node
-        return [(self.local + i) % L for i in range(1, L + 1)]
-
-
-def layout_of(info: world.GroupInfo) -> Layout:
-    first: dict[str, int] = {}
-    for r, name in enumerate(info.nodes):
-        first.setdefault(name, r)
-    names = tuple(sorted(first, key=first.get))
-    nodes = tuple(tuple(r for r in range(info.world_size) if info.nodes[r] == name) for name in names)
-    node = names.index(info.nodes[info.rank])
-    return Layout(nodes, names, node, nodes[node].index(info.rank))
-
-
-# ----------------------------------------------------------------------------------------------
-# The node group, its heap and the call's node handshake
-# ----------------------------------------------------------------------------------------------
-
-_NODE_GROUPS: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
-
-
-def node_group(cc: CallContext, lay: Layout) -> dist.ProcessGroup:
-    """The process group of this rank's node (global ranks), made once per set of ranks by its members only
-    (per default group: a process that re-initializes torch.distributed makes new ones)."""
-    key = (id(dist.group.WORLD), tuple(sorted(cc.info.global_ranks[r] for r in lay.nodes[lay.node])))
-    pg = _NODE_GROUPS.get(key)
-    if pg is None:
-        pg = dist.new_group(list(key[1]), timeout=datetime.timedelta(seconds=cc.timeout),
-                            use_local_synchronization=True)
-        _NODE_GROUPS[key] = pg
-    return pg
-
-
-def begin_node(cc: CallContext, lay: Layout, need: int) -> symm.Call:
+def begin_node(cc: CallContext, lay: Layout, need: int, steady: bool = False) -> symm.Call:
     """The node's handshake for this call (after the group's): a slot of at least `need` bytes (the header
-    included); its header cleared once the slot is free."""
-    heap = symm.heap_for(node_group(cc, lay), cc.timeout)
-    call = heap.begin(cc.op, cc.signature, max(need, HEADER_BYTES), cc.timeout)
+    included); its header cleared once the slot is free. `steady`: the node's steady state (a warmed signature
+    posts and goes on; the op waits on its node's flags through the call, `need` fixed by the signature)."""
+    heap = node_heap(cc.info, lay, cc.timeout)
+    call = heap.begin(cc.op, cc.signature, max(need, HEADER_BYTES), cc.timeout, steady=steady)
     try:
         call.wait_slot_free()
-        header(call, call.rank).zero_()
+        header(call, call.rank)[:3].zero_()
     except BaseException:
         call.finish()
         raise
@@ -117,7 +61,7 @@ def begin_node(cc: CallContext, lay: Layout, need: int) -> symm.Call:
 
 
 def header(call: symm.Call, peer: int) -> torch.Tensor:
-    return call.buffer(peer, torch.int64, (1,))
+    return call.buffer(peer, torch.int64, (HEADER_BYTES // 8,))
 
 
 def wait_local(cc: CallContext, lay: Layout, call: symm.Call, peer: int, index: int, chunk) -> None:
@@ -132,10 +76,17 @@ def wait_local(cc: CallContext, lay: Layout, call: symm.Call, peer: int, index: 
 
 
 def check_header(cc: CallContext, lay: Layout, call: symm.Call, peer: int) -> None:
-    """After a flag of local rank `peer`: raise if it flagged because a remote rank failed."""
-    dead = int(header(call, peer)[0])
+    """After a flag of local rank `peer`: raise if it flagged because a remote rank failed or the call ended there
+    with an error (a mismatch, from any rank, stays `OverlapMismatchError`)."""
+    words = header(call, peer)
+    dead, kind = int(words[0]), int(words[1])
     if dead:
         raise OverlapError(_dead_text(cc, lay, dead - 1, f"local rank {lay.rank(lay.node, peer)} saw it fail"))
+    if kind:
+        n = int(words[2])
+        text = bytes(words.view(torch.uint8)[_TEXT_AT : _TEXT_AT + n].tolist()).decode(errors="replace")
+        text = f"overlap.{cc.op}: rank {cc.rank}: rank {lay.rank(lay.node, peer)} of this node left the call: {text}"
+        raise (OverlapMismatchError if kind == MISMATCH else OverlapError)(text)
 
 
 def _dead_text(cc: CallContext, lay: Layout, dead: int, how: str) -> str:
@@ -145,7 +96,8 @@ def _dead_text(cc: CallContext, lay: Layout, dead: int, how: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Point-to-point between counterparts (bytes to other nodes counted by `overlap.comm`)
+# Point-to-point between counterparts (bytes to other nodes counted by `overlap.comm`): the MoE ops' (after the
+# full handshake); the TP ops' go through their call's `overlap.ops.across.Counterparts`
 # ----------------------------------------------------------------------------------------------
 
 
@@ -168,14 +120,21 @@ def _post(cc: CallContext, fn, tensor: torch.Tensor, peer: int):
 
 class Poison:
     """What a rank does when a network wait fails: mark its header, raise every flag it owns in the call
-    (`flags`: the indices), record the dead rank in the store; then the error is raised."""
+    (`flags`: the indices), record the dead rank in the store; then the error is raised. `error`: the same for any
+    other error that ends the call on this rank (its kind and text in the header). `cp`: the call's counterparts
+    (`overlap.ops.across.Counterparts`), whose waits also read the peer's trailer."""
 
-    def __init__(self, cc: CallContext, lay: Layout, call: symm.Call, flags: list[int]):
-        self.cc, self.lay, self.call, self.flags = cc, lay, call, flags
+    def __init__(self, cc: CallContext, lay: Layout, call: symm.Call, flags: list[int],
+                 cp: Counterparts | None = None):
+        self.cc, self.lay, self.call, self.flags, self.cp = cc, lay, call, flags, cp
+        self.fired = False
 
     def wait(self, work, peer: int, chunk) -> None:
         try:
-            self.cc.wait(work, peer, chunk)
+            if self.cp is not None:
+                self.cp.wait(work, peer, chunk)
+            else:
+                self.cc.wait(work, peer, chunk)
         except OverlapError as exc:
             if not isinstance(exc, OverlapTimeout) or self.cc.info.gone(peer):
                 self.fire(peer)
@@ -184,9 +143,25 @@ class Poison:
     def fire(self, dead: int) -> None:
         with contextlib.suppress(Exception):  # best effort on an error path
             header(self.call, self.call.rank)[0] = dead + 1
-            for index in self.flags:
-                self.call.signal_ready(index)
+            self._raise_flags()
         report_dead(self.cc, dead)
+
+    def error(self, exc: BaseException) -> None:
+        """The call ends here with `exc`: tell the node's ranks that wait for this rank's flags."""
+        if self.fired:
+            return
+        with contextlib.suppress(Exception):  # best effort on an error path
+            words = header(self.call, self.call.rank)
+            raw = f"{type(exc).__name__}: {exc}".encode()[: HEADER_BYTES - _TEXT_AT]
+            put_text(words.view(torch.uint8)[_TEXT_AT:], raw)
+            words[2] = len(raw)
+            words[1] = MISMATCH if isinstance(exc, OverlapMismatchError) else FAILED
+            self._raise_flags()
+
+    def _raise_flags(self) -> None:
+        self.fired = True
+        for index in self.flags:
+            self.call.signal_ready(index)
 
 
 def _store_key(cc: CallContext) -> str:
@@ -194,9 +169,10 @@ def _store_key(cc: CallContext) -> str:
 
 
 def report_dead(cc: CallContext, dead: int) -> None:
-    """Record `dead` in the store, where `guard` finds it on every rank of the group."""
+    """Record `dead` in the store, where `guard` finds it on every rank of the group. The first record stays: a
+    later one may be a survivor whose connection closed as it left the failed call."""
     with contextlib.suppress(Exception):
-        c10d._get_default_store().set(_store_key(cc), f"{dead}:{cc.rank}")
+        c10d._get_default_store().compare_set(_store_key(cc), "", f"{dead}:{cc.rank}")
 
 
 @contextlib.contextmanager

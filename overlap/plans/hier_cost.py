@@ -39,29 +39,32 @@ def gather_again(x, m: int, k: int) -> float:
                                                                  + (N - 1) * x.msgs(loc, block, c_net))
 
 
-def mm_rs(x, m: int, k: int, n: int, lead: float = 0.0) -> None:
+def mm_rs(x, m: int, k: int, n: int, lead: float = 0.0, riding: float = 0.0) -> None:
     """``reduce_scatter(a @ b)``: per chunk of each other node's rows, the GEMMs of the node's ``L`` destinations,
     then the partials into their node owners (copies) and each owner's node sum over the network; our node's
-    rows last (copies only). `lead`: link work posted first (the backward's re-gather)."""
+    rows last (copies only). `lead`: link work posted first (the backward's re-gather); `riding`: link work that
+    shares the network stages (an all-reduce's gather of the parts already summed), spread over them."""
     N, L, loc = x.nodes, x.local_ranks, x.local_link
     part = m * n * x.part_size
     c_loc, c_net = _chunks(x, loc, m), _chunks(x, "network", m)
     stages = [(1, 0.0, lead)] if lead else []
     stages.append(((N - 1) * c_net, x.gemm(2 * L * m * k * n / c_net),
-                   x.msgs("network", part / c_net) + (L - 1) * x.msgs(loc, part / c_net)))
+                   x.msgs("network", part / c_net) + (L - 1) * x.msgs(loc, part / c_net)
+                   + riding / ((N - 1) * c_net)))
     stages.append((c_loc, x.gemm(2 * L * m * k * n / c_loc), (L - 1) * x.msgs(loc, part / c_loc)))
     x.produce([*stages, (1, 0.0, 0.0)])
 
 
 def mm_ar(x, m: int, k: int, n: int) -> None:
-    """``all_reduce(a @ b)`` over ``W*m`` rows: the reduce-scatter above on parts of ``m`` rows, then the gather
-    of the reduced parts (exposed: nothing is left to compute)."""
+    """``all_reduce(a @ b)`` over ``W*m`` rows: the reduce-scatter above on parts of ``m`` rows, each network
+    chunk of this rank's reduced part gathered as soon as it is summed (`overlap.ops.tp.hierarchical_reduce`):
+    the gather's chunks ride the reduce-scatter's network stages, and only the last one is exposed."""
     N, L, loc = x.nodes, x.local_ranks, x.local_link
-    mm_rs(x, m, k, n)
     part = m * n * x.part_size
-    c_loc, c_net = _chunks(x, loc, m), _chunks(x, "network", m)
-    x.serial((N - 1) * x.msgs("network", part, c_net) + (L - 1) * (x.msgs(loc, part, c_loc)
-                                                                  + (N - 1) * x.msgs(loc, part, c_net)))
+    c_net = _chunks(x, "network", m)
+    chunk = (N - 1) * x.msgs("network", part / c_net) + (L - 1) * N * x.msgs(loc, part / c_net)
+    mm_rs(x, m, k, n, riding=(c_net - 1) * chunk)
+    x.serial(chunk)
 
 
 def moe(x, p) -> None:

@@ -25,6 +25,9 @@ W_GEN_FAILED = 5  # heap generation this rank failed to create (it still arrives
 #: peer + 1 of a stream-ordered wait of this rank that the host watchdog released at its deadline (GPU ranks;
 #: never cleared: every rank's next call raises). See `overlap.symm.call.Call`.
 W_ASYNC_ERR = 6
+#: ``2 * epoch`` (plus one where they did not) once this rank's counterparts on other nodes agreed on the node call
+#: of that epoch: a group across nodes' full handshake (`overlap.ops.across`)
+W_NODE_VERDICT = 7
 
 #: Epochs stay below this: the call that reaches it re-bases every flag of the group to zero, so
 #: flags and epochs are always int32 values far apart from wrapping (see `SymmHeap._rebase`).

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from ... import comm
+from .. import across
 from .. import nodes as hier
 from ..context import CallContext
 from . import layout
@@ -64,7 +65,7 @@ class Routes:
     """What every rank knows after the call's first exchange. ``counts[s][d][e]``: rows source ``s`` sends to
     rank ``d``'s expert ``e``; ``keys[s][m]``: distinct keys of source ``s``'s node list for node ``m``."""
 
-    lay: hier.Layout
+    lay: across.Layout
     counts: list[list[list[int]]]
     keys: list[list[int]]
 
@@ -88,7 +89,7 @@ class Routes:
         return self.keys[s][m] == self.pairs(s, m)
 
 
-def node_lists(h: layout.MoELayout, lay: hier.Layout, key_of_send: torch.Tensor):
+def node_lists(h: layout.MoELayout, lay: across.Layout, key_of_send: torch.Tensor):
     """Per node ``m``: ``(positions, keys, idx)`` of this rank's node list (send positions, the distinct keys
     sorted, the position of each entry's key among them)."""
     out = []
@@ -100,7 +101,7 @@ def node_lists(h: layout.MoELayout, lay: hier.Layout, key_of_send: torch.Tensor)
     return out
 
 
-def exchange_routes(cc: CallContext, h: layout.MoELayout, lay: hier.Layout, lists, fill_recv: bool) -> Routes:
+def exchange_routes(cc: CallContext, h: layout.MoELayout, lay: across.Layout, lists, fill_recv: bool) -> Routes:
     """One ``all_gather`` of every rank's counts and distinct-key counts (bounded wait)."""
     W, L = cc.world_size, h.num_local_experts
     mine = torch.tensor([c for row in h.send_counts for c in row] + [len(k) for _, k, _ in lists], dtype=torch.int64)
@@ -133,7 +134,7 @@ def _recvs(cc: CallContext, tensor: torch.Tensor, peer: int, link: str, works: l
 def to_experts(cc: CallContext, h: layout.MoELayout, rows: torch.Tensor, row_of_send: torch.Tensor,
                w: torch.Tensor | None, counts: bool, between):
     """`overlap.ops.moe.dispatch.run`'s transfer across nodes: ``(recv, out)`` as there."""
-    lay = hier.layout_of(cc.info)
+    lay = across.layout_of(cc.info)
     with hier.guard(cc, lay):
         lists = node_lists(h, lay, row_of_send)
         rt = exchange_routes(cc, h, lay, lists, fill_recv=counts)
@@ -199,7 +200,7 @@ def to_experts(cc: CallContext, h: layout.MoELayout, rows: torch.Tensor, row_of_
             call.finish()
 
 
-def _take_blocks(cc, h, lay: hier.Layout, rt: Routes, call, area_of, m: int, recv, out, w) -> None:
+def _take_blocks(cc, h, lay: across.Layout, rt: Routes, call, area_of, m: int, recv, out, w) -> None:
     """The rows for this rank of every source on node `m`, from area `m` of the node rank that received them
     (our own rows first), into `recv` by expert; each block times its expert's weight into `out`."""
     r, L = cc.rank, h.num_local_experts
@@ -238,7 +239,7 @@ def to_sources(cc: CallContext, h: layout.MoELayout, y: torch.Tensor, w: torch.T
                weights: torch.Tensor | None = None) -> torch.Tensor:
     """`overlap.ops.moe.combine.run`'s transfer across nodes: ``[P, N]`` in send order, or with `weights`
     (``[T, K]``) the weighted sum ``[T, N]`` (each node's rows of a token summed there)."""
-    lay = hier.layout_of(cc.info)
+    lay = across.layout_of(cc.info)
     with hier.guard(cc, lay):
         lists = node_lists(h, lay, h.token_of)
         rt = exchange_routes(cc, h, lay, lists, fill_recv=False)

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from ... import comm, world
 from ...errors import OverlapError, OverlapTimeout
 from ...plans import Plan
+from .. import across
 from .. import nodes as hier
 from ..context import CallContext
 
@@ -64,7 +65,7 @@ class Migration:
     """
 
     pairs: tuple[tuple[int, int], ...]
-    lay: hier.Layout
+    lay: across.Layout
     num_experts: int
     own: int
     copies: tuple[tuple[int, ...], ...]
@@ -227,7 +228,7 @@ def prepare(op: str, chosen: Plan, info: world.GroupInfo, num_experts: int, boun
     if bound is not None:
         raise ValueError(f"overlap.moe.{op}: plan.migrate with max_tokens_per_rank is not implemented in this "
                          "version; drop one of them")
-    lay = hier.layout_of(info)
+    lay = across.layout_of(info)
     copies: list[list[int]] = [[] for _ in lay.nodes]
     for e, m in chosen.migrate:
         copies[m].append(e)

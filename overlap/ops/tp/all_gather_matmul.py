@@ -269,7 +269,8 @@ def _overlapped_backward(cc: CallContext, a, prod: Product | None, need_b: bool,
                 need = gather.heap_bytes(kind, a2)
                 if prod is not None:
                     need = max(need, scatter_gemm.heap_bytes(chosen, prod.m, prod.n, prod.dtype, cc.world_size))
-                gather_call = gather_cc.begin(need, steady=kind in ("symm", "pipelined"))
+                gather_call = gather_cc.begin(need, steady=kind in ("symm", "pipelined"),
+                                              in_data=kind == "hierarchical")
                 gathered = gather.start(kind, gather_call, a2, gather_cc, need=need, rows=rows)
             if prod is not None:
                 grad_cc = cc.derive(signature=f"{cc.op}.grad_a(a={describe(a)}, {_terms(prod)}, "

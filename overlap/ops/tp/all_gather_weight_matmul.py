@@ -112,7 +112,7 @@ def _rows_of(b: torch.Tensor) -> torch.Tensor:
 def _start_gather(kind: str, call, shard_NK: torch.Tensor, cc: CallContext, need: int = 0):
     BYTES_FROM_PEERS[kind] += (cc.world_size - 1) * shard_NK.numel() * shard_NK.element_size()
     if kind == "hierarchical":
-        return hierarchical_weight.start(shard_NK, cc, need)
+        return hierarchical_weight.start(shard_NK, cc, call, need)
     if kind == "symm":
         return shard_ring.start(call, shard_NK, cc)
     return gather.start(kind, call, shard_NK, cc)
@@ -121,6 +121,7 @@ def _start_gather(kind: str, call, shard_NK: torch.Tensor, cc: CallContext, need
 def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
     """One forward call on every rank: the handshake, then each block of columns as its shard is there."""
     call = cc.begin(heap_bytes(cc.plan, b), steady=cc.plan.strategy in ("symm", "pipelined"),
+                    in_data=cc.plan.strategy == "hierarchical",
                     plain=cc.plan.strategy == "reference")
     try:
         if cc.plan.strategy == "fused":
@@ -203,7 +204,8 @@ def _overlapped_backward(cc: CallContext, a2, b, g2, need_a, need_b):
             elif need_b:
                 need = max(need, scatter_gemm.heap_bytes(chosen, g2.shape[1] // cc.world_size, a2.shape[1], a2.dtype,
                                                          cc.world_size))
-            gather_call = gather_cc.begin(need, steady=kind in ("symm", "pipelined"), plain=kind == "reference")
+            gather_call = gather_cc.begin(need, steady=kind in ("symm", "pipelined"), plain=kind == "reference",
+                                          in_data=kind == "hierarchical")
             gather = _start_gather(kind, gather_call, shard_NK, gather_cc, need)
         if need_b:
             grad_cc = cc.derive(signature=f"{cc.op}.grad_b(g={describe(g2)}, a={describe(a2)}, "

@@ -238,15 +238,15 @@ class _Blocks:
     each begun when `chunks` reaches it. Not hidden across blocks (each block's node call has its own handshake),
     nor behind calls made before `chunks` (a backward's input gradient: its own calls take the heap's slots)."""
 
-    def __init__(self, cc: CallContext, x2: torch.Tensor, ro: Rows, need: int):
-        self.cc, self.x2, self.ro, self.need = cc, x2, ro, need
+    def __init__(self, cc: CallContext, xcall, x2: torch.Tensor, ro: Rows, need: int):
+        self.cc, self.xcall, self.x2, self.ro, self.need = cc, xcall, x2, ro, need
         self.full = x2.new_empty((ro.outer * ro.world * ro.rows, x2.shape[1]))
         self.current: HierGather | None = None
 
     def _begin(self, o: int) -> HierGather:
         ro, W = self.ro, self.ro.world
         lo, hi = ro.block(o)
-        return HierGather(self.cc, self.x2[o * ro.rows : (o + 1) * ro.rows],
+        return HierGather(self.cc, self.xcall, self.x2[o * ro.rows : (o + 1) * ro.rows],
                           [(p * ro.rows, (p + 1) * ro.rows) for p in range(W)], full=self.full[lo:hi], need=self.need)
 
     def chunks(self):
@@ -266,6 +266,7 @@ class _Blocks:
         if self.current is not None:
             self.current.close()
             self.current = None
+        self.xcall.finish()
 
 
 def start(kind: str, call, x2: torch.Tensor, cc: CallContext, need: int = 0, rows: Rows | None = None) -> Gather:
@@ -279,8 +280,8 @@ def start(kind: str, call, x2: torch.Tensor, cc: CallContext, need: int = 0, row
     ro = Rows.flat(cc.world_size, m) if rows is None else rows
     if kind == "hierarchical":
         if ro.outer > 1:
-            return _Blocks(cc, x2, ro, need)
-        return HierGather(cc, x2, [(p * m, (p + 1) * m) for p in range(cc.world_size)], need=need)
+            return _Blocks(cc, call, x2, ro, need)
+        return HierGather(cc, call, x2, [(p * m, (p + 1) * m) for p in range(cc.world_size)], need=need, ends_call=True)
     if kind == "reference":
         g = _Reference(call, x2, cc, ro)
         g.post()

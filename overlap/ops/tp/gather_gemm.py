@@ -55,6 +55,7 @@ def run(a2: torch.Tensor, bs: list[torch.Tensor] | Weights, cc: CallContext, kee
     rows = Rows.flat(cc.world_size, a2.shape[0]) if rows is None else rows
     bs = bs if isinstance(bs, Weights) else Weights(bs)
     call = cc.begin(heap_bytes(cc.plan, a2), steady=cc.plan.strategy in ("symm", "pipelined"),
+                    in_data=cc.plan.strategy == "hierarchical",
                     plain=cc.plan.strategy == "reference")
     try:
         return STRATEGIES[cc.plan.strategy](cc, call, a2, bs, keep_gathered, rows)

@@ -16,7 +16,9 @@ from ..context import CallContext
 from .hierarchical import HierGather
 
 
-def start(shard_NK: torch.Tensor, cc: CallContext, need: int = 0):
-    """Post the gather of this rank's shard ``[n, k]``; chunks arrive as ``(row_lo, row_hi, rows)`` of ``w``."""
+def start(shard_NK: torch.Tensor, cc: CallContext, xcall, need: int = 0):
+    """Post the gather of this rank's shard ``[n, k]`` (`xcall`: the group's call, which the gather's close ends);
+    chunks arrive as ``(row_lo, row_hi, rows)`` of ``w``."""
     n = shard_NK.shape[0]
-    return HierGather(cc, shard_NK, [(p * n, (p + 1) * n) for p in range(cc.world_size)], need=need)
+    return HierGather(cc, xcall, shard_NK, [(p * n, (p + 1) * n) for p in range(cc.world_size)], need=need,
+                      ends_call=True)

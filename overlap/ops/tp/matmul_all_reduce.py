@@ -118,7 +118,8 @@ def run(g: Gemm, cc: CallContext) -> torch.Tensor:
     """One call on every rank (`cc`: its op, group, plan, deadline, signature): the handshake, then the
     strategy; returns ``[M, n]`` in `g`'s partials' dtype (`overlap.ops.tp.operands.Gemm`: fp8, float32)."""
     steady = cc.plan.strategy in ("symm", "pipelined")  # (pipelined: checked in its messages, `overlap.symm.p2p`)
-    call = cc.begin(heap_bytes(cc.plan, g, cc.world_size), steady=steady, plain=cc.plan.strategy == "reference")
+    call = cc.begin(heap_bytes(cc.plan, g, cc.world_size), steady=steady, plain=cc.plan.strategy == "reference",
+                    in_data=cc.plan.strategy == "hierarchical")
     try:
         return STRATEGIES[cc.plan.strategy](cc, call, g)
     finally:
@@ -413,7 +414,7 @@ def _fused(cc: CallContext, call, g: Gemm):
 
 def _hierarchical(cc: CallContext, call, g: Gemm):
     """Across nodes (on one node the plan is ``symm``): `overlap.ops.tp.hierarchical_reduce.all_reduce` (two-shot)."""
-    return hierarchical_reduce.all_reduce(cc, g)
+    return hierarchical_reduce.all_reduce(cc, call, g)
 
 
 STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused,

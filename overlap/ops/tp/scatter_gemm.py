@@ -68,6 +68,7 @@ def run(prod: Product, cc: CallContext) -> torch.Tensor:
         cc = cc.derive(plan=dataclasses.replace(cc.plan, strategy="symm"))
     steady = cc.plan.strategy in ("symm", "pipelined")  # (pipelined: checked in its messages, `overlap.symm.p2p`)
     call = cc.begin(heap_bytes(cc.plan, prod.m, prod.n, prod.dtype, cc.world_size), steady=steady,
+                    in_data=cc.plan.strategy == "hierarchical",
                     plain=cc.plan.strategy == "reference")
     try:
         return STRATEGIES[cc.plan.strategy](cc, call, prod)
@@ -286,10 +287,10 @@ def _hierarchical(cc: CallContext, call, prod):
     call per outer block of a gather dim past the first (each block is rank-major)."""
     ro = prod.rows
     if ro.outer == 1:
-        return hierarchical_reduce.reduce_scatter(cc, prod)
+        return hierarchical_reduce.reduce_scatter(cc, call, prod)
     out = _new(prod, prod.m)
     for o in range(ro.outer):
-        hierarchical_reduce.reduce_scatter(cc, prod.outer_block(o), out=out[o * ro.rows : (o + 1) * ro.rows])
+        hierarchical_reduce.reduce_scatter(cc, call, prod.outer_block(o), out=out[o * ro.rows : (o + 1) * ro.rows])
     return out
 
 
