@@ -270,13 +270,13 @@ def test_uneven_nodes_raise_on_every_rank(pools):
 
 
 def killed_remote(rank, world_size, op, victim):
-    """`victim` (on the second node) dies inside a call, after the group's handshake, before it sends anything
-    (a rank dead before a call fails the group's handshake, a collective that names no peer)."""
+    """`victim` (on the second node) dies inside a call, after its header, before it sends any data."""
     import signal
 
     from support.tp_oracle import expect_error
 
     import overlap
+    from overlap.ops import across
     from overlap.ops.tp import hierarchical, hierarchical_reduce
 
     group = spanning_group(rank, 2)
@@ -289,7 +289,7 @@ def killed_remote(rank, world_size, op, victim):
             def die(*args, **kwargs):
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            hierarchical.begin_node = hierarchical_reduce.begin_node = hierarchical.isend = die
+            hierarchical.begin_node = hierarchical_reduce.begin_node = across.Counterparts.send = die
         start = time.monotonic()
         kind, msg, *_ = expect_error(getattr(overlap, op), a, b, group=group, strategy="hierarchical", timeout=3.0)
         return kind, msg, time.monotonic() - start

@@ -10,7 +10,8 @@ peers, and together they cover the group:
   Every call of the group exchanges a fixed-size **header** with each counterpart (the call's number, its
   signature's hash and text, a kind: agreed, a node that disagreed, a rank's bad input) and, at its end, a
   **trailer** (the call went well, or the error that ended it on that rank). Both travel point-to-point under
-  tags made from the call's number (`Tags`), so a message of one call is never matched by another call's receive.
+  tags made from the call's number, and a call's data under tags hashed from its number, signature and sizes
+  (`Tags`), so a message of one call is never matched by another call's receive, nor by a differing rank's.
 
 Every node holds the same number of ranks, so every rank of the group is the counterpart of one rank of each node:
 a rank that agrees with its node, whose node's ranks all agree with their counterparts, agrees with the group.
@@ -24,7 +25,7 @@ Two ways to use it (`begin`):
   raises `OverlapMismatchError` on every rank, before any data moves. Host rendezvous: counted as one.
 * **In the data** (``hierarchical``: every datum crosses the network between counterparts only): the header is
   posted at the start and the call goes on; the node's handshake is its steady state (`overlap.ops.nodes.begin_node`),
-  and a counterpart's data is received only once its header has arrived and agreed (`Counterparts.recv`). Every
+  and a counterpart's data is used only once its header has arrived and agreed (`Counterparts.wait`). Every
   wait on a counterpart's data also reads its trailer, so a peer that left the call with an error ends the wait at
   once (`Counterparts.wait`); a rank that leaves a call with an error tells its node through the node slot's
   header (`overlap.ops.nodes.Poison`) and its counterparts through its trailer. No host rendezvous once warmed.
@@ -40,8 +41,10 @@ import collections
 import concurrent.futures
 import dataclasses
 import datetime
+import hashlib
 import itertools
 import os
+import struct
 import sys
 
 import torch
@@ -137,9 +140,13 @@ _SPAN = 1 << 26
 @dataclasses.dataclass(frozen=True)
 class Tags:
     """The point-to-point tags of one call (the same on every rank: calls are numbered per group): its header, its
-    trailer, and its data (sub-call `sub`: a call runs several node calls, one per outer block)."""
+    trailer, and its data. A data message's tag is a hash of the call's number, its signature, its sub-call (a call
+    runs several node calls, one per outer block) and its size: two ranks whose calls differ never match each
+    other's data (so a receive can be posted before the sender's header is read, and never meets a message of
+    another size), and neither do two calls."""
 
     number: int
+    sig: tuple[int, int] = (0, 0)
 
     @property
     def header(self) -> int:
@@ -149,8 +156,9 @@ class Tags:
     def trailer(self) -> int:
         return (1 << 28) + _SPAN + self.number % _SPAN
 
-    def data(self, sub: int) -> int:
-        return (1 << 29) + ((self.number % (1 << 20)) << 8) + sub % 256
+    def data(self, sub: int, nbytes: int) -> int:
+        key = struct.pack("<qiiqq", self.number, *self.sig, sub, nbytes)
+        return (1 << 30) | int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") & ((1 << 30) - 1)
 
 
 _NUMBERS: dict[int, itertools.count] = {}
@@ -174,7 +182,8 @@ class _Watcher:
 
     def __init__(self):
         self.pid = os.getpid()
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="overlap-across")
+        # (a wait whose message never comes, a receive of a call a peer left, holds its thread until the deadline)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="overlap-across")
 
     def watch(self, work, op: str, rank: int, peer: int, what, timeout: float, info) -> concurrent.futures.Future:
         return self.pool.submit(comm.wait_work, work, op, rank, peer, what, timeout, info)
@@ -214,14 +223,13 @@ class Counterparts:
 
     Construction posts the receives of every counterpart's header and trailer (fixed sizes: they match any call's)
     and has them watched (`_Watcher`); `announce` sends this rank's header, `finish` its trailer (once, either
-    way). The receives of a counterpart's data are posted once its header has arrived and agreed (`poll`, which
-    the waits and the ops' loops call)."""
+    way). A wait on a counterpart's data first reads its header (`agreed`)."""
 
     def __init__(self, op: str, pg, info: world.GroupInfo, lay: Layout, signature: str, timeout: float):
         self.op, self.pg, self.info, self.lay, self.timeout = op, pg, info, lay, timeout
         self.signature, self.sig = signature, signature_hash(signature)
         self.number = next_number(pg)
-        self.tags = Tags(self.number)
+        self.tags = Tags(self.number, self.sig)
         self.peers = lay.counterparts()
         self.headers = {p: torch.empty(_WORDS, dtype=torch.int64) for p in self.peers}
         self.trailers = {p: torch.empty(_WORDS, dtype=torch.int64) for p in self.peers}
@@ -235,7 +243,7 @@ class Counterparts:
         self.checked: set[int] = set()
         self.sends: list = []  # (work, tensor) of the headers and trailers: waited at the end
         self.data: list = []  # (work, tensor) of the data sends (the op waits for them): kept alive until the end
-        self.deferred: dict[int, list[_Recv]] = {p: [] for p in self.peers}  # in the order the peer sends
+        self.received: list[_Recv] = []  # kept alive until the call ends
         self.subs = 0
         self.announced = self.finished = False
         self._outer = sys.exc_info()[1]
@@ -265,37 +273,26 @@ class Counterparts:
     def send(self, tensor: torch.Tensor, peer: int, sub: int):
         """Post `tensor` to counterpart `peer` (sub-call `sub`); counted as network bytes."""
         comm.count_sent(self.info, peer, tensor.numel() * tensor.element_size())
-        work = self._post(dist.isend, tensor, peer, self.tags.data(sub), "data")
+        work = self._post(dist.isend, tensor, peer, self.tags.data(sub, tensor.numel() * tensor.element_size()), "data")
         self.data.append((work, tensor))
         return work
 
     def recv(self, tensor: torch.Tensor, peer: int, sub: int, chunk) -> _Recv:
-        """`tensor` to be filled from counterpart `peer` (sub-call `sub`; `chunk` names it in errors): posted once
-        its header agreed."""
-        r = _Recv(tensor, self.tags.data(sub), chunk)
-        self.deferred[peer].append(r)
-        if peer in self.checked:  # (never raises: a difference is raised by the waits, once the node's call began)
-            self.agreed(peer)
+        """Post `tensor`'s receive from counterpart `peer` (sub-call `sub`; `chunk` names it in errors), watched;
+        its data is used only once the peer's header has agreed (`wait`)."""
+        work = self._post(dist.irecv, tensor, peer, self.tags.data(sub, tensor.numel() * tensor.element_size()), "data")
+        r = _Recv(tensor, work, _watcher().watch(work, self.op, self.info.rank, peer, chunk, self.timeout, self.info))
+        self.received.append(r)
         return r
 
     # ---- agreement -------------------------------------------------------------------------------
-    def poll(self) -> None:
-        """Post the receives of every counterpart whose header has arrived and agreed (raise where one differs)."""
-        for p in self.peers:
-            if p in self.checked or self.header_futs[p].done():
-                self.agreed(p)
-
     def agreed(self, peer: int) -> None:
-        """Wait for `peer`'s header (within the deadline); raise where it differs; post its receives, in order."""
+        """Wait for `peer`'s header (within the deadline); raise where it differs."""
         if peer not in self.checked:
             differ = self._difference(peer)
             if differ is not None:
                 raise OverlapMismatchError.of(self.op, self.number, self.info.rank, self.signature, {peer: differ})
             self.checked.add(peer)
-        for r in self.deferred[peer]:
-            if r.work is None:
-                r.work = self._post(dist.irecv, r.tensor, peer, r.tag, "data")
-                r.fut = _watcher().watch(r.work, self.op, self.info.rank, peer, r.chunk, self.timeout, self.info)
 
     def _difference(self, peer: int) -> str | None:
         """Wait for `peer`'s header: None where it agrees, else its text."""
@@ -364,7 +361,7 @@ class Counterparts:
             self.sends = []
         futs = [*self.header_futs.values(), *self.trailer_futs.values()]
         _LATE.append((futs, self.headers, self.trailers, self.sends, self.data,
-                      [(r.work, r.tensor) for rs in self.deferred.values() for r in rs]))
+                      self.received))
         while _LATE and all(f.done() for f in _LATE[0][0]):
             _LATE.popleft()
 
@@ -375,15 +372,13 @@ class Counterparts:
 
 
 class _Recv:
-    """A receive from a counterpart, posted (with the others from that peer, in order) once the peer's header
-    has agreed (`Counterparts.agreed`), and watched from then on (`fut`)."""
+    """A receive from a counterpart and its watched wait (`fut`)."""
 
-    def __init__(self, tensor: torch.Tensor, tag: int, chunk):
-        self.tensor, self.tag, self.chunk = tensor, tag, chunk
-        self.work = self.fut = None
+    def __init__(self, tensor: torch.Tensor, work, fut: concurrent.futures.Future):
+        self.tensor, self.work, self.fut = tensor, work, fut
 
     def done(self) -> bool:
-        return self.fut is not None and self.fut.done()
+        return self.fut.done()
 
 
 # ----------------------------------------------------------------------------------------------

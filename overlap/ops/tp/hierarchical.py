@@ -176,10 +176,8 @@ class HierGather:
         in the same order every call."""
         while self.net:
             n, j, src, (a, b), work = self.net[0]
-            if not block:
-                self.cp.poll()
-                if not work.done():
-                    return
+            if not block and not work.done():
+                return
             self.net.pop(0)
             self.poison.wait(work, src, f"{j} of node {self.lay.names[n]}'s rows")
             rlo, rhi = self.rows_of(n, self.lay.local)

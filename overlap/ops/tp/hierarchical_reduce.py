@@ -165,7 +165,6 @@ def reduce_scatter_parts(cc: CallContext, xcall: InData, lay: Layout, call: symm
                 sum_in_order([area(l0, q, node, dest_rows) for q in range(lay.ranks_per_node)], total, lo, hi)
                 if node != n0 and hi > lo:
                     sends.append((dest, j, cp.send(total[lo:hi], dest, sub)))
-                cp.poll()  # (the node sums coming our way start as soon as their sender's header has agreed)
         # Our rows: the node sums in node order (ours kept in fp32 for 16-bit dtypes), rounded once; chunk by
         # network chunk, each told to `on_rows` as it is summed (an all-reduce sends it on at once).
         out = a2.new_empty((mine_rows, n)) if out is None else out
