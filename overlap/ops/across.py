@@ -161,12 +161,16 @@ class Tags:
         return (1 << 30) | int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") & ((1 << 30) - 1)
 
 
-_NUMBERS: dict[int, itertools.count] = {}
+_NUMBERS: dict[int, tuple[object, itertools.count]] = {}
 
 
 def next_number(pg) -> int:
-    """This group's next call number (every rank numbers the same calls alike)."""
-    return next(_NUMBERS.setdefault(id(pg), itertools.count(1)))
+    """This group's next call number (every rank numbers the same calls alike; a new group object starts at 1
+    even where it reuses a released one's id)."""
+    entry = _NUMBERS.get(id(pg))
+    if entry is None or entry[0] is not pg:
+        entry = _NUMBERS[id(pg)] = (pg, itertools.count(1))
+    return next(entry[1])
 
 
 #: The header and trailer receives of calls that ended, kept (with their buffers) until they complete: a

@@ -38,9 +38,10 @@ from ..errors import OverlapMismatchError
 from .layout import HS_BASE, HS_RING, HS_STRIDE, NUM_SLOTS, SIG_TEXT_BYTES, W_HS_EPOCH, signals
 
 #: Host synchronizations of this process, by kind: ``rendezvous`` (a full handshake: this rank waited until
-#: every peer had posted the call, or a collective handshake across nodes), ``steady`` (calls that posted
-#: their entry and went on), ``ring_wait`` (steady calls that had to wait for a peer more than
-#: `HS_RING` - 1 calls behind). Read with `overlap.symm.host_sync_counts`.
+#: every peer had posted the call, or a full handshake across nodes, `overlap.ops.across`: one per call),
+#: ``steady`` (calls that posted their entry and went on; across nodes a hierarchical TP call's node handshake),
+#: ``ring_wait`` (steady calls that had to wait for a peer more than `HS_RING` - 1 calls behind). Read with
+#: `overlap.symm.host_sync_counts`.
 COUNTS: collections.Counter = collections.Counter()
 
 #: Words of an entry: epoch tag, signature hash (lo, hi), bytes needed (lo, hi), flags, then the text.
