@@ -359,13 +359,13 @@ class Counterparts:
             except OverlapError:
                 if exc is None:
                     raise
-        if exc is None:
+        if exc is None:  # (every data transfer was waited for by the op: only the headers and trailers are left)
             for work, _ in self.sends:
                 comm.wait_work(work, self.op, self.info.rank, "a counterpart", "a send", self.timeout, self.info)
-            self.sends = []
+            self.sends, self.data, self.received = [], [], []
         futs = [*self.header_futs.values(), *self.trailer_futs.values()]
-        _LATE.append((futs, self.headers, self.trailers, self.sends, self.data,
-                      self.received))
+        # (kept until the counterparts' headers and trailers are in; an error path keeps its transfers' tensors too)
+        _LATE.append((futs, self.headers, self.trailers, self.sends, self.data, self.received))
         while _LATE and all(f.done() for f in _LATE[0][0]):
             _LATE.popleft()
 
