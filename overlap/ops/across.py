@@ -217,9 +217,13 @@ def put_text(dst: torch.Tensor, raw: bytes) -> None:
         dst[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
+def get_text(src: torch.Tensor, n: int) -> str:
+    """The text `put_text` wrote (`n` bytes) at the start of the uint8 tensor `src`."""
+    return bytes(src[:n].tolist()).decode(errors="replace")
+
+
 def _text(msg: torch.Tensor) -> str:
-    n = int(msg[5])
-    return bytes(msg.view(torch.uint8)[_TEXT_AT * 8 : _TEXT_AT * 8 + n].tolist()).decode(errors="replace")
+    return get_text(msg.view(torch.uint8)[_TEXT_AT * 8 :], int(msg[5]))
 
 
 class Counterparts:

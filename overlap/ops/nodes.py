@@ -35,7 +35,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from .. import comm, symm
 from ..errors import OverlapError, OverlapMismatchError, OverlapTimeout
-from .across import FAILED, MISMATCH, Counterparts, Layout, layout_of, node_heap, put_text
+from .across import FAILED, MISMATCH, Counterparts, Layout, get_text, layout_of, node_heap, put_text
 from .context import CallContext
 
 #: bytes of a slot's header: int64 ``dead + 1`` (a failed remote rank this rank saw, else 0), the kind of an error
@@ -83,8 +83,7 @@ def check_header(cc: CallContext, lay: Layout, call: symm.Call, peer: int) -> No
     if dead:
         raise OverlapError(_dead_text(cc, lay, dead - 1, f"local rank {lay.rank(lay.node, peer)} saw it fail"))
     if kind:
-        n = int(words[2])
-        text = bytes(words.view(torch.uint8)[_TEXT_AT : _TEXT_AT + n].tolist()).decode(errors="replace")
+        text = get_text(words.view(torch.uint8)[_TEXT_AT:], int(words[2]))
         text = f"overlap.{cc.op}: rank {cc.rank}: rank {lay.rank(lay.node, peer)} of this node left the call: {text}"
         raise (OverlapMismatchError if kind == MISMATCH else OverlapError)(text)
 
