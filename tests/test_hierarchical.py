@@ -269,8 +269,10 @@ def test_uneven_nodes_raise_on_every_rank(pools):
 # ----------------------------------------------------------------------------------------------
 
 
-def killed_remote(rank, world_size, op, victim):
-    """`victim` (on the second node) dies inside a call, after its header, before it sends any data."""
+def killed_remote(rank, world_size, op, victim, late=None):
+    """`victim` (on the second node) dies inside a call, after its header, before it sends any data. `late`: a
+    rank that starts the call a second late, when the victim's connections may already be closed (its first post
+    to the victim fails)."""
     import signal
 
     from support.tp_oracle import expect_error
@@ -291,17 +293,22 @@ def killed_remote(rank, world_size, op, victim):
 
             hierarchical.begin_node = hierarchical_reduce.begin_node = across.Counterparts.send = die
         start = time.monotonic()
+        if rank == late:
+            time.sleep(1.0)
         kind, msg, *_ = expect_error(getattr(overlap, op), a, b, group=group, strategy="hierarchical", timeout=3.0)
         return kind, msg, time.monotonic() - start
     finally:
         del os.environ["OVERLAP_NODE_ID"]
 
 
+@pytest.mark.parametrize("late", [None, 1], ids=["together", "counterpart-late"])
 @pytest.mark.parametrize("op", [AGM, MRS])
-def test_killed_rank_on_the_other_node_is_named(op):
+def test_killed_rank_on_the_other_node_is_named(op, late):
+    """Also where the victim's counterpart comes to the call after the victim died: its posts fail at once, and
+    its node learns of the death through it, not by waiting out the deadline for its data."""
     victim = 3
     with pytest.raises(RankError) as failed:  # the victim's death fails the task; the survivors' results remain
-        run_isolated(4, killed_remote, op, victim, timeout=90.0)
+        run_isolated(4, killed_remote, op, victim, late, timeout=90.0)
     assert_dead_named(failed.value, victim, deadline=3.0)
 
 

@@ -67,6 +67,58 @@ def test_no_prediction_without_a_whole_agreed_window():
     assert cleared.predict(nxt) is None
 
 
+class _Pads:
+    """A heap's control pads only (`overlap.symm.handshake` reads nothing else of it), in one process."""
+
+    def __init__(self, world_size: int, rank: int = 0):
+        import numpy as np
+
+        from overlap.symm.layout import CTRL_WORDS
+
+        self.world_size, self.rank = world_size, rank
+        self._pads = [np.zeros(CTRL_WORDS, dtype=np.int32) for _ in range(world_size)]
+
+    def pad(self, peer: int):
+        return self._pads[peer]
+
+    def post(self, peer: int, epoch: int, key: tuple[int, int], signature: str) -> None:
+        from overlap.symm import handshake
+        from overlap.symm.layout import W_HS_EPOCH
+
+        entry = handshake.entry_word(epoch)
+        pad = self._pads[peer]
+        pad[entry + 1 : entry + 3] = key
+        pad[entry + 6 : entry + 6 + len(handshake._text_words(signature))] = handshake._text_words(signature)
+        pad[entry] = epoch
+        pad[W_HS_EPOCH] = epoch
+
+
+def test_a_peer_that_posts_while_its_entry_is_looked_for_is_compared(monkeypatch):
+    """A call that went ahead compares a peer that has not posted yet at a later look: a peer that posts between
+    the look's reads (its epoch, its entry) is compared then or later, never taken for one that moved on past the
+    ring (which leaves the call unable to return its result)."""
+    from overlap.symm import handshake
+
+    key, epoch, sig = (11, 22), 9, "op(x)"
+    pads = _Pads(3)
+    pads.post(2, epoch, key, sig)
+    check = handshake.SignatureCheck(pads, "op", epoch, *key, sig, timeout=1.0)
+    real = handshake.entry_of
+
+    def racing(heap, peer, e):  # rank 1 posts right after its entry was read (as not there yet)
+        got = real(heap, peer, e)
+        if peer == 1 and got is None:
+            pads.post(1, epoch, key, sig)
+        return got
+
+    monkeypatch.setattr(handshake, "entry_of", racing)
+    check.resolve()
+    monkeypatch.setattr(handshake, "entry_of", real)
+    assert 1 in check.unverified and check.compared == {2}, (check.unverified, check.compared)
+    check.verify(1)  # (the call's end, after its collectives)
+    assert check.agreed
+
+
 # -- on ranks ----------------------------------------------------------------------------------------------
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -49,6 +50,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from .. import comm, symm, world
 from ..errors import OverlapError, OverlapMismatchError, OverlapTimeout
@@ -124,6 +126,18 @@ def node_group(info: world.GroupInfo, lay: Layout, timeout: float) -> dist.Proce
 
 def node_heap(info: world.GroupInfo, lay: Layout, timeout: float) -> symm.SymmHeap:
     return symm.heap_for(node_group(info, lay, timeout), timeout)
+
+
+def dead_key(info: world.GroupInfo) -> str:
+    """The store key where the group's ranks record a rank that died in a call (`report_dead`)."""
+    return "overlap/hierarchical/dead/" + "-".join(map(str, info.global_ranks))
+
+
+def report_dead(info: world.GroupInfo, dead: int) -> None:
+    """Record `dead` in the store, where every rank of the group finds it (`overlap.ops.nodes.guard`). The first
+    record stays: a later one may be a survivor whose connection closed as it left the failed call."""
+    with contextlib.suppress(Exception):
+        c10d._get_default_store().compare_set(dead_key(info), "", f"{dead}:{info.rank}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,7 +245,11 @@ class Counterparts:
 
     Construction posts the receives of every counterpart's header and trailer (fixed sizes: they match any call's)
     and has them watched (`_Watcher`); `announce` sends this rank's header, `finish` its trailer (once, either
-    way). A wait on a counterpart's data first reads its header (`agreed`)."""
+    way). A wait on a counterpart's data first reads its header (`agreed`).
+
+    A post that fails (the counterpart's connection closed: its process died) records the counterpart as dead
+    (`report_dead`). A header's post that fails is raised by the first wait on that counterpart, not at once: the
+    op is then inside its node's call, and tells its node (`overlap.ops.nodes.Poison`)."""
 
     def __init__(self, op: str, pg, info: world.GroupInfo, lay: Layout, signature: str, timeout: float):
         self.op, self.pg, self.info, self.lay, self.timeout = op, pg, info, lay, timeout
@@ -244,10 +262,13 @@ class Counterparts:
         watcher = _watcher()
         self.header_futs, self.trailer_futs = {}, {}
         for p in self.peers:
-            work = self._post(dist.irecv, self.headers[p], p, self.tags.header, "header")
-            self.header_futs[p] = watcher.watch(work, op, info.rank, p, "header", timeout, info)
-            work = self._post(dist.irecv, self.trailers[p], p, self.tags.trailer, "trailer")
-            self.trailer_futs[p] = watcher.watch(work, op, info.rank, p, "trailer", timeout, info)
+            try:
+                work = self._post(dist.irecv, self.headers[p], p, self.tags.header, "header")
+                self.header_futs[p] = watcher.watch(work, op, info.rank, p, "header", timeout, info)
+                work = self._post(dist.irecv, self.trailers[p], p, self.tags.trailer, "trailer")
+                self.trailer_futs[p] = watcher.watch(work, op, info.rank, p, "trailer", timeout, info)
+            except OverlapError as exc:
+                self._broken(p, exc)
         self.checked: set[int] = set()
         self.sends: list = []  # (work, tensor) of the headers and trailers: waited at the end
         self.data: list = []  # (work, tensor) of the data sends (the op waits for them): kept alive until the end
@@ -261,8 +282,15 @@ class Counterparts:
         try:
             return fn(tensor, self.info.global_ranks[peer], group=self.pg, tag=tag)
         except RuntimeError as exc:
+            report_dead(self.info, peer)
             raise OverlapError(f"overlap.{self.op}: rank {self.info.rank}: posting the {what} to or from rank {peer} "
                                f"failed: {exc}. The peer probably died; destroy and re-create the group.") from exc
+
+    def _broken(self, peer: int, exc: OverlapError) -> None:
+        """`peer`'s header and trailer will never come: the next wait on either raises `exc`."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_exception(exc)
+        self.header_futs[peer] = self.trailer_futs[peer] = fut
 
     def announce(self, kind: int = AGREED, text: str | None = None) -> None:
         """Send this rank's header to every counterpart (once)."""
@@ -271,7 +299,10 @@ class Counterparts:
         self.announced = True
         msg = _message(self.number, self.sig, self.info.rank, kind, self.signature if text is None else text)
         for p in self.peers:
-            self.sends.append((self._post(dist.isend, msg, p, self.tags.header, "header"), msg))
+            try:
+                self.sends.append((self._post(dist.isend, msg, p, self.tags.header, "header"), msg))
+            except OverlapError as exc:
+                self._broken(p, exc)
 
     def sub(self) -> int:
         """The next sub-call's index (its data tag)."""
@@ -357,16 +388,21 @@ class Counterparts:
             kind = MISMATCH if isinstance(exc, OverlapMismatchError) else FAILED
             text = f"{type(exc).__name__}: {exc}"
         msg = _message(self.number, self.sig, self.info.rank, kind, text)
+        trailers = []
         for p in self.peers:
-            try:
-                self.sends.append((self._post(dist.isend, msg, p, self.tags.trailer, "trailer"), msg))
-            except OverlapError:
-                if exc is None:
-                    raise
+            # (a counterpart that died after its part of a call that went well here needs no trailer: it was
+            # recorded as dead, and the next call raises)
+            with contextlib.suppress(OverlapError):
+                trailers.append((self._post(dist.isend, msg, p, self.tags.trailer, "trailer"), msg))
         if exc is None:  # (every data transfer was waited for by the op: only the headers and trailers are left)
             for work, _ in self.sends:
-                comm.wait_work(work, self.op, self.info.rank, "a counterpart", "a send", self.timeout, self.info)
+                comm.wait_work(work, self.op, self.info.rank, "a counterpart", "a header", self.timeout, self.info)
+            for work, _ in trailers:
+                with contextlib.suppress(OverlapError):
+                    comm.wait_work(work, self.op, self.info.rank, "a counterpart", "a trailer", self.timeout, self.info)
             self.sends, self.data, self.received = [], [], []
+        else:
+            self.sends += trailers
         futs = [*self.header_futs.values(), *self.trailer_futs.values()]
         # (kept until the counterparts' headers and trailers are in; an error path keeps its transfers' tensors too)
         _LATE.append((futs, self.headers, self.trailers, self.sends, self.data, self.received))

@@ -35,7 +35,18 @@ from torch.distributed import distributed_c10d as c10d
 
 from .. import comm, symm
 from ..errors import OverlapError, OverlapMismatchError, OverlapTimeout
-from .across import FAILED, MISMATCH, Counterparts, Layout, get_text, layout_of, node_heap, put_text
+from .across import (
+    FAILED,
+    MISMATCH,
+    Counterparts,
+    Layout,
+    dead_key,
+    get_text,
+    layout_of,
+    node_heap,
+    put_text,
+    report_dead,
+)
 from .context import CallContext
 
 #: bytes of a slot's header: int64 ``dead + 1`` (a failed remote rank this rank saw, else 0), the kind of an error
@@ -143,7 +154,7 @@ class Poison:
         with contextlib.suppress(Exception):  # best effort on an error path
             header(self.call, self.call.rank)[0] = dead + 1
             self._raise_flags()
-        report_dead(self.cc, dead)
+        report_dead(self.cc.info, dead)
 
     def error(self, exc: BaseException) -> None:
         """The call ends here with `exc`: tell the node's ranks that wait for this rank's flags."""
@@ -163,17 +174,6 @@ class Poison:
             self.call.signal_ready(index)
 
 
-def _store_key(cc: CallContext) -> str:
-    return "overlap/hierarchical/dead/" + "-".join(map(str, cc.info.global_ranks))
-
-
-def report_dead(cc: CallContext, dead: int) -> None:
-    """Record `dead` in the store, where `guard` finds it on every rank of the group. The first record stays: a
-    later one may be a survivor whose connection closed as it left the failed call."""
-    with contextlib.suppress(Exception):
-        c10d._get_default_store().compare_set(_store_key(cc), "", f"{dead}:{cc.rank}")
-
-
 @contextlib.contextmanager
 def guard(cc: CallContext, lay: Layout | None = None):
     """Around a hierarchical call: an `OverlapError` becomes one naming the dead rank a peer recorded."""
@@ -183,7 +183,7 @@ def guard(cc: CallContext, lay: Layout | None = None):
     except OverlapError as exc:
         try:
             store = c10d._get_default_store()
-            text = store.get(_store_key(cc)).decode() if store.check([_store_key(cc)]) else ""
+            text = store.get(dead_key(cc.info)).decode() if store.check([dead_key(cc.info)]) else ""
         except Exception:  # noqa: BLE001 - no store: keep the original error
             text = ""
         if not text or f"rank {text.split(':')[0]} on node" in str(exc):

@@ -231,9 +231,12 @@ class SignatureCheck:
     def resolve(self) -> bool:
         """At a later call: compare the peers that have posted since; True once every peer is compared."""
         for p in sorted(self.unverified):
+            # (posted before the entry is read: a peer that posts between the two reads is not taken for one
+            # whose entry was overwritten)
+            was_posted = posted(self.heap, p, self.epoch)
             got = entry_of(self.heap, p, self.epoch)
             if got is None:
-                if posted(self.heap, p, self.epoch):  # overwritten: the peer has moved on since
+                if was_posted:  # overwritten: the peer has moved on since
                     self.unverified.discard(p)
                 continue
             self.unverified.discard(p)

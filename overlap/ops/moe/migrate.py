@@ -215,7 +215,7 @@ def _exchange(cc: CallContext, sends: list[tuple[torch.Tensor, int]], recvs: lis
                 cc.wait(work, peer, what)
             except OverlapError as exc:
                 if not isinstance(exc, OverlapTimeout) or info.gone(peer):  # its connection closed: it died
-                    hier.report_dead(cc, peer)
+                    hier.report_dead(cc.info, peer)
                 raise
 
 
