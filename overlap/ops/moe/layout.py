@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any
 
 import torch
@@ -144,10 +145,14 @@ class MoELayout:
     @functools.cached_property
     def staging_of_expert_row(self) -> torch.Tensor:
         """Staging row of each expert-order row: ``x_recv = staging[staging_of_expert_row]``."""
-        parts = [torch.arange(self.stage_offsets[s] + self.within_source(s, e),
-                              self.stage_offsets[s] + self.within_source(s, e) + self.recv_counts[s][e])
-                 for e in range(self.num_local_experts) for s in range(len(self.recv_counts))]
-        idx = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        # Block (e, s) in expert order starts at staging row stage_offsets[s] + within_source(s, e): each row is
+        # its block's start plus its place in the block (a fixed number of ops, whatever the number of experts).
+        blocks = [(s, e) for e in range(self.num_local_experts) for s in range(len(self.recv_counts))]
+        sizes = [self.recv_counts[s][e] for s, e in blocks]
+        starts = [self.stage_offsets[s] + self.within_source(s, e) - at
+                  for (s, e), at in zip(blocks, prefix_sums(sizes), strict=True)]
+        idx = torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64), torch.tensor(sizes, dtype=torch.int64),
+                                      output_size=self.num_recv) + torch.arange(self.num_recv)
         return idx.to(self.order.device)
 
     @functools.cached_property
@@ -361,19 +366,65 @@ def exchange_counts(handle: MoELayout, cc: CallContext) -> None:
     handle.recv_counts = [flat[s * L : (s + 1) * L] for s in range(W)]
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, handle: MoELayout) -> torch.Tensor:
-    """``out_e = x_e @ w[e]`` for the expert-order blocks of ``x`` (one GEMM per local expert)."""
-    out = x.new_empty((x.shape[0], w.shape[2]))
+# ----------------------------------------------------------------------------------------------
+# Grouped GEMMs: a fixed number of torch ops per call, whatever the number of experts
+# ----------------------------------------------------------------------------------------------
+
+#: The dtypes `torch._grouped_mm` takes on CPU ranks. GPU ranks keep one GEMM per block for now (their grouped
+#: GEMMs are the fused Triton kernels; `torch._grouped_mm` on CUDA has not run on a GPU here).
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _grouped_ok(*tensors: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` takes these operands: CPU, one dtype it has, 16-byte aligned data and
+    strides (one of the last two dims contiguous)."""
+    t0 = tensors[0]
+    if t0.device.type != "cpu" or t0.dtype not in _GROUPED_DTYPES or not hasattr(torch, "_grouped_mm"):
+        return False
+    size = t0.element_size()
+    for t in tensors:
+        if t.dtype != t0.dtype or t.data_ptr() % 16 or 1 not in t.stride()[-2:]:
+            return False
+        if any(s != 1 and s * size % 16 for s in t.stride()):
+            return False
+    return True
+
+
+def _ends(counts: list[int]) -> torch.Tensor:
+    """The int32 end offsets of consecutive blocks of `counts` rows (`torch._grouped_mm`'s ``offs``)."""
+    return torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
+
+
+def block_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """``x``'s rows as consecutive blocks of ``counts[i]`` rows, block ``i`` times ``w[i]`` (``len(counts) ==
+    w.shape[0]``; a block may be empty): ``[sum(counts), N]``. One grouped GEMM where `torch._grouped_mm` takes
+    the operands (the same products as one GEMM per block), else one GEMM per block."""
+    n = sum(counts)
+    x = x[:n]
+    if n and _grouped_ok(x, w):
+        try:
+            res = torch._grouped_mm(x, w, offs=_ends(counts))
+        except RuntimeError:  # (an operand this torch refuses after all: the loop below)
+            pass
+        else:
+            return res
+    out = x.new_empty((n, w.shape[2]))
     at = 0
-    for e, n in enumerate(handle.tokens_per_expert):
-        if n:
-            torch.mm(x[at : at + n], w[e], out=out[at : at + n])
-        at += n
+    for e, c in enumerate(counts):
+        if c:
+            torch.mm(x[at : at + c], w[e], out=out[at : at + c])
+        at += c
     return out
 
 
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, handle: MoELayout) -> torch.Tensor:
+    """``out_e = x_e @ w[e]`` for the expert-order blocks of ``x``."""
+    return block_mm(x, w, handle.tokens_per_expert)
+
+
 def rows_for(h: MoELayout, y: torch.Tensor, w: torch.Tensor | None, s: int, into: torch.Tensor) -> None:
-    """`into` = the rows of source `s` (in `s`'s send order), each block times its expert's weight."""
+    """`into` = the rows of source `s` (in `s`'s send order), each block times its expert's weight (a GEMM per
+    block, straight into `into`: on CPU ranks cheaper than a grouped GEMM's separate output and its copy)."""
     for e in range(h.num_local_experts):
         c = h.recv_counts[s][e]
         if not c:
@@ -387,19 +438,27 @@ def rows_for(h: MoELayout, y: torch.Tensor, w: torch.Tensor | None, s: int, into
 
 def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, handle: MoELayout, like: torch.Tensor) -> torch.Tensor:
     """``grad_w[e] = x_e.T @ grad_e`` over every row of local expert ``e`` (zeros for an expert with none)."""
+    counts = handle.tokens_per_expert
+    n = sum(counts)
+    if n and like.dtype == x.dtype and _grouped_ok(x[:n].t(), grad[:n]):
+        try:
+            return torch._grouped_mm(x[:n].t(), grad[:n], offs=_ends(counts))
+        except RuntimeError:  # (an operand this torch refuses after all: the loop below)
+            pass
     grad_w = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
     at = 0
-    for e, n in enumerate(handle.tokens_per_expert):
-        if n:
-            torch.mm(x[at : at + n].t(), grad[at : at + n], out=grad_w[e])
-        at += n
+    for e, c in enumerate(counts):
+        if c:
+            torch.mm(x[at : at + c].t(), grad[at : at + c], out=grad_w[e])
+        at += c
     return grad_w
 
 
 def weighted_sum(back: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``out[t] = sum_k w[t, k] * back[t*K + k]`` in fp32 (fp64 for fp64; k in order), cast to `out_dtype`.
+    """``out[t] = sum_k w[t, k] * back[t*K + k]`` in fp32 (fp64 for fp64), cast to `out_dtype`.
     Autograd-able: it gives ``topk_weights`` the dot products and the rows ``w``-weighted gradients."""
     T, K = topk_weights.shape
     acc_dtype = torch.float64 if torch.float64 in (back.dtype, topk_weights.dtype) else torch.float32
-    acc = back.view(T, K, back.shape[-1]).to(acc_dtype) * topk_weights.to(acc_dtype).unsqueeze(-1)
-    return acc.sum(dim=1).to(out_dtype)
+    # (one batched GEMM ``[T, 1, K] @ [T, K, N]``: no ``[T, K, N]`` temporary)
+    acc = torch.bmm(topk_weights.to(acc_dtype).unsqueeze(1), back.view(T, K, back.shape[-1]).to(acc_dtype))
+    return acc.squeeze(1).to(out_dtype)
