@@ -284,7 +284,7 @@ INLINE_COPY_BYTES = 256 * 1024
 
 
 def pulls_inline(nbytes: int) -> bool:
-    """Whether a CPU rank pulls `nbytes` from its peers on the calling thread (`INLINE_COPY_BYTES`)."""
+    """Whether a CPU rank copies `nbytes` from or to its peers on the calling thread (`INLINE_COPY_BYTES`)."""
     return nbytes <= INLINE_COPY_BYTES
 
 

@@ -190,7 +190,10 @@ def _produced(call, h: layout.MoELayout, rows, row_of_send, counts: bool):
         return
     with torch.no_grad():
         write(r)  # our own rows first (we multiply them first), on this thread: a failure raises here
-    if rows.is_cuda:  # stream-ordered on the current stream (not yet run on a GPU)
+    peer_bytes = (sum(h.send_splits) - h.send_splits[r]) * rows.shape[1] * rows.element_size()
+    if rows.is_cuda or comm.pulls_inline(peer_bytes):
+        # GPUs: stream-ordered on the current stream (not yet run on a GPU). CPU ranks: a few rows are written
+        # on this thread, where waking the copy engine would cost more than the copy.
         write_peers()
         yield
         return
