@@ -191,7 +191,9 @@ def _autograd_backward(ctx, grad_out, _grad_back, _grad_context):
     (T, K), N = topk_weights.shape, grad_out.shape[-1]
     acc = torch.float64 if torch.float64 in (back.dtype, topk_weights.dtype) else torch.float32
     g = grad_out.to(acc).unsqueeze(1)  # [T, 1, N]
-    grad_t = (back.view(T, K, N).to(acc) * g).sum(-1).to(topk_weights.dtype) if need_t else None
+    grad_t = None
+    if need_t:  # (one batched GEMM ``[T, K, N] @ [T, N, 1]``: no ``[T, K, N]`` temporary)
+        grad_t = torch.bmm(back.view(T, K, N).to(acc), g.transpose(1, 2)).squeeze(-1).to(topk_weights.dtype)
     grad_y = grad_w = None
     if need_y or need_w:
         grad_back = (g * topk_weights.to(acc).unsqueeze(-1)).reshape(T * K, N).to(back.dtype)

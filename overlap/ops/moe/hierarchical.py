@@ -25,7 +25,8 @@ transfers travel, then each other node's once its area is in. Bitwise ``referenc
 Combine direction (`to_sources`: the combine; the dispatch's backward). The **aggregator** of source
 ``(n, l)`` on node ``m`` is ``(m, l)``. Every rank writes its results for each source (the source's send
 order, times ``w[e]``) into its own region of the source's aggregator's slot and flags it; the aggregator
-joins the ``Q`` regions into the node list's rows. Without weights it sends them (one row per pair) to the
+joins the ``Q`` regions into the node list's rows. Node by node, the other nodes first: a node's rows cross
+while the next node's results are computed. Without weights it sends them (one row per pair) to the
 source. With weights (`combine` where ``topk_weights`` needs no gradient; the dispatch's backward, weights 1)
 the source first sends ``idx`` and its weights for the node list (fp32, fp64 for fp64), and the aggregator
 sums the weighted rows of each token in list order (fp32) and sends one row per token in the op's dtype;
@@ -256,7 +257,8 @@ def to_sources(cc: CallContext, h: layout.MoELayout, y: torch.Tensor, w: torch.T
             def region_of(owner: int, m: int, q: int, rows: int):
                 return call.buffer(owner, dtype, (rows, cols), offset=hier.HEADER_BYTES + (m * Q + q) * region)
 
-            poison = hier.Poison(cc, lay, call, [])  # (our flags are raised before any network wait)
+            # (a network wait that fails raises every flag of ours: our node's ranks then read why in our header)
+            poison = hier.Poison(cc, lay, call, list(range(N * Q)))
             flat_w = None if weights is None else weights.reshape(-1).to(acc)
             got_weights = {}
             for m in lay.remote_order():
@@ -278,17 +280,15 @@ def to_sources(cc: CallContext, h: layout.MoELayout, y: torch.Tensor, w: torch.T
                 results[m] = torch.empty((rt.keys[r][m] if weights is not None else rt.pairs(r, m), cols),
                                          dtype=dtype)
                 _recvs(cc, results[m], peer, "network", from_peer[peer])
-            # Our results for every source into its aggregator's slot (the sources of other nodes first).
-            with torch.no_grad():
-                for i in range(1, W + 1):
-                    s = (r + i) % W
-                    m = rt.node_of(s)
-                    ls = lay.nodes[m].index(s)
-                    layout.rows_for(h, y, w, s, region_of(ls, m, l0, h.recv_splits[s]))
-                    call.signal_ready(m * Q + ls)
-            # As aggregator: each source node's rows (or node sums) to our counterpart there; our own last.
+            # Node by node (the other nodes first, ours last; the same order on every rank of a node): our results
+            # for each of the node's sources into its aggregator's slot, then, as aggregator, its rows (or node
+            # sums) to our counterpart there, which travel while the next node's results are computed.
             own = None
             for m in [*lay.remote_order(), n0]:
+                with torch.no_grad():
+                    for ls, src in enumerate(lay.nodes[m]):
+                        layout.rows_for(h, y, w, src, region_of(ls, m, l0, h.recv_splits[src]))
+                        call.signal_ready(m * Q + ls)
                 s = lay.rank(m, l0)
                 parts = []
                 for q, d in enumerate(lay.nodes[n0]):
