@@ -455,10 +455,12 @@ def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, handle: MoELayout, 
 
 
 def weighted_sum(back: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``out[t] = sum_k w[t, k] * back[t*K + k]`` in fp32 (fp64 for fp64), cast to `out_dtype`.
+    """``out[t] = sum_k w[t, k] * back[t*K + k]`` in fp32 (fp64 for fp64; k in order), cast to `out_dtype`.
     Autograd-able: it gives ``topk_weights`` the dot products and the rows ``w``-weighted gradients."""
     T, K = topk_weights.shape
     acc_dtype = torch.float64 if torch.float64 in (back.dtype, topk_weights.dtype) else torch.float32
-    # (one batched GEMM ``[T, 1, K] @ [T, K, N]``: no ``[T, K, N]`` temporary)
-    acc = torch.bmm(topk_weights.to(acc_dtype).unsqueeze(1), back.view(T, K, back.shape[-1]).to(acc_dtype))
-    return acc.squeeze(1).to(out_dtype)
+    rows, wts = back.view(T, K, back.shape[-1]), topk_weights.to(acc_dtype)
+    acc = rows[:, 0].to(acc_dtype) * wts[:, :1]
+    for k in range(1, K):  # (one row of each token at a time: no [T, K, N] temporary)
+        acc.addcmul_(rows[:, k].to(acc_dtype), wts[:, k : k + 1])
+    return acc.to(out_dtype)
