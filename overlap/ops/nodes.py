@@ -183,7 +183,8 @@ def guard(cc: CallContext, lay: Layout | None = None):
     except OverlapError as exc:
         try:
             store = c10d._get_default_store()
-            text = store.get(dead_key(cc.info)).decode() if store.check([dead_key(cc.info)]) else ""
+            key = dead_key(cc.info)
+            text = store.get(key).decode() if store.check([key]) else ""
         except Exception:  # noqa: BLE001 - no store: keep the original error
             text = ""
         if not text or f"rank {text.split(':')[0]} on node" in str(exc):

@@ -395,19 +395,26 @@ def _ends(counts: list[int]) -> torch.Tensor:
     return torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
 
 
+def _grouped(a: torch.Tensor, b: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+    """`torch._grouped_mm` of `a` and `b` in consecutive blocks of `counts`, or None where it does not take them
+    (the caller then runs a GEMM per block)."""
+    if not sum(counts) or not _grouped_ok(a, b):
+        return None
+    try:
+        return torch._grouped_mm(a, b, offs=_ends(counts))
+    except RuntimeError:  # (an operand this torch refuses after all)
+        return None
+
+
 def block_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """``x``'s rows as consecutive blocks of ``counts[i]`` rows, block ``i`` times ``w[i]`` (``len(counts) ==
     w.shape[0]``; a block may be empty): ``[sum(counts), N]``. One grouped GEMM where `torch._grouped_mm` takes
     the operands (the same products as one GEMM per block), else one GEMM per block."""
     n = sum(counts)
     x = x[:n]
-    if n and _grouped_ok(x, w):
-        try:
-            res = torch._grouped_mm(x, w, offs=_ends(counts))
-        except RuntimeError:  # (an operand this torch refuses after all: the loop below)
-            pass
-        else:
-            return res
+    out = _grouped(x, w, counts)
+    if out is not None:
+        return out
     out = x.new_empty((n, w.shape[2]))
     at = 0
     for e, c in enumerate(counts):
@@ -440,11 +447,9 @@ def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, handle: MoELayout, 
     """``grad_w[e] = x_e.T @ grad_e`` over every row of local expert ``e`` (zeros for an expert with none)."""
     counts = handle.tokens_per_expert
     n = sum(counts)
-    if n and like.dtype == x.dtype and _grouped_ok(x[:n].t(), grad[:n]):
-        try:
-            return torch._grouped_mm(x[:n].t(), grad[:n], offs=_ends(counts))
-        except RuntimeError:  # (an operand this torch refuses after all: the loop below)
-            pass
+    grad_w = _grouped(x[:n].t(), grad[:n], counts) if like.dtype == x.dtype else None
+    if grad_w is not None:
+        return grad_w
     grad_w = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
     at = 0
     for e, c in enumerate(counts):
