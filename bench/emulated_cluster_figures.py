@@ -12,7 +12,7 @@ one more call of each with its network bytes counted:
   as the transfer layer counts them (`overlap.comm.network_bytes_sent`). Plain collectives (``reference``, and
   ``pipelined``'s all-reduce pieces) are the backend's own algorithm and not counted: shown as ``-``.
 * **veth**: the bytes the two veth ends transmitted during the call (``/sys/class/net/<dev>/statistics/tx_bytes``
-  read in each node's namespace, both directions summed), less what one barrier alone transmits: the
+  read in each node's namespace, both directions summed), less what two barriers alone transmit: the
   payload plus TCP/IP headers, acknowledgements and the per-call signature handshake.
 
 Imports torch and overlap only inside the functions: the parent imports this module too.
@@ -122,7 +122,11 @@ def _bytes(problem: Any, plan: Any, info: Any, leader: bool, dev: str, timeout: 
 def call_bytes(fn: Any, leader: bool, dev: str) -> tuple[int, int]:
     """``(payload, veth)`` bytes of one call of `fn` (a collective: every rank calls it), summed over the
     ranks: the transfer layer's count, and the veth ends' transmitted bytes (read by each node's `leader` on
-    its end `dev`) less what one barrier alone transmits. A first call warms up unmeasured."""
+    its end `dev`) less what two barriers alone transmit. A first call warms up unmeasured.
+
+    Every read of the counters is fenced by barriers on both sides: a rank leaves a barrier while its node's
+    leader may not have read the counters yet, so without the fence the call's first messages (another rank
+    of the node that went ahead) could land in the barriers' window and be subtracted."""
     import torch
     import torch.distributed as dist
 
@@ -136,7 +140,9 @@ def call_bytes(fn: Any, leader: bool, dev: str) -> tuple[int, int]:
     dist.barrier()
     c0 = counters()
     dist.barrier()
+    dist.barrier()
     c1 = counters()
+    dist.barrier()  # the fence: no rank's call starts before its leader read c1
     fn()
     dist.barrier()
     c2 = counters()
