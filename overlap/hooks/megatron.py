@@ -32,8 +32,9 @@ import torch
 
 from ..plans import Plan
 from .megatron_linear import ColumnParallelLinear, RowParallelLinear
+from .megatron_moe import MoESettings, check_moe_layer, moe_layer_class, replace_moe_layer
 
-# REPLACEMENTS and OverlapSpecProvider are made on first use (`__getattr__`).
+# REPLACEMENTS, OverlapSpecProvider and OverlapMoELayer are made on first use (`__getattr__`).
 __all__ = ["ColumnParallelLinear", "Replaced", "RowParallelLinear", "patch", "replace_in_spec", "unpatch"]
 
 
@@ -64,12 +65,19 @@ def _spec_provider() -> type:
     return OverlapSpecProvider
 
 
+def _moe_layer() -> type:
+    """`OverlapMoELayer` (`overlap.hooks.megatron_moe`), a subclass of megatron-core's ``MoELayer``."""
+    _replacements()  # the clear ImportError without megatron-core
+    return moe_layer_class()
+
+
 _MADE: dict[str, Any] = {}
-_MAKERS = {"REPLACEMENTS": _replacements, "OverlapSpecProvider": _spec_provider}
+_MAKERS = {"REPLACEMENTS": _replacements, "OverlapSpecProvider": _spec_provider, "OverlapMoELayer": _moe_layer}
 
 
 def __getattr__(name: str) -> Any:
-    """``REPLACEMENTS`` (Megatron-core class -> overlap's) and ``OverlapSpecProvider``, made on first use."""
+    """``REPLACEMENTS`` (Megatron-core class -> overlap's), ``OverlapSpecProvider`` and ``OverlapMoELayer``,
+    made on first use."""
     if name not in _MAKERS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if name not in _MADE:
@@ -92,33 +100,58 @@ def _parent(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
 
 
 def patch(model: torch.nn.Module, plan: Plan | dict | None = None, strategy: str = "auto",
-          timeout: float | None = None) -> list[Replaced]:
-    """Replace every Megatron-core ``ColumnParallelLinear``/``RowParallelLinear`` in `model` in place.
+          timeout: float | None = None, max_tokens_per_rank: int | None = None) -> list[Replaced]:
+    """Replace, in place, every Megatron-core ``ColumnParallelLinear``/``RowParallelLinear`` of `model` by
+    overlap's, and every ``MoELayer`` by an ``OverlapMoELayer`` (`overlap.hooks.megatron_moe`: its dispatch,
+    experts and combine on overlap's fused MoE ops; its router, shared experts and parameters Megatron's).
 
     Args:
         model: a built Megatron-core model (or any module containing those layers).
         plan, strategy, timeout: passed to every replaced layer's ops (``plan`` wins over
             ``strategy``, as for the ops).
+        max_tokens_per_rank: for the MoE layers: None (exact row counts), or the most tokens (``s * b``) a
+            rank passes to one MoE layer, the same on every rank: the MoE ops then run with static shapes
+            (`overlap.ops.moe.bound`, for CUDA graphs and torch.compile).
 
     Returns:
         What was replaced, in module order; pass it to `unpatch` to undo.
 
-    Expert layers (``is_expert=True``) are left alone (overlap's MoE ops cover them), as are
-    subclasses of the two classes; both are named in a warning.
+    Raises:
+        NotImplementedError: a MoE layer with an option the replacement does not implement (named), before
+            anything is replaced.
+
+    The experts' own linear layers (``is_expert=True``) are left in place (the MoE replacement reads their
+    weights), as are subclasses of the replaced classes and the linear layers of overlapped shared experts
+    (Megatron's dispatcher drives their communication): subclasses and expert layers outside a MoE layer are
+    named in a warning.
     """
     replacements = __getattr__("REPLACEMENTS")
-    if isinstance(model, tuple(replacements)):
+    moe_base = __getattr__("OverlapMoELayer").__mro__[1]
+    if isinstance(model, tuple(replacements)) or type(model) is moe_base:
         raise ValueError("overlap.hooks.megatron.patch: pass the model that contains the layer, not the layer")
+    settings = MoESettings(strategy=strategy, plan=plan, timeout=timeout, max_tokens_per_rank=max_tokens_per_rank)
+    modules = list(model.named_modules())
+    moe_names = [name for name, module in modules if type(module) is moe_base]
+    for name in moe_names:
+        check_moe_layer(model.get_submodule(name))  # every refusal before any replacement
     done: list[Replaced] = []
     skipped: list[str] = []
-    for name, module in list(model.named_modules()):
+    for name in moe_names:
+        original = model.get_submodule(name)
+        new = replace_moe_layer(original, settings)
+        parent, leaf = _parent(model, name)
+        setattr(parent, leaf, new)
+        done.append(Replaced(name, original, new))
+    inside_moe = tuple(f"{name}." for name in moe_names)
+    for name, module in modules:
         target = replacements.get(type(module))
         if target is None:
             if isinstance(module, tuple(replacements)):
                 skipped.append(f"{name} ({type(module).__name__}: a subclass)")
             continue
-        if getattr(module, "is_expert", False):
-            skipped.append(f"{name} (is_expert=True)")
+        if getattr(module, "is_expert", False) or getattr(module, "explicit_expert_comm", False):
+            if not name.startswith(inside_moe):
+                skipped.append(f"{name} (is_expert=True)")
             continue
         new = target.from_megatron(module, strategy=strategy, plan=plan, timeout=timeout)
         new.train(module.training)
@@ -142,23 +175,34 @@ def unpatch(model: torch.nn.Module, replaced: list[Replaced]) -> None:
         setattr(parent, leaf, r.original)
 
 
-def replace_in_spec(spec: Any) -> Any:
+def replace_in_spec(spec: Any, max_tokens_per_rank: int | None = None) -> Any:
     """A copy of a Megatron-core ``ModuleSpec`` tree with overlap's layers in place of Megatron's.
 
-    Walks ``ModuleSpec.module`` and ``.submodules`` (a dataclass of specs or classes), recursively.
+    Walks ``ModuleSpec.module`` and ``.submodules`` (a dataclass of specs or classes), recursively. A
+    ``MoELayer`` spec becomes an ``OverlapMoELayer`` spec (`max_tokens_per_rank` as for `patch`) whose
+    submodules (router, experts, shared experts) stay Megatron's: the replacement reads the experts' weights
+    from them, and Megatron's dispatcher-side protocol of overlapped shared experts drives their linears.
     """
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    MoESettings(max_tokens_per_rank=max_tokens_per_rank)  # a bad bound raises here
     replacements = __getattr__("REPLACEMENTS")
+    moe = __getattr__("OverlapMoELayer")
     if isinstance(spec, type):
         return replacements.get(spec, spec)
     if isinstance(spec, ModuleSpec):
+        if spec.module is moe.__mro__[1]:
+            params = dict(spec.params or {})
+            if max_tokens_per_rank is not None:
+                params["max_tokens_per_rank"] = max_tokens_per_rank
+            return dataclasses.replace(spec, module=moe, params=params)
         subs = spec.submodules
-        return dataclasses.replace(spec, module=replace_in_spec(spec.module),
-                                   submodules=None if subs is None else replace_in_spec(subs))
+        return dataclasses.replace(spec, module=replace_in_spec(spec.module, max_tokens_per_rank),
+                                   submodules=None if subs is None else replace_in_spec(subs, max_tokens_per_rank))
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {f.name: replace_in_spec(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
+        changes = {f.name: replace_in_spec(getattr(spec, f.name), max_tokens_per_rank)
+                   for f in dataclasses.fields(spec)}
         return dataclasses.replace(spec, **changes)
     if isinstance(spec, (list, tuple)):
-        return type(spec)(replace_in_spec(s) for s in spec)
+        return type(spec)(replace_in_spec(s, max_tokens_per_rank) for s in spec)
     return spec
