@@ -450,3 +450,40 @@ def test_fresh_routing_every_step_is_not_replanned_or_reallocated(pools, seed):
         assert per_step[0][2] > 0, f"rank {rank}: auto resolved no plan: {per_step}"
         assert all(d == [0, 0, 0] for d in per_step[1:]), f"rank {rank}: (rendezvous, growths, problems) {per_step}"
         assert len({tuple(r) for r in routings}) > 1, f"rank {rank}: the routing never changed: {routings}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The docs' snippet
+# ----------------------------------------------------------------------------------------------
+
+
+def _docs_snippet() -> str:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    section = text.split("\n## MoE in Megatron-core\n", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def docs_snippet(rank, world_size, code):
+    """The snippet of docs/integrations.md, as written, with Megatron's CUDA plumbing stubbed."""
+    import math
+
+    from megatron.core import parallel_state as ps
+    from support.megatron_moe import cuda_plumbing
+
+    with cuda_plumbing():
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        namespace: dict = {}
+        exec(compile(code, "docs/integrations.md", "exec"), namespace)
+        model = namespace["model"]
+        experts = [p for n, p in model.named_parameters() if ".local_experts." in n]
+        assert experts and all(p.grad is not None for p in experts)
+        return math.isfinite(namespace["loss"].item())
+
+
+def test_the_docs_snippet_runs(pools):
+    code = _docs_snippet()
+    assert "om.patch(model)" in code
+    assert all(pools(2).run(docs_snippet, code, timeout=180))

@@ -1,11 +1,13 @@
-"""Megatron-core integration: its parallel linear layers, overlapped; patch a built model; build new ones.
+"""Megatron-core integration: its parallel linear layers and MoE layer, overlapped; patch a built model; build
+new ones.
 
 ``ColumnParallelLinear`` and ``RowParallelLinear`` (defined in `overlap.hooks.megatron_linear`) take
 Megatron-core's constructor arguments (``config=``, ``init_method=``, ...) and return ``(output,
 output_bias)`` as Megatron's do. ``patch(model)`` replaces, in place, every Megatron-core
 ``ColumnParallelLinear`` and ``RowParallelLinear`` of `model` by them, sharing the very same parameter
 tensors (so the optimizer, the distributed-data-parallel buffers and checkpoints keep working), and
-returns what it replaced; ``unpatch(model, replaced)`` puts the originals back. Only those two exact
+returns what it replaced; ``unpatch(model, replaced)`` puts the originals back. Every ``MoELayer`` is
+replaced too, by ``OverlapMoELayer`` (`overlap.hooks.megatron_moe`). Only those two exact
 classes are replaced: subclasses and Transformer Engine's layers may do more than their base, so they
 are left alone and named in a warning. Hooks registered on a replaced module do not carry over.
 
@@ -25,6 +27,7 @@ megatron-core warns where Transformer Engine and Apex are missing, and a user of
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Any
 
@@ -191,10 +194,14 @@ def replace_in_spec(spec: Any, max_tokens_per_rank: int | None = None) -> Any:
     if isinstance(spec, type):
         return replacements.get(spec, spec)
     if isinstance(spec, ModuleSpec):
-        if spec.module is moe.__mro__[1]:
+        module = spec.module
+        if module is moe.__mro__[1] or (isinstance(module, functools.partial) and module.func is moe.__mro__[1]):
             params = dict(spec.params or {})
             if max_tokens_per_rank is not None:
                 params["max_tokens_per_rank"] = max_tokens_per_rank
+            if isinstance(module, functools.partial):  # megatron-core's newer specs (untested here)
+                return dataclasses.replace(spec, module=functools.partial(moe, *module.args, **module.keywords),
+                                           params=params)
             return dataclasses.replace(spec, module=moe, params=params)
         subs = spec.submodules
         return dataclasses.replace(spec, module=replace_in_spec(spec.module, max_tokens_per_rank),
