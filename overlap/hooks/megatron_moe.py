@@ -106,11 +106,17 @@ def check_moe_layer(layer: Any) -> None:
 
 
 def _activation(layer: Any, h: torch.Tensor) -> torch.Tensor:
-    """Megatron's expert activation of the first GEMM's output: the legacy ``GroupedMLP``'s own function (gated
-    or not), else `megatron.core.transformer.mlp.MLP`'s unfused path (its fused kernels compute the same)."""
+    """Megatron's expert activation of the first GEMM's output: the legacy ``GroupedMLP``'s function
+    (``act(gate) * linear`` where gated), written here: its own is wrapped in Megatron's ``jit_fuser``
+    (``torch.compile``), whose CPU code gave garbage under ``ATEN_CPU_CAPABILITY=avx2``; else
+    `megatron.core.transformer.mlp.MLP`'s unfused path (its fused kernels compute the same)."""
     experts = layer.experts
     if _experts_kind(experts) == "grouped":
-        return experts.activation_func(h)
+        func = experts.config.activation_func
+        if not experts.config.gated_linear_unit:
+            return func(h)
+        gate, linear = torch.chunk(h, 2, dim=-1)
+        return func(gate) * linear
     config, func = experts.config, experts.local_experts[0].activation_func
     if not config.gated_linear_unit:
         return func(h)
