@@ -10,6 +10,8 @@ sequence parallelism).
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -274,6 +276,12 @@ def checkpoints_and_specs(rank, world_size, seed):
         torch.manual_seed(seed)
         built = Holder(build_module(spec, config=config))
         assert type(built.moe).__name__ == "OverlapMoELayer", type(built.moe)
+        with warnings.catch_warnings(record=True) as caught:  # patching it again: its experts are not named
+            warnings.simplefilter("always")
+            again = om.patch(built)
+        assert not [str(w.message) for w in caught if "local_experts" in str(w.message)], caught
+        assert all(type(r.replacement).__name__ != "OverlapMoELayer" for r in again), again
+        om.unpatch(built, again)
         assert {k: (v.shape, v.dtype) for k, v in _tensors(built).items()} == after
         built.load_state_dict(saved, strict=True)
         x, g = _inputs(rank, seed, config.hidden_size)

@@ -145,7 +145,10 @@ def patch(model: torch.nn.Module, plan: Plan | dict | None = None, strategy: str
         parent, leaf = _parent(model, name)
         setattr(parent, leaf, new)
         done.append(Replaced(name, original, new))
-    inside_moe = tuple(f"{name}." for name in moe_names)
+    inside_moe = tuple(f"{name}." for name, module in modules if isinstance(module, moe_base))
+    moe_class = __getattr__("OverlapMoELayer")
+    skipped += [f"{name} ({type(module).__name__}: a subclass of MoELayer)" for name, module in modules
+                if isinstance(module, moe_base) and type(module) not in (moe_base, moe_class)]
     for name, module in modules:
         target = replacements.get(type(module))
         if target is None:
