@@ -159,6 +159,8 @@ CASES = {
     "capacity-drop": {"moe_expert_capacity_factor": 0.5, "moe_router_load_balancing_type": "aux_loss",
                       "moe_aux_loss_coeff": 0.01},
     "probs-on-input": {"moe_router_topk": 1, "moe_router_pre_softmax": True, "moe_apply_probs_on_input": True},
+    "probs-on-input-drop": {"moe_router_topk": 1, "moe_router_pre_softmax": True, "moe_apply_probs_on_input": True,
+                            "moe_expert_capacity_factor": 0.5},
 }
 
 

@@ -128,18 +128,16 @@ def _activation(layer: Any, h: torch.Tensor) -> torch.Tensor:
     return func(gate) * (linear + getattr(config, "glu_linear_offset", 0.0))
 
 
-def _routing(routing_map: torch.Tensor, probs: torch.Tensor, top_k: int, spare_expert: int,
-             on_input: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(topk_idx [T, K], topk_weights [T, K])`` of Megatron's ``routing_map``/``probs`` ``[T, E]``: each
-    token's selected experts in ascending order; a slot the router dropped goes to `spare_expert` with weight 0.
-    No device-to-host transfer."""
+def _routing(routing_map: torch.Tensor, probs: torch.Tensor, top_k: int,
+             spare_expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(topk_idx [T, K], topk_weights [T, K], kept [T, K])`` of Megatron's ``routing_map``/``probs``
+    ``[T, E]``: each token's selected experts in ascending order; a slot the router dropped (not `kept`) goes to
+    `spare_expert` with weight 0. No device-to-host transfer."""
     order = torch.sort(routing_map.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :top_k]
     kept = routing_map.gather(1, order)
     weights = torch.where(kept, probs.gather(1, order), torch.zeros((), dtype=probs.dtype, device=probs.device))
     idx = torch.where(kept, order, torch.full_like(order, spare_expert))
-    if on_input:
-        weights = weights.detach().new_ones(weights.shape) * kept
-    return idx, weights
+    return idx, weights, kept
 
 
 def _weights(layer: Any) -> tuple[Any, Any]:
@@ -193,10 +191,10 @@ def moe_layer_class(base: type | None = None) -> type:
             self._overlap_shape = hidden_states.shape
             x = hidden_states.reshape(-1, hidden_states.shape[-1])
             spare = self.local_expert_indices[0]
-            on_input = bool(getattr(self.config, "moe_apply_probs_on_input", False))
-            idx, weights = _routing(routing_map, probs, self.config.moe_router_topk, spare, on_input)
-            if on_input:
-                x = x * probs.gather(1, idx).to(x.dtype)
+            idx, weights, kept = _routing(routing_map, probs, self.config.moe_router_topk, spare)
+            if getattr(self.config, "moe_apply_probs_on_input", False):  # top-1: the token scaled, weight 1
+                x = x * weights.to(x.dtype)
+                weights = kept.to(weights.dtype)
             return x, (idx, weights)
 
         def dispatch(self, hidden_states: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor]):
