@@ -48,14 +48,13 @@ def _dispatcher_calls():
     return counts, lambda: setattr(token_dispatcher, "all_to_all", original)
 
 
-def _inputs(rank, seed, hidden, tokens=SEQ, hot=None):
-    """This rank's ``(x, grad of the output)``, ``[tokens, BATCH, hidden]`` (`tokens`: an int, or one per rank)."""
-    tokens = tokens if isinstance(tokens, int) else tokens[rank]
+def _inputs(rank, seed, hidden, hot=None):
+    """This rank's ``(x, grad of the output)``, ``[SEQ, BATCH, hidden]``."""
     gen = torch.Generator().manual_seed(seed + 100 + rank)
-    x = torch.randn(tokens, BATCH, hidden, generator=gen)
+    x = torch.randn(SEQ, BATCH, hidden, generator=gen)
     if hot is not None:
         x[..., 0] = 3.0  # with the router's first column (`_send_all_to`): every token to the `hot` experts
-    return x, torch.randn(tokens, BATCH, hidden, generator=gen)
+    return x, torch.randn(SEQ, BATCH, hidden, generator=gen)
 
 
 def _send_all_to(layer, experts):
@@ -81,6 +80,19 @@ def _run(model, x, g):
     return y.detach(), x.grad, grads
 
 
+def _counted_runs(megatrons, ours, x, g):
+    """`_run` of Megatron's model, then of the patched one, each with its count of Megatron's all-to-alls."""
+    counts, restore = _dispatcher_calls()
+    try:
+        want = _run(megatrons, x, g)
+        a2a = [counts["all_to_all"]]
+        got = _run(ours, x, g)
+        a2a.append(counts["all_to_all"] - a2a[0])
+    finally:
+        restore()
+    return want, got, a2a
+
+
 def _excess(got: torch.Tensor, want: torch.Tensor) -> float:
     """The largest ``|got - want| - rtol * |want|`` (rtol 1e-5): at most atol (1e-5) where they agree as
     ``torch.testing.assert_close(rtol=1e-5, atol=1e-5)`` asks."""
@@ -89,7 +101,7 @@ def _excess(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs() - 1e-5 * want.abs()).max().item()
 
 
-def patched_vs_megatron(rank, world_size, seed, tp, options, tokens=SEQ, hot=None):
+def patched_vs_megatron(rank, world_size, seed, tp, options, hot=None):
     """Megatron's layer, then patched, on the same inputs: the largest differences (and the dispatcher's
     all-to-all counts with each)."""
     from support.megatron_moe import cuda_plumbing, moe_config, moe_layer, parallel_state
@@ -102,7 +114,7 @@ def patched_vs_megatron(rank, world_size, seed, tp, options, tokens=SEQ, hot=Non
         model = Holder(moe_layer(config, seed))
         if hot is not None:
             _send_all_to(model.moe, hot)
-        x, g = _inputs(rank, seed, config.hidden_size, tokens, hot)
+        x, g = _inputs(rank, seed, config.hidden_size, hot)
         counts, restore = _dispatcher_calls()
         try:
             y_ref, gx_ref, grads_ref = _run(model, x, g)
@@ -222,14 +234,13 @@ def grouped_layout(rank, world_size, seed, options):
             grouped.moe.experts.weight2.view(L, -1, H).copy_(torch.stack([e.linear_fc2.weight.t() for e in local]))
         om.patch(grouped)
         x, g = _inputs(rank, seed, H)
-        y_ref, gx_ref, grads_ref = _run(sequential, x, g)
-        y, gx, grads = _run(grouped, x, g)
+        (y_ref, gx_ref, grads_ref), (y, gx, grads), a2a = _counted_runs(sequential, grouped, x, g)
     w1 = torch.stack([grads_ref[f"moe.experts.local_experts.{j}.linear_fc1.weight"].t() for j in range(L)])
     w2 = torch.stack([grads_ref[f"moe.experts.local_experts.{j}.linear_fc2.weight"].t() for j in range(L)])
     return {"out": _excess(y, y_ref), "grad x": _excess(gx, gx_ref),
             "grad router": _excess(grads["moe.router.weight"], grads_ref["moe.router.weight"]),
             "grad weight1": _excess(grads["moe.experts.weight1"].view(L, H, -1), w1),
-            "grad weight2": _excess(grads["moe.experts.weight2"].view(L, -1, H), w2)}, [1, 0]
+            "grad weight2": _excess(grads["moe.experts.weight2"].view(L, -1, H), w2)}, a2a
 
 
 @pytest.mark.parametrize("case", ["top2-aux-z", "swiglu-shared"])
@@ -287,11 +298,10 @@ def checkpoints_and_specs(rank, world_size, seed):
         assert {k: (v.shape, v.dtype) for k, v in _tensors(built).items()} == after
         built.load_state_dict(saved, strict=True)
         x, g = _inputs(rank, seed, config.hidden_size)
-        y_ref, gx_ref, grads_ref = _run(model, x, g)
-        y, gx, grads = _run(built, x, g)
+        (y_ref, gx_ref, grads_ref), (y, gx, grads), a2a = _counted_runs(model, built, x, g)
     errors = {"out": _excess(y, y_ref), "grad x": _excess(gx, gx_ref)}
     errors.update({f"grad {k}": _excess(v, grads_ref[k]) for k, v in grads.items()})
-    return errors, [1, 0]
+    return errors, a2a
 
 
 def test_checkpoints_load_across_the_patch_and_specs_build_the_replacement(pools, seed):

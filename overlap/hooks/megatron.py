@@ -129,7 +129,8 @@ def patch(model: torch.nn.Module, plan: Plan | dict | None = None, strategy: str
     named in a warning.
     """
     replacements = __getattr__("REPLACEMENTS")
-    moe_base = __getattr__("OverlapMoELayer").__mro__[1]
+    moe_class = __getattr__("OverlapMoELayer")
+    moe_base = moe_class.__mro__[1]  # megatron-core's MoELayer
     if isinstance(model, tuple(replacements)) or type(model) is moe_base:
         raise ValueError("overlap.hooks.megatron.patch: pass the model that contains the layer, not the layer")
     settings = MoESettings(strategy=strategy, plan=plan, timeout=timeout, max_tokens_per_rank=max_tokens_per_rank)
@@ -146,7 +147,6 @@ def patch(model: torch.nn.Module, plan: Plan | dict | None = None, strategy: str
         setattr(parent, leaf, new)
         done.append(Replaced(name, original, new))
     inside_moe = tuple(f"{name}." for name, module in modules if isinstance(module, moe_base))
-    moe_class = __getattr__("OverlapMoELayer")
     skipped += [f"{name} ({type(module).__name__}: a subclass of MoELayer)" for name, module in modules
                 if isinstance(module, moe_base) and type(module) not in (moe_base, moe_class)]
     for name, module in modules:
@@ -194,11 +194,12 @@ def replace_in_spec(spec: Any, max_tokens_per_rank: int | None = None) -> Any:
     MoESettings(max_tokens_per_rank=max_tokens_per_rank)  # a bad bound raises here
     replacements = __getattr__("REPLACEMENTS")
     moe = __getattr__("OverlapMoELayer")
+    moe_base = moe.__mro__[1]  # megatron-core's MoELayer
     if isinstance(spec, type):
         return replacements.get(spec, spec)
     if isinstance(spec, ModuleSpec):
         module = spec.module
-        if module is moe.__mro__[1] or (isinstance(module, functools.partial) and module.func is moe.__mro__[1]):
+        if module is moe_base or (isinstance(module, functools.partial) and module.func is moe_base):
             params = dict(spec.params or {})
             if max_tokens_per_rank is not None:
                 params["max_tokens_per_rank"] = max_tokens_per_rank

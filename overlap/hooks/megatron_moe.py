@@ -32,6 +32,7 @@ and activation functions, fp8/fp4, latent MoE projections, ``moe_pad_expert_inpu
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -140,30 +141,29 @@ def _routing(routing_map: torch.Tensor, probs: torch.Tensor, top_k: int,
     return idx, weights, kept
 
 
-def _weights(layer: Any) -> tuple[Any, Any]:
-    """The experts' ``(w1 [L, H, F'], w2 [L, F, H])``, read from Megatron's modules (see the module docstring)."""
-    experts, L = layer.experts, layer.num_local_experts
+def _w1(layer: Any) -> torch.Tensor:
+    """The experts' first weights ``[L, H, F']``, read from Megatron's modules (see the module docstring)."""
+    experts, L, H = layer.experts, layer.num_local_experts, layer.config.hidden_size
     if _experts_kind(experts) == "grouped":
-        return experts.weight1.view(L, layer.config.hidden_size, -1), experts.weight2.view(L, -1,
-                                                                                           layer.config.hidden_size)
-    local = experts.local_experts
-    return (torch.stack([e.linear_fc1.weight.t() for e in local]),
-            torch.stack([e.linear_fc2.weight.t() for e in local]))
+        return experts.weight1.view(L, H, -1)
+    return torch.stack([e.linear_fc1.weight.t() for e in experts.local_experts])
 
 
-_CLASSES: dict[type, type] = {}
+def _w2(layer: Any) -> torch.Tensor:
+    """The experts' second weights ``[L, F, H]``, read from Megatron's modules."""
+    experts, L, H = layer.experts, layer.num_local_experts, layer.config.hidden_size
+    if _experts_kind(experts) == "grouped":
+        return experts.weight2.view(L, -1, H)
+    return torch.stack([e.linear_fc2.weight.t() for e in experts.local_experts])
 
 
-def moe_layer_class(base: type | None = None) -> type:
-    """``OverlapMoELayer``: the subclass of Megatron's ``MoELayer`` (or of `base`) described in the module
-    docstring, made once per base class (it needs megatron-core)."""
-    if base is None:
-        from megatron.core.transformer.moe.moe_layer import MoELayer as base
-    made = _CLASSES.get(base)
-    if made is not None:
-        return made
+@functools.cache
+def moe_layer_class() -> type:
+    """``OverlapMoELayer``: the subclass of Megatron's ``MoELayer`` described in the module docstring, made on
+    first use (it needs megatron-core)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    class OverlapMoELayer(base):
+    class OverlapMoELayer(MoELayer):
         """Megatron's ``MoELayer`` whose dispatch, experts and combine run on overlap's fused MoE ops (see
         `overlap.hooks.megatron_moe`). Built from a spec (`overlap.hooks.megatron.replace_in_spec`) or made
         from a built layer by `overlap.hooks.megatron.patch`."""
@@ -199,18 +199,16 @@ def moe_layer_class(base: type | None = None) -> type:
 
         def dispatch(self, hidden_states: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor]):
             idx, weights = routing
-            w1, _ = _weights(self)
             s = self.overlap_settings
-            h, handle = dispatch_grouped_matmul(hidden_states, idx, w1, self.config.num_moe_experts,
+            h, handle = dispatch_grouped_matmul(hidden_states, idx, _w1(self), self.config.num_moe_experts,
                                                 group=self.ep_group, max_tokens_per_rank=s.max_tokens_per_rank,
                                                 **s.op_kwargs())
             return h, (handle, weights)
 
         def routed_experts_compute(self, hidden_states: torch.Tensor, state: tuple[Any, torch.Tensor]):
             handle, weights = state
-            _, w2 = _weights(self)
             a = _activation(self, hidden_states)
-            return grouped_matmul_combine(a, w2, weights, handle, **self.overlap_settings.op_kwargs()), None
+            return grouped_matmul_combine(a, _w2(self), weights, handle, **self.overlap_settings.op_kwargs()), None
 
         def combine(self, output: torch.Tensor) -> torch.Tensor:
             return output  # combined in routed_experts_compute
@@ -221,15 +219,14 @@ def moe_layer_class(base: type | None = None) -> type:
 
     OverlapMoELayer.__module__ = __name__
     OverlapMoELayer.__qualname__ = "OverlapMoELayer"
-    _CLASSES[base] = OverlapMoELayer
     return OverlapMoELayer
 
 
 def replace_moe_layer(layer: Any, settings: MoESettings) -> Any:
-    """An ``OverlapMoELayer`` sharing everything of the built `layer` (submodules, parameters, groups, hooks'
-    dicts copied), with `settings`; `layer` is left as it was (for `overlap.hooks.megatron.unpatch`)."""
-    check_moe_layer(layer)
-    cls = moe_layer_class(type(layer))
+    """An ``OverlapMoELayer`` sharing everything of the built `layer` (a Megatron ``MoELayer`` that
+    `check_moe_layer` passed: submodules, parameters, groups; its hooks' dicts copied), with `settings`; `layer`
+    is left as it was (for `overlap.hooks.megatron.unpatch`)."""
+    cls = moe_layer_class()
     new = cls.__new__(cls)
     for key, value in vars(layer).items():
         # a module's own registries are copied: adding to one must not add to the other
