@@ -193,6 +193,77 @@ def test_network_bytes_are_exact(pools, seed, world_size, ranks_per_node):
 
 
 # ----------------------------------------------------------------------------------------------
+# The routes cross once per layer
+# ----------------------------------------------------------------------------------------------
+
+
+def collectives_during(fn) -> list[str]:
+    """Names of the torch.distributed collectives (counts and routes exchanges) called while `fn` runs."""
+    import torch.distributed as dist
+
+    names = ("all_to_all_single", "all_to_all", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast")
+    saved = {n: getattr(dist, n) for n in names}
+    called = []
+
+    def counting(name):
+        def call(*args, **kwargs):
+            called.append(name)
+            return saved[name](*args, **kwargs)
+        return call
+
+    try:
+        for n in names:
+            setattr(dist, n, counting(n))
+        fn()
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+    return called
+
+
+def routes_once(rank: int, world_size: int, seed: int) -> list[str]:
+    """A hierarchical layer's forward and backward exchange the routes once (the dispatch's forward); with a
+    pipelined dispatch the hierarchical combine exchanges them (once for its forward and backward). Results
+    equal `reference`'s on the same inputs."""
+    group = spanning_group(rank, 2)
+    try:
+        import overlap
+
+        case = cases_for(world_size)[1]
+        xs, idxs, weights, grads, w1, w2 = make_inputs(case, seed, world_size, torch.float32)
+        L = case.experts // world_size
+        mine = (xs[rank], idxs[rank], weights[rank], w1[rank * L : (rank + 1) * L], w2[rank * L : (rank + 1) * L],
+                grads[rank], case.experts)
+        ref = layer("reference", group, *mine)
+        for dispatch_plan, exchanges in (("hierarchical", 1), ("pipelined", 2)):  # pipelined: its counts, then ours
+            x, idx, wt, a, b, g, E = mine
+            x, a, b, wt = (t.clone().requires_grad_(True) for t in (x, a, b, wt))
+            out: dict = {}
+
+            def step(x=x, a=a, b=b, wt=wt, idx=idx, g=g, E=E, plan=dispatch_plan, out=out):
+                h, handle = overlap.moe.dispatch_grouped_matmul(x, idx, a, E, group=group, strategy=plan)
+                y = overlap.moe.grouped_matmul_combine(torch.nn.functional.gelu(h), b, wt, handle,
+                                                       strategy="hierarchical")
+                y.backward(g)
+                out["got"] = (h.detach(), y.detach(), x.grad, a.grad, b.grad, wt.grad)
+
+            called = collectives_during(step)
+            assert len(called) == exchanges, f"rank {rank}: dispatch {dispatch_plan}: collectives {called}"
+            for name, got, want in zip(("h", "y", "grad x", "grad w1", "grad w2", "grad topk_weights"),
+                                       out["got"], ref, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
+                                           msg=lambda m, n=name, p=dispatch_plan: f"rank {rank}: {p}: {n}: {m}")
+        overlap.release(group)
+        return called
+    finally:
+        del os.environ["OVERLAP_NODE_ID"]
+
+
+def test_the_routes_cross_once_per_layer(pools, seed):
+    pools(4).run(routes_once, seed, timeout=120)
+
+
+# ----------------------------------------------------------------------------------------------
 # One node: symm; a rank killed on the other node: named
 # ----------------------------------------------------------------------------------------------
 

@@ -6,12 +6,15 @@ The topology, the node group and its heap, the counterparts, the slot header and
 those of `overlap.ops.nodes` (read its docstring first). Legend and row orders: `overlap.ops.moe.layout`.
 ``N`` nodes of ``Q`` ranks each; rank ``(n, l)``; its counterpart on node ``m`` is ``(m, l)``.
 
-Routes (`Routes`, the same on every rank). Every call starts with one ``all_gather`` of each rank's
-``send_counts`` (``W x L``) and, per node, how many distinct **keys** its rows for that node have (the key of
-a send position is the row it sends: the token in a dispatch, the pair in a combine's backward). Every rank
-then knows every transfer's size, and a dispatch fills ``recv_counts`` from it. A source's **node list** for
-node ``m`` is its send positions for the ranks of ``m``, rank by rank in node order (each rank's in send
-order); ``idx`` maps each of them to its key's position among the distinct keys (sorted).
+Routes (`Routes`, the same on every rank). The first transfer across nodes of a layout (the dispatch's, or the
+combine's where the dispatch ran another plan) sends every rank's ``send_counts`` (``W x L``) and, per node, how
+many distinct tokens its rows for that node have to every rank (one ``all_to_all``: one network step, where an
+``all_gather`` ring takes ``W - 1``); the layout keeps them (`routes`), so the combine and both backwards, which
+move the same rows, exchange nothing before their data. Every rank then knows every transfer's size, and a
+dispatch fills ``recv_counts`` from it. The **key** of a send position is the row it sends: the token in a
+dispatch, a combine and the dispatch's backward, the pair in the combine's backward (every key distinct). A
+source's **node list** for node ``m`` is its send positions for the ranks of ``m``, rank by rank in node order
+(each rank's in send order); ``idx`` maps each of them to its key's position among the distinct keys (sorted).
 
 Dispatch direction (`to_experts`: the dispatch; the combine's backward). Source ``s = (n, l)`` sends to its
 counterpart ``(m, l)`` the distinct rows of its node list for ``m`` (a token with several experts on node
@@ -54,8 +57,6 @@ from .. import nodes as hier
 from ..context import CallContext
 from . import layout
 
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch's newer name)
-
 
 def _pad(nbytes: int) -> int:
     return (nbytes + 15) // 16 * 16
@@ -89,28 +90,51 @@ class Routes:
         """Every key of the list is distinct: the rows travel in list order, without ``idx``."""
         return self.keys[s][m] == self.pairs(s, m)
 
+    def of_pairs(self) -> Routes:
+        """The same transfers keyed by pair (the combine's backward): every key distinct."""
+        N = self.lay.num_nodes
+        return Routes(self.lay, self.counts, [[self.pairs(s, m) for m in range(N)] for s in range(len(self.counts))])
 
-def node_lists(h: layout.MoELayout, lay: across.Layout, key_of_send: torch.Tensor):
+
+def node_lists(h: layout.MoELayout, lay: across.Layout, key_of_send: torch.Tensor | None):
     """Per node ``m``: ``(positions, keys, idx)`` of this rank's node list (send positions, the distinct keys
-    sorted, the position of each entry's key among them)."""
+    sorted, the position of each entry's key among them); without `key_of_send` (every key distinct) the
+    positions only."""
     out = []
     for ranks in lay.nodes:
         parts = [torch.arange(h.send_offsets[d], h.send_offsets[d] + h.send_splits[d]) for d in ranks]
-        pos = torch.cat(parts).to(key_of_send.device)
+        pos = torch.cat(parts).to(h.order.device)
+        if key_of_send is None:
+            out.append((pos, None, None))
+            continue
         keys, idx = torch.unique(key_of_send.index_select(0, pos), sorted=True, return_inverse=True)
         out.append((pos, keys, idx.to(torch.int32)))
     return out
 
 
-def exchange_routes(cc: CallContext, h: layout.MoELayout, lay: across.Layout, lists, fill_recv: bool) -> Routes:
-    """One ``all_gather`` of every rank's counts and distinct-key counts (bounded wait)."""
+def routes(cc: CallContext, h: layout.MoELayout, lay: across.Layout, by_pair: bool = False):
+    """``(Routes, lists)`` of the layout (lists: this rank's `node_lists`), keyed by token or, `by_pair`, by pair.
+    The first call on a layout exchanges them (`exchange_routes`) and fills ``h.recv_counts`` where they are
+    still unknown (a dispatch); every later one reads them from the layout. Every rank makes the same calls on
+    its layout (the plans agree), so every rank exchanges in the same call."""
+    got = h.across.get("routes")
+    if got is None:
+        lists = node_lists(h, lay, h.token_of)
+        got = h.across["routes"] = (exchange_routes(cc, h, lay, lists), lists)
+    if by_pair:
+        return got[0].of_pairs(), node_lists(h, lay, None)
+    return got
+
+
+def exchange_routes(cc: CallContext, h: layout.MoELayout, lay: across.Layout, lists) -> Routes:
+    """Every rank's counts and distinct-key counts to every rank, in one ``all_to_all`` (bounded wait)."""
     W, L = cc.world_size, h.num_local_experts
     mine = torch.tensor([c for row in h.send_counts for c in row] + [len(k) for _, k, _ in lists], dtype=torch.int64)
     table = torch.empty(W * mine.numel(), dtype=torch.int64)
-    cc.wait(_ALL_GATHER(table, mine, group=cc.pg, async_op=True), "any", "counts")
+    cc.wait(dist.all_to_all_single(table, mine.repeat(W), group=cc.pg, async_op=True), "any", "counts")
     rows = table.view(W, -1).tolist()
     counts = [[row[d * L : (d + 1) * L] for d in range(W)] for row in rows]
-    if fill_recv:
+    if not h.recv_counts:
         h.recv_counts = [counts[s][cc.rank] for s in range(W)]
     return Routes(lay, counts, [row[W * L :] for row in rows])
 
@@ -134,11 +158,11 @@ def _recvs(cc: CallContext, tensor: torch.Tensor, peer: int, link: str, works: l
 
 def to_experts(cc: CallContext, h: layout.MoELayout, rows: torch.Tensor, row_of_send: torch.Tensor,
                w: torch.Tensor | None, counts: bool, between):
-    """`overlap.ops.moe.dispatch.run`'s transfer across nodes: ``(recv, out)`` as there."""
+    """`overlap.ops.moe.dispatch.run`'s transfer across nodes: ``(recv, out)`` as there. `row_of_send` is
+    ``h.token_of`` (a dispatch) or ``h.order`` (the combine's backward: a row per pair)."""
     lay = across.layout_of(cc.info)
     with hier.guard(cc, lay):
-        lists = node_lists(h, lay, row_of_send)
-        rt = exchange_routes(cc, h, lay, lists, fill_recv=counts)
+        rt, lists = routes(cc, h, lay, by_pair=row_of_send is not h.token_of)
         W, N, r, n0 = cc.world_size, lay.num_nodes, cc.rank, lay.node
         cols, dtype = rows.shape[1], rows.dtype
         row_bytes = cols * rows.element_size()
@@ -242,8 +266,7 @@ def to_sources(cc: CallContext, h: layout.MoELayout, y: torch.Tensor, w: torch.T
     (``[T, K]``) the weighted sum ``[T, N]`` (each node's rows of a token summed there)."""
     lay = across.layout_of(cc.info)
     with hier.guard(cc, lay):
-        lists = node_lists(h, lay, h.token_of)
-        rt = exchange_routes(cc, h, lay, lists, fill_recv=False)
+        rt, lists = routes(cc, h, lay)
         W, N, Q, r, n0, l0 = cc.world_size, lay.num_nodes, lay.ranks_per_node, cc.rank, lay.node, lay.local
         cols = y.shape[1] if w is None else w.shape[2]
         dtype = y.dtype

@@ -58,6 +58,8 @@ class MoELayout:
         order: int64 tensor ``[P]`` (on the tokens' device): the pair at each send position.
         max_tokens_per_rank: the dispatch's bound ``B`` (`overlap.ops.moe.bound`), None for exact counts.
         migration: the plan's `overlap.ops.moe.migrate.Migration` (``E``, ``L`` above are then the hosted ones).
+        across: what the layout's first transfer across nodes learned of every rank's routes
+            (`overlap.ops.moe.hierarchical.routes`), kept for its other transfers.
         context: the dispatch's `overlap.ops.context.CallContext` (group, group facts, plan, deadline);
             the matching combine and the backward passes run in contexts derived from it.
         group, info, plan, timeout: the context's.
@@ -73,6 +75,7 @@ class MoELayout:
     recv_counts: list[list[int]] = dataclasses.field(default_factory=list)
     max_tokens_per_rank: int | None = None
     migration: Any = None
+    across: dict = dataclasses.field(default_factory=dict)
 
     @property
     def group(self) -> Any:
