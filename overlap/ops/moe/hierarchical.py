@@ -11,8 +11,7 @@ combine's where the dispatch ran another plan) sends every rank's ``send_counts`
 many distinct tokens its rows for that node have to every rank (one ``all_to_all``: one network step, where an
 ``all_gather`` ring takes ``W - 1``); the layout keeps them (`routes`), so the combine and both backwards, which
 move the same rows, exchange nothing before their data. Every rank then knows every transfer's size, and a
-dispatch fills ``recv_counts`` from it. The **key** of a send position is the row it sends: the token in a
-dispatch, a combine and the dispatch's backward, the pair in the combine's backward (every key distinct). A
+dispatch fills ``recv_counts`` from it. The **key** of a send position is the row it sends: its token. A
 source's **node list** for node ``m`` is its send positions for the ranks of ``m``, rank by rank in node order
 (each rank's in send order); ``idx`` maps each of them to its key's position among the distinct keys (sorted).
 
@@ -29,12 +28,14 @@ Combine direction (`to_sources`: the combine; the dispatch's backward). The **ag
 ``(n, l)`` on node ``m`` is ``(m, l)``. Every rank writes its results for each source (the source's send
 order, times ``w[e]``) into its own region of the source's aggregator's slot and flags it; the aggregator
 joins the ``Q`` regions into the node list's rows. Node by node, the other nodes first: a node's rows cross
-while the next node's results are computed. Without weights it sends them (one row per pair) to the
-source. With weights (`combine` where ``topk_weights`` needs no gradient; the dispatch's backward, weights 1)
-the source first sends ``idx`` and its weights for the node list (fp32, fp64 for fp64), and the aggregator
-sums the weighted rows of each token in list order (fp32) and sends one row per token in the op's dtype;
-the source sums the node sums in node order. The order of every sum is fixed: the same inputs and plan
-give bitwise the same result (within the MoE tolerances of ``reference``, which sums ``k`` in order).
+while the next node's results are computed. Always with weights (`combine` where ``topk_weights`` needs no
+gradient; the dispatch's backward, weights 1): rows kept one per pair (for ``topk_weights``' gradient) have
+nothing to sum within a node and go flat, as ``pipelined`` sends them (`overlap.ops.moe.to_sources`), as do the
+rows of the combine's backward (one per pair, `overlap.ops.moe.to_experts`). The source first sends ``idx`` and
+its weights for the node list (fp32, fp64 for fp64), and the aggregator sums the weighted rows of each token in
+list order (fp32) and sends one row per token in the op's dtype; the source sums the node sums in node order. The
+order of every sum is fixed: the same inputs and plan give bitwise the same result (within the MoE tolerances
+of ``reference``, which sums ``k`` in order).
 
 Slot (node heap): the header, then to experts ``N`` areas (rows of the largest distinct-key count, then
 ``idx``); to sources ``N x Q`` regions (rows of the largest part a rank sends to one rank), region
@@ -90,39 +91,28 @@ class Routes:
         """Every key of the list is distinct: the rows travel in list order, without ``idx``."""
         return self.keys[s][m] == self.pairs(s, m)
 
-    def of_pairs(self) -> Routes:
-        """The same transfers keyed by pair (the combine's backward): every key distinct."""
-        N = self.lay.num_nodes
-        return Routes(self.lay, self.counts, [[self.pairs(s, m) for m in range(N)] for s in range(len(self.counts))])
 
-
-def node_lists(h: layout.MoELayout, lay: across.Layout, key_of_send: torch.Tensor | None):
+def node_lists(h: layout.MoELayout, lay: across.Layout, key_of_send: torch.Tensor):
     """Per node ``m``: ``(positions, keys, idx)`` of this rank's node list (send positions, the distinct keys
-    sorted, the position of each entry's key among them); without `key_of_send` (every key distinct) the
-    positions only."""
+    sorted, the position of each entry's key among them)."""
     out = []
     for ranks in lay.nodes:
         parts = [torch.arange(h.send_offsets[d], h.send_offsets[d] + h.send_splits[d]) for d in ranks]
-        pos = torch.cat(parts).to(h.order.device)
-        if key_of_send is None:
-            out.append((pos, None, None))
-            continue
+        pos = torch.cat(parts).to(key_of_send.device)
         keys, idx = torch.unique(key_of_send.index_select(0, pos), sorted=True, return_inverse=True)
         out.append((pos, keys, idx.to(torch.int32)))
     return out
 
 
-def routes(cc: CallContext, h: layout.MoELayout, lay: across.Layout, by_pair: bool = False):
-    """``(Routes, lists)`` of the layout (lists: this rank's `node_lists`), keyed by token or, `by_pair`, by pair.
-    The first call on a layout exchanges them (`exchange_routes`) and fills ``h.recv_counts`` where they are
-    still unknown (a dispatch); every later one reads them from the layout. Every rank makes the same calls on
-    its layout (the plans agree), so every rank exchanges in the same call."""
+def routes(cc: CallContext, h: layout.MoELayout, lay: across.Layout):
+    """``(Routes, lists)`` of the layout (lists: this rank's `node_lists` by token). The first call on a layout
+    exchanges them (`exchange_routes`) and fills ``h.recv_counts`` where they are still unknown (a dispatch); every
+    later one reads them from the layout. Every rank makes the same calls on its layout (the plans agree), so
+    every rank exchanges in the same call."""
     got = h.across.get("routes")
     if got is None:
         lists = node_lists(h, lay, h.token_of)
         got = h.across["routes"] = (exchange_routes(cc, h, lay, lists), lists)
-    if by_pair:
-        return got[0].of_pairs(), node_lists(h, lay, None)
     return got
 
 
@@ -158,11 +148,11 @@ def _recvs(cc: CallContext, tensor: torch.Tensor, peer: int, link: str, works: l
 
 def to_experts(cc: CallContext, h: layout.MoELayout, rows: torch.Tensor, row_of_send: torch.Tensor,
                w: torch.Tensor | None, counts: bool, between):
-    """`overlap.ops.moe.dispatch.run`'s transfer across nodes: ``(recv, out)`` as there. `row_of_send` is
-    ``h.token_of`` (a dispatch) or ``h.order`` (the combine's backward: a row per pair)."""
+    """`overlap.ops.moe.dispatch.run`'s transfer across nodes: ``(recv, out)`` as there; `row_of_send` is
+    ``h.token_of``."""
     lay = across.layout_of(cc.info)
     with hier.guard(cc, lay):
-        rt, lists = routes(cc, h, lay, by_pair=row_of_send is not h.token_of)
+        rt, lists = routes(cc, h, lay)
         W, N, r, n0 = cc.world_size, lay.num_nodes, cc.rank, lay.node
         cols, dtype = rows.shape[1], rows.dtype
         row_bytes = cols * rows.element_size()
@@ -261,16 +251,16 @@ def _take_blocks(cc, h, lay: across.Layout, rt: Routes, call, area_of, m: int, r
 
 
 def to_sources(cc: CallContext, h: layout.MoELayout, y: torch.Tensor, w: torch.Tensor | None, between,
-               weights: torch.Tensor | None = None) -> torch.Tensor:
-    """`overlap.ops.moe.combine.run`'s transfer across nodes: ``[P, N]`` in send order, or with `weights`
-    (``[T, K]``) the weighted sum ``[T, N]`` (each node's rows of a token summed there)."""
+               weights: torch.Tensor) -> torch.Tensor:
+    """`overlap.ops.moe.combine.run`'s transfer across nodes with `weights` (``[T, K]``): the weighted sum
+    ``[T, N]`` (each node's rows of a token summed there)."""
     lay = across.layout_of(cc.info)
     with hier.guard(cc, lay):
         rt, lists = routes(cc, h, lay)
         W, N, Q, r, n0, l0 = cc.world_size, lay.num_nodes, lay.ranks_per_node, cc.rank, lay.node, lay.local
         cols = y.shape[1] if w is None else w.shape[2]
         dtype = y.dtype
-        acc = torch.float64 if torch.float64 in (dtype, None if weights is None else weights.dtype) else torch.float32
+        acc = torch.float64 if torch.float64 in (dtype, weights.dtype) else torch.float32
         biggest = max(rt.split(s, d) for s in range(W) for d in range(W))
         region = _pad(max(biggest, 1) * cols * y.element_size())
         call = hier.begin_node(cc, lay, hier.HEADER_BYTES + N * Q * region)
@@ -282,30 +272,27 @@ def to_sources(cc: CallContext, h: layout.MoELayout, y: torch.Tensor, w: torch.T
 
             # (a network wait that fails raises every flag of ours: our node's ranks then read why in our header)
             poison = hier.Poison(cc, lay, call, list(range(N * Q)))
-            flat_w = None if weights is None else weights.reshape(-1).to(acc)
+            flat_w = weights.reshape(-1).to(acc)
             got_weights = {}
-            for m in lay.remote_order():
+            for m in lay.remote_order():  # our weights and idx to the aggregator of our rows; its to us
                 peer = lay.rank(m, l0)
                 works = from_peer[peer] = []
-                if weights is not None:  # our weights and idx to the aggregator of our rows; its to us
-                    pos, _keys, idx = lists[m]
-                    _sends(cc, idx, peer, "network", sends)
-                    _sends(cc, flat_w.index_select(0, h.order.index_select(0, pos)), peer, "network", sends)
-                    got = (torch.empty(rt.pairs(peer, n0), dtype=torch.int32),
-                           torch.empty(rt.pairs(peer, n0), dtype=acc))
-                    _recvs(cc, got[0], peer, "network", works)
-                    _recvs(cc, got[1], peer, "network", works)
-                    got_weights[peer] = (got, len(works))
+                pos, _keys, idx = lists[m]
+                _sends(cc, idx, peer, "network", sends)
+                _sends(cc, flat_w.index_select(0, h.order.index_select(0, pos)), peer, "network", sends)
+                got = (torch.empty(rt.pairs(peer, n0), dtype=torch.int32), torch.empty(rt.pairs(peer, n0), dtype=acc))
+                _recvs(cc, got[0], peer, "network", works)
+                _recvs(cc, got[1], peer, "network", works)
+                got_weights[peer] = (got, len(works))
             # What our aggregators send us, posted before we compute.
             results = {}
             for m in lay.remote_order():
                 peer = lay.rank(m, l0)
-                results[m] = torch.empty((rt.keys[r][m] if weights is not None else rt.pairs(r, m), cols),
-                                         dtype=dtype)
+                results[m] = torch.empty((rt.keys[r][m], cols), dtype=dtype)
                 _recvs(cc, results[m], peer, "network", from_peer[peer])
             # Node by node (the other nodes first, ours last; the same order on every rank of a node): our results
-            # for each of the node's sources into its aggregator's slot, then, as aggregator, its rows (or node
-            # sums) to our counterpart there, which travel while the next node's results are computed.
+            # for each of the node's sources into its aggregator's slot, then, as aggregator, its node sums to
+            # our counterpart there, which travel while the next node's results are computed.
             own = None
             for m in [*lay.remote_order(), n0]:
                 with torch.no_grad():
@@ -319,27 +306,25 @@ def to_sources(cc: CallContext, h: layout.MoELayout, y: torch.Tensor, w: torch.T
                         hier.wait_local(cc, lay, call, q, m * Q + l0, f"rows for rank {s}")
                     parts.append(region_of(call.rank, m, q, rt.split(s, d)))
                 joined = torch.cat(parts)
-                if weights is not None:
-                    if m == n0:
-                        pos, _keys, idx = lists[m]
-                        wts = flat_w.index_select(0, h.order.index_select(0, pos))
-                    else:
-                        (idx, wts), upto = got_weights[s]
-                        _wait_from(poison, from_peer, s, lay.names[m], upto)
-                    summed = torch.zeros((rt.keys[s][n0], cols), dtype=acc)
-                    summed.index_add_(0, idx.to(torch.int64), joined.to(acc) * wts.unsqueeze(-1))
-                    joined = summed if m == n0 else summed.to(dtype)
                 if m == n0:
-                    own = joined
+                    pos, _keys, idx = lists[m]
+                    wts = flat_w.index_select(0, h.order.index_select(0, pos))
                 else:
-                    _sends(cc, joined, s, "network", sends)
+                    (idx, wts), upto = got_weights[s]
+                    _wait_from(poison, from_peer, s, lay.names[m], upto)
+                summed = torch.zeros((rt.keys[s][n0], cols), dtype=acc)
+                summed.index_add_(0, idx.to(torch.int64), joined.to(acc) * wts.unsqueeze(-1))
+                if m == n0:
+                    own = summed
+                else:
+                    _sends(cc, summed.to(dtype), s, "network", sends)
             if between is not None:
                 between()
             for m in lay.remote_order():
                 _wait_from(poison, from_peer, lay.rank(m, l0), lay.names[m])
             for p, j, work, _kept in sends:
                 poison.wait(work, p, j)
-            return _assemble(h, lay, lists, own, results, weights is not None, acc, dtype, cols)
+            return _assemble(h, lay, lists, own, results, acc, dtype)
         finally:
             call.finish()
 
@@ -355,17 +340,9 @@ def _wait_from(poison, from_peer: dict, peer: int, name: str, upto: int | None =
         poison.wait(work, p, f"{j} of node {name}'s rows")
 
 
-def _assemble(h, lay, lists, own, results, summed: bool, acc, dtype, cols):
-    """The rows in send order ``[P, cols]``; with weights the sum of the node sums in node order ``[T, cols]``."""
-    if not summed:
-        back = torch.empty((h.num_tokens * h.top_k, cols), dtype=dtype)
-        for m in range(lay.num_nodes):
-            got = own if m == lay.node else results[m]
-            pos = lists[m][0]
-            if len(pos):
-                back.index_copy_(0, pos, got)
-        return back
-    total = torch.zeros((h.num_tokens, cols), dtype=acc)
+def _assemble(h, lay, lists, own, results, acc, dtype):
+    """The sum of the node sums in node order ``[T, cols]``."""
+    total = torch.zeros((h.num_tokens, own.shape[1]), dtype=acc)
     for m in range(lay.num_nodes):
         got = own if m == lay.node else results[m]
         keys = lists[m][1]

@@ -272,7 +272,10 @@ def _consume_fused(cc: CallContext, call, h: layout.MoELayout, dtype, cols: int,
 
 
 def _hierarchical(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
-    """Across nodes (`overlap.ops.moe.hierarchical`): a token crosses the network once per node."""
+    """Across nodes (`overlap.ops.moe.hierarchical`): a token crosses the network once per node. Rows keyed by
+    pair (the combine's backward) have nothing to share within a node: they go as ``pipelined`` sends them."""
+    if row_of_send is not h.token_of:
+        return _pipelined(cc, call, h, rows, row_of_send, w, counts, between)
     return moe_hierarchical.to_experts(cc, h, rows, row_of_send, w, counts, between)
 
 

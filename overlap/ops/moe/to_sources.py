@@ -187,7 +187,10 @@ def _collect(call, h: layout.MoELayout, dtype: torch.dtype, cols: int,
 
 def _hierarchical(cc: CallContext, call, h, y, w, between, weights=None):
     """Across nodes (`overlap.ops.moe.hierarchical`): a token's rows summed within each node before they
-    cross, where `weights` are given; else each row crosses once."""
+    cross, where `weights` are given; else each row crosses once, as ``pipelined`` sends it (the node has
+    nothing to sum or share)."""
+    if weights is None:
+        return _pipelined(cc, call, h, y, w, between)
     return moe_hierarchical.to_sources(cc, h, y, w, between, weights)
 
 
