@@ -366,3 +366,25 @@ def test_auto_keeps_pipelined_and_the_model_counts_hierarchical_only_across_node
     profile = default_profile("cpu")
     assert predict(problem, Plan("hierarchical"), topology_of(one), profile) == predict(
         problem, Plan("symm"), topology_of(one), profile)
+
+
+def test_the_model_prices_rows_kept_per_pair_as_pipelined_moves_them():
+    """With a backward the combine keeps one row per pair (for ``topk_weights``' gradient) and runs it and its
+    backward flat: the hierarchical layer's forward+backward moves its forward's bytes plus what `pipelined`'s
+    forward moves (up to the counts), where the node-summed transfers alone would move less."""
+    from overlap.plans import Plan, Problem, Profile, predict, topology_of
+
+    fit = {"latency_s": 0.0, "bandwidth_Bps": 1e7}
+    profile = Profile.from_json({
+        "version": 1, "device": "cpu", "machine": "test",
+        "links": {"network": {"p2p": fit}, "shm": {"p2p": {"latency_s": 0.0, "bandwidth_Bps": 1e15}}},
+        "gemm": {"float32": {"peak_flops": 1e18, "overhead_s": 0.0}},
+        "gemm_slowdown": 1.0, "comm_slowdown": 1.0, "per_chunk_s": 0.0, "call_s": {}})
+    topo = topology_of(info_of(("a", "a", "b", "b")))
+    fwd, both = (Problem("moe", 256, 256, 256, "float32", b, 8, 2) for b in (False, True))
+    hier = Plan("hierarchical")
+    flat = predict(fwd, Plan("pipelined"), topo, profile).comm_s
+    added = predict(both, hier, topo, profile).comm_s - predict(fwd, hier, topo, profile).comm_s
+    counts = 2 * 4 * 2 / 1e7  # pipelined's counts to its two peers on the other node
+    assert abs(added - (flat - counts)) < 1e-9, (added, flat)
+    assert predict(fwd, hier, topo, profile).comm_s < flat  # a token's row crosses once per node

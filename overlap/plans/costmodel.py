@@ -221,40 +221,57 @@ class _Model:
         """Dispatch + grouped GEMM, combine; uniform routing: ``T*K/W`` rows to and from every peer."""
         if self.hier:
             return hier_cost.moe(self, p)
-        W, L, H, F, plan = self.W, p.experts // self.W, p.k, p.n, self.plan
-        rows = p.m * p.top_k / W
-        nbytes = rows * H * self.size
-        block = self.gemm(2 * rows * H * F, calls=L)  # one source's rows through our L experts
-        every = self.gemm(2 * p.m * p.top_k * H * F, calls=L)  # every row through L experts (a weight gradient)
+        L = p.experts // self.W
+        every = self.moe_every(p)
         self.serial(self.each_peer(4 * L))  # the counts
-        if plan.strategy == "reference":
+        if self.plan.strategy == "reference":
+            nbytes = p.m * p.top_k / self.W * p.k * self.size
             moves = sum(c * self.msgs(link, self.tokens(link, nbytes)) for link, c in self.peers)
             return self.serial(2 * (1 + p.backward) * moves, (2 + 4 * p.backward) * every)
-        groups = max(1, min(L, MAX_FLAGS // W - 1))  # symm, fused: flagged per expert group
+        self.moe_dispatch(p)
+        self.moe_combine(p)
+        if p.backward:  # combine's backward (a dispatch), w2's weight gradient; then dispatch's backward
+            self.moe_dispatch(p)  # (a combine) with w1's weight gradient run while those rows travel
+            self.serial(gemm=every)
+            self.moe_combine(p, tail=every)
+
+    def moe_every(self, p: Problem) -> float:
+        """Every row of this rank's experts through them: ``T*K`` rows (uniform routing), ``L`` GEMM calls."""
+        return self.gemm(2 * p.m * p.top_k * p.k * p.n, calls=p.experts // self.W)
+
+    def _moe_flow(self, p: Problem):
+        """``(L, nbytes, block, groups, chunks)`` of one MoE transfer between every two ranks: ``pipelined``'s
+        (and ``hierarchical``'s rows kept one per pair), pairwise (`groups` None), or ``symm``/``fused``'s,
+        flagged per expert group."""
+        W, L, H, plan = self.W, p.experts // self.W, p.k, self.plan
+        rows = p.m * p.top_k / W
+        block = self.gemm(2 * rows * H * p.n, calls=L)  # one source's rows through our L experts
+        groups = max(1, min(L, MAX_FLAGS // W - 1))
+        pairwise = plan.strategy in ("pipelined", "hierarchical")
 
         def chunks(link: str) -> int:
-            return min(plan.chunks_for(link), max(1, int(rows))) if plan.strategy == "pipelined" else groups
+            return min(plan.chunks_for(link), max(1, int(rows))) if pairwise else groups
 
-        def dispatch() -> None:  # a peer's chunks as they arrive, no finer than a GEMM per expert block
-            stages = [(1, 0.0, block + self.launch)]
-            for link, c in self.peers:
-                ch = chunks(link)
-                s = min(ch, L) if plan.strategy == "pipelined" else groups
-                stages.append((c * s, self.msgs(link, self.tokens(link, nbytes) / s, ch / s), block / s))
-            self.consume(stages)
+        return L, rows * H * self.size, block, (None if pairwise else groups), chunks
 
-        def combine(tail: float = 0.0) -> None:  # pipelined: a source's GEMMs, then its rows in chunks
-            s = 1 if plan.strategy == "pipelined" else groups
-            peers = [(c * s, block / s, self.msgs(link, self.tokens(link, nbytes) / s, chunks(link) / s))
-                     for link, c in self.peers]
-            self.produce([(1, self.launch, 0.0), *peers, (s, block / s, 0.0), (1, tail, 0.0)])
+    def moe_dispatch(self, p: Problem) -> None:
+        """Towards the experts: a peer's chunks multiplied as they arrive, no finer than a GEMM per expert block."""
+        L, nbytes, block, groups, chunks = self._moe_flow(p)
+        stages = [(1, 0.0, block + self.launch)]
+        for link, c in self.peers:
+            ch = chunks(link)
+            s = min(ch, L) if groups is None else groups
+            stages.append((c * s, self.msgs(link, self.tokens(link, nbytes) / s, ch / s), block / s))
+        self.consume(stages)
 
-        dispatch()
-        combine()
-        if p.backward:  # combine's backward (a dispatch), w2's weight gradient; then dispatch's backward
-            dispatch()  # (a combine) with w1's weight gradient run while those rows travel
-            self.serial(gemm=every)
-            combine(tail=every)
+    def moe_combine(self, p: Problem, tail: float = 0.0) -> None:
+        """Back to the sources: a source's GEMMs, then its rows (pairwise: in chunks; else per expert group);
+        `tail`: work after the last rows left (the dispatch's backward's weight gradient)."""
+        _L, nbytes, block, groups, chunks = self._moe_flow(p)
+        s = 1 if groups is None else groups
+        peers = [(c * s, block / s, self.msgs(link, self.tokens(link, nbytes) / s, chunks(link) / s))
+                 for link, c in self.peers]
+        self.produce([(1, self.launch, 0.0), *peers, (s, block / s, 0.0), (1, tail, 0.0)])
 
 
 def predict(problem: Problem, plan: Plan, topology: Topology, profile: Profile,

@@ -69,14 +69,16 @@ def mm_ar(x, m: int, k: int, n: int) -> None:
 
 def moe(x, p) -> None:
     """The MoE layer across nodes (`overlap.ops.moe.hierarchical`), uniform routing of ``K`` distinct experts:
-    per transfer the counts, then to each other node the token rows that have an expert there (one row per
-    token and node) with their int32 indices, then the node's copies (each rank's rows from the node's ranks
-    that received them); transfers and GEMMs add up (serial: an upper bound, the dispatch multiplies its
-    node's blocks while the network transfers travel).
-    The combine's and the backward's transfers move as many bytes. Expert migration scales the network's bytes
-    (``x.tokens``: the share of token rows still dispatched)."""
+    once per layer the routes (every rank's counts to every rank); per transfer by token (the dispatch, the
+    dispatch's backward, and the combine where ``topk_weights`` needs no gradient: node sums) to each other node
+    the token rows that have an expert there (one row per token and node) with their int32 indices, then the
+    node's copies (each rank's rows from the node's ranks that received them); those transfers and their GEMMs
+    add up (serial: an upper bound, the dispatch multiplies its node's blocks while the network transfers
+    travel). With a backward the combine keeps its rows (one per pair, for ``topk_weights``' gradient): it and
+    its backward move as ``pipelined`` moves them. Expert migration scales the network's bytes (``x.tokens``:
+    the share of token rows still dispatched)."""
     W, N, L, loc = x.W, x.nodes, x.local_ranks, x.local_link
-    E, K, T, H, F = p.experts, p.top_k, p.m, p.k, p.n
+    E, K, T, H = p.experts, p.top_k, p.m, p.k
     per_node = E // N
     miss = 1.0  # the chance that none of a token's K distinct experts is on a given node
     for i in range(min(K, E)):
@@ -86,7 +88,12 @@ def moe(x, p) -> None:
     net = (N - 1) * x.msgs("network", x.tokens("network", rows_node * H * x.size + pairs_node * 4),
                            _chunks(x, "network", max(1, int(rows_node))))
     copies = (W - 1) * x.msgs(loc, T * K / W * H * x.size) if L > 1 else 0.0
-    transfer = x.each_peer(4 * (E // W)) + net + copies
-    every = x.gemm(2 * T * K * H * F, calls=E // W)
-    transfers, gemms = (4, 6) if p.backward else (2, 2)
-    x.serial(transfers * transfer, gemms * every)
+    transfer = net + copies
+    every = x.moe_every(p)
+    x.serial(x.each_peer(8 * (E + N)))  # the routes: every rank's counts (W x L) and distinct tokens per node
+    if not p.backward:
+        return x.serial(2 * transfer, 2 * every)
+    x.serial(transfer, every)  # the dispatch
+    x.moe_combine(p)  # rows kept per pair, flat; then its backward (a dispatch, flat) and w2's weight gradient
+    x.moe_dispatch(p)
+    x.serial(transfer, 3 * every)  # the dispatch's backward (node sums): its GEMMs and w1's weight gradient
