@@ -15,7 +15,7 @@ dispatch fills ``recv_counts`` from it. The **key** of a send position is the ro
 source's **node list** for node ``m`` is its send positions for the ranks of ``m``, rank by rank in node order
 (each rank's in send order); ``idx`` maps each of them to its key's position among the distinct keys (sorted).
 
-Dispatch direction (`to_experts`: the dispatch; the combine's backward). Source ``s = (n, l)`` sends to its
+Dispatch direction (`to_experts`: the dispatch). Source ``s = (n, l)`` sends to its
 counterpart ``(m, l)`` the distinct rows of its node list for ``m`` (a token with several experts on node
 ``m`` once) and ``idx`` as int32 (omitted where every key is distinct: the rows then travel in list order),
 in ``Plan.chunks_for("network")`` pieces straight into area ``n`` of the counterpart's slot, which flags the
@@ -24,7 +24,7 @@ its part of the list from the area of the counterpart that received it (``rows[i
 send order) and multiplies each (source, expert) block: its own node's sources first, while the network
 transfers travel, then each other node's once its area is in. Bitwise ``reference``'s rows.
 
-Combine direction (`to_sources`: the combine; the dispatch's backward). The **aggregator** of source
+Combine direction (`to_sources`: the summing combine; the dispatch's backward). The **aggregator** of source
 ``(n, l)`` on node ``m`` is ``(m, l)``. Every rank writes its results for each source (the source's send
 order, times ``w[e]``) into its own region of the source's aggregator's slot and flags it; the aggregator
 joins the ``Q`` regions into the node list's rows. Node by node, the other nodes first: a node's rows cross
@@ -65,7 +65,7 @@ def _pad(nbytes: int) -> int:
 
 @dataclasses.dataclass
 class Routes:
-    """What every rank knows after the call's first exchange. ``counts[s][d][e]``: rows source ``s`` sends to
+    """What every rank knows after the layout's exchange. ``counts[s][d][e]``: rows source ``s`` sends to
     rank ``d``'s expert ``e``; ``keys[s][m]``: distinct keys of source ``s``'s node list for node ``m``."""
 
     lay: across.Layout
@@ -147,7 +147,7 @@ def _recvs(cc: CallContext, tensor: torch.Tensor, peer: int, link: str, works: l
 
 
 def to_experts(cc: CallContext, h: layout.MoELayout, rows: torch.Tensor, row_of_send: torch.Tensor,
-               w: torch.Tensor | None, counts: bool, between):
+               w: torch.Tensor | None, between):
     """`overlap.ops.moe.dispatch.run`'s transfer across nodes: ``(recv, out)`` as there; `row_of_send` is
     ``h.token_of``."""
     lay = across.layout_of(cc.info)

@@ -276,7 +276,7 @@ def _hierarchical(cc: CallContext, call, h, rows, row_of_send, w, counts, betwee
     pair (the combine's backward) have nothing to share within a node: they go as ``pipelined`` sends them."""
     if row_of_send is not h.token_of:
         return _pipelined(cc, call, h, rows, row_of_send, w, counts, between)
-    return moe_hierarchical.to_experts(cc, h, rows, row_of_send, w, counts, between)
+    return moe_hierarchical.to_experts(cc, h, rows, row_of_send, w, between)  # (the routes fill the counts)
 
 
 STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused,
