@@ -30,7 +30,7 @@ import time
 
 import pytest
 from support.failure_tasks import DEADLINE, STALLER, STRATEGIES, Kill, op_of, op_world, segments, shm_dir
-from support.harness import LATE_S, RankError, RankPool, raised_by_deadline
+from support.harness import HANG_SLACK, LATE_S, START_S, RankError, RankPool, raised_by_deadline
 
 AGM, MRS, MAR, MAR1 = "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_reduce/one_shot"
 VARIANTS = (AGM, MRS, MAR, MAR1)
@@ -93,7 +93,7 @@ class World:
 
 def _run_world(variant: str, kills: list[Kill]) -> World:
     """Start one world, run `op_world` on it, and collect (this also reaps each victim as it dies)."""
-    pool = RankPool(1 + max(k.victim for k in kills), start_timeout=180)
+    pool = RankPool(1 + max(k.victim for k in kills))
     error = None
     stop = threading.Event()
 
@@ -141,7 +141,7 @@ def _run_worlds() -> dict[str, World]:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(WORLD_TIMEOUT + 240)
+        t.join(WORLD_TIMEOUT * HANG_SLACK + START_S + 60)
     for variant in WORLDS:
         if variant not in worlds:
             worlds[variant] = World(variant, WORLDS[variant], [], failures.get(variant, "did not finish"), [], [])

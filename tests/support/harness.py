@@ -25,6 +25,12 @@ FALLBACK_TIMEOUT_S = 20.0
 #: give, so a wait that ignored its deadline and fell back to the default still fails them.
 LATE_S = 15.0
 
+#: Factor on every task's deadline, and the seconds a pool may take to start. A harness deadline only catches a
+#: hang (a test asserts on the times it measures inside its task): CI's 2 shared cores, with another job beside
+#: them, made a 90 s task and a 60 s start run out (every rank importing torch at once).
+HANG_SLACK = 3.0
+START_S = 180.0
+
 
 def raised_by_deadline(secs: float, deadline: float) -> bool:
     """True where a timeout after `secs` s honoured `deadline`: not before it, not long after it."""
@@ -52,7 +58,7 @@ class RankPool(pool.RankPool):
     A task is called as ``fn(rank, world_size, *args, **kwargs)``; a failure raises `RankError` (an
     AssertionError, with the other ranks' results) instead of `overlap.pool.RankPoolError`."""
 
-    def __init__(self, world_size: int, env: dict[str, str] | None = None, start_timeout: float = 60.0):
+    def __init__(self, world_size: int, env: dict[str, str] | None = None, start_timeout: float = START_S):
         base_env = {"OVERLAP_TIMEOUT_S": str(FALLBACK_TIMEOUT_S), **(env or {})}
         super().__init__(world_size, env=base_env, backend="gloo", start_timeout_s=start_timeout, pg_timeout_s=60.0)
 
@@ -71,7 +77,7 @@ class RankPool(pool.RankPool):
 
     def collect(self, timeout: float, name: str = "task") -> list[Any]:
         try:
-            return super().collect(timeout, name)
+            return super().collect(timeout * HANG_SLACK, name)
         except pool.RankPoolError as exc:
             raise RankError(str(exc), exc.results) from None
 
