@@ -74,7 +74,8 @@ def begin(cc: Any, h: layout.MoELayout, kind: str, row_bytes: int) -> Any:
     signatures in the data)."""
     B = h.max_tokens_per_rank
     if B is None:
-        return cc.begin(layout.heap_need(kind, h.num_tokens, h.top_k, h.num_local_experts, h.send_splits,
+        splits = [] if h.routed is not None else h.send_splits  # (a route still on the device: no heap slot)
+        return cc.begin(layout.heap_need(kind, h.num_tokens, h.top_k, h.num_local_experts, splits,
                                          row_bytes, cc.world_size))
     rows = B * min(h.top_k, h.num_local_experts)
     need = layout.heap_need(kind, B, h.top_k, h.num_local_experts, [rows], row_bytes, cc.world_size)

@@ -131,15 +131,18 @@ def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, gr
         chosen = layout.resolve_plan(op, strategy, plan, info, x.dtype, w is not None, problem, num_experts)
         mig = moe_migrate.prepare(op, chosen, info, num_experts, bound)  # (hosted experts)
         idx, E = (topk_idx, num_experts) if mig is None else (mig.remap(op, topk_idx), mig.hosted * info.world_size)
-        order, send_counts = layout.route(op, idx, E, info.world_size)
-        moe_bound.check_rows(op, bound, send_counts, topk_idx.shape[1], L)
+        if layout.reads_route_with_counts(chosen, bound, mig):  # (read with the received counts)
+            (order, routed), send_counts = layout.route_stats(idx, E), []
+        else:
+            (order, send_counts), routed = layout.route(op, idx, E, info.world_size), None
+            moe_bound.check_rows(op, bound, send_counts, topk_idx.shape[1], L)
         sig = layout.signature(f"moe.{op}", x.shape[1], None if w is None else w.shape[2], num_experts,
                                topk_idx.shape[1], x.dtype, chosen, info, grads) + moe_bound.signature_part(bound)
-        return chosen, sig, (E, order, send_counts, mig)
+        return chosen, sig, (E, order, send_counts, routed, mig)
 
-    cc, (E, order, send_counts, mig) = preamble(f"moe.{op}", group, timeout, decide)
+    cc, (E, order, send_counts, routed, mig) = preamble(f"moe.{op}", group, timeout, decide)
     h = layout.MoELayout(cc, E, E // cc.world_size, topk_idx.shape[1], x.shape[0], send_counts, order,
-                         max_tokens_per_rank=bound, migration=mig)
+                         max_tokens_per_rank=bound, migration=mig, routed=routed)
     return x, w, h
 
 

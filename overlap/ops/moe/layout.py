@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ... import world
+from ...errors import OverlapMismatchError
 from ...kernels import slots
 from ...plans import Plan, Problem
 from ...plans.auto import as_plan, fit_plan, plan_source, resolve_auto
@@ -60,6 +61,10 @@ class MoELayout:
         migration: the plan's `overlap.ops.moe.migrate.Migration` (``E``, ``L`` above are then the hosted ones).
         across: what the layout's first transfer across nodes learned of every rank's routes
             (`overlap.ops.moe.hierarchical.routes`), kept for its other transfers.
+        routed: a dispatch whose counts travel by `exchange_counts`: this rank's pairs per global expert, then
+            its smallest and largest expert id (an int64 tensor ``[E + 2]`` on the tokens' device, `route_stats`),
+            read to the host with the received counts (one read per dispatch), which fill ``send_counts``;
+            None once read, or where `route` read them.
         context: the dispatch's `overlap.ops.context.CallContext` (group, group facts, plan, deadline);
             the matching combine and the backward passes run in contexts derived from it.
         group, info, plan, timeout: the context's.
@@ -76,6 +81,7 @@ class MoELayout:
     max_tokens_per_rank: int | None = None
     migration: Any = None
     across: dict = dataclasses.field(default_factory=dict)
+    routed: torch.Tensor | None = None
 
     @property
     def group(self) -> Any:
@@ -252,18 +258,37 @@ def route(op: str, topk_idx: torch.Tensor, num_experts: int, world_size: int) ->
     """Send order and per-(rank, local expert) counts of this rank's pairs; raises on bad expert ids.
 
     One device-to-host transfer (the counts, with the ids' range)."""
+    order, stats = route_stats(topk_idx, num_experts)
+    return order, routed_counts(op, stats.tolist(), num_experts, world_size)
+
+
+def route_stats(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` left on the device: the send order, and this rank's pairs per global expert followed by its
+    smallest and largest expert id (int64 ``[E + 2]``; ids out of range are counted at the nearest end, the two
+    ids tell). No host transfer."""
     flat = topk_idx.reshape(-1).to(torch.int64)
-    L = num_experts // world_size
     if flat.numel() == 0:
-        return flat, [[0] * L for _ in range(world_size)]
+        return flat, flat.new_zeros(num_experts + 2)  # (ids 0 to 0: in range)
     stats = torch.cat([torch.bincount(flat.clamp(0, num_experts - 1), minlength=num_experts),
-                       flat.min().view(1), flat.max().view(1)]).tolist()
-    lo, hi = stats[-2], stats[-1]
+                       flat.min().view(1), flat.max().view(1)])
+    return torch.argsort(flat, stable=True), stats
+
+
+def routed_counts(op: str, stats: list[int], num_experts: int, world_size: int) -> list[list[int]]:
+    """``send_counts`` (``[W][L]``) from `route_stats`' values read to the host; raises on bad expert ids."""
+    lo, hi = stats[num_experts], stats[num_experts + 1]
     if lo < 0 or hi >= num_experts:
         raise ValueError(f"overlap.moe.{op}: expert ids must be in [0, {num_experts}), got values from {lo} to {hi}")
-    counts = stats[:num_experts]
-    order = torch.argsort(flat, stable=True)
-    return order, [counts[d * L : (d + 1) * L] for d in range(world_size)]
+    L = num_experts // world_size
+    return [stats[d * L : (d + 1) * L] for d in range(world_size)]
+
+
+def reads_route_with_counts(chosen: Plan, bound: int | None, migration: Any) -> bool:
+    """Whether a dispatch reads its route to the host with the received counts (`exchange_counts`) instead of
+    before its handshake: plans whose counts travel by a collective (``reference``, ``pipelined``) with exact
+    counts and no migration. The others size their heap slot or check their bound from this rank's counts
+    before the handshake."""
+    return chosen.strategy in ("reference", "pipelined") and bound is None and migration is None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -360,13 +385,37 @@ def follow_up(h: MoELayout, op: str, rows: torch.Tensor, w: torch.Tensor | None,
 
 
 def exchange_counts(handle: MoELayout, cc: CallContext) -> None:
-    """``recv_counts`` from every rank's ``send_counts`` with one ``all_to_all_single`` (bounded wait)."""
+    """``recv_counts`` from every rank's ``send_counts`` with one ``all_to_all_single`` (bounded wait).
+
+    A layout still ``routed`` on the device sends each rank its counts with this rank's smallest and largest
+    expert id, and reads its own route and the received counts to the host at once: the dispatch's one
+    device-to-host transfer. A rank whose ids are out of range raises ValueError, its peers
+    OverlapMismatchError, at once and before any row moves (the ranks made the same collectives: the group
+    stays usable)."""
     info, W, L = handle.info, handle.info.world_size, handle.num_local_experts
-    send = torch.tensor([c for row in handle.send_counts for c in row], dtype=torch.int64, device=info.device)
+    if handle.routed is None:
+        send = torch.tensor([c for row in handle.send_counts for c in row], dtype=torch.int64, device=info.device)
+        recv = torch.empty_like(send)
+        cc.wait(dist.all_to_all_single(recv, send, group=cc.pg, async_op=True), "any", "counts")
+        flat = recv.tolist()
+        handle.recv_counts = [flat[s * L : (s + 1) * L] for s in range(W)]
+        return
+    E, stats = handle.num_experts, handle.routed
+    send = torch.cat([stats[:E].view(W, L), stats[E:].view(1, 2).expand(W, 2)], dim=1).reshape(-1)
     recv = torch.empty_like(send)
     cc.wait(dist.all_to_all_single(recv, send, group=cc.pg, async_op=True), "any", "counts")
-    flat = recv.tolist()
-    handle.recv_counts = [flat[s * L : (s + 1) * L] for s in range(W)]
+    values = torch.cat([stats, recv]).tolist()
+    mine, got = values[: E + 2], values[E + 2 :]
+    rows = [got[s * (L + 2) : (s + 1) * (L + 2)] for s in range(W)]
+    bad = [s for s, row in enumerate(rows) if row[L] < 0 or row[L + 1] >= E]
+    if bad and info.rank not in bad:
+        s = bad[0]
+        raise OverlapMismatchError(f"overlap.{cc.op}: invalid input on rank {s}: expert ids must be in [0, {E}), "
+                                   f"got values from {rows[s][L]} to {rows[s][L + 1]}")
+    op = cc.op.removeprefix("moe.")
+    handle.send_counts = routed_counts(op, mine, E, W)  # (raises on this rank's bad ids)
+    handle.recv_counts = [row[:L] for row in rows]
+    handle.routed = None
 
 
 # ----------------------------------------------------------------------------------------------
