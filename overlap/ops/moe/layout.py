@@ -387,20 +387,16 @@ def follow_up(h: MoELayout, op: str, rows: torch.Tensor, w: torch.Tensor | None,
 def exchange_counts(handle: MoELayout, cc: CallContext) -> None:
     """``recv_counts`` from every rank's ``send_counts`` with one ``all_to_all_single`` (bounded wait).
 
-    A layout still ``routed`` on the device sends each rank its counts with this rank's smallest and largest
-    expert id, and reads its own route and the received counts to the host at once: the dispatch's one
-    device-to-host transfer. A rank whose ids are out of range raises ValueError, its peers
+    Each rank sends every rank its counts for that rank's experts with its own smallest and largest expert id.
+    A layout still ``routed`` on the device reads its own route with the received counts, at once: the
+    dispatch's one device-to-host transfer. A rank whose ids are out of range raises ValueError, its peers
     OverlapMismatchError, at once and before any row moves (the ranks made the same collectives: the group
     stays usable)."""
-    info, W, L = handle.info, handle.info.world_size, handle.num_local_experts
-    if handle.routed is None:
-        send = torch.tensor([c for row in handle.send_counts for c in row], dtype=torch.int64, device=info.device)
-        recv = torch.empty_like(send)
-        cc.wait(dist.all_to_all_single(recv, send, group=cc.pg, async_op=True), "any", "counts")
-        flat = recv.tolist()
-        handle.recv_counts = [flat[s * L : (s + 1) * L] for s in range(W)]
-        return
-    E, stats = handle.num_experts, handle.routed
+    info, W, L, E = handle.info, handle.info.world_size, handle.num_local_experts, handle.num_experts
+    stats = handle.routed
+    if stats is None:  # (read already, and checked: ids 0 to 0 stand for them)
+        stats = torch.tensor([c for row in handle.send_counts for c in row] + [0, 0], dtype=torch.int64,
+                             device=info.device)
     send = torch.cat([stats[:E].view(W, L), stats[E:].view(1, 2).expand(W, 2)], dim=1).reshape(-1)
     recv = torch.empty_like(send)
     cc.wait(dist.all_to_all_single(recv, send, group=cc.pg, async_op=True), "any", "counts")
