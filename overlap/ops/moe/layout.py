@@ -276,11 +276,18 @@ def route_stats(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
 
 def routed_counts(op: str, stats: list[int], num_experts: int, world_size: int) -> list[list[int]]:
     """``send_counts`` (``[W][L]``) from `route_stats`' values read to the host; raises on bad expert ids."""
-    lo, hi = stats[num_experts], stats[num_experts + 1]
-    if lo < 0 or hi >= num_experts:
-        raise ValueError(f"overlap.moe.{op}: expert ids must be in [0, {num_experts}), got values from {lo} to {hi}")
+    bad = bad_ids(num_experts, stats[num_experts], stats[num_experts + 1])
+    if bad:
+        raise ValueError(f"overlap.moe.{op}: {bad}")
     L = num_experts // world_size
     return [stats[d * L : (d + 1) * L] for d in range(world_size)]
+
+
+def bad_ids(num_experts: int, lo: int, hi: int) -> str | None:
+    """What is wrong with expert ids from `lo` to `hi`, or None where they are all in range."""
+    if lo < 0 or hi >= num_experts:
+        return f"expert ids must be in [0, {num_experts}), got values from {lo} to {hi}"
+    return None
 
 
 def reads_route_with_counts(chosen: Plan, bound: int | None, migration: Any) -> bool:
@@ -394,24 +401,22 @@ def exchange_counts(handle: MoELayout, cc: CallContext) -> None:
     stays usable)."""
     info, W, L, E = handle.info, handle.info.world_size, handle.num_local_experts, handle.num_experts
     stats = handle.routed
-    if stats is None:  # (read already, and checked: ids 0 to 0 stand for them)
+    routed = stats is not None
+    if not routed:  # (read already, and checked: ids 0 to 0 stand for them)
         stats = torch.tensor([c for row in handle.send_counts for c in row] + [0, 0], dtype=torch.int64,
                              device=info.device)
     send = torch.cat([stats[:E].view(W, L), stats[E:].view(1, 2).expand(W, 2)], dim=1).reshape(-1)
     recv = torch.empty_like(send)
     cc.wait(dist.all_to_all_single(recv, send, group=cc.pg, async_op=True), "any", "counts")
-    values = torch.cat([stats, recv]).tolist()
-    mine, got = values[: E + 2], values[E + 2 :]
+    got = (torch.cat([stats, recv]) if routed else recv).tolist()
+    if routed:
+        handle.send_counts = routed_counts(cc.op.removeprefix("moe."), got, E, W)  # (raises on this rank's bad ids)
+        handle.routed, got = None, got[E + 2 :]
     rows = [got[s * (L + 2) : (s + 1) * (L + 2)] for s in range(W)]
-    bad = [s for s, row in enumerate(rows) if row[L] < 0 or row[L + 1] >= E]
-    if bad and info.rank not in bad:
-        s = bad[0]
-        raise OverlapMismatchError(f"overlap.{cc.op}: invalid input on rank {s}: expert ids must be in [0, {E}), "
-                                   f"got values from {rows[s][L]} to {rows[s][L + 1]}")
-    op = cc.op.removeprefix("moe.")
-    handle.send_counts = routed_counts(op, mine, E, W)  # (raises on this rank's bad ids)
+    bad = [(s, text) for s, row in enumerate(rows) if (text := bad_ids(E, row[L], row[L + 1]))]
+    if bad:
+        raise OverlapMismatchError(f"overlap.{cc.op}: invalid input on rank {bad[0][0]}: {bad[0][1]}")
     handle.recv_counts = [row[:L] for row in rows]
-    handle.routed = None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from ...plans import Plan
 from .. import across
 from .. import nodes as hier
 from ..context import CallContext
+from . import layout
 
 #: what the grouped-matmul ops call the weights they fetch
 WEIGHT_NAMES = ("w1", "w2")
@@ -106,9 +107,9 @@ class Migration:
         ValueError for an id out of range (one device-to-host read of the ids' range)."""
         E, L, Lh = self.num_experts, self.own, self.hosted
         if topk_idx.numel():
-            lo, hi = torch.stack([topk_idx.min(), topk_idx.max()]).tolist()
-            if lo < 0 or hi >= E:
-                raise ValueError(f"overlap.moe.{op}: expert ids must be in [0, {E}), got values from {lo} to {hi}")
+            bad = layout.bad_ids(E, *torch.stack([topk_idx.min(), topk_idx.max()]).tolist())
+            if bad:
+                raise ValueError(f"overlap.moe.{op}: {bad}")
         ids = torch.arange(E, dtype=torch.int64)
         table = ids // L * Lh + ids % L
         rank = self.lay.rank(self.lay.node, self.lay.local)
