@@ -20,7 +20,9 @@ Failures. Every wait has the call's deadline. A network wait that fails (the cou
 its connection closed) or times out on a rank whose process is gone writes ``dead + 1`` in this rank's
 header, raises every flag this rank owns in the call (so its node's peers stop waiting for it and read the
 header) and records the dead rank in the process group's store (`report_dead`); an error raised in a
-hierarchical call names the dead rank recorded there, whichever rank it reached first (`guard`). Any other
+hierarchical call names the dead rank recorded there, whichever rank it reached first (`guard`; a rank whose wait
+timed out first gives its peers `REPORT_GRACE_S` to record one: the peer it waited for may be stuck on the dead
+rank). Any other
 error that ends a TP op's call on a rank is written in its header the same way (`Poison.error`; its node's
 waiters raise it, a mismatch as `OverlapMismatchError`) and in its trailer to its counterparts.
 """
@@ -28,6 +30,7 @@ waiters raise it, a mismatch as `OverlapMismatchError`) and in its trailer to it
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -54,6 +57,10 @@ from .context import CallContext
 #: the text
 HEADER_BYTES = 512
 _TEXT_AT = 32
+
+#: Seconds a rank whose wait timed out gives its peers to record a dead rank before it raises (`guard`): the peer it
+#: waited for may itself be stuck on the dead rank, and learn so a moment later (at most the call's deadline).
+REPORT_GRACE_S = 2.0
 
 
 def begin_node(cc: CallContext, lay: Layout, need: int, steady: bool = False) -> symm.Call:
@@ -181,16 +188,28 @@ def guard(cc: CallContext, lay: Layout | None = None):
     try:
         yield
     except OverlapError as exc:
-        try:
-            store = c10d._get_default_store()
-            key = dead_key(cc.info)
-            text = store.get(key).decode() if store.check([key]) else ""
-        except Exception:  # noqa: BLE001 - no store: keep the original error
-            text = ""
+        grace = min(REPORT_GRACE_S, cc.timeout) if isinstance(exc, OverlapTimeout) else 0.0
+        text = _recorded_dead(cc.info, grace)
         if not text or f"rank {text.split(':')[0]} on node" in str(exc):
             raise
         dead, seen_by = (int(v) for v in text.split(":"))
         raise OverlapError(_dead_text(cc, lay, dead, f"rank {seen_by} saw it fail") + f" Here: {exc}") from exc
+
+
+def _recorded_dead(info, grace: float) -> str:
+    """The dead rank recorded in the store (``"dead:seen_by"``, `report_dead`), waiting up to `grace` seconds for
+    one; "" if none (or no store)."""
+    end = time.monotonic() + grace
+    try:
+        store = c10d._get_default_store()
+        key = dead_key(info)
+        while not store.check([key]):
+            if time.monotonic() >= end:
+                return ""
+            time.sleep(0.05)
+        return store.get(key).decode()
+    except Exception:  # noqa: BLE001 - no store: keep the original error
+        return ""
 
 
 def padded(nbytes: int) -> int:
