@@ -161,6 +161,7 @@ def wait_work(work, op: str, rank: int, peer: int | str, chunk: int | str, timeo
     """
     info = where if isinstance(where, world.GroupInfo) else None
     device = info.device if info is not None else where
+    start = time.monotonic()
     try:
         if device is not None and device.type == "cuda":
             work.wait()
@@ -175,10 +176,21 @@ def wait_work(work, op: str, rank: int, peer: int | str, chunk: int | str, timeo
         peer = _blame(info, peer)
         if "timed out" in text.lower() or "timeout" in text.lower():
             raise OverlapTimeout(op, rank, peer, chunk, timeout, "torch.distributed transfer") from exc
+        if time.monotonic() - start >= CLOSED_AT_DEADLINE * timeout and not (
+                info is not None and isinstance(peer, int) and info.gone(peer)):
+            # A live peer that waited on this rank's group for as long gave up on its own deadline, and its backend
+            # closed the connection a moment before this rank's deadline fired: the same stall, seen from here.
+            raise OverlapTimeout(op, rank, peer, chunk, timeout,
+                                 "torch.distributed transfer; the peer closed it as its own deadline passed") from exc
         raise OverlapError(f"overlap.{op}: rank {rank}: transfer with peer {peer} (chunk {chunk}) failed: {text}. "
                            "The peer probably died; destroy and re-create the group.") from exc
     if ok is False:
         raise OverlapTimeout(op, rank, _blame(info, peer), chunk, timeout, "torch.distributed transfer")
+
+
+#: Fraction of its deadline after which a transfer whose connection a live peer closed counts as timed out
+#: (`wait_work`).
+CLOSED_AT_DEADLINE = 0.9
 
 
 def _blame(info: world.GroupInfo | None, peer: int | str) -> int | str:
