@@ -74,7 +74,7 @@ def run_case(strategy, a, b_layout_w, layout, g, timeout):
     return y.detach(), a.grad, (w.grad.t() if layout == "weight.t()" else w.grad)
 
 
-def check_strategy(rank, world_size, strategy, dtype, seed, cases, timeout=30.0):
+def check_strategy(rank, world_size, strategy, dtype, seed, cases, timeout=FALLBACK_TIMEOUT_S):
     """`strategy` against the float64 oracle (fp32), or against `reference` and the oracle (bf16)."""
     import overlap
 

@@ -36,7 +36,7 @@ def check_identical_across_ranks(outputs, what):
             assert same, f"{what} case {i} shape {tuple(out0.shape)}: rank {rank} differs from rank 0 (max {err})"
 
 
-def with_plans(rank, world_size, strategy, dtype, seed, cases, one_shot, timeout=30.0):
+def with_plans(rank, world_size, strategy, dtype, seed, cases, one_shot, timeout=FALLBACK_TIMEOUT_S):
     import overlap
 
     plan = overlap.Plan(strategy, one_shot=one_shot) if strategy != "auto" else "auto"

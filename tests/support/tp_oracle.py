@@ -28,6 +28,8 @@ import torch
 
 from overlap.workloads import OpInputs, workload
 
+from .harness import FALLBACK_TIMEOUT_S
+
 AGM, MRS, MAR = "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"
 
 TOL = {
@@ -163,7 +165,8 @@ def check_relative(ctx: str, got, want, bound: float = 2e-2, labels=LABELS, scal
 
 
 def check_op(
-    rank: int, world_size: int, op: str, strategy, dtype, seed: int, cases, timeout: float = 30.0, group=None
+    rank: int, world_size: int, op: str, strategy, dtype, seed: int, cases, timeout: float = FALLBACK_TIMEOUT_S,
+    group=None,
 ) -> list:
     """`strategy` against the float64 oracle: DESIGN's tolerance (fp32/fp64), the rounding bound of
     `check_low_precision` (bf16/fp16, `reference` checked alongside).

@@ -16,6 +16,7 @@ import torch
 
 from overlap.workloads import OpInputs, workload
 
+from .harness import FALLBACK_TIMEOUT_S
 from .tp_oracle import TOL, check_fp32, check_low_precision, compare, name_of
 
 OP = "all_gather_weight_matmul"
@@ -65,7 +66,8 @@ def forward_backward(strategy, a, w_shard, layout, g, group=None, timeout=None):
     return y.detach(), a.grad, w.grad.t()
 
 
-def check(rank: int, world_size: int, strategy, dtype, seed: int, cases, timeout: float = 30.0, group=None):
+def check(rank: int, world_size: int, strategy, dtype, seed: int, cases, timeout: float = FALLBACK_TIMEOUT_S,
+          group=None):
     """`strategy` against the float64 oracle (the tolerances of `support.tp_oracle.check_op`); returns this
     rank's results, one ``(y, grad_a, grad_b)`` per case."""
     results = []
