@@ -148,6 +148,11 @@ def _wait_polled(work: PolledWork, timeout: float | None) -> bool:
     return True
 
 
+#: Fraction of its deadline after which a transfer whose connection a live peer closed counts as timed out
+#: (`wait_work`).
+CLOSED_AT_DEADLINE = 0.9
+
+
 def wait_work(work, op: str, rank: int, peer: int | str, chunk: int | str, timeout: float,
               where: torch.device | world.GroupInfo | None = None) -> None:
     """``work.wait`` with a deadline; timeouts and dead peers become overlap errors.
@@ -186,11 +191,6 @@ def wait_work(work, op: str, rank: int, peer: int | str, chunk: int | str, timeo
                            "The peer probably died; destroy and re-create the group.") from exc
     if ok is False:
         raise OverlapTimeout(op, rank, _blame(info, peer), chunk, timeout, "torch.distributed transfer")
-
-
-#: Fraction of its deadline after which a transfer whose connection a live peer closed counts as timed out
-#: (`wait_work`).
-CLOSED_AT_DEADLINE = 0.9
 
 
 def _blame(info: world.GroupInfo | None, peer: int | str) -> int | str:

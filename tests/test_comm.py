@@ -1,4 +1,5 @@
-"""Tier 1, the comm layer without ranks: how a chunked exchange splits rows (`overlap.comm.chunk_bounds`)."""
+"""Tier 1, the comm layer without ranks: how a chunked exchange splits rows (`overlap.comm.chunk_bounds`), how a
+wait ends (`overlap.comm.wait_work`, `PolledWork`)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,29 @@ def test_polled_waits_share_one_waiter_thread_and_a_stuck_one_is_replaced():
     failing.release.set()
     with pytest.raises(RuntimeError, match="connection closed"):  # the wait's error, on the caller's thread
         comm.PolledWork(failing).wait()
+
+
+class _ClosedWork:
+    """A gloo work whose ``wait(timeout=)`` fails as a closed connection does, after `after` seconds."""
+
+    def __init__(self, after: float):
+        self.after = after
+
+    def wait(self, timeout=None):
+        import time
+
+        time.sleep(self.after)
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1234: Connection reset by peer")
+
+
+@pytest.mark.parametrize(("after", "timeout", "kind"), [
+    (0.0, 60.0, "OverlapError"),  # closed long before the deadline: the peer died
+    (0.2, 0.2, "OverlapTimeout"),  # closed at the deadline by a live peer: its own deadline fired first
+])
+def test_a_closed_connection_is_a_death_before_the_deadline_and_a_timeout_at_it(after, timeout, kind):
+    from overlap.errors import OverlapError
+
+    with pytest.raises(OverlapError) as raised:
+        comm.wait_work(_ClosedWork(after), "op", 0, 1, 3, timeout)
+    assert type(raised.value).__name__ == kind, raised.value
+    assert "peer 1" in str(raised.value) and "chunk 3" in str(raised.value), raised.value
