@@ -12,7 +12,7 @@ layout and the handle: `overlap.ops.moe.layout`)::
 With ``max_tokens_per_rank=B`` the dispatches return ``W * B * min(K, L)`` rows (zero padding after the
 received ones) and the handle's counts as tensors: static shapes for torch.compile (`overlap.ops.moe.bound`).
 Across nodes, ``plan=Plan(..., migrate=((expert, node), ...))`` moves those experts' weights to those nodes'
-tokens instead of the tokens to the experts (grouped forms only: `overlap.ops.moe.migrate`).
+tokens instead of the tokens to the experts (grouped forms only: `overlap.ops.moe.migration`).
 """
 
 from .ops.moe.combine import combine, grouped_matmul_combine

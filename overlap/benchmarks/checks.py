@@ -31,12 +31,12 @@ from .. import envs, world
 from ..ops import fused
 from ..plans import Plan
 from ..plans.auto import resolve_auto
+from ..progress import Progress, quiet
 from ..workloads import leaf_dtype
 from . import report
 from .case_data import CaseData, Expected, build, strategy_fn
 from .cases import BenchConfig
 from .definitions import AUTO, FP8_DTYPES, TORCH, AnyCase, bench_labels, label_plan
-from .progress import Progress, quiet
 
 
 def tolerance(dtype: torch.dtype, reduction: int, strategy: str, device_type: str) -> dict[str, float]:

@@ -38,7 +38,7 @@ given ones raise ValueError (the command line checks both before any rank starts
 
 The table, the geometric means, the footnotes and the JSON file are `report`'s. `session` runs the
 same check (`checks.check_case`) and times one call at a time (`timing.timed_call`) for the
-pytest-benchmark wrappers. Rank 0 shows a progress bar on stderr (`progress.ProgressBar`): a line
+pytest-benchmark wrappers. Rank 0 shows a progress bar on stderr (`overlap.progress.ProgressBar`): a line
 per case, and the case and strategy being checked, warmed up or timed, redrawn on a terminal and a
 line every few seconds in a log.
 """
@@ -56,12 +56,12 @@ import torch
 import torch.distributed as dist
 
 from .. import world
+from ..progress import Progress, ProgressBar, quiet
 from ..version import __version__
 from . import report
 from .cases import BenchConfig, default_cases
 from .checks import Checked, check_case, fused_interpreted, strategies_for
 from .definitions import MODES, TORCH, AnyCase, label_plan
-from .progress import Progress, ProgressBar, quiet
 from .timing import INTERPRETED_ITERS, time_case
 
 # ----------------------------------------------------------------------------------------------

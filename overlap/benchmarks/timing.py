@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 from .. import world
+from ..progress import Progress, quiet
 from . import report
 from .cases import BenchConfig
 from .checks import Checked
-from .progress import Progress, quiet
 
 #: timed repeats of interpreted fused at most (no warm-up): ~0.1-1 s a call, and out of the summaries
 INTERPRETED_ITERS = 3

@@ -10,7 +10,9 @@ a model that do not fit the ranks (one line, before any rank starts); 130 after 
 (129 after SIGHUP), every rank ended first (`overlap.lifetime`).
 
 This module is the entry point (`main`) and what each command does around its ranks. The parser is
-`overlap.cli.parser`, running on the ranks `overlap.cli.ranks`, what ``overlap info`` prints `overlap.cli.info`.
+`overlap.cli.parser`, running on the ranks `overlap.cli.ranks`; what each command does before and after its
+ranks: `overlap.cli.bench`, `overlap.cli.tune`, `overlap.cli.demo`, `overlap.cli.info` (what ``overlap info``
+prints). The commands share one progress bar (`overlap.progress`).
 """
 
 from __future__ import annotations
@@ -52,11 +54,11 @@ def _bench_rank(config: Any, status_path: str) -> tuple[int, list[str]]:
 
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ..benchmarks import command
+    from . import bench
 
     modes = selection(args.mode, MODES)
     try:
-        earlier = command.check_outputs(args.json, args.plot, args.compare)  # before torch is even imported
+        earlier = bench.check_outputs(args.json, args.plot, args.compare)  # before torch is even imported
     except ValueError as exc:
         parser.error(str(exc))
     from .. import world
@@ -65,10 +67,10 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     world_size = num_ranks(args.nproc)
     try:  # the cases must fit the ranks before any starts (exit 2), as demo's model and tune's shapes
-        ops, cases = command.cases_of(selection(args.op, BENCH_OPS) if args.op else None, modes, args.shape,
+        ops, cases = bench.cases_of(selection(args.op, BENCH_OPS) if args.op else None, modes, args.shape,
                                       args.dtype, world_size)
         if not cases:
-            command.check_defaults(ops, modes, args.dtype, world.ranks_device_type(world_size), world_size)
+            bench.check_defaults(ops, modes, args.dtype, world.ranks_device_type(world_size), world_size)
     except ValueError as exc:
         parser.error(str(exc))
     with tempfile.TemporaryDirectory(prefix="overlap-bench-") as tmp:
@@ -103,7 +105,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if rank == 0 and args.json:
             print(f"wrote {args.json}", flush=True)
         if rank == 0 and json_path and (args.plot or args.compare):
-            lines, error = command.after_run(json_path, earlier, args.compare, args.plot)
+            lines, error = bench.after_run(json_path, earlier, args.compare, args.plot)
             if lines:
                 print("\n".join(lines), flush=True)
             if error:
@@ -123,7 +125,7 @@ def _tune_rank(config: Any, status_path: str) -> None:
     """Tune on this rank (every rank); rank 0 prints the report, or the reason and writes it to `status_path`."""
     import torch.distributed as dist
 
-    from ..tune.command import tune_rank
+    from .tune import tune_rank
 
     try:
         lines = tune_rank(config)
@@ -137,8 +139,8 @@ def _tune_rank(config: Any, status_path: str) -> None:
 
 
 def _tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ..tune.command import TuneConfig, parse_shape, problems_of
     from .ranks import num_ranks, on_ranks
+    from .tune import TuneConfig, parse_shape, problems_of
 
     if not args.shape and not args.model:
         parser.error("give --shape (one or more) or --model")

@@ -78,11 +78,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``overlap demo``: exit 0, 1 (a rank failed) or 2 (arguments, checked before the ranks start)."""
-    from ..benchmarks.command import check_outputs
     from ..demo import report
     from ..demo.config import DemoConfig, ModelConfig
     from ..demo.train import train_rank
     from ..plans import STRATEGIES
+    from .bench import check_outputs
     from .ranks import num_ranks, on_ranks
 
     if args.strategy not in ("auto", *STRATEGIES):

@@ -1,7 +1,7 @@
 """What ``overlap info`` prints, run on every rank (the command line, `overlap.cli`, starts the ranks):
 versions of overlap, torch and Triton, the build of overlap._C, the Triton interpreter state, the
 backend, every rank (pid, node, device, threads) and the link class of every pair of ranks; with
-``--probe``, the machine profile (`overlap.tune.command.probe_rank`).
+``--probe``, the machine profile (`overlap.cli.tune.probe_rank`).
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def probe_rank(refresh: bool, quick: bool) -> None:
     """``overlap info --probe`` on every rank: the machine profile, printed by rank 0."""
     import torch.distributed as dist
 
-    from ..tune import command
+    from . import tune
 
-    lines = command.probe_rank(refresh, quick)
+    lines = tune.probe_rank(refresh, quick)
     if dist.get_rank() == 0:
         print("\n".join(line for line in lines if line), flush=True)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..benchmarks.progress import ProgressBar
+from ..progress import ProgressBar
 from . import data, memory
 from .config import DemoConfig
 from .model import build, replicated_parameters

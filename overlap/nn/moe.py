@@ -75,7 +75,7 @@ class ExpertParallelMLP(torch.nn.Module):
         activation: ``"gelu"``, ``"relu"``, ``"silu"`` or ``"silu_glu"`` (``silu(h[:, :F]) * h[:, F:]`` with
             ``w1`` of ``2F`` columns).
         strategy, plan, timeout: of the MoE ops (defaults: ``"auto"``, none, ``OVERLAP_TIMEOUT_S``); a plan
-            with ``migrate`` moves those experts' weights to those nodes' tokens (`overlap.ops.moe.migrate`).
+            with ``migrate`` moves those experts' weights to those nodes' tokens (`overlap.ops.moe.migration`).
         max_tokens_per_rank: None (exact row counts), or ``B``, the most tokens (``s * b`` for 3-D inputs)
             any rank passes to one forward, the same on every rank: the MoE ops then run with static shapes
             (`overlap.ops.moe.bound`; torch.compile needs no data-dependent size), and a forward with more

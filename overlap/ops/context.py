@@ -6,8 +6,8 @@ that the op's strategies take instead of a run of positional values. A local mis
 dtypes, plan, timeout) is posted to the peers through the handshake, so no rank waits for a call another
 rank left, and then raised on this rank (`CallContext.fail`). `CallContext.begin` is the handshake
 itself: every rank's signature is checked (on one node through the symmetric heap's pad, across nodes through
-the nodes' pads and messages between counterparts, `overlap.ops.across`, or on GPUs by a collective) and the heap is
-sized for the call.
+the nodes' pads and messages between counterparts, `overlap.ops.hierarchical.agreement`, or on GPUs by a collective)
+and the heap is sized for the call.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from .. import comm, envs, symm, world
 from ..errors import OverlapMismatchError, OverlapTimeout, warn_once
 from ..plans import Plan
-from . import across
+from .hierarchical import agreement
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -60,15 +60,15 @@ class CallContext:
     def begin(self, need_bytes: int = 0, steady: bool = False, plain: bool = False, in_data: bool = False):
         """The handshake on every rank: check the signatures, size the heap for `need_bytes` per slot.
 
-        Returns the call (`overlap.symm.Call` on one node; across nodes `overlap.ops.across`'s) whose
+        Returns the call (`overlap.symm.Call` on one node; across nodes `overlap.ops.hierarchical.agreement`'s) whose
         ``finish()`` must run when this rank is done with the call, also on error paths. `steady`: the
         strategy waits on every peer's flags through the `Call` and `need_bytes` is fixed by the signature,
         so a warmed signature skips the rendezvous (`overlap.symm.handshake`). `plain`: the call runs only plain
         collectives through `overlap.comm` (``reference``), which go ahead without the rendezvous where the
         group's recent calls predict the call (`overlap.symm.plain`; CPU ranks of one node). `in_data`: across nodes
         the strategy carries the agreement in its messages to its counterparts (``hierarchical``'s TP ops: no
-        rendezvous, `overlap.ops.across.InData`); otherwise CPU ranks across nodes make the full handshake of
-        `overlap.ops.across` and GPU ranks a collective one."""
+        rendezvous, `overlap.ops.hierarchical.agreement.InData`); otherwise CPU ranks across nodes make the full
+        handshake of `overlap.ops.hierarchical.agreement` and GPU ranks a collective one."""
         world.CALLER.set(self.op)
         info = self.info
         with record("handshake"):
@@ -78,7 +78,7 @@ class CallContext:
                 return symm.heap_for(self.pg, self.timeout).begin(self.op, self.signature, need_bytes, self.timeout,
                                                                   steady=steady, plain=plain)
             if info.device.type == "cpu":
-                return across.begin(self.op, self.pg, info, self.signature, self.timeout, in_data)
+                return agreement.begin(self.op, self.pg, info, self.signature, self.timeout, in_data)
             return _collective_handshake(self.op, self.pg, info, self.signature, self.timeout, post_only=False)
 
     def fail(self, exc: Exception) -> NoReturn:
@@ -90,7 +90,7 @@ class CallContext:
             if self.info.single_node:
                 symm.heap_for(self.pg, self.timeout).begin(self.op, signature, 0, self.timeout, post_only=True)
             elif self.info.device.type == "cpu":
-                across.announce_failure(self.op, self.pg, self.info, signature, self.timeout)
+                agreement.announce_failure(self.op, self.pg, self.info, signature, self.timeout)
             else:
                 _collective_handshake(self.op, self.pg, self.info, signature, self.timeout, post_only=True)
         except OverlapTimeout:
@@ -169,7 +169,8 @@ def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 # ----------------------------------------------------------------------------------------------
-# The handshake across nodes of GPU ranks (one node: `overlap.symm.SymmHeap.begin`; CPU: `overlap.ops.across`)
+# The handshake across nodes of GPU ranks (one node: `overlap.symm.SymmHeap.begin`; CPU:
+# `overlap.ops.hierarchical.agreement`)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -193,7 +194,7 @@ def _collective_handshake(op: str, pg, info: world.GroupInfo, signature: str, ti
                            "every call with a collective whose result the host reads. Run overlap's ops "
                            "outside the captured region.")
     symm.handshake.COUNTS["rendezvous"] += 1
-    epoch = across.next_number(pg)
+    epoch = agreement.next_number(pg)
     raw = signature.encode()[:_HEADER_BYTES].ljust(_HEADER_BYTES, b"\0")
     mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(info.device)
     every = torch.empty(info.world_size * _HEADER_BYTES, dtype=torch.uint8, device=info.device)

@@ -17,7 +17,7 @@ import itertools
 import math
 
 from ..symm import MAX_FLAGS
-from . import hier_cost, migration
+from . import hierarchical_cost, migration
 from .machine import PROFILE_VERSION, GemmFit, LinkFit, Profile, Topology, topology_of
 from .optable import FP8_DTYPES, FP8_LEAVES, OPS, Problem, op_spec, wire_sizes
 from .plan import Plan
@@ -96,7 +96,7 @@ class _Model:
         self.launch = self.gfit.overhead_s if self.fused else 0.0  # a fused kernel's one launch
         self.cs, self.gs = max(1.0, profile.comm_slowdown), max(1.0, profile.gemm_slowdown)
         self.total = self.comm = self.compute = 0.0
-        # hierarchical (`hier_cost`): nodes, ranks per node, the class of the links within a node
+        # hierarchical (`hierarchical_cost`): nodes, ranks per node, the class of the links within a node
         self.hier = plan.strategy == "hierarchical"
         self.nodes, self.local_ranks = topo.num_nodes, topo.ranks_per_node[0]
         self.local_link = next((c for c, _ in topo.links if c != "network"),
@@ -161,7 +161,7 @@ class _Model:
         chunked per peer link."""
         nbytes = m * k * self.size
         if self.hier:
-            return hier_cost.gather_again(self, m, k)
+            return hierarchical_cost.gather_again(self, m, k)
         if self.plan.strategy == "reference":
             return self.ring(self.W - 1, nbytes)
         return sum(c * self.msgs(link, nbytes, min(self.plan.chunks_for(link), m)) for link, c in self.peers)
@@ -170,7 +170,7 @@ class _Model:
     def ag_mm(self, m: int, k: int, n: int) -> None:
         """``all_gather(a) @ b``: pairwise pulls per peer link, chunked for it; our own block first."""
         if self.hier:
-            return hier_cost.ag_mm(self, m, k, n)
+            return hierarchical_cost.ag_mm(self, m, k, n)
         if self.plan.strategy == "reference":
             return self.serial(self.ring(self.W - 1, m * k * self.size), self.gemm(2 * self.W * m * k * n))
         stages = [(1, 0.0, self.gemm(2 * m * k * n) + self.launch)]
@@ -183,7 +183,7 @@ class _Model:
         """``reduce_scatter(a @ b)``; `lead`: link work posted first (the backward's re-gather)."""
         W, part = self.W, m * n * self.part_size
         if self.hier:
-            return hier_cost.mm_rs(self, m, k, n, lead)
+            return hierarchical_cost.mm_rs(self, m, k, n, lead)
         if self.plan.strategy == "reference":
             return self.serial(lead + self.ring(W - 1, part), self.gemm(2 * W * m * k * n))
         stages = [(1, 0.0, lead)] if lead else []
@@ -200,7 +200,7 @@ class _Model:
         """``all_reduce(a @ b)`` over ``M = W*m`` rows: ring (two-shot) or every partial to every rank."""
         W, M, plan, size = self.W, self.W * m, self.plan, self.part_size
         if self.hier:
-            return hier_cost.mm_ar(self, m, k, n)
+            return hierarchical_cost.mm_ar(self, m, k, n)
         if plan.strategy == "reference":
             return self.serial(self.ring(2 * (W - 1), m * n * size), self.gemm(2 * M * k * n))
         ch = plan.chunks_for(self.slowest)
@@ -220,7 +220,7 @@ class _Model:
     def moe(self, p: Problem) -> None:
         """Dispatch + grouped GEMM, combine; uniform routing: ``T*K/W`` rows to and from every peer."""
         if self.hier:
-            return hier_cost.moe(self, p)
+            return hierarchical_cost.moe(self, p)
         L = p.experts // self.W
         every = self.moe_every(p)
         self.serial(self.each_peer(4 * L))  # the counts

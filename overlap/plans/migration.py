@@ -1,7 +1,7 @@
 """Expert migration (HybridEP, ``Plan.migrate``): which ``(expert, node)`` pairs move the expert's weights to
 the tokens' node instead of the tokens to the expert, and the checks of a plan that migrates.
 
-Layout as the runtime's (`overlap.ops.moe.migrate`; nodes as `overlap.ops.across.layout_of` orders them):
+Layout as the runtime's (`overlap.ops.moe.migration`; nodes as `overlap.ops.hierarchical.nodes.layout_of` orders them):
 ``W`` ranks, ``E`` experts, ``L = E / W`` per rank, expert ``e`` on rank ``e // L``; `Nodes` lists the group
 ranks of each node, nodes in the order of their lowest rank, so node ``m`` of a pair is an index into it.
 

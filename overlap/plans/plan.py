@@ -26,7 +26,7 @@ class Plan:
         Missing classes take `DEFAULT_CHUNKS`.
     block_m, block_n, block_k: tile shape of the ``fused`` kernel (0 = the kernel's default).
     one_shot: all-reduce variant flag (used by ``matmul_all_reduce``).
-    migrate: expert migration (the MoE grouped-matmul ops across nodes, `overlap.ops.moe.migrate`): pairs
+    migrate: expert migration (the MoE grouped-matmul ops across nodes, `overlap.ops.moe.migration`): pairs
         ``(expert, node)`` (global expert id, node index of the group: nodes ordered by their lowest rank)
         whose tokens on that node are computed there with a copy of the expert's weights, which travel
         instead of the tokens (their gradients travel back). Kept sorted; empty: every token travels.

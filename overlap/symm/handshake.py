@@ -38,8 +38,8 @@ from ..errors import OverlapMismatchError
 from .layout import HS_BASE, HS_RING, HS_STRIDE, NUM_SLOTS, SIG_TEXT_BYTES, W_HS_EPOCH, signals
 
 #: Host synchronizations of this process, by kind: ``rendezvous`` (a full handshake: this rank waited until
-#: every peer had posted the call, or a full handshake across nodes, `overlap.ops.across`: one per call),
-#: ``steady`` (calls that posted their entry and went on; across nodes a hierarchical TP call's node handshake),
+#: every peer had posted the call, or a full handshake across nodes, `overlap.ops.hierarchical.agreement`: one per
+#: call), ``steady`` (calls that posted their entry and went on; across nodes a hierarchical TP call's node handshake),
 #: ``ring_wait`` (steady calls that had to wait for a peer more than `HS_RING` - 1 calls behind). Read with
 #: `overlap.symm.host_sync_counts`.
 COUNTS: collections.Counter = collections.Counter()

@@ -26,7 +26,7 @@ W_GEN_FAILED = 5  # heap generation this rank failed to create (it still arrives
 #: never cleared: every rank's next call raises). See `overlap.symm.call.Call`.
 W_ASYNC_ERR = 6
 #: ``2 * epoch`` (plus one where they did not) once this rank's counterparts on other nodes agreed on the node call
-#: of that epoch: a group across nodes' full handshake (`overlap.ops.across`)
+#: of that epoch: a group across nodes' full handshake (`overlap.ops.hierarchical.agreement`)
 W_NODE_VERDICT = 7
 
 #: Epochs stay below this: the call that reaches it re-bases every flag of the group to zero, so

@@ -33,7 +33,7 @@ from . import bound as moe_bound
 from . import cuda as moe_cuda
 from . import handle as moe_handle
 from . import layout, to_experts, to_sources
-from . import migrate as moe_migrate
+from . import migration as moe_migration
 from .handle import MoEHandle
 
 OP_COMBINE = "combine"
@@ -118,7 +118,7 @@ def _prepare(op, y, w, topk_weights, h: layout.MoELayout, strategy, plan, timeou
             w = layout.check_weights(op, w, own, y.shape[1], y.dtype, y.device, "w2")
         _check_weights_of_topk(op, topk_weights, h, info.device)
         chosen = _plan(op, h, y, w, strategy, plan, info, "1" in grads[:2])
-        moe_migrate.check_follows(op, chosen, h.migration, w is not None)
+        moe_migration.check_follows(op, chosen, h.migration, w is not None)
         return chosen, layout.call_signature(f"moe.{op}", h, y, w, chosen, grads=grads[:2]), None
 
     cc, _ = preamble(f"moe.{op}", h.group, timeout, decide)

@@ -28,7 +28,7 @@ from ..context import CallContext, autocast_inputs, no_autocast, preamble, recor
 from . import bound as moe_bound
 from . import handle as moe_handle
 from . import layout, to_experts, to_sources
-from . import migrate as moe_migrate
+from . import migration as moe_migration
 from .handle import MoEHandle
 
 OP_DISPATCH = "dispatch"
@@ -129,7 +129,7 @@ def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, gr
         problem = None if w is None else layout.moe_problem(x.shape[0], x.shape[1], w.shape[2], num_experts,
                                                         topk_idx.shape[1], x.dtype, "1" in grads)
         chosen = layout.resolve_plan(op, strategy, plan, info, x.dtype, w is not None, problem, num_experts)
-        mig = moe_migrate.prepare(op, chosen, info, num_experts, bound)  # (hosted experts)
+        mig = moe_migration.prepare(op, chosen, info, num_experts, bound)  # (hosted experts)
         idx, E = (topk_idx, num_experts) if mig is None else (mig.remap(op, topk_idx), mig.hosted * info.world_size)
         if layout.reads_route_with_counts(chosen, bound, mig):  # (read with the received counts)
             (order, routed), send_counts = layout.route_stats(idx, E), []

@@ -3,8 +3,8 @@ node and is fanned out there through the node's symmetric heap; on the way back 
 summed within the node before they cross.
 
 The topology, the node group and its heap, the counterparts, the slot header and the failure rules are
-those of `overlap.ops.nodes` (read its docstring first). Legend and row orders: `overlap.ops.moe.layout`.
-``N`` nodes of ``Q`` ranks each; rank ``(n, l)``; its counterpart on node ``m`` is ``(m, l)``.
+those of `overlap.ops.hierarchical.node_call` (read its docstring first). Legend and row orders:
+`overlap.ops.moe.layout`. ``N`` nodes of ``Q`` ranks each; rank ``(n, l)``; its counterpart on node ``m`` is ``(m, l)``.
 
 Routes (`Routes`, the same on every rank). The first transfer across nodes of a layout (the dispatch's, or the
 combine's where the dispatch ran another plan) sends every rank's ``send_counts`` (``W x L``) and, per node, how
@@ -53,9 +53,9 @@ import torch
 import torch.distributed as dist
 
 from ... import comm
-from .. import across
-from .. import nodes as hier
 from ..context import CallContext
+from ..hierarchical import node_call as hier
+from ..hierarchical.nodes import Layout, layout_of
 from . import layout
 
 
@@ -68,7 +68,7 @@ class Routes:
     """What every rank knows after the layout's exchange. ``counts[s][d][e]``: rows source ``s`` sends to
     rank ``d``'s expert ``e``; ``keys[s][m]``: distinct keys of source ``s``'s node list for node ``m``."""
 
-    lay: across.Layout
+    lay: Layout
     counts: list[list[list[int]]]
     keys: list[list[int]]
 
@@ -92,7 +92,7 @@ class Routes:
         return self.keys[s][m] == self.pairs(s, m)
 
 
-def node_lists(h: layout.MoELayout, lay: across.Layout, key_of_send: torch.Tensor):
+def node_lists(h: layout.MoELayout, lay: Layout, key_of_send: torch.Tensor):
     """Per node ``m``: ``(positions, keys, idx)`` of this rank's node list (send positions, the distinct keys
     sorted, the position of each entry's key among them)."""
     out = []
@@ -104,7 +104,7 @@ def node_lists(h: layout.MoELayout, lay: across.Layout, key_of_send: torch.Tenso
     return out
 
 
-def routes(cc: CallContext, h: layout.MoELayout, lay: across.Layout):
+def routes(cc: CallContext, h: layout.MoELayout, lay: Layout):
     """``(Routes, lists)`` of the layout (lists: this rank's `node_lists` by token). The first call on a layout
     exchanges them (`exchange_routes`) and fills ``h.recv_counts`` where they are still unknown (a dispatch); every
     later one reads them from the layout. Every rank makes the same calls on its layout (the plans agree), so
@@ -116,7 +116,7 @@ def routes(cc: CallContext, h: layout.MoELayout, lay: across.Layout):
     return got
 
 
-def exchange_routes(cc: CallContext, h: layout.MoELayout, lay: across.Layout, lists) -> Routes:
+def exchange_routes(cc: CallContext, h: layout.MoELayout, lay: Layout, lists) -> Routes:
     """Every rank's counts and distinct-key counts to every rank, in one ``all_to_all`` (bounded wait)."""
     W, L = cc.world_size, h.num_local_experts
     mine = torch.tensor([c for row in h.send_counts for c in row] + [len(k) for _, k, _ in lists], dtype=torch.int64)
@@ -150,7 +150,7 @@ def to_experts(cc: CallContext, h: layout.MoELayout, rows: torch.Tensor, row_of_
                w: torch.Tensor | None, between):
     """`overlap.ops.moe.dispatch.run`'s transfer across nodes: ``(recv, out)`` as there; `row_of_send` is
     ``h.token_of``."""
-    lay = across.layout_of(cc.info)
+    lay = layout_of(cc.info)
     with hier.guard(cc, lay):
         rt, lists = routes(cc, h, lay)
         W, N, r, n0 = cc.world_size, lay.num_nodes, cc.rank, lay.node
@@ -215,7 +215,7 @@ def to_experts(cc: CallContext, h: layout.MoELayout, rows: torch.Tensor, row_of_
             call.finish()
 
 
-def _take_blocks(cc, h, lay: across.Layout, rt: Routes, call, area_of, m: int, recv, out, w) -> None:
+def _take_blocks(cc, h, lay: Layout, rt: Routes, call, area_of, m: int, recv, out, w) -> None:
     """The rows for this rank of every source on node `m`, from area `m` of the node rank that received them
     (our own rows first), into `recv` by expert; each block times its expert's weight into `out`."""
     r, L = cc.rank, h.num_local_experts
@@ -254,7 +254,7 @@ def to_sources(cc: CallContext, h: layout.MoELayout, y: torch.Tensor, w: torch.T
                weights: torch.Tensor) -> torch.Tensor:
     """`overlap.ops.moe.combine.run`'s transfer across nodes with `weights` (``[T, K]``): the weighted sum
     ``[T, N]`` (each node's rows of a token summed there)."""
-    lay = across.layout_of(cc.info)
+    lay = layout_of(cc.info)
     with hier.guard(cc, lay):
         rt, lists = routes(cc, h, lay)
         W, N, Q, r, n0, l0 = cc.world_size, lay.num_nodes, lay.ranks_per_node, cc.rank, lay.node, lay.local

@@ -58,7 +58,7 @@ class MoELayout:
         expert_offsets: ``[L][W]``: first row of block ``(e, s)`` in ``x_recv``.
         order: int64 tensor ``[P]`` (on the tokens' device): the pair at each send position.
         max_tokens_per_rank: the dispatch's bound ``B`` (`overlap.ops.moe.bound`), None for exact counts.
-        migration: the plan's `overlap.ops.moe.migrate.Migration` (``E``, ``L`` above are then the hosted ones).
+        migration: the plan's `overlap.ops.moe.migration.Migration` (``E``, ``L`` above are then the hosted ones).
         across: what the layout's first transfer across nodes learned of every rank's routes
             (`overlap.ops.moe.hierarchical.routes`), kept for its other transfers.
         routed: a dispatch whose counts travel by `exchange_counts`: this rank's pairs per global expert, then

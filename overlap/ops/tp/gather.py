@@ -42,7 +42,7 @@ import torch
 from ... import comm, symm
 from ...symm import p2p
 from ..context import CallContext
-from .hierarchical import HierGather
+from .hierarchical_gather import HierGather
 from .rows import Rows
 
 
@@ -274,7 +274,7 @@ def start(kind: str, call, x2: torch.Tensor, cc: CallContext, need: int = 0, row
     ``p``'s at ``p*m``); see the module docstring.
 
     ``hierarchical`` (a group spanning nodes; on one node the plan is ``symm``): the rows through
-    `overlap.ops.tp.hierarchical.HierGather`, whose node slot holds `need` bytes at least (a call made while the
+    `overlap.ops.tp.hierarchical_gather.HierGather`, whose node slot holds `need` bytes at least (a call made while the
     gather is in flight fits in it)."""
     m = x2.shape[0]
     ro = Rows.flat(cc.world_size, m) if rows is None else rows

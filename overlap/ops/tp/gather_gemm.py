@@ -14,7 +14,7 @@ Strategies (same results; `reference` is the oracle):
 * ``fused``: one Triton kernel (`overlap.kernels.all_gather_matmul`); each tile waits on the flag of the
   rank chunk it reads and loads it straight from that rank's buffer. Ranks of one node; on CPU
   ranks it runs interpreted (correct, slow: for tests at small sizes).
-* ``hierarchical``: groups spanning nodes (`overlap.ops.tp.hierarchical`): each block sent once to each other
+* ``hierarchical``: groups spanning nodes (`overlap.ops.tp.hierarchical_gather`): each block sent once to each other
   node (the rank with the same index there), forwarded within the node by shared memory as each network
   chunk lands; every chunk's GEMM as it arrives. (On one node the plan is ``symm``.)
 
@@ -31,7 +31,7 @@ from ...errors import OverlapTimeout
 from ...plans import Plan
 from .. import fused
 from ..context import CallContext
-from ..nodes import guard
+from ..hierarchical.node_call import guard
 from . import gather
 from .operands import Weights
 from .rows import Rows
@@ -120,7 +120,7 @@ def _fused(cc: CallContext, call, a2, bs, keep_gathered, rows):
 
 
 def _hierarchical(cc: CallContext, call, a2, bs, keep_gathered, rows):
-    """Across nodes: `overlap.ops.tp.hierarchical.HierGather` under `gather` (on one node the plan is ``symm``:
+    """Across nodes: `overlap.ops.tp.hierarchical_gather.HierGather` under `gather` (on one node the plan is ``symm``:
     `overlap.plans.auto.fit_plan`)."""
     with guard(cc):
         return _gathered(cc, call, a2, bs, keep_gathered, rows)

@@ -2,7 +2,7 @@
 group that spans nodes, each partial summed within its node before it crosses the network once.
 
 The topology, the node heap, the slot header, the counterparts and the failure rules are those of
-`overlap.ops.nodes` (read its docstring first).
+`overlap.ops.hierarchical.node_call` (read its docstring first).
 
 Reduce-scatter (`reduce_scatter_parts`). Destination ``d = (n', l')`` gets rows ``parts[d]`` of
 ``sum_r a_r @ b_r``. Rank ``(n, l)`` computes the partial of every destination chunk by chunk and writes it
@@ -21,7 +21,7 @@ producer says "chunk ``j`` of my partial for your destination on node ``n'`` is 
 
 All-reduce (`all_reduce`): the rows cut into ``W`` parts of ``ceil(M / W)`` rows (as ``symm``'s two-shot),
 the reduce-scatter above into the first half of the flags, then the reduced parts gathered by
-`overlap.ops.tp.hierarchical.HierGather` in the same slot (second half of the flags): every rank ends with
+`overlap.ops.tp.hierarchical_gather.HierGather` in the same slot (second half of the flags): every rank ends with
 bitwise the same output. ``Plan.one_shot`` is ignored across nodes.
 """
 
@@ -32,10 +32,11 @@ from collections.abc import Callable
 import torch
 
 from ... import comm, symm
-from ..across import InData, Layout, layout_of
 from ..context import CallContext
-from ..nodes import HEADER_BYTES, Poison, begin_node, guard, padded, wait_local
-from .hierarchical import HierGather
+from ..hierarchical.agreement import InData
+from ..hierarchical.node_call import HEADER_BYTES, Poison, begin_node, guard, padded, wait_local
+from ..hierarchical.nodes import Layout, layout_of
+from .hierarchical_gather import HierGather
 from .operands import Gemm
 from .rows import Product, Rows
 from .sums import LOW, sum_in_order
@@ -48,7 +49,8 @@ def reduce_bytes(rows: int, n: int, dtype: torch.dtype, world_size: int) -> int:
 
 def reduce_scatter(cc: CallContext, xcall: InData, prod: Product, out: torch.Tensor | None = None) -> torch.Tensor:
     """``matmul_reduce_scatter`` across nodes: `prod` (``[W*m, k] @ [k, n]``, rank-major: one outer block), this
-    rank's ``[m, n]`` of the sum (into `out` if given). `xcall`: the group's call (`overlap.ops.across.InData`)."""
+    rank's ``[m, n]`` of the sum (into `out` if given). `xcall`: the group's call
+    (`overlap.ops.hierarchical.agreement.InData`)."""
     lay = layout_of(cc.info)
     W, n, m = cc.world_size, prod.n, prod.m
     with guard(cc, lay):

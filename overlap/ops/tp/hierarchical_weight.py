@@ -1,5 +1,5 @@
 """``all_gather_weight_matmul``'s ``hierarchical`` strategy: the weight's shards (rows of ``w``, ``[n, k]`` per
-rank) gathered across nodes as `overlap.ops.tp.hierarchical.HierGather` gathers rows: each shard over the network
+rank) gathered across nodes as `overlap.ops.tp.hierarchical_gather.HierGather` gathers rows: each shard over the network
 once per node, to the owner's counterparts, forwarded within each node through its symmetric heap. On a group
 of one node the plan is the op's ``symm`` (`overlap.plans.auto.fit_plan`).
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..context import CallContext
-from .hierarchical import HierGather
+from .hierarchical_gather import HierGather
 
 
 def start(shard_NK: torch.Tensor, cc: CallContext, xcall, need: int = 0):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import time
 
 from ..plans import OPS, Problem, ops_of
 
@@ -175,46 +174,13 @@ def problems_of(config: TuneConfig, world_size: int) -> list[Problem]:
     return list(dict.fromkeys(problems))  # a shape given twice (or by the model too) is tuned once
 
 
-def _duration(seconds: float) -> str:
-    """``42 s``, ``6 min 05 s``."""
-    seconds = round(seconds)
-    return f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60:02d} s"
-
-
-class Progress:
-    """A one-line progress bar on rank 0 (stderr): the fraction done, the candidate being measured, the time
-    so far and, once a problem is done, an estimate of the time left (large problems take minutes)."""
-
-    def __init__(self, enabled: bool, width: int = 28):
-        self.enabled, self.width = enabled, width
-        self.tty = sys.stderr.isatty()
-        self.last = 0.0
-        self.start = time.monotonic()
-
-    def __call__(self, text: str, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if not self.tty and now - self.last < 2.0 and done < total:
-            return  # a log, not a terminal: a line every 2 s
-        self.last = now
-        filled = self.width * done // max(total, 1)
-        elapsed = now - self.start
-        left = f", ~{_duration(elapsed * (total - done) / done)} left" if 0 < done < total else ""
-        line = f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} {text} ({_duration(elapsed)}{left})"
-        if self.tty:
-            sys.stderr.write("\r\033[K" + line[:200] + ("\n" if done >= total else ""))
-        else:
-            sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-
-
 def tune_rank(config: TuneConfig) -> list[str]:
     """On every rank: the profile, the search, the file (rank 0 writes it); returns rank 0's report."""
     import torch.distributed as dist
 
     from .. import world
-    from .search import tune
+    from ..progress import ProgressBar
+    from ..tune.search import tune
 
     info = world.group_info()
     problems = problems_of(config, info.world_size)
@@ -222,7 +188,7 @@ def tune_rank(config: TuneConfig) -> list[str]:
     routing = parse_routing(config.routing) if config.routing is not None else None
     pf, outcomes = tune(problems, profile=profile, measure=config.measure, repeats=config.repeats,
                         warmup=config.warmup, timeout=config.timeout, routing=routing,
-                        progress=Progress(info.rank == 0))
+                        progress=ProgressBar(info.rank == 0).count)
     lines = report(outcomes, info, profile)
     if routing is not None:
         lines.insert(1, f"MoE routing as given: {config.routing} (normalized per node)")
@@ -235,7 +201,7 @@ def tune_rank(config: TuneConfig) -> list[str]:
 
 
 def _profile(how: str, verbose: bool):
-    from .probing import probe, probe_cached
+    from ..tune.probing import probe, probe_cached
 
     if how == "none":
         return None  # the search then uses the default profile
@@ -272,9 +238,9 @@ def report(outcomes, info, profile) -> list[str]:
 
 def probe_rank(refresh: bool, quick: bool) -> list[str]:
     """``overlap info --probe`` on every rank: the cached (or new) profile, formatted on rank 0."""
-    from .cache import cache_path
-    from .fits import format_profile
-    from .probing import probe, probe_cached
+    from ..tune.cache import cache_path
+    from ..tune.fits import format_profile
+    from ..tune.probing import probe, probe_cached
 
     profile = probe(quick=True) if quick else probe_cached(refresh=refresh)
     return [format_profile(profile), "" if quick else f"cached in {cache_path()}"]

@@ -1,10 +1,15 @@
-"""A progress bar on rank 0's stderr: how far the run is, and the case and strategy at hand.
+"""The progress bar of the long commands (``overlap bench``, ``overlap tune``, ``overlap demo``), on rank 0's
+stderr: how far the run is, what runs now, the time so far and, where the work is counted (`ProgressBar.count`),
+an estimate of the time left.
 
 On a terminal the bar is one line redrawn in place (at most every `ProgressBar.TTY_INTERVAL_S`);
 written to a file or a pipe (CI logs, ``2>log``) it is a new line at most every `interval_s`
 seconds, plus the first and the last, so a log shows steady progress without thousands of lines.
 Lines the caller prints through `ProgressBar.line` (one per case) are never throttled and never
-overwritten. The pieces of a case report to it through a `Progress` callback (`quiet`: to nobody).
+overwritten. The pieces of a benchmark case report to it through a `Progress` callback (`quiet`: to nobody); the
+tuner's search through `ProgressBar.count`.
+
+Imports nothing of `overlap`: every layer that runs long work may show it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,12 @@ Progress = Callable[[float, str], None]
 
 def quiet(fraction: float, text: str) -> None:
     """The `Progress` that shows nothing: every rank but rank 0's, and callers without a bar (`session`)."""
+
+
+def duration(seconds: float) -> str:
+    """``42 s``, ``6 min 05 s``."""
+    seconds = round(seconds)
+    return f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60:02d} s"
 
 
 class ProgressBar:
@@ -41,12 +52,24 @@ class ProgressBar:
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
-    def render(self, fraction: float, text: str, clock: bool = True) -> str:
+    def render(self, fraction: float, text: str, clock: bool = True, time_left: bool = False) -> str:
         fraction = min(1.0, max(0.0, fraction))
         filled = int(self.width * fraction)
         done = min(self.total, int(fraction * self.total))
-        tail = f" ({self.elapsed():.0f} s)" if clock else ""
+        elapsed = self.elapsed()
+        left = f", ~{duration(elapsed * (1 - fraction) / fraction)} left" if time_left and 0 < fraction < 1 else ""
+        tail = f" ({duration(elapsed)}{left})" if clock else ""
         return f"[{'#' * filled}{'.' * (self.width - filled)}] {100 * fraction:3.0f}% {done}/{self.total} {text}{tail}"
+
+    def count(self, text: str, done: int, total: int) -> None:
+        """The bar at `done` of `total` units of work (the tuner's measurements), with an estimate of the time left
+        once some are done; the last unit finishes the bar."""
+        self.total = max(1, total)
+        if done >= total:
+            self.finish(text)
+        elif self.enabled and time.perf_counter() - self._last >= self.interval_s:
+            self._last = time.perf_counter()
+            self._write(self.render(done / self.total, text, time_left=True))
 
     def update(self, fraction: float, text: str) -> None:
         """Show the bar at `fraction` done, with `text` (what runs now), unless shown too recently."""

@@ -2,7 +2,7 @@
 point-to-point between nodes, composed in one call; this module is the all-gather (`HierGather`), which
 `all_gather_matmul`, the backward of `matmul_reduce_scatter` and `all_gather_weight_matmul` run;
 `overlap.ops.tp.hierarchical_reduce` sums. The node layout, the node heap's handshake and failures:
-`overlap.ops.nodes`.
+`overlap.ops.hierarchical.node_call`.
 
 Problem. On a group that spans nodes, ``pipelined`` exchanges every block with every remote rank: in an
 all-gather on 2 nodes x 2 ranks each remote block crosses the slow link once per receiving rank (twice).
@@ -10,7 +10,8 @@ Here every datum crosses the network once per node: a block goes to one rank of 
 forwards it to its node's other ranks through the node's symmetric heap; partial sums are summed within
 the node before they cross.
 
-Slot layout (every rank's slot): the node header (`overlap.ops.nodes.HEADER_BYTES`), then one block per node.
+Slot layout (every rank's slot): the node header (`overlap.ops.hierarchical.node_call.HEADER_BYTES`), then one block
+per node.
 
 All-gather (`HierGather`). Rank ``(n, l)`` first posts the network: its rows to each counterpart, each
 counterpart's rows into its gathered tensor (network chunks), so they travel during the node's handshake. It then
@@ -30,9 +31,10 @@ from __future__ import annotations
 import torch
 
 from ... import comm, symm, world
-from ..across import InData, Layout, layout_of
 from ..context import CallContext
-from ..nodes import HEADER_BYTES, Poison, begin_node, guard, padded, wait_local
+from ..hierarchical.agreement import InData
+from ..hierarchical.node_call import HEADER_BYTES, Poison, begin_node, guard, padded, wait_local
+from ..hierarchical.nodes import Layout, layout_of
 
 # ----------------------------------------------------------------------------------------------
 # The all-gather: every rank's rows, each remote block over the network once per node
@@ -44,12 +46,12 @@ class HierGather:
     ``(row_lo, row_hi, rows)`` of the gathered tensor as they arrive, `gathered` is the whole of it,
     `close` ends the call.
 
-    xcall: the group's call (`overlap.ops.across.InData`: its counterparts carry the network's messages and the
-    agreement across nodes), which `close` finishes where `ends_call`. x2: this rank's rows ``[parts[rank], k]``;
-    parts: ``(lo, hi)`` rows of every group rank in the gathered tensor; full: the gathered tensor (None: a new
-    one). call: a node call already begun (then `offset` and the flags ``flag_base ... flag_base + flag_budget``
-    are this gather's part of its slot), else the gather begins and ends its own with `need` bytes at least.
-    deferred: this rank's rows are not there yet: each range is sent and flagged by `publish` as it is ready
+    xcall: the group's call (`overlap.ops.hierarchical.agreement.InData`: its counterparts carry the network's
+    messages and the agreement across nodes), which `close` finishes where `ends_call`. x2: this rank's rows
+    ``[parts[rank], k]``; parts: ``(lo, hi)`` rows of every group rank in the gathered tensor; full: the gathered
+    tensor (None: a new one). call: a node call already begun (then `offset` and the flags ``flag_base ... flag_base +
+    flag_budget`` are this gather's part of its slot), else the gather begins and ends its own with `need` bytes at
+    least. deferred: this rank's rows are not there yet: each range is sent and flagged by `publish` as it is ready
     (chunked for the network within the node too).
     """
 

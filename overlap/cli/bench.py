@@ -14,9 +14,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from . import compare
-from .models import TP_PRESETS, tp_problem
-from .names import BENCH_OPS, MOE_OPS, MoEShape
+from ..benchmarks import compare
+from ..benchmarks.models import TP_PRESETS, tp_problem
+from ..benchmarks.names import BENCH_OPS, MOE_OPS, MoEShape
 
 #: the suffixes ``--plot`` writes (matplotlib's raster and vector formats most people open)
 PLOT_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg", "eps", "ps", "webp", "tif", "tiff")
@@ -50,8 +50,8 @@ def cases_of(
         kinds = " or ".join(dict.fromkeys("T,H,F,E,K or a preset" if op in MOE_OPS else "MxKxN or a preset"
                                           for op in missing))
         raise ValueError(f"--shape gives no shape for {', '.join(missing)} ({kinds})")
-    from .cases import preset_cases  # torch: only once the arguments are known to be right
-    from .definitions import Case, MoECase
+    from ..benchmarks.cases import preset_cases  # torch: only once the arguments are known to be right
+    from ..benchmarks.definitions import Case, MoECase
 
     dtype = dtype or "float32"
     cases: list[Any] = []
@@ -77,7 +77,7 @@ def check_defaults(ops: Sequence[str], modes: Sequence[str], dtype: str | None, 
     """Raise ValueError where none of the default cases of `ops` runs on `world_size` ranks of `device_type`
     (the run would have nothing to do), with the reasons; the runner leaves out those that do not fit and
     says how many ran of how many in its summary."""
-    from .cases import default_cases
+    from ..benchmarks.cases import default_cases
 
     left_out: list[str] = []
     cases = default_cases(ops, device_type, dtype, modes, world_size, left_out)
@@ -129,7 +129,7 @@ def check_outputs(json_path: str | None, plot_path: str | None, compare_path: st
             check_output_path(option, path)
     if plot_path is not None:
         check_plot_format(plot_path)
-        from .plot import require_matplotlib
+        from ..benchmarks.plot import require_matplotlib
 
         try:
             require_matplotlib()
@@ -152,7 +152,7 @@ def after_run(json_path: str, earlier: dict[str, Any] | None, compare_path: str 
     if earlier is not None:
         lines += ["", *compare.compare(earlier, current, compare_path or "earlier")]
     if plot_path is not None:
-        from .plot import plot
+        from ..benchmarks.plot import plot
 
         try:
             plot(current, plot_path)

@@ -1,5 +1,5 @@
-"""The cost model's pipelines of the ``hierarchical`` strategy (`overlap.ops.tp.hierarchical`) on groups that span
-nodes: each datum over the network once per node, the node's ranks served by copies through its heap.
+"""The cost model's pipelines of the ``hierarchical`` strategy (`overlap.ops.tp.hierarchical_gather`) on groups that
+span nodes: each datum over the network once per node, the node's ranks served by copies through its heap.
 
 Each function takes the cost model's `overlap.plans.costmodel._Model` (``x``: its plan, profile, message and
 GEMM costs, ``nodes``, ``local_ranks``, ``local_link``) and adds one pipeline to its schedule, as the model's

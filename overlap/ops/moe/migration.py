@@ -2,7 +2,7 @@
 instead of the tokens to the expert (the HybridEP idea).
 
 Which experts. ``Plan.migrate`` lists pairs ``(expert e, node m)`` (nodes of the group ordered by their
-lowest rank, as in `overlap.ops.nodes`). It is fixed per layer in the plan, not decided per call from
+lowest rank, as in `overlap.ops.hierarchical.node_call`). It is fixed per layer in the plan, not decided per call from
 the routing, and is part of the call signature (`Plan.describe`), so every rank agrees on it. The ops it
 applies to are the grouped-matmul forms (`dispatch_grouped_matmul`, `grouped_matmul_combine`, and
 `overlap.nn.ExpertParallelMLP` through them), on groups that span nodes; plain `dispatch`/`combine` raise
@@ -47,9 +47,9 @@ import torch.distributed as dist
 from ... import comm, world
 from ...errors import OverlapError, OverlapTimeout
 from ...plans import Plan
-from .. import across
-from .. import nodes as hier
 from ..context import CallContext
+from ..hierarchical import node_call as hier
+from ..hierarchical.nodes import Layout, layout_of, report_dead
 from . import layout
 
 #: what the grouped-matmul ops call the weights they fetch
@@ -66,7 +66,7 @@ class Migration:
     """
 
     pairs: tuple[tuple[int, int], ...]
-    lay: across.Layout
+    lay: Layout
     num_experts: int
     own: int
     copies: tuple[tuple[int, ...], ...]
@@ -216,7 +216,7 @@ def _exchange(cc: CallContext, sends: list[tuple[torch.Tensor, int]], recvs: lis
                 cc.wait(work, peer, what)
             except OverlapError as exc:
                 if not isinstance(exc, OverlapTimeout) or info.gone(peer):  # its connection closed: it died
-                    hier.report_dead(cc.info, peer)
+                    report_dead(cc.info, peer)
                 raise
 
 
@@ -229,7 +229,7 @@ def prepare(op: str, chosen: Plan, info: world.GroupInfo, num_experts: int, boun
     if bound is not None:
         raise ValueError(f"overlap.moe.{op}: plan.migrate with max_tokens_per_rank is not implemented in this "
                          "version; drop one of them")
-    lay = across.layout_of(info)
+    lay = layout_of(info)
     copies: list[list[int]] = [[] for _ in lay.nodes]
     for e, m in chosen.migrate:
         copies[m].append(e)

@@ -1,19 +1,19 @@
 """Groups that span nodes: the plumbing that ``hierarchical`` shares between the TP ops
-(`overlap.ops.tp.hierarchical`, `overlap.ops.tp.hierarchical_reduce`) and the MoE ops
-(`overlap.ops.moe.hierarchical`, `overlap.ops.moe.migrate`): the node's call on its heap, waits on the node's
+(`overlap.ops.tp.hierarchical_gather`, `overlap.ops.tp.hierarchical_reduce`) and the MoE ops
+(`overlap.ops.moe.hierarchical`, `overlap.ops.moe.migration`): the node's call on its heap, waits on the node's
 flags, failures.
 
-Topology (`overlap.ops.across.Layout`). The group's nodes, ordered by their lowest group rank; the ranks of a node
-in group rank order; ``(node, local)`` names a rank. ``hierarchical`` needs every node to hold the same number of
+Topology (`overlap.ops.hierarchical.nodes.Layout`). The group's nodes, ordered by their lowest group rank; the ranks of
+a node in group rank order; ``(node, local)`` names a rank. ``hierarchical`` needs every node to hold the same number of
 ranks ``L`` (ValueError otherwise, from `overlap.plans.auto.fit_plan`, in the preamble). Rank ``(n, l)``'s
 **counterparts** are the ranks ``(n', l)`` of the other nodes: all network traffic is between counterparts,
 chunked for the ``network`` link (`Plan.chunks_for("network")`); traffic within a node goes through the node's
 heap, chunked for the node's link (``shm`` on CPU ranks).
 
-The node's heap belongs to the **node group** (`overlap.ops.across.node_group`). A call makes the group's
-handshake (`CallContext.begin`: across nodes `overlap.ops.across`, for the TP ops in their data), then the node's
-handshake (`begin_node`, the same signature; the TP ops' in its steady state) and runs on a slot of the node heap.
-Every slot starts with a `HEADER_BYTES` header (int64 ``dead + 1``: a failed remote rank this rank saw, else 0;
+The node's heap belongs to the **node group** (`overlap.ops.hierarchical.nodes.node_group`). A call makes the group's
+handshake (`CallContext.begin`: across nodes `overlap.ops.hierarchical.agreement`, for the TP ops in their data), then
+the node's handshake (`begin_node`, the same signature; the TP ops' in its steady state) and runs on a slot of the node
+heap. Every slot starts with a `HEADER_BYTES` header (int64 ``dead + 1``: a failed remote rank this rank saw, else 0;
 the kind of an error that ended the call on this rank and its text); the op's areas follow.
 
 Failures. Every wait has the call's deadline. A network wait that fails (the counterpart's process died:
@@ -36,25 +36,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from .. import comm, symm
-from ..errors import OverlapError, OverlapMismatchError, OverlapTimeout
-from .across import (
-    FAILED,
-    MISMATCH,
-    Counterparts,
-    Layout,
-    dead_key,
-    get_text,
-    layout_of,
-    node_heap,
-    put_text,
-    report_dead,
-)
-from .context import CallContext
+from ... import comm, symm
+from ...errors import OverlapError, OverlapMismatchError, OverlapTimeout
+from ..context import CallContext
+from .agreement import FAILED, MISMATCH, Counterparts, get_text, put_text
+from .nodes import Layout, dead_key, layout_of, node_heap, report_dead
 
 #: bytes of a slot's header: int64 ``dead + 1`` (a failed remote rank this rank saw, else 0), the kind of an error
-#: that ended the call on this rank (`overlap.ops.across.MISMATCH` or ``FAILED``, else 0), its text's length, then
-#: the text
+#: that ended the call on this rank (`overlap.ops.hierarchical.agreement.MISMATCH` or ``FAILED``, else 0), its text's
+#: length, then the text
 HEADER_BYTES = 512
 _TEXT_AT = 32
 
@@ -114,7 +104,7 @@ def _dead_text(cc: CallContext, lay: Layout, dead: int, how: str) -> str:
 
 # ----------------------------------------------------------------------------------------------
 # Point-to-point between counterparts (bytes to other nodes counted by `overlap.comm`): the MoE ops' (after the
-# full handshake); the TP ops' go through their call's `overlap.ops.across.Counterparts`
+# full handshake); the TP ops' go through their call's `overlap.ops.hierarchical.agreement.Counterparts`
 # ----------------------------------------------------------------------------------------------
 
 
@@ -139,7 +129,7 @@ class Poison:
     """What a rank does when a network wait fails: mark its header, raise every flag it owns in the call
     (`flags`: the indices), record the dead rank in the store; then the error is raised. `error`: the same for any
     other error that ends the call on this rank (its kind and text in the header). `cp`: the call's counterparts
-    (`overlap.ops.across.Counterparts`), whose waits also read the peer's trailer."""
+    (`overlap.ops.hierarchical.agreement.Counterparts`), whose waits also read the peer's trailer."""
 
     def __init__(self, cc: CallContext, lay: Layout, call: symm.Call, flags: list[int],
                  cp: Counterparts | None = None):
