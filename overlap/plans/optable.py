@@ -3,7 +3,7 @@
 One `OpSpec` per op in `OPS`: its family (``tp`` or ``moe``), the rows of a rank's input and output,
 its FLOPs and the bytes its plain collectives move per link class, which links each strategy chunks
 for, its cost (driving the cost model's pipelines) and the strategies it has. The cost model
-(`costmodel`), ``strategy="auto"``'s problem (`overlap.ops.tp.entry`, `overlap.ops.moe.layout`), the tuner and
+(`costmodel`), ``strategy="auto"``'s problem (`overlap.ops.tp.entry`, `overlap.ops.moe.entry`), the tuner and
 the benchmark cases read this table; none of them switches on op names. What it takes to run an op on made-up
 data (inputs, the call, the oracle, the plain collectives, the plain-torch baseline) is its workload, one
 layer up (`overlap.workloads`).

@@ -31,8 +31,8 @@ from .. import library
 from ..context import CallContext, autocast_inputs, describe, no_autocast, preamble, record
 from . import bound as moe_bound
 from . import cuda as moe_cuda
+from . import entry, grouped, layout, to_experts, to_sources
 from . import handle as moe_handle
-from . import layout, to_experts, to_sources
 from . import migration as moe_migration
 from .handle import MoEHandle
 
@@ -88,26 +88,26 @@ def _call(op, y, w, topk_weights, handle, strategy, plan, timeout) -> torch.Tens
         raise TypeError(f"overlap.moe.{op}: handle must come from overlap.moe.dispatch, got {type(handle).__name__}")
     args = library.call_args(None, strategy, plan, timeout)
     if w is not None:
-        w = layout.stacked(w)
+        w = entry.stacked(w)
     if args is None or not library.tensors(y, topk_weights) or (w is not None and not library.tensors(w)):
         h = moe_handle.layout_of(handle.key, op)
         _prepare(op, y, w, topk_weights, h, strategy, plan, timeout, "")  # raises, peers told
         raise TypeError(f"overlap.moe.{op}: unsupported arguments")  # pragma: no cover - _prepare raised
     if w is not None:
         y, w = autocast_inputs(y, w)
-    out, _, _ = _op(y, w, topk_weights, handle.key, *args[1:], layout.grad_flags(y, w, topk_weights))
+    out, _, _ = _op(y, w, topk_weights, handle.key, *args[1:], entry.grad_flags(y, w, topk_weights))
     return out
 
 
 def _prepare(op, y, w, topk_weights, h: layout.MoELayout, strategy, plan, timeout, grads: str):
     """Local checks, plan and signature in the dispatch's group (`overlap.ops.context.preamble`: a local
-    mistake raises on every rank). `grads`: `layout.grad_flags` of ``(y, w, topk_weights)``. Returns ``(y,
+    mistake raises on every rank). `grads`: `entry.grad_flags` of ``(y, w, topk_weights)``. Returns ``(y,
     w, layout with this call's deadline, context of this call)``."""
 
     def decide(cc: CallContext):
         nonlocal w
         info = cc.info
-        layout.check_tokens(op, y, info.device, "the expert rows")
+        entry.check_tokens(op, y, info.device, "the expert rows")
         rows = h.num_recv if h.max_tokens_per_rank is None else moe_bound.capacity(
             info.world_size, h.max_tokens_per_rank, h.top_k, h.num_local_experts)
         if y.shape[0] != rows:
@@ -115,11 +115,11 @@ def _prepare(op, y, w, topk_weights, h: layout.MoELayout, strategy, plan, timeou
                              f"got {describe(y)}")
         if w is not None:
             own = h.num_local_experts if h.migration is None else h.migration.own  # (not the hosted copies)
-            w = layout.check_weights(op, w, own, y.shape[1], y.dtype, y.device, "w2")
+            w = entry.check_weights(op, w, own, y.shape[1], y.dtype, y.device, "w2")
         _check_weights_of_topk(op, topk_weights, h, info.device)
         chosen = _plan(op, h, y, w, strategy, plan, info, "1" in grads[:2])
         moe_migration.check_follows(op, chosen, h.migration, w is not None)
-        return chosen, layout.call_signature(f"moe.{op}", h, y, w, chosen, grads=grads[:2]), None
+        return chosen, entry.call_signature(f"moe.{op}", h, y, w, chosen, grads=grads[:2]), None
 
     cc, _ = preamble(f"moe.{op}", h.group, timeout, decide)
     return y, w, _with_deadline(h, cc.timeout), cc
@@ -127,9 +127,9 @@ def _prepare(op, y, w, topk_weights, h: layout.MoELayout, strategy, plan, timeou
 
 def _plan(op, h: layout.MoELayout, y, w, strategy, plan, info, needs_grad: bool) -> Plan:
     experts = h.num_experts if h.migration is None else h.migration.num_experts  # (the dispatch's own E)
-    problem = None if w is None else layout.moe_problem(h.num_tokens, w.shape[2], y.shape[1], experts,
+    problem = None if w is None else entry.moe_problem(h.num_tokens, w.shape[2], y.shape[1], experts,
                                                     h.top_k, y.dtype, needs_grad)
-    return layout.resolve_plan(op, strategy, plan, info, y.dtype, w is not None, problem, experts)
+    return entry.resolve_plan(op, strategy, plan, info, y.dtype, w is not None, problem, experts)
 
 
 def _with_deadline(h: layout.MoELayout, timeout: float) -> layout.MoELayout:
@@ -166,10 +166,10 @@ def _forward(y, w, topk_weights, key, strategy, plan, timeout, grads):
     context = library.context_out((cc.plan, h), needs_grad)
     with record(cc.op), no_autocast(h.info.device.type):
         if moe_cuda.sums_on_device(y, topk_weights, cc.plan, needs_grad) or (
-                layout.sums_in_node(cc) and grads[2] == "0"):  # (the rows are kept only for topk_weights' grad)
+                entry.sums_in_node(cc) and grads[2] == "0"):  # (the rows are kept only for topk_weights' grad)
             return to_sources.run(h, y, w, cc, weights=topk_weights), y.new_empty(0), context
         back = to_sources.run(h, y, w, cc)
-        return layout.weighted_sum(back, topk_weights, y.dtype), back if needs_grad else y.new_empty(0), context
+        return grouped.weighted_sum(back, topk_weights, y.dtype), back if needs_grad else y.new_empty(0), context
 
 
 def _fake(y, w, topk_weights, key, strategy, plan, timeout, grads):
@@ -211,16 +211,16 @@ def _backward(grad_back, y, w, context, need_y, need_w):
     padded_y, y = y, moe_bound.exact(y, h)  # a bounded dispatch's padding rows: a zero gradient
     with no_autocast(h.info.device.type):
         if w is None:
-            cc = layout.follow_up(h, f"moe.{op}.backward", grad_back, None, chosen)
+            cc = entry.follow_up(h, f"moe.{op}.backward", grad_back, None, chosen)
             grad_y, _ = to_experts.run(h, grad_back, h.order, None, cc)
             return library.grads_out(moe_bound.grad_padded(grad_y, padded_y), None, y, y)
         w = w if h.migration is None else h.migration.extend(w, "w2")  # the hosted experts, as in the forward
         w_t = w.transpose(1, 2) if need_y else None
         if w_t is None and chosen.strategy == "fused":
             chosen = Plan("symm", chosen.num_chunks)  # no GEMM to fuse: the rows alone travel as in symm
-        cc = layout.follow_up(h, f"moe.{op}.backward", grad_back, w_t, chosen)
+        cc = entry.follow_up(h, f"moe.{op}.backward", grad_back, w_t, chosen)
         grad_rows, grad_y = to_experts.run(h, grad_back, h.order, w_t, cc, keep_rows=True)
-        grad_w = layout.grouped_weight_grad(y, grad_rows, h, w) if need_w else None
+        grad_w = grouped.grouped_weight_grad(y, grad_rows, h, w) if need_w else None
         if grad_w is not None and h.migration is not None:  # the copies' gradients to their owners
             grad_w = h.migration.give_back(grad_w, "w2", cc)
     return library.grads_out(moe_bound.grad_padded(grad_y, padded_y) if need_y else None, grad_w, y, y)

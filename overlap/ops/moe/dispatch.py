@@ -26,8 +26,8 @@ import torch.distributed as dist
 from .. import library
 from ..context import CallContext, autocast_inputs, no_autocast, preamble, record
 from . import bound as moe_bound
+from . import entry, grouped, layout, to_experts, to_sources
 from . import handle as moe_handle
-from . import layout, to_experts, to_sources
 from . import migration as moe_migration
 from .handle import MoEHandle
 
@@ -95,7 +95,7 @@ def _call(op, x, topk_idx, w, num_experts, group, strategy, plan, timeout, bound
     tell the peers) instead."""
     args = library.call_args(group, strategy, plan, timeout)
     if w is not None:
-        w = layout.stacked(w)
+        w = entry.stacked(w)
     if (args is None or not library.tensors(x, topk_idx) or (w is not None and not library.tensors(w))
             or isinstance(num_experts, bool) or not isinstance(num_experts, int)
             or (bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)))):
@@ -103,7 +103,7 @@ def _call(op, x, topk_idx, w, num_experts, group, strategy, plan, timeout, bound
         raise TypeError(f"overlap.moe.{op}: unsupported arguments")  # pragma: no cover - _prepare raised
     if w is not None:
         x, w = autocast_inputs(x, w)
-    grads = layout.grad_flags(x) if w is None else layout.grad_flags(x, w)
+    grads = entry.grad_flags(x) if w is None else entry.grad_flags(x, w)
     L = num_experts // dist.get_world_size(group)
     if bound is None:
         out, _, key = _op(x, topk_idx, w, num_experts, *args, grads)
@@ -114,29 +114,29 @@ def _call(op, x, topk_idx, w, num_experts, group, strategy, plan, timeout, bound
 
 def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, grads: str, bound=None):
     """Local checks, plan, routing and signature (`overlap.ops.context.preamble`: a local mistake raises on
-    every rank). `grads`: `layout.grad_flags` of ``x`` (and ``w``), read by the caller. Returns ``(x, w,
+    every rank). `grads`: `entry.grad_flags` of ``x`` (and ``w``), read by the caller. Returns ``(x, w,
     layout)``; the layout holds the dispatch's call context."""
 
     def decide(cc: CallContext):
         nonlocal w
         info = cc.info
-        L = layout.check_experts(op, num_experts, info.world_size)
-        layout.check_tokens(op, x, info.device)
+        L = entry.check_experts(op, num_experts, info.world_size)
+        entry.check_tokens(op, x, info.device)
         if w is not None:
-            w = layout.check_weights(op, w, L, x.shape[1], x.dtype, x.device, "w1")
-        layout.check_topk_idx(op, topk_idx, x.shape[0], x.device)
+            w = entry.check_weights(op, w, L, x.shape[1], x.dtype, x.device, "w1")
+        entry.check_topk_idx(op, topk_idx, x.shape[0], x.device)
         moe_bound.check_bound(op, bound, x.shape[0])
-        problem = None if w is None else layout.moe_problem(x.shape[0], x.shape[1], w.shape[2], num_experts,
+        problem = None if w is None else entry.moe_problem(x.shape[0], x.shape[1], w.shape[2], num_experts,
                                                         topk_idx.shape[1], x.dtype, "1" in grads)
-        chosen = layout.resolve_plan(op, strategy, plan, info, x.dtype, w is not None, problem, num_experts)
+        chosen = entry.resolve_plan(op, strategy, plan, info, x.dtype, w is not None, problem, num_experts)
         mig = moe_migration.prepare(op, chosen, info, num_experts, bound)  # (hosted experts)
         idx, E = (topk_idx, num_experts) if mig is None else (mig.remap(op, topk_idx), mig.hosted * info.world_size)
-        if layout.reads_route_with_counts(chosen, bound, mig):  # (read with the received counts)
-            (order, routed), send_counts = layout.route_stats(idx, E), []
+        if entry.reads_route_with_counts(chosen, bound, mig):  # (read with the received counts)
+            (order, routed), send_counts = entry.route_stats(idx, E), []
         else:
-            (order, send_counts), routed = layout.route(op, idx, E, info.world_size), None
+            (order, send_counts), routed = entry.route(op, idx, E, info.world_size), None
             moe_bound.check_rows(op, bound, send_counts, topk_idx.shape[1], L)
-        sig = layout.signature(f"moe.{op}", x.shape[1], None if w is None else w.shape[2], num_experts,
+        sig = entry.signature(f"moe.{op}", x.shape[1], None if w is None else w.shape[2], num_experts,
                                topk_idx.shape[1], x.dtype, chosen, info, grads) + moe_bound.signature_part(bound)
         return chosen, sig, (E, order, send_counts, routed, mig)
 
@@ -198,14 +198,14 @@ def _backward(grad_out, topk_idx, rows, w, key, need_x, need_w):
 
     def weight_grad() -> None:  # runs while the input-gradient rows travel
         if need_w:
-            grad_w.append(layout.grouped_weight_grad(rows, grad_out, h, w))
+            grad_w.append(grouped.grouped_weight_grad(rows, grad_out, h, w))
 
     grad_x = None
     with no_autocast(h.info.device.type):
         if need_x:
             w_t = None if w is None else w.transpose(1, 2)
-            cc = layout.follow_up(h, f"moe.{op}.backward", grad_out, w_t, h.plan)
-            if layout.sums_in_node(cc):  # a token's copies summed within each node before they cross
+            cc = entry.follow_up(h, f"moe.{op}.backward", grad_out, w_t, h.plan)
+            if entry.sums_in_node(cc):  # a token's copies summed within each node before they cross
                 ones = torch.ones((h.num_tokens, h.top_k), dtype=torch.float32, device=grad_out.device)
                 grad_x = to_sources.run(h, grad_out, w_t, cc, between=weight_grad, weights=ones)
             else:

@@ -56,7 +56,7 @@ from ... import comm
 from ..context import CallContext
 from ..hierarchical import node_call as hier
 from ..hierarchical.nodes import Layout, layout_of
-from . import layout
+from . import grouped, layout
 
 
 def _pad(nbytes: int) -> int:
@@ -297,7 +297,7 @@ def to_sources(cc: CallContext, h: layout.MoELayout, y: torch.Tensor, w: torch.T
             for m in [*lay.remote_order(), n0]:
                 with torch.no_grad():
                     for ls, src in enumerate(lay.nodes[m]):
-                        layout.rows_for(h, y, w, src, region_of(ls, m, l0, h.recv_splits[src]))
+                        grouped.rows_for(h, y, w, src, region_of(ls, m, l0, h.recv_splits[src]))
                         call.signal_ready(m * Q + ls)
                 s = lay.rank(m, l0)
                 parts = []

@@ -50,7 +50,7 @@ from ...plans import Plan
 from ..context import CallContext
 from ..hierarchical import node_call as hier
 from ..hierarchical.nodes import Layout, layout_of, report_dead
-from . import layout
+from . import entry
 
 #: what the grouped-matmul ops call the weights they fetch
 WEIGHT_NAMES = ("w1", "w2")
@@ -107,7 +107,7 @@ class Migration:
         ValueError for an id out of range (one device-to-host read of the ids' range)."""
         E, L, Lh = self.num_experts, self.own, self.hosted
         if topk_idx.numel():
-            bad = layout.bad_ids(E, *torch.stack([topk_idx.min(), topk_idx.max()]).tolist())
+            bad = entry.bad_ids(E, *torch.stack([topk_idx.min(), topk_idx.max()]).tolist())
             if bad:
                 raise ValueError(f"overlap.moe.{op}: {bad}")
         ids = torch.arange(E, dtype=torch.int64)

@@ -36,8 +36,8 @@ from .. import fused
 from ..context import CallContext
 from . import bound as moe_bound
 from . import cuda as moe_cuda
+from . import entry, grouped, layout
 from . import hierarchical as moe_hierarchical
-from . import layout
 
 # ----------------------------------------------------------------------------------------------
 # One transfer towards the experts (dispatch forward; combine backward)
@@ -71,13 +71,13 @@ def run(h: layout.MoELayout, rows: torch.Tensor, row_of_send: torch.Tensor, w: t
 
 def _reference(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
     if counts:
-        layout.exchange_counts(h, cc)
+        entry.exchange_counts(h, cc)
     send = rows.index_select(0, row_of_send)
     stage = rows.new_empty((h.num_recv, rows.shape[1]))
     work = dist.all_to_all_single(stage, send, h.recv_splits, h.send_splits, group=cc.pg, async_op=True)
     cc.wait(work, "any", "all_to_all")
     recv = stage.index_select(0, h.staging_of_expert_row)
-    out = layout.grouped_mm(recv, w, h) if w is not None else None
+    out = grouped.grouped_mm(recv, w, h) if w is not None else None
     if between is not None:
         between()
     return recv, out
@@ -85,7 +85,7 @@ def _reference(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
 
 def _pipelined(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
     if counts:
-        layout.exchange_counts(h, cc)
+        entry.exchange_counts(h, cc)
     info, W, r, L = h.info, h.info.world_size, h.info.rank, h.num_local_experts
     stage = rows.new_empty((h.num_recv, rows.shape[1]))
 

@@ -34,8 +34,8 @@ from .. import fused
 from ..context import CallContext
 from . import bound as moe_bound
 from . import cuda as moe_cuda
+from . import grouped, layout
 from . import hierarchical as moe_hierarchical
-from . import layout
 
 # ----------------------------------------------------------------------------------------------
 # One transfer back to the sources (combine forward; dispatch backward)
@@ -66,7 +66,7 @@ def run(h: layout.MoELayout, y: torch.Tensor, w: torch.Tensor | None, cc: CallCo
 
 
 def _reference(cc: CallContext, call, h, y, w, between):
-    z = layout.grouped_mm(y, w, h) if w is not None else y
+    z = grouped.grouped_mm(y, w, h) if w is not None else y
     stage = z.index_select(0, h.expert_of_staging_row)
     back = z.new_empty((h.num_tokens * h.top_k, z.shape[1]))
     work = dist.all_to_all_single(back, stage, h.send_splits, h.recv_splits, group=cc.pg, async_op=True)
@@ -88,10 +88,10 @@ def _pipelined(cc: CallContext, call, h, y, w, between):
     for i in range(1, W):
         s, src = (r + i) % W, (r - i) % W
         buf = y.new_empty((h.recv_splits[s], cols))
-        layout.rows_for(h, y, w, s, buf)  # the next source's GEMMs run while this one's rows travel
+        grouped.rows_for(h, y, w, s, buf)  # the next source's GEMMs run while this one's rows travel
         sent.append(buf)
         posted.extend(comm.exchange_chunked(buf, s, ours_from(src), src, cc.plan.chunks_for, info, cc.pg, cc.op))
-    layout.rows_for(h, y, w, r, ours_from(r))
+    grouped.rows_for(h, y, w, r, ours_from(r))
     if between is not None:
         between()
     for _j, _got, works in posted:
