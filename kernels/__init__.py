@@ -1,5 +1,10 @@
 """Triton device code of `overlap`, installed as ``overlap.kernels``.
 
+This folder sits at the repository's top level, beside ``overlap/``, and is not inside it: ``setup.py`` maps it
+into the package (``package_dir={"overlap.kernels": "kernels"}``), for a wheel and an editable install alike, so
+``import overlap.kernels`` imports this file and a reader looking for the kernels under ``overlap/`` finds them
+here.
+
 One kernel file per op that has a fused form, named as the op (`all_gather_matmul`, `matmul_reduce_scatter`, whose
 kernels `matmul_all_reduce` runs too, `all_gather_weight_matmul`, `dispatch_grouped_matmul`,
 `grouped_matmul_combine`); `flags` holds the device-side waits and releases they share. Kernels take

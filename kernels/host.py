@@ -36,14 +36,27 @@ def cdiv(x: int, y: int) -> int:
     return -(-x // y)
 
 
+#: The fused GEMMs' default tiles ``(BLOCK_M, BLOCK_N, BLOCK_K)`` where the plan names none. On a GPU, 16-bit and fp8
+#: operands: a 128 x 128 output tile per CTA (Hopper's ``wgmma`` works on 64-row slices, two per tile) over k in steps
+#: of 64 (128 bytes of a 16-bit row: one swizzled shared-memory line).
+GPU_TILES = (128, 128, 64)
+#: fp32 on a GPU (TF32 ``wgmma``): half the columns and half the k step, so the tile's operands fit the same shared
+#: memory as a 16-bit tile's.
+GPU_FP32_TILES = (128, 64, 32)
+#: Interpreted on CPU ranks: the interpreter runs every tile in numpy, and small tiles keep its launches short.
+INTERPRETED_TILES = (32, 32, 32)
+#: ``block_k`` of a plan that names ``block_m`` only (and ``block_n`` defaults to ``block_m``).
+PLAN_BLOCK_K = 32
+
+
 def fused_tiles(block_m: int, block_n: int, block_k: int, interpreted: bool,
                 dtype: torch.dtype) -> tuple[int, int, int]:
     """Tile shape of a fused GEMM kernel: the plan's, else a default per dtype (small when interpreted)."""
     if block_m:
-        return block_m, block_n or block_m, block_k or 32
+        return block_m, block_n or block_m, block_k or PLAN_BLOCK_K
     if interpreted:
-        return 32, 32, 32
-    return (128, 128, 64) if dtype != torch.float32 else (128, 64, 32)
+        return INTERPRETED_TILES
+    return GPU_TILES if dtype != torch.float32 else GPU_FP32_TILES
 
 
 class Watchdog:

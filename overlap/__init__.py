@@ -1,11 +1,14 @@
 """overlap: communication/compute overlap for tensor- and expert-parallel training.
 
-Public API (docs/design.md): `all_gather_matmul`, `matmul_reduce_scatter`, `matmul_all_reduce`,
+Public API (docs/api.md, docs/conventions.md): `all_gather_matmul`, `matmul_reduce_scatter`, `matmul_all_reduce`,
 `all_gather_weight_matmul` (the weight-side gather of FSDP), `Plan`,
 `PlanFile`, `STRATEGIES`, `reserve`, `release`, `OverlapError`, `OverlapTimeout`, `OverlapMismatchError`;
 `overlap.moe` (`dispatch`, `combine`, `dispatch_grouped_matmul`, `grouped_matmul_combine`) for expert
 parallelism; `overlap.nn` (drop-in modules) and `overlap.hooks` (Megatron-core, torch TP). No init call:
 a group's symmetric heap is created by its first call.
+
+The Triton kernels are `overlap.kernels`, whose source is the repository's top-level ``kernels/`` folder (mapped
+into this package by ``setup.py``); the C++/CUDA extension is `overlap._C`, built from ``csrc/``.
 
 ``import overlap`` is cheap: it sets up the ``overlap`` logger (`overlap.logs`) and nothing else; every name above is
 imported when first used (PEP 562 `__getattr__`), so ``overlap --help`` never loads torch.

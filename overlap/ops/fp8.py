@@ -18,7 +18,9 @@ otherwise dequantizes to float32 and runs `torch.mm` (the same value up to the a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import torch
 
@@ -29,6 +31,23 @@ GRANULARITIES = ("rowwise", "tensorwise")
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: the smallest scale `quantize_fp8` gives (an all-zero row or tensor)
 MIN_SCALE = 1e-12
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Args:
+    """A TP call's fp8 arguments as its custom op takes them: `a_scale` (or None), one `b_scales` entry per weight,
+    `out_dtype` (or None) with fp8 operands; or the `recipe` (``"rowwise"``, ``"tensorwise"``; ``""``: none) on
+    high-precision operands. Their values are checked by the op (`check_scales`, `check_recipe`), not here."""
+
+    a_scale: Any = None
+    b_scales: tuple = ()
+    out_dtype: Any = None
+    recipe: Any = ""
+
+    @property
+    def scales(self) -> tuple:
+        """Every scale given (the activation's first), None left out."""
+        return tuple(s for s in (self.a_scale, *self.b_scales) if s is not None)
 
 
 def is_fp8(x: object) -> bool:

@@ -76,8 +76,10 @@ def pipeline_makespan(stages: list[tuple[int, float, float]], fa: float, fb: flo
     return best
 
 
-class _Model:
-    """Costs of one (problem, plan, topology, profile) and the schedule they add up to."""
+class Schedule:
+    """Costs of one (problem, plan, topology, profile) and the schedule they add up to: what an op's cost function
+    (`OpSpec.cost`, in `tp_ops`, `moe_op`) and the ``hierarchical`` pipelines (`hierarchical_cost`) add their
+    stages to, and `predict` reads (``total``, ``comm``, ``compute``)."""
 
     def __init__(self, problem: Problem, plan: Plan, topo: Topology, profile: Profile,
                  migrated: tuple[float, float] = (1.0, 0.0)):
@@ -327,7 +329,7 @@ def predict(problem: Problem, plan: Plan, topology: Topology, profile: Profile,
     if plan.strategy == "fused" and topology.device == "cpu":
         return Prediction(math.inf, math.inf, math.inf, f"{plan.describe()}: interpreted on CPU ranks")
     migrated = migration.network_effect(problem, profile, nodes, plan.migrate, loads) if plan.migrate else (1.0, 0.0)
-    x = _Model(problem, plan, topology, profile, migrated)
+    x = Schedule(problem, plan, topology, profile, migrated)
     spec.cost(x, problem)
     x.serial(x.weights_s)
     calls = call_cost(problem, plan.strategy, profile)

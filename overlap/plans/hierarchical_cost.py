@@ -1,7 +1,7 @@
 """The cost model's pipelines of the ``hierarchical`` strategy (`overlap.ops.tp.hierarchical_gather`) on groups that
 span nodes: each datum over the network once per node, the node's ranks served by copies through its heap.
 
-Each function takes the cost model's `overlap.plans.costmodel._Model` (``x``: its plan, profile, message and
+Each function takes the cost model's `overlap.plans.costmodel.Schedule` (``x``: its plan, profile, message and
 GEMM costs, ``nodes``, ``local_ranks``, ``local_link``) and adds one pipeline to its schedule, as the model's
 own ``ag_mm``, ``mm_rs``, ``mm_ar`` and ``gather_again`` do for the other strategies. Transfers within a node
 cost the ``copy`` fit of the node's link, between nodes the ``p2p`` fit of ``network``; the transfers of one
@@ -10,12 +10,18 @@ rank share one resource (its network receives and its node copies are not modell
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-def _chunks(x, link: str, rows: int) -> int:
+if TYPE_CHECKING:  # (the cost model imports this module)
+    from .costmodel import Schedule
+    from .optable import Problem
+
+
+def _chunks(x: Schedule, link: str, rows: int) -> int:
     return max(1, min(x.plan.chunks_for(link), rows))
 
 
-def ag_mm(x, m: int, k: int, n: int) -> None:
+def ag_mm(x: Schedule, m: int, k: int, n: int) -> None:
     """``all_gather(a) @ b``: our block's GEMM; the node's blocks (copies); one block from each other node
     (network, chunked for it); the blocks the node's ranks received and forward (copies of network chunks)."""
     N, L, loc = x.nodes, x.local_ranks, x.local_link
@@ -30,7 +36,7 @@ def ag_mm(x, m: int, k: int, n: int) -> None:
     x.consume(stages)
 
 
-def gather_again(x, m: int, k: int) -> float:
+def gather_again(x: Schedule, m: int, k: int) -> float:
     """A backward's re-gather of ``[m, k]`` per rank, posted first: link time (network, then node copies)."""
     N, L, loc = x.nodes, x.local_ranks, x.local_link
     block = m * k * x.size
@@ -39,7 +45,7 @@ def gather_again(x, m: int, k: int) -> float:
                                                                  + (N - 1) * x.msgs(loc, block, c_net))
 
 
-def mm_rs(x, m: int, k: int, n: int, lead: float = 0.0, riding: float = 0.0) -> None:
+def mm_rs(x: Schedule, m: int, k: int, n: int, lead: float = 0.0, riding: float = 0.0) -> None:
     """``reduce_scatter(a @ b)``: per chunk of each other node's rows, the GEMMs of the node's ``L`` destinations,
     then the partials into their node owners (copies) and each owner's node sum over the network; our node's
     rows last (copies only). `lead`: link work posted first (the backward's re-gather); `riding`: link work that
@@ -55,7 +61,7 @@ def mm_rs(x, m: int, k: int, n: int, lead: float = 0.0, riding: float = 0.0) -> 
     x.produce([*stages, (1, 0.0, 0.0)])
 
 
-def mm_ar(x, m: int, k: int, n: int) -> None:
+def mm_ar(x: Schedule, m: int, k: int, n: int) -> None:
     """``all_reduce(a @ b)`` over ``W*m`` rows: the reduce-scatter above on parts of ``m`` rows, each network
     chunk of this rank's reduced part gathered as soon as it is summed (`overlap.ops.tp.hierarchical_reduce`):
     the gather's chunks ride the reduce-scatter's network stages, and only the last one is exposed."""
@@ -67,7 +73,7 @@ def mm_ar(x, m: int, k: int, n: int) -> None:
     x.serial(chunk)
 
 
-def moe(x, p) -> None:
+def moe(x: Schedule, p: Problem) -> None:
     """The MoE layer across nodes (`overlap.ops.moe.hierarchical`), uniform routing of ``K`` distinct experts:
     once per layer the routes (every rank's counts to every rank); per transfer by token (the dispatch, the
     dispatch's backward, and the combine where ``topk_weights`` needs no gradient: node sums) to each other node

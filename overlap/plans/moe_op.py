@@ -5,6 +5,12 @@ Its inputs, oracle and plain all-to-alls: `overlap.workloads.moe`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (the cost model imports this module)
+    from .costmodel import Schedule
+    from .optable import Problem
+
 
 def chunked(strategy: str, backward: bool, topology) -> tuple[str, ...]:
     """pipelined: each peer's rows chunked for the link to it; symm/fused: one chunk per expert group;
@@ -14,5 +20,5 @@ def chunked(strategy: str, backward: bool, topology) -> tuple[str, ...]:
     return tuple(c for c, _ in topology.links) if strategy == "pipelined" else ()
 
 
-def cost(x, p) -> None:
+def cost(x: Schedule, p: Problem) -> None:
     x.moe(p)

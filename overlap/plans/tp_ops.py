@@ -15,6 +15,12 @@ Inputs, oracles and the plain collectives of these ops: `overlap.workloads.tp`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (the cost model imports this module)
+    from .costmodel import Schedule
+    from .optable import Problem
+
 # ----------------------------------------------------------------------------------------------
 # Which links a strategy chunks for (`Plan.num_chunks` entries it reads), forward and backward
 # ----------------------------------------------------------------------------------------------
@@ -55,11 +61,11 @@ def chunked_matmul_all_reduce(strategy: str, backward: bool, topology) -> tuple[
 
 
 # ----------------------------------------------------------------------------------------------
-# Costs: each drives the cost model's pipelines (`costmodel._Model`) for one call
+# Costs: each drives the cost model's pipelines (`costmodel.Schedule`) for one call
 # ----------------------------------------------------------------------------------------------
 
 
-def cost_all_gather_matmul(x, p) -> None:
+def cost_all_gather_matmul(x: Schedule, p: Problem) -> None:
     x.ag_mm(p.m, p.k, p.n)
     if p.backward:  # re-gather a (posted first) beside grad_a = matmul_reduce_scatter, then grad_b
         x.backward()
@@ -67,7 +73,7 @@ def cost_all_gather_matmul(x, p) -> None:
         x.serial(gemm=x.weight_gradient(p.m, p.k, p.n))
 
 
-def cost_matmul_reduce_scatter(x, p) -> None:
+def cost_matmul_reduce_scatter(x: Schedule, p: Problem) -> None:
     x.mm_rs(p.m, p.k, p.n)
     if p.backward:  # grad_a = all_gather_matmul(grad_out, b.T), then grad_b over the same rows
         x.backward()
@@ -75,7 +81,7 @@ def cost_matmul_reduce_scatter(x, p) -> None:
         x.serial(gemm=x.weight_gradient(p.m, p.k, p.n))
 
 
-def cost_all_gather_weight_matmul(x, p) -> None:
+def cost_all_gather_weight_matmul(x: Schedule, p: Problem) -> None:
     # The gathered operand is the weight ([n, k] per peer), the GEMM per peer shard [m, k] @ [k, n]:
     # all_gather_matmul's pipeline with the roles of m and n swapped.
     x.ag_mm(p.n, p.k, p.m)
@@ -85,7 +91,7 @@ def cost_all_gather_weight_matmul(x, p) -> None:
         x.serial(gemm=x.weight_gradient(p.m, p.k, p.n))
 
 
-def cost_matmul_all_reduce(x, p) -> None:
+def cost_matmul_all_reduce(x: Schedule, p: Problem) -> None:
     x.mm_ar(p.m, p.k, p.n)
     if p.backward:  # the gradient passes through: two local GEMMs
         x.serial(gemm=2 * x.weight_gradient(p.m, p.k, p.n))

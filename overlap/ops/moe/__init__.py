@@ -3,8 +3,10 @@ experts' ranks, optionally times the experts' first weight) in `dispatch`; `comb
 (expert results back to their tokens, weighted and summed, optionally times the second weight) in `combine`.
 
 What they share: the two directions' transfers, `to_experts` (dispatch's forward, combine's backward) and
-`to_sources` (combine's forward, dispatch's backward); `layout` (the routing's layout, the checks, the plan,
-the signatures, the heap's regions); `handle` (the handle a dispatch returns); `bound` (``max_tokens_per_rank``:
-static shapes); `migrate` (expert migration across nodes); `hierarchical` (groups that span nodes); `cuda`
-(the CUDA all-to-all kernels' tables); `tiles` (the fused grouped GEMMs' tile tables).
+`to_sources` (combine's forward, dispatch's backward); `layout` (the routing's layout, the row orders, the heap
+slot's regions); `entry` (the checks, routing, plan, signatures and the counts' exchange); `grouped` (the grouped
+GEMMs on the host); `handle` (the handle a dispatch returns); `bound` (``max_tokens_per_rank``: static shapes);
+`migration` (expert migration across nodes; which experts: `overlap.plans.migration`); `hierarchical` (groups
+that span nodes); `cuda` (the CUDA all-to-all kernels' tables). The fused grouped GEMMs' tile tables are beside
+their launchers (`overlap.kernels.dispatch_grouped_matmul`, `overlap.kernels.grouped_matmul_combine`).
 """

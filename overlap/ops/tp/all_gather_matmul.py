@@ -40,6 +40,7 @@ import torch.distributed as dist
 from ...plans import Plan
 from .. import library
 from ..context import CallContext, autocast_inputs, describe, no_autocast, record
+from ..fp8 import Fp8Args
 from . import entry, gather, gather_gemm, operands, scatter_gemm
 from .rows import Product, normalize_dim, of, resized
 
@@ -100,16 +101,14 @@ def all_gather_matmul(
     many = isinstance(b, (list, tuple))
     weights = list(b) if many else [b]
     check = _check_flag(return_gathered, fp8 is not None or a_scale is not None)
-    args, scaled = entry.call_args(OP, a, weights, group, strategy, plan, timeout, check, gather_dim, DIM,
-                                   multi=True, fp8=(a_scale, b_scale, out_dtype, fp8))
-    if not isinstance(return_gathered, bool) or (return_gathered and (scaled[0] is not None or scaled[3])):
+    call = entry.TpCall(OP, group, strategy, plan, timeout, check, gather_dim, DIM, multi=True)
+    args, scaled = entry.call_args(call, a, weights, fp8=(a_scale, b_scale, out_dtype, fp8))
+    if not isinstance(return_gathered, bool) or (return_gathered and (scaled.a_scale is not None or scaled.recipe)):
         # (call_args let it through: the op's check raises it, peers told)
-        entry.prepare(OP, a, b, group, strategy, plan, timeout, check, dim=gather_dim, dim_name=DIM, multi=True,
-                      scaled=scaled)
+        entry.prepare(call, a, b, scaled=scaled)
     a, *weights = autocast_inputs(a, *weights)
-    a_scale, b_scales, out_dtype, recipe = scaled
-    ys, full, _ = _op(a, weights, gather_dim, return_gathered, *args, library.needs_grad(a, *weights), a_scale,
-                      b_scales or None, out_dtype, recipe)
+    ys, full, _ = _op(a, weights, gather_dim, return_gathered, *args, library.needs_grad(a, *weights), scaled.a_scale,
+                      list(scaled.b_scales) or None, scaled.out_dtype, scaled.recipe)
     ys = list(ys) if many else ys[0]
     return (full, ys) if return_gathered else ys
 
@@ -132,9 +131,10 @@ def _weights(bs: list[torch.Tensor]) -> Any:
 def _forward(a, bs, dim, keep, group, strategy, plan, timeout, needs_grad, a_scale=None, b_scales=None,
              out_dtype=None, fp8=""):
     """``overlap::all_gather_matmul``: the whole call (checks, plan, handshake, strategy) on this rank."""
-    scaled = (a_scale, list(b_scales or ()), out_dtype, fp8)
-    cc = entry.tp_context(OP, a, _weights(bs), group, strategy, plan, timeout, needs_grad, _check_flag(keep, bool(
-        fp8 or a_scale is not None)), dim=dim, dim_name=DIM, multi=True, scaled=scaled)
+    scaled = Fp8Args(a_scale, tuple(b_scales or ()), out_dtype, fp8)
+    check = _check_flag(keep, bool(fp8 or a_scale is not None))
+    call = entry.TpCall(OP, group, strategy, plan, timeout, check, dim, DIM, multi=True)
+    cc = entry.tp_context(call, a, _weights(bs), needs_grad, scaled)
     d = normalize_dim(OP, DIM, dim, a.shape)
     W = cc.world_size
     # The handshake comes first (in `run`): nothing that can fail locally runs before the data.

@@ -96,7 +96,7 @@ def all_gather_weight_matmul(
         ValueError: ``symm``/``fused`` forced on a group that spans nodes.
         OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
     """
-    return entry.tp_call(_op, OP, a, b_shard, group, strategy, plan, timeout)
+    return entry.tp_call(_op, entry.TpCall(OP, group, strategy, plan, timeout), a, b_shard)
 
 
 def heap_bytes(chosen: Plan, b: torch.Tensor) -> int:
@@ -140,7 +140,7 @@ def run(a2: torch.Tensor, b: torch.Tensor, cc: CallContext) -> torch.Tensor:
 
 def _forward(a, b, group, strategy, plan, timeout, needs_grad):
     """``overlap::all_gather_weight_matmul``: the whole call (checks, plan, handshake, strategy) on this rank."""
-    cc = entry.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad)
+    cc = entry.tp_context(entry.TpCall(OP, group, strategy, plan, timeout), a, b, needs_grad)
     with record(OP), no_autocast(cc.info.device.type):
         out2 = run(a.reshape(-1, a.shape[-1]), b, cc)
         out = out2.view(*a.shape[:-1], cc.world_size * b.shape[1])

@@ -1,5 +1,5 @@
-"""How a tensor-parallel op is entered: its checks, plan and signature (`prepare`), and the custom-op schema, public
-call and autograd plumbing the four ops share (`tp_call`, `tp_context`, `tp_save`, `tp_backward`).
+"""How a tensor-parallel op is entered: its checks, plan and signature (`prepare` of a `TpCall`), and the custom-op
+schema, public call and autograd plumbing the four ops share (`tp_call`, `tp_context`, `tp_save`, `tp_backward`).
 
 Every TP op takes ``(a, b, group, strategy, plan, timeout)``; `matmul_all_reduce` and `all_gather_weight_matmul`
 have the same custom-op signature (`TP_SCHEMA`: the operands, the call's arguments as text, whether a backward
@@ -11,6 +11,7 @@ that with its ``scatter_dim`` after ``b``, and `all_gather_matmul` one of its ow
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,7 @@ from ...plans.auto import as_plan, fit_plan, plan_source, resolve_auto
 from .. import fp8 as fp8s
 from .. import library
 from ..context import FLOAT_DTYPES, CallContext, autocast_inputs, describe, preamble
+from ..fp8 import Fp8Args
 from ..fused import check_fused_available
 from .rows import normalize_dim
 
@@ -57,14 +59,12 @@ def check_matmul_operands(op: str, a: Any, b: Any, device: torch.device) -> None
         raise ValueError(f"overlap.{op}: this rank's group computes on {device} but the inputs are on {a.device}")
 
 
-Fp8Args = tuple  # (a_scale or None, [b_scale per weight], out_dtype or None, recipe: "", "rowwise" or "tensorwise")
-
-
 def check_fp8(op: str, a: torch.Tensor, bs: list[torch.Tensor], scaled: Fp8Args | None) -> str:
     """The fp8 checks of a call (`overlap.ops.fp8`): fp8 operands with their scales and ``out_dtype``, or the
     ``fp8=`` recipe on high-precision operands, or neither. Returns what the call's signature adds."""
-    a_scale, b_scales, out_dtype, recipe = scaled if scaled is not None else (None, [], None, "")
-    recipe = None if recipe == "" else recipe
+    scaled = scaled if scaled is not None else Fp8Args()
+    a_scale, b_scales, out_dtype = scaled.a_scale, list(scaled.b_scales), scaled.out_dtype
+    recipe = None if scaled.recipe == "" else scaled.recipe
     if fp8s.is_fp8(a) or any(fp8s.is_fp8(b) for b in bs):
         fp8s.check_recipe(op, recipe, a)
         a_kind, b_kinds = fp8s.check_scales(op, a, bs, a_scale, b_scales, out_dtype)
@@ -80,7 +80,7 @@ def fp8_args(a_scale: Any, b_scale: Any, out_dtype: Any, fp8: Any) -> Fp8Args | 
     b_scales = _listed(b_scale)
     ok = ((a_scale is None or isinstance(a_scale, torch.Tensor)) and library.tensors(*b_scales)
           and (out_dtype is None or isinstance(out_dtype, torch.dtype)) and (fp8 is None or isinstance(fp8, str)))
-    return (a_scale, b_scales, out_dtype, fp8 or "") if ok else None
+    return Fp8Args(a_scale, tuple(b_scales), out_dtype, fp8 or "") if ok else None
 
 
 def _listed(b_scale: Any) -> list:
@@ -89,36 +89,52 @@ def _listed(b_scale: Any) -> list:
 
 def wire_dtype(a: torch.Tensor, scaled: Fp8Args | None) -> torch.dtype:
     """The dtype a call's operands move and multiply in: fp8 for fp8 operands and the recipe."""
-    return fp8s.OPERAND_DTYPE if fp8s.is_fp8(a) or (scaled is not None and scaled[3]) else a.dtype
+    return fp8s.OPERAND_DTYPE if fp8s.is_fp8(a) or (scaled is not None and scaled.recipe) else a.dtype
 
 
 def out_dtype_of(a: torch.Tensor, scaled: Fp8Args | None) -> torch.dtype:
     """The dtype of a call's result: `a`'s, but fp8 operands' ``out_dtype`` (default bfloat16)."""
     if fp8s.is_fp8(a):
-        out = scaled[2] if scaled is not None else None
+        out = scaled.out_dtype if scaled is not None else None
         return out if out is not None else torch.bfloat16
     return a.dtype
 
 
-def prepare(op: str, a: Any, b: Any, group, strategy: str, plan, timeout: float | None,
-            check: Callable[[torch.Tensor, torch.Tensor, world.GroupInfo], None] | None = None,
-            needs_grad: bool | None = None, cast: bool = True, dim: Any = 0,
-            dim_name: str | None = None, multi: bool = False,
-            scaled: Fp8Args | None = None) -> tuple[torch.Tensor, Any, CallContext]:
+@dataclasses.dataclass(frozen=True)
+class TpCall:
+    """One call of a TP op as its preamble takes it, operands aside: the op, the caller's `group`, `strategy`, `plan`
+    and `timeout` (as given: the preamble checks them), the op's own `check` of its operands (``check(a, b,
+    info)``, raising ValueError/TypeError), its gathered or scattered `dim` with the argument's name `dim_name`
+    (``gather_dim``, ``scatter_dim``; None: the op has none), and whether `b` may be a list of weights (`multi`:
+    `overlap.all_gather_matmul` feeding several GEMMs)."""
+
+    op: str
+    group: Any = None
+    strategy: Any = "auto"
+    plan: Any = None
+    timeout: Any = None
+    check: Callable[[torch.Tensor, torch.Tensor, world.GroupInfo], None] | None = None
+    dim: Any = 0
+    dim_name: str | None = None
+    multi: bool = False
+
+
+def prepare(call: TpCall, a: Any, b: Any, scaled: Fp8Args | None = None, needs_grad: bool | None = None,
+            cast: bool = True) -> tuple[torch.Tensor, Any, CallContext]:
     """The TP ops' preamble: checks, autocast (unless `cast` is False: the custom op's caller cast them),
     plan and signature. Returns ``(a, b, context)``. `needs_grad`: whether the call's backward will run (plan
     files keep forward and forward+backward plans apart); None: read from grad mode and the inputs.
 
-    `b` may be a list of weights where `multi` (`overlap.all_gather_matmul` feeding several GEMMs: one ``k`` and
-    dtype, any ``n``; returned as a list); `dim`, the op's `dim_name` argument (``gather_dim``, ``scatter_dim``;
-    None: the op has none), is checked (`overlap.ops.tp.rows.normalize_dim`) and, past dim 0, part of the signature.
+    `b` may be a list of weights where ``call.multi`` (one ``k`` and dtype, any ``n``; returned as a list);
+    ``call.dim`` is checked (`overlap.ops.tp.rows.normalize_dim`) and, past dim 0, part of the signature.
     `scaled`: the call's fp8 arguments (`fp8_args`; `check_fp8`)."""
+    op, dim_name, plan = call.op, call.dim_name, call.plan
 
     def decide(cc: CallContext) -> tuple[Plan, str, tuple[torch.Tensor, Any]]:
         info = cc.info
         many = isinstance(b, (list, tuple))
         weights = list(b) if many else [b]
-        if many and not multi:
+        if many and not call.multi:
             raise TypeError(f"overlap.{op}: b must be a tensor, got a {type(b).__name__} (only all_gather_matmul "
                             "takes a list of weights)")
         if not weights:
@@ -127,11 +143,11 @@ def prepare(op: str, a: Any, b: Any, group, strategy: str, plan, timeout: float 
         for w in bs:
             check_matmul_operands(op, a2, w, info.device)
         b2 = bs[0]
-        d = normalize_dim(op, dim_name, dim, a2.shape) if dim_name is not None else 0
+        d = normalize_dim(op, dim_name, call.dim, a2.shape) if dim_name is not None else 0
         fp8_sig = check_fp8(op, a2, bs, scaled)
-        if check is not None:
-            check(a2, b2, info)
-        chosen = as_plan(strategy, plan)
+        if call.check is not None:
+            call.check(a2, b2, info)
+        chosen = as_plan(call.strategy, plan)
         n = sum(w.shape[1] for w in bs)
         shape_sig = f"a={describe(a2)}, " + (f"bs={[tuple(w.shape) for w in bs]}" if many else f"b={tuple(b2.shape)}")
         if d:
@@ -151,7 +167,7 @@ def prepare(op: str, a: Any, b: Any, group, strategy: str, plan, timeout: float 
         return chosen, f"{op}({shape_sig}, plan={chosen.describe()}, ring={info.slowest_link})", (a2, bs if many
                                                                                                      else b2)
 
-    cc, (a, b) = preamble(op, group, timeout, decide)
+    cc, (a, b) = preamble(op, call.group, call.timeout, decide)
     return a, b, cc
 
 
@@ -189,55 +205,49 @@ TP_SCHEMA = ("(Tensor a, Tensor b, str group, str strategy, str plan, float? tim
 TP_BACKWARD_SCHEMA = "(Tensor grad, Tensor a, Tensor b, Tensor context, bool need_a, bool need_b) -> (Tensor, Tensor)"
 
 
-def call_args(op: str, a: Any, weights: list, group: Any, strategy: Any, plan: Any, timeout: Any,
-              check: Callable | None = None, dim: Any = 0, dim_name: str | None = None, multi: bool = False,
+def call_args(call: TpCall, a: Any, weights: list,
               fp8: tuple = (None, None, None, None)) -> tuple[tuple, Fp8Args]:
     """The call's arguments as a TP custom op takes them: ``(group, strategy, plan, timeout)`` and the fp8 ones
     (`fp8` = ``(a_scale, b_scale, out_dtype, fp8)`` as `Fp8Args`), or, where one is of a type the op does not
     take, this rank's error raised through the op's checks (which tell the peers)."""
-    args = library.call_args(group, strategy, plan, timeout)
+    args = library.call_args(call.group, call.strategy, call.plan, call.timeout)
     scaled = fp8_args(*fp8)
-    if scaled is not None and isinstance(a, torch.Tensor) and any(
-            s.device != a.device for s in (scaled[0], *scaled[1]) if s is not None):
+    if scaled is not None and isinstance(a, torch.Tensor) and any(s.device != a.device for s in scaled.scales):
         scaled = None  # (a scale on another device, e.g. meta, would send the custom op to another kernel)
-    dim_ok = dim_name is None or (isinstance(dim, int) and not isinstance(dim, bool))
+    dim_ok = call.dim_name is None or (isinstance(call.dim, int) and not isinstance(call.dim, bool))
     if args is None or scaled is None or not weights or not library.tensors(a, *weights) or not dim_ok:
         b = weights if len(weights) != 1 else weights[0]
-        raw = (fp8[0], _listed(fp8[1]), fp8[2], fp8[3])
-        prepare(op, a, b, group, strategy, plan, timeout, check, dim=dim, dim_name=dim_name, multi=multi,
-                scaled=raw if scaled is None else scaled)  # raises, peers told
-        raise TypeError(f"overlap.{op}: unsupported arguments")  # pragma: no cover - prepare raised
+        raw = Fp8Args(fp8[0], tuple(_listed(fp8[1])), fp8[2], fp8[3])
+        prepare(call, a, b, scaled=raw if scaled is None else scaled)  # raises, peers told
+        raise TypeError(f"overlap.{call.op}: unsupported arguments")  # pragma: no cover - prepare raised
     return args, scaled
 
 
-def tp_call(packet: Any, op: str, a: Any, b: Any, group: Any, strategy: Any, plan: Any, timeout: Any,
-            check: Callable | None = None, dim: Any = None, dim_name: str | None = None,
-            fp8: tuple | None = None) -> torch.Tensor:
+def tp_call(packet: Any, call: TpCall, a: Any, b: Any, fp8: tuple | None = None) -> torch.Tensor:
     """A TP op's public function: its arguments as the custom op takes them (autocast applied here, where
-    torch.compile traces it), then the custom op (`dim` after ``b`` where the op has a `dim_name`; the fp8
+    torch.compile traces it), then the custom op (``call.dim`` after ``b`` where the op has a ``dim_name``; the fp8
     arguments, `fp8` = ``(a_scale, b_scale, out_dtype, fp8)``, last where the op takes them: `TP_SCHEMA`).
     Arguments of the wrong types raise through the op's checks (which tell the peers) instead."""
     if isinstance(b, (list, tuple)):  # (one weight only: the op's check says so, on every rank)
-        prepare(op, a, b, group, strategy, plan, timeout, check, dim=dim, dim_name=dim_name)
-    args, scaled = call_args(op, a, [b], group, strategy, plan, timeout, check, dim, dim_name,
-                             fp8=fp8 or (None, None, None, None))
+        prepare(call, a, b)
+    args, scaled = call_args(call, a, [b], fp8=fp8 or (None, None, None, None))
     a, b = autocast_inputs(a, b)
-    extra = () if dim_name is None else (dim,)
+    extra = () if call.dim_name is None else (call.dim,)
     if fp8 is None:
         return packet(a, b, *extra, *args, library.needs_grad(a, b))[0]
-    a_scale, b_scales, out_dtype, recipe = scaled
+    b_scales = scaled.b_scales
     b_scale = b_scales[0] if len(b_scales) == 1 else None
     if len(b_scales) > 1:  # (one weight: the op's check says so, on every rank)
-        prepare(op, a, b, group, strategy, plan, timeout, check, dim=dim, dim_name=dim_name, scaled=scaled)
-    return packet(a, b, *extra, *args, library.needs_grad(a, b), a_scale, b_scale, out_dtype, recipe)[0]
+        prepare(call, a, b, scaled=scaled)
+    return packet(a, b, *extra, *args, library.needs_grad(a, b), scaled.a_scale, b_scale, scaled.out_dtype,
+                  scaled.recipe)[0]
 
 
-def tp_context(op: str, a: torch.Tensor, b: Any, group: str, strategy: str, plan: str,
-               timeout: float | None, needs_grad: bool, check: Callable | None = None, dim: int = 0,
-               dim_name: str | None = None, multi: bool = False, scaled: Fp8Args | None = None):
-    """Inside a TP custom op: the call context (checks, plan, signature) of the public call."""
-    return prepare(op, a, b, library.group_of(group), strategy, library.plan_of(plan), timeout, check,
-                   needs_grad=needs_grad, cast=False, dim=dim, dim_name=dim_name, multi=multi, scaled=scaled)[2]
+def tp_context(call: TpCall, a: torch.Tensor, b: Any, needs_grad: bool, scaled: Fp8Args | None = None):
+    """Inside a TP custom op, whose `call` names its group and plan as text: the call context (checks, plan,
+    signature) of the public call."""
+    call = dataclasses.replace(call, group=library.group_of(call.group), plan=library.plan_of(call.plan))
+    return prepare(call, a, b, scaled=scaled, needs_grad=needs_grad, cast=False)[2]
 
 
 def tp_save(ctx: Any, inputs: tuple, output: Any) -> None:

@@ -53,6 +53,7 @@ from ...plans import Plan
 from ...symm import p2p
 from .. import fused, library
 from ..context import CallContext, no_autocast, record
+from ..fp8 import Fp8Args
 from . import entry, hierarchical_reduce, operands
 from .operands import Gemm
 from .scatter_gemm import scatter_and_reduce
@@ -94,7 +95,8 @@ def matmul_all_reduce(
         ValueError: ``symm``/``fused`` forced on a group that spans nodes.
         OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
     """
-    return entry.tp_call(_op, OP, a, b, group, strategy, plan, timeout, fp8=(a_scale, b_scale, out_dtype, fp8))
+    return entry.tp_call(_op, entry.TpCall(OP, group, strategy, plan, timeout), a, b,
+                         fp8=(a_scale, b_scale, out_dtype, fp8))
 
 
 def _layout(rows: int, n: int, dtype: torch.dtype, world_size: int) -> tuple[int, int, int]:
@@ -128,8 +130,8 @@ def run(g: Gemm, cc: CallContext) -> torch.Tensor:
 
 def _forward(a, b, group, strategy, plan, timeout, needs_grad, a_scale=None, b_scale=None, out_dtype=None, fp8=""):
     """``overlap::matmul_all_reduce``: the whole call (checks, plan, handshake, strategy) on this rank."""
-    scaled = (a_scale, [] if b_scale is None else [b_scale], out_dtype, fp8)
-    cc = entry.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad, scaled=scaled)
+    scaled = Fp8Args(a_scale, () if b_scale is None else (b_scale,), out_dtype, fp8)
+    cc = entry.tp_context(entry.TpCall(OP, group, strategy, plan, timeout), a, b, needs_grad, scaled)
     with record(OP), no_autocast(cc.info.device.type):
         a2 = a.reshape(-1, a.shape[-1]).contiguous()
         out = run(operands.gemm(a2, b, scaled), cc).view(*a.shape[:-1], b.shape[1])

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ...plans import Plan
 from .. import library
 from ..context import describe, no_autocast, record
+from ..fp8 import Fp8Args
 from . import entry, gather_gemm, operands, scatter_gemm
 from .rows import Product, normalize_dim, of, resized
 
@@ -75,9 +76,8 @@ def matmul_reduce_scatter(
         ValueError: ``symm``/``fused`` forced on a group that spans nodes.
         OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
     """
-    check = _check_rows(scatter_dim)
-    return entry.tp_call(_op, OP, a, b, group, strategy, plan, timeout, check=check, dim=scatter_dim, dim_name=DIM,
-                         fp8=(a_scale, b_scale, out_dtype, fp8))
+    call = entry.TpCall(OP, group, strategy, plan, timeout, _check_rows(scatter_dim), scatter_dim, DIM)
+    return entry.tp_call(_op, call, a, b, fp8=(a_scale, b_scale, out_dtype, fp8))
 
 
 def _check_rows(dim: int):
@@ -94,9 +94,9 @@ def _check_rows(dim: int):
 def _forward(a, b, dim, group, strategy, plan, timeout, needs_grad, a_scale=None, b_scale=None, out_dtype=None,
              fp8=""):
     """``overlap::matmul_reduce_scatter``: the whole call (checks, plan, handshake, strategy) on this rank."""
-    scaled = (a_scale, [] if b_scale is None else [b_scale], out_dtype, fp8)
-    cc = entry.tp_context(OP, a, b, group, strategy, plan, timeout, needs_grad, _check_rows(dim), dim=dim,
-                          dim_name=DIM, scaled=scaled)
+    scaled = Fp8Args(a_scale, () if b_scale is None else (b_scale,), out_dtype, fp8)
+    cc = entry.tp_context(entry.TpCall(OP, group, strategy, plan, timeout, _check_rows(dim), dim, DIM), a, b,
+                          needs_grad, scaled)
     d = normalize_dim(OP, DIM, dim, a.shape)
     W = cc.world_size
     with record(OP), no_autocast(cc.info.device.type):

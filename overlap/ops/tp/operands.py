@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fp8 import OPERAND_DTYPE, is_fp8, quantize_fp8, scaled_mm
+from ..fp8 import OPERAND_DTYPE, Fp8Args, is_fp8, quantize_fp8, scaled_mm
 
 SCALE_BYTES = 4
 
@@ -151,11 +151,10 @@ def quantize_weight(b: torch.Tensor, granularity: str) -> tuple[torch.Tensor, to
     return quantize_fp8(b, "tensorwise")
 
 
-def activation(a2: torch.Tensor, scaled: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+def activation(a2: torch.Tensor, scaled: Fp8Args) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(a_fp8 [M, k], a_scale [M, 1] or one element)`` of an fp8 call's activation `a2` ``[M, k]`` (fp8 operands:
-    their scale flattened; the recipe ``scaled[3]``: quantized here), None for a plain call. `scaled`: the op's
-    ``(a_scale, [b_scale...], out_dtype, recipe)``."""
-    a_scale, _b_scales, _out, recipe = scaled
+    their scale flattened; with the recipe: quantized here), None for a plain call."""
+    a_scale, recipe = scaled.a_scale, scaled.recipe
     if is_fp8(a2):
         return a2, (a_scale.reshape(-1, 1).contiguous() if a_scale.numel() != 1 else a_scale.reshape(()))
     if recipe:
@@ -163,10 +162,10 @@ def activation(a2: torch.Tensor, scaled: tuple) -> tuple[torch.Tensor, torch.Ten
     return None
 
 
-def weights(bs: list[torch.Tensor], scaled: tuple) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+def weights(bs: list[torch.Tensor], scaled: Fp8Args) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
     """``([b_fp8...], [b_scale...])`` of an fp8 call's weights (given, or quantized by the recipe), None for a plain
     call."""
-    _a_scale, b_scales, _out, recipe = scaled
+    b_scales, recipe = scaled.b_scales, scaled.recipe
     if bs and is_fp8(bs[0]):
         return bs, list(b_scales)
     if recipe:
@@ -175,7 +174,7 @@ def weights(bs: list[torch.Tensor], scaled: tuple) -> tuple[list[torch.Tensor], 
     return None
 
 
-def gemm(a2: torch.Tensor, b: torch.Tensor, scaled: tuple) -> Gemm:
+def gemm(a2: torch.Tensor, b: torch.Tensor, scaled: Fp8Args) -> Gemm:
     """The `Gemm` of a call whose activation rows are `a2` ``[M, k]`` and weight `b` (fp8 per `scaled`, or plain)."""
     act = activation(a2, scaled)
     if act is None:
