@@ -11,7 +11,7 @@ store):
   memory segment (`overlap.shm`) mapped by every local rank. CUDA: torch's ``_symmetric_memory``,
   with the fused kernels' flag words in a separate symmetric allocation (flags never move when the heap
   grows; their in-kernel waits are atomics, which need device memory);
-* a per-process table of peer addresses (`SymmHeap.ptr_table`), which Triton kernels take.
+* a per-process table of peer addresses (`overlap.symm.tables.AddressTables`), which Triton kernels take.
 
 The buffer protocol (docs/design.md) as implemented here:
 

@@ -1,8 +1,8 @@
 """`SymmHeap`: the symmetric heap, control pads and flags of one group on one node.
 
-The handshake of every call, growth and re-base of the heap, and the address tables the Triton kernels
-take (the protocol: `overlap.symm`'s docstring). CPU ranks map each peer's POSIX shared-memory segments;
-GPU ranks use torch's ``_symmetric_memory`` (the CUDA backing at the end of this file).
+The handshake of every call, growth and re-base of the heap, and views of its slots (the protocol:
+`overlap.symm`'s docstring); the address tables the Triton kernels take are `overlap.symm.tables`'. CPU ranks map
+each peer's POSIX shared-memory segments; GPU ranks use torch's ``_symmetric_memory`` (`overlap.symm.cuda_memory`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,11 +39,9 @@ from .layout import (
     signals,
     signature_hash,
 )
+from .tables import AddressTables
 
 log = logging.getLogger("overlap")
-
-_MAX_TABLES = 256  # cached address tables per heap (see SymmHeap._table)
-
 
 class SymmHeap:
     """Symmetric heap, control pads and flags of one group on one node.
@@ -70,7 +67,6 @@ class SymmHeap:
         # Epoch of the last call that used each slot's data (identical on every rank: every rank
         # makes the same calls, and whether a call uses the heap is part of its signature).
         self.last_data_epoch = [0] * NUM_SLOTS
-        self._counters: dict[int, torch.Tensor] = {}
         # Each slot's epoch word: the epoch of the call using the slot, which the fused kernels read (a word,
         # not an int argument, so that Triton compiles one variant for every epoch). `Call.epoch_word` writes
         # it in stream order; like the slot's data it is rewritten only once the slot is free again.
@@ -95,7 +91,7 @@ class SymmHeap:
         self._ctrl_np = [t.numpy() for t in self.ctrl]
         self._ctrl_addr = [t.data_ptr() for t in self.ctrl]
         self.data: list[torch.Tensor] = []
-        self._ptr_tables: dict[tuple[int, Any], torch.Tensor] = {}
+        self.tables = AddressTables(self)  # what the kernels take: addresses of slots, regions, flags
         # Where asynchronous (stream-ordered, in-kernel) waits report a missed deadline: word p
         # is set when a wait on peer p gave up. Pinned host memory on GPUs, so the host reads it
         # without synchronizing; `begin` checks it at the next call.
@@ -135,7 +131,7 @@ class SymmHeap:
         return self._pad_dev[peer] + 4 * word
 
     def kernel_flag_addr(self, peer: int, word: int) -> int:
-        """Address of `word` of `peer`'s flags as the fused kernels see them (`flag_table`): the device flag
+        """Address of `word` of `peer`'s flags as the fused kernels see them (`AddressTables.flag_table`): the device flag
         word where the heap has them (GPU ranks), else the control pad's word (CPU ranks)."""
         return self._cuda_flags.addrs(word)[peer] if self._cuda_flags is not None else self.ctrl_addr(peer, word)
 
@@ -440,7 +436,7 @@ class SymmHeap:
             finally:
                 shm.unlink(path)
         self.slot_bytes = slot_bytes
-        self._ptr_tables.clear()
+        self.tables.clear()
 
     def reserve(self, nbytes: int, timeout: float) -> None:
         self.begin("reserve", f"reserve(bytes={nbytes})", nbytes, timeout).finish()
@@ -455,52 +451,6 @@ class SymmHeap:
         assert offset % 16 == 0 and offset + nbytes <= self.slot_bytes, (offset, nbytes, self.slot_bytes)
         start = slot * self.slot_bytes + offset
         return self.data[peer][start : start + nbytes].view(dtype).view(shape)
-
-    def ptr_table(self, slot: int, offset: int = 0) -> torch.Tensor:
-        """int64 ``[world]`` tensor of every peer's slot address (+offset) in this process."""
-        return self._table((slot, offset), lambda: [t.data_ptr() + slot * self.slot_bytes + offset for t in self.data])
-
-    def _table(self, key: Any, addresses: Any) -> torch.Tensor:
-        """The cached int64 device tensor of `key`, made from ``addresses()`` on first use.
-
-        Bounded: keys depend on shapes (region sizes, offsets), so a run of ever-changing shapes
-        would grow the cache without end; past `_MAX_TABLES` it starts over (tables are tiny and
-        cheap to rebuild; a dropped one still in use by a queued kernel stays alive through the
-        allocator's stream semantics)."""
-        table = self._ptr_tables.get(key)
-        if table is None:
-            if len(self._ptr_tables) >= _MAX_TABLES:
-                self._ptr_tables.clear()
-            table = torch.tensor(addresses(), dtype=torch.int64, device=self.device)
-            self._ptr_tables[key] = table
-        return table
-
-    def region_table(self, slot: int, peer: int, region_bytes: int, count: int, offset: int = 0) -> torch.Tensor:
-        """int64 ``[count]`` tensor of the addresses of `count` consecutive regions of `peer`'s slot,
-        the first `offset` bytes in."""
-        assert region_bytes % 16 == 0 and offset + count * region_bytes <= self.slot_bytes, (region_bytes, count)
-        base = self.data[peer].data_ptr() + slot * self.slot_bytes + offset
-        return self._table((slot, f"regions{peer},{region_bytes},{count},{offset}"),
-                           lambda: [base + i * region_bytes for i in range(count)])
-
-    def counters(self, slot: int) -> torch.Tensor:
-        """This rank's `MAX_FLAGS` int32 chunk counters of `slot` (zero between calls: kernels reset them)."""
-        table = self._counters.get(slot)
-        if table is None:
-            table = torch.zeros(MAX_FLAGS, dtype=torch.int32, device=self.device)
-            self._counters[slot] = table
-        return table
-
-    def flag_table(self, slot: int, index: int) -> torch.Tensor:
-        """int64 ``[world]`` tensor of the address of ``ready[slot][index]`` in every peer's pad."""
-        word = self.ready_word(slot, index)
-
-        def addresses() -> list[int]:
-            if self.device.type == "cuda":
-                return self._cuda_flags.addrs(word)
-            return [self.ctrl_addr(p, word) for p in range(self.world_size)]
-
-        return self._table((slot, f"ready{index}"), addresses)
 
     def _cancel_watchdog(self) -> None:
         c = signals()
@@ -522,4 +472,4 @@ class SymmHeap:
         self.data = []
         self.ctrl = []
         self._ctrl_np = []
-        self._ptr_tables.clear()
+        self.tables.clear()

@@ -101,8 +101,8 @@ def dispatch_rows(call, h: layout.MoELayout, rows: torch.Tensor, row_of_send: to
     flags = [heap.kernel_flag_addr(r, heap.ready_word(call.slot, i)) for i in flag_index]
     table = _device_table(blocks + chunks + flags, rows.device)
     n = len(blocks)
-    dst = heap.ptr_table(call.slot, slots.header_bytes(W, L) + r * slots.region_stride(call.need, W, L))
-    counters = heap.counters(call.slot)  # zero between calls; the kernel leaves them at zero
+    dst = heap.tables.ptr_table(call.slot, slots.header_bytes(W, L) + r * slots.region_stride(call.need, W, L))
+    counters = heap.tables.counters(call.slot)  # zero between calls; the kernel leaves them at zero
     row_of_send = row_of_send.contiguous()
     assert row_of_send.dtype == torch.int64 and row_of_send.numel() == blocks[-1], row_of_send.shape
     _c().moe_dispatch_rows(
@@ -152,7 +152,7 @@ def combine_rows(call, h: layout.MoELayout, dtype: torch.dtype, cols: int, topk_
     if T == 0:
         return out
     pos, offsets = combine_positions(h)
-    back = call.heap.region_table(call.slot, r, slots.region_stride(call.need, W, L), W, slots.header_bytes(W, L))
+    back = call.heap.tables.region_table(call.slot, r, slots.region_stride(call.need, W, L), W, slots.header_bytes(W, L))
     send_offsets = _device_table(offsets, out.device)
     weights = topk_weights.to(torch.float32).contiguous()
     _c().moe_combine_rows(

@@ -260,9 +260,9 @@ def _consume_fused(cc: CallContext, call, h: layout.MoELayout, dtype, cols: int,
         return recv, out
     heap = call.heap
     stride = slots.region_stride(call.need, W, L)
-    src_table = heap.region_table(call.slot, r, stride, W, slots.header_bytes(W, L))
+    src_table = heap.tables.region_table(call.slot, r, stride, W, slots.header_bytes(W, L))
     err = heap.kernel_err() if out.is_cuda else torch.zeros(1, dtype=torch.int32)
-    kernel.launch_grouped_matmul_wait(src_table, heap.flag_table(call.slot, 0), table, w, out, recv,
+    kernel.launch_grouped_matmul_wait(src_table, heap.tables.flag_table(call.slot, 0), table, w, out, recv,
                                       epoch=call.epoch_word(), err=err, timeout_ns=int(timeout * 1e9),
                                       block=(bm, bn, bk))
     bad = 0 if out.is_cuda else int(err.item())

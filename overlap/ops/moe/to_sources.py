@@ -139,12 +139,12 @@ def _fused(cc: CallContext, call, h, y, w, between, weights=None):
     if table.shape[0]:
         heap = call.heap
         stride = slots.region_stride(call.need, W, L)
-        counters = heap.counters(call.slot)  # indices < W * F <= MAX_FLAGS; the kernel leaves them at zero
+        counters = heap.tables.counters(call.slot)  # indices < W * F <= MAX_FLAGS; the kernel leaves them at zero
         if not y.is_cuda:
             counters.zero_()  # (an interpreted kernel can stop half-way on an exception; a memset is free here)
         kernel.launch_grouped_matmul_scatter(
-            y, w, table, heap.ptr_table(call.slot, slots.header_bytes(W, L) + r * stride), counters,
-            heap.flag_table(call.slot, 0), epoch=call.epoch_word(), rank=r, block=(bm, bn, bk))
+            y, w, table, heap.tables.ptr_table(call.slot, slots.header_bytes(W, L) + r * stride), counters,
+            heap.tables.flag_table(call.slot, 0), epoch=call.epoch_word(), rank=r, block=(bm, bn, bk))
         if y.is_cuda:  # the kernel released device flag words; `_collect`'s stream-ordered waits read the pads
             _mirror_flags(call, h)
     if between is not None:

@@ -395,16 +395,16 @@ def _fused(cc: CallContext, call, g: Gemm):
     if cc.plan.one_shot:
         # One destination (our own buffer), then a reduction over every rank's buffer.
         rb = slots.region_bytes(rows, n, dtype)
-        scatter_and_reduce(cc, call, g, out, block_rows=rows, dst_table=heap.region_table(call.slot, r, rb, 1),
-                           flag_index=0, src_table=heap.ptr_table(call.slot), max_chunks=symm.MAX_FLAGS)
+        scatter_and_reduce(cc, call, g, out, block_rows=rows, dst_table=heap.tables.region_table(call.slot, r, rb, 1),
+                           flag_index=0, src_table=heap.tables.ptr_table(call.slot), max_chunks=symm.MAX_FLAGS)
         return out
     part, rb, reduced_at = _layout(rows, n, dtype, W)
     parts = _parts(rows, W)
     stride = symm.MAX_FLAGS // (W + 1)
     lo_r, hi_r = parts[r]
     reduced = call.buffer(r, dtype, (max(hi_r - lo_r, 1), n), offset=reduced_at)[: hi_r - lo_r]
-    scatter_and_reduce(cc, call, g, reduced, block_rows=part, dst_table=heap.ptr_table(call.slot, r * rb),
-                       flag_index=r * stride, src_table=heap.region_table(call.slot, r, rb, W), max_chunks=stride,
+    scatter_and_reduce(cc, call, g, reduced, block_rows=part, dst_table=heap.tables.ptr_table(call.slot, r * rb),
+                       flag_index=r * stride, src_table=heap.tables.region_table(call.slot, r, rb, W), max_chunks=stride,
                        flag_stride=stride)
     main = torch.cuda.current_stream() if g.a.is_cuda else None
     side = comm.side_stream(g.device) if g.a.is_cuda else None

@@ -232,8 +232,8 @@ def _fused(cc: CallContext, call, prod):
     out = _new(prod, m)
     # Block d goes to our region (r) of d's buffer; we sum the W regions of our own buffer.
     scatter_and_reduce(cc, call, g, out, block_rows=m, rows_per_outer=prod.rows.rows,
-                       dst_table=heap.ptr_table(call.slot, r * rb), flag_index=r * stride,
-                       src_table=heap.region_table(call.slot, r, rb, W), max_chunks=stride, flag_stride=stride)
+                       dst_table=heap.tables.ptr_table(call.slot, r * rb), flag_index=r * stride,
+                       src_table=heap.tables.region_table(call.slot, r, rb, W), max_chunks=stride, flag_stride=stride)
     return out
 
 
@@ -257,15 +257,15 @@ def scatter_and_reduce(cc: CallContext, call, g: Gemm, out, *, block_rows: int, 
     bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(), a2.dtype)
     nch = kernels.chunk_count(chosen.chunks_for(info.slowest_link), max_chunks, block_rows, bm)
     call.wait_slot_free()
-    counters = heap.counters(call.slot)  # num_dest * nch <= MAX_FLAGS; the kernel leaves them at zero
+    counters = heap.tables.counters(call.slot)  # num_dest * nch <= MAX_FLAGS; the kernel leaves them at zero
     if not a2.is_cuda:
         counters.zero_()  # (an interpreted kernel can stop half-way on an exception; a memset is free here)
     epoch = call.epoch_word()  # (after wait_slot_free: the slot's word)
-    kernels.launch_matmul_scatter(a2, b, dst_table, counters, heap.flag_table(call.slot, 0), block_rows=block_rows,
+    kernels.launch_matmul_scatter(a2, b, dst_table, counters, heap.tables.flag_table(call.slot, 0), block_rows=block_rows,
                                   num_chunks=nch, flag_stride=flag_stride, epoch=epoch, rank=info.rank,
                                   block=(bm, bn, bk), rows_per_outer=rows_per_outer, a_scale=g.a_scale,
                                   b_scale=g.b_scale)
-    reduce_sources(cc, call, out, src_table, heap.flag_table(call.slot, flag_index), block_rows, nch, bm, bn, epoch)
+    reduce_sources(cc, call, out, src_table, heap.tables.flag_table(call.slot, flag_index), block_rows, nch, bm, bn, epoch)
 
 
 def reduce_sources(cc: CallContext, call, out, src_table, flag_table, block_rows, nch, bm, bn, epoch) -> None:
