@@ -131,8 +131,8 @@ class SymmHeap:
         return self._pad_dev[peer] + 4 * word
 
     def kernel_flag_addr(self, peer: int, word: int) -> int:
-        """Address of `word` of `peer`'s flags as the fused kernels see them (`AddressTables.flag_table`): the device flag
-        word where the heap has them (GPU ranks), else the control pad's word (CPU ranks)."""
+        """Address of `word` of `peer`'s flags as the fused kernels see them (`AddressTables.flag_table`): the device
+        flag word where the heap has them (GPU ranks), else the control pad's word (CPU ranks)."""
         return self._cuda_flags.addrs(word)[peer] if self._cuda_flags is not None else self.ctrl_addr(peer, word)
 
     def ready_word(self, slot: int, index: int) -> int:

@@ -152,7 +152,8 @@ def combine_rows(call, h: layout.MoELayout, dtype: torch.dtype, cols: int, topk_
     if T == 0:
         return out
     pos, offsets = combine_positions(h)
-    back = call.heap.tables.region_table(call.slot, r, slots.region_stride(call.need, W, L), W, slots.header_bytes(W, L))
+    stride = slots.region_stride(call.need, W, L)
+    back = call.heap.tables.region_table(call.slot, r, stride, W, slots.header_bytes(W, L))
     send_offsets = _device_table(offsets, out.device)
     weights = topk_weights.to(torch.float32).contiguous()
     _c().moe_combine_rows(

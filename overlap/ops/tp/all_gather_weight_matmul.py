@@ -262,7 +262,8 @@ def _fused(cc: CallContext, call, a2: torch.Tensor, b: torch.Tensor) -> torch.Te
     err = heap.kernel_err() if a2.is_cuda else torch.zeros(1, dtype=torch.int32)
     tile = fused.fused_tiles(cc.plan.block_m, cc.plan.block_n, cc.plan.block_k, fused.interpreted(), a2.dtype)
     a_rows = a2 if a2.shape[1] == 1 or a2.stride(1) == 1 else a2.contiguous()
-    out = kernels.launch_all_gather_weight_matmul(a_rows, heap.tables.ptr_table(call.slot), heap.tables.flag_table(call.slot, 0),
+    tables = heap.tables
+    out = kernels.launch_all_gather_weight_matmul(a_rows, tables.ptr_table(call.slot), tables.flag_table(call.slot, 0),
                                                   n=n, epoch=call.epoch_word(), rank=r, err=err,
                                                   timeout_ns=int(timeout * 1e9), block=tile)
     bad = 0 if a2.is_cuda else int(err.item())

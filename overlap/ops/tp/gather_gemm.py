@@ -102,8 +102,8 @@ def _fused(cc: CallContext, call, a2, bs, keep_gathered, rows):
         fp8 = {} if bs.packed is None else {"b_scale": bs.b_scales[i], "out_dtype": bs.out_dtype,
                                             "scale_offset": bs.packed.k4, "row_bytes": bs.packed.width}
         outs.append(kernels.launch_all_gather_matmul(
-            b, heap.tables.ptr_table(call.slot), heap.tables.flag_table(call.slot, 0), rows=m, epoch=call.epoch_word(), rank=r,
-            err=err, timeout_ns=int(timeout * 1e9), block=tile, rows_per_outer=rows.rows, **fp8))
+            b, heap.tables.ptr_table(call.slot), heap.tables.flag_table(call.slot, 0), rows=m, epoch=call.epoch_word(),
+            rank=r, err=err, timeout_ns=int(timeout * 1e9), block=tile, rows_per_outer=rows.rows, **fp8))
         bad = 0 if a2.is_cuda else int(err.item())
         if bad:
             raise OverlapTimeout(cc.op, r, bad - 1, f"rank chunk {bad - 1}", timeout, "fused kernel tile wait")

@@ -404,8 +404,8 @@ def _fused(cc: CallContext, call, g: Gemm):
     lo_r, hi_r = parts[r]
     reduced = call.buffer(r, dtype, (max(hi_r - lo_r, 1), n), offset=reduced_at)[: hi_r - lo_r]
     scatter_and_reduce(cc, call, g, reduced, block_rows=part, dst_table=heap.tables.ptr_table(call.slot, r * rb),
-                       flag_index=r * stride, src_table=heap.tables.region_table(call.slot, r, rb, W), max_chunks=stride,
-                       flag_stride=stride)
+                       flag_index=r * stride, src_table=heap.tables.region_table(call.slot, r, rb, W),
+                       max_chunks=stride, flag_stride=stride)
     main = torch.cuda.current_stream() if g.a.is_cuda else None
     side = comm.side_stream(g.device) if g.a.is_cuda else None
     call.signal_ready(W * stride, stream=main)  # the whole reduced part at once: the kernel is one step

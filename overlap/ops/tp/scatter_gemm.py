@@ -261,11 +261,12 @@ def scatter_and_reduce(cc: CallContext, call, g: Gemm, out, *, block_rows: int, 
     if not a2.is_cuda:
         counters.zero_()  # (an interpreted kernel can stop half-way on an exception; a memset is free here)
     epoch = call.epoch_word()  # (after wait_slot_free: the slot's word)
-    kernels.launch_matmul_scatter(a2, b, dst_table, counters, heap.tables.flag_table(call.slot, 0), block_rows=block_rows,
-                                  num_chunks=nch, flag_stride=flag_stride, epoch=epoch, rank=info.rank,
-                                  block=(bm, bn, bk), rows_per_outer=rows_per_outer, a_scale=g.a_scale,
+    kernels.launch_matmul_scatter(a2, b, dst_table, counters, heap.tables.flag_table(call.slot, 0),
+                                  block_rows=block_rows, num_chunks=nch, flag_stride=flag_stride, epoch=epoch,
+                                  rank=info.rank, block=(bm, bn, bk), rows_per_outer=rows_per_outer, a_scale=g.a_scale,
                                   b_scale=g.b_scale)
-    reduce_sources(cc, call, out, src_table, heap.tables.flag_table(call.slot, flag_index), block_rows, nch, bm, bn, epoch)
+    reduce_sources(cc, call, out, src_table, heap.tables.flag_table(call.slot, flag_index), block_rows, nch, bm, bn,
+                   epoch)
 
 
 def reduce_sources(cc: CallContext, call, out, src_table, flag_table, block_rows, nch, bm, bn, epoch) -> None:
