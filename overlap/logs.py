@@ -15,6 +15,7 @@ import re
 import sys
 
 from . import envs
+from .links import LINK_CLASSES
 
 #: the format of the ``overlap`` logger's handler: ``[overlap INFO rank 1] message``
 LOG_FORMAT = "[overlap %(levelname)s%(rank)s] %(message)s"
@@ -22,8 +23,8 @@ LOG_FORMAT = "[overlap %(levelname)s%(rank)s] %(message)s"
 #: the message of `overlap.plans.auto`'s choice; its second argument is the plan's signature text
 AUTO_CHOICE = "overlap.%s: auto chose %s for %s (%s)"
 
-#: `overlap.world.LINK_CLASSES`, fastest first: the order `overlap.Plan.label` writes chunks in
-_LINK_ORDER = ("shm", "nvlink", "pcie", "network")
+#: fastest first: the order `overlap.Plan.label` writes chunks in
+_LINK_ORDER = LINK_CLASSES
 
 _PLAN_TEXT = re.compile(r"^(reference|pipelined|symm|fused)\[([^\]]*)\]$")
 

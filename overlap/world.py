@@ -29,12 +29,11 @@ import torch
 import torch.distributed as dist
 
 from . import envs, lifetime
+from .links import LINK_CLASSES
 
 # Every module of overlap that uses torch (and so may reach Triton) imports this one first: where no GPU
 # exists, TRITON_INTERPRET is set here, before anything can import Triton (`envs.set_triton_interpret`).
 envs.set_triton_interpret()
-
-LINK_CLASSES = ("shm", "nvlink", "pcie", "network")
 
 
 def node_identity() -> str:

@@ -168,7 +168,7 @@ def preset_cases(
         raise ValueError(f"unknown preset {preset!r}; known: {tuple(TP_PRESETS)}")
     problems = tp_problems(TP_PRESETS[preset][0], world_size)
     return [
-        Case(o, *dims, dtype, backward=mode == "fwd+bwd", preset=preset, layer=layer, tp=world_size)
+        Case.of(o, *dims, dtype, backward=mode == "fwd+bwd", preset=preset, layer=layer, tp=world_size)
         for o in ops
         for layer, layer_op, dims in problems
         if layer_op == o
@@ -208,7 +208,7 @@ def default_cases(
             continue
         if o in MOE_OPS:
             cases += [
-                MoECase(MOE_PRESETS[preset][0], dtype or dt, backward=mode == "fwd+bwd", preset=preset)
+                MoECase.of(MOE_PRESETS[preset][0], dtype or dt, backward=mode == "fwd+bwd", preset=preset)
                 for preset, dt, case_modes in _MOE_DEFAULTS[device_type]
                 for mode in MODES
                 if mode in case_modes and mode in modes
@@ -219,7 +219,7 @@ def default_cases(
             if o not in case_ops:
                 continue
             if not isinstance(shape, str):
-                cases += [Case(o, *shape, dtype or dt, backward=mode == "fwd+bwd") for mode in selected]
+                cases += [Case.of(o, *shape, dtype or dt, backward=mode == "fwd+bwd") for mode in selected]
             elif why := tp_problem(TP_PRESETS[shape][0], world_size):
                 if left_out is not None and f"{shape}: {why}" not in left_out:
                     left_out.append(f"{shape}: {why}")
@@ -243,7 +243,7 @@ def _batch_first_cases(op: str, device_type: str, dtype: str | None, modes: Sequ
         if dims[0] % batch:
             continue
         split = layer_split(model, layer, world_size) if several else ()
-        cases += [Case(o, *dims, dtype or dt, backward=mode == "fwd+bwd", preset=preset, layer=layer,
+        cases += [Case.of(o, *dims, dtype or dt, backward=mode == "fwd+bwd", preset=preset, layer=layer,
                        tp=world_size, batch=batch, split=split)
                   for mode in MODES if mode in case_modes and mode in modes]
     return cases

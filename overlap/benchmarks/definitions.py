@@ -3,7 +3,7 @@ the two kinds of case with the FLOPs and bytes of one call. `cases` selects the 
 benchmarks (presets, defaults, suites) and is where the rest of the project imports all of this from.
 
 A `Case` is one op at one shape and dtype, timed forward only (mode ``fwd``) or forward plus
-backward (``fwd+bwd``).
+backward (``fwd+bwd``): the op table's `overlap.plans.Problem` with the run's layout and labels.
 
 Shapes. ``m x k x n`` means the same GEMM on every rank for all three ops, ``[W*m, k] @ [k, n]``
 (``W`` the world size, ``2*W*m*k*n`` FLOPs per rank forward), so that one shape costs the same
@@ -108,8 +108,9 @@ from typing import Any
 
 import torch
 
-from ..plans import FP8_DTYPES, STRATEGIES, Problem, ops_of
+from ..plans import FP8_DTYPES, Problem
 from ..plans import OPS as OP_TABLE
+from ..plans.optable import torch_dtype
 from .models import LAYERS, TP_PRESETS
 from .names import (
     AUTO,
@@ -119,7 +120,6 @@ from .names import (
     MODES,
     MOE_OPS,
     MOE_PRESETS,
-    NOT_BENCHED,
     STRATEGY_NAMES,
     TORCH,
     TP_OPS,
@@ -140,21 +140,14 @@ __all__ = [
     "all_strategy_labels", "bench_labels", "label_plan", "parse_moe_shape", "parse_shape", "strategy_labels",
 ]
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                                  "float8_e4m3fn": torch.float8_e4m3fn}
+#: the dtypes a case may have (`DTYPE_NAMES`), as torch's
+DTYPES: dict[str, torch.dtype] = {name: torch_dtype(name) for name in DTYPE_NAMES}
 
 #: the tensor-parallel ops of the op table, each benchmarked as ``overlap.<op>`` at a shape ``m x k x n``
 #: (`Case`; bench/soak.py runs these too, by that name)
 OPS = TP_OPS
 #: the ops with fp8 cases (dtype in `FP8_DTYPES`: the ``fp8="rowwise"`` recipe)
 FP8_OPS = tuple(name for name in OPS if OP_TABLE[name].fp8)
-
-# `names` spells out what the command line needs without torch; it must be the op table's.
-_TABLE = (ops_of("tp"), ops_of("moe"), STRATEGIES, {n: s.variants for n, s in OP_TABLE.items() if s.variants},
-          tuple(DTYPES))
-_NAMES = (TP_OPS, MOE_OPS, STRATEGY_NAMES + NOT_BENCHED, VARIANT_FLAGS, DTYPE_NAMES)
-if _TABLE != _NAMES:  # pragma: no cover - a maintenance slip
-    raise ImportError(f"overlap.benchmarks.names is out of step with the op table: {_TABLE}")
 
 #: strategy labels beyond `plan.STRATEGIES`, per op: label -> (strategy, fields of its `overlap.Plan`)
 #: (an op's `OpSpec.variants`: ``matmul_all_reduce``'s ``one_shot``)
@@ -174,7 +167,21 @@ def label_plan(op: str, label: str) -> tuple[str, dict[str, Any]]:
 
 
 class _CaseNames:
-    """What both kinds of case derive from ``op``, ``shape``, ``dtype`` and ``backward``."""
+    """What both kinds of case read from their `problem` (the op table's `Problem`: op, shape, dtype, mode)."""
+
+    problem: Problem
+
+    @property
+    def op(self) -> str:
+        return self.problem.op
+
+    @property
+    def dtype(self) -> str:
+        return self.problem.dtype
+
+    @property
+    def backward(self) -> bool:
+        return self.problem.backward
 
     @property
     def mode(self) -> str:
@@ -188,29 +195,51 @@ class _CaseNames:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    def flops(self, world_size: int) -> int:
+        """Floating-point operations of one call on one rank (the op table's: see the module docstring)."""
+        return self.problem.spec.flops(self.problem, world_size)
+
+
+def _check_mode(dtype: Any, backward: Any, dtypes: tuple[str, ...]) -> None:
+    if dtype not in dtypes:
+        raise ValueError(f"dtype must be one of {dtypes}, got {dtype!r}")
+    if not isinstance(backward, bool):
+        raise ValueError(f"backward must be a bool, got {backward!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class Case(_CaseNames):
-    """One benchmark case: `op` at per-rank shape ``m x k x n`` (see the module docstring) in
-    `dtype` (a name of `DTYPES`), forward only or, with `backward`, forward plus backward."""
+    """One benchmark case of a tensor-parallel op: its `problem` (op, per-rank shape ``m x k x n`` (see the module
+    docstring), dtype, forward only or forward plus backward) and how the run lays it out and labels it. Made by
+    `Case.of`, which names the problem's fields."""
 
-    op: str
-    m: int
-    k: int
-    n: int
-    dtype: str = "float32"
-    backward: bool = False
+    problem: Problem
     preset: str = ""  # a `models.TP_PRESETS` name, with `layer` and `tp`: the problem of that model's layer
     layer: str = ""  # ... at tensor-parallel size `tp` (`preset_cases`); they only label the case
     tp: int = 0
     batch: int = 0  # batch-first [batch, m/batch, k], the sequence on dim 1 (`layouts`); 0: sequence-first [m, k]
     split: tuple[int, ...] = ()  # all_gather_matmul: the weight's n columns as several weights (`layouts`)
 
+    @classmethod
+    def of(cls, op: str, m: int, k: int, n: int, dtype: str = "float32", backward: bool = False, **labels: Any) -> Case:
+        """The case of `op` at ``m x k x n`` in `dtype` (a name of `DTYPES`), `backward` or not, with the
+        layout and labels of the fields above. Raises ValueError naming the field that is wrong."""
+        if op not in OPS:
+            raise ValueError(f"unknown op {op!r}; known: {OPS}")
+        for name, v in (("m", m), ("k", k), ("n", n)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        _check_mode(dtype, backward, tuple(DTYPES))
+        if dtype in FP8_DTYPES and op not in FP8_OPS:
+            raise ValueError(f"{dtype} (the fp8 recipe) is benchmarked for {FP8_OPS}, sequence-first with one "
+                             f"weight: got {op}")
+        return cls(Problem(op, m, k, n, dtype, backward), **labels)
+
     def __post_init__(self) -> None:
-        if self.op not in OPS:
-            raise ValueError(f"unknown op {self.op!r}; known: {OPS}")
+        if not isinstance(self.problem, Problem) or self.problem.op not in OPS:
+            raise ValueError(f"a Case's problem is a Problem of one of {OPS}, got {self.problem!r}")
         object.__setattr__(self, "split", tuple(self.split))
-        spec = OP_TABLE[self.op]
+        spec = self.problem.spec
         if self.batch and (isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 0
                            or not spec.dim_arg or self.m % self.batch):
             raise ValueError(f"batch must be an int >= 1 dividing m={self.m}, for an op with a gather or scatter "
@@ -226,19 +255,24 @@ class Case(_CaseNames):
                     f"a preset case needs preset in {tuple(TP_PRESETS)}, a layer of {self.op} in {layers} and tp >= 1, "
                     f"got preset={self.preset!r}, layer={self.layer!r}, tp={self.tp!r}"
                 )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        _check_mode(self.dtype, self.backward, tuple(DTYPES))
         if self.dtype in FP8_DTYPES and (self.op not in FP8_OPS or self.batch or self.split):
             raise ValueError(f"{self.dtype} (the fp8 recipe) is benchmarked for {FP8_OPS}, sequence-first with one "
                              "weight: "
                              f"got {self.op}" + (f", batch={self.batch}" if self.batch else "")
                              + (f", split={self.split}" if self.split else ""))
-        for name in ("m", "k", "n"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if not isinstance(self.backward, bool):
-            raise ValueError(f"backward must be a bool, got {self.backward!r}")
+
+    @property
+    def m(self) -> int:
+        return self.problem.m
+
+    @property
+    def k(self) -> int:
+        return self.problem.k
+
+    @property
+    def n(self) -> int:
+        return self.problem.n
 
     @property
     def shape(self) -> str:
@@ -246,15 +280,6 @@ class Case(_CaseNames):
         dims += f"/bsh{self.batch}" if self.batch else ""
         dims += f"/split{'+'.join(map(str, self.split))}" if self.split else ""
         return f"{self.preset}/{self.layer}:{dims}" if self.preset else dims
-
-    @property
-    def problem(self) -> Problem:
-        """The case as the op table's `Problem` (its inputs, FLOPs and bytes are the table entry's)."""
-        return Problem(self.op, self.m, self.k, self.n, self.dtype, self.backward)
-
-    def flops(self, world_size: int) -> int:
-        """Floating-point operations of one call on one rank: ``2*W*m*k*n`` per GEMM, 3 GEMMs in fwd+bwd."""
-        return self.problem.spec.flops(self.problem, world_size)
 
     def comm_bytes(self, world_size: int) -> int:
         """Bytes one rank receives in one call's plain collectives (see the module docstring)."""
@@ -269,6 +294,12 @@ class Case(_CaseNames):
         return {"m": self.m, "k": self.k, "n": self.n, "preset": self.preset or None, "layer": self.layer or None,
                 "batch": self.batch or None, "split": list(self.split) or None}
 
+    def record(self) -> dict[str, Any]:
+        """The case as the JSON record of a run names it (the arguments of `of`)."""
+        return {"op": self.op, "m": self.m, "k": self.k, "n": self.n, "dtype": self.dtype, "backward": self.backward,
+                "preset": self.preset, "layer": self.layer, "tp": self.tp, "batch": self.batch,
+                "split": list(self.split)}
+
     def world_problem(self, world_size: int) -> str | None:
         """Why the case cannot run on `world_size` ranks, or None: any shape runs on any number of ranks,
         but a preset's shapes are its layer's at one tensor-parallel size."""
@@ -279,41 +310,38 @@ class Case(_CaseNames):
 
 @dataclasses.dataclass(frozen=True)
 class MoECase(_CaseNames):
-    """One MoE benchmark case: the layer of op ``moe`` at `dims` in `dtype` (a name of `DTYPES`),
-    forward only or, with `backward`, forward plus backward. `preset` names a `MOE_PRESETS` entry
-    (empty for a custom shape); it only labels the case."""
+    """One MoE benchmark case: its `problem` (op ``moe``: ``m, k, n`` = tokens per rank, hidden, expert FFN, with
+    its experts and top-k; dtype; forward only or forward plus backward). `preset` names a `MOE_PRESETS` entry
+    (empty for a custom shape); it only labels the case. Made by `MoECase.of` from an `MoEShape`."""
 
-    dims: MoEShape
-    dtype: str = "float32"
-    backward: bool = False
+    problem: Problem
     preset: str = ""
-    op: str = dataclasses.field(default="moe", init=False)
+
+    @classmethod
+    def of(cls, dims: MoEShape, dtype: str = "float32", backward: bool = False, preset: str = "") -> MoECase:
+        """The case of the MoE layer at `dims` in `dtype` (a name of `DTYPES` but fp8). Raises ValueError."""
+        if not isinstance(dims, MoEShape):
+            raise ValueError(f"dims must be an MoEShape, got {dims!r}")
+        _check_mode(dtype, backward, tuple(d for d in DTYPES if d not in FP8_DTYPES))
+        d = dims
+        return cls(Problem("moe", d.tokens, d.hidden, d.ffn, dtype, backward, d.experts, d.top_k), preset)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.dims, MoEShape):
-            raise ValueError(f"dims must be an MoEShape, got {self.dims!r}")
-        if self.dtype not in DTYPES or self.dtype in FP8_DTYPES:
-            raise ValueError(f"an MoE case's dtype must be one of {tuple(d for d in DTYPES if d not in FP8_DTYPES)}, "
-                             f"got {self.dtype!r}")
-        if not isinstance(self.backward, bool):
-            raise ValueError(f"backward must be a bool, got {self.backward!r}")
+        if not isinstance(self.problem, Problem) or self.problem.op != "moe":
+            raise ValueError(f"an MoECase's problem is a Problem of op moe, got {self.problem!r}")
+        _check_mode(self.dtype, self.backward, tuple(d for d in DTYPES if d not in FP8_DTYPES))
         if self.preset and self.preset not in MOE_PRESETS:
             raise ValueError(f"unknown MoE preset {self.preset!r}; known: {tuple(MOE_PRESETS)}")
 
     @property
-    def shape(self) -> str:
-        return f"{self.preset}:{self.dims.spec}" if self.preset else self.dims.spec
+    def dims(self) -> MoEShape:
+        """The layer's ``T,H,F,E,K`` (`problem`'s tokens, hidden, FFN, experts, top-k)."""
+        p = self.problem
+        return MoEShape(p.m, p.k, p.n, p.experts, p.top_k)
 
     @property
-    def problem(self) -> Problem:
-        """The case as the op table's `Problem` (``m, k, n`` = tokens, hidden, FFN)."""
-        d = self.dims
-        return Problem(self.op, d.tokens, d.hidden, d.ffn, self.dtype, self.backward, d.experts, d.top_k)
-
-    def flops(self, world_size: int) -> int:
-        """Mean floating-point operations of one call per rank (the module docstring): ``4*T*K*H*F``
-        forward, three times that in fwd+bwd; the mean does not depend on the routing."""
-        return self.problem.spec.flops(self.problem, world_size)
+    def shape(self) -> str:
+        return f"{self.preset}:{self.dims.spec}" if self.preset else self.dims.spec
 
     @property
     def fits_interpreted_fused(self) -> bool:
@@ -323,6 +351,11 @@ class MoECase(_CaseNames):
     def shape_fields(self) -> dict[str, Any]:
         """The shape as fields of a result row."""
         return {"preset": self.preset or None, **dataclasses.asdict(self.dims)}
+
+    def record(self) -> dict[str, Any]:
+        """The case as the JSON record of a run names it (the arguments of `of`, and the op)."""
+        return {"dims": dataclasses.asdict(self.dims), "dtype": self.dtype, "backward": self.backward,
+                "preset": self.preset, "op": self.op}
 
     def world_problem(self, world_size: int) -> str | None:
         """Why the case cannot run on `world_size` ranks (experts that do not split evenly), or None."""

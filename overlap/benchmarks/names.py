@@ -1,9 +1,9 @@
 """The names of ``overlap bench`` that the command line needs before any rank starts, without torch:
 the ops, modes, dtype names and strategy labels, the MoE shapes and presets, and the shape parsers.
 
-`definitions` (which imports torch and the op table) re-exports all of it and checks at import that
-these names are the op table's (`definitions` says what a case is; this module only names things), so
-``overlap --help`` and argument errors answer without importing torch.
+The ops, strategies, variants and dtypes are the op table's (`overlap.plans.optable`, `overlap.plans.plan`: they
+import no torch), read from it here; `definitions` says what a case is and re-exports these names. So ``overlap
+--help`` and argument errors answer without importing torch.
 
 Strategy labels: the four strategies of `overlap.Plan` and, for ``matmul_all_reduce``, their
 ``+one_shot`` variants (`strategy_labels`); a benchmark also runs two rows beside them
@@ -15,26 +15,29 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..plans.optable import OPS, TRAINING_DTYPES, ops_of
+from ..plans.plan import STRATEGIES
+
 #: the tensor-parallel ops (the op table's family ``tp``), then the MoE layer (family ``moe``)
-TP_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_gather_weight_matmul")
-MOE_OPS = ("moe",)
+TP_OPS = ops_of("tp")
+MOE_OPS = ops_of("moe")
 BENCH_OPS = TP_OPS + MOE_OPS
 
 #: ``fwd``: the forward alone; ``fwd+bwd``: forward, then backward of the fresh output
 MODES = ("fwd", "fwd+bwd")
 
-#: the dtypes a case may have (`definitions.DTYPES` maps them to torch's); ``float8_e4m3fn``: the op's ``fp8="rowwise"``
+#: the dtypes a case may have (the op table's training dtypes); ``float8_e4m3fn``: the op's ``fp8="rowwise"``
 #: recipe on bfloat16 leaves (`definitions`)
-DTYPE_NAMES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+DTYPE_NAMES = TRAINING_DTYPES
 
-#: `overlap.plans.STRATEGIES` that ``overlap bench`` runs
-STRATEGY_NAMES = ("reference", "pipelined", "symm", "fused")
-#: the rest of `overlap.plans.STRATEGIES`: ``hierarchical`` runs ``symm`` on one node; across nodes the emulated
-#: cluster's figures measure it (``bench/emulated_cluster.py --figures``)
+#: the strategies of `overlap.plans.STRATEGIES` that ``overlap bench`` does not run: ``hierarchical`` runs ``symm``
+#: on one node; across nodes the emulated cluster's figures measure it (``python -m bench.emulated_cluster --figures``)
 NOT_BENCHED = ("hierarchical",)
+#: `overlap.plans.STRATEGIES` that ``overlap bench`` runs
+STRATEGY_NAMES = tuple(s for s in STRATEGIES if s not in NOT_BENCHED)
 
 #: per op, the `Plan` flags beyond the strategy that make labels of their own (`OpSpec.variants`)
-VARIANT_FLAGS: dict[str, tuple[str, ...]] = {"matmul_all_reduce": ("one_shot",)}
+VARIANT_FLAGS: dict[str, tuple[str, ...]] = {name: spec.variants for name, spec in OPS.items() if spec.variants}
 
 #: the baseline row of every case: plain torch.distributed and torch.matmul (`baseline`)
 TORCH = "torch"

@@ -286,7 +286,7 @@ def run(config: BenchConfig, group: dist.ProcessGroup | None = None) -> list[dic
             config.json_path,
             {
                 "machine": machine,
-                "config": {**dataclasses.asdict(config), "cases": [dataclasses.asdict(c) for c in config.cases]},
+                "config": {**dataclasses.asdict(config), "cases": [c.record() for c in config.cases]},
                 "seed": seed,
                 "results": rows,
                 "summary": results,

@@ -58,14 +58,14 @@ def cases_of(
     for op in ops:
         for shape in by_kind[op in MOE_OPS]:
             if op in MOE_OPS:
-                cases += [MoECase(shape[0], dtype, backward=mode == "fwd+bwd", preset=shape[1]) for mode in modes]
+                cases += [MoECase.of(shape[0], dtype, backward=mode == "fwd+bwd", preset=shape[1]) for mode in modes]
             elif shape[0] == "preset":
                 why = tp_problem(TP_PRESETS[shape[1]][0], world_size)
                 if why:
                     raise ValueError(f"--shape {shape[1]} does not apply to {world_size} ranks: {why}")
                 cases += preset_cases(shape[1], op, world_size, dtype, modes)
             else:
-                cases += [Case(op, *shape, dtype, backward=mode == "fwd+bwd") for mode in modes]
+                cases += [Case.of(op, *shape, dtype, backward=mode == "fwd+bwd") for mode in modes]
     problems = world_problems(cases, world_size)
     if problems:
         raise ValueError(f"--shape: cannot run on {world_size} ranks: {problems}")

@@ -21,10 +21,10 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from ..plans import OPS, Problem, ops_of
+from ..plans.optable import OPS, TRAINING_DTYPES, Problem, ops_of
 
 TP_OPS = ops_of("tp")
-DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")  # fp8: the op's fp8="rowwise" recipe
+DTYPES = TRAINING_DTYPES  # fp8: the op's fp8="rowwise" recipe
 
 
 def _dims(text: str) -> tuple[int, int, int]:

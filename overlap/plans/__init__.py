@@ -10,60 +10,35 @@
   `measured_loads`, `choose_migration`;
 * plan files (`planfile`): `PlanFile`, what `overlap tune` chose per topology;
 * ``strategy="auto"`` (`auto`): a plan file's entry, the model's choice, or the default heuristic.
+
+The names below are imported on first use (PEP 562), so that the op table (`optable`) and `Plan` (`plan`), which
+import no torch, serve the command line before torch loads; the cost model and plan files import it.
 """
 
-from __future__ import annotations
+import importlib as _importlib
 
-from .costmodel import (
-    CHUNK_CHOICES,
-    MODEL_OPS,
-    PROFILE_VERSION,
-    GemmFit,
-    LinkFit,
-    Prediction,
-    Profile,
-    Topology,
-    candidates,
-    default_profile,
-    predict,
-    rank_candidates,
-    topology_of,
-)
-from .migration import MIGRATE_OPS, choose_migration, expected_loads, measured_loads
-from .optable import FP8_DTYPES, FP8_LEAVES, OPS, OpSpec, Problem, op_spec, ops_of, wire_sizes
-from .plan import DEFAULT_CHUNKS, STRATEGIES, Plan
-from .planfile import PLAN_FILE_VERSION, Entry, PlanFile
+#: public name -> the submodule defining it
+_LAZY = {
+    **dict.fromkeys(("CHUNK_CHOICES", "MODEL_OPS", "PROFILE_VERSION", "GemmFit", "LinkFit", "Prediction", "Profile",
+                     "Topology", "candidates", "default_profile", "predict", "rank_candidates", "topology_of"),
+                    "costmodel"),
+    **dict.fromkeys(("MIGRATE_OPS", "choose_migration", "expected_loads", "measured_loads"), "migration"),
+    **dict.fromkeys(("FP8_DTYPES", "FP8_LEAVES", "OPS", "OpSpec", "Problem", "op_spec", "ops_of", "wire_sizes"),
+                    "optable"),
+    **dict.fromkeys(("DEFAULT_CHUNKS", "STRATEGIES", "Plan"), "plan"),
+    **dict.fromkeys(("PLAN_FILE_VERSION", "Entry", "PlanFile"), "planfile"),
+}
 
-__all__ = [
-    "CHUNK_CHOICES",
-    "DEFAULT_CHUNKS",
-    "FP8_DTYPES",
-    "FP8_LEAVES",
-    "MIGRATE_OPS",
-    "MODEL_OPS",
-    "OPS",
-    "PLAN_FILE_VERSION",
-    "PROFILE_VERSION",
-    "STRATEGIES",
-    "Entry",
-    "GemmFit",
-    "LinkFit",
-    "OpSpec",
-    "Plan",
-    "PlanFile",
-    "Prediction",
-    "Problem",
-    "Profile",
-    "Topology",
-    "candidates",
-    "choose_migration",
-    "default_profile",
-    "expected_loads",
-    "measured_loads",
-    "op_spec",
-    "wire_sizes",
-    "ops_of",
-    "predict",
-    "rank_candidates",
-    "topology_of",
-]
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'overlap.plans' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -18,20 +18,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-
-import torch
+from typing import TYPE_CHECKING
 
 from . import moe_op, tp_ops
 from .plan import STRATEGIES
 
+if TYPE_CHECKING:
+    import torch
+
 FAMILIES = ("tp", "moe")
-#: names of the dtypes a problem may have -> torch dtypes
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
-#: bytes per element of every dtype a problem may have
-ITEMSIZE = {name: dtype.itemsize for name, dtype in DTYPES.items()}
+#: bytes per element of every dtype a problem may have, by its name (torch's: `torch_dtype`)
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1}
+#: the dtypes of training calls, which ``overlap bench`` and ``overlap tune`` take (float64 is the oracles')
+TRAINING_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
 #: the fp8 dtypes: a problem in one is an fp8 call of a tensor-parallel op (fp8 operands, or the ``fp8=`` recipe on
 #: high-precision leaves), whose transfers move what `wire_sizes` says
 FP8_DTYPES = ("float8_e4m3fn",)
@@ -194,10 +193,20 @@ class Problem:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
     @property
     def key(self) -> str:
         """Canonical text, e.g. ``matmul_all_reduce:64x1024x512:bfloat16:fwd`` (plan files' entry key)."""
         moe = f":experts={self.experts}:top_k={self.top_k}" if self.spec.family == "moe" else ""
         return f"{self.op}:{self.m}x{self.k}x{self.n}:{self.dtype}:{'fwd+bwd' if self.backward else 'fwd'}{moe}"
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a dtype name of `ITEMSIZE` (``"bfloat16"`` -> ``torch.bfloat16``); KeyError for another.
+    The table itself imports no torch, so the command line reads it before torch loads."""
+    import torch
+
+    if name not in ITEMSIZE:
+        raise KeyError(name)
+    return getattr(torch, name)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from ..world import LINK_CLASSES
+from ..links import LINK_CLASSES
 
 STRATEGIES = ("reference", "pipelined", "symm", "fused", "hierarchical")
 DEFAULT_CHUNKS = {"shm": 1, "nvlink": 1, "pcie": 2, "network": 2}

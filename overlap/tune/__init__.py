@@ -1,5 +1,6 @@
-"""Tuning: probes of a machine's links, GEMM rates and interference (`probe`, in `probing`), cached per
-machine (`cache`). The search and measurement that write plan files live beside them (`search`).
+"""Tuning: probes of a machine's links, GEMM rates and interference (`probe`: the package `probing`, its measuring
+steps in `probing.steps`), fitted (`fits`) and cached per machine (`cache`). The search and measurement that write
+plan files live beside them (`search`; each candidate's trial call is its workload's: `overlap.workloads.trial`).
 """
 
 from __future__ import annotations

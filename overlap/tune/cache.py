@@ -19,9 +19,13 @@ from .. import envs, world
 from ..plans import Profile
 from ..plans.planfile import write_atomic
 from ..world import LINK_CLASSES, GroupInfo
-from .probe_steps import device_name
 
 log = logging.getLogger("overlap")
+
+
+def device_name(device: torch.device) -> str:
+    """The name a profile (and its cache file) gives the device: the GPU's, or ``cpu``."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def cache_dir() -> Path:

@@ -169,14 +169,14 @@ def _sync(pg, info, timeout: float, values: torch.Tensor | None = None, op=dist.
 
 def _measure(problem: Problem, trials: list[Trial], pg, info, repeats: int, warmup: int, timeout: float,
              report: Callable[[str], None], routing: Routing | None = None) -> None:
-    from .workload import build
+    from ..workloads.trial import trial_call
 
     runs = []
     expected = None
     links = tuple(info.link_classes().values())  # plans are named as overlap bench names them (`Plan.label`)
     for t in trials:
         report(f"checking {t.plan.label(links)}")
-        fn, result = build(problem, t.plan, pg, info, timeout, seed=1234, routing=routing)
+        fn, result = trial_call(problem, t.plan, pg, info, timeout, seed=1234, routing=routing)
         got = fn()
         if t.plan.strategy == "reference":
             expected = [result(got)]

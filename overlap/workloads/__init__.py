@@ -18,7 +18,8 @@ A `Workload` per op in `WORKLOADS` (`workload`):
 A problem in an fp8 dtype (`overlap.plans.FP8_DTYPES`; the three TP ops that take fp8) is the op's ``fp8=``
 recipe on bf16 leaves (`leaf_dtype`; `tp` says what each function does with it).
 
-The tensor-parallel ops' functions: `tp`; the MoE layer's: `moe`.
+The tensor-parallel ops' functions: `tp`; the MoE layer's: `moe`; the plain-torch baselines: `plain_torch`; seeded
+inputs and the oracles' sums: `data`; a plan's trial call of a problem (what the tuner times): `trial`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""Inputs and one call of a tuning problem: what `overlap.tune.search` times for each candidate plan.
+"""A trial of a plan: the inputs and one call of a problem, what `overlap.tune.search` times for each candidate
+plan (and the emulated cluster's figures for each plan of its grid).
 
 The inputs of a `overlap.plans.Problem` are its op's workload's (`overlap.workloads.Workload.inputs`:
 standard normal values, weights scaled by ``1/sqrt(fan_in)``, MoE routing like a trained router's,
 uneven loads), seeded per rank and identical for every candidate of a problem, so each candidate's
 result can be compared with ``reference``'s. The call is the workload's too (`Workload.call`). A MoE problem
-tuned for a given routing (`build`'s `routing`) draws each token's experts from its node's shares instead.
+tuned for a given routing (`trial_call`'s `routing`) draws each token's experts from its node's shares instead.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import torch
 
 from ..plans import Plan, Problem
 from ..plans.migration import nodes_of
-from ..workloads import SeededDraw, workload
+from . import workload
+from .data import SeededDraw
 
 
-def build(problem: Problem, plan: Plan, pg, info, timeout: float, seed: int,
+def trial_call(problem: Problem, plan: Plan, pg, info, timeout: float, seed: int,
           routing=None) -> tuple[Callable[[], object], Callable[[object], list]]:
     """``(fn, result)``: ``fn()`` runs one call (and its backward when ``problem.backward``) with `plan`;
     ``result(fn())`` is the list of tensors to compare with reference's (output, then gradients). `routing`

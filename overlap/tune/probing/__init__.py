@@ -49,7 +49,7 @@ group's next `world.group_info` is a collective rendezvous again).
 probes and saves (rank 0 writes, atomically).
 
 This module holds the two collectives, `probe` and `probe_cached`, and the fit of the combined
-measurements; the steps are in `probe_steps`, the cache files in `cache`, the fits and
+measurements; the steps are in `steps`, the cache files in `overlap.tune.cache`, the fits and
 `format_profile` in `fits` (all re-exported here).
 """
 
@@ -66,18 +66,17 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .. import envs, world
-from ..plans import LinkFit, Plan, Problem, Profile, predict, topology_of
-from ..world import GroupInfo
-from .cache import cache_dir, cache_path, load_cached, save_cached
-from .fits import TRANSPORTS, fit_gemm, fit_line, fit_link, format_profile
-from .probe_steps import (
+from ... import envs, world
+from ...plans import LinkFit, Plan, Problem, Profile, predict, topology_of
+from ...world import GroupInfo
+from ..cache import cache_dir, cache_path, device_name, load_cached, save_cached
+from ..fits import TRANSPORTS, fit_gemm, fit_line, fit_link, format_profile
+from .steps import (
     CALL_PROBLEM,
     CHUNKS,
     OP,
     Probe,
     config_for,
-    device_name,
     link_pairs,
     measure_calls,
     measure_chunking,

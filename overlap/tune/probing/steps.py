@@ -1,4 +1,4 @@
-"""The measuring steps of `probe` on one rank (the module `overlap.tune.probing` runs them and says, in its
+"""The measuring steps of `probe` on one rank (the package `overlap.tune.probing` runs them and says, in its
 docstring, what each measures and how the ranks combine): links, GEMMs, interference and chunking, each
 recording this rank's medians in a `Probe` (the group, its deadline, the store rendezvous and the bounded
 posts and waits every step uses); what they measure per device type and depth is `config_for`'s.
@@ -18,10 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import comm, symm, world
-from ..errors import OverlapError, OverlapTimeout
-from ..plans.auto import gpu_symmetric_memory
-from ..world import LINK_CLASSES, GroupInfo
+from ... import comm, symm, world
+from ...errors import OverlapError, OverlapTimeout
+from ...plans.auto import gpu_symmetric_memory
+from ...world import LINK_CLASSES, GroupInfo
 
 OP = "probe"
 KiB, MiB = 1024, 1024 * 1024
@@ -69,11 +69,6 @@ def config_for(device: torch.device, quick: bool) -> Config:
     return Config(link_sizes=(4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB), link_reps=20,
                   gemm_dtypes=dtypes, gemm_sizes=(128, 256, 384, 512, 768), gemm_reps=10, busy_dtype=torch.float32,
                   busy_n=384, busy_bytes=4 * MiB, busy_reps=20, busy_s=1.0, chunk_bytes=4 * MiB, chunk_reps=15)
-
-
-def device_name(device: torch.device) -> str:
-    """The name a profile (and its cache file) gives the device: the GPU's, or ``cpu``."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -405,7 +400,7 @@ def measure_calls(p: Probe, cfg: Config) -> None:
     """Step 5: back-to-back forward calls of `CALL_PROBLEM` per strategy (`call_strategies`), interleaved
     against drift; records ``call/<strategy>``, the median seconds per call (`probing` subtracts what the
     fitted links and GEMMs predict for it, leaving the fixed cost `Profile.call_s`)."""
-    from ..ops.tp.all_gather_matmul import all_gather_matmul  # (this layer sits above the ops)
+    from ...ops.tp.all_gather_matmul import all_gather_matmul  # (this layer sits above the ops)
 
     strategies = call_strategies(p.info)
     if not strategies:
