@@ -80,7 +80,7 @@ def grouped_matmul_wait_kernel(
         if tile_n == 0:
             tl.store(r_ptrs, a, mask=a_mask)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
-        if UPCAST:  # the interpreter's bf16 dot is wrong (docs/design.md): compute in fp32 there
+        if UPCAST:  # the interpreter's bf16 dot is wrong (docs/toolchain.md): compute in fp32 there
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc)

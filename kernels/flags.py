@@ -102,7 +102,7 @@ def matmul_tile(a_ptrs, b_ptrs, row_ok, offs_k, offs_n, N, K, stride_bk,
         k_left = K - kk * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
-        if UPCAST:  # the interpreter's bf16 dot is wrong (docs/design.md): compute in fp32 there
+        if UPCAST:  # the interpreter's bf16 dot is wrong (docs/toolchain.md): compute in fp32 there
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc)

@@ -2,7 +2,7 @@
 
 A group is a ``torch.distributed`` process group (``None`` is the default group). `GroupInfo`
 adds what `overlap` needs on top: the node of every rank (from torchrun's environment,
-``OVERLAP_NODE_ID`` or the hostname, in that order of precedence as docs/design.md says), the link
+``OVERLAP_NODE_ID`` or the hostname, in that order of precedence as the README's environment table says), the link
 class of every peer pair, and the device the group computes on.
 
 Link classes: ``"shm"`` (CPU ranks of one node: POSIX shared memory), ``"nvlink"`` and ``"pcie"``

@@ -48,7 +48,7 @@ def tolerance(dtype: torch.dtype, reduction: int, strategy: str, device_type: st
     ``atol=1e-5 * max(1, sqrt(reduction/256))``: the rounding error of a length-``L`` fp32 dot
     product grows like ``sqrt(L)``, so docs/design.md's ``1e-5`` holds as is up to ``L = 256`` and is
     widened with the same margin beyond (2.8e-5 at ``L = 2048``). ``fused`` fp32 on a GPU runs its
-    ``tl.dot`` as TF32 (docs/design.md) and gets ``rtol=atol=1e-2``. Forward outputs are of order 1 by
+    ``tl.dot`` as TF32 (docs/strategies.md) and gets ``rtol=atol=1e-2``. Forward outputs are of order 1 by
     the inputs' scaling (`case_data`); gradients can be larger (``grad_b`` sums ``W*m`` products of
     order 1), and `_tolerances` multiplies ``atol`` by a tensor's RMS where that exceeds 1.
     """

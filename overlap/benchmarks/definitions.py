@@ -31,7 +31,7 @@ row casts, runs the plain collectives of the fp8 bytes (and scales) and ``torch.
 bfloat16 one. The GB/s column counts those bytes (`overlap.plans.wire_sizes`).
 
 Modes. ``fwd+bwd`` times the forward and the backward of a fresh output: three GEMMs
-(``6*W*m*k*n`` FLOPs) and, per Megatron's conventions (docs/design.md), more communication:
+(``6*W*m*k*n`` FLOPs) and, per Megatron's conventions (docs/conventions.md), more communication:
 ``all_gather_matmul`` gathers ``a`` again and reduce-scatters ``grad_a`` (``+2*(W-1)*m*k``),
 ``matmul_reduce_scatter`` all-gathers ``grad_out`` (``+(W-1)*m*n``), ``matmul_all_reduce`` passes
 the gradient through (no more).

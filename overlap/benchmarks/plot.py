@@ -4,7 +4,7 @@ Two panels, one group of bars per case (its ``auto`` plan under its name):
 
 * the median time of every row (``torch``, ``reference``, the strategies, ``auto``) with its p25..p75 as an
   error bar (a log axis where the times span more than `LOG_SPAN`); interpreted ``fused`` is left off:
-  it is not a measurement of overlap (docs/design.md), and its seconds would flatten the others;
+  it is not a measurement of overlap (docs/measuring.md), and its seconds would flatten the others;
 * the speedup over ``torch`` of every other row on a linear axis, with a line at 1 (as fast as plain
   torch); speedups above `SPEEDUP_CEILING` are drawn at the limit and labelled with their value.
 

@@ -17,7 +17,7 @@ layer, ``T,H,F,E,K``, a dtype, a mode), `run_case`:
 4. One row per label (``torch``: the op in plain torch, `baseline`; ``reference``; each strategy;
    ``auto``, the default strategy), then the case's two context rows (`case_rows`).
 
-Reported per row (docs/design.md "Measuring"): TFLOP/s (`Case.flops`: 1 GEMM forward, 3 in
+Reported per row (docs/measuring.md): TFLOP/s (`Case.flops`: 1 GEMM forward, 3 in
 ``fwd+bwd``; `MoECase.flops`: the mean over ranks of the grouped GEMMs), speedup
 ``= T_torch / T_strategy`` and beside it ``T_ref / T_strategy``, the plan it ran (`checks.plan_labels`:
 ``auto``'s choice), and overlap efficiency ``= (T_ref - T_strategy) / min(T_comm, T_compute)``,

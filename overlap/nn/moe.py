@@ -88,7 +88,7 @@ class ExpertParallelMLP(torch.nn.Module):
     (fp32).
 
     Gradients: ``w1``/``w2`` get the gradient of every token routed to them, from every rank. The
-    replicated ``router`` gets this rank's own contribution only (docs/design.md): sum it over the ranks
+    replicated ``router`` gets this rank's own contribution only (docs/conventions.md): sum it over the ranks
     with the data-parallel reduction, as for any replicated parameter. ``w1``/``w2`` are marked
     ``allreduce = False`` (Megatron's flag for expert-parallel parameters).
 

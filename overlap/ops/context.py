@@ -213,7 +213,7 @@ def warn_device_connections(op: str) -> None:
     """Tell once per process, at the first GPU call that uses the symmetric heap (``symm``, ``fused``),
     where CUDA_DEVICE_MAX_CONNECTIONS is not 1, what the setting changes. overlap reads it and never sets it:
     it must be set before CUDA initializes, and it changes every stream of the process, the user's own
-    included. Correctness and bounded waits hold under any value (docs/design.md, "Stream-ordered waits")."""
+    included. Correctness and bounded waits hold under any value (docs/protocol.md, "Waits on GPUs")."""
     value = envs.cuda_device_max_connections()
     if value == 1:
         return

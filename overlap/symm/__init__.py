@@ -13,7 +13,7 @@ store):
   grows; their in-kernel waits are atomics, which need device memory);
 * a per-process table of peer addresses (`overlap.symm.tables.AddressTables`), which Triton kernels take.
 
-The buffer protocol (docs/design.md) as implemented here:
+The buffer protocol (docs/protocol.md) as implemented here:
 
 * **Handshake.** Every call on a group (any strategy, any op) starts with `SymmHeap.begin`:
   the group's epoch advances by one and each rank posts ``(signature, bytes needed)`` under the

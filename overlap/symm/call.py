@@ -6,7 +6,7 @@ registered as mapped host memory, so the host never blocks on the device; each w
 watchdog (``overlap._C.watchdog_arm``), which at the deadline reports the peer and releases the stream by
 writing the word itself (a GPU queue blocked by a stream wait is released by nothing else).
 
-Ordering (docs/design.md, "Stream-ordered waits"): with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` every stream of a
+Ordering (docs/protocol.md, "Waits on GPUs"): with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` every stream of a
 process feeds one hardware queue in host order, so a wait enqueued before this rank's own publish of the same
 phase would hold that publish back. Every GPU pipeline enqueues the publishes of a phase before any wait of that
 phase (`overlap.ops` pipelines; tests/test_symm_stream_order.py records it).

@@ -11,7 +11,7 @@ Strategies: `overlap.ops.moe.to_sources` (``reference``, ``pipelined``, ``symm``
 grouped-matmul form, ``hierarchical`` across nodes), which `dispatch`'s backward runs too. The weighted sum is
 the same code in all of them (fp32, ``k`` in order), so the strategies differ only by the GEMMs' own rounding.
 
-Autograd (docs/design.md): the weighted sum gives ``topk_weights`` the dot products and each row its
+Autograd (docs/conventions.md): the weighted sum gives ``topk_weights`` the dot products and each row its
 ``topk_weights``-weighted gradient; those rows travel to the experts again (the dispatch direction,
 `overlap.ops.moe.dispatch`), fused there with the input-gradient GEMM ``grad_e @ w2[e].T``; the weight
 gradient is ``h_e.T @ grad_e``, one GEMM per expert.

@@ -9,7 +9,7 @@ soon as it has arrived while the others are still in flight. Layouts and the han
 Strategies: `overlap.ops.moe.to_experts` (``reference``, ``pipelined``, ``symm``, ``fused`` for the
 grouped-matmul form, ``hierarchical`` across nodes), which `combine`'s backward runs too.
 
-Autograd (docs/design.md): the backward of the transfer sends each row's gradient back to its token and
+Autograd (docs/conventions.md): the backward of the transfer sends each row's gradient back to its token and
 sums a token's ``K`` copies (in fp32, ``k`` in order); it is the combine direction
 (`overlap.ops.moe.combine`), fused there with the input-gradient GEMM ``grad_h_e @ w1[e].T``. The
 weight gradient ``x_recv_e.T @ grad_h_e`` is one GEMM per expert, run while those rows travel.
