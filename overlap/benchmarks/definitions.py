@@ -324,11 +324,11 @@ class MoECase(_CaseNames):
             raise ValueError(f"dims must be an MoEShape, got {dims!r}")
         _check_mode(dtype, backward, tuple(d for d in DTYPES if d not in FP8_DTYPES))
         d = dims
-        return cls(Problem("moe", d.tokens, d.hidden, d.ffn, dtype, backward, d.experts, d.top_k), preset)
+        return cls(Problem(MOE_OPS[0], d.tokens, d.hidden, d.ffn, dtype, backward, d.experts, d.top_k), preset)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.problem, Problem) or self.problem.op != "moe":
-            raise ValueError(f"an MoECase's problem is a Problem of op moe, got {self.problem!r}")
+        if not isinstance(self.problem, Problem) or self.problem.op not in MOE_OPS:
+            raise ValueError(f"an MoECase's problem is a Problem of one of {MOE_OPS}, got {self.problem!r}")
         _check_mode(self.dtype, self.backward, tuple(d for d in DTYPES if d not in FP8_DTYPES))
         if self.preset and self.preset not in MOE_PRESETS:
             raise ValueError(f"unknown MoE preset {self.preset!r}; known: {tuple(MOE_PRESETS)}")
