@@ -1,6 +1,7 @@
 """Groups that span nodes, for every op family: what the ``hierarchical`` strategy
 (`overlap.ops.tp.hierarchical_gather`, `overlap.ops.tp.hierarchical_reduce`, `overlap.ops.tp.hierarchical_weight`,
-`overlap.ops.moe.hierarchical`) and expert migration (`overlap.ops.moe.migration`) share, and how every strategy's ranks agree across nodes.
+`overlap.ops.moe.hierarchical`) and expert migration (`overlap.ops.moe.migration`) share, and how every
+strategy's ranks agree across nodes.
 
 * `nodes`: the group's nodes (`Layout`: which ranks share a node, each rank's counterparts), the node's process
   group and symmetric heap, the store record of a rank that died in a call;
