@@ -59,8 +59,8 @@ __all__ = sorted(_LAZY)
 
 #: the package's submodules, also imported on first use as attributes (``overlap.world.LINK_CLASSES`` after a bare
 #: ``import overlap``, as when the package imported them all)
-_SUBMODULES = ("benchmarks", "cli", "comm", "envs", "errors", "kernels", "logs", "ops", "plans", "pool", "shm",
-               "signals", "symm", "tune", "version", "workloads", "world")
+_SUBMODULES = ("benchmarks", "cli", "comm", "envs", "errors", "kernels", "lazy", "links", "logs", "ops", "plans",
+               "pool", "progress", "shm", "signals", "symm", "tune", "version", "workloads", "world")
 
 
 def __getattr__(name: str):

@@ -12,7 +12,7 @@ any rank starts (op, mode and strategy names, shape parsers) is `names`, which d
 this package's names are imported on first use.
 """
 
-import importlib as _importlib
+from .. import lazy as _lazy
 
 #: public name -> the submodule defining it, imported on first use (PEP 562): the command line's parser
 #: imports `names` and `models` without loading torch through `cases`
@@ -26,13 +26,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'overlap.benchmarks' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = _lazy.exports(__name__, _LAZY, globals())

@@ -15,7 +15,7 @@ The names below are imported on first use (PEP 562), so that the op table (`opta
 import no torch, serve the command line before torch loads; the cost model and plan files import it.
 """
 
-import importlib as _importlib
+from .. import lazy as _lazy
 
 #: public name -> the submodule defining it
 _LAZY = {
@@ -32,13 +32,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'overlap.plans' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = _lazy.exports(__name__, _LAZY, globals())
