@@ -25,7 +25,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--overlap-warmup", type=int, default=3, metavar="W",
                     help="untimed calls first (default: 3; interpreted fused: none)")
     group.addoption("--overlap-emulated", default=None, metavar="RATES",
-                    help="also run the emulated two-node cluster (bench/emulated_cluster.py; root) at these "
+                    help="also run the emulated two-node cluster (python -m bench.emulated_cluster; root) at these "
                     "comma-separated link rates, e.g. 100mbit,2gbit: tuner against the exhaustive grid")
     group.addoption("--overlap-seed", type=int, default=None, metavar="S",
                     help="seed of the inputs (default: a fresh one, in every result's extra_info)")

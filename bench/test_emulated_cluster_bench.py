@@ -1,22 +1,18 @@
-"""The emulated two-node cluster of `bench/emulated_cluster.py`, reachable from the benchmark suite:
+"""The emulated two-node cluster (`python -m bench.emulated_cluster`), reachable from the benchmark suite:
 ``pytest bench/ --benchmark-only --overlap-emulated 100mbit,2gbit`` (root; skipped otherwise).
 
 One benchmark per rate and problem: its time is the tuner's measured pick (the slowest rank's
 median), and ``extra_info`` carries what the script reports: the exhaustive grid's best, the regret
 (duel and grid), the tuning time against the grid's, the chunks chosen per link class, the model's
 error and how much overlap pays (reference / best overlapped plan). These measured outcomes are what the
-CI tests leave out (`tests/test_emulated_cluster.py` asserts the model's choices from recorded profiles).
+CI tests leave out (`tests/emulated/test_emulated_cluster.py` asserts the model's choices from recorded profiles).
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import emulated_cluster as ec  # noqa: E402
+from bench import emulated_cluster as ec
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ import random
 
 import pytest
 from hypothesis import HealthCheck, settings
-from support.harness import RankPool
+
+from tests.support.harness import RankPool
 
 # No property test depends on the machine's speed: hypothesis's per-example deadline and its "too slow"
 # health check are timings taken during the test, so they are off for every test (a test's own settings

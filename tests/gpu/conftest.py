@@ -26,9 +26,10 @@ import pytest
 
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # read when CUDA creates its context: before any test
 
-import tolerance  # noqa: E402
 import torch  # noqa: E402
-from virtual import Device, DeviceStuck  # noqa: E402
+
+from tests.gpu import tolerance  # noqa: E402
+from tests.gpu.virtual import Device, DeviceStuck  # noqa: E402
 
 # The texts of errors after which a CUDA context is unusable (every later call fails the same way).
 STICKY_ERRORS = ("illegal memory access", "illegal instruction", "misaligned address", "unspecified launch failure",
@@ -61,7 +62,7 @@ def dev() -> Device:
 
 @pytest.fixture(autouse=True)
 def _test_hook(request):
-    """What tests/test_gpu_check.py makes a test do, to prove the run's handling of it (unset in real runs):
+    """What tests/gpu/cpu/test_gpu_check.py makes a test do, to prove the run's handling of it (unset in real runs):
     ``OVERLAP_GPU_TEST_HOOK="ACTION:SUBSTRING[;...]"``, applied to the tests whose node id holds SUBSTRING:
     ``fault`` (a sticky CUDA error: the process is unusable after it), ``raise`` (a plain failure), ``sleep=S``
     (a test that takes S seconds)."""

@@ -14,7 +14,7 @@ and the kernels' results are checked against float64 on those rows.
 
 The kernels are called as the fused strategies call them: the tile tables of `dispatch_tile_table` and
 `combine_tile_table`, launched through `launch_grouped_matmul_wait` and `launch_grouped_matmul_scatter`
-(`launch_wait`, `launch_scatter`: module level, so that tests/test_gpu_check_order.py can stand in for them).
+(`launch_wait`, `launch_scatter`: module level, so that tests/gpu/cpu/test_gpu_check_order.py can stand in for them).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from overlap.kernels import slots
 from overlap.kernels.dispatch_grouped_matmul import dispatch_tile_table, launch_grouped_matmul_wait
 from overlap.kernels.grouped_matmul_combine import combine_tile_table, launch_grouped_matmul_scatter
 from overlap.kernels.host import cdiv, epoch_word, fused_tiles, grouped_matmul_grid
-from tolerance import dtype_name
-from virtual import Device, Tile
 
 from overlap import symm
+from tests.gpu.tolerance import dtype_name
+from tests.gpu.virtual import Device, Tile
 
 # ==============================================================================================
 # Configurations and routing

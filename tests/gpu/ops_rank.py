@@ -4,7 +4,7 @@
 public API, against a float64 oracle computed here from the seed (fp8: of the leaves as the recipe quantizes
 them), each call made twice and required to give bitwise the same results.
 
-Started as ``python tests/gpu/ops_rank.py --rank R --world-size W ...``, one process per rank. On a GPU every rank
+Started as ``python -m tests.gpu.ops_rank --rank R --world-size W ...``, one process per rank. On a GPU every rank
 computes on the same device: the process group is ``cpu:gloo,cuda:nccl`` (one rank: ``nccl``), whose name tells
 overlap the group computes on CUDA (`overlap.world.group_device`), while no NCCL communicator is ever created (NCCL
 refuses two ranks on one GPU): ``symm`` and ``fused`` make no collective, overlap's own set-up and torch's
@@ -37,7 +37,8 @@ import traceback
 from typing import Any
 
 import torch
-from tolerance import BLOCK_RTOL, FP32_ACCUMULATE, UNIT_ROUNDOFF, compare_bound, dtype_name
+
+from tests.gpu.tolerance import BLOCK_RTOL, FP32_ACCUMULATE, UNIT_ROUNDOFF, compare_bound, dtype_name
 
 STRATEGIES = ("symm", "fused")
 #: chunks per link class of every call: more than one, so per-chunk flags, events and copies run

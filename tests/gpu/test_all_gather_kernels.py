@@ -13,7 +13,7 @@ rows it had.
 
 The flags start at the previous call's epoch, so a kernel that took a stale flag for this call's would read the
 NaN the buffers start as. The racing test issues its publisher before its consumers (virtual.py says why), and
-tests/test_gpu_check_order.py replays every test's device work on a model of the queues: `launch_gather` and
+tests/gpu/cpu/test_gpu_check_order.py replays every test's device work on a model of the queues: `launch_gather` and
 `launch_weight_gather` are looked up here, as module globals, so that it can replace them.
 """
 
@@ -27,8 +27,9 @@ import pytest
 import torch
 from overlap.kernels.all_gather_weight_matmul import launch_all_gather_weight_matmul
 from overlap.kernels.host import Watchdog, epoch_word
-from tolerance import compare, err_text, verdict
-from tp_ranks import (
+
+from tests.gpu.tolerance import compare, err_text, verdict
+from tests.gpu.tp_ranks import (
     B_IDS,
     CPU,
     DTYPE_IDS,
@@ -43,7 +44,7 @@ from tp_ranks import (
     sized_for,
     sized_params,
 )
-from virtual import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device, Tile
+from tests.gpu.virtual import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device, Tile
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -72,7 +73,7 @@ def describe(world_size: int, shape: tuple[int, int, int], dtype: torch.dtype, b
 
 
 # ==============================================================================================
-# The checks (a test's device work, in the order tests/test_gpu_check_order.py proves)
+# The checks (a test's device work, in the order tests/gpu/cpu/test_gpu_check_order.py proves)
 # ==============================================================================================
 
 

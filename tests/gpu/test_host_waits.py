@@ -4,7 +4,7 @@ The ``symm`` pipelines wait with ``cuStreamWaitValue32`` (``overlap.signals.cuda
 front end polls the word, no SM) on control-pad words in host shared memory registered for the device
 (``cuda_host_register``), publish with ``cuda_stream_write_value32``, and bound every wait with the host watchdog
 (``watchdog_arm``, a C++ thread that at the deadline sets the error word, the abort word to peer + 1 and then the
-word itself, which releases the stream); docs/design.md section 4. The GPU check runs these tests under its default
+word itself, which releases the stream); docs/protocol.md. The GPU check runs these tests under its default
 ``CUDA_DEVICE_MAX_CONNECTIONS=32`` and again under 1 (every stream in one hardware queue, as Megatron-LM requires
 with sequence parallelism); each test notes the setting it ran under.
 
@@ -37,10 +37,10 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from tolerance import verdict
-from virtual import SETTLE_TIMEOUT_S, Device, DeviceStuck
 
 from overlap import signals
+from tests.gpu.tolerance import verdict
+from tests.gpu.virtual import SETTLE_TIMEOUT_S, Device, DeviceStuck
 
 pytestmark = pytest.mark.one_queue
 

@@ -9,19 +9,19 @@ rank's regions with their routing weights, in fp32.
 
 The kernels' tables (blocks, chunks, flag indices, dtype codes) come from `overlap.kernels.all_to_all`, the
 kernels' launch data the ops use too. `signals` is looked up in this module at each call, so that
-tests/test_gpu_check_order.py can stand in for it.
+tests/gpu/cpu/test_gpu_check_order.py can stand in for it.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from moe_ranks import Config, MoEGroup, ordered_cases, ordered_config, staged_rows
 from overlap.kernels import all_to_all, slots
-from tolerance import verdict
-from virtual import Device
 
 from overlap import signals
+from tests.gpu.moe_ranks import Config, MoEGroup, ordered_cases, ordered_config, staged_rows
+from tests.gpu.tolerance import verdict
+from tests.gpu.virtual import Device
 
 pytestmark = pytest.mark.cuda
 

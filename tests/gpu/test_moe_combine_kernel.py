@@ -9,8 +9,8 @@ call's epoch, every other flag untouched, the kernel's flag counters back at 0: 
 the race the fused strategy runs: the sources wait on the flags while the scatter kernels run later. Each source's
 rows, back in pair order, are compared against float64 ``y_pair @ w2[expert of the pair]``.
 
-`launch_scatter` and `signals` are looked up in this module at each call, so that tests/test_gpu_check_order.py can
-stand in for them.
+`launch_scatter` and `signals` are looked up in this module at each call, so that tests/gpu/cpu/test_gpu_check_order.py
+can stand in for them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ import time
 
 import pytest
 import torch
-from moe_ranks import (
+from overlap.kernels import slots
+
+from overlap import signals
+from tests.gpu.moe_ranks import (
     Config,
     MoEGroup,
     ScatterCall,
@@ -33,11 +36,8 @@ from moe_ranks import (
     racing_config,
     scatter_call,
 )
-from overlap.kernels import slots
-from tolerance import compare, err_text, verdict
-from virtual import Device
-
-from overlap import signals
+from tests.gpu.tolerance import compare, err_text, verdict
+from tests.gpu.virtual import Device
 
 # ==============================================================================================
 # Inputs, the sources' collection, the judges

@@ -8,7 +8,8 @@ flagged while the kernels spin (the race the fused strategy runs), and one sourc
 flagged (the kernel must give up after its timeout and say which source it waited for). Received rows are
 compared bitwise with the rows ``topk_idx`` names, outputs against float64, both NaN-poisoned beforehand.
 
-`launch_wait` is looked up in this module at each call, so that tests/test_gpu_check_order.py can stand in for it.
+`launch_wait` is looked up in this module at each call, so that tests/gpu/cpu/test_gpu_check_order.py can stand in for
+it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import time
 
 import pytest
 import torch
-from moe_ranks import (
+from overlap.kernels.host import Watchdog
+
+from tests.gpu.moe_ranks import (
     Config,
     MoEGroup,
     WaitCall,
@@ -35,9 +38,8 @@ from moe_ranks import (
     write_counts,
     write_rows,
 )
-from overlap.kernels.host import Watchdog
-from tolerance import compare, err_text, verdict
-from virtual import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device
+from tests.gpu.tolerance import compare, err_text, verdict
+from tests.gpu.virtual import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device
 
 # ==============================================================================================
 # The receivers' results

@@ -11,12 +11,12 @@ peer), the flag words and the pinned error words, the stream-ordered waits and w
 pipelines (peer pulls and copies behind waits on another process's flags), the MoE dispatch and combine CUDA
 kernels with their tables, and every backward.
 
-Each rank (tests/gpu/ops_rank.py, one process each) draws every rank's inputs from the seed (``Workload.inputs``,
-``SeededDraw``), computes its own results with the workload's oracle (``Workload.oracle``) on float64 copies,
-makes each call twice and requires bitwise the same results (the determinism claim of docs/design.md), and checks
-the first against the oracle: TP ops within a rounding bound from the oracle on the inputs' magnitudes, MoE within
-docs/design.md's tolerance (c). A case passes if it passes on every rank. One run of the ranks serves every case's
-test (`Worlds`: one run per world size, kept for the module).
+Each rank (tests/gpu/ops_rank.py, ``python -m tests.gpu.ops_rank``, one process each) draws every rank's inputs from the
+seed (``Workload.inputs``, ``SeededDraw``), computes its own results with the workload's oracle (``Workload.oracle``) on
+float64 copies, makes each call twice and requires bitwise the same results (the determinism claim of docs/design.md),
+and checks the first against the oracle: TP ops within a rounding bound from the oracle on the inputs' magnitudes, MoE
+within docs/design.md's tolerance (c). A case passes if it passes on every rank. One run of the ranks serves every
+case's test (`Worlds`: one run per world size, kept for the module).
 
 How ranks share the GPU: the process group is ``cpu:gloo,cuda:nccl`` (overlap reads the group's device from its
 backend's name; no NCCL communicator is ever created) and torch's CUDA symmetric-memory backend maps every
@@ -52,11 +52,13 @@ from typing import Any
 
 import pytest
 import torch
-from machine import compute_mode_problem, gpu_facts
-from ops_rank import cases
-from tolerance import note
 
-RANK_SCRIPT = Path(__file__).resolve().with_name("ops_rank.py")
+from tests.gpu.machine import compute_mode_problem, gpu_facts
+from tests.gpu.ops_rank import cases
+from tests.gpu.tolerance import note
+
+ROOT = Path(__file__).resolve().parents[2]
+RANK_MODULE = "tests.gpu.ops_rank"  # run as ``python -m`` from the repository root
 #: per-call deadline (every wait on a peer), seconds: time-sliced GPU processes; loaded CI machines
 CALL_TIMEOUT_S = {"cuda": 60.0, "cpu": 30.0}
 #: the most a run of all ranks may take, seconds
@@ -219,7 +221,7 @@ def spawn(world_size: int, device: torch.device, seed: int, timeout: float, budg
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if device.type == "cuda":
         env["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"  # several ranks' symmetric memory on one device
-    cmd = [sys.executable, str(RANK_SCRIPT), "--world-size", str(world_size), "--init-file",
+    cmd = [sys.executable, "-m", RANK_MODULE, "--world-size", str(world_size), "--init-file",
            os.path.join(tmp, "store"), "--device", str(device), "--seed", str(seed), "--timeout", str(timeout),
            "--out", tmp, "--first", str(first)]
     started = time.monotonic()
@@ -228,7 +230,8 @@ def spawn(world_size: int, device: torch.device, seed: int, timeout: float, budg
     procs = []
     for r in range(world_size):
         with open(os.path.join(tmp, f"rank{r}.log"), "wb") as log:
-            procs.append(subprocess.Popen([*cmd, "--rank", str(r)], env=env, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen([*cmd, "--rank", str(r)], env=env, cwd=ROOT, stdout=log,
+                                          stderr=subprocess.STDOUT))
     try:
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if any(p.poll() not in (None, 0) for p in procs):

@@ -12,13 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import ops_rank
 import pytest
-import test_ops_on_one_device as ops
 import torch
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+from tests.gpu import ops_rank
+from tests.gpu import test_ops_on_one_device as ops
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _env() -> dict[str, str]:
@@ -82,8 +82,7 @@ def one_ulp_apart(*args, **kwargs):  # right within rounding, but not the same t
 
 wl.WORKLOADS["matmul_reduce_scatter"] = dataclasses.replace(rs, call=off_by_a_little)
 wl.WORKLOADS["all_gather_matmul"] = dataclasses.replace(ag, call=one_ulp_apart)
-sys.path.insert(0, {here!r})
-import ops_rank
+from tests.gpu import ops_rank
 
 ops_rank.main(sys.argv[1:])
 """
@@ -95,9 +94,7 @@ def test_a_wrong_op_fails_the_oracle_and_an_unrepeatable_one_the_repeat(tmp_path
     names = [c.name for c in ops_rank.cases(False)]
     stop = 9  # every case of all_gather_matmul and matmul_reduce_scatter (the table's first two ops), one more
     assert names[8].startswith("matmul_all_reduce-"), names
-    driver = tmp_path / "driver.py"
-    driver.write_text(_WRONG_OPS.format(here=str(HERE)))
-    proc = subprocess.run([sys.executable, str(driver), *_rank_args(tmp_path, "--stop", str(stop))], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-c", _WRONG_OPS, *_rank_args(tmp_path, "--stop", str(stop))], cwd=ROOT,
                           env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     records = ops.read_records(tmp_path / "rank0.jsonl")
@@ -117,7 +114,7 @@ def test_a_wrong_op_fails_the_oracle_and_an_unrepeatable_one_the_repeat(tmp_path
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo ranks over /dev/shm")
 def test_a_rank_starts_at_the_case_it_is_given(tmp_path):
     last = len(ops_rank.cases(False)) - 1
-    proc = subprocess.run([sys.executable, str(HERE / "ops_rank.py"), *_rank_args(tmp_path, "--first", str(last))],
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.ops_rank", *_rank_args(tmp_path, "--first", str(last))],
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     records = ops.read_records(tmp_path / "rank0.jsonl")

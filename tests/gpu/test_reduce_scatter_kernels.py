@@ -16,7 +16,7 @@ What they check, against float64 sums with a rounding bound (`tolerance.compare_
 * with one rank never scattering, rank 0's reduction gives up after its timeout and names that rank in its
   error word (``src + 1``).
 
-The racing test issues its producers before its waiters (virtual.py says why), and tests/test_gpu_check_order.py
+The racing test issues its producers before its waiters (virtual.py says why), and tests/gpu/cpu/test_gpu_check_order.py
 replays every test's device work on a model of the queues: `launch_scatter`, `launch_reduce` and `signals` are
 looked up here, as module globals, so that it can replace them.
 """
@@ -30,8 +30,10 @@ import time
 import pytest
 import torch
 from overlap.kernels.host import Watchdog, cdiv
-from tolerance import verdict
-from tp_ranks import (
+
+from overlap import signals
+from tests.gpu.tolerance import verdict
+from tests.gpu.tp_ranks import (
     B_IDS,
     CPU,
     DTYPE_IDS,
@@ -48,9 +50,7 @@ from tp_ranks import (
     sized_for,
     sized_params,
 )
-from virtual import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device
-
-from overlap import signals
+from tests.gpu.virtual import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -81,7 +81,7 @@ def describe(kind: str, world_size: int, shape: tuple[int, int, int], dtype: tor
 
 
 # ==============================================================================================
-# The checks (a test's device work, in the order tests/test_gpu_check_order.py proves)
+# The checks (a test's device work, in the order tests/gpu/cpu/test_gpu_check_order.py proves)
 # ==============================================================================================
 
 

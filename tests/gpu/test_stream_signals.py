@@ -8,10 +8,10 @@ import time
 
 import pytest
 import torch
-from tolerance import verdict
-from virtual import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device
 
 from overlap import signals
+from tests.gpu.tolerance import verdict
+from tests.gpu.virtual import KERNEL_TIMEOUT_NS, SHORT_TIMEOUT_NS, Device
 
 pytestmark = pytest.mark.cuda  # racing: under one hardware queue they would skip (Device.spin_guard)
 

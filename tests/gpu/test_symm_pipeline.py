@@ -7,7 +7,7 @@ the local GEMM, then each chunk's GEMM after that chunk's event.
 What it checks: every rank's output matches the float64 product and no wait timed out, while the peers really
 wait (each producer starts after a delay that depends on its rank). The buffers start as NaN, so a copy that
 outran its flag shows in the output. CUDA only (stream-ordered waits and events); the producers are issued first,
-behind a host-released gate (virtual.py says why). tests/test_gpu_check_order.py replays its device work
+behind a host-released gate (virtual.py says why). tests/gpu/cpu/test_gpu_check_order.py replays its device work
 (``torch.mm`` included) on a model of the queues.
 """
 
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tp_ranks import GatherGroup, judge_consumers, new_consumer
-from virtual import Device
 
 from overlap import comm
+from tests.gpu.tp_ranks import GatherGroup, judge_consumers, new_consumer
+from tests.gpu.virtual import Device
 
 pytestmark = pytest.mark.cuda
 

@@ -45,7 +45,9 @@ from overlap.kernels.matmul_reduce_scatter import (
     reduce_chunks_grid,
 )
 from overlap.kernels.slots import region_bytes
-from tolerance import (
+
+from overlap import symm
+from tests.gpu.tolerance import (
     BLOCK_RTOL,
     FP32_ACCUMULATE,
     TF32_BLOCK_RTOL,
@@ -56,9 +58,7 @@ from tolerance import (
     err_text,
     verdict,
 )
-from virtual import Device, Tile
-
-from overlap import symm
+from tests.gpu.virtual import Device, Tile
 
 # ==============================================================================================
 # Cases sized for a GPU or for the interpreter

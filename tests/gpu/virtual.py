@@ -8,18 +8,18 @@ stream (`Device.stream`), its own symmetric buffer (a plain device tensor) and i
 so a peer-pointer table is an int64 tensor of the buffers' ``data_ptr()``. Nothing a test enqueues is waited for
 unbounded.
 
-How a test that races producers against waiters avoids deadlocking itself through the device's hardware queues
-(streams share them: ``CUDA_DEVICE_MAX_CONNECTIONS`` of them, 8 by default; tests/gpu/conftest.py sets 32). A queue
-runs its commands in the order they were issued, so a wait issued before the producer it waits for, on a stream that
-shares the producer's queue, holds the producer for ever. So every test issues its producers first, in host order,
-each behind a host-released gate (`Device.gate`: a one-thread bounded wait on a pinned host word that the host opens
-with a plain store, so no queue is needed to open it); then the waiters (kernels that spin, bounded waits), then their
-end events; then the host opens the gate. Where the streams have queues of their own the producers are held until
-every waiter spins (the race); where they share one the producers run first (no race, no deadlock). Spinning CTAs
-must also all be resident at once with an SM to spare for the producers (`Device.spin_guard`), every kernel a test
-races must have been launched once before its gate closes (`Device.warm`: CUDA's lazy loading), and the waits are
-the bounded ones the ops use (`Device.wait_flag`). tests/test_gpu_check_order.py replays every test's device work
-on a model of the queues to prove these orders.
+How a test that races producers against waiters avoids deadlocking itself through the device's hardware queues (streams
+share them: ``CUDA_DEVICE_MAX_CONNECTIONS`` of them, 8 by default; tests/gpu/conftest.py sets 32). A queue runs its
+commands in the order they were issued, so a wait issued before the producer it waits for, on a stream that shares the
+producer's queue, holds the producer for ever. So every test issues its producers first, in host order, each behind a
+host-released gate (`Device.gate`: a one-thread bounded wait on a pinned host word that the host opens with a plain
+store, so no queue is needed to open it); then the waiters (kernels that spin, bounded waits), then their end events;
+then the host opens the gate. Where the streams have queues of their own the producers are held until every waiter spins
+(the race); where they share one the producers run first (no race, no deadlock). Spinning CTAs must also all be resident
+at once with an SM to spare for the producers (`Device.spin_guard`), every kernel a test races must have been launched
+once before its gate closes (`Device.warm`: CUDA's lazy loading), and the waits are the bounded ones the ops use
+(`Device.wait_flag`). tests/gpu/cpu/test_gpu_check_order.py replays every test's device work on a model of the queues to
+prove these orders.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ class Device:
         the device to drain first. Behind a closed gate the device drains only once the host opens the gate,
         which the host, blocked in that launch, never reaches: a 20 s stall and a false FAIL. So a test launches
         every kernel it races once here, before it closes a gate, on data whose flags are already set (the
-        same variant: same dtype, tile and layout); `tests/test_gpu_check_order.py`'s model catches a test that
+        same variant: same dtype, tile and layout); `tests/gpu/cpu/test_gpu_check_order.py`'s model catches a test that
         does not. Interpreted kernels load nothing: a no-op on the CPU."""
         if not self.cuda:
             return

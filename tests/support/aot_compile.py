@@ -1,15 +1,15 @@
 """Compile overlap's Triton kernels ahead of time for sm_90 with no GPU; print a JSON report.
 
-Run in its own process with TRITON_INTERPRET=0 (kernels defined under the interpreter cannot be
-compiled). Used by tests/test_kernels_aot.py. Each kernel is compiled as its launcher launches it: the
-launcher runs with CPU tensors of realistic shapes under `launch_specs.recording`, and the variant Triton
-would compile for that launch on an sm_90 GPU (the same specialization: which ints are constants, which
-arguments divisible by 16) is compiled, at the tiles the ops use (`overlap.kernels.host.fused_tiles`'s
-defaults, Triton's default warps and stages; the all-gather kernel also at 8 warps). The report says what
-the PTX shows: the GEMM on ``wgmma`` (bf16/f16, and tf32 for fp32 inputs) fed by 16-byte loads, the flag
-protocol's system-scope release/acquire, the CTA barrier before the chunk count, the ``%globaltimer`` bound
-of the waits, and the branches that could take different warps past different barriers (`ptx_flow`: a wait
-loop that warps leave on different iterations). A kernel with the per-thread wait that overlap had before
+Run in its own process (``python -m tests.support.aot_compile`` from the repository's root) with TRITON_INTERPRET=0
+(kernels defined under the interpreter cannot be compiled). Used by tests/gpu/cpu/test_kernels_aot.py. Each kernel is
+compiled as its launcher launches it: the launcher runs with CPU tensors of realistic shapes under
+`launch_specs.recording`, and the variant Triton would compile for that launch on an sm_90 GPU (the same specialization:
+which ints are constants, which arguments divisible by 16) is compiled, at the tiles the ops use
+(`overlap.kernels.host.fused_tiles`'s defaults, Triton's default warps and stages; the all-gather kernel also at 8
+warps). The report says what the PTX shows: the GEMM on ``wgmma`` (bf16/f16, and tf32 for fp32 inputs) fed by 16-byte
+loads, the flag protocol's system-scope release/acquire, the CTA barrier before the chunk count, the ``%globaltimer``
+bound of the waits, and the branches that could take different warps past different barriers (`ptx_flow`: a wait loop
+that warps leave on different iterations). A kernel with the per-thread wait that overlap had before
 (`per_thread_wait_kernel`) is compiled too, to show that the analysis finds it.
 """
 
@@ -24,12 +24,12 @@ os.environ["TRITON_INTERPRET"] = "0"
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from launch_specs import TARGET, recording  # noqa: E402
 from overlap.kernels import flags  # noqa: E402
-from ptx_flow import divergent_barriers, parse  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
 
 from overlap.ops.fused import kernels as _kernel_modules  # noqa: E402
+from tests.support.launch_specs import TARGET, recording  # noqa: E402
+from tests.support.ptx_flow import divergent_barriers, parse  # noqa: E402
 
 _k = _kernel_modules()  # the kernel files, one per op
 ag, agw, rs = _k.all_gather_matmul, _k.all_gather_weight_matmul, _k.matmul_reduce_scatter
@@ -233,8 +233,7 @@ def per_thread_wait_kernel(flag_ptr, err_ptr, out_ptr, epoch, timeout_ns, BLOCK:
 
 def compile_occupy() -> dict:
     """The GPU tests' SM-occupying kernel (tests/gpu/test_host_waits.py): it writes and polls pinned host words."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gpu"))
-    import test_host_waits
+    from tests.gpu import test_host_waits
 
     t0 = time.time()
     signature = {"release_ptr": "*i32", "started_ptr": "*i32", "timeout_ns": "i64"}

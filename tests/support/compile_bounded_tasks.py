@@ -1,5 +1,5 @@
 """Rank tasks of the torch.compile tests of the MoE ops with a token bound (`max_tokens_per_rank`): static
-shapes, no unbacked size, one graph; eager against compiled as in `support.compile_tasks`."""
+shapes, no unbacked size, one graph; eager against compiled as in `tests.support.compile_tasks`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rank tasks of the torch.compile tests (`tests/test_compile.py`): eager against compiled on fresh inputs.
+"""Rank tasks of the torch.compile tests (`tests/ops/test_compile.py`): eager against compiled on fresh inputs.
 
 Every task builds this rank's inputs from a seed, runs a function eagerly (outputs and gradients), compiles it
 with ``fullgraph=True`` (a graph break raises) and runs it again on the same inputs; it returns what the test

@@ -1,5 +1,5 @@
-"""A model of a GPU's hardware queues for `tests/test_gpu_check_order.py`: recorded operations (`Op`, `Recorder`,
-fake streams, events and signals) and their replay with one queue for every stream or one queue per stream
+"""A model of a GPU's hardware queues for `tests/gpu/cpu/test_gpu_check_order.py`: recorded operations (`Op`,
+`Recorder`, fake streams, events and signals) and their replay with one queue for every stream or one queue per stream
 (`replay`), and whether the racing checks still race (`race_kept`).
 
 It also models CUDA's lazy loading (the default since CUDA 12.2): the first launch of a kernel whose code is not

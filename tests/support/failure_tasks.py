@@ -41,8 +41,8 @@ import time
 
 import torch
 
-from support.harness import LATE_S
-from support.tp_oracle import b_of, compare, expect_error, forward_backward, oracle, rank_inputs
+from tests.support.harness import LATE_S
+from tests.support.tp_oracle import b_of, compare, expect_error, forward_backward, oracle, rank_inputs
 
 VARIANTS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_reduce/one_shot")
 STRATEGIES = ("reference", "pipelined", "symm", "fused")

@@ -4,7 +4,7 @@ A GPU rank's flag operations are stream-ordered calls into ``overlap.signals`` (
 is CUDA); `Recorder` stands in for that module and records them, classified by the control-pad word they
 touch. The pipelines' CUDA branches see tensors that say they are on a GPU (`CudaTensor`: CPU storage,
 ``is_cuda`` True) and streams, events and stream contexts that do nothing (`fake_cuda`); the data they compute
-is meaningless (no wait waits), only the order is checked (tests/test_symm_stream_order.py).
+is meaningless (no wait waits), only the order is checked (tests/gpu/cpu/test_symm_stream_order.py).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 from overlap import signals, symm
 from overlap.symm import layout
+from overlap.symm.tables import AddressTables
 
 KERNEL_BASE = 1 << 60  # fake device addresses of the fused kernels' flag words (never dereferenced; no host address)
 
@@ -78,9 +79,9 @@ def gpu_heap(world_size: int, rank: int, slot_bytes: int) -> symm.SymmHeap:
     heap.async_errors = torch.zeros(symm.MAX_PEERS + 1, dtype=torch.int32)
     heap.slot_bytes = (slot_bytes + 4095) // 4096 * 4096
     heap.data = [torch.zeros(symm.NUM_SLOTS * heap.slot_bytes, dtype=torch.uint8) for _ in range(world_size)]
-    heap._ptr_tables = {}
-    heap._counters = {slot: torch.zeros(symm.MAX_FLAGS, dtype=torch.int32) for slot in range(symm.NUM_SLOTS)}
-    heap._table = lambda key, addresses: torch.tensor(addresses(), dtype=torch.int64)  # (host tables)
+    heap.tables = AddressTables(heap)
+    heap.tables._counters = {slot: torch.zeros(symm.MAX_FLAGS, dtype=torch.int32) for slot in range(symm.NUM_SLOTS)}
+    heap.tables._table = lambda key, addresses: torch.tensor(addresses(), dtype=torch.int64)  # (host tables)
     heap.in_flight, heap.closed, heap.epoch = 1, False, 0
     return heap
 
@@ -116,14 +117,14 @@ class Recorder:
         self.ops.append(("wait", *self._classify(addr)))
 
     def watchdog_arm(self, *args):
-        pass  # (tests/test_watchdog.py tests the watchdog)
+        pass  # (tests/comm/test_watchdog.py tests the watchdog)
 
     def __getattr__(self, name):
         return getattr(signals, name)
 
 
 def check_order(ops: list[tuple], phase=lambda index: 1) -> None:
-    """The ordering rule of docs/design.md ("Stream-ordered waits"), on one rank's recorded operations:
+    """The ordering rule of docs/protocol.md ("Waits on GPUs"), on one rank's recorded operations:
 
     * the slot waits (``done`` words, the previous call on the slot) come before any publish or data wait;
     * every publish (ready write) of phase ``p`` comes before every wait on a ready flag of phase ``>= p``

@@ -1,7 +1,7 @@
 """Multi-rank CPU test harness: a reusable pool of gloo ranks per world size (`overlap.pool.RankPool`).
 
 Starting ranks and initializing gloo costs seconds, so tests share one pool per world size
-(docs/design.md's CI budget). A task is a module-level function (importable by the workers); it runs
+(docs/testing.md's CI budget). A task is a module-level function (importable by the workers); it runs
 on every rank with ``(rank, world_size, *args)`` and its return values come back as a list. An
 exception on any rank fails the task with that rank's traceback. A task that outlives its
 deadline kills the pool (the next task gets a fresh one) and fails: a hang is a bug.

@@ -9,7 +9,7 @@ the divisibility attributes of the arguments, the options). Two launches with th
 compilation; a key that changes with the epoch or the rank is a recompilation per call or per rank.
 
 Works on Triton 3.6 and 3.9, in a process with or without ``TRITON_INTERPRET`` (interpreted kernels are
-rebuilt as JIT functions with the same ``do_not_specialize`` lists). Used by tests/test_kernel_specialization.py
+rebuilt as JIT functions with the same ``do_not_specialize`` lists). Used by tests/gpu/cpu/test_kernel_specialization.py
 and tests/support/aot_compile.py.
 """
 

@@ -85,7 +85,7 @@ def profile(fn) -> tuple[int, int, int]:
 
 def op_allocations(events: list[dict]) -> list[dict]:
     """The ``[memory]`` events of a profile's `events`, in time order, less a GEMM library's temporaries: a
-    block allocated and freed on one thread within one call of a GEMM kernel (`support.gemms.GEMM_KERNELS`:
+    block allocated and freed on one thread within one call of a GEMM kernel (`tests.support.gemms.GEMM_KERNELS`:
     ``aten::mm``, ...; not the composites around them, ``aten::matmul``, whose own copies count).
 
     What a GEMM allocates inside a call and frees before it returns (oneDNN's scratchpad, packed or

@@ -16,8 +16,8 @@ taint analysis of the registers:
 * a barrier reduction (``bar.red``) gives every thread the same value, whatever its inputs.
 
 The paths between a branch and its merge point come from the control-flow graph of the basic blocks and its
-post-dominators. It reads the text only (no GPU, no CUDA tools): used by tests/test_kernels_aot.py on
-Triton's PTX and by tests/test_wait_uniform.py on nvcc's. A value that differs between threads only through
+post-dominators. It reads the text only (no GPU, no CUDA tools): used by tests/gpu/cpu/test_kernels_aot.py on
+Triton's PTX and by tests/gpu/cpu/test_wait_uniform.py on nvcc's. A value that differs between threads only through
 control dependence (set on one side of a per-thread branch) is not modelled.
 """
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from support.tp_oracle import forward_backward, oracle
+from tests.support.tp_oracle import forward_backward, oracle
 
 AGWM = "all_gather_weight_matmul"
 CASE = (2, (), 8, 6, "contiguous")
@@ -26,7 +26,7 @@ def case_of(op: str, other: bool = False):
 def inputs(op, seed, world_size, rank, case=None):
     """``(a, b, g, want)``: this rank's inputs and its float64 ``(out, grad_a, grad_b)``."""
     if op == AGWM:
-        from support import weight_oracle
+        from tests.support import weight_oracle
 
         every, want = weight_oracle.oracle(seed, world_size, case or WEIGHT_CASE, torch.float32)
         a, w, g = every[rank]
@@ -39,7 +39,7 @@ def inputs(op, seed, world_size, rank, case=None):
 def fb(op, strategy, a, b, g):
     """One forward and backward on fresh leaves: ``(y, grad_a, grad_b)`` (grad_b as b's shape)."""
     if op == AGWM:
-        from support import weight_oracle
+        from tests.support import weight_oracle
 
         return weight_oracle.forward_backward(strategy, a, b.t(), "weight.t()", g)
     return forward_backward(op, strategy, a, b, "contiguous", g)

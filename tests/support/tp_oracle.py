@@ -2,7 +2,7 @@
 
 Every rank regenerates every rank's inputs from the test's seed (`rank_inputs`), so each rank computes
 the unfused result of the whole group in float64 and checks its own share of it. The oracles state the
-gradient conventions of docs/design.md explicitly (Megatron's), with a different output gradient ``g_r`` on
+gradient conventions of docs/conventions.md explicitly (Megatron's), with a different output gradient ``g_r`` on
 every rank:
 
 * ``all_gather_matmul``: ``y_r = cat_s(a_s) @ b_r``; ``grad a_j = sum_r (g_r @ b_r.T)[rows of j]``,

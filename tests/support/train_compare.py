@@ -1,5 +1,5 @@
 """A few training steps of a model parallelized two ways and unparallelized in float64, compared step by step
-(tests/test_torch_tp_llama.py, tests/test_torchtitan.py)."""
+(tests/integrations/test_torch_tp_llama.py, tests/integrations/test_torchtitan.py)."""
 
 from __future__ import annotations
 

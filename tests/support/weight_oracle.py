@@ -68,7 +68,7 @@ def forward_backward(strategy, a, w_shard, layout, g, group=None, timeout=None):
 
 def check(rank: int, world_size: int, strategy, dtype, seed: int, cases, timeout: float = FALLBACK_TIMEOUT_S,
           group=None):
-    """`strategy` against the float64 oracle (the tolerances of `support.tp_oracle.check_op`); returns this
+    """`strategy` against the float64 oracle (the tolerances of `tests.support.tp_oracle.check_op`); returns this
     rank's results, one ``(y, grad_a, grad_b)`` per case."""
     results = []
     for i, case in enumerate(cases):

@@ -1,0 +1,1 @@
+"""The test suite (docs/testing.md): one package per family of tests, shared helpers in `tests.support`."""

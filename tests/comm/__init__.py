@@ -1,0 +1,2 @@
+"""The comm layer and the protocol under the ops: signals, symmetric memory, the watchdog, agreement, failures,
+lifetime, stress, soak."""

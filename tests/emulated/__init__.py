@@ -1,0 +1,1 @@
+"""The emulated two-node cluster (`python -m bench.emulated_cluster`): its decisions and figures."""

@@ -1,0 +1,422 @@
+#!/usr/bin/env python3
+"""The GPU check of overlap: one run on a GPU machine that proves the GPU paths and times them (docs/gpu-check.md).
+
+Usage::
+
+    python3 -m tests.gpu.check                       # a GPU machine: preflight, install, tests/gpu, timings
+    python3 -m tests.gpu.check -k "all_gather or moe" # only the tests pytest's -k selects (then the timings)
+    python3 -m tests.gpu.check --cpu --no-install    # the same on the CPU (interpreted kernels, no timings)
+
+from the repository's root (``tests`` is a package there).
+
+In order, within ``--time-limit`` (default 480 s, counted from the start, the install included):
+
+1. **preflight** (`tests.gpu.preflight`), every run: ``nvidia-smi``'s facts and compute mode, ``nvcc`` and
+   ``CUDACXX``, Python's headers, a writable install target; where an install is needed, what would make it fail
+   ends the run here (exit 2);
+2. **install** (where ``overlap._C`` does not import, or ``--install``): ``pip install --no-build-isolation
+   --no-deps -e .``, building ``_C`` with ``MAX_JOBS`` = the machine's cores, then this command runs again
+   (``python -m tests.gpu.check``); then ``_C`` must have its CUDA half where a GPU is present (one clear FAIL,
+   exit 2, also with ``--no-install``);
+3. **the tests**: ``pytest tests/gpu`` (less tests/gpu/cpu, the CPU tests of this check) under
+   ``CUDA_DEVICE_MAX_CONNECTIONS=32`` with pytest-xdist's one worker (a sticky CUDA fault ends that worker; a fresh
+   one runs the tests after it) and pytest-timeout's per-test limit, then the tests marked ``one_queue`` again under
+   ``CUDA_DEVICE_MAX_CONNECTIONS=1``; together they get at most two thirds of what the install left;
+4. **the timings** (`tests.gpu.timings`, GPU only): the rest.
+
+The install, each pass of the tests and the timings run in processes of their own, each killed at its share of the
+time (and a stuck test ends its xdist worker at pytest-timeout's limit), so the run always ends by itself within
+its limit, and always leaves a record in ``--out`` (default ``gpu_check_out/``, under ``$OUT`` where set):
+``gpu_check.json`` (the stages, their figures and the summary, rewritten after each), ``gpu_tests.json`` and
+``gpu_tests_one_queue.json`` (every test's outcome, written as it goes), ``junit*.xml``, ``gpu_timings.json`` and
+``gpu_check.log`` (everything printed). The output ends with a summary: each failed test (its node id reruns it
+with pytest), the skips by reason, the timings' headline figures and a count line. Exit status: 0 everything ran
+and passed, 1 a test or timing failed, 2 the preflight, the install or the command line failed, 3 something did not
+run (the time limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+T0 = time.time()  # --time-limit counts from here (kept across the re-exec after the install)
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = ROOT / "tests" / "gpu"
+MODULE = "tests.gpu.check"  # this command: ``python3 -m tests.gpu.check`` from the repository root
+INSTALL_RESERVE_S = 30.0  # what the install leaves of --time-limit at least
+MARGIN_S = 8.0  # what the run keeps at its end: writing the record and the summary
+PER_TEST_S = 240.0  # pytest-timeout's limit per test at most (the ops' one run of the rank processes is the longest)
+MIN_PER_TEST_S = 60.0  # ... and at least
+WORKER_RESTARTS = 8  # pytest-xdist's --max-worker-restart: sticky faults the run survives
+PASSES = (("gpu_tests", "32", None), ("gpu_tests_one_queue", "1", "one_queue"))  # record, queues, marker
+EXIT_OK, EXIT_FAILED, EXIT_SETUP, EXIT_INCOMPLETE = 0, 1, 2, 3
+
+
+def default_out() -> str:
+    return os.path.join(os.environ["OUT"], "gpu_check_out") if os.environ.get("OUT") else "gpu_check_out"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python3 -m tests.gpu.check", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--install", action="store_true", help="(re)install overlap first, even if overlap._C imports")
+    p.add_argument("--no-install", action="store_true", help="never install, even if overlap._C does not import")
+    p.add_argument("--cpu", action="store_true",
+                   help="run on the CPU: the tests under the Triton interpreter at tiny sizes, no timings")
+    p.add_argument("--out", default=default_out(), help="where the records and the log go (default gpu_check_out/, "
+                                                        "under $OUT where set)")
+    p.add_argument("--time-limit", type=float, default=480.0,
+                   help="seconds from the start, the install included; the run ends by itself within it (default "
+                        "480)")
+    p.add_argument("-k", dest="keyword", default=None, metavar="EXPR", help="only the tests pytest's -k EXPR selects")
+    p.add_argument("--no-timings", action="store_true", help="run the tests only")
+    p.add_argument("--started-at", type=float, default=None, help=argparse.SUPPRESS)  # kept across the re-exec
+    return p.parse_args(argv)
+
+
+# ==============================================================================================
+# The log and the record
+# ==============================================================================================
+
+
+class Run:
+    """The run's clock, its log (stdout and ``gpu_check.log``) and its record (``gpu_check.json``)."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.started = args.started_at or T0
+        self.deadline = self.started + args.time_limit
+        args.out = str(Path(args.out).resolve())  # the children run from the checkout's root
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        fresh = args.started_at is None
+        self.log_file = open(self.out / "gpu_check.log", "w" if fresh else "a", encoding="utf-8")  # noqa: SIM115
+        record = self.out / "gpu_check.json"
+        self.doc: dict[str, Any] = {} if fresh or not record.exists() else json.loads(record.read_text())
+        self.doc.setdefault("started", self.started)
+        self.doc.update(time_limit=args.time_limit, mode="cpu" if args.cpu else "gpu")
+        self.doc.setdefault("stages", {})
+
+    def log(self, msg: str) -> None:
+        line = f"[gpu_check {time.time() - self.started:6.1f}s] {msg}"
+        self.write(line + "\n")
+
+    def write(self, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        self.log_file.write(text)
+        self.log_file.flush()
+
+    def stage(self, name: str, **facts: Any) -> None:
+        """Record what stage `name` found, and save the record."""
+        self.doc["stages"].setdefault(name, {}).update(facts)
+        self.save()
+
+    def save(self) -> None:
+        path = self.out / "gpu_check.json"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.doc, indent=1, default=str))
+        os.replace(tmp, path)
+
+    def left(self) -> float:
+        """Seconds left before the run must end (its margin kept)."""
+        return self.deadline - MARGIN_S - time.time()
+
+    def run_teed(self, cmd: list[str], env: dict[str, str], until: float) -> int | None:
+        """Run `cmd` in a session of its own, its output copied line by line to ours and to the log; kill its whole
+        process group at wall time `until`. Returns its exit status (negative: a signal), None if killed."""
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True, text=True, errors="replace", bufsize=1)
+
+        def copy() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                self.write(line)
+
+        copier = threading.Thread(target=copy, daemon=True)
+        copier.start()
+        try:
+            code: int | None = proc.wait(timeout=max(0.0, until - time.time()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            code = None
+        copier.join(timeout=5.0)
+        return code
+
+
+# ==============================================================================================
+# Preflight and install
+# ==============================================================================================
+
+
+def project_problem() -> str | None:
+    """None if overlap._C imports and suits this machine, else what is wrong."""
+    import torch
+
+    try:
+        from overlap import signals  # overlap._C's exports: raises ImportError where it is not built
+    except Exception as exc:  # noqa: BLE001 - whatever keeps overlap from importing is this one problem
+        return f"overlap._C does not import ({type(exc).__name__}: {exc})"
+    if torch.cuda.is_available() and not signals.has_cuda:
+        return "overlap._C was built without its CUDA half, on a machine with a GPU"
+    return None
+
+
+def machine_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def install_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The install's environment: ``MAX_JOBS`` = this machine's cores unless the caller set it, and what the
+    preflight found the build needs (``CUDACXX`` where CMake would not find nvcc)."""
+    env = {**os.environ, **(extra or {})}
+    env.setdefault("MAX_JOBS", str(machine_cores()))
+    return env
+
+
+def install_deadline(started: float, time_limit: float) -> float:
+    """Wall time by which the install must be done: the run's deadline less INSTALL_RESERVE_S."""
+    return started + time_limit - min(INSTALL_RESERVE_S, 0.25 * time_limit)
+
+
+def install(run: Run) -> str | None:
+    """The preflight (its facts logged and recorded), then, where it is needed, the install of overlap (editable,
+    building _C here) and this command again (no return); else None. Returns what went wrong where the preflight
+    or the install failed."""
+    from tests.gpu.preflight import preflight
+
+    args = run.args
+    import torch
+
+    if "preflight" not in run.doc["stages"]:  # (not again after the install)
+        checked = preflight(dict(os.environ), gpu=not args.cpu and torch.cuda.is_available(), root=ROOT)
+        for fact in checked.facts:
+            run.log(f"preflight: {fact}")
+        run.stage("preflight", facts=checked.facts, problems=checked.problems, env=checked.env)
+    why = None if args.no_install else "--install given" if args.install else project_problem()
+    if why is None:
+        return None
+    checked_problems = run.doc["stages"]["preflight"]["problems"]
+    if checked_problems:
+        return "the install cannot work here: " + "; ".join(checked_problems)
+    until = install_deadline(run.started, args.time_limit)
+    cmd = [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "-e", str(ROOT)]
+    env = install_env(run.doc["stages"]["preflight"]["env"])
+    run.log(f"installing overlap ({why}), MAX_JOBS={env['MAX_JOBS']}, at most {until - time.time():.0f} s: "
+            f"{' '.join(cmd)}")
+    (ROOT / "build").mkdir(exist_ok=True)
+    began = time.time()
+    with open(ROOT / "build" / ".gpu_check_install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two runs on one checkout build one at a time
+        code = run.run_teed(cmd, env, until)
+    run.stage("install", exit=code, seconds=round(time.time() - began, 1))
+    if code != 0:
+        return ("the install ran out of time" if code is None else f"the install failed (exit {code})") + \
+            "; rerun with --no-install to check what is there"
+    argv = [a for a in sys.argv[1:] if a != "--install"] + ["--no-install", "--started-at", repr(run.started)]
+    run.log_file.close()
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", MODULE, *argv])
+    return None  # not reached
+
+
+# ==============================================================================================
+# The tests and the timings
+# ==============================================================================================
+
+
+def plugins() -> dict[str, bool]:
+    """Which of the plugins the run counts on this machine has."""
+    return {name: importlib.util.find_spec(module) is not None
+            for name, module in (("pytest-xdist", "xdist"), ("pytest-timeout", "pytest_timeout"))}
+
+
+def pytest_command(args: argparse.Namespace, record: str, marker: str | None, per_test_s: float) -> list[str]:
+    """``pytest tests/gpu`` (not tests/gpu/cpu: the CPU tests of this check) with the plugins this machine has: one
+    xdist worker (restarted after a sticky fault) and pytest-timeout's limit per test, the junit record beside the
+    JSON one."""
+    cmd = [sys.executable, "-m", "pytest", str(TESTS), "--ignore", str(TESTS / "cpu"), "-p", "no:cacheprovider",
+           "-o", "addopts=", "-rfEs", "--strict-markers", "--junitxml", str(Path(args.out) / f"junit_{record}.xml")]
+    have = plugins()
+    if have["pytest-xdist"]:
+        cmd += ["-n", "1", "--max-worker-restart", str(WORKER_RESTARTS)]
+    if have["pytest-timeout"]:
+        cmd += ["--timeout", str(int(per_test_s)), "--timeout-method", "thread"]  # a stuck C call ends its worker
+    if marker:
+        cmd += ["-m", marker]
+    if args.keyword:
+        cmd += ["-k", args.keyword]
+    return cmd
+
+
+def run_tests(run: Run, budget_s: float) -> None:
+    """The passes of `PASSES` (on the CPU only the first), each killed past its share of `budget_s`; what each
+    found goes into the record (``stages.tests``)."""
+    passes = PASSES if not run.args.cpu else PASSES[:1]
+    missing = [name for name, there in plugins().items() if not there]
+    if missing:
+        run.log(f"WARNING: {', '.join(missing)} missing here: without pytest-xdist a sticky CUDA fault skips every "
+                "later test; without pytest-timeout a stuck test takes the rest of its pass")
+    run.stage("setup", missing_plugins=missing)
+    began = time.time()
+    for i, (record, queues, marker) in enumerate(passes):
+        share = 0.65 if i == 0 and len(passes) > 1 else 1.0  # the one-queue pass reruns a part of the first
+        end = began + share * budget_s
+        path = Path(run.args.out) / f"{record}.json"
+        path.unlink(missing_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_DEVICE_MAX_CONNECTIONS": queues,
+               "OVERLAP_GPU_RECORD": str(path), "OVERLAP_GPU_TESTS_UNTIL": repr(end)}
+        if run.args.cpu:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU mode even on a GPU machine
+        # a stuck test ends its worker (xdist starts another) well before the pass's end: the rest still run
+        per_test = min(PER_TEST_S, max(MIN_PER_TEST_S, 0.6 * (end - time.time())))
+        cmd = pytest_command(run.args, record, marker, per_test)
+        run.log(f"tests under CUDA_DEVICE_MAX_CONNECTIONS={queues}, at most {end - time.time():.0f} s: "
+                f"{' '.join(cmd[2:])}")
+        code = run.run_teed(cmd, env, end)
+        run.stage("tests", **{record: summarize_tests(path, code)})
+
+
+def summarize_tests(path: Path, code: int | None) -> dict[str, Any]:
+    """Counts, failures and skips of one pass of pytest, from its JSON record (`code`: pytest's exit status, None
+    where the pass was killed at its time)."""
+    doc = json.loads(path.read_text()) if path.exists() else {"tests": [], "running": None}
+    outcome: dict[str, str] = {}
+    failures, skips = [], {}
+    for t in doc["tests"]:
+        if t["outcome"] == "failed":
+            outcome[t["test"]] = "failed"
+            failures.append({"test": t["test"], "phase": t["phase"], "message": (t["message"] or "")[-600:]})
+        elif t["outcome"] == "skipped":
+            outcome.setdefault(t["test"], "skipped")
+            reason = (t["message"] or "").split("Skipped: ")[-1][:200]
+            skips[reason] = skips.get(reason, 0) + 1
+        elif t["phase"] == "call":
+            outcome.setdefault(t["test"], "passed")
+    counts = {k: sum(1 for v in outcome.values() if v == k) for k in ("passed", "failed", "skipped")}
+    running = (doc.get("running") or {}).get("test", "(no test started)")
+    killed = None if code is not None else running
+    if code is not None and not doc.get("finished", False):  # pytest ended by itself before its end (a crash)
+        failures.append({"test": running, "phase": "?", "message": f"pytest ended early (exit status {code}) "
+                                                                   "during this test; the log has its last output"})
+        counts["failed"] += 1
+    return {"exit": code, "counts": counts, "failures": failures, "skips": skips, "killed_during": killed,
+            "complete": code is not None and doc.get("finished", False),
+            "figures": {t["test"]: t["properties"] for t in doc["tests"] if t.get("properties")}}
+
+
+def run_timings(run: Run) -> None:
+    """The timings (`tests.gpu.timings`) until the run's end, their record into ``stages.timings``."""
+    path = Path(run.args.out) / "gpu_timings.json"
+    path.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "tests.gpu.timings", "--out", str(path),
+           "--until", repr(run.deadline - MARGIN_S - 2.0)]
+    run.log(f"timings, at most {run.left():.0f} s")
+    code = run.run_teed(cmd, {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "32"},
+                        run.deadline - MARGIN_S)
+    doc = json.loads(path.read_text()) if path.exists() else {"results": [], "complete": False}
+    run.stage("timings", exit=code, complete=code == 0 and doc.get("complete", False), results=doc["results"])
+
+
+# ==============================================================================================
+# The summary and main
+# ==============================================================================================
+
+
+def summary(doc: dict[str, Any]) -> tuple[str, int]:
+    """The closing lines of the output and the run's exit status."""
+    lines, failed, complete = [], False, True
+    for record, facts in doc["stages"].get("tests", {}).items():
+        c = facts["counts"]
+        lines.append(f"{record}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"
+                     + (f"; killed at its time during {facts['killed_during']}" if facts["killed_during"] else ""))
+        for f in facts["failures"]:
+            message = f["message"].strip().splitlines()[-1] if f["message"].strip() else ""
+            lines.append(f"  FAILED {f['test']} ({f['phase']}): {message[:200]}")
+        for reason, n in sorted(facts["skips"].items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {n} skipped: {reason}")
+        if facts["exit"] not in (None, 0, 1, 5):  # 5: nothing selected; 2-4: interrupted, internal or usage error
+            lines.append(f"  pytest exited with status {facts['exit']} (see the log)")
+        failed |= c["failed"] > 0 or facts["exit"] not in (None, 0, 1, 5)
+        complete &= facts["complete"]
+    timings = doc["stages"].get("timings")
+    if timings is not None:
+        for r in timings["results"]:
+            if r.get("headline") or r["status"] == "FAIL":
+                lines.append(f"  {r['status']} {r['name']}: {r['value']}")
+        if timings["exit"] not in (None, 0):
+            lines.append(f"  the timings exited with status {timings['exit']} (see the log)")
+        failed |= any(r["status"] == "FAIL" for r in timings["results"]) or timings["exit"] not in (None, 0)
+        complete &= timings["complete"]
+    code = EXIT_FAILED if failed else EXIT_OK if complete else EXIT_INCOMPLETE
+    lines.append(f"gpu_check: {'FAILED' if failed else 'passed' if complete else 'INCOMPLETE'} in "
+                 f"{time.time() - doc['started']:.0f} s (records in this run's --out)")
+    return "\n".join(lines), code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run = Run(args)
+    try:
+        return check(run)
+    except Exception as exc:  # a bug of the driver itself, or a machine it did not foresee: said, recorded
+        import traceback
+
+        run.write(traceback.format_exc())
+        run.stage("setup", problem=f"the driver failed: {type(exc).__name__}: {exc}")
+        return EXIT_SETUP
+    finally:
+        run.log_file.close()
+
+
+def check(run: Run) -> int:
+    """The stages of the module docstring, in order; returns the exit status."""
+    args = run.args
+    if args.started_at is None:
+        run.log(f"--time-limit {args.time_limit:.0f} s, --out {args.out}")
+    problem = install(run)  # may run this script again
+    if problem is None and not args.cpu:
+        problem = project_problem()  # after the install too: a GPU with a _C that lacks CUDA is one clear FAIL
+    if problem is None and not args.cpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            problem = "no CUDA device here (--cpu runs the tests on the CPU)"
+    if problem is not None:
+        run.log(problem)
+        run.stage("setup", problem=problem)
+        return EXIT_SETUP
+    run.stage("setup", problem=None)
+    pytest_budget = (2.0 / 3.0) * run.left()
+    run_tests(run, pytest_budget)
+    if not args.cpu and not args.no_timings and run.left() > 20.0:
+        run_timings(run)
+    elif not args.cpu and not args.no_timings:
+        run.stage("timings", exit=None, complete=False, results=[])
+    text, code = summary(run.doc)
+    run.doc.update(exit_status=code, summary=text)
+    run.save()
+    run.write(text + "\n")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Plans: the op table, the cost and migration models, probes, the tuner and its plan files."""
