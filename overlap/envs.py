@@ -1,6 +1,6 @@
 """Every environment variable `overlap` reads, in one place.
 
-The README's environment table lists the same names (`tests/test_facts.py` compares them); the build-time
+The README's environment table lists the same names (`tests/cli/test_facts.py` compares them); the build-time
 ones are read by ``setup.py``, torchrun's (``GROUP_RANK``, ``LOCAL_WORLD_SIZE``, ...) by `overlap.world`.
 Values are read when asked for (not at import), so tests and launchers can set them late.
 """

@@ -9,7 +9,7 @@ writing the word itself (a GPU queue blocked by a stream wait is released by not
 Ordering (docs/protocol.md, "Waits on GPUs"): with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` every stream of a
 process feeds one hardware queue in host order, so a wait enqueued before this rank's own publish of the same
 phase would hold that publish back. Every GPU pipeline enqueues the publishes of a phase before any wait of that
-phase (`overlap.ops` pipelines; tests/test_symm_stream_order.py records it).
+phase (`overlap.ops` pipelines; tests/gpu/cpu/test_symm_stream_order.py records it).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ __device__ __forceinline__ void flag_store_release(int32_t* addr, int32_t value)
 // thread (wait_flag_bounded_kernel runs <<<1, 1>>>), or have one thread call it and broadcast
 // the result (shared memory, then __syncthreads) before any barrier that depends on it: threads
 // of one CTA that each wait and then meet at a barrier can leave a loop on different iterations
-// and hang there (tests/test_wait_uniform.py checks both).
+// and hang there (tests/gpu/cpu/test_wait_uniform.py checks both).
 __device__ __forceinline__ bool wait_flag_geq_bounded(const int32_t* flag, int32_t value,
                                                       uint64_t timeout_ns, int32_t* err,
                                                       int32_t code = kErrWaitTimeout) {
