@@ -200,9 +200,9 @@ class _CaseNames:
         return self.problem.spec.flops(self.problem, world_size)
 
 
-def _check_mode(dtype: Any, backward: Any, dtypes: tuple[str, ...]) -> None:
+def _check_mode(dtype: Any, backward: Any, dtypes: tuple[str, ...], what: str = "dtype") -> None:
     if dtype not in dtypes:
-        raise ValueError(f"dtype must be one of {dtypes}, got {dtype!r}")
+        raise ValueError(f"{what} must be one of {dtypes}, got {dtype!r}")
     if not isinstance(backward, bool):
         raise ValueError(f"backward must be a bool, got {backward!r}")
 
@@ -322,14 +322,14 @@ class MoECase(_CaseNames):
         """The case of the MoE layer at `dims` in `dtype` (a name of `DTYPES` but fp8). Raises ValueError."""
         if not isinstance(dims, MoEShape):
             raise ValueError(f"dims must be an MoEShape, got {dims!r}")
-        _check_mode(dtype, backward, tuple(d for d in DTYPES if d not in FP8_DTYPES))
+        _check_mode(dtype, backward, tuple(d for d in DTYPES if d not in FP8_DTYPES), "an MoE case's dtype")
         d = dims
         return cls(Problem(MOE_OPS[0], d.tokens, d.hidden, d.ffn, dtype, backward, d.experts, d.top_k), preset)
 
     def __post_init__(self) -> None:
         if not isinstance(self.problem, Problem) or self.problem.op not in MOE_OPS:
             raise ValueError(f"an MoECase's problem is a Problem of one of {MOE_OPS}, got {self.problem!r}")
-        _check_mode(self.dtype, self.backward, tuple(d for d in DTYPES if d not in FP8_DTYPES))
+        _check_mode(self.dtype, self.backward, tuple(d for d in DTYPES if d not in FP8_DTYPES), "an MoE case's dtype")
         if self.preset and self.preset not in MOE_PRESETS:
             raise ValueError(f"unknown MoE preset {self.preset!r}; known: {tuple(MOE_PRESETS)}")
 

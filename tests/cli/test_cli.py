@@ -437,7 +437,7 @@ def test_tune_two_ranks_end_to_end(tmp_path):
         for k in env_cache:
             os.environ.pop(k, None)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"\[#+\] \d+/\d+ done", proc.stderr), proc.stderr[-2000:]  # the progress bar ends full
+    assert re.search(r"\[#+\] +\d+% \d+/\d+ done", proc.stderr), proc.stderr[-2000:]  # the progress bar ends full
     assert "checking reference (" in proc.stderr, proc.stderr[-2000:]  # names the candidate at hand
     # plans written as overlap bench writes them (symm (shm x1)), never as in signatures (symm[shm=1])
     assert not re.search(r"\b(reference|pipelined|symm|fused|hierarchical)\[", proc.stdout + proc.stderr), proc.stdout

@@ -160,7 +160,7 @@ def _fake(a, bs, dim, keep, group, strategy, plan, timeout, needs_grad, a_scale=
         shape = resized(a.shape, normalize_dim(OP, DIM, dim, a.shape), W * a.shape[dim])
     except (TypeError, ValueError):  # (the op raises it, on every rank, when it runs)
         shape = a.shape
-    dtype = entry.out_dtype_of(a, (a_scale, [], out_dtype, fp8))
+    dtype = entry.out_dtype_of(a, Fp8Args(a_scale, (), out_dtype, fp8))
     ys = [a.new_empty((*shape[:-1], b.shape[-1]), dtype=dtype) for b in bs]
     return ys, a.new_empty(shape if keep else (0,)), library.context_fake(needs_grad)
 

@@ -140,7 +140,7 @@ def _forward(a, b, group, strategy, plan, timeout, needs_grad, a_scale=None, b_s
 
 
 def _fake(a, b, group, strategy, plan, timeout, needs_grad, a_scale=None, b_scale=None, out_dtype=None, fp8=""):
-    dtype = entry.out_dtype_of(a, (a_scale, [], out_dtype, fp8))
+    dtype = entry.out_dtype_of(a, Fp8Args(a_scale, (), out_dtype, fp8))
     return a.new_empty((*a.shape[:-1], b.shape[-1]), dtype=dtype), torch.empty(0, dtype=torch.int64)
 
 

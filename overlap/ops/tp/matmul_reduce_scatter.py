@@ -113,7 +113,7 @@ def _fake(a, b, dim, group, strategy, plan, timeout, needs_grad, a_scale=None, b
     except (TypeError, ValueError):  # (the op raises it, on every rank, when it runs)
         d = 0
     shape = resized(a.shape, d, a.shape[d] // library.world_size(group))
-    dtype = entry.out_dtype_of(a, (a_scale, [], out_dtype, fp8))
+    dtype = entry.out_dtype_of(a, Fp8Args(a_scale, (), out_dtype, fp8))
     return a.new_empty((*shape[:-1], b.shape[-1]), dtype=dtype), library.context_fake(needs_grad)
 
 
