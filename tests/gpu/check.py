@@ -50,6 +50,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.gpu import plan
+
 T0 = time.time()  # --time-limit counts from here (kept across the re-exec after the install)
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests" / "gpu"
@@ -60,6 +62,8 @@ PER_TEST_S = 240.0  # pytest-timeout's limit per test at most (the ops' one run 
 MIN_PER_TEST_S = 60.0  # ... and at least
 WORKER_RESTARTS = 8  # pytest-xdist's --max-worker-restart: sticky faults the run survives
 PASSES = (("gpu_tests", "32", None), ("gpu_tests_one_queue", "1", "one_queue"))  # record, queues, marker
+ONE_QUEUE_PASS = "one_queue pass"  # the second pass's line in the budget (after the modules of `plan.MODULE_ORDER`)
+PASS_STARTUP_S = 10.0  # what a pass of pytest takes before its first test (the interpreter, torch, xdist's worker)
 EXIT_OK, EXIT_FAILED, EXIT_SETUP, EXIT_INCOMPLETE = 0, 1, 2, 3
 
 
@@ -76,9 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run on the CPU: the tests under the Triton interpreter at tiny sizes, no timings")
     p.add_argument("--out", default=default_out(), help="where the records and the log go (default gpu_check_out/, "
                                                         "under $OUT where set)")
-    p.add_argument("--time-limit", type=float, default=480.0,
+    p.add_argument("--time-limit", type=float, default=540.0,
                    help="seconds from the start, the install included; the run ends by itself within it (default "
-                        "480)")
+                        "540)")
     p.add_argument("-k", dest="keyword", default=None, metavar="EXPR", help="only the tests pytest's -k EXPR selects")
     p.add_argument("--no-timings", action="store_true", help="run the tests only")
     p.add_argument("--started-at", type=float, default=None, help=argparse.SUPPRESS)  # kept across the re-exec
@@ -107,6 +111,7 @@ class Run:
         self.doc.setdefault("started", self.started)
         self.doc.update(time_limit=args.time_limit, mode="cpu" if args.cpu else "gpu")
         self.doc.setdefault("stages", {})
+        self.doc["order"] = [m for m in plan.MODULE_ORDER if (TESTS / m).is_file()]  # the test pass's modules
 
     def log(self, msg: str) -> None:
         line = f"[gpu_check {time.time() - self.started:6.1f}s] {msg}"
@@ -267,37 +272,81 @@ def pytest_command(args: argparse.Namespace, record: str, marker: str | None, pe
     return cmd
 
 
-def run_tests(run: Run, budget_s: float) -> None:
-    """The passes of `PASSES` (on the CPU only the first), each killed past its share of `budget_s`; what each
-    found goes into the record (``stages.tests``)."""
+def budget(run: Run, timings: bool) -> plan.Split:
+    """The split of what is left between the modules of the test pass (in `plan.MODULE_ORDER`), the one-queue pass
+    on a GPU, and the timings (`plan.split`), from the seconds each took in the records of this --out's last run
+    (where there are some); recorded in ``stages.budget``."""
+    out = Path(run.args.out)
+    known = plan.read_estimates(out / "gpu_tests.json")
+    firsts = plan.read_estimates(out / "gpu_tests.json", first=True)
+    order = list(run.doc["order"])
+    if not run.args.cpu:
+        order.append(ONE_QUEUE_PASS)
+        one_queue = sum(plan.read_estimates(out / "gpu_tests_one_queue.json").values())
+        if one_queue:
+            known[ONE_QUEUE_PASS] = one_queue
+    passes = 1 if run.args.cpu else len(PASSES)
+    got = plan.split(run.left() - passes * PASS_STARTUP_S, order, known, timings=timings, firsts=firsts)
+    run.stage("budget", time_left=round(run.left(), 1), source=got.source, tests_s=round(got.tests_s, 1),
+              timings_s=round(got.timings_s, 1), modules={m: round(s, 1) for m, s in got.modules.items()},
+              needs={m: round(s, 1) for m, s in got.needs.items()})
+    return got
+
+
+def run_tests(run: Run, split: plan.Split) -> None:
+    """The passes of `PASSES` (on the CPU only the first), within the budget of `split`: the first pass has the
+    modules' budgets (each module's slot ends where `plan.module_ends` says: its later tests skip after that),
+    the one-queue pass its own line and what the first left. What each found goes into the record
+    (``stages.tests``)."""
     passes = PASSES if not run.args.cpu else PASSES[:1]
     missing = [name for name, there in plugins().items() if not there]
     if missing:
         run.log(f"WARNING: {', '.join(missing)} missing here: without pytest-xdist a sticky CUDA fault skips every "
                 "later test; without pytest-timeout a stuck test takes the rest of its pass")
     run.stage("setup", missing_plugins=missing)
+    modules = {m: s for m, s in split.modules.items() if m != ONE_QUEUE_PASS}
     began = time.time()
     for i, (record, queues, marker) in enumerate(passes):
-        share = 0.65 if i == 0 and len(passes) > 1 else 1.0  # the one-queue pass reruns a part of the first
-        end = began + share * budget_s
+        first = i == 0
+        ends = plan.module_ends(time.time() + PASS_STARTUP_S, modules)
+        end = max(ends.values(), default=time.time()) if first else began + len(passes) * PASS_STARTUP_S + \
+            split.tests_s
         path = Path(run.args.out) / f"{record}.json"
         path.unlink(missing_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_DEVICE_MAX_CONNECTIONS": queues,
+        env = {**os.environ, **test_env(run.args.cpu), "CUDA_DEVICE_MAX_CONNECTIONS": queues,
                "OVERLAP_GPU_RECORD": str(path), "OVERLAP_GPU_TESTS_UNTIL": repr(end)}
-        if run.args.cpu:
-            env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU mode even on a GPU machine
+        if first:
+            env["OVERLAP_GPU_MODULE_ENDS"] = json.dumps(ends)
+            env["OVERLAP_GPU_MODULE_BUDGETS"] = json.dumps(modules)
         # a stuck test ends its worker (xdist starts another) well before the pass's end: the rest still run
         per_test = min(PER_TEST_S, max(MIN_PER_TEST_S, 0.6 * (end - time.time())))
         cmd = pytest_command(run.args, record, marker, per_test)
         run.log(f"tests under CUDA_DEVICE_MAX_CONNECTIONS={queues}, at most {end - time.time():.0f} s: "
                 f"{' '.join(cmd[2:])}")
         code = run.run_teed(cmd, env, end)
-        run.stage("tests", **{record: summarize_tests(path, code)})
+        run.stage("tests", **{record: summarize_tests(path, code, run.doc["order"] if first else None)})
 
 
-def summarize_tests(path: Path, code: int | None) -> dict[str, Any]:
+def test_env(cpu: bool) -> dict[str, str]:
+    """What the test processes' environment sets besides the run's: on the CPU no GPU (``CUDA_VISIBLE_DEVICES=``,
+    the CPU mode even on a GPU machine); on a GPU CUDA's eager module loading (a kernel's first launch then never
+    waits for the device to drain inside a gated window) and torch's symmetric memory backend named (``CUDA``, not
+    whatever torch would pick), each unless the caller set it."""
+    if cpu:
+        return {"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = {"PYTHONUNBUFFERED": "1"}
+    for name, value in TEST_ENV_GPU.items():
+        env[name] = os.environ.get(name, value)
+    return env
+
+
+TEST_ENV_GPU = {"CUDA_MODULE_LOADING": "EAGER", "TORCH_SYMMMEM": "CUDA"}
+
+
+def summarize_tests(path: Path, code: int | None, order: list[str] | None = None) -> dict[str, Any]:
     """Counts, failures and skips of one pass of pytest, from its JSON record (`code`: pytest's exit status, None
-    where the pass was killed at its time)."""
+    where the pass was killed at its time); with the modules' `order`, each module's counts and verdict
+    (`module_verdicts`)."""
     doc = json.loads(path.read_text()) if path.exists() else {"tests": [], "running": None}
     outcome: dict[str, str] = {}
     failures, skips = [], {}
@@ -318,9 +367,25 @@ def summarize_tests(path: Path, code: int | None) -> dict[str, Any]:
         failures.append({"test": running, "phase": "?", "message": f"pytest ended early (exit status {code}) "
                                                                    "during this test; the log has its last output"})
         counts["failed"] += 1
-    return {"exit": code, "counts": counts, "failures": failures, "skips": skips, "killed_during": killed,
-            "complete": code is not None and doc.get("finished", False),
-            "figures": {t["test"]: t["properties"] for t in doc["tests"] if t.get("properties")}}
+    facts = {"exit": code, "counts": counts, "failures": failures, "skips": skips, "killed_during": killed,
+             "complete": code is not None and doc.get("finished", False),
+             "figures": {t["test"]: t["properties"] for t in doc["tests"] if t.get("properties")}}
+    if order is not None:
+        facts["modules"] = module_verdicts(outcome, order, killed)
+    return facts
+
+
+def module_verdicts(outcome: dict[str, str], order: list[str], killed: str | None) -> dict[str, dict[str, Any]]:
+    """Per module of `order`: its tests' counts and its verdict: ``failed`` (a test failed), ``passed`` (one passed,
+    none failed), ``skipped`` (every test that reported skipped, e.g. needs a GPU, or its budget), ``killed`` (the
+    pass ended during its first test), or None (no test of it reported)."""
+    got: dict[str, dict[str, Any]] = {m: {"passed": 0, "failed": 0, "skipped": 0} for m in order}
+    for test, result in outcome.items():
+        got.setdefault(plan.module_of(test), {"passed": 0, "failed": 0, "skipped": 0})[result] += 1
+    for module, c in got.items():
+        c["verdict"] = ("failed" if c["failed"] else "passed" if c["passed"] else "skipped" if c["skipped"] else
+                        "killed" if killed and plan.module_of(killed) == module else None)
+    return got
 
 
 def run_timings(run: Run) -> None:
@@ -330,7 +395,7 @@ def run_timings(run: Run) -> None:
     cmd = [sys.executable, "-m", "tests.gpu.timings", "--out", str(path),
            "--until", repr(run.deadline - MARGIN_S - 2.0)]
     run.log(f"timings, at most {run.left():.0f} s")
-    code = run.run_teed(cmd, {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "32"},
+    code = run.run_teed(cmd, {**os.environ, **test_env(False), "CUDA_DEVICE_MAX_CONNECTIONS": "32"},
                         run.deadline - MARGIN_S)
     doc = json.loads(path.read_text()) if path.exists() else {"results": [], "complete": False}
     run.stage("timings", exit=code, complete=code == 0 and doc.get("complete", False), results=doc["results"])
@@ -387,6 +452,13 @@ def main(argv: list[str] | None = None) -> int:
         run.log_file.close()
 
 
+def run_facts(cpu: bool) -> dict[str, Any]:
+    """What the record says of how the tests run: the environment `test_env` sets, and what is deselected."""
+    return {"test_env": test_env(cpu),
+            "deselected": None if cpu else "the tests marked cpu_only (they exist for the CPU mode: interpreted "
+                                           "subprocesses), by tests/gpu/conftest.py where a GPU is present"}
+
+
 def check(run: Run) -> int:
     """The stages of the module docstring, in order; returns the exit status."""
     args = run.args
@@ -404,9 +476,9 @@ def check(run: Run) -> int:
         run.log(problem)
         run.stage("setup", problem=problem)
         return EXIT_SETUP
-    run.stage("setup", problem=None)
-    pytest_budget = (2.0 / 3.0) * run.left()
-    run_tests(run, pytest_budget)
+    run.stage("setup", problem=None, **run_facts(args.cpu))
+    timings = not args.cpu and not args.no_timings
+    run_tests(run, budget(run, timings))
     if not args.cpu and not args.no_timings and run.left() > 20.0:
         run_timings(run)
     elif not args.cpu and not args.no_timings:

@@ -10,6 +10,12 @@ ends its process once its reports are out: under pytest-xdist (``-n 1 --max-work
 runs it) the worker is replaced by a fresh one for the tests after it; without xdist the later tests skip, saying
 why.
 
+The modules run in the GPU check's order (`tests.gpu.plan.MODULE_ORDER`: the kernel tests first, the ops on one
+device last), whatever pytest collected first. Where a GPU is present the tests marked ``cpu_only`` (they exist for
+the CPU mode: interpreted subprocesses) are deselected. ``OVERLAP_GPU_MODULE_ENDS`` (set by the GPU check: JSON,
+module -> wall time its slot ends): a module's later tests skip once its slot has ended, saying so; its first test
+always runs (`tests.gpu.plan.should_skip`).
+
 ``OVERLAP_GPU_RECORD=PATH``: a JSON record of the run, rewritten as each test starts and ends (on the controller
 under xdist): every report (node id, phase, outcome, seconds, the failure's text, what the test noted through
 `tolerance.note`), and the test running now, so that a run stopped from outside still leaves what it had.
@@ -28,7 +34,7 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # read when CUDA cre
 
 import torch  # noqa: E402
 
-from tests.gpu import tolerance  # noqa: E402
+from tests.gpu import plan, tolerance  # noqa: E402
 from tests.gpu.virtual import Device, DeviceStuck  # noqa: E402
 
 # The texts of errors after which a CUDA context is unusable (every later call fails the same way).
@@ -37,6 +43,7 @@ STICKY_ERRORS = ("illegal memory access", "illegal instruction", "misaligned add
                  "context is destroyed", "uncorrectable ECC")
 EXIT_UNUSABLE = 75  # a worker's exit status after a test left its process unusable
 _unusable: str | None = None  # why this process can run no more tests
+_modules_started: set[str] = set()  # the modules of which a test has started in this process
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -45,10 +52,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    places = [i for i, item in enumerate(items) if item.path.parent == here]  # tests/gpu's (not tests/gpu/cpu's)
+    ordered = sorted((items[i] for i in places), key=lambda item: plan.rank(item.path.name))  # stable
+    for i, item in zip(places, ordered):
+        items[i] = item
     if torch.cuda.is_available():
+        cpu_only = [item for item in items if item.path.parent == here and item.get_closest_marker("cpu_only")]
+        if cpu_only:
+            config.hook.pytest_deselected(items=cpu_only)
+            items[:] = [item for item in items if item not in cpu_only]
         return
     for item in items:
-        if item.get_closest_marker("cuda") is not None and item.path.parent == Path(__file__).parent:
+        if item.get_closest_marker("cuda") is not None and item.path.parent == here:
             item.add_marker(pytest.mark.skip(reason="needs a GPU: no CUDA device here"))
 
 
@@ -112,6 +128,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     tolerance.take_notes()  # nothing an earlier test left
     if _unusable is not None:
         pytest.skip(f"this process is unusable since {_unusable} (run under pytest-xdist to go on in a fresh one)")
+    ends = json.loads(os.environ.get("OVERLAP_GPU_MODULE_ENDS") or "{}")
+    module = item.path.name
+    if item.path.parent == Path(__file__).parent and module in ends:
+        first = module not in _modules_started
+        _modules_started.add(module)
+        if plan.should_skip(module, time.time(), ends, first):
+            budgets = json.loads(os.environ.get("OVERLAP_GPU_MODULE_BUDGETS") or "{}")
+            pytest.skip(plan.SKIP_REASON.format(module=module, seconds=budgets.get(module, 0.0)))
 
 
 def pytest_runtest_logfinish(nodeid: str, location) -> None:

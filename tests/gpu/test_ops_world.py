@@ -89,6 +89,7 @@ ops_rank.main(sys.argv[1:])
 
 
 @pytest.mark.exact
+@pytest.mark.cpu_only
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo ranks over /dev/shm")
 def test_a_wrong_op_fails_the_oracle_and_an_unrepeatable_one_the_repeat(tmp_path):
     names = [c.name for c in ops_rank.cases(False)]
@@ -111,6 +112,7 @@ def test_a_wrong_op_fails_the_oracle_and_an_unrepeatable_one_the_repeat(tmp_path
             assert r["status"] == "PASS" and "repeat bitwise" in r["value"], r
 
 
+@pytest.mark.cpu_only
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo ranks over /dev/shm")
 def test_a_rank_starts_at_the_case_it_is_given(tmp_path):
     last = len(ops_rank.cases(False)) - 1

@@ -45,6 +45,7 @@ def test_help_names_every_option():
     assert proc.returncode == 0, proc.stderr
     for option in ("--install", "--no-install", "--cpu", "--out", "--time-limit", "-k", "--no-timings"):
         assert option in proc.stdout, option
+    assert "(default 540)" in proc.stdout
 
 
 def test_a_cpu_run_records_every_test_as_it_goes_and_ends_with_the_verdict(tmp_path):
@@ -65,6 +66,16 @@ def test_a_cpu_run_records_every_test_as_it_goes_and_ends_with_the_verdict(tmp_p
     notes = {t["test"].split("::")[-1]: t["properties"] for t in tests["tests"]}
     assert "summary" in notes[FIRST] and notes[FIRST]["waited_s"] > 0, notes  # the test's figures, in the record
     assert (tmp_path / "junit_gpu_tests.xml").exists() and "gives_up_on_a" in (tmp_path / "gpu_check.log").read_text()
+    # the plan: the modules in their order, each with its budget; the tests ran in that order; a verdict per module
+    assert doc["order"] == list(gpu_check.plan.MODULE_ORDER), doc["order"]
+    budget = doc["stages"]["budget"]
+    assert list(budget["modules"]) == doc["order"] and all(s > 0 for s in budget["modules"].values()), budget
+    assert budget["timings_s"] == 0 and budget["source"] == "defaults", budget  # the CPU: no timings; a fresh --out
+    ran = [gpu_check.plan.module_of(t["test"]) for t in tests["tests"]]
+    assert ran == sorted(ran, key=gpu_check.plan.rank), ran
+    verdicts = {m: v["verdict"] for m, v in facts["modules"].items()}
+    assert verdicts["test_all_gather_kernels.py"] == verdicts["test_reduce_scatter_kernels.py"] == "passed", verdicts
+    assert doc["stages"]["setup"]["test_env"]["CUDA_VISIBLE_DEVICES"] == "", doc["stages"]["setup"]
 
 
 def test_a_sticky_fault_ends_only_its_worker_and_the_next_test_runs_in_a_fresh_one(tmp_path):
@@ -196,24 +207,35 @@ def test_the_gpu_check_imports_no_op_internals(path):
 
 
 def test_on_a_gpu_the_tests_run_twice_the_second_time_under_one_queue(tmp_path, monkeypatch):
-    """The passes a GPU run makes (recorded, not run): all of tests/gpu under 32 hardware queues in 65% of the
-    pytest budget, then the ``one_queue`` tests under 1 until the budget's end, each with its record and deadline."""
+    """The passes a GPU run makes (recorded, not run): all of tests/gpu under 32 hardware queues within the modules'
+    budgets (each module's slot end passed to the tests), then the ``one_queue`` tests under 1 until the test
+    budget's end, each with its record and deadline; eager module loading and the symmetric memory backend set."""
     run = gpu_check.Run(gpu_check.parse_args(["--out", str(tmp_path), "-k", "kernel"]))
     calls = []
     monkeypatch.setattr(run, "run_teed", lambda cmd, env, until: calls.append((cmd, env, until)) or 0)
     began = time.time()
+    order = run.doc["order"] + [gpu_check.ONE_QUEUE_PASS]
+    split = gpu_check.plan.split(400.0, order, {})
     try:
-        gpu_check.run_tests(run, 100.0)
+        gpu_check.run_tests(run, split)
     finally:
         run.log_file.close()
     assert len(calls) == 2, calls
     (first, env1, until1), (second, env2, until2) = calls
     assert env1["CUDA_DEVICE_MAX_CONNECTIONS"] == "32" and env2["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert env1["CUDA_MODULE_LOADING"] == "EAGER" and env1["TORCH_SYMMMEM"] == "CUDA" and "CUDA_VISIBLE_DEVICES" \
+        not in {k for k, v in env1.items() if v == ""}
     assert "one_queue" not in first and second[second.index("-m", 3) + 1] == "one_queue"  # (after "-m pytest")
     assert first[first.index("-k") + 1] == "kernel" == second[second.index("-k") + 1]
     assert {"-n", "--max-worker-restart", "--timeout"} <= set(first) and str(tmp_path / "gpu_tests.json") == \
         env1["OVERLAP_GPU_RECORD"] and env2["OVERLAP_GPU_RECORD"].endswith("gpu_tests_one_queue.json")
-    assert began + 64 <= until1 <= time.time() + 65 and began + 99 <= until2 <= time.time() + 100
+    modules = sum(s for m, s in split.modules.items() if m != gpu_check.ONE_QUEUE_PASS)
+    step = gpu_check.PASS_STARTUP_S
+    assert began + step + modules <= until1 <= time.time() + step + modules
+    assert began + 2 * step + split.tests_s <= until2 <= time.time() + 2 * step + split.tests_s
     assert float(env1["OVERLAP_GPU_TESTS_UNTIL"]) == until1 and float(env2["OVERLAP_GPU_TESTS_UNTIL"]) == until2
+    ends = json.loads(env1["OVERLAP_GPU_MODULE_ENDS"])
+    assert list(ends) == run.doc["order"] and "OVERLAP_GPU_MODULE_ENDS" not in env2, ends
+    assert max(ends.values()) <= until1 + 1e-6 and sorted(ends.values()) == list(ends.values())
     stages = json.loads((tmp_path / "gpu_check.json").read_text())["stages"]["tests"]
     assert set(stages) == {"gpu_tests", "gpu_tests_one_queue"}, stages
