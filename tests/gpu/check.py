@@ -215,7 +215,8 @@ def install(run: Run) -> str | None:
         checked = preflight(dict(os.environ), gpu=not args.cpu and torch.cuda.is_available(), root=ROOT)
         for fact in checked.facts:
             run.log(f"preflight: {fact}")
-        run.stage("preflight", facts=checked.facts, problems=checked.problems, env=checked.env)
+        run.stage("preflight", facts=checked.facts, problems=checked.problems, env=checked.env,
+                  toolchain=checked.toolchain)
     why = None if args.no_install else "--install given" if args.install else project_problem()
     if why is None:
         return None

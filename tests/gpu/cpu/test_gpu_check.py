@@ -76,6 +76,8 @@ def test_a_cpu_run_records_every_test_as_it_goes_and_ends_with_the_verdict(tmp_p
     verdicts = {m: v["verdict"] for m, v in facts["modules"].items()}
     assert verdicts["test_all_gather_kernels.py"] == verdicts["test_reduce_scatter_kernels.py"] == "passed", verdicts
     assert doc["stages"]["setup"]["test_env"]["CUDA_VISIBLE_DEVICES"] == "", doc["stages"]["setup"]
+    toolchain = doc["stages"]["preflight"]["toolchain"]  # the build's toolchain, a fact each
+    assert set(toolchain) == {"pybind11", "setuptools", "cmake", "ninja", "c++", "nvcc", "Python.h"}, toolchain
 
 
 def test_a_sticky_fault_ends_only_its_worker_and_the_next_test_runs_in_a_fresh_one(tmp_path):

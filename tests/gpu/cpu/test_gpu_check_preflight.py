@@ -28,7 +28,7 @@ def _preflight(tmp_path, env, smi=SMI, which=lambda name: None, headers=True, ta
         header.parent.mkdir(parents=True, exist_ok=True)
         header.write_text("")
     return pf.preflight(env, gpu=gpu, root=tmp_path, run=lambda cmd: smi, which=which, headers=header,
-                        target=target or tmp_path, access=access)
+                        target=target or tmp_path, access=access, tools=({}, []))
 
 
 def test_facts_of_the_gpu_and_its_compute_mode():
@@ -89,3 +89,34 @@ def test_a_gpu_with_a_c_extension_without_cuda_fails_after_the_install(monkeypat
     assert "overlap._C was built without its CUDA half" in out, out[-3000:]
     record = json.loads((tmp_path / "gpu_check.json").read_text())
     assert "without its CUDA half" in record["stages"]["setup"]["problem"], record
+
+
+def _toolchain(tmp_path, modules=("pybind11", "setuptools"), tools=("cmake", "ninja", "c++"), cmake="3.28.3",
+               env=None):
+    (tmp_path / "CMakeLists.txt").write_text("cmake_minimum_required(VERSION 3.26)\nproject(x)\n")
+    return pf.toolchain(env or {}, tmp_path, which=lambda name: f"/usr/bin/{name}" if name in tools else None,
+                        has_module=lambda name: name in modules,
+                        version=lambda cmd: f"cmake version {cmake}\n" if cmd[0].endswith("cmake") else None)
+
+
+def test_the_builds_toolchain_is_a_fact_each_and_what_is_missing_a_problem(tmp_path, monkeypatch):
+    monkeypatch.setattr(pf, "_pip_tool", lambda module, attr, name, which: which(name))  # not this venv's tools
+    assert pf.cmake_minimum(gpu_check.ROOT) >= (3, 0)  # the project's CMakeLists.txt says it
+    facts, problems = _toolchain(tmp_path)
+    assert problems == [] and all(f["ok"] for f in facts.values()), facts
+    assert facts["cmake"] == {"found": "/usr/bin/cmake", "version": "3.28.3", "needs": "3.26", "ok": True}
+    facts, problems = _toolchain(tmp_path, cmake="3.25.1")  # older than CMakeLists.txt asks
+    assert not facts["cmake"]["ok"] and problems == ["the build of overlap._C needs CMake >= 3.26 (found 3.25.1): "
+                                                     "pip install 'cmake>=3.26'"], problems
+    facts, problems = _toolchain(tmp_path, modules=("setuptools",), tools=("cmake",), env={"CXX": "/opt/cxx"})
+    assert facts["c++"] == {"found": "/opt/cxx", "ok": True} and not facts["pybind11"]["ok"], facts
+    assert [p.split(":")[0] for p in problems] == ["the build of overlap._C needs pybind11",
+                                                   "the build of overlap._C needs ninja"], problems
+    # in the preflight: every tool a fact (nvcc and Python.h too), each missing one a problem
+    got = _preflight(tmp_path, {"CUDACXX": "/opt/x/nvcc"})
+    got = pf.preflight({"CUDACXX": "/opt/x/nvcc"}, gpu=False, root=tmp_path, headers=tmp_path / "include" / "Python.h",
+                       target=tmp_path, tools=(facts, problems))
+    assert set(got.toolchain) == {"pybind11", "setuptools", "cmake", "ninja", "c++", "nvcc", "Python.h"}
+    assert got.toolchain["nvcc"] == {"found": "/opt/x/nvcc", "ok": True} and got.toolchain["Python.h"]["ok"]
+    assert problems == [p for p in got.problems if "needs" in p] and any(f.startswith("ninja: not found")
+                                                                        for f in got.facts), got
