@@ -9,19 +9,24 @@ Usage::
 
 from the repository's root (``tests`` is a package there).
 
-In order, within ``--time-limit`` (default 480 s, counted from the start, the install included):
+In order, within ``--time-limit`` (default 540 s, counted from the start, the install included):
 
 1. **preflight** (`tests.gpu.preflight`), every run: ``nvidia-smi``'s facts and compute mode, ``nvcc`` and
-   ``CUDACXX``, Python's headers, a writable install target; where an install is needed, what would make it fail
+   ``CUDACXX``, the build's toolchain (pybind11, CMake, ninja, setuptools, a C++ compiler, Python's headers), a
+   writable install target; where an install is needed, what would make it fail
    ends the run here (exit 2);
 2. **install** (where ``overlap._C`` does not import, or ``--install``): ``pip install --no-build-isolation
    --no-deps -e .``, building ``_C`` with ``MAX_JOBS`` = the machine's cores, then this command runs again
    (``python -m tests.gpu.check``); then ``_C`` must have its CUDA half where a GPU is present (one clear FAIL,
    exit 2, also with ``--no-install``);
-3. **the tests**: ``pytest tests/gpu`` (less tests/gpu/cpu, the CPU tests of this check) under
-   ``CUDA_DEVICE_MAX_CONNECTIONS=32`` with pytest-xdist's one worker (a sticky CUDA fault ends that worker; a fresh
-   one runs the tests after it) and pytest-timeout's per-test limit, then the tests marked ``one_queue`` again under
-   ``CUDA_DEVICE_MAX_CONNECTIONS=1``; together they get at most two thirds of what the install left;
+3. **the tests**: ``pytest tests/gpu`` (less tests/gpu/cpu, the CPU tests of this check) in the modules' order of
+   `tests.gpu.plan` (the kernel tests first, the ops on one device last), under ``CUDA_DEVICE_MAX_CONNECTIONS=32``
+   (on a GPU also ``CUDA_MODULE_LOADING=EAGER`` and ``TORCH_SYMMMEM=CUDA``; the ``cpu_only`` tests deselected) with
+   pytest-xdist's one worker (a sticky CUDA fault ends that worker; a fresh one runs the tests after it) and
+   pytest-timeout's per-test limit, each module within its budget (`plan.split`: what the last record says each
+   module needs, the ops module at least 90 s; a module's first test always runs, its later ones skip once its slot
+   has ended), then the tests marked ``one_queue`` again under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (a line of its own
+   in the split);
 4. **the timings** (`tests.gpu.timings`, GPU only): the rest.
 
 The install, each pass of the tests and the timings run in processes of their own, each killed at its share of the
@@ -316,9 +321,11 @@ def run_tests(run: Run, split: plan.Split) -> None:
         path.unlink(missing_ok=True)
         env = {**os.environ, **test_env(run.args.cpu), "CUDA_DEVICE_MAX_CONNECTIONS": queues,
                "OVERLAP_GPU_RECORD": str(path), "OVERLAP_GPU_TESTS_UNTIL": repr(end)}
-        if first:
-            env["OVERLAP_GPU_MODULE_ENDS"] = json.dumps(ends)
+        if first:  # the modules' slots count from the pass's first test (the conftest writes its time there)
+            anchor = Path(run.args.out) / f"{record}.anchor"
+            anchor.unlink(missing_ok=True)
             env["OVERLAP_GPU_MODULE_BUDGETS"] = json.dumps(modules)
+            env["OVERLAP_GPU_MODULE_ANCHOR"] = str(anchor)
         # a stuck test ends its worker (xdist starts another) well before the pass's end: the rest still run
         per_test = min(PER_TEST_S, max(MIN_PER_TEST_S, 0.6 * (end - time.time())))
         cmd = pytest_command(run.args, record, marker, per_test)

@@ -12,9 +12,11 @@ why.
 
 The modules run in the GPU check's order (`tests.gpu.plan.MODULE_ORDER`: the kernel tests first, the ops on one
 device last), whatever pytest collected first. Where a GPU is present the tests marked ``cpu_only`` (they exist for
-the CPU mode: interpreted subprocesses) are deselected. ``OVERLAP_GPU_MODULE_ENDS`` (set by the GPU check: JSON,
-module -> wall time its slot ends): a module's later tests skip once its slot has ended, saying so; its first test
-always runs (`tests.gpu.plan.should_skip`).
+the CPU mode: interpreted subprocesses) are deselected. ``OVERLAP_GPU_MODULE_BUDGETS`` (set by the GPU check: JSON,
+module -> seconds, in run order) and ``OVERLAP_GPU_MODULE_ANCHOR`` (a file: the wall time the pass's first test
+started, written by the first test of the pass, read by a worker that replaces a crashed one): each module's slot
+ends at that time plus the budgets up to it (`tests.gpu.plan.module_ends`); a module's later tests skip once its
+slot has ended, saying so; its first test always runs (`tests.gpu.plan.should_skip`).
 
 ``OVERLAP_GPU_RECORD=PATH``: a JSON record of the run, rewritten as each test starts and ends (on the controller
 under xdist): every report (node id, phase, outcome, seconds, the failure's text, what the test noted through
@@ -44,6 +46,28 @@ STICKY_ERRORS = ("illegal memory access", "illegal instruction", "misaligned add
 EXIT_UNUSABLE = 75  # a worker's exit status after a test left its process unusable
 _unusable: str | None = None  # why this process can run no more tests
 _modules_started: set[str] = set()  # the modules of which a test has started in this process
+_module_ends: dict[str, float] | None = None  # when each module's slot ends (None: not read yet)
+
+
+def module_ends() -> dict[str, float]:
+    """The modules' slot ends of this pass, from its first test's start (the anchor file; written here if this is
+    the pass's first test), or nothing where the GPU check set no budgets."""
+    global _module_ends
+    if _module_ends is None:
+        budgets = json.loads(os.environ.get("OVERLAP_GPU_MODULE_BUDGETS") or "{}")
+        anchor = os.environ.get("OVERLAP_GPU_MODULE_ANCHOR")
+        start = time.time()
+        if budgets and anchor:
+            try:
+                with open(anchor, "x", encoding="utf-8") as f:
+                    f.write(repr(start))
+            except FileExistsError:
+                try:
+                    start = float(Path(anchor).read_text())
+                except ValueError:
+                    pass
+        _module_ends = plan.module_ends(start, budgets) if budgets and anchor else {}
+    return _module_ends
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -128,9 +152,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     tolerance.take_notes()  # nothing an earlier test left
     if _unusable is not None:
         pytest.skip(f"this process is unusable since {_unusable} (run under pytest-xdist to go on in a fresh one)")
-    ends = json.loads(os.environ.get("OVERLAP_GPU_MODULE_ENDS") or "{}")
     module = item.path.name
-    if item.path.parent == Path(__file__).parent and module in ends:
+    if item.path.parent == Path(__file__).parent and module in (ends := module_ends()):
         first = module not in _modules_started
         _modules_started.add(module)
         if plan.should_skip(module, time.time(), ends, first):

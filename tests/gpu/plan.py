@@ -12,9 +12,10 @@ the split of the time left between them and the timings.
   the timings get the rest, at least `TIMINGS_MIN_S` where the time allows. Where the time left is less than the
   modules need, every module still gets its minimum before any gets more, and before the timings get theirs: the
   split alone never leaves a module without a verdict.
-* **The schedule in the pass** (`module_ends`, `should_skip`): each module's slot ends at the pass's start plus
-  the budgets of the modules up to it (time a module leaves unused goes to the ones after it). A module's first
-  test always runs; a later one skips, saying so, once its module's slot has ended, so the modules after it run.
+* **The schedule in the pass** (`module_ends`, `should_skip`): each module's slot ends at the start of the pass's
+  first test plus the budgets of the modules up to it (time a module leaves unused goes to the ones after it). A
+  module's first test always runs; a later one skips, saying so, once its module's slot has ended, so the modules
+  after it run.
   `simulate` replays a run's per-test seconds through these rules (tests/gpu/cpu/test_gpu_check_plan.py).
 
 Imports nothing of overlap or torch (the driver reads it before the install).

@@ -100,9 +100,10 @@ def test_a_modules_first_test_always_runs_and_its_later_ones_skip_past_its_slot(
 def test_the_gpu_tests_run_in_the_plans_order_and_skip_past_their_modules_slot(tmp_path):
     """pytest of tests/gpu (CPU mode) with every module's slot already ended: the modules run in `MODULE_ORDER`,
     the first test of each runs and the later ones skip, saying why."""
-    record = tmp_path / "record.json"
+    record, anchor = tmp_path / "record.json", tmp_path / "anchor"
+    anchor.write_text("0.0")  # the pass's first test started long ago: every slot has ended
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_XDIST_WORKER",)}
-    env.update(OVERLAP_GPU_RECORD=str(record), OVERLAP_GPU_MODULE_ENDS=json.dumps({m: 0.0 for m in plan.MODULE_ORDER}),
+    env.update(OVERLAP_GPU_RECORD=str(record), OVERLAP_GPU_MODULE_ANCHOR=str(anchor),
                OVERLAP_GPU_MODULE_BUDGETS=json.dumps({m: 1.0 for m in plan.MODULE_ORDER}))
     proc = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu", "--ignore", "tests/gpu/cpu", "-p",
                            "no:cacheprovider", "-p", "no:xdist", "-k", "gives_up_on_a or cases_are_every or merge"],
