@@ -168,6 +168,8 @@ def preflight(env: dict[str, str], gpu: bool, root: Path, run: Callable[[list[st
     tool_facts, tool_problems = tools if tools is not None else toolchain(env, root, which)
     tool_facts = {**tool_facts, "nvcc": {"found": nvcc, "ok": nvcc is not None}}
     for tool, fact in tool_facts.items():
+        if tool == "nvcc":
+            continue  # (said above)
         facts.append(f"{tool}: {fact['found'] or 'not found'}" + (f" (version {fact['version']}, needs >= "
                                                                   f"{fact['needs']})" if tool == "cmake" else ""))
     problems += tool_problems
