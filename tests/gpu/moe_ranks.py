@@ -28,11 +28,11 @@ import torch
 from overlap.kernels import slots
 from overlap.kernels.dispatch_grouped_matmul import dispatch_tile_table, launch_grouped_matmul_wait
 from overlap.kernels.grouped_matmul_combine import combine_tile_table, launch_grouped_matmul_scatter
-from overlap.kernels.host import cdiv, epoch_word, fused_tiles, grouped_matmul_grid
+from overlap.kernels.host import cdiv, fused_tiles, grouped_matmul_grid
 
 from overlap import symm
 from tests.gpu.tolerance import dtype_name
-from tests.gpu.virtual import Device, Tile
+from tests.gpu.virtual import Device, EpochWords, Tile
 
 # ==============================================================================================
 # Configurations and routing
@@ -219,6 +219,7 @@ class MoEGroup:
     counters: list[torch.Tensor]  # int32 [MAX_FLAGS] each rank's flag counters (the scatter kernel's)
     flag_table: torch.Tensor  # int64 [W]: every pad's address
     streams: list[torch.cuda.Stream | None]
+    epochs: EpochWords  # the words of epochs stale .. stale + 2, made here (before any gate)
 
     @classmethod
     def create(cls, dev: Device, cfg: Config, stale: int, owners: list[int] | None = None) -> MoEGroup:
@@ -253,7 +254,7 @@ class MoEGroup:
         g = cls(dev, cfg, xs, topk, routes, stride, bufs, pads,
                 [torch.zeros(symm.MAX_FLAGS, dtype=torch.int32, device=d) for _ in range(W)],
                 torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64, device=d),
-                [dev.stream() for _ in range(W)])
+                [dev.stream() for _ in range(W)], EpochWords(stale, d))
         dev.idle("setting up virtual MoE ranks")  # the streams below must see these writes
         return g
 
@@ -442,7 +443,7 @@ def launch_wait(g: MoEGroup, c: WaitCall, epoch: int, timeout_ns: int, watchdog:
     tile = c.tile
     options = {} if tile is None else {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
     launch_grouped_matmul_wait(c.src_table, g.flag_table, c.table, c.w, c.out, c.recv,
-                               epoch=epoch_word(epoch, c.out.device), err=c.err, timeout_ns=timeout_ns,
+                               epoch=g.epochs(epoch), err=c.err, timeout_ns=timeout_ns,
                                block=c.blocks, abort=c.abort, watchdog=watchdog, **options)
 
 
@@ -473,4 +474,4 @@ def launch_scatter(g: MoEGroup, c: ScatterCall, epoch: int) -> None:
     """The scatter kernel on the current stream, through the launcher `grouped_matmul_combine`'s fused strategy
     calls."""
     launch_grouped_matmul_scatter(c.y, c.w, c.table, c.dst_table, g.counters[c.rank], g.flag_table,
-                                  epoch=epoch_word(epoch, c.y.device), rank=c.rank, block=op_tile(g.dev, g.cfg.dtype))
+                                  epoch=g.epochs(epoch), rank=c.rank, block=op_tile(g.dev, g.cfg.dtype))

@@ -26,7 +26,7 @@ import time
 import pytest
 import torch
 from overlap.kernels.all_gather_weight_matmul import launch_all_gather_weight_matmul
-from overlap.kernels.host import Watchdog, epoch_word
+from overlap.kernels.host import Watchdog
 
 from tests.gpu.tolerance import compare, err_text, verdict
 from tests.gpu.tp_ranks import (
@@ -124,7 +124,7 @@ def launch_weight_gather(g: GatherGroup, rank: int, c: Consumer, a: torch.Tensor
     """Virtual rank `rank`'s weight-side kernel on the current stream, through the launcher the op calls (its
     shards: the group's, rows of the weight)."""
     launch_all_gather_weight_matmul(a, g.ptr_table, g.flag_table, n=g.shards[0].shape[0],
-                                    epoch=epoch_word(epoch, a.device), rank=rank, err=c.err, timeout_ns=timeout_ns,
+                                    epoch=g.epochs(epoch), rank=rank, err=c.err, timeout_ns=timeout_ns,
                                     block=(tile.block_m, tile.block_n, tile.block_k), out=c.out, abort=c.abort,
                                     watchdog=False, num_warps=tile.num_warps, num_stages=tile.num_stages)
 

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 from overlap.kernels.all_gather_matmul import all_gather_matmul_grid, launch_all_gather_matmul
-from overlap.kernels.host import cdiv, epoch_word, fused_tiles
+from overlap.kernels.host import cdiv, fused_tiles
 from overlap.kernels.matmul_reduce_scatter import (
     chunk_count,
     launch_matmul_scatter,
@@ -58,7 +58,7 @@ from tests.gpu.tolerance import (
     err_text,
     verdict,
 )
-from tests.gpu.virtual import Device, Tile
+from tests.gpu.virtual import Device, EpochWords, Tile
 
 # ==============================================================================================
 # Cases sized for a GPU or for the interpreter
@@ -115,6 +115,7 @@ class GatherGroup:
     flag_table: torch.Tensor  # int64 [W]: flags[r].data_ptr()
     b: torch.Tensor
     streams: list[torch.cuda.Stream | None]
+    epochs: EpochWords  # the words of epochs stale .. stale + 2, made here (before any gate)
     runs: int = 0  # a gather dim past the first: each shard lands in runs of this many rows (0: one run)
 
     @classmethod
@@ -130,9 +131,9 @@ class GatherGroup:
         flags = [torch.full((4,), stale, device=d, dtype=torch.int32) for _ in range(world_size)]
         ptr_table = torch.tensor([t.data_ptr() for t in buffers], dtype=torch.int64, device=d)
         flag_table = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=d)
-        streams = [dev.stream() for _ in range(world_size)]
+        streams, epochs = [dev.stream() for _ in range(world_size)], EpochWords(stale, d)
         dev.idle("setting up virtual ranks")  # the streams below must see these writes
-        return cls(dev, shards, buffers, flags, ptr_table, flag_table, b, streams, runs)
+        return cls(dev, shards, buffers, flags, ptr_table, flag_table, b, streams, epochs, runs)
 
     @property
     def world_size(self) -> int:
@@ -186,7 +187,7 @@ def launch_gather(g: GatherGroup, rank: int, c: Consumer, epoch: int, timeout_ns
     strategy calls. Interpreted, nothing here bounds its spins: the caller sets the abort word (a watchdog) where
     a flag may never come."""
     launch_all_gather_matmul(g.b, g.ptr_table, g.flag_table, rows=g.shards[0].shape[0],
-                             epoch=epoch_word(epoch, g.b.device), rank=rank,
+                             epoch=g.epochs(epoch), rank=rank,
                              err=c.err, timeout_ns=timeout_ns, block=(tile.block_m, tile.block_n, tile.block_k),
                              out=c.out, abort=c.abort, watchdog=False, num_warps=tile.num_warps,
                              num_stages=tile.num_stages, rows_per_outer=g.runs or None)
@@ -288,6 +289,7 @@ class ScatterGroup:
     tile: tuple[int, int, int]
     nch: int
     rb: int
+    epochs: EpochWords  # the words of epochs stale .. stale + 2, made here (before any gate)
 
     @classmethod
     def create(cls, dev: Device, lay: Layout, k: int, n: int, dtype: torch.dtype, num_chunks: int, stale: int,
@@ -322,7 +324,7 @@ class ScatterGroup:
             dst_tables=[table(x) for x in dst], src_tables=[table(x) for x in src],
             flag_base=table([f.data_ptr() for f in flags]),
             reduce_flags=[table([f.data_ptr() + 4 * lay.flag_index(r) for f in flags]) for r in range(W)],
-            streams=[dev.stream() for _ in range(W)], tile=tile, nch=nch, rb=rb,
+            streams=[dev.stream() for _ in range(W)], tile=tile, nch=nch, rb=rb, epochs=EpochWords(stale, d),
         )
         g.new_inputs(k, n)
         return g
@@ -412,7 +414,7 @@ def launch_scatter(g: ScatterGroup, rank: int, epoch: int) -> None:
     """Rank `rank`'s producer kernel on the current stream, through the launcher `scatter_and_reduce` calls."""
     launch_matmul_scatter(g.a[rank], g.b[rank], g.dst_tables[rank], g.counters[rank], g.flag_base,
                           block_rows=g.lay.block_rows, num_chunks=g.nch, flag_stride=g.lay.flag_stride,
-                          epoch=epoch_word(epoch, g.a[rank].device), rank=rank, block=g.tile,
+                          epoch=g.epochs(epoch), rank=rank, block=g.tile,
                           rows_per_outer=g.lay.runs or None)
 
 
@@ -423,7 +425,7 @@ def launch_reduce(g: ScatterGroup, rank: int, epoch: int, timeout_ns: int, watch
     `reduce_sources` does), unless the caller bounds the launch itself (`watchdog=False`)."""
     bm, bn, _ = g.tile
     launch_reduce_chunks(g.outs[rank], g.src_tables[rank], g.reduce_flags[rank], block_rows=g.lay.block_rows,
-                         num_chunks=g.nch, epoch=epoch_word(epoch, g.outs[rank].device), err=g.errs[rank],
+                         num_chunks=g.nch, epoch=g.epochs(epoch), err=g.errs[rank],
                          timeout_ns=timeout_ns, block=(bm, bn),
                          abort=g.aborts[rank], watchdog=watchdog)
 

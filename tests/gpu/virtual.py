@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from overlap.kernels.host import epoch_word
 
 from overlap import signals
 
@@ -57,6 +58,25 @@ def poll(events: list, timeout_s: float) -> bool:
     return True
 
 
+class EpochWords:
+    """The int32 epoch words a group's launches read (`overlap.kernels.epoch_word`), one per epoch from `stale` to
+    ``stale + SPAN - 1`` (every test's calls and warm-ups), made with the group: before any gate closes, since an
+    allocation and its fill inside a gated window could wait on the device the gate holds. ``words(epoch)`` refuses
+    an epoch it has no word for rather than make one late."""
+
+    SPAN = 3
+
+    def __init__(self, stale: int, device: torch.device):
+        self.stale = stale
+        self.words = {e: epoch_word(e, device) for e in range(stale, stale + self.SPAN)}
+
+    def __call__(self, epoch: int) -> torch.Tensor:
+        if epoch not in self.words:
+            raise AssertionError(f"epoch {epoch} has no word: a group made with stale={self.stale} has words for "
+                                 f"{sorted(self.words)} only (make the group with a stale epoch nearer its calls)")
+        return self.words[epoch]
+
+
 @dataclasses.dataclass(frozen=True)
 class Tile:
     """A tile configuration of the fused kernel (num_warps/num_stages only matter on GPUs)."""
@@ -69,6 +89,12 @@ class Tile:
 
     def describe(self) -> str:
         return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
+
+
+# `_fused`'s default tiles: 128x128x64 for 16-bit types on GPUs (Triton's default warps and stages), 32x32x32
+# interpreted
+GPU_TILE = Tile(128, 128, 64)
+INTERPRETED_TILE = Tile(32, 32, 32)
 
 
 class Gate:
@@ -109,9 +135,7 @@ class Device:
         self.cuda = device.type == "cuda"
         self.streams: list[torch.cuda.Stream] = []  # every stream made here, drained by settle()
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count if self.cuda else 0
-        # `_fused`'s default tiles: 128x128x64 for 16-bit types on GPUs (Triton's default warps and
-        # stages), 32x32x32 interpreted.
-        self.tile = Tile(128, 128, 64) if self.cuda else Tile(32, 32, 32)
+        self.tile = GPU_TILE if self.cuda else INTERPRETED_TILE
         self._delay_words = torch.zeros(2, dtype=torch.int32, device=device)
         # Every gate made here, kept for the process's life (a held kernel may read its pinned words until its
         # stream drains): settle() opens any a test left closed.
