@@ -73,13 +73,13 @@ def run_options(jit: JITFunction, kwargs: dict) -> dict:
     return kwargs
 
 
-def specialize(jit: JITFunction, grid: Any, args: tuple, kwargs: dict) -> Launch:
-    """The `Launch` of ``jit[grid](*args, **kwargs)`` on an sm_90 GPU."""
+def specialize(jit: JITFunction, grid: Any, args: tuple, kwargs: dict, backend: CUDABackend = BACKEND) -> Launch:
+    """The `Launch` of ``jit[grid](*args, **kwargs)`` on a GPU of `backend`'s target (default sm_90)."""
     kwargs = run_options(jit, kwargs)
-    binder = create_function_from_signature(jit.signature, jit.params, BACKEND)
+    binder = create_function_from_signature(jit.signature, jit.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     key = compute_cache_key({}, specialization, options)
-    opts, signature, constexprs, attrs = jit._pack_args(BACKEND, kwargs, bound, specialization, options)
+    opts, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound, specialization, options)
     return Launch(jit.fn.__name__, key, grid, dict(bound), [tuple(s) for s in specialization], signature, constexprs,
                   attrs, dict(opts.__dict__), jit)
 
@@ -87,21 +87,21 @@ def specialize(jit: JITFunction, grid: Any, args: tuple, kwargs: dict) -> Launch
 class Recorder:
     """Stands in for a kernel: ``recorder[grid](*args, **kwargs)`` records a `Launch` and runs nothing."""
 
-    def __init__(self, kernel: Any):
-        self.jit = as_jit(kernel)
+    def __init__(self, kernel: Any, backend: CUDABackend = BACKEND):
+        self.jit, self.backend = as_jit(kernel), backend
         self.launches: list[Launch] = []
 
     def __getitem__(self, grid: Any):
         def launch(*args, **kwargs) -> None:
-            self.launches.append(specialize(self.jit, grid, args, kwargs))
+            self.launches.append(specialize(self.jit, grid, args, kwargs, self.backend))
 
         return launch
 
 
 @contextlib.contextmanager
-def recording():
-    """Every kernel of overlap.kernels replaced by a `Recorder` and the launchers told they run on a GPU;
-    yields the recorders by kernel name. Everything is put back on exit."""
+def recording(backend: CUDABackend = BACKEND):
+    """Every kernel of overlap.kernels replaced by a `Recorder` (for a GPU of `backend`'s target, default sm_90) and
+    the launchers told they run on a GPU; yields the recorders by kernel name. Everything is put back on exit."""
     import importlib
 
     from overlap.kernels import host
@@ -114,7 +114,7 @@ def recording():
             module = importlib.import_module(f"overlap.kernels.{module_name}")
             for name in names:
                 saved.append((module, name, getattr(module, name)))
-                recorders[name] = Recorder(getattr(module, name))
+                recorders[name] = Recorder(getattr(module, name), backend)
                 setattr(module, name, recorders[name])
         yield recorders
     finally:
