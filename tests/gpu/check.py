@@ -19,7 +19,11 @@ In order, within ``--time-limit`` (default 540 s, counted from the start, the in
    --no-deps -e .``, building ``_C`` with ``MAX_JOBS`` = the machine's cores, then this command runs again
    (``python -m tests.gpu.check``); then ``_C`` must have its CUDA half where a GPU is present (one clear FAIL,
    exit 2, also with ``--no-install``);
-3. **the tests**: ``pytest tests/gpu`` (less tests/gpu/cpu, the CPU tests of this check) in the modules' order of
+3. **the warm stage** (`tests.gpu.warm`, unless ``--no-warm``): every Triton kernel variant the tests and the timings
+   launch, found on the CPU and compiled into Triton's cache by one process per core (for this GPU; with ``--cpu``
+   ahead of time for sm_90), at most ``WARM_MAX_S`` or a fifth of what is left; recorded as ``"warm"`` (the
+   variants, the architecture, the seconds);
+4. **the tests**: ``pytest tests/gpu`` (less tests/gpu/cpu, the CPU tests of this check) in the modules' order of
    `tests.gpu.plan` (the kernel tests first, the ops on one device last), under ``CUDA_DEVICE_MAX_CONNECTIONS=32``
    (on a GPU also ``CUDA_MODULE_LOADING=EAGER`` and ``TORCH_SYMMMEM=CUDA``; the ``cpu_only`` tests deselected) with
    pytest-xdist's one worker (a sticky CUDA fault ends that worker; a fresh one runs the tests after it) and
@@ -27,13 +31,14 @@ In order, within ``--time-limit`` (default 540 s, counted from the start, the in
    module needs, the ops module at least 90 s; a module's first test always runs, its later ones skip once its slot
    has ended), then the tests marked ``one_queue`` again under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (a line of its own
    in the split);
-4. **the timings** (`tests.gpu.timings`, GPU only): the rest.
+5. **the timings** (`tests.gpu.timings`, GPU only): the rest.
 
 The install, each pass of the tests and the timings run in processes of their own, each killed at its share of the
 time (and a stuck test ends its xdist worker at pytest-timeout's limit), so the run always ends by itself within
 its limit, and always leaves a record in ``--out`` (default ``gpu_check_out/``, under ``$OUT`` where set):
 ``gpu_check.json`` (the stages, their figures and the summary, rewritten after each), ``gpu_tests.json`` and
-``gpu_tests_one_queue.json`` (every test's outcome, written as it goes), ``junit*.xml``, ``gpu_timings.json`` and
+``gpu_tests_one_queue.json`` (every test's outcome, written as it goes), ``gpu_warm.json``, ``junit*.xml``,
+``gpu_timings.json`` and
 ``gpu_check.log`` (everything printed). The output ends with a summary: each failed test (its node id reruns it
 with pytest), the skips by reason, the timings' headline figures and a count line. Exit status: 0 everything ran
 and passed, 1 a test or timing failed, 2 the preflight, the install or the command line failed, 3 something did not
@@ -69,6 +74,8 @@ WORKER_RESTARTS = 8  # pytest-xdist's --max-worker-restart: sticky faults the ru
 PASSES = (("gpu_tests", "32", None), ("gpu_tests_one_queue", "1", "one_queue"))  # record, queues, marker
 ONE_QUEUE_PASS = "one_queue pass"  # the second pass's line in the budget (after the modules of `plan.MODULE_ORDER`)
 PASS_STARTUP_S = 10.0  # what a pass of pytest takes before its first test (the interpreter, torch, xdist's worker)
+WARM_MAX_S = 90.0  # the warm stage's time at most ...
+WARM_SHARE = 0.2  # ... and at most this share of what is left when it starts
 EXIT_OK, EXIT_FAILED, EXIT_SETUP, EXIT_INCOMPLETE = 0, 1, 2, 3
 
 
@@ -90,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "540)")
     p.add_argument("-k", dest="keyword", default=None, metavar="EXPR", help="only the tests pytest's -k EXPR selects")
     p.add_argument("--no-timings", action="store_true", help="run the tests only")
+    p.add_argument("--no-warm", action="store_true",
+                   help="no warm stage: the tests compile their kernels as they launch them")
     p.add_argument("--started-at", type=float, default=None, help=argparse.SUPPRESS)  # kept across the re-exec
     return p.parse_args(argv)
 
@@ -278,6 +287,25 @@ def pytest_command(args: argparse.Namespace, record: str, marker: str | None, pe
     return cmd
 
 
+def run_warm(run: Run) -> None:
+    """The warm stage (`tests.gpu.warm`) in a process of its own, one compiling process per core, for at most
+    `WARM_MAX_S` or `WARM_SHARE` of what is left; its record goes into ``"warm"`` (``stages.warm`` says how it
+    ended). A stage cut short or failing costs only time: a test compiles what it launches either way."""
+    path = Path(run.args.out) / "gpu_warm.json"
+    path.unlink(missing_ok=True)
+    until = time.time() + max(0.0, min(WARM_MAX_S, WARM_SHARE * run.left()))
+    cmd = [sys.executable, "-m", "tests.gpu.warm", "--out", str(path), "--until", repr(until),
+           "--jobs", str(machine_cores())]
+    run.log(f"warm stage, at most {until - time.time():.0f} s: {' '.join(cmd[2:])}")
+    began = time.time()
+    # the tests' environment (what Triton keys its cache on is the same), compiled rather than interpreted
+    code = run.run_teed(cmd, {**os.environ, **test_env(run.args.cpu), "TRITON_INTERPRET": "0"}, until + 5.0)
+    doc = json.loads(path.read_text()) if path.exists() else {"variants": [], "complete": False}
+    run.doc["warm"] = doc
+    run.stage("warm", exit=code, seconds=round(time.time() - began, 1), complete=doc.get("complete", False),
+              compiled=doc.get("compiled", 0), variants=len(doc["variants"]))
+
+
 def budget(run: Run, timings: bool) -> plan.Split:
     """The split of what is left between the modules of the test pass (in `plan.MODULE_ORDER`), the one-queue pass
     on a GPU, and the timings (`plan.split`), from the seconds each took in the records of this --out's last run
@@ -417,6 +445,13 @@ def run_timings(run: Run) -> None:
 def summary(doc: dict[str, Any]) -> tuple[str, int]:
     """The closing lines of the output and the run's exit status."""
     lines, failed, complete = [], False, True
+    warm = doc.get("warm")
+    if warm is not None:
+        lines.append(f"warm: {warm.get('compiled', 0)} of {len(warm['variants'])} kernel variants compiled for "
+                     f"{warm.get('arch', '?')} in {warm.get('seconds', '?')} s"
+                     + ("" if warm["complete"] else " (cut short: the tests compile the rest)"))
+        lines += [f"  {v['status']}: {v['kernel'] or v['used_by'][0]} {v['key']}" for v in warm["variants"]
+                  if v["status"].startswith("failed")]
     for record, facts in doc["stages"].get("tests", {}).items():
         c = facts["counts"]
         lines.append(f"{record}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"
@@ -485,6 +520,8 @@ def check(run: Run) -> int:
         run.stage("setup", problem=problem)
         return EXIT_SETUP
     run.stage("setup", problem=None, **run_facts(args.cpu))
+    if not args.no_warm:
+        run_warm(run)
     timings = not args.cpu and not args.no_timings
     run_tests(run, budget(run, timings))
     if not args.cpu and not args.no_timings and run.left() > 20.0:

@@ -21,7 +21,8 @@ with sequence parallelism); each test notes the setting it ran under.
 * No starvation: a kernel whose blocks fill every SM's block slots (over-subscribed grid, each block spinning on a
   pinned host word with a clock limit) on one stream; once the host sees the resident count stable and below the
   grid (no slot free), a side stream's wait, copy to pinned memory and marker are issued and the wait is released
-  by a host store: the marker must land while the spinning kernel still holds every SM.
+  by a host store: the marker must land while the spinning kernel still holds every SM. Where the hardware makes
+  that race impossible (one hardware queue; a grid that never fills every block slot) it skips saying why.
 """
 
 from __future__ import annotations
@@ -257,7 +258,13 @@ def check_watchdog_release_host() -> None:
 
 
 def check_no_starvation(dev: Device) -> None:
-    """A side stream's wait, copy and marker complete while a kernel holds every SM."""
+    """A side stream's wait, copy and marker complete while a kernel holds every SM. Where the hardware makes that
+    race impossible the test says so (a skip with the reason, in the record) instead of failing: under one hardware
+    queue (the side stream's work waits behind the spinning kernel by construction), or where the spinning grid
+    never fills every SM's block slots (nothing is starved)."""
+    if _connections() == "1":
+        pytest.skip("no race to prove under CUDA_DEVICE_MAX_CONNECTIONS=1: the side stream shares the spinning "
+                    "kernel's one hardware queue, so its wait runs only after that kernel ends")
     grid = dev.sm_count * BLOCKS_PER_SM
     started = torch.zeros(grid, dtype=torch.int32, pin_memory=True)
     release = torch.zeros(1, dtype=torch.int32, pin_memory=True)
@@ -268,6 +275,7 @@ def check_no_starvation(dev: Device) -> None:
         main, side = dev.stream(), dev.stream()
         dev.idle("the no-starvation set-up")
         end = torch.cuda.Event()
+        full = passed = still_full = False
         try:
             with dev.on(main):
                 _occupy[(grid,)](release, started, OCCUPY_TIMEOUT_NS, num_warps=1)
@@ -280,19 +288,22 @@ def check_no_starvation(dev: Device) -> None:
                 time.sleep(0.05)
                 return now == was and now >= dev.sm_count
 
-            if not _until(stable, 10.0) or resident[0] >= grid:
-                raise AssertionError(f"{resident[0]} of {grid} spinning blocks resident: not every SM was full")
-            page.arm(FLAG, 1, WAIT_TIMEOUT_S)
-            signals.cuda_stream_wait_value32(page.dev(FLAG), 1, side.cuda_stream)
-            with dev.on(side):
-                dst.copy_(src, non_blocking=True)
-            signals.cuda_stream_write_value32(page.dev(MARK), 9, side.cuda_stream)
-            signals.signal_store(page.addr(FLAG), 1)  # the release: a host store, no queue
-            passed = _until(lambda: page[MARK] == 9, 5.0)
-            still_full = not end.query() and int(started.sum()) == resident[0]
+            full = _until(stable, 10.0) and resident[0] < grid
+            if full:
+                page.arm(FLAG, 1, WAIT_TIMEOUT_S)
+                signals.cuda_stream_wait_value32(page.dev(FLAG), 1, side.cuda_stream)
+                with dev.on(side):
+                    dst.copy_(src, non_blocking=True)
+                signals.cuda_stream_write_value32(page.dev(MARK), 9, side.cuda_stream)
+                signals.signal_store(page.addr(FLAG), 1)  # the release: a host store, no queue
+                passed = _until(lambda: page[MARK] == 9, 5.0)
+                still_full = not end.query() and int(started.sum()) == resident[0]
         finally:
             signals.signal_store(release.data_ptr(), 1)
-        dev.settle([main, side], [], "the wait beside a kernel holding every SM")
+        dev.settle([main, side], [], "the wait beside a kernel holding every SM")  # (the kernel's words still ours)
+        if not full:
+            pytest.skip(f"no race to prove: {resident[0]} of {grid} spinning blocks resident, so the grid did not "
+                        f"hold every block slot of the {dev.sm_count} SMs")
         problems = [] if passed else ["the side stream's marker did not land within 5 s of the release"]
         if passed and not still_full:
             problems.append("the spinning kernel had ended or moved when the marker landed: not proven starved")

@@ -43,7 +43,7 @@ def _outcomes(tests: dict) -> dict[str, list[tuple[str, str]]]:
 def test_help_names_every_option():
     proc = run_module(MODULE, ["--help"], timeout=60)
     assert proc.returncode == 0, proc.stderr
-    for option in ("--install", "--no-install", "--cpu", "--out", "--time-limit", "-k", "--no-timings"):
+    for option in ("--install", "--no-install", "--cpu", "--out", "--time-limit", "-k", "--no-timings", "--no-warm"):
         assert option in proc.stdout, option
     assert "(default 540)" in proc.stdout
 
@@ -78,10 +78,17 @@ def test_a_cpu_run_records_every_test_as_it_goes_and_ends_with_the_verdict(tmp_p
     assert doc["stages"]["setup"]["test_env"]["CUDA_VISIBLE_DEVICES"] == "", doc["stages"]["setup"]
     toolchain = doc["stages"]["preflight"]["toolchain"]  # the build's toolchain, a fact each
     assert set(toolchain) == {"pybind11", "setuptools", "cmake", "ninja", "c++", "nvcc", "Python.h"}, toolchain
+    # the warm stage ran before the tests, compiling ahead of time for sm_90 (how far it got depends on the load)
+    stages = list(doc["stages"])
+    assert stages.index("warm") < stages.index("budget") < stages.index("tests"), stages
+    warm = doc["warm"]
+    assert warm["arch"] == "sm_90" and not warm["native"] and warm["jobs"] >= 1 and warm["failed"] == 0, warm
+    assert all(v["status"] in ("compiled", "not reached") for v in warm["variants"]), warm["variants"]
+    assert (tmp_path / "gpu_warm.json").exists() and "warm:" in proc.stdout
 
 
 def test_a_sticky_fault_ends_only_its_worker_and_the_next_test_runs_in_a_fresh_one(tmp_path):
-    proc = run_module(MODULE, [*CPU, "--out", str(tmp_path), "-k", BOTH], timeout=300,
+    proc = run_module(MODULE, [*CPU, "--no-warm", "--out", str(tmp_path), "-k", BOTH], timeout=300,
                       OVERLAP_GPU_TEST_HOOK=f"fault:{FIRST}")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-4000:]
@@ -113,8 +120,8 @@ def test_without_xdist_the_tests_after_a_sticky_fault_skip_saying_why(tmp_path):
 
 def test_at_its_time_limit_the_run_ends_the_tests_and_says_where_they_were(tmp_path):
     began = time.monotonic()
-    proc = run_module(MODULE, [*CPU, "--out", str(tmp_path), "--time-limit", "60", "-k", BOTH], timeout=150,
-                      OVERLAP_GPU_TEST_HOOK=f"sleep=600:{FIRST}")
+    proc = run_module(MODULE, [*CPU, "--no-warm", "--out", str(tmp_path), "--time-limit", "60", "-k", BOTH],
+                      timeout=150, OVERLAP_GPU_TEST_HOOK=f"sleep=600:{FIRST}")
     took = time.monotonic() - began
     out = proc.stdout + proc.stderr
     assert proc.returncode == 3, out[-4000:]

@@ -338,3 +338,26 @@ def test_the_model_finds_a_first_launch_behind_a_gate():
         assert not done and "first launch of consumer" in why, why
         assert replay(warmed, one_queue=one_queue)[0], replay(warmed, one_queue=one_queue)[3]
     assert not race_kept(warmed, *replay(warmed, one_queue=False)[1:3])  # the warm-up's wait races nothing
+
+
+def test_epoch_words_are_made_with_their_group_never_inside_a_gated_window(monkeypatch):
+    """Every epoch word a group's launches read exists once the group does (an allocation and its fill behind a
+    closed gate could wait on the device the gate holds); an epoch it has no word for is refused, not made late;
+    and no GPU test makes one itself (`overlap.kernels.epoch_word` is called by `virtual.EpochWords` alone)."""
+    import ast
+
+    from tests.gpu import tp_ranks, virtual
+
+    dev = virtual.Device(torch.device("cpu"))
+    g = tp_ranks.GatherGroup.create(dev, 2, 16, 32, 16, torch.float32, stale=6)
+    monkeypatch.setattr(virtual, "epoch_word", lambda *a: pytest.fail("an epoch word made after its group"))
+    assert [int(g.epochs(e)) for e in (6, 7, 8)] == [6, 7, 8]
+    with pytest.raises(AssertionError, match=r"epoch 9 has no word: .* stale=6 has words for \[6, 7, 8\]"):
+        g.epochs(9)
+    callers = []
+    for path in sorted((Path(__file__).resolve().parents[1]).glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == \
+                    "epoch_word":
+                callers.append(path.name)
+    assert callers == ["virtual.py"], callers
