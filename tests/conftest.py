@@ -49,6 +49,24 @@ def pools():
     _POOLS.clear()
 
 
+@pytest.fixture(scope="session")
+def aot_report() -> list[dict]:
+    """overlap's Triton kernels compiled ahead of time for sm_90, as their launchers launch them: one compile run (a
+    subprocess: TRITON_INTERPRET=0 before the kernels are defined) for the whole session
+    (`tests.support.aot_compile`; used by tests/gpu/cpu/test_kernels_aot.py and tests/protocol)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    proc = subprocess.run([sys.executable, "-m", "tests.support.aot_compile"], cwd=Path(__file__).resolve().parents[1],
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
 @pytest.fixture
 def seed(request) -> int:
     """A fresh seed per test, printed so a failure can be replayed (OVERLAP_TEST_SEED fixes it)."""

@@ -13,6 +13,7 @@ that warps leave on different iterations). A kernel with the per-thread wait tha
 (`per_thread_wait_kernel`) is compiled too, to show that the analysis finds it.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -28,6 +29,7 @@ from overlap.kernels import flags  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
 
 from overlap.ops.fused import kernels as _kernel_modules  # noqa: E402
+from tests.protocol.sequences import plain_global_stores_after, ptx_sequence  # noqa: E402
 from tests.support.launch_specs import TARGET, recording  # noqa: E402
 from tests.support.ptx_flow import divergent_barriers, parse  # noqa: E402
 
@@ -136,7 +138,16 @@ def _common(head: dict, dtype: str, block: tuple, ptx: str, cubin: int, t0: floa
                                  ".add" not in i.op and not (".exch" in i.op and ".release" in i.op)}),
         "debug_barrier": _barrier_at_line(ptx, "flags.py", _source_line(flags.count_and_release, "tl.debug_barrier()")),
         "cubin_bytes": cubin, "seconds": round(time.time() - t0, 2),
+        # the ordering operations in text order (tests/protocol/test_sequences.py compares them with the protocol)
+        "sync": [dataclasses.asdict(step) for step in ptx_sequence(ptx)],
+        "plain_stores_after_release": plain_stores_after_release(ptx),
     }
+
+
+def plain_stores_after_release(ptx: str) -> list[str]:
+    """The plain global stores after the kernel's last release (a data store the flag would not cover)."""
+    released = [step.line for step in ptx_sequence(ptx) if step.sem == "release"]
+    return plain_global_stores_after(ptx, max(released)) if released else []
 
 
 def _words(n: int = 1, value: int = 0) -> torch.Tensor:

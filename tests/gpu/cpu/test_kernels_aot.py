@@ -6,10 +6,6 @@ the MoE tile tables (`overlap.ops.moe.layout`) cover every row once."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,14 +23,10 @@ ALL = ("all_gather_matmul_kernel", "all_gather_weight_matmul_kernel", "matmul_sc
        "grouped_matmul_wait_kernel", "grouped_matmul_scatter_kernel")
 
 
-@pytest.fixture(scope="module")
-def report() -> list[dict]:
-    """One compile run (a subprocess: TRITON_INTERPRET=0 before the kernels are defined) for every test."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tests.support.aot_compile"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+@pytest.fixture
+def report(aot_report) -> list[dict]:
+    """The session's one compile run (tests/conftest.py)."""
+    return aot_report
 
 
 def _of(report: list[dict], kernel: str) -> list[dict]:
