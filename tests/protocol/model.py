@@ -75,9 +75,10 @@ class Violation(Exception):
     pass
 
 
-# State: (clock, consumer call, consumer status, consumer's known writes, done word, released, watchdog, sources).
+# State: (clock, consumer call, consumer status, consumer's known writes, done word, released, sources).
 # A source: (call, status, chunks); a chunk: (counter, counter's message, flag, flag's message, tiles done (a tuple
-# of bools), read by the consumer, latest call issued per tile). A message: the writes a release put on a word.
+# of bools), read by the consumer, latest call issued per tile, the watchdog's next step on the chunk's wait).
+# A message: the writes a release put on a word.
 
 
 def releases(op: Op, local: bool) -> bool:
@@ -94,12 +95,12 @@ class Model:
         stale = c.epoch(-1)
         chunk = (0, frozenset(), stale, frozenset(), (False,) * c.tiles, False, (0,) * c.tiles, 0)
         sources = tuple((0, RUN, (chunk,) * c.chunks) for _ in range(c.ranks))
-        return (0, 0, RUN, frozenset(), stale, False, 0, sources)
+        return (0, 0, RUN, frozenset(), stale, False, sources)
 
     def canonical(self, state: tuple) -> tuple:
         """Symmetry: the chunks of a source and the live remote ranks are interchangeable (a write id names its
         source and chunk, so those are renamed to their place in the sorted order first)."""
-        *head, known, done, released, wd, sources = (*state[:3], *state[3:])
+        *head, known, done, released, sources = state
         keyed = []
         for s, (_, _, chunks) in enumerate(sources):
             order = sorted(range(len(chunks)), key=lambda i: self._chunk_key(chunks[i], known, s, i))
@@ -118,7 +119,7 @@ class Model:
             call, status, chunks = sources[old]
             out.append((call, status, tuple((n, rename(nm), f, rename(fm), td, rd, iss, w)
                                             for n, nm, f, fm, td, rd, iss, w in (chunks[i] for i in new_c[old]))))
-        return (*head, rename(known), done, released, wd, tuple(out))
+        return (*head, rename(known), done, released, tuple(out))
 
     @staticmethod
     def _chunk_key(chunk: tuple, known: frozenset, s: int, ci: int) -> tuple:
@@ -136,7 +137,7 @@ class Model:
     # ---- steps ----
 
     def steps(self, state: tuple) -> Iterator[tuple[str, tuple]]:
-        clock, ccall, cstatus, known, done, released, wd, sources = state
+        clock, ccall, cstatus, known, done, released, sources = state
         if clock == 0:
             yield "the deadline passes", (1, *state[1:])
         for s, (call, status, _) in enumerate(sources):
@@ -145,10 +146,10 @@ class Model:
         if cstatus == RUN:
             yield from self.consumer_steps(state)
         if not released and (cstatus == DONE or (cstatus == RAISED and self.p.release_after_error)):
-            yield "rank 0's host unmaps its heap", (*state[:5], True, *state[6:])
+            yield "rank 0's host unmaps its heap", (*state[:5], True, state[6])
 
     def producer_steps(self, state: tuple, s: int) -> Iterator[tuple[str, tuple]]:
-        clock, ccall, cstatus, known, done, released, wd, sources = state
+        clock, ccall, cstatus, known, done, released, sources = state
         call, status, chunks = sources[s]
         c = self.c
         if call > 0 and not self.p.reached(done, c.epoch(call - 1)):  # the slot-free wait before the kernel
@@ -212,7 +213,7 @@ class Model:
         return ", ".join(did) or "runs", (counter, frozenset(cmsg), flag, fmsg, done, read, issued, wd)
 
     def consumer_steps(self, state: tuple) -> Iterator[tuple[str, tuple]]:
-        clock, ccall, cstatus, known, done, released, wd, sources = state
+        clock, ccall, cstatus, known, done, released, sources = state
         c, p = self.c, self.p
         epoch = c.epoch(ccall)
         waiting = [(s, ci) for s, src in enumerate(sources) for ci, ch in enumerate(src[2]) if not ch[5]]
@@ -221,7 +222,7 @@ class Model:
                           for call, status, chunks in sources)
             status = DONE if ccall + 1 == c.calls else RUN
             yield f"rank 0 finishes call {ccall + 1} (done word {epoch})", \
-                (clock, ccall + 1, status, known, epoch, released, 0, fresh)
+                (clock, ccall + 1, status, known, epoch, released, fresh)
             return
         for s, ci in waiting:
             counter, cmsg, flag, fmsg, tiles_done, read, issued, wd = sources[s][2][ci]
@@ -253,7 +254,7 @@ class Model:
         raised by a compare-and-swap, whose message carries the error word where it releases and comes after it."""
         op = self.p.watchdog[wd]
         where = f"the watchdog of rank 0's wait on rank {s} chunk {ci}"
-        counter, cmsg, flag, fmsg, tiles_done, read, issued, _ = state[7][s][2][ci]
+        counter, cmsg, flag, fmsg, tiles_done, read, issued, _ = state[6][s][2][ci]
         if op.what == "err":
             yield f"{where} stores the error word", self.with_chunk(
                 state, s, ci, (counter, cmsg, flag, fmsg, tiles_done, read, issued, wd + 1))
@@ -267,18 +268,18 @@ class Model:
 
     @staticmethod
     def with_source(state: tuple, s: int, source: tuple) -> tuple:
-        sources = list(state[7])
+        sources = list(state[6])
         sources[s] = source
-        return (*state[:7], tuple(sources))
+        return (*state[:6], tuple(sources))
 
     def with_chunk(self, state: tuple, s: int, ci: int, chunk: tuple) -> tuple:
-        call, status, chunks = state[7][s]
+        call, status, chunks = state[6][s]
         chunks = list(chunks)
         chunks[ci] = chunk
         return self.with_source(state, s, (call, status, tuple(chunks)))
 
     def check_terminal(self, state: tuple) -> None:
-        clock, ccall, cstatus, known, done, released, wd, sources = state
+        clock, ccall, cstatus, known, done, released, sources = state
         if cstatus == RUN:
             raise Violation(f"hang: rank 0 waits in call {ccall + 1} and nothing can move (no data, no deadline)")
         stuck = [s for s, (call, status, _) in enumerate(sources)

@@ -34,14 +34,17 @@ class Step:
     line: int = 0
 
     def matches(self, op: Op) -> bool:
-        """Whether this step does what `op` asks: the same ordering (unordered alike), the same scope where it
-        orders, a read-modify-write where the role has one, and a store where the role stores (an exchange or a
-        store)."""
+        """Whether this step does at least what `op` asks: a read-modify-write where the role has one, a store (or
+        an exchange) where it stores; an ordering at least as strong (acq_rel covers release and acquire, anything
+        covers unordered) at a scope at least as wide (``sys`` covers ``gpu``) where it orders."""
         if op.kind == "barrier":
             return self.kind == "barrier"
         kind_ok = self.kind == op.kind or (op.kind == "store" and self.kind == "rmw")
         sem = UNORDERED if op.sem in (PLAIN, RELAXED) else op.sem
-        return kind_ok and self.sem == sem and (sem == UNORDERED or self.scope == op.scope)
+        if sem == UNORDERED:
+            return kind_ok
+        strong = self.sem == sem or self.sem == ACQ_REL
+        return kind_ok and strong and (self.scope == op.scope or self.scope == SYS)
 
 
 def ordering(op: str) -> tuple[str, str] | None:

@@ -5,6 +5,7 @@ instruction or call."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,30 @@ def test_the_primitives_order_as_their_names_say(path, name, step):
         f"{path} {name}: {got}"
 
 
+def test_the_watchdog_reports_first_then_releases():
+    """The host watchdog (csrc/watchdog.cpp) as `spec.WATCHDOG`: the error word, then the flag raised by a
+    compare-and-swap that releases (so whoever the raise lets through sees the error word), never lowered."""
+    source = _source("csrc/watchdog.cpp")
+    run = function_body(source, "void run()")
+    assert run.index("set_if_zero(e.err") < run.index("raise_to(e.word"), run
+    for name, role_op in (("set_if_zero(", spec.WATCHDOG[0]), ("raise_to(", spec.WATCHDOG[1])):
+        steps = [s for s in cpp_sequence(function_body(source, f"static void {name}")) if s.kind == "rmw"]
+        assert steps and all(s.matches(role_op) for s in steps), f"watchdog.cpp {name}: {steps}"
+    assert "!flag_reached(seen, value)" in function_body(source, "static void raise_to(")  # never lowered
+
+
+def test_the_code_decides_on_values_as_the_protocol_does():
+    """The two decisions on values: which tile is the last (the count returns ``tiles - 1``), and when a flag has
+    reached an epoch (a wrapping difference compared with 0), in every implementation."""
+    offset = spec.PROTOCOL.last_tile_offset
+    triton = _source("kernels/flags.py")
+    assert [int(n) for n in re.findall(r"if seen == target - (\d+):", triton)] == [offset], "kernels/flags.py"
+    cuda = _source("csrc/include/overlap/moe_a2a.cuh")
+    assert [int(n) for n in re.findall(r"== ctas - (\d+)\)", cuda)] == [offset], "moe_a2a.cuh"
+    bounds = [int(n) for n in re.findall(r"\(ready - epoch\) [<>]=? (-?\d+)", triton)]
+    assert bounds and set(bounds) == {-spec.PROTOCOL.reach_slack}, f"kernels/flags.py compares with {bounds}"
+
+
 def test_the_host_and_device_waits_compare_epochs_as_a_wrapping_difference():
     """``flag_reached`` (host) and the device wait take ``int32(uint32(flag) - uint32(value)) >= 0``; the Triton wait
     an int32 difference (`kernels/flags.py`): the protocol's `reached`."""
@@ -118,3 +143,24 @@ def test_the_host_and_device_waits_compare_epochs_as_a_wrapping_difference():
     assert "static_cast<int32_t>(static_cast<uint32_t>(flag_load_acquire(flag)) -" in device, device
     triton = _source("kernels/flags.py")
     assert "stop = ((ready - epoch) >= 0)" in triton and "((ready - epoch) < 0)" in triton
+
+
+def test_the_cpu_ranks_publish_and_wait_through_the_ordering_primitives():
+    """The CPU ranks' path (`overlap.symm`): a flag is published by ``signals.signal_store`` and waited for by
+    ``signals.signal_wait_all``, which are ``flag_store_release`` and loops of ``flag_wait_geq`` (acquire loads,
+    `flag_reached`) in ``csrc/signal.cpp``; the calls' ready and done flags go through them (never a plain write of
+    a pad word from Python)."""
+    source = _source("csrc/signal.cpp")
+    store = function_body(source, "void signal_store(")
+    assert [s.text for s in cpp_sequence(store)] == ["flag_store_release"], store
+    wait = function_body(source, "int64_t signal_wait_all_until(")
+    assert "flag_wait_geq(" in wait and "flag_reached(flag_load_acquire(" in wait, wait
+    geq = function_body(_source("csrc/include/overlap/signal.h"), "inline bool flag_wait_geq(")
+    assert "flag_reached(flag_load_acquire(addr), value)" in geq, geq
+    call = _source("overlap/symm/call.py")
+    ready = call[call.index("    def signal_ready(") : call.index("    def wait_ready(")]
+    assert "signals().signal_store(addr, self.word)" in ready, ready
+    wait_ready = call[call.index("    def wait_ready(") : call.index("    def finish(")]
+    assert "handshake.wait_checked(" in wait_ready, wait_ready
+    finish = call[call.index("    def finish(") :]
+    assert "signals().signal_store(addr, self.word)" in finish, finish

@@ -90,10 +90,12 @@ def _loads(ptx: str) -> dict[str, int]:
     }
 
 
-def _barrier_at_line(ptx: str, path_suffix: str, line: int) -> bool:
+def _barrier_at_line(ptx: str, path_suffix: str, line: int | None) -> bool:
     """Whether a ``bar.sync`` is the first instruction emitted for source line `line` of the file
     ending in `path_suffix` (Triton also puts barriers around scalar atomics, so a bare ``bar.sync``
     proves nothing about ``tl.debug_barrier``)."""
+    if line is None:
+        return False
     files = {m.group(2): m.group(1) for m in re.finditer(r'\.file\s+(\d+)\s+"([^"]+)"', ptx)}
     index = next((i for p, i in files.items() if p.endswith(path_suffix)), None)
     if index is None:
@@ -108,12 +110,12 @@ def _barrier_at_line(ptx: str, path_suffix: str, line: int) -> bool:
     return False
 
 
-def _source_line(fn, needle: str) -> int:
-    """Line number (in its file) of the first source line of `fn` containing `needle`."""
+def _source_line(fn, needle: str) -> int | None:
+    """Line number (in its file) of the first source line of `fn` containing `needle` (None: no such line)."""
     import inspect
 
     lines, first = inspect.getsourcelines(fn.fn)
-    return first + next(i for i, text in enumerate(lines) if needle in text)
+    return next((first + i for i, text in enumerate(lines) if needle in text), None)
 
 
 def _common(head: dict, dtype: str, block: tuple, ptx: str, cubin: int, t0: float) -> dict:
