@@ -110,10 +110,13 @@ MUTATIONS = [
              "        else:\n            signals().signal_store(addr, self.word)\n\n    def wait_ready",
              "        else:\n            signals().signal_store(addr, self.word - 1)\n\n    def wait_ready",
              ("tests/comm/test_symm_protocol.py", "-k", "reserve_and_release")),
-    Mutation("Python: a CPU rank's done word of the previous epoch", "overlap/symm/call.py",
+    Mutation("Python: a CPU rank's done word never written", "overlap/symm/call.py",
              "            else:\n                signals().signal_store(addr, self.word)\n",
-             "            else:\n                signals().signal_store(addr, self.word - 1)\n",
-             ("tests/comm/test_symm_protocol.py", "-k", "reserve_and_release")),
+             "            else:\n                pass\n",
+             (SEQUENCES, "tests/comm/test_symm_protocol.py", "-k", "reserve_and_release or cpu_ranks")),
+    Mutation("Python: a CPU rank's slot-free wait skipped", "overlap/symm/call.py",
+             "        if prev <= 0 or not self.uses_heap:\n            return\n",
+             "        if True:\n            return\n", (SEQUENCES,)),
 ]
 
 

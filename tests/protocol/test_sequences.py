@@ -164,3 +164,5 @@ def test_the_cpu_ranks_publish_and_wait_through_the_ordering_primitives():
     assert "handshake.wait_checked(" in wait_ready, wait_ready
     finish = call[call.index("    def finish(") :]
     assert "signals().signal_store(addr, self.word)" in finish, finish
+    free = call[call.index("    def wait_slot_free(") : call.index("    def signal_ready(")]
+    assert "if prev <= 0 or not self.uses_heap:" in free and "wait_checked(self.check, addrs, prev," in free, free
