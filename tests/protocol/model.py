@@ -48,13 +48,17 @@ class Config:
     first_epoch: int = 7
     dead: int | None = None
     stream: bool = False
+    rebase: bool = False  # the epochs re-based between the first two calls: the second runs at epoch 1
 
     def epoch(self, k: int) -> int:
+        if self.rebase and k >= 1:
+            return k
         return int32(self.first_epoch + k)
 
     def describe(self) -> str:
         return (f"W={self.ranks} chunks={self.chunks} tiles={self.tiles} calls={self.calls} epoch={self.first_epoch}"
-                + (f" dead={self.dead}" if self.dead is not None else "") + (" stream" if self.stream else ""))
+                + (f" dead={self.dead}" if self.dead is not None else "") + (" stream" if self.stream else "")
+                + (" rebase" if self.rebase else ""))
 
 
 @dataclasses.dataclass
@@ -95,12 +99,12 @@ class Model:
         stale = c.epoch(-1)
         chunk = (0, frozenset(), stale, frozenset(), (False,) * c.tiles, False, (0,) * c.tiles, 0)
         sources = tuple((0, RUN, (chunk,) * c.chunks) for _ in range(c.ranks))
-        return (0, 0, RUN, frozenset(), stale, False, sources)
+        return (0, 0, RUN, frozenset(), stale, False, sources, False)
 
     def canonical(self, state: tuple) -> tuple:
         """Symmetry: the chunks of a source and the live remote ranks are interchangeable (a write id names its
         source and chunk, so those are renamed to their place in the sorted order first)."""
-        *head, known, done, released, sources = state
+        *head, known, done, released, sources, rebased = state
         keyed = []
         for s, (_, _, chunks) in enumerate(sources):
             order = sorted(range(len(chunks)), key=lambda i: self._chunk_key(chunks[i], known, s, i))
@@ -119,7 +123,7 @@ class Model:
             call, status, chunks = sources[old]
             out.append((call, status, tuple((n, rename(nm), f, rename(fm), td, rd, iss, w)
                                             for n, nm, f, fm, td, rd, iss, w in (chunks[i] for i in new_c[old]))))
-        return (*head, rename(known), done, released, tuple(out))
+        return (*head, rename(known), done, released, tuple(out), rebased)
 
     @staticmethod
     def _chunk_key(chunk: tuple, known: frozenset, s: int, ci: int) -> tuple:
@@ -137,7 +141,7 @@ class Model:
     # ---- steps ----
 
     def steps(self, state: tuple) -> Iterator[tuple[str, tuple]]:
-        clock, ccall, cstatus, known, done, released, sources = state
+        clock, ccall, cstatus, known, done, released, sources, rebased = state
         if clock == 0:
             yield "the deadline passes", (1, *state[1:])
         for s, (call, status, _) in enumerate(sources):
@@ -146,13 +150,20 @@ class Model:
         if cstatus == RUN:
             yield from self.consumer_steps(state)
         if not released and (cstatus == DONE or (cstatus == RAISED and self.p.release_after_error)):
-            yield "rank 0's host unmaps its heap", (*state[:5], True, state[6])
+            yield "rank 0's host unmaps its heap", (*state[:5], True, *state[6:])
+        if self.c.rebase and not rebased and ccall == 1 and cstatus == RUN:
+            yield from self.rebase_step(state)
 
     def producer_steps(self, state: tuple, s: int) -> Iterator[tuple[str, tuple]]:
-        clock, ccall, cstatus, known, done, released, sources = state
+        clock, ccall, cstatus, known, done, released, sources, rebased = state
         call, status, chunks = sources[s]
         c = self.c
-        if call > 0 and not self.p.reached(done, c.epoch(call - 1)):  # the slot-free wait before the kernel
+        if c.rebase and call == 1 and not rebased:  # the re-base comes between the two calls
+            if clock == 1:
+                yield f"rank {s} gives up waiting for the re-base", self.with_source(state, s, (call, RAISED, chunks))
+            return
+        rebased_now = c.rebase and call == 1
+        if call > 0 and not rebased_now and not self.p.reached(done, c.epoch(call - 1)):  # the slot-free wait
             if clock == 1:
                 yield f"rank {s} gives up waiting for the slot of call {call + 1}", \
                     self.with_source(state, s, (call, RAISED, chunks))
@@ -213,16 +224,18 @@ class Model:
         return ", ".join(did) or "runs", (counter, frozenset(cmsg), flag, fmsg, done, read, issued, wd)
 
     def consumer_steps(self, state: tuple) -> Iterator[tuple[str, tuple]]:
-        clock, ccall, cstatus, known, done, released, sources = state
+        clock, ccall, cstatus, known, done, released, sources, rebased = state
         c, p = self.c, self.p
         epoch = c.epoch(ccall)
+        if c.rebase and ccall == 1 and not rebased:
+            return  # (the re-base first)
         waiting = [(s, ci) for s, src in enumerate(sources) for ci, ch in enumerate(src[2]) if not ch[5]]
         if not waiting:  # every chunk read: the done word, the reads fresh for the next call
             fresh = tuple((call, status, tuple((*ch[:5], False, ch[6], 0) for ch in chunks))
                           for call, status, chunks in sources)
             status = DONE if ccall + 1 == c.calls else RUN
             yield f"rank 0 finishes call {ccall + 1} (done word {epoch})", \
-                (clock, ccall + 1, status, known, epoch, released, fresh)
+                (clock, ccall + 1, status, known, epoch, released, fresh, rebased)
             return
         for s, ci in waiting:
             counter, cmsg, flag, fmsg, tiles_done, read, issued, wd = sources[s][2][ci]
@@ -249,6 +262,25 @@ class Model:
             elif clock == 1 and c.stream and wd < len(p.watchdog):
                 yield from self.watchdog_step(state, s, ci, epoch, wd)
 
+    def rebase_step(self, state: tuple) -> Iterator[tuple[str, tuple]]:
+        """The epochs' re-base between the calls (`overlap.symm.heap.SymmHeap._rebase`): once every rank is quiet (the
+        consumer finished call 1, every live producer's kernel of it ended; the first pad barrier), every flag,
+        counter and done word is cleared and the epochs restart from 1 (the second barrier: one step here). A
+        dead peer never reaches the barrier: the consumer gives up past the deadline."""
+        clock, ccall, cstatus, known, done, released, sources, rebased = state
+        quiet = all(call >= 1 or s == self.c.dead for s, (call, _, _) in enumerate(sources))
+        if self.c.dead is not None and clock == 1:
+            yield "rank 0 gives up waiting for the re-base", (clock, ccall, RAISED, *state[3:])
+            return
+        if not quiet:
+            return
+        if self.p.rebase_clears:
+            sources = tuple((call, status, tuple((0, frozenset(), 0, frozenset(), td, rd, iss, w)
+                                                 for _, _, _, _, td, rd, iss, w in chunks))
+                            for call, status, chunks in sources)
+        yield "the ranks re-base the epochs (flags, counters and done words cleared)", \
+            (clock, ccall, cstatus, known, 0, released, sources, True)
+
     def watchdog_step(self, state: tuple, s: int, ci: int, epoch: int, wd: int) -> Iterator[tuple[str, tuple]]:
         """The host watchdog's next operation (`wd`) on this wait's entry (`spec.WATCHDOG`): the error word; the flag
         raised by a compare-and-swap, whose message carries the error word where it releases and comes after it."""
@@ -270,7 +302,7 @@ class Model:
     def with_source(state: tuple, s: int, source: tuple) -> tuple:
         sources = list(state[6])
         sources[s] = source
-        return (*state[:6], tuple(sources))
+        return (*state[:6], tuple(sources), *state[7:])
 
     def with_chunk(self, state: tuple, s: int, ci: int, chunk: tuple) -> tuple:
         call, status, chunks = state[6][s]
@@ -279,7 +311,7 @@ class Model:
         return self.with_source(state, s, (call, status, tuple(chunks)))
 
     def check_terminal(self, state: tuple) -> None:
-        clock, ccall, cstatus, known, done, released, sources = state
+        clock, ccall, cstatus, known, done, released, sources, rebased = state
         if cstatus == RUN:
             raise Violation(f"hang: rank 0 waits in call {ccall + 1} and nothing can move (no data, no deadline)")
         stuck = [s for s, (call, status, _) in enumerate(sources)

@@ -117,6 +117,9 @@ MUTATIONS = [
     Mutation("Python: a CPU rank's slot-free wait skipped", "overlap/symm/call.py",
              "        if prev <= 0 or not self.uses_heap:\n            return\n",
              "        if True:\n            return\n", (SEQUENCES,)),
+    Mutation("Python: the epochs' re-base leaving the flags", "overlap/symm/heap.py",
+             "        self._ctrl_np[self.rank][SLOT_BASE:CTRL_WORDS] = 0\n", "",
+             ("tests/comm/test_symm_protocol.py", "-k", "rebase")),
 ]
 
 

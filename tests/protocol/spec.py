@@ -60,6 +60,7 @@ class Protocol:
     deadline: bool = True  # a wait gives up past its deadline
     checks_err: bool = True  # a wait released without data reads the error word before the data
     release_after_error: bool = False  # the host unmaps a heap a raising call may still be written into
+    rebase_clears: bool = True  # the epochs' re-base clears every flag, counter and done word
 
     def reached(self, flag: int, epoch: int) -> bool:
         if not self.wraps:
@@ -121,4 +122,5 @@ MUTATIONS: dict[str, Protocol] = {
         PROTOCOL, watchdog=_replace_op(WATCHDOG, "flag", sem=RELAXED)),
     "a passed wait not reading the error word": dataclasses.replace(PROTOCOL, checks_err=False),
     "a heap unmapped after a raising call": dataclasses.replace(PROTOCOL, release_after_error=True),
+    "the re-base leaving the flags": dataclasses.replace(PROTOCOL, rebase_clears=False),
 }

@@ -18,10 +18,12 @@ CONFIGS = [
     model.Config(ranks=2, chunks=2, tiles=2, dead=1, stream=True),
     model.Config(ranks=2, chunks=2, tiles=2, first_epoch=2**31 - 1),
     model.Config(ranks=2, chunks=2, tiles=2, first_epoch=-1),
+    model.Config(ranks=2, chunks=2, tiles=2, first_epoch=2**30, rebase=True),  # REBASE_EPOCH, then epoch 1
+    model.Config(ranks=2, chunks=2, tiles=1, first_epoch=2**30, rebase=True, dead=1),
 ]
 FULL = [model.Config(ranks=3, chunks=2, tiles=2), model.Config(ranks=3, chunks=2, tiles=2, dead=1, stream=True)]
 #: the order the planted bugs are looked for in: the smallest state spaces first
-SEARCH = sorted(CONFIGS, key=lambda c: (c.dead is None, c.ranks * c.chunks * c.tiles, c.first_epoch != 7))
+SEARCH = sorted(CONFIGS, key=lambda c: (c.rebase, c.dead is None, c.ranks * c.chunks * c.tiles, c.first_epoch != 7))
 
 #: which property each planted bug breaks
 EXPECTED = {
@@ -41,6 +43,7 @@ EXPECTED = {
     "the watchdog's raise made relaxed": "early read",
     "a passed wait not reading the error word": "early read",
     "a heap unmapped after a raising call": "released heap",
+    "the re-base leaving the flags": "early read",
 }
 
 RESULTS: list[model.Result] = []  # read by the terminal summary

@@ -6,12 +6,14 @@ instruction or call."""
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.protocol import spec
-from tests.protocol.sequences import UNORDERED, Step, cpp_sequence, function_body
+from tests.protocol.sequences import UNORDERED, Step, cpp_sequence, function_body, ptx_sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCERS = ("matmul_scatter_kernel", "grouped_matmul_scatter_kernel")
@@ -34,11 +36,13 @@ def _ordering(steps: list[Step]) -> list[Step]:
     return [s for s in steps if s.kind in ("rmw", "store") or (s.kind == "load" and s.sem != UNORDERED)]
 
 
-def _expect_in_order(steps: list[Step], ops: tuple[spec.Op, ...], where: str) -> None:
-    """`ops`, in order, as the ordering steps of `steps`, one each (nothing else that orders between them)."""
+def _expect_in_order(steps: list[Step], ops: tuple[spec.Op, ...], where: str, plain_counter: bool = False) -> None:
+    """`ops`, in order, as the ordering steps of `steps`, one each (nothing else that orders between them);
+    `plain_counter`: the code resets the counter with a plain store, which PTX does not show among its ordering
+    operations."""
     got = _ordering(steps)
     want = [op for op in ops if op.kind != "barrier" and (op.kind == "rmw" or op.sem not in (spec.PLAIN, spec.RELAXED)
-                                                          or op.what in ("counter",))]
+                                                          or (op.what == "counter" and not plain_counter))]
     described = [f"{s.text} (line {s.line})" for s in got]
     assert len(got) == len(want), f"{where}: the protocol's {[op.describe() for op in want]}, the code {described}"
     for op, step in zip(want, got, strict=True):
@@ -75,6 +79,29 @@ def test_a_waiting_kernel_acquires_its_flag_as_the_protocol_does(aot_report, ker
         first = steps.index(ordering[0])
         assert any(s.kind == "barrier" and "red" in s.text for s in steps[first:]), \
             f"{where}: no reducing barrier after the flag's acquire"
+
+
+def test_the_cuda_dispatch_kernels_ptx_publishes_as_the_protocol_does(tmp_path):
+    """nvcc's sm_90a PTX of the MoE dispatch kernel (csrc/cuda/moe_a2a.cu): a system fence and a CTA barrier before
+    the count (acq_rel, system), then the flag's release at system scope (the counter's reset is a plain store)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH")
+    ptx = tmp_path / "moe_a2a.ptx"
+    proc = subprocess.run([nvcc, "-arch=sm_90a", "-ptx", "-I", str(ROOT / "csrc" / "include"),
+                           str(ROOT / "csrc" / "cuda" / "moe_a2a.cu"), "-o", str(ptx)], capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    parts = re.split(r"^\.visible \.entry (\S+)\(", ptx.read_text(), flags=re.M)
+    bodies = [body for name, body in zip(parts[1::2], parts[2::2], strict=True) if "moe_dispatch_rows_kernel" in name]
+    assert len(bodies) == 1, parts[1::2]
+    steps = ptx_sequence(bodies[0])
+    _expect_in_order(steps, spec.PRODUCER_TILE, "moe_dispatch_rows_kernel (nvcc sm_90a)", plain_counter=True)
+    count = next(i for i, s in enumerate(steps) if s.kind == "rmw")
+    before = steps[:count]
+    fenced = any(s.kind == "fence" and s.scope == spec.SYS for s in before)
+    assert fenced and any(s.kind == "barrier" for s in before), \
+        f"moe_dispatch_rows_kernel: no system fence and barrier before the count: {[s.text for s in before]}"
 
 
 def _source(path: str) -> str:
