@@ -69,6 +69,11 @@ def _wait_gone(pids: list[int], limit_s: float) -> float:
     return time.monotonic() - start
 
 
+def _default_sigint() -> None:
+    """(In the child, before exec.) SIGINT back to its default disposition."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture
 def shm_dir(tmp_path):
     """A folder of this test's own for the segments: in /dev/shm (a tmpfs, as in real runs) where it can write."""
@@ -91,7 +96,11 @@ def test_signal_to_the_parent_ends_every_rank_and_leaves_nothing(tmp_path, shm_d
     command = [sys.executable, "-m", "overlap.cli", "bench", "--ranks", "2", "--op", "all_gather_matmul", "--mode",
                "fwd", "--shape", "64x64x64", "--strategies", "symm", "--warmup", "0", "--iters", "1000000"]
     with open(err_path, "w") as err:
-        parent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
+        # SIGINT at its default in the command, as a terminal starts it: a runner that starts the suite in the
+        # background without job control has it ignored, and an ignored SIGINT is inherited (Python then keeps
+        # ignoring it, as a background job should)
+        parent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True,
+                                  preexec_fn=_default_sigint)
     ranks: list[int] = []
     try:
         # Mid-run: the ranks have made their heaps (symm) and time the op (the progress bar says "timing").
