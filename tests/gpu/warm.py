@@ -44,6 +44,7 @@ import torch  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
 
+from tests.gpu.check import machine_cores  # noqa: E402
 from tests.gpu.virtual import GPU_TILE, KERNEL_TIMEOUT_NS, Device  # noqa: E402
 from tests.support.launch_specs import TARGET, Launch, as_jit, recording, specialize  # noqa: E402
 
@@ -286,13 +287,6 @@ def compile_variant(v: Variant, t: GPUTarget) -> tuple[str, float]:
         return f"failed: {type(exc).__name__}: {exc}"[:400], time.time() - began
 
 
-def jobs_default() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 class Record:
     """The stage's record, rewritten as it goes."""
 
@@ -348,7 +342,7 @@ def warm(out: Path, jobs: int, until: float) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m tests.gpu.warm", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="gpu_warm.json", help="the record, rewritten as each variant ends")
-    p.add_argument("--jobs", type=int, default=jobs_default(), help="compiling processes (default: the cores)")
+    p.add_argument("--jobs", type=int, default=machine_cores(), help="compiling processes (default: the cores)")
     p.add_argument("--until", type=float, default=math.inf, help="wall time (time.time()) by which the stage ends")
     p.add_argument("--list", action="store_true", help="print the variants and the launches using them, compile none")
     args = p.parse_args(argv)

@@ -67,10 +67,6 @@ class Protocol:
             return flag >= epoch
         return int32(flag - epoch) >= -self.reach_slack
 
-    @property
-    def barrier(self) -> bool:
-        return any(op.kind == "barrier" for op in self.producer)
-
 
 def int32(x: int) -> int:
     """`x` as a two's-complement int32 (wrapping)."""

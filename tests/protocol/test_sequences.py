@@ -178,12 +178,13 @@ def test_the_cpu_ranks_publish_and_wait_through_the_ordering_primitives():
     `flag_reached`) in ``csrc/signal.cpp``; the calls' ready and done flags go through them (never a plain write of
     a pad word from Python)."""
     source = _source("csrc/signal.cpp")
-    store = function_body(source, "void signal_store(")
-    assert [s.text for s in cpp_sequence(store)] == ["flag_store_release"], store
+    store = cpp_sequence(function_body(source, "void signal_store("))
+    assert [s.text for s in store] == ["flag_store_release"] and store[0].matches(spec.HOST_PRODUCER[1]), store
     wait = function_body(source, "int64_t signal_wait_all_until(")
     assert "flag_wait_geq(" in wait and "flag_reached(flag_load_acquire(" in wait, wait
     geq = function_body(_source("csrc/include/overlap/signal.h"), "inline bool flag_wait_geq(")
     assert "flag_reached(flag_load_acquire(addr), value)" in geq, geq
+    assert all(s.matches(spec.HOST_CONSUMER[0]) for s in cpp_sequence(geq) if s.kind == "load"), geq
     call = _source("overlap/symm/call.py")
     ready = call[call.index("    def signal_ready(") : call.index("    def wait_ready(")]
     assert "signals().signal_store(addr, self.word)" in ready, ready
