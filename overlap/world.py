@@ -15,11 +15,9 @@ interrupted, terminated or killed (`overlap.lifetime`).
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import datetime
 import os
-import pickle
 import socket
 import traceback
 from collections.abc import Callable, Sequence
@@ -29,7 +27,10 @@ import torch
 import torch.distributed as dist
 
 from . import envs, lifetime
+from .errors import OverlapError
 from .links import LINK_CLASSES
+from .rendezvous import exchange
+from .version import __version__
 
 # Every module of overlap that uses torch (and so may reach Triton) imports this one first: where no GPU
 # exists, TRITON_INTERPRET is set here, before anything can import Triton (`envs.set_triton_interpret`).
@@ -153,10 +154,11 @@ def group_info(group: Any = None, timeout: float | None = None) -> GroupInfo:
     node = node_identity()
     device_index = device.index if device.type == "cuda" else -1
     timeout = envs.timeout_s() if timeout is None else timeout
-    gathered = [pickle.loads(v) for v in
-                store_exchange(pg, "info", pickle.dumps((node, os.getpid(), device_index)), timeout)]
+    gathered = [_peer_facts(r, v) for r, v in enumerate(exchange(
+        pg, "info", {"node": node, "pid": os.getpid(), "device": device_index, "version": __version__}, timeout))]
+    _check_versions(rank, [g[3] for g in gathered])
     peer_access = []
-    for peer_node, _pid, peer_dev in gathered:
+    for peer_node, _pid, peer_dev, _version in gathered:
         same_gpu_node = device.type == "cuda" and peer_node == node and peer_dev >= 0
         ok = same_gpu_node and (peer_dev == device_index or torch.cuda.can_device_access_peer(device_index, peer_dev))
         peer_access.append(bool(ok))
@@ -175,47 +177,28 @@ def group_info(group: Any = None, timeout: float | None = None) -> GroupInfo:
     return info
 
 
-# ----------------------------------------------------------------------------------------------
-# Bounded rendezvous through the default store (any backend, no device work, with a deadline)
-# ----------------------------------------------------------------------------------------------
-
-_ROUNDS: dict[tuple[str, str], int] = {}
-
-
-def _group_key(pg: dist.ProcessGroup) -> str:
-    name = getattr(pg, "group_name", "") or ""
-    return name if name else "g" + "-".join(str(dist.get_global_rank(pg, r)) for r in range(dist.get_world_size(pg)))
-
-
-#: the op on whose behalf set-up rendezvous run (named by their timeouts); set by the ops' preamble
-CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("overlap_caller", default="setup")
-
-
-def store_exchange(pg: dist.ProcessGroup, tag: str, value: bytes, timeout: float) -> list[bytes]:
-    """Every rank of `pg` publishes `value` under `tag`; returns every rank's value, in rank order.
-
-    Goes through the process group's store (TCP or file), so it needs no device work and waits at
-    most `timeout` seconds: past it, `OverlapTimeout` names the first rank that never arrived.
-    Every rank must make the same sequence of exchanges with the same tags (rounds are counted).
-    """
-    from torch.distributed import distributed_c10d as c10d
-
-    from .errors import OverlapTimeout
-
-    key = (_group_key(pg), tag)
-    _ROUNDS[key] = round_ = _ROUNDS.get(key, 0) + 1
-    prefix = f"overlap/{key[0]}/{tag}/{round_}"
-    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-    store = c10d._get_default_store()
-    store.set(f"{prefix}/{rank}", value)
-    keys = [f"{prefix}/{r}" for r in range(world)]
+def _peer_facts(rank: int, value: Any) -> tuple[str, int, int, str]:
+    """(node, pid, device index, version) of group rank `rank`, from what it posted; raises `OverlapError` where
+    any is not what an overlap rank posts (pids and nodes go into paths and messages: nothing unchecked does)."""
     try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
-    except Exception as exc:  # noqa: BLE001 - the store raises its own error types on timeout
-        missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        raise OverlapTimeout(CALLER.get(), rank, missing[0] if missing else "unknown", f"rendezvous '{tag}'",
-                             timeout, f"{type(exc).__name__}") from exc
-    return [store.get(k) for k in keys]
+        node, pid, device, version = value["node"], value["pid"], value["device"], value["version"]
+        ok = (isinstance(node, str) and 0 < len(node) <= 255 and node.isprintable()
+              and all(isinstance(v, int) and not isinstance(v, bool) for v in (pid, device))
+              and 0 < pid < 2**31 and -1 <= device < 2**16 and isinstance(version, str) and len(version) <= 64)
+    except (KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise OverlapError(f"overlap: group rank {rank} posted facts that are not an overlap rank's: {value!r}")
+    return node, pid, device, version
+
+
+def _check_versions(rank: int, versions: list[str]) -> None:
+    """Raise on every rank where the ranks of one group run different versions of overlap (each rank has every
+    rank's version, so each raises the same error before anything is shared)."""
+    if len(set(versions)) > 1:
+        lines = "\n".join(f"  rank {r}: overlap {v}" for r, v in enumerate(versions))
+        raise OverlapError(f"overlap: the ranks of a group run different versions of overlap (this is rank {rank}):"
+                           f"\n{lines}\ninstall one version on every node")
 
 
 def forget_group(group: dist.ProcessGroup) -> None:

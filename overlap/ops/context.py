@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from .. import comm, envs, symm, world
+from .. import comm, envs, rendezvous, symm, world
 from ..errors import OverlapMismatchError, OverlapTimeout, warn_once
 from ..plans import Plan
 from .hierarchical import agreement
@@ -69,7 +69,7 @@ class CallContext:
         the strategy carries the agreement in its messages to its counterparts (``hierarchical``'s TP ops: no
         rendezvous, `overlap.ops.hierarchical.agreement.InData`); otherwise CPU ranks across nodes make the full
         handshake of `overlap.ops.hierarchical.agreement` and GPU ranks a collective one."""
-        world.CALLER.set(self.op)
+        rendezvous.CALLER.set(self.op)
         info = self.info
         with record("handshake"):
             if info.single_node:
@@ -84,7 +84,7 @@ class CallContext:
     def fail(self, exc: Exception) -> NoReturn:
         """Post a poisoned signature, so that peers already waiting in this call raise at once instead of
         at their deadline, then raise `exc` (this rank's own mistake) without waiting for anyone."""
-        world.CALLER.set(self.op)
+        rendezvous.CALLER.set(self.op)
         signature = f"<invalid input on rank {self.rank}: {exc}>"
         try:
             if self.info.single_node:
@@ -121,7 +121,7 @@ def preamble(op: str, group, timeout: float | None,
 
 def _preamble(op: str, group, timeout: float | None, decide: Callable[[CallContext], tuple[Plan, str, Any]]):
     pg = world.resolve_group(group)
-    world.CALLER.set(op)  # set-up rendezvous of this call (group facts, heap) name the op on timeout
+    rendezvous.CALLER.set(op)  # set-up rendezvous of this call (group facts, heap) name the op on timeout
     error = None
     try:
         timeout = envs.resolve_timeout(timeout)

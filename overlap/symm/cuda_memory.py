@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import envs, world
+from .. import envs, rendezvous, world
 from .layout import CTRL_WORDS
 
 
@@ -29,7 +29,7 @@ class CudaFlags:
         self.tensors = cuda_data(group, CTRL_WORDS * 4, world.group_device(group))
         self.tensors[dist.get_rank(group)].zero_()
         torch.cuda.synchronize()
-        world.store_exchange(group, "cuda-flags", b"", envs.timeout_s())
+        rendezvous.exchange(group, "cuda-flags", None, envs.timeout_s())
 
     def addrs(self, word: int) -> list[int]:
         return [t.data_ptr() + 4 * word for t in self.tensors]

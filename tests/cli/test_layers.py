@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: reads ``overlap.__file__`` for ``overlap info``.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("facts", ("overlap.envs", "overlap.errors", "overlap.logs", "overlap.links", "overlap.lazy", "overlap.version")),
-    ("world", ("overlap.world", "overlap.shm", "overlap.lifetime", "overlap.pool")),
+    ("world", ("overlap.world", "overlap.rendezvous", "overlap.shm", "overlap.lifetime", "overlap.pool")),
     ("signals", ("overlap._C", "overlap.signals")),
     ("comm", ("overlap.comm",)),
     ("symmetric memory", ("overlap.symm",)),

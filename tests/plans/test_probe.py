@@ -159,7 +159,7 @@ def test_cache_round_trip_and_bad_files(tmp_path, monkeypatch, caplog):
 def quick_probe(rank, world_size, cache):
     import torch.distributed as dist
 
-    from overlap import world
+    from overlap import rendezvous
     from overlap.tune import load_cached, probe, probe_cached, save_cached
 
     os.environ["OVERLAP_CACHE_DIR"] = cache
@@ -169,7 +169,7 @@ def quick_probe(rank, world_size, cache):
         profile = probe(quick=True, timeout=20, progress=said.append)
         elapsed = time.perf_counter() - start
         path = save_cached(profile, quick=True)
-        world.store_exchange(dist.group.WORLD, "test-probe-saved", b"", 20)  # rank 0 has written it
+        rendezvous.exchange(dist.group.WORLD, "test-probe-saved", None, 20)  # rank 0 has written it
         loaded = load_cached(quick=True)
         cached = probe_cached(quick=True, timeout=20, progress=said_cached.append)  # from the file: no probe
         return (profile.to_json(), loaded.to_json() if loaded else None, cached.to_json(), elapsed, said_cached,

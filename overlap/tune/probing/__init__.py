@@ -29,7 +29,7 @@ separated by bounded store barriers so that none overlaps the next:
    handshake or its post, dispatch, wake-ups) that decides small calls (`overlap.plans.costmodel.call_cost`).
 
 **Combining the ranks.** Each rank publishes the median of each of its measurements through the
-store (`world.store_exchange`); a measurement's value is the MAXIMUM over ranks (a collective runs
+store (`overlap.rendezvous.exchange`); a measurement's value is the MAXIMUM over ranks (a collective runs
 at its slowest rank's pace; ranks that took no part, like the responder of a ping-pong, report
 nothing). Every rank then fits the same numbers with the same pure-Python arithmetic (`fit_line`),
 so the Profiles are equal bit for bit; device and machine are rank 0's.
@@ -56,7 +56,6 @@ measurements; the steps are in `steps`, the cache files in `overlap.tune.cache`,
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import socket
@@ -66,7 +65,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ... import envs, world
+from ... import envs, rendezvous, world
 from ...plans import LinkFit, Plan, Problem, Profile, predict, topology_of
 from ...world import GroupInfo
 from ..cache import cache_dir, cache_path, device_name, load_cached, save_cached
@@ -169,7 +168,7 @@ def probe(group: dist.ProcessGroup | None = None, *, quick: bool = False, timeou
     """
     pg = world.resolve_group(group)
     timeout = envs.resolve_timeout(timeout)
-    token = world.CALLER.set(OP)
+    token = rendezvous.CALLER.set(OP)
     try:
         start = time.perf_counter()
         info = world.group_info(pg, timeout)
@@ -196,7 +195,7 @@ def probe(group: dist.ProcessGroup | None = None, *, quick: bool = False, timeou
         log.info("overlap.probe: measured %s in %.1f s", profile.machine, time.perf_counter() - start)
         return profile
     finally:
-        world.CALLER.reset(token)
+        rendezvous.CALLER.reset(token)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,20 +213,20 @@ def probe_cached(group: dist.ProcessGroup | None = None, *, refresh: bool = Fals
     """
     pg = world.resolve_group(group)
     timeout = envs.resolve_timeout(timeout)
-    token = world.CALLER.set(OP)
+    token = rendezvous.CALLER.set(OP)
     try:
         info = world.group_info(pg, timeout)
-        text = ""
+        shared = None
         if info.rank == 0 and not refresh:
             cached = load_cached(info, quick=quick)
-            text = json.dumps(cached.to_json()) if cached is not None else ""
-        shared = world.store_exchange(pg, "probe-cache", text.encode(), timeout)[0].decode()
+            shared = cached.to_json() if cached is not None else None
+        shared = rendezvous.exchange(pg, "probe-cache", shared, timeout)[0]
     finally:
-        world.CALLER.reset(token)
+        rendezvous.CALLER.reset(token)
     if shared:
         if progress is not None:
             progress("machine profile from the cache")
-        return Profile.from_json(json.loads(shared))
+        return Profile.from_json(shared)
     profile = probe(pg, quick=quick, timeout=timeout, progress=progress)
     # (the probe may have released a heap it created, and with it the group's GroupInfo: rendezvous)
     save_cached(profile, world.group_info(pg, timeout), quick=quick)

@@ -7,7 +7,6 @@ posts and waits every step uses); what they measure per device type and depth is
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import statistics
 import threading
@@ -18,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ... import comm, symm, world
+from ... import comm, rendezvous, symm
 from ...errors import OverlapError, OverlapTimeout
 from ...plans.auto import gpu_symmetric_memory
 from ...world import LINK_CLASSES, GroupInfo
@@ -108,11 +107,10 @@ class Probe:
 
     def exchange(self, tag: str, value: Any) -> list[Any]:
         """Every rank's JSON `value`, in rank order (a bounded store rendezvous)."""
-        raw = world.store_exchange(self.pg, f"probe-{tag}", json.dumps(value).encode(), self.timeout)
-        return [json.loads(v) for v in raw]
+        return rendezvous.exchange(self.pg, f"probe-{tag}", value, self.timeout)
 
     def barrier(self) -> None:
-        world.store_exchange(self.pg, "probe-barrier", b"", self.timeout)
+        rendezvous.exchange(self.pg, "probe-barrier", None, self.timeout)
 
     def wait(self, work: Any, peer: int, what: str) -> None:
         comm.wait_work(work, OP, self.info.rank, peer, what, self.timeout, self.info)
