@@ -104,6 +104,19 @@ def watch_parent(parent_pid: int, leftovers: Iterable[str] = ()) -> None:
     threading.Thread(target=_watch, args=(parent_pid, read_fd), name="overlap-parent-watch", daemon=True).start()
 
 
+def _poll_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(POLL_S)
+    _end(signal.SIGTERM)
+
+
+def end_with_parent(parent_pid: int) -> None:
+    """In a rank of `overlap.pool.RankPool`, started by process `parent_pid`: when the parent is gone (killed,
+    SIGKILL included), unlink the segments this rank created and exit, from a watching thread. Unlike
+    `watch_parent` it leaves SIGTERM and SIGINT as they are (`overlap.shm` chains SIGTERM's cleanup)."""
+    threading.Thread(target=_poll_parent, args=(parent_pid,), name="overlap-parent-watch", daemon=True).start()
+
+
 # ----------------------------------------------------------------------------------------------
 # In the parent
 # ----------------------------------------------------------------------------------------------

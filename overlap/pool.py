@@ -8,6 +8,8 @@ deadline leaves the ranks out of step: the pool is killed (never reused) and `Ra
 every rank's traceback and what the other ranks returned. No wait is unbounded.
 
 Ranks meet through a file store (`overlap.world.init_rank`): no TCP port to pick in advance and race for.
+A rank ends itself when its parent is gone (`overlap.lifetime.end_with_parent`); `RankPool.kill` removes the
+segments its ranks created (a rank killed by SIGKILL unlinks nothing).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from . import world
+from . import lifetime, shm, world
 
 
 class RankPoolError(RuntimeError):
@@ -35,8 +37,9 @@ class RankPoolError(RuntimeError):
 
 
 def _serve(rank: int, world_size: int, init_file: str, conn: Any, env: dict[str, str], backend: str | None,
-           pg_timeout_s: float) -> None:
-    """A rank of `RankPool`: join the group, then run each task until told to stop."""
+           pg_timeout_s: float, parent_pid: int) -> None:
+    """A rank of `RankPool`: join the group, then run each task until told to stop (or the parent is gone)."""
+    lifetime.end_with_parent(parent_pid)
     os.environ.update(env)
     import torch
     import torch.distributed as dist
@@ -81,7 +84,8 @@ class RankPool:
         self.conns, self.procs = [], []
         for r in range(nproc):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(r, nproc, init_file, child, dict(env or {}), backend, pg_timeout_s),
+            p = ctx.Process(target=_serve, args=(r, nproc, init_file, child, dict(env or {}), backend, pg_timeout_s,
+                                                   os.getpid()),
                             daemon=True)
             p.start()
             child.close()
@@ -146,6 +150,7 @@ class RankPool:
                 p.kill()
         for p in self.procs:
             p.join(timeout=10)
+        shm.remove_segments_of([p.pid for p in self.procs if p.pid is not None])  # (a killed rank unlinks nothing)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def close(self) -> None:

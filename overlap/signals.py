@@ -14,6 +14,7 @@ Scripts (``bench/``) and the package's upper layers import this module, never ``
 import raises ImportError (with the reason) where the extension is not built.
 """
 
+from . import _C
 from ._C import (  # the CUDA functions exist in every build; without the CUDA half they raise RuntimeError
     cuda_device_count,
     cuda_host_register,
@@ -34,6 +35,9 @@ from ._C import (  # the CUDA functions exist in every build; without the CUDA h
     watchdog_fired,
     watchdog_pending,
 )
+
+#: the extension's file: its hash is part of what the ranks of a group compare (`overlap.symm.layout.build_digest`)
+BUILD_FILE: str = _C.__file__
 
 __all__ = [
     "cuda_device_count",

@@ -76,11 +76,9 @@ def seed(request) -> int:
 
 
 def _our_segments() -> list[str]:
-    shm = os.environ.get("OVERLAP_SHM_DIR", "/dev/shm")
-    try:
-        return sorted(n for n in os.listdir(shm) if n.startswith("overlap-"))
-    except OSError:
-        return []
+    from overlap.shm import segment_names
+
+    return sorted(str(n) for n in segment_names())
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -69,7 +69,7 @@ from ..errors import OverlapTimeout
 from . import handshake
 from .call import Call
 from .heap import SymmHeap
-from .layout import MAX_FLAGS, MAX_PEERS, NUM_SLOTS, REBASE_EPOCH, signature_hash
+from .layout import MAX_FLAGS, MAX_PEERS, MAX_SLOT_BYTES, NUM_SLOTS, REBASE_EPOCH, signature_hash
 
 log = logging.getLogger("overlap")
 
@@ -120,8 +120,8 @@ def reserve(group: Any = None, nbytes: int = 0, timeout: float | None = None) ->
         timeout = envs.resolve_timeout(timeout)
     except ValueError as exc:
         error, timeout = exc, envs.timeout_s()
-    if error is None and (not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0):
-        error = ValueError(f"overlap.reserve: nbytes must be a non-negative int, got {nbytes!r}")
+    if error is None and (not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes <= MAX_SLOT_BYTES):
+        error = ValueError(f"overlap.reserve: nbytes must be an int from 0 to {MAX_SLOT_BYTES}, got {nbytes!r}")
     heap = heap_for(group, timeout)
     if error is not None:  # tell the peers at once, then raise here
         heap.begin("reserve", f"<invalid input on rank {heap.rank}: {error}>", 0, timeout, post_only=True)

@@ -8,14 +8,12 @@ each peer's POSIX shared-memory segments; GPU ranks use torch's ``_symmetric_mem
 from __future__ import annotations
 
 import logging
-import os
-import secrets
 
 import torch
 import torch.distributed as dist
 
 from .. import envs, shm, world
-from ..errors import OverlapMismatchError, OverlapTimeout
+from ..errors import OverlapError, OverlapMismatchError, OverlapTimeout
 from . import handshake, plain
 from .call import Call
 from .cuda_memory import CudaFlags, cuda_data
@@ -25,6 +23,7 @@ from .layout import (
     HS_RING,
     MAX_FLAGS,
     MAX_PEERS,
+    MAX_SLOT_BYTES,
     NUM_SLOTS,
     REBASE_EPOCH,
     SLOT_BASE,
@@ -39,9 +38,11 @@ from .layout import (
     signals,
     signature_hash,
 )
+from .segments import Segments
 from .tables import AddressTables
 
 log = logging.getLogger("overlap")
+
 
 class SymmHeap:
     """Symmetric heap, control pads and flags of one group on one node.
@@ -73,21 +74,11 @@ class SymmHeap:
         self.epoch_words = torch.zeros(NUM_SLOTS, dtype=torch.int32, device=self.device)
         self.in_flight = 0  # calls of this process that use heap data and have not finished
         shm.remove_stale_segments()
-        # Bounded rendezvous through the store: agree on a run id so segment names are
-        # predictable from (pid, rank), create, map every peer's pad, then unlink our own.
-        token = f"{os.getpid():x}{secrets.token_hex(4)}".encode()
-        self._uid = world.store_exchange(group, "heap-uid", token, timeout)[0].decode()
-        path = self._path("ctrl", self.rank)
-        shm.CREATED.add(path)
-        own = shm.create_segment(path, CTRL_WORDS * 4)
-        try:
-            world.store_exchange(group, "ctrl-created", b"", timeout)
-            self.ctrl = [own.view(torch.int32) if p == self.rank else
-                         shm.attach_segment(self._path("ctrl", p), CTRL_WORDS * 4).view(torch.int32)
-                         for p in range(self.world_size)]
-            world.store_exchange(group, "ctrl-mapped", b"", timeout)
-        finally:  # mapped by every peer, or the set-up failed (a peer died or timed out): never left behind
-            shm.unlink(path)
+        # Bounded rendezvous through the store: agree on the run id (rank 0's 128 random bits: segment names
+        # nobody else can foresee), and check that every rank runs the same layout and _C build; then create
+        # this rank's pad, map every peer's, and unlink ours.
+        self.segments = Segments(group, info, timeout)
+        self.ctrl = [t.view(torch.int32) for t in self.segments.map_all("ctrl", CTRL_WORDS * 4, timeout)]
         self._ctrl_np = [t.numpy() for t in self.ctrl]
         self._ctrl_addr = [t.data_ptr() for t in self.ctrl]
         self.data: list[torch.Tensor] = []
@@ -116,11 +107,6 @@ class SymmHeap:
     def data_bytes(self) -> int:
         """Bytes of this rank's data heap (every slot; 0 before the first call that needs data)."""
         return self.slot_bytes * NUM_SLOTS if self.data else 0
-
-    # -- names ------------------------------------------------------------------------------
-    def _path(self, kind: str, rank: int) -> str:
-        pid = self.info.pids[rank]
-        return os.path.join(envs.shm_dir(), f"overlap-{self._uid}-{pid}-{kind}-r{rank}")
 
     # -- addresses of control words ---------------------------------------------------------
     def ctrl_addr(self, peer: int, word: int) -> int:
@@ -163,6 +149,11 @@ class SymmHeap:
         """
         if self.closed:
             raise RuntimeError("overlap: this group's symmetric heap was released; it cannot be used again")
+        if not post_only and need_bytes > MAX_SLOT_BYTES:  # (the pad's words hold less; no tmpfs holds it)
+            error = ValueError(f"overlap.{op}: the call needs {need_bytes} bytes of symmetric memory per slot, more "
+                               f"than the {MAX_SLOT_BYTES} a heap may hold; split the call")
+            self.begin(op, f"<invalid input on rank {self.rank}: {error}>", 0, timeout, post_only=True)
+            raise error
         self.check_async_errors(op, timeout)
         self.plain.check()
         if steady:  # the bytes are part of what ranks agree on (they are not compared in the steady state)
@@ -414,27 +405,30 @@ class SymmHeap:
                 self._pad_dev = [c.cuda_host_register(addr, CTRL_WORDS * 4, index) for addr in self._ctrl_addr]
             self.data = cuda_data(self.group, NUM_SLOTS * slot_bytes, self.device)
         else:
-            path = self._path(f"g{gen}", self.rank)
-            shm.CREATED.add(path)
-            try:
-                own = shm.create_segment(path, NUM_SLOTS * slot_bytes)
-            except OSError:
-                # Arrive anyway, marked failed, so the peers raise at once too (not at their deadline).
-                c.signal_store(self.ctrl_addr(self.rank, W_GEN_FAILED), gen)
-                barrier(W_GEN_READY, "peer did not create its segment")
-                raise
-            try:
-                barrier(W_GEN_READY, "peer did not create its segment")
-                failed = [p for p in peers if int(self._ctrl_np[p][W_GEN_FAILED]) == gen]
-                if failed:
-                    raise OSError(f"overlap.{op}: rank(s) {failed} could not allocate {NUM_SLOTS * slot_bytes} bytes "
-                                  f"of shared memory in {envs.shm_dir()}; the heap keeps its old size")
-                self.data = [own if p == self.rank else
-                             shm.attach_segment(self._path(f"g{gen}", p), NUM_SLOTS * slot_bytes)
-                             for p in range(self.world_size)]
-                barrier(W_GEN_MAPPED, "peer did not map the segments")
-            finally:
-                shm.unlink(path)
+            name = self.segments.name(f"g{gen}", self.rank)
+            with self.segments.watching(f"g{gen}"):
+                try:
+                    own = shm.create_segment(name, NUM_SLOTS * slot_bytes)
+                except (OSError, OverlapError):
+                    # Arrive anyway, marked failed, so the peers raise at once too (not at their deadline).
+                    c.signal_store(self.ctrl_addr(self.rank, W_GEN_FAILED), gen)
+                    barrier(W_GEN_READY, "peer did not create its segment")
+                    raise
+                try:
+                    barrier(W_GEN_READY, "peer did not create its segment")
+                    failed = [p for p in peers if int(self._ctrl_np[p][W_GEN_FAILED]) == gen]
+                    if failed:
+                        raise OSError(f"overlap.{op}: rank(s) {failed} could not allocate {NUM_SLOTS * slot_bytes} "
+                                      f"bytes of shared memory in {envs.shm_dir()}; the heap keeps its old size")
+                    self.data = [own if p == self.rank else
+                                 shm.attach_segment(self.segments.name(f"g{gen}", p), NUM_SLOTS * slot_bytes)
+                                 for p in range(self.world_size)]
+                    barrier(W_GEN_MAPPED, "peer did not map the segments")
+                except BaseException:  # a peer that died inside the window leaves its segment: remove it
+                    self.segments.remove_dead(f"g{gen}")
+                    raise
+                finally:
+                    shm.unlink(name)
         self.slot_bytes = slot_bytes
         self.tables.clear()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 
 NUM_SLOTS = 4
 MAX_PEERS = 128
@@ -39,6 +40,8 @@ assert HS_BASE + HS_RING * HS_STRIDE <= SLOT_BASE
 SLOT_STRIDE = MAX_FLAGS + MAX_PEERS  # ready[MAX_FLAGS], done[MAX_PEERS]
 CTRL_WORDS = SLOT_BASE + NUM_SLOTS * SLOT_STRIDE
 ALIGN = 4096
+#: the most bytes one slot may hold (a call or `overlap.reserve` that needs more raises before any communication)
+MAX_SLOT_BYTES = 2**40
 
 
 _SIGNALS = None
@@ -60,3 +63,14 @@ def signature_hash(text: str) -> tuple[int, int]:
     lo = int.from_bytes(digest[:4], "little", signed=True)
     hi = int.from_bytes(digest[4:], "little", signed=True)
     return lo, hi
+
+
+@functools.lru_cache(maxsize=1)
+def build_digest() -> dict[str, str]:
+    """What the ranks of one group must share to use one heap: this layout's numbers and the ``overlap._C`` build
+    (its file's hash): ranks of different installs raise at the heap's set-up (`overlap.symm.heap`)."""
+    numbers = sorted((k, v) for k, v in globals().items() if k.isupper() and isinstance(v, int))
+    layout = hashlib.blake2b(json.dumps(numbers).encode(), digest_size=8).hexdigest()
+    with open(signals().BUILD_FILE, "rb") as f:
+        build = hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=8)).hexdigest()
+    return {"layout": layout, "_C": build}

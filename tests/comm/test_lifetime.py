@@ -21,6 +21,8 @@ import time
 
 import pytest
 
+from overlap import shm
+
 #: seconds within which every rank must be gone after the signal (measured: ~0.01-0.03 s)
 RANKS_GONE_S = 2.0
 #: seconds for the rest to end: the parent's own exit (torch's teardown) and multiprocessing's resource tracker
@@ -127,9 +129,9 @@ def test_signal_to_the_parent_ends_every_rank_and_leaves_nothing(tmp_path, shm_d
             "SIGTERM"), signal.SIGKILL: (-signal.SIGKILL, "")}[sig]
     assert code == want[0] and want[1] in stderr, (code, stderr[-3000:])
     assert "Traceback" not in stderr, stderr[-3000:]
-    left_shm = os.listdir(shm_dir)
-    assert left_shm == [], f"{sig.name}: left in OVERLAP_SHM_DIR: {left_shm}"
-    theirs = [n for n in os.listdir("/dev/shm") if any(f"-{pid}-" in n for pid in ranks)] \
-        if os.path.isdir("/dev/shm") else []
+    left_shm = [str(n) for n in shm.segment_names(str(shm_dir))]  # (this user's folder stays, empty)
+    assert left_shm == [] and set(os.listdir(shm_dir)) <= {f"overlap-{os.geteuid()}"}, \
+        f"{sig.name}: left in OVERLAP_SHM_DIR: {left_shm or os.listdir(shm_dir)}"
+    theirs = [str(n) for n in shm.segment_names("/dev/shm") if n.pid in ranks]
     assert theirs == [], f"{sig.name}: the ranks' segments in /dev/shm: {theirs}"
     assert [n for n in os.listdir(tmp_dir) if n.startswith("overlap-")] == [], os.listdir(tmp_dir)

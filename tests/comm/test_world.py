@@ -36,26 +36,31 @@ def test_node_identity_precedence(monkeypatch):
     assert world.node_identity() == "rack1-host7"
 
 
-def test_stale_segments_of_dead_processes_are_removed(tmp_path):
+def test_stale_segments_of_dead_processes_are_removed(tmp_path, monkeypatch):
+    """Only this user's segments of this pid namespace whose creator is dead and that are old enough go."""
     import os
     import subprocess
     import sys
     import time
 
+    monkeypatch.setenv("OVERLAP_SHM_DIR", str(tmp_path))
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           check=True)
-    pid = int(dead.stdout)
-    stale = tmp_path / f"overlap-abc123-{pid}-g1-r0"
-    fresh = tmp_path / f"overlap-abc124-{pid}-g1-r1"  # dead pid, but too young to be sure (other pid namespace)
-    live = tmp_path / f"overlap-abc123-{os.getpid()}-g1-r0"
-    for f in (stale, fresh, live):
-        f.write_bytes(b"x")
+    pid, ns, run = int(dead.stdout), shm.pid_namespace(), shm.new_run_id()
+    folder = shm.private_dir()
+    stale = shm.segment_name(run, ns, pid, "g1", 0)
+    fresh = shm.segment_name(run, ns, pid, "g1", 1)  # dead pid, but too young: it may be being set up
+    live = shm.segment_name(run, ns, os.getpid(), "g1", 2)
+    other_ns = shm.segment_name(run, ns + 1, pid, "g1", 3)  # another container's: its pids mean nothing here
+    for name in (stale, fresh, live, other_ns):
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(b"x")
     old = time.time() - 3600
-    os.utime(stale, (old, old))
-    os.utime(live, (old, old))
-    assert shm.remove_stale_segments(str(tmp_path)) == [stale.name]
-    assert live.exists() and fresh.exists() and not stale.exists()
-    assert shm.remove_stale_segments(str(tmp_path), min_age_s=0) == [fresh.name]
+    for name in (stale, live, other_ns):
+        os.utime(os.path.join(folder, name), (old, old))
+    assert shm.remove_stale_segments() == [stale]
+    assert shm.remove_stale_segments(min_age_s=0) == [fresh]
+    assert sorted(os.listdir(folder)) == sorted([live, other_ns])
 
 
 def test_shared_memory_shortage_is_a_clear_error(tmp_path, monkeypatch):
@@ -65,8 +70,9 @@ def test_shared_memory_shortage_is_a_clear_error(tmp_path, monkeypatch):
     def no_space(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    monkeypatch.setenv("OVERLAP_SHM_DIR", str(tmp_path))
     monkeypatch.setattr(os, "posix_fallocate", no_space)
-    path = str(tmp_path / "overlap-seg")
+    name = shm.segment_name(shm.new_run_id(), shm.pid_namespace(), os.getpid(), "g1", 0)
     with pytest.raises(OSError, match="OVERLAP_SHM_DIR"):
-        shm.create_segment(path, 1 << 20)
-    assert not os.path.exists(path)
+        shm.create_segment(name, 1 << 20)
+    assert os.listdir(shm.private_dir()) == [] and name not in shm.CREATED

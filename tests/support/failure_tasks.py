@@ -134,19 +134,10 @@ def shm_dir() -> str:
 
 
 def segments(pids) -> list[str]:
-    """Names of the ``overlap-*`` segments in `shm_dir` created by one of `pids`."""
-    from overlap.shm import _NAME_RE
+    """Names of the segments in this user's folder of `shm_dir` created by one of `pids`."""
+    from overlap.shm import segment_names
 
-    try:
-        names = os.listdir(shm_dir())
-    except OSError:
-        return []
-    out = []
-    for name in names:
-        m = _NAME_RE.match(name)
-        if m and int(m.group(1)) in pids:
-            out.append(name)
-    return sorted(out)
+    return sorted(str(n) for n in segment_names() if n.pid in pids)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -329,13 +320,13 @@ def op_world(rank: int, world_size: int, variant: str, kills: list[Kill], stall_
 
     # ---- after the kills: the next heap creations on the machine ------------------------------------
     if survivor:
-        from overlap.shm import _NAME_RE
+        from overlap.shm import SegmentName, private_dir
 
         dead = {pids[k.victim] for k in kills}
         out["stale_before"] = segments(dead)
         # A dead process stays a zombie until the test process reaps it, and remove_stale_segments
         # (rightly) counts a zombie as alive: wait for the reaping of the creators of what is left.
-        creators = {int(_NAME_RE.match(name).group(1)) for name in out["stale_before"]}
+        creators = {SegmentName.parse(name).pid for name in out["stale_before"]}
         out["creators_reaped"] = all(wait_dead(pid, reaped=True) for pid in creators)
         # A heap creation right away (remove_stale_segments with its default minimum age).
         out["next_heap"] = expect_error(run_call, variant, "reference", g_next[0], rank, seed, PATIENT)
@@ -344,7 +335,7 @@ def op_world(rank: int, world_size: int, variant: str, kills: list[Kill], stall_
         old = time.time() - 120
         for name in out["stale_after_next_heap"]:
             with contextlib.suppress(OSError):
-                os.utime(os.path.join(shm_dir(), name), (old, old))
+                os.utime(os.path.join(private_dir(), name), (old, old))
         sync(g_pair)
         out["later_heap"] = expect_error(run_call, variant, "reference", g_next[1], rank, seed, PATIENT)
         out["stale_after_later_heap"] = segments(dead)
