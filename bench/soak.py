@@ -4,8 +4,8 @@ Runs each selected (op, strategy) `--iters` times (forward, then backward of the
 and samples on every rank, before the first call, after the warm-up, every `--iters`/10 calls and
 at the end:
 
-* ``shm``: entries ``overlap-*`` in ``OVERLAP_SHM_DIR`` (default ``/dev/shm``) created by the ranks of
-  this run (the creator pid is in the name, so other jobs sharing the directory do not count);
+* ``shm``: segments in this user's folder of ``OVERLAP_SHM_DIR`` (default ``/dev/shm``) created by the ranks
+  of this run (the creator pid is in the name, so other jobs sharing the folder do not count);
 * ``maps``: mappings of ``overlap-*`` segments in ``/proc/self/maps`` (a heap that grows must unmap
   the buffers it replaced);
 * ``fds``: open file descriptors (``/proc/self/fd``); ``rss``: VmRSS of ``/proc/self/status``;
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 import overlap
-from overlap import envs, symm, world
+from overlap import envs, shm, symm, world
 from overlap.benchmarks.cases import OPS, label_plan, strategy_labels
 from overlap.plans import Problem
 from overlap.workloads import OpInputs, SeededDraw, workload
@@ -79,15 +79,9 @@ class SoakConfig:
 
 
 def shm_entries(pids: tuple[int, ...] | None = None) -> list[str]:
-    """``overlap-*`` names in the shm directory; with `pids`, only those created by these processes."""
-    try:
-        names = [n for n in os.listdir(envs.shm_dir()) if n.startswith("overlap-")]
-    except OSError:
-        return []
-    if pids is None:
-        return sorted(names)
-    # overlap-<run id>-<creator pid>-<kind>-r<rank> (overlap/shm.py)
-    return sorted(n for n in names if len(n.split("-")) > 2 and n.split("-")[2] in {str(p) for p in pids})
+    """Segments in this user's folder of the shm directory (`overlap.shm`); with `pids`, only those created by
+    these processes."""
+    return sorted(str(n) for n in shm.segment_names() if pids is None or n.pid in pids)
 
 
 def _status(field: str) -> int:

@@ -96,9 +96,14 @@ def test_detector_flags_each_kind_of_growth():
 
 
 def test_shm_entries_counts_only_this_runs_segments(tmp_path, monkeypatch):
+    from overlap import shm
+
     monkeypatch.setenv("OVERLAP_SHM_DIR", str(tmp_path))
-    pid = os.getpid()
-    for name in (f"overlap-ab12-{pid}-g1-r0", f"overlap-ab12-{pid + 1}-ctrl-r1", "other-file", "overlap-x"):
-        (tmp_path / name).write_bytes(b"")
-    assert soak.shm_entries((pid,)) == [f"overlap-ab12-{pid}-g1-r0"]
-    assert len(soak.shm_entries()) == 3
+    pid, run, ns = os.getpid(), shm.new_run_id(), shm.pid_namespace()
+    mine, other = shm.segment_name(run, ns, pid, "g1", 0), shm.segment_name(run, ns, pid + 1, "ctrl", 1)
+    folder = shm.private_dir()
+    for name in (mine, other, "other-file", "overlap-x"):
+        open(os.path.join(folder, name), "wb").close()
+    (tmp_path / f"overlap-ab12-{pid}-g1-r0").write_bytes(b"")  # (outside the folder: not a segment)
+    assert soak.shm_entries((pid,)) == [mine]
+    assert len(soak.shm_entries()) == 2
