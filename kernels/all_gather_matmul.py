@@ -61,9 +61,10 @@ def all_gather_matmul_kernel(
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    # 64-bit row offsets: W*M*N and M*K can pass 2^31 elements at long sequences.
+    # 64-bit offsets: W*M*N and M*K can pass 2^31 elements at long sequences, and so can a column of a weight of
+    # 2^31 elements or more (column-major, w.t(): n * stride_bn).
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    b_ptrs = b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
     acc = matmul_tile(a_ptrs, b_ptrs, offs_m < M, offs_k, offs_n, N, K, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
     if B_SCALE:  # fp8: each row's scale from its packed row, the weight's from b_scale_ptr
         a_scale_ptrs = (a_ptr + offs_m.to(tl.int64) * stride_am + SCALE_OFF).to(tl.pointer_type(tl.float32))
@@ -73,7 +74,7 @@ def all_gather_matmul_kernel(
     # ---- store into this source rank's rows of the output ------------------------------------
     run = offs_m.to(tl.int64) // ROWS
     rows = (run * world_size + src) * ROWS + offs_m % ROWS
-    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :].to(tl.int64) * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 

@@ -71,7 +71,9 @@ def grouped_matmul_wait_kernel(
     row_ok = offs_m < rows
     a_ptrs = src + (src_row + offs_m)[:, None].to(tl.int64) * K + offs_k[None, :]
     r_ptrs = rows_ptr + (out_row + offs_m)[:, None].to(tl.int64) * stride_rm + offs_k[None, :]
-    b_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    # 64-bit: a column of an expert's weight of 2^31 elements or more (column-major: n * stride_wn) passes 2^31
+    b_ptrs = (w_ptr + e.to(tl.int64) * stride_we + offs_k[:, None].to(tl.int64) * stride_wk
+              + offs_n[None, :].to(tl.int64) * stride_wn)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - kk * BLOCK_K
@@ -86,7 +88,7 @@ def grouped_matmul_wait_kernel(
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         r_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_wk
+        b_ptrs += BLOCK_K * tl.cast(stride_wk, tl.int64)  # (tl.cast: the stride may be the constant 1)
 
     out_ptrs = out_ptr + (out_row + offs_m)[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))

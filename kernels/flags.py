@@ -96,7 +96,9 @@ def count_and_release(counter_ptr, target, flag_ptr, epoch):
 def matmul_tile(a_ptrs, b_ptrs, row_ok, offs_k, offs_n, N, K, stride_bk,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     """One ``[BLOCK_M, BLOCK_N]`` tile of ``a @ b`` in fp32: `a_ptrs` at the tile's rows (unit column
-    stride, rows past `row_ok` masked), `b_ptrs` at its columns, both at k = 0."""
+    stride, rows past `row_ok` masked), `b_ptrs` at its columns, both at k = 0. The K step of `b_ptrs`
+    (``BLOCK_K * stride_bk``) is computed in 64 bits: a row-major weight's passes 2^31 elements with more
+    than ``2^31 / BLOCK_K`` columns."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - kk * BLOCK_K
@@ -107,7 +109,7 @@ def matmul_tile(a_ptrs, b_ptrs, row_ok, offs_k, offs_n, N, K, stride_bk,
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_bk
+        b_ptrs += BLOCK_K * tl.cast(stride_bk, tl.int64)  # (tl.cast: the stride may be the constant 1)
     return acc
 
 

@@ -63,7 +63,9 @@ def grouped_matmul_scatter_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     row_ok = offs_m < rows
     a_ptrs = y_ptr + (y_row + offs_m)[:, None].to(tl.int64) * stride_ym + offs_k[None, :]
-    b_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    # 64-bit: a column of an expert's weight of 2^31 elements or more (column-major: n * stride_wn) passes 2^31
+    b_ptrs = (w_ptr + e.to(tl.int64) * stride_we + offs_k[:, None].to(tl.int64) * stride_wk
+              + offs_n[None, :].to(tl.int64) * stride_wn)
     acc = matmul_tile(a_ptrs, b_ptrs, row_ok, offs_k, offs_n, N, K, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
 
     # ---- store into the source rank's buffer ---------------------------------------------------

@@ -80,7 +80,8 @@ def matmul_scatter_kernel(
     run = offs_m.to(tl.int64) // ROWS  # 64-bit: D*MB*K can pass 2^31 elements
     a_rows = (run * NUM_DEST + d) * ROWS + offs_m % ROWS
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    # 64-bit: a column of a weight of 2^31 elements or more (column-major, w.t(): n * stride_bn) passes 2^31
+    b_ptrs = b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
     acc = matmul_tile(a_ptrs, b_ptrs, row_ok, offs_k, offs_n, N, K, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
 
     # ---- store into the owner's buffer (fp8: scaled, float32) ---------------------------------
@@ -142,7 +143,7 @@ def reduce_chunks_kernel(
         x = tl.load(src + offs, mask=mask, other=0.0)
         acc += x.to(tl.float32)
 
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :].to(tl.int64) * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -10,7 +10,10 @@ warps). The report says what the PTX shows: the GEMM on ``wgmma`` (bf16/f16, and
 loads, the flag protocol's system-scope release/acquire, the CTA barrier before the chunk count, the ``%globaltimer``
 bound of the waits, and the branches that could take different warps past different barriers (`ptx_flow`: a wait loop
 that warps leave on different iterations). A kernel with the per-thread wait that overlap had before
-(`per_thread_wait_kernel`) is compiled too, to show that the analysis finds it.
+(`per_thread_wait_kernel`) is compiled too, to show that the analysis finds it. Every product of an index and a
+``stride_*`` argument is reported with its width, in the PTX and in the TTIR (`stride_products`): the GEMM kernels are
+also compiled with a column-major weight (``w.t()``, the usual layout), whose column offsets ``n * stride_bn`` pass
+2^31 elements for a weight of 2^31 elements or more.
 """
 
 import dataclasses
@@ -41,22 +44,120 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, 
 W = 8  # ranks of the tables (the kernels are the same for any: W is not specialized on)
 
 
+def _compile_kernel(fn, signature: dict, constexprs: dict, attrs: dict, options: dict):
+    """One variant, compiled (its ``asm``: ``ttir``, ``ptx``, ``cubin``, ...)."""
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return compile(src, target=TARGET, options=options)
+
+
 def _compile(fn, signature: dict, constexprs: dict, attrs: dict, options: dict) -> tuple[str, int]:
     """PTX text and cubin size of one variant."""
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    kernel = compile(src, target=TARGET, options=options)
+    kernel = _compile_kernel(fn, signature, constexprs, attrs, options)
     return kernel.asm["ptx"], len(kernel.asm.get("cubin", b""))
 
 
 def _compile_launch(launch_fn) -> tuple[dict, str, int]:
-    """Run `launch_fn` (one launcher call) under `recording`; compile the variant it launched."""
+    """Run `launch_fn` (one launcher call) under `recording`; compile the variant it launched (the head of its row:
+    the launch, and its `stride_products`)."""
     with recording() as recorders:
         launch_fn()
     launches = [launch for r in recorders.values() for launch in r.launches]
     assert len(launches) == 1, [launch.kernel for launch in launches]
     launch = launches[0]
-    ptx, cubin = _compile(launch.jit, launch.signature, launch.constexprs, launch.attrs, launch.options)
-    return {"kernel": launch.kernel, "key": launch.key, "num_warps": launch.options["num_warps"]}, ptx, cubin
+    kernel = _compile_kernel(launch.jit, launch.signature, launch.constexprs, launch.attrs, launch.options)
+    ptx, cubin = kernel.asm["ptx"], len(kernel.asm.get("cubin", b""))
+    params = [name for name, kind in launch.signature.items() if kind != "constexpr"]
+    return {"kernel": launch.kernel, "key": launch.key, "num_warps": launch.options["num_warps"],
+            "stride_products": stride_products(ptx, kernel.asm["ttir"], params)}, ptx, cubin
+
+
+def _wide(op: str) -> bool:
+    """Whether a PTX multiply or shift computes its product in 64 bits (``mul.wide.s32``, ``mad.wide.u32``,
+    ``mul.lo.s64``, ``shl.b64``), not 32 (``mul.lo.s32``, ``mad.lo.s32``, ``mul24.lo.s32``, ``shl.b32``)."""
+    parts = op.split(".")
+    return "wide" in parts or parts[-1] in ("s64", "u64", "b64")
+
+
+def ptx_stride_products(ptx: str, params: list[str]) -> dict[str, list[str]]:
+    """The PTX's multiplies of each ``stride_*`` parameter: its ``ld.param`` register (or a ``mov``/``cvt`` copy of
+    it) as a factor of a ``mul``/``mad`` or the shifted operand of a ``shl``, by parameter name, the opcodes in text
+    order. `params`: the kernel's parameters as the PTX numbers them (``<kernel>_param_<i>``: the non-constexpr
+    ones, in order)."""
+    instrs, _ = parse(ptx)
+    strides: dict[str, str] = {}  # register -> the stride it holds
+    for ins in instrs:
+        if ins.op.startswith("ld.param") and ins.dests and ins.srcs:
+            m = re.search(r"_param_(\d+)$", ins.srcs[0])
+            if m and int(m.group(1)) < len(params) and params[int(m.group(1))].startswith("stride_"):
+                strides[ins.dests[0]] = params[int(m.group(1))]
+    changed = True
+    while changed:  # copies: mov, cvt (a widening cvt.s64.s32 too)
+        changed = False
+        for ins in instrs:
+            if ins.op.split(".")[0] in ("mov", "cvt") and ins.dests and ins.srcs and ins.srcs[0] in strides \
+                    and ins.dests[0] not in strides:
+                strides[ins.dests[0]] = strides[ins.srcs[0]]
+                changed = True
+    found: dict[str, list[str]] = {}
+    for ins in instrs:
+        base = ins.op.split(".")[0]
+        if base not in ("mul", "mad", "mul24", "mad24", "shl"):
+            continue
+        operands = [o.strip() for o in ins.text.partition(" ")[2].split(",")]  # (no vectors or addresses here)
+        factors = operands[1:2] if base == "shl" else operands[1:3]  # (mad's third operand is an addend)
+        for name in {strides[f] for f in factors if f in strides}:
+            found.setdefault(name, []).append(ins.op)
+    return found
+
+
+_TTIR_OP = re.compile(r"^\s*(%[\w$.\-]+)(?::\d+)?\s*=\s*([\w.]+)\s*(.*)$")
+#: TTIR operations that only extend, splat, broadcast or reshape a value: their result is the stride still
+_TTIR_SAME_VALUE = ("arith.extsi", "arith.extui", "tt.splat", "tt.broadcast", "tt.expand_dims", "tt.reshape",
+                    "ttg.convert_layout", "triton_gpu.convert_layout")
+
+
+def ttir_stride_products(ttir: str, params: list[str]) -> dict[str, list[str]]:
+    """The TTIR's multiplies (``arith.muli``) of each ``stride_*`` argument (or its extension, splat or broadcast), by
+    argument name: the integer type of each product (``i32``, ``i64``), in text order. `params`: the kernel
+    function's arguments, in order (the non-constexpr parameters)."""
+    header = next(line for line in ttir.splitlines() if "tt.func" in line)
+    names = re.findall(r"(%[\w$.\-]+): ", header.partition("(")[2])
+    strides = {ssa: name for ssa, name in zip(names, params, strict=False) if name.startswith("stride_")}
+    found: dict[str, list[str]] = {}
+    for line in ttir.splitlines():
+        m = _TTIR_OP.match(line)
+        if not m:
+            continue
+        result, op, rest = m.groups()
+        rest = rest.rsplit(" loc(", 1)[0]
+        args, _, types = rest.partition(" : ")
+        used = {strides[a] for a in re.findall(r"%[\w$.\-]+", args) if a in strides}
+        if not used:
+            continue
+        if op in _TTIR_SAME_VALUE and len(used) == 1:
+            strides[result] = used.pop()
+        elif op == "arith.muli":
+            width = re.search(r"(i\d+)>?$", types.strip())  # i32, tensor<1x128xi32>
+            for name in used:
+                found.setdefault(name, []).append(width.group(1) if width else types.strip())
+    return found
+
+
+def stride_products(ptx: str, ttir: str, params: list[str]) -> dict[str, dict[str, list[str]]]:
+    """Every product of a ``stride_*`` argument and an index, split by width: ``{"narrow": {stride: [...]}, "wide":
+    {stride: [...]}}`` (PTX opcodes, ``ttir:`` the TTIR ``arith.muli``'s type). A narrow one (32 bits) wraps once the
+    offset passes 2^31 elements (`ptx_stride_products`, `ttir_stride_products`)."""
+    out: dict[str, dict[str, list[str]]] = {"narrow": {}, "wide": {}}
+    for name, ops in ptx_stride_products(ptx, params).items():
+        for op in ops:
+            out["wide" if _wide(op) else "narrow"].setdefault(name, []).append(op)
+    for name, types in ttir_stride_products(ttir, params).items():
+        for t in types:
+            out["wide" if t == "i64" else "narrow"].setdefault(name, []).append(f"ttir:arith.muli:{t}")
+    for side in out.values():
+        for name in side:
+            side[name] = sorted(set(side[name]))
+    return out
 
 
 def _scoped(ptx: str, op: str, sems: tuple[str, ...]) -> bool:
@@ -160,16 +261,27 @@ def _table() -> torch.Tensor:
     return torch.zeros(W, dtype=torch.int64)
 
 
-def compile_all_gather_matmul(dtype: str, block: tuple[int, int, int], num_warps: int = 4) -> dict:
+def _weight(k: int, n: int, dtype: str, weight: str, experts: int = 0) -> torch.Tensor:
+    """A ``[k, n]`` weight (``[experts, k, n]`` where `experts`): row-major, or column-major (a ``[n, k]`` weight's
+    transpose, as ``nn.Linear``'s is passed)."""
+    lead = (experts,) if experts else ()
+    if weight == "row-major":
+        return torch.empty(*lead, k, n, dtype=DTYPES[dtype])
+    assert weight == "column-major", weight
+    return torch.empty(*lead, n, k, dtype=DTYPES[dtype]).transpose(-1, -2)
+
+
+def compile_all_gather_matmul(dtype: str, block: tuple[int, int, int], num_warps: int = 4,
+                              weight: str = "row-major") -> dict:
     """The all-gather GEMM as the op launches it: a shard of 1024 x 4096 rows per rank, b [4096, 2048]."""
     t0 = time.time()
-    b = torch.empty(4096, 2048, dtype=DTYPES[dtype])
+    b = _weight(4096, 2048, dtype, weight)
     # fp8: rows packed with their scales (`overlap.ops.tp.operands.Packed`), the weight's scale per column
     fp8 = dict(b_scale=torch.ones(1, 2048), scale_offset=4096, row_bytes=4112) if dtype == "fp8" else {}
     head, ptx, cubin = _compile_launch(lambda: ag.launch_all_gather_matmul(
         b, _table(), _table(), rows=1024, epoch=_words(1, 3), rank=1, err=_words(), timeout_ns=30 * 10**9,
         block=block, num_warps=num_warps, **fp8))
-    return _common(head, dtype, block, ptx, cubin, t0)
+    return _common({**head, "weight": weight}, dtype, block, ptx, cubin, t0)
 
 
 def compile_all_gather_weight_matmul(dtype: str, block: tuple[int, int, int]) -> dict:
@@ -182,15 +294,15 @@ def compile_all_gather_weight_matmul(dtype: str, block: tuple[int, int, int]) ->
     return _common(head, dtype, block, ptx, cubin, t0)
 
 
-def compile_matmul_scatter(dtype: str, block: tuple[int, int, int]) -> dict:
+def compile_matmul_scatter(dtype: str, block: tuple[int, int, int], weight: str = "row-major") -> dict:
     """The reduce-scatter's producer: a [W * 512, 1024] @ [1024, 2048], 2 chunks per destination."""
     t0 = time.time()
-    a, b = torch.empty(W * 512, 1024, dtype=DTYPES[dtype]), torch.empty(1024, 2048, dtype=DTYPES[dtype])
+    a, b = torch.empty(W * 512, 1024, dtype=DTYPES[dtype]), _weight(1024, 2048, dtype, weight)
     fp8 = dict(a_scale=torch.ones(W * 512, 1), b_scale=torch.ones(1, 2048)) if dtype == "fp8" else {}
     head, ptx, cubin = _compile_launch(lambda: rs.launch_matmul_scatter(
         a, b, _table(), _words(256), _table(), block_rows=512, num_chunks=2, flag_stride=16, epoch=_words(1, 3),
         rank=1, block=block, **fp8))
-    return _common(head, dtype, block, ptx, cubin, t0)
+    return _common({**head, "weight": weight}, dtype, block, ptx, cubin, t0)
 
 
 def compile_reduce_chunks(dtype: str, block: tuple[int, int]) -> dict:
@@ -203,27 +315,27 @@ def compile_reduce_chunks(dtype: str, block: tuple[int, int]) -> dict:
     return _common(head, dtype, block, ptx, cubin, t0)
 
 
-def compile_moe_wait(dtype: str, block: tuple[int, int, int]) -> dict:
+def compile_moe_wait(dtype: str, block: tuple[int, int, int], weight: str = "row-major") -> dict:
     """The dispatch-direction grouped GEMM: 1024 received rows of 2048 times 4 local experts' [2048, 1024]."""
     t0 = time.time()
     d = DTYPES[dtype]
-    w, out = torch.empty(4, 2048, 1024, dtype=d), torch.empty(1024, 1024, dtype=d)
+    w, out = _weight(2048, 1024, dtype, weight, experts=4), torch.empty(1024, 1024, dtype=d)
     rows = torch.empty(1024, 2048, dtype=d)
     tiles = torch.zeros(8, 6, dtype=torch.int32)
     head, ptx, cubin = _compile_launch(lambda: gwait.launch_grouped_matmul_wait(
         _table(), _table(), tiles, w, out, rows, epoch=_words(1, 3), err=_words(), timeout_ns=30 * 10**9, block=block))
-    return _common(head, dtype, block, ptx, cubin, t0)
+    return _common({**head, "weight": weight}, dtype, block, ptx, cubin, t0)
 
 
-def compile_moe_scatter(dtype: str, block: tuple[int, int, int]) -> dict:
+def compile_moe_scatter(dtype: str, block: tuple[int, int, int], weight: str = "row-major") -> dict:
     """The combine-direction grouped GEMM: 1024 rows of 1024 times 4 local experts' [1024, 2048]."""
     t0 = time.time()
     d = DTYPES[dtype]
-    y, w = torch.empty(1024, 1024, dtype=d), torch.empty(4, 1024, 2048, dtype=d)
+    y, w = torch.empty(1024, 1024, dtype=d), _weight(1024, 2048, dtype, weight, experts=4)
     tiles = torch.zeros(8, 7, dtype=torch.int32)
     head, ptx, cubin = _compile_launch(lambda: gscatter.launch_grouped_matmul_scatter(
         y, w, tiles, _table(), _words(256), _table(), epoch=_words(1, 3), rank=1, block=block))
-    return _common(head, dtype, block, ptx, cubin, t0)
+    return _common({**head, "weight": weight}, dtype, block, ptx, cubin, t0)
 
 
 @triton.jit
@@ -242,6 +354,33 @@ def per_thread_wait_kernel(flag_ptr, err_ptr, out_ptr, epoch, timeout_ns, BLOCK:
             failed = tl.load(err_ptr, volatile=True)
     offs = tl.arange(0, BLOCK)
     tl.store(out_ptr + offs, tl.load(out_ptr + offs) + ready)
+
+
+@triton.jit
+def narrow_offsets_kernel(b_ptr, out_ptr, K, stride_bk, stride_bn, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Weight offsets as overlap's GEMMs computed them before 64-bit offsets (``k * stride_bk``, ``n * stride_bn`` and
+    the K step ``BLOCK_K * stride_bk`` in int32, wrapping at 2^31 elements). Compiled only to show that
+    `stride_products` finds the 32-bit products: never launched."""
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for _ in range(0, tl.cdiv(K, BLOCK_K)):
+        acc += tl.sum(tl.load(b_ptrs), axis=0)
+        b_ptrs += BLOCK_K * stride_bk
+    tl.store(out_ptr + offs_n, acc)
+
+
+def compile_narrow_offsets() -> dict:
+    t0 = time.time()
+    signature = {"b_ptr": "*fp32", "out_ptr": "*fp32", "K": "i32", "stride_bk": "i32", "stride_bn": "i32",
+                 "BLOCK_K": "constexpr", "BLOCK_N": "constexpr"}
+    kernel = _compile_kernel(narrow_offsets_kernel, signature, {"BLOCK_K": 32, "BLOCK_N": 64}, {}, {"num_warps": 4})
+    ptx, cubin = kernel.asm["ptx"], len(kernel.asm.get("cubin", b""))
+    params = [name for name, kind in signature.items() if kind != "constexpr"]
+    head = {"kernel": "narrow_offsets_kernel", "key": "", "num_warps": 4,
+            "stride_products": stride_products(ptx, kernel.asm["ttir"], params)}
+    return _common(head, "fp32", (32, 64), ptx, cubin, t0)
 
 
 def compile_occupy() -> dict:
@@ -275,5 +414,8 @@ if __name__ == "__main__":
               compile_reduce_chunks("bf16", (128, 128)), compile_reduce_chunks("fp32", (128, 64)),
               compile_moe_wait("bf16", (128, 128, 64)), compile_moe_wait("fp32", (128, 64, 32)),
               compile_moe_scatter("bf16", (128, 128, 64)), compile_moe_scatter("fp32", (128, 64, 32)),
-              compile_per_thread_wait(), compile_occupy()]
+              # a column-major weight (w.t()): its column offsets n * stride_bn reach 2^31 elements with the weight
+              *(f("bf16", (128, 128, 64), weight="column-major") for f in (
+                  compile_all_gather_matmul, compile_matmul_scatter, compile_moe_wait, compile_moe_scatter)),
+              compile_per_thread_wait(), compile_narrow_offsets(), compile_occupy()]
     json.dump(report, sys.stdout)

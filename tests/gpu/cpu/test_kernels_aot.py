@@ -154,6 +154,53 @@ def test_gemm_operands_load_in_16_byte_copies(report, kernel):
 
 
 # ----------------------------------------------------------------------------------------------
+# Offsets of 2^31 elements and more: every index times a stride in 64 bits
+# ----------------------------------------------------------------------------------------------
+
+#: the stride between a weight's columns (``K`` for a column-major weight, ``w.t()``), per GEMM kernel that takes one
+WEIGHT_COLUMN_STRIDES = {"all_gather_matmul_kernel": "stride_bn", "matmul_scatter_kernel": "stride_bn",
+                         "grouped_matmul_wait_kernel": "stride_wn", "grouped_matmul_scatter_kernel": "stride_wn"}
+
+
+def _ptx_and_ttir(ops: list[str]) -> bool:
+    """Whether `ops` (one stride's products in `stride_products`) hold a PTX instruction and a TTIR ``arith.muli``."""
+    return any(op.startswith("ttir:") for op in ops) and any(not op.startswith("ttir:") for op in ops)
+
+
+@pytest.mark.parametrize("kernel, stride", sorted(WEIGHT_COLUMN_STRIDES.items()))
+def test_a_column_major_weight_is_addressed_with_64_bit_offsets(report, kernel, stride):
+    """A weight of 2^31 elements or more passed as ``w.t()`` (column-major, as ``nn.Linear``'s): a column's offset
+    ``n * stride_bn`` passes 2^31 elements, and wraps in 32 bits. The column stride is multiplied in 64 bits in the
+    PTX (``mul.wide.s32``, ``mul.lo.s64``; no ``mul.lo.s32``, ``mad.lo.s32``, ``shl.b32``) and in the TTIR
+    (``arith.muli`` on i64), like every other stride (`tests.support.aot_compile.stride_products`)."""
+    rows = [r for r in _of(report, kernel) if r.get("weight") == "column-major"]
+    assert rows, f"{kernel}: not compiled with a column-major weight"
+    for r in rows:
+        products = r["stride_products"]
+        assert not products["narrow"], f"{kernel} {r['dtype']}: strides multiplied in 32 bits: {products['narrow']}"
+        assert _ptx_and_ttir(products["wide"].get(stride, [])), (
+            f"{kernel} {r['dtype']}: {stride} is not multiplied in 64 bits in both the PTX and the TTIR: {products}")
+
+
+@pytest.mark.parametrize("kernel", ALL)
+def test_every_index_times_a_stride_is_64_bit(report, kernel):
+    """Every compiled variant: row-major weights too (``k * stride_bk`` and the K loop's step ``BLOCK_K *
+    stride_bk``), the operands' rows, the outputs' rows and columns. No product of an index and a ``stride_*``
+    argument in 32 bits, where an offset of 2^31 elements or more would wrap."""
+    for r in _of(report, kernel):
+        assert not r["stride_products"]["narrow"], (kernel, r["dtype"], r.get("weight"), r["stride_products"])
+
+
+def test_the_analysis_finds_32_bit_index_times_stride(report):
+    """The analysis behind the two tests above finds the int32 weight offsets the GEMMs had before (a kernel
+    compiled with them: `narrow_offsets_kernel`), in the PTX and in the TTIR."""
+    (r,) = _of(report, "narrow_offsets_kernel")
+    narrow = r["stride_products"]["narrow"]
+    for stride in ("stride_bk", "stride_bn"):
+        assert _ptx_and_ttir(narrow.get(stride, [])), (stride, r["stride_products"])
+
+
+# ----------------------------------------------------------------------------------------------
 # The launchers refuse bad arguments before launching; the MoE tile tables cover every row once
 # ----------------------------------------------------------------------------------------------
 
