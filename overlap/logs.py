@@ -1,5 +1,6 @@
 """The ``overlap`` logger's set-up (`configure`, applied by ``import overlap``): its level from
-``OVERLAP_LOG``, one handler whose lines read ``[overlap INFO rank 1] message``.
+``OVERLAP_LOG`` (a value that is no level warns once and leaves ``warning``: a typo never breaks the import), one
+handler whose lines read ``[overlap INFO rank 1] message``.
 
 `OverlapFormatter` adds the rank once torch.distributed is initialized (read when a line is written, and
 only where torch is already imported: a log line never imports torch). It also makes the plan in
@@ -25,6 +26,9 @@ AUTO_CHOICE = "overlap.%s: auto chose %s for %s (%s)"
 
 #: fastest first: the order `overlap.Plan.label` writes chunks in
 _LINK_ORDER = LINK_CLASSES
+
+#: the bad OVERLAP_LOG values `configure` has warned about (once each per process)
+_BAD_LEVELS: set[str] = set()
 
 _PLAN_TEXT = re.compile(r"^(reference|pipelined|symm|fused)\[([^\]]*)\]$")
 
@@ -71,11 +75,21 @@ class OverlapFormatter(logging.Formatter):
 
 
 def configure() -> logging.Logger:
-    """Give the ``overlap`` logger its handler (once) and the level of ``OVERLAP_LOG``."""
+    """Give the ``overlap`` logger its handler (once) and the level of ``OVERLAP_LOG``; where that is no level
+    (`envs.LOG_LEVELS`), the level ``WARNING`` and a warning on this logger, once per process and value, naming
+    the variable and the levels it takes. Never an error, nor a Python warning (which ``-W error`` would turn
+    into one): ``import overlap`` calls it."""
     log = logging.getLogger("overlap")
     if not log.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(OverlapFormatter())
         log.addHandler(handler)
-    log.setLevel(getattr(logging, envs.log_level(), logging.WARNING))
+    try:
+        level, bad = envs.log_level(), None
+    except ValueError as exc:
+        level, bad = "WARNING", str(exc)
+    log.setLevel(getattr(logging, level))
+    if bad is not None and bad not in _BAD_LEVELS:
+        _BAD_LEVELS.add(bad)
+        log.warning("%s; logging at warning", bad)
     return log

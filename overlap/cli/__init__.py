@@ -152,6 +152,13 @@ def _tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     folder = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(folder):
         parser.error(f"--out: folder {folder} does not exist")
+    if os.path.lexists(args.out):  # merged into (the ranks check its topology): it must be a plan file
+        from ..plans import PlanFile
+
+        try:
+            PlanFile.load(args.out)
+        except ValueError as exc:
+            parser.error(f"--out: {exc} (the new plans are merged into it; give another file or remove it)")
     config = TuneConfig(args.shape, args.model, args.out, args.forward_only, args.measure, args.repeats,
                         args.warmup, args.probe, args.timeout, args.routing)
     try:  # the problems must fit the ranks before any starts (exit 2), as bench's cases and demo's model

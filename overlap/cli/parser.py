@@ -20,6 +20,7 @@ from ..benchmarks.names import (
     parse_moe_shape,
     parse_shape,
 )
+from ..envs import MAX_TIMEOUT_S
 from ..version import __version__
 from .argtypes import add_ranks_option, int_at_least, positive_float
 
@@ -56,6 +57,15 @@ _non_negative_int = int_at_least(0, "an integer >= 0")
 
 
 _positive_float = positive_float("a positive number of seconds")
+
+
+def _timeout(text: str) -> float:
+    """``--timeout``: seconds, finite, > 0 and at most `envs.MAX_TIMEOUT_S` (7 days), as `envs.resolve_timeout`."""
+    value = _positive_float(text)
+    if not value <= MAX_TIMEOUT_S:  # (inf and more than 7 days)
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0 and at most {MAX_TIMEOUT_S:g} "
+                                         f"(7 days), got {text!r}")
+    return value
 
 
 def _shape(text: str) -> tuple[int, int, int] | tuple[MoEShape, str] | tuple[str, str]:
@@ -154,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--shape", action="append", default=[], metavar="SPEC", help="a problem (repeatable)")
     tune.add_argument("--model", default=None, metavar="DESC", help="a model description (see above)")
     tune.add_argument("--out", default="overlap-plan.json", metavar="PATH",
-                      help="the plan file to write (default: %(default)s)")
+                      help="the plan file to write; where it exists, the new plans are merged into it (its entries "
+                      "of other problems kept, those of the problems tuned now replaced); a file there that is no "
+                      "plan file or holds another topology is an error, left as it is (default: %(default)s)")
     tune.add_argument("--forward-only", action="store_true", help="tune the forward alone (default: fwd+bwd)")
     tune.add_argument("--measure", type=_positive_int, default=3, metavar="N",
                       help="plans measured besides reference, the model's best (default: %(default)s)")
@@ -165,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--probe", choices=("cached", "refresh", "quick", "none"), default="cached",
                       help="machine profile for the model: the cached probe (measured if absent), a new one, a "
                       "quick uncached one, or the built-in defaults (default: %(default)s)")
-    tune.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
+    tune.add_argument("--timeout", type=_timeout, default=None, metavar="S",
                       help="deadline in seconds of each wait on a peer (default: OVERLAP_TIMEOUT_S, 300)")
     tune.add_argument("--routing", default=None, metavar="SHARES",
                       help="the MoE problems' routing, which picks the expert-migration candidates and draws the "
@@ -283,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--timeout",
-        type=_positive_float,
+        type=_timeout,
         default=None,
         metavar="S",
         help="deadline in seconds of each wait on a peer (default: OVERLAP_TIMEOUT_S, 300)",

@@ -14,11 +14,16 @@ Problems come from the command line (``--shape``) or from a model description (`
   ``S/TP x H x F/TP``, twice the columns when gated) and down (``matmul_reduce_scatter``,
   ``S/TP x F/TP x H``), or with ``experts`` an MoE layer over the same ranks (``moe``, ``S/TP`` tokens
   per rank). Tuned forward and backward (training) unless ``--forward-only``.
+
+The plan file (``--out``) is merged into where it exists (`overlap.plans.planfile.merge_into`): its entries of other
+problems are kept, those of the problems tuned now replaced. A file there that is no valid plan file, or one of
+another topology, is an error naming it before any tuning (and it is left as it was).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 
 from ..plans.optable import OPS, TRAINING_DTYPES, Problem, ops_of
@@ -144,8 +149,8 @@ def parse_routing(text: str):
         raise ValueError(f"--routing {text!r}: {exc}; give E comma-separated shares or @FILE (a JSON list of E "
                          "shares, or of E lists of one share per node)") from None
     if not rows or isinstance(raw, dict) or len({isinstance(r, tuple) for r in rows}) > 1 \
-            or any(v < 0 for r in rows for v in (r if isinstance(r, tuple) else (r,))):
-        raise ValueError(f"--routing {text!r}: shares must be numbers >= 0, one per expert (or one list per "
+            or any(not (math.isfinite(v) and v >= 0) for r in rows for v in (r if isinstance(r, tuple) else (r,))):
+        raise ValueError(f"--routing {text!r}: shares must be finite numbers >= 0, one per expert (or one list per "
                          "expert, a share per node)")
     return rows
 
@@ -179,11 +184,14 @@ def tune_rank(config: TuneConfig) -> list[str]:
     import torch.distributed as dist
 
     from .. import world
+    from ..plans import topology_of
+    from ..plans.planfile import merge_into
     from ..progress import ProgressBar
     from ..tune.search import tune
 
     info = world.group_info()
     problems = problems_of(config, info.world_size)
+    check_out(config.out, topology_of(info), info.rank == 0, info.global_ranks[0])
     profile = _profile(config.probe, info.rank == 0)
     routing = parse_routing(config.routing) if config.routing is not None else None
     pf, outcomes = tune(problems, profile=profile, measure=config.measure, repeats=config.repeats,
@@ -192,12 +200,43 @@ def tune_rank(config: TuneConfig) -> list[str]:
     lines = report(outcomes, info, profile)
     if routing is not None:
         lines.insert(1, f"MoE routing as given: {config.routing} (normalized per node)")
+    error = None
     if info.rank == 0:
-        pf.save(config.out)
-        lines.append(f"wrote {config.out} ({len(pf.entries)} entries, topology {pf.topology}); use it with "
-                     f"OVERLAP_PLAN={config.out} or plan=\"{config.out}\"")
+        try:  # read again: the file may have changed while tuning
+            merged = merge_into(config.out, pf)
+        except ValueError as exc:
+            error = exc
+        else:
+            kept = len(set(merged.entries) - set(pf.entries))
+            merged.save(config.out)
+            lines.append(f"wrote {config.out} ({len(merged.entries)} entries"
+                         + (f", {kept} of them kept from the file" if kept else "")
+                         + f", topology {merged.topology}); use it with OVERLAP_PLAN={config.out} or "
+                         f"plan=\"{config.out}\"")
     dist.barrier()
+    if error is not None:
+        raise error
     return lines
+
+
+def check_out(path: str, topology, reads: bool, src: int) -> None:
+    """Raise ValueError on every rank where the plan file at `path` (``--out``) exists and cannot be merged into
+    (`overlap.plans.planfile.merge_into`: unreadable, invalid, another topology): rank `src` (global; `reads`
+    on it) reads it, the others take its verdict, so every rank stops before any tuning."""
+    import torch.distributed as dist
+
+    from ..plans import PlanFile
+    from ..plans.planfile import merge_into
+
+    verdict = [""]
+    if reads:
+        try:
+            merge_into(path, PlanFile(topology=topology.signature, world_size=topology.world_size))
+        except ValueError as exc:
+            verdict[0] = str(exc)
+    dist.broadcast_object_list(verdict, src=src)
+    if verdict[0]:
+        raise ValueError(verdict[0])
 
 
 def _profile(how: str, verbose: bool):

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from collections.abc import Mapping
+from typing import Any
 
 from ..world import LINK_CLASSES, GroupInfo
 
@@ -16,6 +18,18 @@ from ..world import LINK_CLASSES, GroupInfo
 # ----------------------------------------------------------------------------------------------
 
 PROFILE_VERSION = 1
+
+#: the transports of a link class in `Profile.links`
+TRANSPORTS = ("p2p", "copy")
+
+# Sanity bounds of a profile's numbers, which `Profile.from_json` checks every number of a file against (the probe
+# never measures past them: `overlap.tune.fits` caps its rates):
+#: a latency, an overhead, the cost of a chunk or of a call: a day is no machine's
+MAX_PROFILE_SECONDS = 86400.0
+#: a link's bytes/s, a GEMM's flop/s: 1e21 is far past any machine's
+MAX_PROFILE_RATE = 1e21
+#: a slowdown factor under interference
+MAX_PROFILE_SLOWDOWN = 1e4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,17 +92,85 @@ class Profile:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping) -> Profile:
+    def from_json(cls, data: Any, where: str = "machine profile") -> Profile:
+        """The profile `to_json` wrote. Every field is checked where it enters: ValueError naming `where` (the
+        file: ``profile /path``) and the field (``links.nvlink.p2p.bandwidth_Bps``) for a missing, unknown or
+        malformed field or a number that is not finite, in range (rates > 0, times >= 0, slowdowns > 0, each under
+        its sanity bound: `MAX_PROFILE_SECONDS`, `MAX_PROFILE_RATE`, `MAX_PROFILE_SLOWDOWN`), or is a string or a
+        bool; and for another version (probe again)."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{where}: must be a JSON object, got {type(data).__name__}")
         if data.get("version") != PROFILE_VERSION:
-            raise ValueError(f"machine profile version {data.get('version')!r} is not {PROFILE_VERSION}: probe again "
+            raise ValueError(f"{where}: version {data.get('version')!r} is not {PROFILE_VERSION}: probe again "
                              "(overlap info --probe)")
+        known = {"version", "device", "machine", "links", "gemm", "gemm_slowdown", "comm_slowdown", "per_chunk_s",
+                 "call_s"}
+        _fields(data, "", where, known, required=("links", "gemm"))
+        links = {}
+        for c, ts in _mapping(data["links"], "links", where).items():
+            if c not in LINK_CLASSES:
+                raise ValueError(f"{where}: links.{c} is no link class ({', '.join(LINK_CLASSES)})")
+            links[c] = {}
+            for t, f in _mapping(ts, f"links.{c}", where).items():
+                if t not in TRANSPORTS:
+                    raise ValueError(f"{where}: links.{c}.{t} is no transport ({', '.join(TRANSPORTS)})")
+                at = f"links.{c}.{t}"
+                _fields(f, at, where, {"latency_s", "bandwidth_Bps"})
+                links[c][t] = LinkFit(latency_s=_seconds(f["latency_s"], f"{at}.latency_s", where),
+                                      bandwidth_Bps=_rate(f["bandwidth_Bps"], f"{at}.bandwidth_Bps", where))
+        gemm = {}
+        for d, f in _mapping(data["gemm"], "gemm", where).items():
+            at = f"gemm.{d}"
+            _fields(f, at, where, {"peak_flops", "overhead_s"})
+            gemm[d] = GemmFit(peak_flops=_rate(f["peak_flops"], f"{at}.peak_flops", where),
+                              overhead_s=_seconds(f["overhead_s"], f"{at}.overhead_s", where))
+        for name in ("device", "machine"):
+            if name in data and not isinstance(data[name], str):
+                raise ValueError(f"{where}: {name} must be a string, got {data[name]!r}")
         return cls(
-            links={c: {t: LinkFit(**f) for t, f in ts.items()} for c, ts in data["links"].items()},
-            gemm={d: GemmFit(**f) for d, f in data["gemm"].items()},
-            gemm_slowdown=float(data.get("gemm_slowdown", 1.0)), comm_slowdown=float(data.get("comm_slowdown", 1.0)),
-            per_chunk_s=float(data.get("per_chunk_s", 0.0)), device=data.get("device", "cpu"),
-            machine=data.get("machine", ""), call_s={s: float(t) for s, t in data.get("call_s", {}).items()},
+            links=links, gemm=gemm,
+            gemm_slowdown=_number(data.get("gemm_slowdown", 1.0), "gemm_slowdown", where, False, MAX_PROFILE_SLOWDOWN),
+            comm_slowdown=_number(data.get("comm_slowdown", 1.0), "comm_slowdown", where, False, MAX_PROFILE_SLOWDOWN),
+            per_chunk_s=_seconds(data.get("per_chunk_s", 0.0), "per_chunk_s", where), device=data.get("device", "cpu"),
+            machine=data.get("machine", ""),
+            call_s={s: _seconds(t, f"call_s.{s}", where)
+                    for s, t in _mapping(data.get("call_s", {}), "call_s", where).items()},
         )
+
+
+def _mapping(value: Any, field: str, where: str) -> Mapping:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where}: {field} must be a JSON object, got {value!r}")
+    return value
+
+
+def _fields(value: Any, field: str, where: str, known: set[str], required: tuple[str, ...] | None = None) -> None:
+    """`value` is an object with every field of `required` (default: all of `known`) and none but `known`."""
+    value = _mapping(value, field or "the profile", where)
+    at = f"{field}." if field else ""
+    missing = [f for f in (sorted(known) if required is None else required) if f not in value]
+    if missing:
+        raise ValueError(f"{where}: {at}{missing[0]} is missing")
+    unknown = sorted(str(f) for f in value if f not in known)
+    if unknown:
+        raise ValueError(f"{where}: {at}{unknown[0]} is not a field (known: {', '.join(sorted(known))})")
+
+
+def _number(value: Any, field: str, where: str, zero_ok: bool, bound: float) -> float:
+    """`value` as a float: a JSON number (no string, no bool), finite, > 0 (>= 0 with `zero_ok`), <= `bound`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not (value >= 0 if zero_ok else value > 0) or value > bound:
+        raise ValueError(f"{where}: {field} must be a finite number {'>=' if zero_ok else '>'} 0 and at most "
+                         f"{bound:g}, got {value!r}")
+    return float(value)
+
+
+def _seconds(value: Any, field: str, where: str) -> float:
+    return _number(value, field, where, True, MAX_PROFILE_SECONDS)
+
+
+def _rate(value: Any, field: str, where: str) -> float:
+    return _number(value, field, where, False, MAX_PROFILE_RATE)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The machine-profile cache: one JSON file per machine configuration (`cache_path`) under
-``OVERLAP_CACHE_DIR``, else ``~/.cache/overlap``; reading it (`load_cached`) and writing it on rank 0,
-atomically (`save_cached`). Local: no communication beyond `world.group_info` (`overlap.tune.probing.probe_cached`
-is the collective that hands rank 0's file to every rank).
+``OVERLAP_CACHE_DIR``, else ``$XDG_CACHE_HOME/overlap``, else ``~/.cache/overlap``; reading it (`load_cached`) and
+writing it on rank 0, atomically (`save_cached`). Local: no communication beyond `world.group_info`
+(`overlap.tune.probing.probe_cached` is the collective that hands rank 0's file to every rank).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def device_name(device: torch.device) -> str:
 
 
 def cache_dir() -> Path:
-    """``OVERLAP_CACHE_DIR`` if set, else ``~/.cache/overlap`` (`overlap.envs.cache_dir`)."""
+    """``OVERLAP_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/overlap`` (an absolute XDG_CACHE_HOME), else
+    ``~/.cache/overlap`` (`overlap.envs.cache_dir`)."""
     return Path(envs.cache_dir())
 
 
@@ -54,8 +55,10 @@ def cache_path(info: GroupInfo | dist.ProcessGroup | None = None, *, quick: bool
 
 
 def _read(path: Path) -> Profile | None:
+    """The profile in `path`; None where there is none, or (with a warning naming the file and what is wrong: a
+    field out of range, another version, not JSON) where it cannot serve, so that it is probed again."""
     try:
-        return Profile.from_json(json.loads(path.read_text()))
+        return Profile.from_json(json.loads(path.read_text()), where=f"profile {path}")
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -69,8 +72,9 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def load_cached(group: GroupInfo | dist.ProcessGroup | None = None, *, quick: bool = False) -> Profile | None:
     """This machine's cached profile for `group` (`cache_path`), or None where there is none or it is
-    unreadable or of another version (logged). Local: no communication beyond `world.group_info`;
-    ranks on other nodes than rank 0 look on their own machine (use `probe_cached` for one answer)."""
+    unreadable, of another version or holds a number out of range (logged, naming the file and the field).
+    Local: no communication beyond `world.group_info`; ranks on other nodes than rank 0 look on their own
+    machine (use `probe_cached` for one answer)."""
     return _read(cache_path(_info(group), quick=quick))
 
 

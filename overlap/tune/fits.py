@@ -10,10 +10,8 @@ import math
 from collections.abc import Sequence
 
 from ..plans import GemmFit, LinkFit, Profile
+from ..plans.machine import MAX_PROFILE_RATE, TRANSPORTS
 from ..world import LINK_CLASSES
-
-TRANSPORTS = ("p2p", "copy")
-
 
 # ----------------------------------------------------------------------------------------------
 # Fits (pure Python: the same inputs give the same bits on every rank)
@@ -51,11 +49,12 @@ def fit_link(sizes: Sequence[int], times: Sequence[float]) -> LinkFit:
     """`LinkFit` of one-way transfer times (seconds) at message sizes (bytes), by `fit_line`.
 
     Always positive and finite: where noise makes the fitted slope non-positive the bandwidth is the
-    best one measured (bytes / time); a latency the fit puts at or below 1% of the fastest transfer
-    is taken as the smallest ``t - bytes / bandwidth`` over the points, at least that 1%.
+    best one measured (bytes / time), and it is at most `MAX_PROFILE_RATE` (a profile file's bound); a
+    latency the fit puts at or below 1% of the fastest transfer is taken as the smallest
+    ``t - bytes / bandwidth`` over the points, at least that 1%.
     """
     latency, slope = fit_line(sizes, times)
-    bandwidth = 1.0 / slope if slope > 0 else max(n / t for n, t in zip(sizes, times))
+    bandwidth = min(1.0 / slope if slope > 0 else max(n / t for n, t in zip(sizes, times)), MAX_PROFILE_RATE)
     floor = 0.01 * min(times)
     if not latency > floor:
         latency = max(floor, min(t - n / bandwidth for n, t in zip(sizes, times)))
@@ -64,9 +63,10 @@ def fit_link(sizes: Sequence[int], times: Sequence[float]) -> LinkFit:
 
 def fit_gemm(flops: Sequence[float], times: Sequence[float]) -> GemmFit:
     """`GemmFit` of GEMM times (seconds) at flop counts, by `fit_line`: peak = 1 / slope (the best
-    measured rate where noise makes the slope non-positive), overhead = the intercept, at least 0."""
+    measured rate where noise makes the slope non-positive; at most `MAX_PROFILE_RATE`), overhead = the intercept,
+    at least 0."""
     overhead, slope = fit_line(flops, times)
-    peak = 1.0 / slope if slope > 0 else max(f / t for f, t in zip(flops, times))
+    peak = min(1.0 / slope if slope > 0 else max(f / t for f, t in zip(flops, times)), MAX_PROFILE_RATE)
     return GemmFit(peak_flops=peak, overhead_s=max(0.0, overhead))
 
 
