@@ -27,6 +27,8 @@ VARIABLES: dict[str, tuple[str, str]] = {
                                  "wins)"),
     "OVERLAP_LOG": ("warning", "log level of the `overlap` logger: debug, info (plans and fallbacks), warning, error, "
                                "critical; another value warns once and leaves warning"),
+    "OVERLAP_NETWORK_TIMEOUT_S": ("", "deadline in seconds of the waits on a peer on another node (`hierarchical`'s "
+                                      "messages), at most 7 days; empty: the call's deadline"),
     "OVERLAP_NODE_ID": ("", "node identity of this rank; overrides torchrun's GROUP_RANK and the hostname"),
     "OVERLAP_PLAN": ("", "path of a plan file written by `overlap tune`; `auto` looks calls up in it"),
     "OVERLAP_CACHE_DIR": ("$XDG_CACHE_HOME/overlap, else ~/.cache/overlap",
@@ -34,7 +36,8 @@ VARIABLES: dict[str, tuple[str, str]] = {
                           "counts where it is an absolute path)"),
     "OVERLAP_CHECK_EVERY_CALL": ("0", "1 (or true, yes, on): every call runs the full cross-rank handshake (no steady "
                                       "state, no reference call going ahead); 0, false, no, off: not"),
-    "OVERLAP_SHM_DIR": ("/dev/shm", "where CPU symmetric memory segments are created (then unlinked at once)"),
+    "OVERLAP_SHM_DIR": ("/dev/shm", "where CPU symmetric memory segments are created, in a private folder "
+                                    "overlap-<uid> (then unlinked at once)"),
     "OVERLAP_BUILD_CUDA": ("1", "build time: 0 skips the CUDA half of overlap._C even where nvcc exists"),
     "MAX_JOBS": ("2", "build time: parallel compile jobs of overlap._C"),
     "CMAKE_ARGS": ("", "build time: extra arguments for CMake's configure step"),
@@ -78,6 +81,23 @@ def resolve_timeout(timeout: float | None) -> float:
         raise ValueError(f"timeout must be a finite number of seconds > 0 and at most {MAX_TIMEOUT_S:g} (7 days), "
                          f"or None, got {timeout!r}")
     return float(timeout)
+
+
+def network_timeout_s(call_timeout: float) -> float:
+    """The deadline of a wait on a peer on another node: OVERLAP_NETWORK_TIMEOUT_S where set (a network may stall
+    longer, or should be given up on sooner, than a peer of the node), else `call_timeout`. ValueError naming the
+    variable for anything but a finite number in (0, `MAX_TIMEOUT_S`]."""
+    raw = os.environ.get("OVERLAP_NETWORK_TIMEOUT_S", "").strip()
+    if not raw:
+        return call_timeout
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not _seconds_ok(value):
+        raise ValueError(f"OVERLAP_NETWORK_TIMEOUT_S must be a finite number of seconds > 0 and at most "
+                         f"{MAX_TIMEOUT_S:g} (7 days), got {raw!r}")
+    return value
 
 
 def log_level() -> str:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from typing import Any
 
+from ..plans.planfile import write_atomic
 from .definitions import (
     AUTO,
     INTERPRETED_FUSED_MAX_DIM,
@@ -221,9 +221,6 @@ def notes(config: Any, interpreted: bool, interpreted_iters: int) -> list[str]:
 
 
 def write_json(path: str, payload: dict[str, Any]) -> None:
-    """Write `payload` to `path` atomically (a temporary file renamed over it)."""
-    tmp = f"{path}.{os.getpid()}.json.tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    """Write `payload` to `path` atomically (`overlap.plans.planfile.write_atomic`: a new temporary file, never
+    one or a link someone put there, renamed over it; the umask's mode)."""
+    write_atomic(path, json.dumps(payload, indent=2) + "\n")

@@ -38,6 +38,17 @@ def positive_float(what: str = "a positive number") -> Callable[[str], float]:
     return parse
 
 
+def timeout_seconds(text: str) -> float:
+    """``--timeout``: seconds, finite, > 0 and at most `envs.MAX_TIMEOUT_S` (7 days), as `envs.resolve_timeout`."""
+    from ..envs import MAX_TIMEOUT_S
+
+    value = positive_float("a positive number of seconds")(text)
+    if not value <= MAX_TIMEOUT_S:  # (inf and more than 7 days)
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0 and at most {MAX_TIMEOUT_S:g} "
+                                         f"(7 days), got {text!r}")
+    return value
+
+
 #: what ``--ranks`` says in every command's help
 RANKS_HELP = ("local ranks to start when not under torchrun (default: one per GPU, else 2 CPU ranks); --nproc is "
               "the same option, but torchrun's own parser rejects it (it reads it as its --nproc-per-node): under "

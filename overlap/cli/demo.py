@@ -16,7 +16,7 @@ import tempfile
 import textwrap
 import time
 
-from .argtypes import add_ranks_option, int_at_least, positive_float
+from .argtypes import add_ranks_option, int_at_least, positive_float, timeout_seconds
 
 _DESCRIPTION = (
     "Train a small GPT-style model (embedding; attention and MLP blocks with sequence-parallel tensor "
@@ -70,7 +70,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        ("vocab", "vocabulary size")):
         demo.add_argument(f"--{name.replace('_', '-')}", type=positive, default=getattr(defaults, name), metavar="N",
                           help=f"{what} (default: %(default)s)")
-    demo.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
+    demo.add_argument("--timeout", type=timeout_seconds, default=None, metavar="S",
                       help="deadline in seconds of each wait on a peer (default: OVERLAP_TIMEOUT_S, 300)")
     demo.set_defaults(subparser=demo)
     return demo

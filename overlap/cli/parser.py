@@ -20,9 +20,8 @@ from ..benchmarks.names import (
     parse_moe_shape,
     parse_shape,
 )
-from ..envs import MAX_TIMEOUT_S
 from ..version import __version__
-from .argtypes import add_ranks_option, int_at_least, positive_float
+from .argtypes import add_ranks_option, int_at_least, timeout_seconds
 
 _DESCRIPTION = "overlap: hide tensor- and expert-parallel communication behind the GEMMs around it."
 
@@ -54,18 +53,6 @@ examples:
 
 _positive_int = int_at_least(1, "a positive integer")
 _non_negative_int = int_at_least(0, "an integer >= 0")
-
-
-_positive_float = positive_float("a positive number of seconds")
-
-
-def _timeout(text: str) -> float:
-    """``--timeout``: seconds, finite, > 0 and at most `envs.MAX_TIMEOUT_S` (7 days), as `envs.resolve_timeout`."""
-    value = _positive_float(text)
-    if not value <= MAX_TIMEOUT_S:  # (inf and more than 7 days)
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0 and at most {MAX_TIMEOUT_S:g} "
-                                         f"(7 days), got {text!r}")
-    return value
 
 
 def _shape(text: str) -> tuple[int, int, int] | tuple[MoEShape, str] | tuple[str, str]:
@@ -177,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--probe", choices=("cached", "refresh", "quick", "none"), default="cached",
                       help="machine profile for the model: the cached probe (measured if absent), a new one, a "
                       "quick uncached one, or the built-in defaults (default: %(default)s)")
-    tune.add_argument("--timeout", type=_timeout, default=None, metavar="S",
+    tune.add_argument("--timeout", type=timeout_seconds, default=None, metavar="S",
                       help="deadline in seconds of each wait on a peer (default: OVERLAP_TIMEOUT_S, 300)")
     tune.add_argument("--routing", default=None, metavar="SHARES",
                       help="the MoE problems' routing, which picks the expert-migration candidates and draws the "
@@ -295,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--timeout",
-        type=_timeout,
+        type=timeout_seconds,
         default=None,
         metavar="S",
         help="deadline in seconds of each wait on a peer (default: OVERLAP_TIMEOUT_S, 300)",

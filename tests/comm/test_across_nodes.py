@@ -145,3 +145,59 @@ def test_all_reduce_moves_the_two_level_minimum(pools, world_size, ranks_per_nod
     # its own share: 2 * (nodes - 1) / nodes of the output per node, over the node's ranks.
     per_node = 2 * (nodes_ - 1) * rows * N * 4 // nodes_
     assert sum(sent) == nodes_ * per_node, sent
+
+
+def network_deadline(rank, world_size, network_s, call_s):
+    """Rank 2 (node 1) never makes the call; its counterpart on node 0 (rank 0) gives up after the network's own
+    deadline, the others after the call's. Returns (error kind, message, seconds) of every rank but 2."""
+    import time
+
+    import torch.distributed as dist
+
+    import overlap
+
+    os.environ["OVERLAP_NETWORK_TIMEOUT_S"] = str(network_s)
+    group = nodes.spanning_group(rank, 2, "netnode")
+    try:
+        overlap.all_gather_matmul(torch.randn(M, K), torch.randn(K, N), group=group, strategy="reference")  # set up
+        if rank == 2:
+            time.sleep(call_s + 3)
+            return None
+        start = time.monotonic()
+        try:
+            overlap.all_gather_matmul(torch.randn(M, K), torch.randn(K, N), group=group, strategy="hierarchical",
+                                      timeout=call_s)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return type(exc).__name__, str(exc), time.monotonic() - start
+        return "no error", "", time.monotonic() - start
+    finally:
+        del os.environ["OVERLAP_NODE_ID"], os.environ["OVERLAP_NETWORK_TIMEOUT_S"]
+        del dist  # (the group is broken: the pool is discarded)
+
+
+def test_waits_across_nodes_have_their_own_deadline():
+    """OVERLAP_NETWORK_TIMEOUT_S bounds the waits on a rank of another node, apart from the call's deadline."""
+    from tests.support.harness import LATE_S, run_isolated
+
+    network_s, call_s = 1.5, 8.0
+    results = run_isolated(4, network_deadline, network_s, call_s, timeout=120)
+    print(*results, sep="\n")
+    # The ranks of node 0 wait only on their counterparts across the network: they give up after its deadline
+    # (one of them on its own wait, the other told by its node), not the call's.
+    assert any(f"waited {network_s:g} s" in r[1] for r in results if r), results
+    for rank in (0, 1):
+        assert results[rank][0] in ("OverlapTimeout", "OverlapError") and results[rank][2] < call_s, results[rank]
+    assert results[3][0] in ("OverlapTimeout", "OverlapError") and results[3][2] < call_s + LATE_S, results[3]
+
+
+def test_network_deadline_variable_is_checked(monkeypatch):
+    from overlap import envs
+
+    monkeypatch.delenv("OVERLAP_NETWORK_TIMEOUT_S", raising=False)
+    assert envs.network_timeout_s(12.5) == 12.5
+    monkeypatch.setenv("OVERLAP_NETWORK_TIMEOUT_S", "30")
+    assert envs.network_timeout_s(12.5) == 30.0
+    for bad in ("nan", "inf", "0", "-1", "1e9", "soon"):
+        monkeypatch.setenv("OVERLAP_NETWORK_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match="OVERLAP_NETWORK_TIMEOUT_S"):
+            envs.network_timeout_s(12.5)

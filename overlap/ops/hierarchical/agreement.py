@@ -52,7 +52,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ... import comm, symm, world
+from ... import comm, envs, symm, world
 from ...errors import OverlapError, OverlapMismatchError, OverlapTimeout
 from ...symm.layout import W_NODE_VERDICT, signals, signature_hash
 from .nodes import Layout, layout_of, node_heap, report_dead
@@ -169,6 +169,7 @@ class Counterparts:
     op is then inside its node's call, and tells its node (`overlap.ops.hierarchical.node_call.Poison`)."""
 
     def __init__(self, op: str, pg, info: world.GroupInfo, lay: Layout, signature: str, timeout: float):
+        timeout = envs.network_timeout_s(timeout)  # (every wait here is on a rank of another node)
         self.op, self.pg, self.info, self.lay, self.timeout = op, pg, info, lay, timeout
         self.signature, self.sig = signature, signature_hash(signature)
         self.number = next_number(pg)
