@@ -17,9 +17,9 @@ import itertools
 import math
 
 from ..symm import MAX_FLAGS
-from . import hierarchical_cost, migration
+from . import hierarchical_cost, migration, presets
 from .machine import PROFILE_VERSION, GemmFit, LinkFit, Profile, Topology, topology_of
-from .optable import FP8_DTYPES, FP8_LEAVES, OPS, Problem, op_spec, wire_sizes
+from .optable import FP8_DTYPES, FP8_LEAVES, ITEMSIZE, OPS, Problem, op_spec, wire_sizes
 from .plan import Plan
 
 # ----------------------------------------------------------------------------------------------
@@ -96,7 +96,8 @@ class Schedule:
         if self.gfit is None:
             raise ValueError(f"machine profile has no GEMM fit for {problem.dtype} (nor float32): probe again")
         self.launch = self.gfit.overhead_s if self.fused else 0.0  # a fused kernel's one launch
-        self.cs, self.gs = max(1.0, profile.comm_slowdown), max(1.0, profile.gemm_slowdown)
+        self.itemsize = ITEMSIZE[problem.dtype]  # what a GEMM reads and writes per element (its memory roofline)
+        self.cs, self.gs = max(1.0, profile.comm_slowdown), max(1.0, profile.gemm_slowdown_for(self.transport))
         self.total = self.comm = self.compute = 0.0
         # hierarchical (`hierarchical_cost`): nodes, ranks per node, the class of the links within a node
         self.hier = plan.strategy == "hierarchical"
@@ -113,6 +114,7 @@ class Schedule:
         self.size = self.part_size = self.grad_size
         if self.fp8:
             self.gfit = self.profile.gemm.get(FP8_LEAVES) or self.gfit
+            self.itemsize = ITEMSIZE[FP8_LEAVES]
 
     # ---- costs ---------------------------------------------------------------------------------
     def msgs(self, link: str, nbytes: float, count: float = 1) -> float:
@@ -134,9 +136,19 @@ class Schedule:
         """MoE token bytes over `link`: over the network only the share that expert migration leaves."""
         return nbytes * self.token_share if link == "network" else nbytes
 
-    def gemm(self, flops: float, calls: float = 1) -> float:
-        """GEMM calls (one launch each); inside a fused kernel only the flops (the kernel adds `launch`)."""
-        return (0 if self.fused else calls * self.gfit.overhead_s) + flops / self.gfit.peak_flops
+    def gemm(self, flops: float, calls: float = 1, nbytes: float = 0.0) -> float:
+        """GEMM calls (one launch each) of `flops` reading and writing `nbytes` (the memory roofline, where the
+        profile has one: `GemmFit.work`); inside a fused kernel no launch (the kernel adds `launch`)."""
+        return (0 if self.fused else calls * self.gfit.overhead_s) + self.gfit.work(flops, nbytes)
+
+    def mm(self, rows: float, k: int, n: int, calls: float = 1, weights: float = 1, of_rows: float = 0) -> float:
+        """``[rows, k] @ [k, n]`` in `calls` calls reading `weights` ``[k, n]`` matrices (an MoE block: one per
+        expert): every call reads its operands and writes its output once (a chunked GEMM reads its weight again
+        per chunk: what makes chunks of a few rows memory-bound). Inside a fused kernel the piece is some tiles of
+        one GEMM of `of_rows` rows, which reads its weight once: the piece's share of it."""
+        share = rows / of_rows if self.fused and of_rows > rows else 1.0
+        nbytes = (rows * k + weights * k * n * share + rows * n) * self.itemsize
+        return self.gemm(2 * rows * k * n, calls, nbytes)
 
     # ---- schedule ------------------------------------------------------------------------------
     def serial(self, comm: float = 0.0, gemm: float = 0.0) -> None:
@@ -156,7 +168,7 @@ class Schedule:
 
     def weight_gradient(self, m: int, k: int, n: int) -> float:
         """A weight gradient: one GEMM over every row (``2*W*m*k*n`` flops)."""
-        return self.gemm(2 * self.W * m * k * n) + self.launch
+        return self.mm(self.W * m, k, n) + self.launch
 
     def gather_again(self, m: int, k: int) -> float:
         """A backward's re-gather of ``[m, k]`` per rank, posted first: a ring (reference) or pairwise pulls
@@ -174,11 +186,12 @@ class Schedule:
         if self.hier:
             return hierarchical_cost.ag_mm(self, m, k, n)
         if self.plan.strategy == "reference":
-            return self.serial(self.ring(self.W - 1, m * k * self.size), self.gemm(2 * self.W * m * k * n))
-        stages = [(1, 0.0, self.gemm(2 * m * k * n) + self.launch)]
+            return self.serial(self.ring(self.W - 1, m * k * self.size), self.mm(self.W * m, k, n))
+        stages = [(1, 0.0, self.mm(m, k, n, of_rows=self.W * m) + self.launch)]
         for link, count in self.peers:
             ch = 1 if self.fused else min(self.plan.chunks_for(link), m)  # fused: one flag per rank
-            stages.append((count * ch, self.msgs(link, m * k * self.size / ch), self.gemm(2 * m * k * n / ch)))
+            piece = self.mm(m / ch, k, n, of_rows=self.W * m)
+            stages.append((count * ch, self.msgs(link, m * k * self.size / ch), piece))
         self.consume(stages)
 
     def mm_rs(self, m: int, k: int, n: int, lead: float = 0.0, max_chunks: int = 0) -> None:
@@ -187,14 +200,14 @@ class Schedule:
         if self.hier:
             return hierarchical_cost.mm_rs(self, m, k, n, lead)
         if self.plan.strategy == "reference":
-            return self.serial(lead + self.ring(W - 1, part), self.gemm(2 * W * m * k * n))
+            return self.serial(lead + self.ring(W - 1, part), self.mm(W * m, k, n))
         stages = [(1, 0.0, lead)] if lead else []
         if self.plan.strategy == "pipelined":  # one GEMM per destination, its partial sent in chunks
-            stages += [(c, self.gemm(2 * m * k * n), self.msgs(link, part, min(self.plan.chunks_for(link), m)))
+            stages += [(c, self.mm(m, k, n), self.msgs(link, part, min(self.plan.chunks_for(link), m)))
                        for link, c in self.peers]
-            return self.produce([*stages, (1, self.gemm(2 * m * k * n), 0.0)])
+            return self.produce([*stages, (1, self.mm(m, k, n), 0.0)])
         ch = min(self.plan.chunks_for(self.slowest), m, max_chunks or MAX_FLAGS // W)  # flagged per chunk
-        piece = self.gemm(2 * m * k * n / ch)
+        piece = self.mm(m / ch, k, n, of_rows=W * m)
         stages += [(c * ch, piece, self.msgs(link, part / ch)) for link, c in self.peers]
         self.produce([(1, 2 * self.launch, 0.0), *stages, (ch, piece, 0.0)])  # GEMM + reduction kernels
 
@@ -204,16 +217,16 @@ class Schedule:
         if self.hier:
             return hierarchical_cost.mm_ar(self, m, k, n)
         if plan.strategy == "reference":
-            return self.serial(self.ring(2 * (W - 1), m * n * size), self.gemm(2 * M * k * n))
+            return self.serial(self.ring(2 * (W - 1), m * n * size), self.mm(M, k, n))
         ch = plan.chunks_for(self.slowest)
         if plan.strategy == "pipelined":  # W*ch pieces, each piece's collective behind the next GEMM
             p = min(W * ch, M)
             coll = self.ring(W - 1, M / p * n * size) if plan.one_shot else self.ring(2 * (W - 1), m / p * n * size)
-            return self.produce([(p, self.gemm(2 * M / p * k * n), coll)])
+            return self.produce([(p, self.mm(M / p, k, n), coll)])
         if plan.one_shot:
             ch = min(ch, M, MAX_FLAGS)
             return self.produce([(1, 2 * self.launch, 0.0),
-                                 (ch, self.gemm(2 * M / ch * k * n), self.each_peer(M / ch * n * size))])
+                                 (ch, self.mm(M / ch, k, n, of_rows=M), self.each_peer(M / ch * n * size))])
         ch = min(ch, m, MAX_FLAGS // (W + 1))
         self.mm_rs(m, k, n, max_chunks=ch)  # then every rank pulls every reduced part (exposed)
         pulls = 1 if self.fused else ch
@@ -239,7 +252,8 @@ class Schedule:
 
     def moe_every(self, p: Problem) -> float:
         """Every row of this rank's experts through them: ``T*K`` rows (uniform routing), ``L`` GEMM calls."""
-        return self.gemm(2 * p.m * p.top_k * p.k * p.n, calls=p.experts // self.W)
+        L = p.experts // self.W
+        return self.mm(p.m * p.top_k, p.k, p.n, calls=L, weights=L)
 
     def _moe_flow(self, p: Problem):
         """``(L, nbytes, block, groups, chunks)`` of one MoE transfer between every two ranks: ``pipelined``'s
@@ -247,7 +261,7 @@ class Schedule:
         flagged per expert group."""
         W, L, H, plan = self.W, p.experts // self.W, p.k, self.plan
         rows = p.m * p.top_k / W
-        block = self.gemm(2 * rows * H * p.n, calls=L)  # one source's rows through our L experts
+        block = self.mm(rows, H, p.n, calls=L, weights=L, of_rows=W * rows)  # one source's rows through our L experts
         groups = max(1, min(L, MAX_FLAGS // W - 1))
         pairwise = plan.strategy in ("pipelined", "hierarchical")
 
@@ -399,10 +413,6 @@ def rank_candidates(problem: Problem, topology: Topology, profile: Profile,
 #: the default CPU profile's fixed cost of a call per strategy: the probe's on the 2-core VM, rounded (two runs:
 #: reference 898-974 us, pipelined 1105-1440, symm 135-448)
 CPU_CALL_S = {"reference": 900e-6, "pipelined": 1200e-6, "symm": 250e-6, "hierarchical": 1200e-6, "fused": 250e-6}
-#: the default GPU profile's: guesses, not measurements (see `default_profile`)
-CUDA_CALL_S = {"reference": 15e-6, "pipelined": 40e-6, "symm": 40e-6, "hierarchical": 60e-6, "fused": 35e-6}
-
-
 def default_profile(device: str) -> Profile:
     """Rough defaults, not measurements: the model works before any probe (``overlap tune`` measures).
 
@@ -412,11 +422,9 @@ def default_profile(device: str) -> Profile:
     cores shared with gloo's and the copy engine's threads), 30 us a chunk (Python-level messages, flags); the
     fixed cost of a call as the probe measured it there (`CPU_CALL_S`: gloo's collectives cost far more per call
     than shared-memory flags).
-    ``"cuda"``, an H100/H200-class node: NVLink ~350 GB/s per direction effective (copy engine; NCCL ~300),
-    PCIe ~25 GB/s, network ~40 GB/s (400 Gb/s InfiniBand), 5-20 us latencies; bf16/fp16 GEMMs ~650 TFLOP/s
-    effective, fp32 ~50, 8 us a launch; interference 1.1 on GEMMs, 1.05 on transfers; 5 us a chunk; the fixed
-    cost of a call guessed (`CUDA_CALL_S`, not measured: no GPU has run the probe): a plain NCCL collective's
-    launch and the op's Python for ``reference``, the host handshake and stream-ordered flags besides for the others.
+    ``"cuda"``: the ``h100-sxm`` preset (`overlap.plans.presets`: vendor peaks times documented efficiencies, 8 GPUs
+    on NVLink through NVSwitch, 400 Gb/s per GPU, PCIe 5.0), its fixed per-call costs guessed (no GPU has run the
+    probe here).
     Raises ValueError for another device.
     """
     kind = device.split(":")[0]
@@ -428,11 +436,6 @@ def default_profile(device: str) -> Profile:
             gemm_slowdown=1.3, comm_slowdown=1.3, per_chunk_s=30e-6, device="cpu", call_s=dict(CPU_CALL_S),
             machine="default: 2-core VM, gloo (rough constants, not measured here)")
     if kind == "cuda":
-        return Profile(
-            links={"nvlink": {"p2p": LinkFit(10e-6, 3.0e11), "copy": LinkFit(5e-6, 3.5e11)},
-                   "pcie": {"p2p": LinkFit(15e-6, 2.2e10), "copy": LinkFit(8e-6, 2.5e10)},
-                   "network": {"p2p": LinkFit(20e-6, 4.0e10)}},
-            gemm={"bfloat16": GemmFit(6.5e14, 8e-6), "float16": GemmFit(6.5e14, 8e-6), "float32": GemmFit(5e13, 8e-6)},
-            gemm_slowdown=1.1, comm_slowdown=1.05, per_chunk_s=5e-6, device="cuda", call_s=dict(CUDA_CALL_S),
-            machine="default: H100/H200-class node (rough constants, not measured here)")
+        profile = presets.profile_of(presets.PRESETS["h100-sxm"])
+        return dataclasses.replace(profile, machine=f"default: {profile.machine}")
     raise ValueError(f"default_profile: device must be 'cpu' or 'cuda', got {device!r}")

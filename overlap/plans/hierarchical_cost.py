@@ -27,12 +27,12 @@ def ag_mm(x: Schedule, m: int, k: int, n: int) -> None:
     N, L, loc = x.nodes, x.local_ranks, x.local_link
     block = m * k * x.size
     c_loc, c_net = _chunks(x, loc, m), _chunks(x, "network", m)
-    stages = [(1, 0.0, x.gemm(2 * m * k * n))]
+    stages = [(1, 0.0, x.mm(m, k, n))]
     if L > 1:
-        stages.append(((L - 1) * c_loc, x.msgs(loc, block / c_loc), x.gemm(2 * m * k * n / c_loc)))
-    stages.append(((N - 1) * c_net, x.msgs("network", block / c_net), x.gemm(2 * m * k * n / c_net)))
+        stages.append(((L - 1) * c_loc, x.msgs(loc, block / c_loc), x.mm(m / c_loc, k, n)))
+    stages.append(((N - 1) * c_net, x.msgs("network", block / c_net), x.mm(m / c_net, k, n)))
     if L > 1:
-        stages.append(((L - 1) * (N - 1) * c_net, x.msgs(loc, block / c_net), x.gemm(2 * m * k * n / c_net)))
+        stages.append(((L - 1) * (N - 1) * c_net, x.msgs(loc, block / c_net), x.mm(m / c_net, k, n)))
     x.consume(stages)
 
 
@@ -54,10 +54,10 @@ def mm_rs(x: Schedule, m: int, k: int, n: int, lead: float = 0.0, riding: float 
     part = m * n * x.part_size
     c_loc, c_net = _chunks(x, loc, m), _chunks(x, "network", m)
     stages = [(1, 0.0, lead)] if lead else []
-    stages.append(((N - 1) * c_net, x.gemm(2 * L * m * k * n / c_net),
+    stages.append(((N - 1) * c_net, x.mm(L * m / c_net, k, n),
                    x.msgs("network", part / c_net) + (L - 1) * x.msgs(loc, part / c_net)
                    + riding / ((N - 1) * c_net)))
-    stages.append((c_loc, x.gemm(2 * L * m * k * n / c_loc), (L - 1) * x.msgs(loc, part / c_loc)))
+    stages.append((c_loc, x.mm(L * m / c_loc, k, n), (L - 1) * x.msgs(loc, part / c_loc)))
     x.produce([*stages, (1, 0.0, 0.0)])
 
 

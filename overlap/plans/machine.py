@@ -9,9 +9,12 @@ import collections
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..world import LINK_CLASSES, GroupInfo
+from ..links import LINK_CLASSES
+
+if TYPE_CHECKING:
+    from ..world import GroupInfo
 
 # ----------------------------------------------------------------------------------------------
 # Machine profile: what the cost model knows about a machine (measured by `overlap.tune.probe`)
@@ -45,14 +48,25 @@ class LinkFit:
 
 @dataclasses.dataclass(frozen=True)
 class GemmFit:
-    """GEMM rate for one dtype: ``flops / (flops / peak_flops + overhead_s)`` (a launch or call overhead
-    plus the peak rate), so small GEMMs run below peak."""
+    """GEMM time for one dtype: ``overhead_s + max(flops / peak_flops, nbytes / memory_Bps)`` (a launch or call
+    overhead, then the slower of the compute and the memory roofline), so small GEMMs run below peak and a GEMM of
+    few rows is bound by reading its weight. `memory_Bps` 0: not modelled (the probe does not measure it; CPU
+    profiles), the flops alone decide."""
 
     peak_flops: float
     overhead_s: float
+    memory_Bps: float = 0.0
 
-    def time(self, flops: float) -> float:
-        return self.overhead_s + flops / self.peak_flops
+    def time(self, flops: float, nbytes: float = 0.0) -> float:
+        return self.overhead_s + self.work(flops, nbytes)
+
+    def work(self, flops: float, nbytes: float = 0.0) -> float:
+        """The seconds beyond the overhead: the compute or the memory roofline, whichever is slower."""
+        return max(flops / self.peak_flops, nbytes / self.memory_Bps if self.memory_Bps else 0.0)
+
+    def to_json(self) -> dict:
+        return {"peak_flops": self.peak_flops, "overhead_s": self.overhead_s,
+                **({"memory_Bps": self.memory_Bps} if self.memory_Bps else {})}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +78,9 @@ class Profile:
         buffer: shared memory or copy engine; ranks of one node only).
     gemm: per dtype name (``"float32"``, ``"bfloat16"``, ...).
     gemm_slowdown: factor (>= 1) on a GEMM's time while a transfer runs beside it; comm_slowdown the
-        reverse (CPU ranks share cores with gloo's threads; GPUs share memory bandwidth).
+        reverse (CPU ranks share cores with gloo's threads; GPUs share memory bandwidth). copy_gemm_slowdown: the
+        GEMM's factor beside a ``copy`` transfer where it differs (a GPU's copy engines take no SMs, NCCL's kernels
+        do); 0: `gemm_slowdown` for both.
     per_chunk_s: fixed cost of one more chunk (a message, a flag, a kernel launch).
     call_s: per strategy, the fixed host cost of one call beyond its transfers and GEMMs (checks, plan,
         signature, handshake or its steady-state post, dispatch, the waits' wake-ups): what a call costs that
@@ -81,14 +97,20 @@ class Profile:
     device: str = "cpu"
     machine: str = ""
     call_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    copy_gemm_slowdown: float = 0.0
+
+    def gemm_slowdown_for(self, transport: str) -> float:
+        """The factor on a GEMM beside a transfer of `transport` (``p2p`` or ``copy``)."""
+        return self.copy_gemm_slowdown if transport == "copy" and self.copy_gemm_slowdown else self.gemm_slowdown
 
     def to_json(self) -> dict:
         return {
             "version": PROFILE_VERSION, "device": self.device, "machine": self.machine,
             "links": {c: {t: dataclasses.asdict(f) for t, f in ts.items()} for c, ts in self.links.items()},
-            "gemm": {d: dataclasses.asdict(f) for d, f in self.gemm.items()},
+            "gemm": {d: f.to_json() for d, f in self.gemm.items()},
             "gemm_slowdown": self.gemm_slowdown, "comm_slowdown": self.comm_slowdown, "per_chunk_s": self.per_chunk_s,
             "call_s": dict(self.call_s),
+            **({"copy_gemm_slowdown": self.copy_gemm_slowdown} if self.copy_gemm_slowdown else {}),
         }
 
     @classmethod
@@ -104,7 +126,7 @@ class Profile:
             raise ValueError(f"{where}: version {data.get('version')!r} is not {PROFILE_VERSION}: probe again "
                              "(overlap info --probe)")
         known = {"version", "device", "machine", "links", "gemm", "gemm_slowdown", "comm_slowdown", "per_chunk_s",
-                 "call_s"}
+                 "call_s", "copy_gemm_slowdown"}
         _fields(data, "", where, known, required=("links", "gemm"))
         links = {}
         for c, ts in _mapping(data["links"], "links", where).items():
@@ -121,9 +143,11 @@ class Profile:
         gemm = {}
         for d, f in _mapping(data["gemm"], "gemm", where).items():
             at = f"gemm.{d}"
-            _fields(f, at, where, {"peak_flops", "overhead_s"})
+            _fields(f, at, where, {"peak_flops", "overhead_s", "memory_Bps"}, required=("peak_flops", "overhead_s"))
             gemm[d] = GemmFit(peak_flops=_rate(f["peak_flops"], f"{at}.peak_flops", where),
-                              overhead_s=_seconds(f["overhead_s"], f"{at}.overhead_s", where))
+                              overhead_s=_seconds(f["overhead_s"], f"{at}.overhead_s", where),
+                              memory_Bps=_number(f.get("memory_Bps", 0.0), f"{at}.memory_Bps", where, True,
+                                                 MAX_PROFILE_RATE))
         for name in ("device", "machine"):
             if name in data and not isinstance(data[name], str):
                 raise ValueError(f"{where}: {name} must be a string, got {data[name]!r}")
@@ -131,6 +155,8 @@ class Profile:
             links=links, gemm=gemm,
             gemm_slowdown=_number(data.get("gemm_slowdown", 1.0), "gemm_slowdown", where, False, MAX_PROFILE_SLOWDOWN),
             comm_slowdown=_number(data.get("comm_slowdown", 1.0), "comm_slowdown", where, False, MAX_PROFILE_SLOWDOWN),
+            copy_gemm_slowdown=_number(data.get("copy_gemm_slowdown", 0.0), "copy_gemm_slowdown", where, True,
+                                       MAX_PROFILE_SLOWDOWN),
             per_chunk_s=_seconds(data.get("per_chunk_s", 0.0), "per_chunk_s", where), device=data.get("device", "cpu"),
             machine=data.get("machine", ""),
             call_s={s: _seconds(t, f"call_s.{s}", where)

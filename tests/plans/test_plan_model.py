@@ -297,7 +297,8 @@ def test_cannot_run_predicts_inf_and_bad_input_raises():
 def test_default_profiles_are_plausible():
     cpu, gpu = default_profile("cpu"), default_profile("cuda:3")
     assert gpu.links["nvlink"]["copy"].bandwidth_Bps == pytest.approx(350e9, rel=0.2)
-    assert 600e12 <= gpu.gemm["bfloat16"].peak_flops <= 700e12
+    assert 600e12 <= gpu.gemm["bfloat16"].peak_flops <= 800e12  # (the h100-sxm preset's)
+    assert gpu.gemm["float8_e4m3fn"].peak_flops > gpu.gemm["bfloat16"].peak_flops > gpu.gemm["float32"].peak_flops
     assert 25e9 <= gpu.links["network"]["p2p"].bandwidth_Bps <= 50e9
     assert cpu.links["shm"]["copy"].bandwidth_Bps > cpu.links["shm"]["p2p"].bandwidth_Bps
     assert Profile.from_json(json.loads(json.dumps(gpu.to_json()))) == gpu
