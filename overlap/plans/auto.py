@@ -26,8 +26,10 @@ Default heuristic (`resolve_auto`, where no plan file covers a call):
   the default profile of the device predicts it faster than that plan, i.e. where the plan's fixed per-call cost
   (`Profile.call_s`) is more than its overlap saves (`_plain_is_cheaper`). With the default CPU profile (measured
   on a 2-core VM: gloo's collectives cost more per call than shared-memory flags) that never happens; the default
-  GPU profile's per-call costs are guesses (with them it does not happen either: the model prices NCCL's small
-  collectives above the overlapped plans'), so a probe on the machine decides (`overlap.tune.probe`).
+  GPU profile is the ``h100-sxm`` preset (`overlap.plans.presets`), with which decode-sized calls and small
+  messages take ``reference``: a chunked GEMM of a few rows rereads its weight, and the per-call costs (guessed
+  until a GPU runs the probe) outweigh what overlap hides. `described_plan` is the same choice for a described
+  cluster (``overlap predict``, ``overlap tune --machine``), checked for every op family.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from ..errors import warn_once
 from ..world import GroupInfo
 from .costmodel import default_profile, predict, rank_candidates, topology_of
 from .migration import check_migrate, nodes_of
-from .optable import OPS, Problem
+from .optable import FP8_DTYPES, FP8_LEAVES, ITEMSIZE, OPS, Problem
 from .plan import Plan
 from .planfile import PlanFile, load_cached
 
@@ -111,33 +113,66 @@ def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int | 
         if plan is not None:
             _log_once(op, signature, plan, how)
             return plan
-    if info.world_size == 1:
-        plan = Plan("reference")
-    elif not info.single_node and problem is not None and problem.spec.family == "tp":
+    if not info.single_node and info.world_size > 1 and problem is not None and problem.spec.family == "tp":
         plan = _across_nodes(problem, info)
         _log_once(op, signature, plan, "cost model with the default profile")
         return plan
-    elif not info.single_node:
-        plan = Plan("pipelined")
-    elif info.device.type == "cuda" and not gpu_symmetric_memory():
-        plan = Plan("pipelined")
+    symm = info.device.type != "cuda" or gpu_symmetric_memory()
+    if info.single_node and info.world_size > 1 and not symm:
         warn_once("overlap: GPU symmetric memory is unavailable (overlap._C built without CUDA, or torch "
                   "lacks _symmetric_memory); 'auto' falls back to 'pipelined'", log=True)
-    elif info.device.type == "cuda" and dtype_name in ("float16", "bfloat16") and (rows_per_rank or 128) >= 128:
-        plan = Plan("fused")
-    else:
-        plan = Plan("symm")
-    if op in OPS and plan.strategy not in OPS[op].strategies:  # an op without fused (OpSpec.strategies)
-        plan = Plan("symm")
-    if _takes_one_shot(op) and plan.strategy != "reference":
-        one_shot = out_bytes <= ONE_SHOT_MAX_BYTES or rows_per_rank < 2 * info.world_size
-        plan = dataclasses.replace(plan, one_shot=one_shot)
+    plan = heuristic_plan(op, info.world_size, info.single_node, info.device.type, rows_per_rank, dtype_name,
+                          out_bytes, symm)
     how = "default heuristic"
     if plan.strategy != "reference" and problem is not None and problem.spec.family == "tp" \
             and _plain_is_cheaper(problem, _topology(info), plan):
         plan, how = Plan("reference"), "cost model: the protocol costs more than the overlap saves"
     _log_once(op, signature, plan, how)
     return plan
+
+
+def heuristic_plan(op: str, world_size: int, single_node: bool, device_type: str, rows: int | None,
+                   dtype_name: str, out_bytes: int = 0, symm_available: bool = True) -> Plan:
+    """The default heuristic of this module's docstring, before the cost model's check: a pure function of the call
+    (`rows`: its input rows, None for MoE; `out_bytes`: its output's) and of the group (``pipelined`` across nodes,
+    where the caller has not asked the model; ``pipelined`` on GPUs without symmetric memory)."""
+    if world_size == 1:
+        plan = Plan("reference")
+    elif not single_node or (device_type == "cuda" and not symm_available):
+        plan = Plan("pipelined")
+    elif device_type == "cuda" and dtype_name in ("float16", "bfloat16") and (rows or 128) >= 128:
+        plan = Plan("fused")
+    else:
+        plan = Plan("symm")
+    if op in OPS and plan.strategy not in OPS[op].strategies:  # an op without fused (OpSpec.strategies)
+        plan = Plan("symm")
+    if _takes_one_shot(op) and plan.strategy != "reference":
+        one_shot = out_bytes <= ONE_SHOT_MAX_BYTES or (rows or 0) < 2 * world_size
+        plan = dataclasses.replace(plan, one_shot=one_shot)
+    return plan
+
+
+def described_plan(problem: Problem, topology, profile) -> tuple[Plan, str]:
+    """``auto``'s plan for `problem` on a described cluster (`overlap.plans.presets.cluster`: `topology` and its
+    `profile`), without a plan file, and how it was chosen: the runtime's rules (a tensor-parallel call across
+    nodes: the model's best plan; else `heuristic_plan`), then, for every op family, ``reference`` where the model
+    predicts the plain collectives faster than that plan. So it is never a plan the model predicts slower than
+    unfused. (At run time the last check covers the tensor-parallel ops: an MoE call's token count differs between
+    ranks; a plan file from ``overlap tune --machine`` carries the checked choice to them.)"""
+    spec, W = problem.spec, topology.world_size
+    if topology.num_nodes > 1 and W > 1 and spec.family == "tp":
+        ranked = rank_candidates(problem, topology, profile)
+        plan = next((p for p, pred in ranked if math.isfinite(pred.total_s)), Plan("pipelined"))
+        return plan, "cost model: the best plan across nodes"
+    rows = spec.in_rows(problem.m, W) if spec.family == "tp" else None
+    out_size = ITEMSIZE[FP8_LEAVES if problem.dtype in FP8_DTYPES else problem.dtype]
+    out_bytes = spec.out_rows(problem.m, W) * spec.out_cols(problem.n, W) * out_size
+    plan = heuristic_plan(problem.op, W, topology.num_nodes == 1, topology.device, rows, problem.dtype, out_bytes)
+    if plan.strategy != "reference":
+        plain = predict(problem, Plan("reference"), topology, profile).total_s
+        if plain < predict(problem, plan, topology, profile).total_s:
+            return Plan("reference"), "cost model: the plain collectives are faster than the default heuristic's plan"
+    return plan, "default heuristic"
 
 
 @functools.lru_cache(maxsize=64)
