@@ -1,4 +1,5 @@
-"""The ``overlap`` command: ``overlap info``, ``overlap bench``, ``overlap tune``, ``overlap --version``.
+"""The ``overlap`` command: ``overlap info``, ``overlap bench``, ``overlap tune``, ``overlap demo``,
+``overlap predict``, ``overlap --version``.
 
 The commands need ranks. Started by torchrun (``torchrun --nproc-per-node 4 -m overlap.cli
 bench``) they run in place on the ranks torchrun made; started plainly they start ``--ranks``
@@ -12,7 +13,8 @@ a model that do not fit the ranks (one line, before any rank starts); 130 after 
 This module is the entry point (`main`) and what each command does around its ranks. The parser is
 `overlap.cli.parser`, running on the ranks `overlap.cli.ranks`; what each command does before and after its
 ranks: `overlap.cli.bench`, `overlap.cli.tune`, `overlap.cli.demo`, `overlap.cli.info` (what ``overlap info``
-prints). The commands share one progress bar (`overlap.progress`).
+prints); ``overlap predict`` (`overlap.cli.predict`) and ``overlap tune --machine`` start no rank. The commands
+share one progress bar (`overlap.progress`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from typing import Any
 
 from ..benchmarks.names import BENCH_OPS, MODES, all_bench_labels, bench_labels
 from ..errors import Terminated
-from .parser import build_parser, selection
+from .argtypes import selection
+from .parser import build_parser
 
 # Nothing here imports torch before a command runs: the ranks (`ranks`), `info` and the benchmark's
 # modules are imported by the command that needs them, so --help, --version and argument errors are quick.
@@ -139,11 +142,12 @@ def _tune_rank(config: Any, status_path: str) -> None:
 
 
 def _tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .ranks import num_ranks, on_ranks
-    from .tune import TuneConfig, parse_shape, problems_of
-
     if not args.shape and not args.model:
         parser.error("give --shape (one or more) or --model")
+    if args.machine is None and (args.gpus_per_node is not None or args.nodes != 1 or args.profile is not None):
+        parser.error("--gpus-per-node, --nodes and --profile describe a cluster: they go with --machine")
+    from .ranks import num_ranks, on_ranks
+    from .tune import TuneConfig, parse_shape, problems_of
     for spec in args.shape:
         try:
             parse_shape(spec, True)
@@ -161,6 +165,17 @@ def _tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--out: {exc} (the new plans are merged into it; give another file or remove it)")
     config = TuneConfig(args.shape, args.model, args.out, args.forward_only, args.measure, args.repeats,
                         args.warmup, args.probe, args.timeout, args.routing)
+    if args.machine is not None:  # a described cluster: predicted plans, no rank
+        from .predict import described_cluster
+        from .tune import predicted_plans
+
+        try:
+            c = described_cluster(args)
+            lines = predicted_plans(config, c)
+        except ValueError as exc:
+            parser.error(str(exc))
+        print("\n".join(lines), flush=True)
+        return 0
     try:  # the problems must fit the ranks before any starts (exit 2), as bench's cases and demo's model
         problems_of(config, num_ranks(args.nproc))
     except ValueError as exc:
@@ -206,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
             return _tune(args, args.subparser)
         if args.command == "bench":
             return _bench(args, args.subparser)
+        if args.command == "predict":
+            from .predict import run as run_predict
+
+            return run_predict(args, args.subparser)
         if args.command == "demo":
             from .demo import run as run_demo
 

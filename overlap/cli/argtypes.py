@@ -59,3 +59,8 @@ def add_ranks_option(parser: argparse.ArgumentParser) -> None:
     """``--ranks N`` (also ``--nproc N``; ``args.nproc``) on the parser of a command that starts ranks."""
     parser.add_argument("--ranks", "--nproc", dest="nproc", type=int_at_least(1, "a positive integer"), default=None,
                         metavar="N", help=RANKS_HELP)
+
+
+def selection(values: list[tuple[str, ...]] | None, known: tuple[str, ...]) -> tuple[str, ...]:
+    """The union of a repeatable comma-separated option's values, in the order of `known` (None: all)."""
+    return tuple(k for k in known if any(k in group for group in values)) if values else known

@@ -42,6 +42,8 @@ examples:
   torchrun --nproc-per-node 8 -m overlap.cli bench --strategies reference,symm,fused
   overlap tune --shape all_gather_matmul:256x1024x1024 --shape moe:512x128x448:8:2 --out plans.json
   overlap tune --model hidden=4096,ffn=14336,tokens=4096,heads=32,kv_heads=8,gated=1,dtype=bfloat16 --out plans.json
+  overlap tune --machine h100-sxm --model hidden=8192,ffn=28672,tokens=8192,heads=64,kv_heads=8,gated=1,dtype=bfloat16
+  overlap predict --machine h100-sxm --shape llama3-70b-full --dtype bfloat16
   OVERLAP_PLAN=plans.json python train.py
 """
 
@@ -95,18 +97,13 @@ _ops = _names(BENCH_OPS, "ops among")
 _modes = _names(MODES, "modes among")
 
 
-def selection(values: list[tuple[str, ...]] | None, known: tuple[str, ...]) -> tuple[str, ...]:
-    """The union of a repeatable comma-separated option's values, in the order of `known` (None: all)."""
-    return tuple(k for k in known if any(k in group for group in values)) if values else known
-
-
 # ----------------------------------------------------------------------------------------------
 # The parser
 # ----------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of ``overlap``: commands info, tune and bench; each command's parser is its
+    """The parser of ``overlap``: commands info, tune, bench, demo and predict; each command's parser is its
     namespace's ``subparser`` (for `parser.error` after parsing)."""
     parser = argparse.ArgumentParser(
         prog="overlap",
@@ -295,4 +292,21 @@ def build_parser() -> argparse.ArgumentParser:
     from .demo import add_parser as add_demo_parser  # overlap demo: its options live in overlap/cli/demo.py
 
     add_demo_parser(sub)
+    from .predict import add_parser as add_predict_parser  # overlap predict: its options in overlap/cli/predict.py
+
+    add_predict_parser(sub, _shape, _ops, _modes)
+    add_machine_options_to_tune(tune)
     return parser
+
+
+def add_machine_options_to_tune(tune: argparse.ArgumentParser) -> None:
+    """``overlap tune --machine NAME``: a plan file for a described cluster, predicted, nothing run."""
+    from .predict import add_machine_options
+
+    group = tune.add_argument_group(
+        "a described cluster (nothing runs)",
+        "With --machine, tune starts no rank: it writes the cost model's best plan for each problem on the cluster "
+        "that --machine, --gpus-per-node and --nodes describe (never one predicted slower than reference), marked "
+        "as predicted (no measured time), a starting point until tune runs there; --measure, --repeats, --warmup, "
+        "--probe, --timeout and --routing do not apply.")
+    add_machine_options(group, required=False)

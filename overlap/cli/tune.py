@@ -219,6 +219,39 @@ def tune_rank(config: TuneConfig) -> list[str]:
     return lines
 
 
+def predicted_plans(config: TuneConfig, cluster) -> list[str]:
+    """``overlap tune --machine``: for every problem of `config` on the described `cluster`
+    (`overlap.plans.presets.Cluster`), the cost model's best plan (never one predicted slower than ``reference``,
+    which is a candidate), merged into the plan file ``config.out`` as predicted entries (no measured time) with
+    the cluster's profile; no rank starts. Returns the report's lines; ValueError for a problem that does not fit
+    the cluster or a file that cannot be merged into."""
+    import math
+
+    from ..plans import PlanFile, rank_candidates
+    from ..plans.planfile import Entry, merge_into
+
+    topology, profile = cluster.topology, cluster.profile
+    problems = problems_of(config, topology.world_size)
+    pf = PlanFile.new(topology, profile=profile)
+    links = tuple(c for c, _ in topology.links)
+    lines = [f"predicted for {cluster.about}; {topology.world_size} ranks; nothing was run or measured",
+             f"{'problem':<52} {'chosen plan':<34} {'predicted':>10} {'reference':>10} {'speedup':>8}"]
+    for p in problems:
+        ranked = [(plan, pred) for plan, pred in rank_candidates(p, topology, profile) if math.isfinite(pred.total_s)]
+        plan, pred = ranked[0]
+        ref = next(pr for pl, pr in ranked if pl.strategy == "reference")
+        pf.entries[p.key] = Entry(p, plan, predicted_s=pred.total_s)
+        lines.append(f"{p.key:<52} {plan.label(links):<34} {pred.total_s * 1e3:>8.3f}ms {ref.total_s * 1e3:>8.3f}ms "
+                     f"{ref.total_s / pred.total_s:>7.2f}x")
+    merged = merge_into(config.out, pf)
+    kept = len(set(merged.entries) - set(pf.entries))
+    merged.save(config.out)
+    lines.append(f"wrote {config.out} ({len(merged.entries)} entries" + (f", {kept} of them kept from the file" if kept
+                 else "") + f", topology {merged.topology}), predicted: run overlap tune on the cluster to measure; "
+                 f"use it with OVERLAP_PLAN={config.out}")
+    return lines
+
+
 def check_out(path: str, topology, reads: bool, src: int) -> None:
     """Raise ValueError on every rank where the plan file at `path` (``--out``) exists and cannot be merged into
     (`overlap.plans.planfile.merge_into`: unreadable, invalid, another topology): rank `src` (global; `reads`
@@ -285,4 +318,4 @@ def probe_rank(refresh: bool, quick: bool) -> list[str]:
     return [format_profile(profile), "" if quick else f"cached in {cache_path()}"]
 
 
-__all__ = ["TuneConfig", "parse_model", "parse_routing", "parse_shape", "probe_rank", "tune_rank"]
+__all__ = ["TuneConfig", "parse_model", "parse_routing", "parse_shape", "predicted_plans", "probe_rank", "tune_rank"]

@@ -37,6 +37,7 @@ def test_help_lists_commands():
     assert re.search(r"^\s+info\s", proc.stdout, re.M), proc.stdout
     assert re.search(r"^\s+bench\s", proc.stdout, re.M), proc.stdout
     assert re.search(r"^\s+tune\s", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^\s+predict\s", proc.stdout, re.M), proc.stdout
 
 
 def test_console_script_next_to_interpreter():
@@ -73,6 +74,9 @@ _NO_TORCH = textwrap.dedent("""\
         (("bench", "--help"), 0),
         (("tune", "--help"), 0),
         (("info", "--help"), 0),
+        (("predict", "--help"), 0),
+        (("predict", "--machine", "h900"), 2),
+        (("tune", "--shape", "moe:8x8x8:4:2", "--nodes", "2"), 2),
         (("bench", "--shape", "3x4"), 2),
         (("bench", "--plot", "x.bmpx"), 2),
         (("bench", "--json", "/no/such/folder/x.json"), 2),
@@ -185,6 +189,9 @@ def test_torchrun_passes_every_option_of_ours_through():
     commands = build_parser()._subparsers._group_actions[0].choices  # argparse keeps its subparsers there
     for command, parser in commands.items():
         options = {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
+        if command == "predict":  # starts no rank: nothing of torchrun's applies
+            assert "--ranks" not in options, options
+            continue
         assert "--ranks" in options and "--nproc" in options, (command, options)
         for option in sorted(options - {"--nproc"}):
             argv = [command, option, "2"]
