@@ -263,7 +263,8 @@ def cluster(name: str, gpus_per_node: int | None = None, nodes: int = 1, profile
             cache: str | Path | None = None) -> Cluster:
     """The cluster ``--machine NAME --gpus-per-node G --nodes N`` describes (`gpus_per_node` default: the
     preset's node). Its profile: `profile` where given, else a measured profile of the preset's GPU found in
-    `cache` (`measured_profile`; None: not looked for), else the preset's (`profile_of`)."""
+    `cache` (`measured_profile`; None: not looked for), each `completed` by the preset's numbers; else the
+    preset's (`profile_of`)."""
     m = machine(name)
     topology = topology_of_cluster(m.gpus_per_node if gpus_per_node is None else gpus_per_node, nodes)
     measured = ""
@@ -271,7 +272,20 @@ def cluster(name: str, gpus_per_node: int | None = None, nodes: int = 1, profile
         found = measured_profile(m, cache)
         if found is not None:
             measured, profile = found
-    return Cluster(m, topology, profile if profile is not None else profile_of(m), measured)
+    return Cluster(m, topology, profile_of(m) if profile is None else completed(profile, profile_of(m)), measured)
+
+
+def completed(measured: Profile, preset: Profile) -> Profile:
+    """`measured` with what it lacks taken from `preset`: the link classes and transports it has no fit for (a
+    probe on one GPU measures GEMMs alone), the dtypes it has no GEMM fit for, the strategies it has no per-call
+    cost for; and, where it measured no link at all, the preset's interference and per-chunk cost (a probe
+    measures those only beside a transfer)."""
+    links = {c: {**preset.links.get(c, {}), **fits} for c, fits in measured.links.items()}
+    links = {**{c: fits for c, fits in preset.links.items() if c not in links}, **links}
+    scalars = {} if measured.links else {f: getattr(preset, f) for f in ("gemm_slowdown", "comm_slowdown",
+                                                                         "copy_gemm_slowdown", "per_chunk_s")}
+    return dataclasses.replace(measured, links=links, gemm={**preset.gemm, **measured.gemm},
+                               call_s={**preset.call_s, **measured.call_s}, **scalars)
 
 
 def measured_profile(m: Machine, cache: str | Path) -> tuple[str, Profile] | None:
@@ -298,4 +312,4 @@ def measured_profile(m: Machine, cache: str | Path) -> tuple[str, Profile] | Non
 
 
 __all__ = ["AMPERE", "BLACKWELL", "CDNA3", "HOPPER", "PRESETS", "Cluster", "Efficiency", "Machine", "cluster",
-           "machine", "measured_profile", "profile_of", "topology_of_cluster"]
+           "completed", "machine", "measured_profile", "profile_of", "topology_of_cluster"]

@@ -105,13 +105,23 @@ def test_a_measured_profile_of_the_same_gpu_replaces_the_preset(tmp_path):
                                                                            .to_json()))
     (tmp_path / "profile-host-broken-w8-nvlink.json").write_text("{not json")
     c = presets.cluster("h100-sxm", cache=tmp_path)
-    assert c.measured.endswith("profile-host-NVIDIA_H100-w8-nvlink.json") and c.profile == measured(
-        h100.device_names[0]), c
+    probed, preset = measured(h100.device_names[0]), presets.profile_of(h100)
+    assert c.measured.endswith("profile-host-NVIDIA_H100-w8-nvlink.json"), c
+    assert c.profile.links["nvlink"] == probed.links["nvlink"] and c.profile.gemm["bfloat16"] == probed.gemm[
+        "bfloat16"], c.profile  # the measured numbers win ...
+    assert c.profile.links["network"] == preset.links["network"] and c.profile.gemm["float32"] == preset.gemm[
+        "float32"] and c.profile.call_s == preset.call_s  # ... the preset fills what the probe did not measure
+    assert c.profile.gemm_slowdown == probed.gemm_slowdown  # measured beside a transfer
     assert "measured profile" in c.about
     assert presets.cluster("h100-sxm").measured == ""  # no cache given: the preset
     assert presets.cluster("h200", cache=tmp_path).measured == ""  # no H200 profile there
     a100 = presets.cluster("a100-sxm", cache=tmp_path)
     assert a100.profile.machine == "probed" and os.path.basename(a100.measured) == "profile-host-other-w8-nvlink.json"
+    one_gpu = Profile({}, {"bfloat16": GemmFit(6e14, 7e-6)}, device=h100.device_names[0])  # a probe on one GPU
+    done = presets.completed(one_gpu, preset)
+    assert done.links == preset.links and done.gemm["bfloat16"] == GemmFit(6e14, 7e-6)
+    assert (done.gemm_slowdown, done.copy_gemm_slowdown, done.per_chunk_s) == (
+        preset.gemm_slowdown, preset.copy_gemm_slowdown, preset.per_chunk_s)
     assert presets.cluster("b200", cache=tmp_path / "missing").measured == ""
 
 
