@@ -17,6 +17,9 @@ import math
 from typing import Any
 
 from ..benchmarks.names import BENCH_OPS, DTYPE_NAMES, MODES
+from .argtypes import int_at_least
+
+_at_least_one = int_at_least(1)
 
 EXAMPLES = """\
 examples:
@@ -50,16 +53,6 @@ def _machine_name(text: str) -> str:
         return machine(text).name
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 def add_parser(sub: Any, shape_type: Any, ops_type: Any, modes_type: Any) -> None:
