@@ -26,10 +26,11 @@ Default heuristic (`resolve_auto`, where no plan file covers a call):
   the default profile of the device predicts it faster than that plan, i.e. where the plan's fixed per-call cost
   (`Profile.call_s`) is more than its overlap saves (`_plain_is_cheaper`). With the default CPU profile (measured
   on a 2-core VM: gloo's collectives cost more per call than shared-memory flags) that never happens; the default
-  GPU profile is the ``h100-sxm`` preset (`overlap.plans.presets`), with which decode-sized calls and small
-  messages take ``reference``: a chunked GEMM of a few rows rereads its weight, and the per-call costs (guessed
-  until a GPU runs the probe) outweigh what overlap hides. `described_plan` is the same choice for a described
-  cluster (``overlap predict``, ``overlap tune --machine``), checked for every op family.
+  GPU profile is the preset of the ranks' GPU (`overlap.plans.presets`, by its device name; ``h100-sxm`` for a GPU
+  without a preset), with which decode-sized calls and small messages take ``reference``: a chunked GEMM of a few
+  rows rereads its weight, and the per-call costs (guessed until a GPU runs the probe) outweigh what overlap hides.
+  `described_plan` applies the same rules to a described cluster (``overlap predict``, ``overlap tune --machine``)
+  with its profile, and its check to every op family (at run time an MoE call's check comes from a plan file).
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int | 
                           out_bytes, symm)
     how = "default heuristic"
     if plan.strategy != "reference" and problem is not None and problem.spec.family == "tp" \
-            and _plain_is_cheaper(problem, _topology(info), plan):
+            and _plain_is_cheaper(problem, _topology(info), plan, gpu_name(info.device)):
         plan, how = Plan("reference"), "cost model: the protocol costs more than the overlap saves"
     _log_once(op, signature, plan, how)
     return plan
@@ -181,13 +182,27 @@ def _topology(info: GroupInfo):
     return topology_of(info)
 
 
+@functools.lru_cache(maxsize=16)
+def gpu_name(device) -> str:
+    """What ``torch.cuda.get_device_name`` calls `device` (a `torch.device`), empty for a CPU or where CUDA cannot
+    say: the default profile of GPU ranks is that GPU's preset (`default_profile`)."""
+    if device.type != "cuda":
+        return ""
+    import torch
+
+    try:
+        return torch.cuda.get_device_name(device)
+    except (RuntimeError, AssertionError, ValueError):  # (no driver, or torch without CUDA)
+        return ""
+
+
 @functools.lru_cache(maxsize=1024)
-def _plain_is_cheaper(problem: Problem, topology, plan: Plan) -> bool:
-    """Whether the cost model, with the default profile of the group's device, predicts the plain collectives
-    (``reference``) faster than `plan` for `problem`: a call so small that the overlapped plan's fixed per-call
-    cost (`Profile.call_s`) is more than its overlap saves. The same on every rank (a pure function of the call and
-    the topology); cached per call shape."""
-    profile = default_profile(topology.device)
+def _plain_is_cheaper(problem: Problem, topology, plan: Plan, name: str = "") -> bool:
+    """Whether the cost model, with the default profile of the group's device (`name`: its GPU, whose preset it is
+    where there is one), predicts the plain collectives (``reference``) faster than `plan` for `problem`: a call so
+    small that the overlapped plan's fixed per-call cost (`Profile.call_s`) is more than its overlap saves. The same
+    on every rank of one GPU type (a pure function of the call, the topology and the GPU); cached per call shape."""
+    profile = default_profile(topology.device, name)
     try:
         plain = predict(problem, Plan("reference"), topology, profile).total_s
         chosen = predict(problem, plan, topology, profile).total_s
@@ -199,7 +214,7 @@ def _plain_is_cheaper(problem: Problem, topology, plan: Plan) -> bool:
 def _across_nodes(problem: Problem, info: GroupInfo) -> Plan:
     """A TP call on a group that spans nodes, without a plan file: the cost model's best plan (``hierarchical``,
     ``pipelined`` or ``reference``, chunked per link) under `default_profile` of the group's device."""
-    ranked = rank_candidates(problem, topology_of(info), default_profile(info.device.type))
+    ranked = rank_candidates(problem, topology_of(info), default_profile(info.device.type, gpu_name(info.device)))
     return next((p for p, pred in ranked if math.isfinite(pred.total_s)), Plan("pipelined"))
 
 

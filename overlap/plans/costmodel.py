@@ -96,7 +96,9 @@ class Schedule:
         if self.gfit is None:
             raise ValueError(f"machine profile has no GEMM fit for {problem.dtype} (nor float32): probe again")
         self.launch = self.gfit.overhead_s if self.fused else 0.0  # a fused kernel's one launch
-        self.itemsize = ITEMSIZE[problem.dtype]  # what a GEMM reads and writes per element (its memory roofline)
+        # what a GEMM reads and writes per element (its memory roofline): an fp8 GEMM writes its leaves' dtype
+        self.itemsize = ITEMSIZE[problem.dtype]
+        self.out_itemsize = ITEMSIZE[FP8_LEAVES] if self.fp8 else self.itemsize
         self.cs, self.gs = max(1.0, profile.comm_slowdown), max(1.0, profile.gemm_slowdown_for(self.transport))
         self.total = self.comm = self.compute = 0.0
         # hierarchical (`hierarchical_cost`): nodes, ranks per node, the class of the links within a node
@@ -114,7 +116,7 @@ class Schedule:
         self.size = self.part_size = self.grad_size
         if self.fp8:
             self.gfit = self.profile.gemm.get(FP8_LEAVES) or self.gfit
-            self.itemsize = ITEMSIZE[FP8_LEAVES]
+            self.itemsize = self.out_itemsize = ITEMSIZE[FP8_LEAVES]
 
     # ---- costs ---------------------------------------------------------------------------------
     def msgs(self, link: str, nbytes: float, count: float = 1) -> float:
@@ -147,7 +149,7 @@ class Schedule:
         per chunk: what makes chunks of a few rows memory-bound). Inside a fused kernel the piece is some tiles of
         one GEMM of `of_rows` rows, which reads its weight once: the piece's share of it."""
         share = rows / of_rows if self.fused and of_rows > rows else 1.0
-        nbytes = (rows * k + weights * k * n * share + rows * n) * self.itemsize
+        nbytes = (rows * k + weights * k * n * share) * self.itemsize + rows * n * self.out_itemsize
         return self.gemm(2 * rows * k * n, calls, nbytes)
 
     # ---- schedule ------------------------------------------------------------------------------
@@ -413,7 +415,7 @@ def rank_candidates(problem: Problem, topology: Topology, profile: Profile,
 #: the default CPU profile's fixed cost of a call per strategy: the probe's on the 2-core VM, rounded (two runs:
 #: reference 898-974 us, pipelined 1105-1440, symm 135-448)
 CPU_CALL_S = {"reference": 900e-6, "pipelined": 1200e-6, "symm": 250e-6, "hierarchical": 1200e-6, "fused": 250e-6}
-def default_profile(device: str) -> Profile:
+def default_profile(device: str, name: str = "") -> Profile:
     """Rough defaults, not measurements: the model works before any probe (``overlap tune`` measures).
 
     ``"cpu"``, a 2-core VM with gloo ranks of one torch thread: gloo point-to-point ~100 us + 0.3 GB/s (the
@@ -422,9 +424,9 @@ def default_profile(device: str) -> Profile:
     cores shared with gloo's and the copy engine's threads), 30 us a chunk (Python-level messages, flags); the
     fixed cost of a call as the probe measured it there (`CPU_CALL_S`: gloo's collectives cost far more per call
     than shared-memory flags).
-    ``"cuda"``: the ``h100-sxm`` preset (`overlap.plans.presets`: vendor peaks times documented efficiencies, 8 GPUs
-    on NVLink through NVSwitch, 400 Gb/s per GPU, PCIe 5.0), its fixed per-call costs guessed (no GPU has run the
-    probe here).
+    ``"cuda"``: the preset of the GPU `name` (``torch.cuda.get_device_name``: `overlap.plans.presets.for_device`),
+    else the ``h100-sxm`` preset (vendor peaks times documented efficiencies, 8 GPUs on NVLink through NVSwitch,
+    400 Gb/s per GPU, PCIe 5.0); their fixed per-call costs guessed (no GPU has run the probe here).
     Raises ValueError for another device.
     """
     kind = device.split(":")[0]
@@ -436,6 +438,6 @@ def default_profile(device: str) -> Profile:
             gemm_slowdown=1.3, comm_slowdown=1.3, per_chunk_s=30e-6, device="cpu", call_s=dict(CPU_CALL_S),
             machine="default: 2-core VM, gloo (rough constants, not measured here)")
     if kind == "cuda":
-        profile = presets.profile_of(presets.PRESETS["h100-sxm"])
+        profile = presets.profile_of(presets.for_device(name) or presets.PRESETS["h100-sxm"])
         return dataclasses.replace(profile, machine=f"default: {profile.machine}")
     raise ValueError(f"default_profile: device must be 'cpu' or 'cuda', got {device!r}")

@@ -230,6 +230,11 @@ def profile_of(m: Machine) -> Profile:
         machine=f"preset {m.name}: {m.about} (vendor peaks x documented efficiencies, not measured)")
 
 
+def for_device(name: str) -> Machine | None:
+    """The preset whose GPU ``torch.cuda.get_device_name`` calls `name` (`Machine.device_names`), else None."""
+    return next((m for m in PRESETS.values() if name in m.device_names), None)
+
+
 def topology_of_cluster(gpus_per_node: int, nodes: int = 1) -> Topology:
     """The `Topology` of every GPU of `nodes` nodes of `gpus_per_node` GPUs each, as one group: each rank's peers
     on its node over the GPU fabric (``nvlink``), the others over the network. ValueError below one."""
@@ -277,15 +282,19 @@ def cluster(name: str, gpus_per_node: int | None = None, nodes: int = 1, profile
 
 def completed(measured: Profile, preset: Profile) -> Profile:
     """`measured` with what it lacks taken from `preset`: the link classes and transports it has no fit for (a
-    probe on one GPU measures GEMMs alone), the dtypes it has no GEMM fit for, the strategies it has no per-call
+    probe on one GPU measures GEMMs alone), the dtypes it has no GEMM fit for, the HBM rate of a GEMM fit that has
+    none (the probe fits square GEMMs: their memory roofline is the preset's), the strategies it has no per-call
     cost for; and, where it measured no link at all, the preset's interference and per-chunk cost (a probe
     measures those only beside a transfer)."""
     links = {c: {**preset.links.get(c, {}), **fits} for c, fits in measured.links.items()}
     links = {**{c: fits for c, fits in preset.links.items() if c not in links}, **links}
     scalars = {} if measured.links else {f: getattr(preset, f) for f in ("gemm_slowdown", "comm_slowdown",
                                                                          "copy_gemm_slowdown", "per_chunk_s")}
-    return dataclasses.replace(measured, links=links, gemm={**preset.gemm, **measured.gemm},
-                               call_s={**preset.call_s, **measured.call_s}, **scalars)
+    gemm = {**preset.gemm, **{d: fit if fit.memory_Bps or d not in preset.gemm else  # (the probe fits no HBM rate)
+                              dataclasses.replace(fit, memory_Bps=preset.gemm[d].memory_Bps)
+                              for d, fit in measured.gemm.items()}}
+    return dataclasses.replace(measured, links=links, gemm=gemm, call_s={**preset.call_s, **measured.call_s},
+                               **scalars)
 
 
 def measured_profile(m: Machine, cache: str | Path) -> tuple[str, Profile] | None:
@@ -312,4 +321,4 @@ def measured_profile(m: Machine, cache: str | Path) -> tuple[str, Profile] | Non
 
 
 __all__ = ["AMPERE", "BLACKWELL", "CDNA3", "HOPPER", "PRESETS", "Cluster", "Efficiency", "Machine", "cluster",
-           "completed", "machine", "measured_profile", "profile_of", "topology_of_cluster"]
+           "completed", "for_device", "machine", "measured_profile", "profile_of", "topology_of_cluster"]

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from .. import comm, envs, world
 from ..plans import Entry, Plan, PlanFile, Problem, default_profile, expected_loads, rank_candidates, topology_of
+from ..plans.auto import gpu_name
 
 #: a MoE routing as `overlap.plans.expected_loads` reads it: ``E`` shares, or ``E`` rows of one share per node
 Routing = tuple[float, ...] | tuple[tuple[float, ...], ...]
@@ -83,7 +84,7 @@ def tune(problems: list[Problem], group=None, *, profile=None, measure: int = ME
     info = world.group_info(pg, timeout)
     topology = topology_of(info)
     if profile is None:
-        profile = default_profile(info.device.type)
+        profile = default_profile(info.device.type, gpu_name(info.device))
     loads = [_loads(p, topology, routing) for p in problems]  # (raises before any communication)
     plans_per_problem = [_agreed_candidates(p, topology, profile, measure, pg, info, ld)
                          for p, ld in zip(problems, loads, strict=True)]

@@ -490,7 +490,7 @@ def test_auto_heuristic_is_documented_and_never_fused_on_cpu(monkeypatch):
 # ---- the fixed cost of a call (Profile.call_s) -------------------------------------------------
 
 
-def _protocol_costly(device: str) -> Profile:
+def _protocol_costly(device: str, name: str = "") -> Profile:
     """The default profile of `device` whose overlapped plans cost 1 ms per call, the plain collectives nothing."""
     return dataclasses.replace(default_profile(device), call_s={"reference": 0.0, "pipelined": 1e-3, "symm": 1e-3,
                                                                 "fused": 1e-3, "hierarchical": 1e-3})
@@ -541,7 +541,7 @@ def test_auto_takes_the_plain_plan_where_the_profile_says_the_protocol_costs_mor
     try:
         assert choice(2) == Plan("reference") and choice(2, "matmul_all_reduce") == Plan("reference")
         assert choice(1 << 16).strategy == "symm"  # the overlap saves more than the protocol costs
-        monkeypatch.setattr(auto, "default_profile", lambda device: dataclasses.replace(
+        monkeypatch.setattr(auto, "default_profile", lambda device, name="": dataclasses.replace(
             default_profile(device), call_s={}))  # no per-call costs: the heuristic's plan everywhere
         auto._plain_is_cheaper.cache_clear()
         assert choice(2).strategy == "symm" and choice(2, "matmul_all_reduce") == Plan("symm", one_shot=True)

@@ -82,9 +82,15 @@ def test_cluster_topology(gpus, nodes):
             presets.topology_of_cluster(bad, nodes)
 
 
-def test_default_gpu_profile_is_the_h100_preset():
-    preset = presets.profile_of(presets.machine("h100-sxm"))
-    assert dataclasses.replace(default_profile("cuda"), machine="") == dataclasses.replace(preset, machine="")
+def test_default_gpu_profile_is_the_preset_of_the_gpu():
+    def plain(profile):
+        return dataclasses.replace(profile, machine="")
+
+    h100, h800 = presets.profile_of(presets.machine("h100-sxm")), presets.profile_of(presets.machine("h800"))
+    assert plain(default_profile("cuda")) == plain(h100)  # no name, or a GPU without a preset: the H100's
+    assert plain(default_profile("cuda:1", "NVIDIA L4")) == plain(h100)
+    assert plain(default_profile("cuda", "NVIDIA H800")) == plain(h800)
+    assert presets.for_device("AMD Instinct MI300X") is presets.PRESETS["mi300x"] and presets.for_device("x") is None
 
 
 # ---- a measured profile replaces the preset's numbers ----------------------------------------------------------
@@ -107,8 +113,9 @@ def test_a_measured_profile_of_the_same_gpu_replaces_the_preset(tmp_path):
     c = presets.cluster("h100-sxm", cache=tmp_path)
     probed, preset = measured(h100.device_names[0]), presets.profile_of(h100)
     assert c.measured.endswith("profile-host-NVIDIA_H100-w8-nvlink.json"), c
-    assert c.profile.links["nvlink"] == probed.links["nvlink"] and c.profile.gemm["bfloat16"] == probed.gemm[
-        "bfloat16"], c.profile  # the measured numbers win ...
+    fit = c.profile.gemm["bfloat16"]
+    assert c.profile.links["nvlink"] == probed.links["nvlink"] and (fit.peak_flops, fit.overhead_s) == (
+        probed.gemm["bfloat16"].peak_flops, probed.gemm["bfloat16"].overhead_s), c.profile  # the measured win ...
     assert c.profile.links["network"] == preset.links["network"] and c.profile.gemm["float32"] == preset.gemm[
         "float32"] and c.profile.call_s == preset.call_s  # ... the preset fills what the probe did not measure
     assert c.profile.gemm_slowdown == probed.gemm_slowdown  # measured beside a transfer
@@ -119,7 +126,15 @@ def test_a_measured_profile_of_the_same_gpu_replaces_the_preset(tmp_path):
     assert a100.profile.machine == "probed" and os.path.basename(a100.measured) == "profile-host-other-w8-nvlink.json"
     one_gpu = Profile({}, {"bfloat16": GemmFit(6e14, 7e-6)}, device=h100.device_names[0])  # a probe on one GPU
     done = presets.completed(one_gpu, preset)
-    assert done.links == preset.links and done.gemm["bfloat16"] == GemmFit(6e14, 7e-6)
+    # the probe's GEMM rate and launch, the preset's HBM rate (the probe fits square GEMMs: no memory roofline)
+    assert done.links == preset.links and done.gemm["bfloat16"] == GemmFit(6e14, 7e-6, preset.gemm["bfloat16"]
+                                                                             .memory_Bps)
+    decode = Problem("all_gather_matmul", 2, 8192, 3584, "bfloat16")
+    topology = presets.topology_of_cluster(8)
+    roofline = predict(decode, Plan("reference"), topology, done).compute_s
+    flops_only = predict(decode, Plan("reference"), topology, dataclasses.replace(
+        done, gemm={"bfloat16": GemmFit(6e14, 7e-6)})).compute_s
+    assert roofline > 2 * flops_only, (roofline, flops_only)  # a decode GEMM reads its weight: memory-bound
     assert (done.gemm_slowdown, done.copy_gemm_slowdown, done.per_chunk_s) == (
         preset.gemm_slowdown, preset.copy_gemm_slowdown, preset.per_chunk_s)
     assert presets.cluster("b200", cache=tmp_path / "missing").measured == ""
