@@ -174,6 +174,9 @@ def _tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             lines = predicted_plans(config, c)
         except ValueError as exc:
             parser.error(str(exc))
+        except OSError as exc:  # the plan file cannot be written
+            print(f"overlap tune: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
         print("\n".join(lines), flush=True)
         return 0
     try:  # the problems must fit the ranks before any starts (exit 2), as bench's cases and demo's model

@@ -5,7 +5,9 @@ profile of the machine's GPU in the profile cache, or ``--profile FILE``, replac
 cases are ``overlap bench``'s (``--op``, ``--shape``, ``--dtype``, ``--mode``; default: its GPU cases for that many
 ranks). For each case: the unfused time (the plain collectives, then the GEMMs: ``reference``), the GEMMs alone,
 the communication alone, every strategy at its best chunk counts per link with its speedup over unfused and the
-share of the communication it hides, ``auto``'s choice, and whether overlap pays there and why
+share of the communication it hides, ``auto``'s choice under this profile (`overlap.plans.auto.described_plan`;
+the runtime makes it on GPUs of that preset, and for MoE calls with a plan file of ``overlap tune --machine``), and
+whether overlap pays there and why
 (`overlap.plans.forecast`). ``--json PATH`` (``-``: standard output) writes the same.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from typing import Any
 
 from ..benchmarks.names import BENCH_OPS, DTYPE_NAMES, MODES
@@ -149,7 +152,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.json:
         from ..plans.planfile import write_atomic
 
-        write_atomic(args.json, json.dumps(payload(c, forecasts), indent=1) + "\n")
+        try:
+            write_atomic(args.json, json.dumps(payload(c, forecasts), indent=1) + "\n")
+        except OSError as exc:
+            print(f"overlap predict: cannot write {args.json}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
         print(f"wrote {args.json}")
     return 0
 

@@ -222,22 +222,26 @@ def tune_rank(config: TuneConfig) -> list[str]:
 def predicted_plans(config: TuneConfig, cluster) -> list[str]:
     """``overlap tune --machine``: for every problem of `config` on the described `cluster`
     (`overlap.plans.presets.Cluster`), the cost model's best plan (never one predicted slower than ``reference``,
-    which is a candidate), merged into the plan file ``config.out`` as predicted entries (no measured time) with
-    the cluster's profile; no rank starts. Returns the report's lines; ValueError for a problem that does not fit
-    the cluster or a file that cannot be merged into."""
+    which is a candidate; MoE problems under ``config.routing``'s loads, balanced without), merged into the plan
+    file ``config.out`` as predicted entries (no measured time) with the cluster's profile; no rank starts. Returns
+    the report's lines; ValueError for a problem that does not fit the cluster or a file that cannot be merged
+    into, OSError for one that cannot be written."""
     import math
 
-    from ..plans import PlanFile, rank_candidates
+    from ..plans import PlanFile, expected_loads, rank_candidates
     from ..plans.planfile import Entry, merge_into
 
     topology, profile = cluster.topology, cluster.profile
     problems = problems_of(config, topology.world_size)
+    routing = parse_routing(config.routing) if config.routing is not None else None
     pf = PlanFile.new(topology, profile=profile)
     links = tuple(c for c, _ in topology.links)
     lines = [f"predicted for {cluster.about}; {topology.world_size} ranks; nothing was run or measured",
              f"{'problem':<52} {'chosen plan':<34} {'predicted':>10} {'reference':>10} {'speedup':>8}"]
     for p in problems:
-        ranked = [(plan, pred) for plan, pred in rank_candidates(p, topology, profile) if math.isfinite(pred.total_s)]
+        loads = expected_loads(p, topology, routing) if routing is not None and p.spec.family == "moe" else None
+        ranked = [(plan, pred) for plan, pred in rank_candidates(p, topology, profile, loads)
+                  if math.isfinite(pred.total_s)]
         plan, pred = ranked[0]
         ref = next(pr for pl, pr in ranked if pl.strategy == "reference")
         pf.entries[p.key] = Entry(p, plan, predicted_s=pred.total_s)

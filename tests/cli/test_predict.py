@@ -15,7 +15,6 @@ from overlap import world
 from overlap.cli import main
 from overlap.plans import Plan, PlanFile, presets
 from overlap.plans.auto import resolve_auto
-from overlap.plans.optable import Problem
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -72,12 +71,21 @@ def test_predict_uses_a_measured_profile_of_that_gpu(capsys, tmp_path, monkeypat
     measured["links"]["nvlink"]["copy"]["bandwidth_Bps"] = 1e11
     (tmp_path / "profile-node1-NVIDIA_H200-w8-nvlink.json").write_text(json.dumps(measured))
     monkeypatch.setenv("OVERLAP_CACHE_DIR", str(tmp_path))
-    code, out, err = run(capsys, "predict", "--machine", "h200", "--op", "all_gather_matmul", "--shape",
-                         "1024x8192x3584", "--json", "-")
+    argv = ("predict", "--machine", "h200", "--op", "all_gather_matmul", "--shape", "1024x8192x3584", "--json", "-")
+    code, out, err = run(capsys, *argv)
     assert code == 0, err
     data = json.loads(out)
     assert data["measured_profile"].endswith("profile-node1-NVIDIA_H200-w8-nvlink.json"), data
     assert data["profile"] == "probed on the cluster"
+
+    def symm_s(payload):
+        (p,) = [p for p in payload["predictions"] if p["problem"].endswith(":fwd")]
+        return next(s["predicted_s"] for s in p["strategies"] if s["strategy"] == "symm")
+
+    monkeypatch.setenv("OVERLAP_CACHE_DIR", str(tmp_path / "empty"))
+    code, out, err = run(capsys, *argv)
+    assert code == 0 and json.loads(out)["measured_profile"] is None, err
+    assert symm_s(data) > 1.2 * symm_s(json.loads(out))  # the measured copies (100 GB/s) are slower: symm is too
     own = tmp_path / "mine.json"
     own.write_text(json.dumps(preset.to_json()))
     code, out, err = run(capsys, "predict", "--machine", "h200", "--profile", str(own), "--op", "all_gather_matmul",
@@ -100,6 +108,14 @@ def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
     assert code == 2 and message in err, (code, out, err)
 
 
+def test_unwritable_outputs_exit_1_with_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("OVERLAP_CACHE_DIR", str(tmp_path))
+    code, out, err = run(capsys, "tune", "--machine", "h100-sxm", "--shape", "all_gather_matmul:64x64x64",
+                         "--out", "/proc/overlap-plan.json")
+    assert code == 1 and err.startswith("overlap tune: cannot write /proc/overlap-plan.json") and \
+        "Traceback" not in err, err
+
+
 def test_tune_machine_writes_a_predicted_plan_file_that_auto_takes(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("OVERLAP_CACHE_DIR", str(tmp_path))
     out_path = tmp_path / "plans.json"
@@ -119,9 +135,16 @@ def test_tune_machine_writes_a_predicted_plan_file_that_auto_takes(capsys, tmp_p
     # auto on a group of that topology (eight GPU ranks of one node) takes the file's entries
     info = world.GroupInfo(rank=0, world_size=8, global_ranks=tuple(range(8)), nodes=("n",) * 8, pids=tuple(range(8)),
                            backend="nccl", device=torch.device("cuda", 0), peer_access=(True,) * 8)
-    problem = Problem("all_gather_matmul", 2, 8192, 3584, "bfloat16")
-    assert resolve_auto("all_gather_matmul", "sig", info, 2, "bfloat16", problem=problem,
-                        plan_file=str(out_path)) == Plan("reference")
+    differs = 0
+    for entry in pf.entries.values():
+        p = entry.problem
+        if p.spec.family != "tp":
+            continue
+        rows = p.spec.in_rows(p.m, 8)
+        chosen = resolve_auto(p.op, p.key, info, rows, p.dtype, problem=p, plan_file=str(out_path))
+        assert chosen == entry.plan, (p.key, chosen, entry.plan)
+        differs += chosen != resolve_auto(p.op, p.key, info, rows, p.dtype, problem=p)  # without the file
+    assert differs, "every entry is what auto chooses without the file: the test proves nothing"
     # merged into: a second machine's file of another topology is refused, the first kept
     code, out, err = run(capsys, "tune", "--machine", "h100-sxm", "--nodes", "2", "--shape",
                          "all_gather_matmul:64x1024x1024", "--out", str(out_path))
