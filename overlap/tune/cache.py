@@ -49,9 +49,20 @@ def cache_path(info: GroupInfo | dist.ProcessGroup | None = None, *, quick: bool
     info = _info(info)
     device = device_name(info.device) if info.device.type == "cuda" else f"cpu-t{torch.get_num_threads()}"
     present = set(info.link_classes().values())
-    links = "+".join(c for c in LINK_CLASSES if c in present) or "none"
-    name = f"profile-{socket.gethostname()}-{device}-w{info.world_size}-{links}{'-quick' if quick else ''}"
-    return cache_dir() / (re.sub(r"[^A-Za-z0-9._+-]+", "_", name) + ".json")
+    return profile_path(device, info.world_size, tuple(c for c in LINK_CLASSES if c in present), quick=quick)
+
+
+def profile_path(device: str, world_size: int = 1, links: tuple[str, ...] = (), *, quick: bool = False) -> Path:
+    """`cache_path`'s file for `device` (a GPU's name, or ``cpu-tN``), `world_size` ranks seeing `links`: also
+    where a measurement without a group (the GPU check's, on one GPU) writes its profile."""
+    name = f"profile-{socket.gethostname()}-{device}-w{world_size}-{'+'.join(links) or 'none'}"
+    return cache_dir() / (re.sub(r"[^A-Za-z0-9._+-]+", "_", name + ("-quick" if quick else "")) + ".json")
+
+
+def save_profile(profile: Profile, path: Path) -> Path:
+    """Write `profile` to `path` atomically (`save_cached` on a group's rank 0; the GPU check without one)."""
+    _write_atomic(path, json.dumps(profile.to_json(), indent=2, sort_keys=True) + "\n")
+    return path
 
 
 def _read(path: Path) -> Profile | None:
@@ -85,5 +96,5 @@ def save_cached(profile: Profile, group: GroupInfo | dist.ProcessGroup | None = 
     info = _info(group)
     path = cache_path(info, quick=quick)
     if info.rank == 0:
-        _write_atomic(path, json.dumps(profile.to_json(), indent=2, sort_keys=True) + "\n")
+        save_profile(profile, path)
     return path

@@ -13,7 +13,9 @@ between runs).
   ``torch.sum`` of the partials (Llama-3 70B's row-parallel projections);
 * the MoE grouped GEMMs (rank 0 of 8, every peer's rows delivered) against one ``torch.mm`` per local expert and
   ``torch._grouped_mm`` where this torch has it (the ``mixtral-full`` and ``deepseek-v3-full`` presets of
-  ``overlap bench``).
+  ``overlap bench``);
+* the machine profile of the GPU (tests/gpu/profile.py: GEMM fits per dtype, the HBM rate), written into the profile
+  cache, where ``overlap predict --machine`` takes it in place of the preset's GEMM numbers.
 
 The virtual ranks are the GPU tests' (tests/gpu: `virtual`, `tp_ranks`, `moe_ranks`), so a timing launches the
 kernels exactly as the tests that prove them do. ``--out PATH`` gets the results as they come; at ``--until``
@@ -374,10 +376,27 @@ def tp_shapes() -> dict[str, list[tuple[str, tuple[int, int, int]]]]:
 MOE_TIMED = ("mixtral-full", "deepseek-v3-full")  # the presets of `overlap bench --shape` the MoE timings use
 
 
+def time_profile(t: Timings, dev: Device, nbytes: int = 1 << 30) -> None:
+    """The machine profile of this GPU (tests/gpu/profile.py: square GEMMs per dtype, the HBM rate of a copy),
+    written into the profile cache, where ``overlap predict --machine`` takes it for the GPU's preset."""
+    from tests.gpu import profile
+
+    src = torch.randn(nbytes // 2, device=dev.device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    hbm_Bps = 2 * nbytes / (do_bench(lambda: dst.copy_(src)) * 1e-3)
+    measured = profile.measure(dev.device, do_bench, hbm_Bps)
+    path = profile.save(measured)
+    rates = ", ".join(f"{d} {f.peak_flops / 1e12:.0f} TFLOP/s + {f.overhead_s * 1e6:.1f} us"
+                      for d, f in measured.gemm.items())
+    t.add("machine profile", "PASS", f"{rates}; HBM {hbm_Bps / 1e9:.0f} GB/s; wrote {path}", True,
+          profile=measured.to_json(), path=str(path))
+
+
 def plan() -> list[tuple[str, Callable[[Timings, Device], None]]]:
     """Every timing, in the order they run: the cheap ones first."""
     steps: list[tuple[str, Callable[[Timings, Device], None]]] = [("d2d copy", time_copy),
-                                                                  ("stream-ordered signal", time_signal)]
+                                                                  ("stream-ordered signal", time_signal),
+                                                                  ("machine profile", time_profile)]
     shapes = tp_shapes()
     for label, (m, k, n) in shapes["ag"]:
         steps.append((f"fused all-gather GEMM {label}", lambda t, d, a=(label, m, k, n): time_all_gather(t, d, *a)))
