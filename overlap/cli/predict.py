@@ -14,6 +14,7 @@ whether overlap pays there and why
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -102,7 +103,7 @@ def described_cluster(args: argparse.Namespace):
             raise ValueError(f"--profile: cannot read {args.profile}: {exc}") from None
     c = cluster(args.machine, args.gpus_per_node, args.nodes, profile=profile, cache=envs.cache_dir())
     if profile is not None:
-        c = type(c)(c.machine, c.topology, c.profile, measured=args.profile)
+        c = dataclasses.replace(c, measured=args.profile)
     return c
 
 
@@ -189,7 +190,7 @@ def report(c, forecasts) -> list[str]:
         for r in f.rows:
             if math.isfinite(r.seconds):
                 lines.append(f"  {r.label:<20} {r.plan.label(f.links):<34} {_time(r.seconds):>11} "
-                             f"{f.speedup(r):>7.2f}x {min(1.0, f.hidden(r)):>7.0%}")
+                             f"{f.speedup(r):>7.2f}x {f.hidden(r):>7.0%}")
             else:
                 lines.append(f"  {r.label:<20} {'does not run here':<34} {'-':>11}   ({_reason(r)})")
         a = f.auto

@@ -162,18 +162,31 @@ def described_plan(problem: Problem, topology, profile) -> tuple[Plan, str]:
     ranks; a plan file from ``overlap tune --machine`` carries the checked choice to them.)"""
     spec, W = problem.spec, topology.world_size
     if topology.num_nodes > 1 and W > 1 and spec.family == "tp":
-        ranked = rank_candidates(problem, topology, profile)
-        plan = next((p for p, pred in ranked if math.isfinite(pred.total_s)), Plan("pipelined"))
-        return plan, "cost model: the best plan across nodes"
+        return best_plan(problem, topology, profile) or Plan("pipelined"), "cost model: the best plan across nodes"
     rows = spec.in_rows(problem.m, W) if spec.family == "tp" else None
     out_size = ITEMSIZE[FP8_LEAVES if problem.dtype in FP8_DTYPES else problem.dtype]
     out_bytes = spec.out_rows(problem.m, W) * spec.out_cols(problem.n, W) * out_size
     plan = heuristic_plan(problem.op, W, topology.num_nodes == 1, topology.device, rows, problem.dtype, out_bytes)
-    if plan.strategy != "reference":
-        plain = predict(problem, Plan("reference"), topology, profile).total_s
-        if plain < predict(problem, plan, topology, profile).total_s:
-            return Plan("reference"), "cost model: the plain collectives are faster than the default heuristic's plan"
+    if plan.strategy != "reference" and plain_is_faster(problem, topology, plan, profile):
+        return Plan("reference"), "cost model: the plain collectives are faster than the default heuristic's plan"
     return plan, "default heuristic"
+
+
+def best_plan(problem: Problem, topology, profile) -> Plan | None:
+    """The cost model's fastest plan for `problem` that runs on `topology` (`rank_candidates`), None where none
+    does."""
+    return next((p for p, pred in rank_candidates(problem, topology, profile) if math.isfinite(pred.total_s)), None)
+
+
+def plain_is_faster(problem: Problem, topology, plan: Plan, profile) -> bool:
+    """Whether the cost model with `profile` predicts the plain collectives (``reference``) faster than `plan` for
+    `problem` (False where the profile does not describe the call: a dtype or link class it lacks)."""
+    try:
+        plain = predict(problem, Plan("reference"), topology, profile).total_s
+        chosen = predict(problem, plan, topology, profile).total_s
+    except ValueError:
+        return False
+    return plain < chosen
 
 
 @functools.lru_cache(maxsize=64)
@@ -202,20 +215,14 @@ def _plain_is_cheaper(problem: Problem, topology, plan: Plan, name: str = "") ->
     where there is one), predicts the plain collectives (``reference``) faster than `plan` for `problem`: a call so
     small that the overlapped plan's fixed per-call cost (`Profile.call_s`) is more than its overlap saves. The same
     on every rank of one GPU type (a pure function of the call, the topology and the GPU); cached per call shape."""
-    profile = default_profile(topology.device, name)
-    try:
-        plain = predict(problem, Plan("reference"), topology, profile).total_s
-        chosen = predict(problem, plan, topology, profile).total_s
-    except ValueError:  # (a dtype or link class the default profile does not describe)
-        return False
-    return plain < chosen
+    return plain_is_faster(problem, topology, plan, default_profile(topology.device, name))
 
 
 def _across_nodes(problem: Problem, info: GroupInfo) -> Plan:
     """A TP call on a group that spans nodes, without a plan file: the cost model's best plan (``hierarchical``,
     ``pipelined`` or ``reference``, chunked per link) under `default_profile` of the group's device."""
-    ranked = rank_candidates(problem, topology_of(info), default_profile(info.device.type, gpu_name(info.device)))
-    return next((p for p, pred in ranked if math.isfinite(pred.total_s)), Plan("pipelined"))
+    profile = default_profile(info.device.type, gpu_name(info.device))
+    return best_plan(problem, topology_of(info), profile) or Plan("pipelined")
 
 
 def _from_plan_file(source, problem: Problem, info: GroupInfo) -> tuple[Plan | None, str]:
@@ -235,8 +242,7 @@ def _from_plan_file(source, problem: Problem, info: GroupInfo) -> tuple[Plan | N
     if plan is not None:
         return plan, f"plan file {pf.path or ''}".rstrip()
     if pf.profile is not None:
-        ranked = rank_candidates(problem, topology, pf.profile)
-        best = next((p for p, pred in ranked if math.isfinite(pred.total_s)), None)
+        best = best_plan(problem, topology, pf.profile)
         if best is not None:
             _warn_missing(pf, problem, info, "the cost model with the file's machine profile")
             return best, "cost model with the plan file's profile"

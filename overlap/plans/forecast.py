@@ -55,11 +55,12 @@ class Forecast:
         return min(runnable, key=lambda r: r.seconds, default=None)
 
     def hidden(self, row: Row) -> float:
-        """The share of the communication `row` hides: ``(T_reference - T) / T_comm`` (0 where it hides none; above 1
-        where it saves more than the communication, launches or interference of the plain path; shown as 100%)."""
+        """The share of the communication `row` hides: ``(T_reference - T) / T_comm``, from 0 (it hides none) to 1 (a
+        plan that saves more than the communication saves launches or interference of the plain path too)."""
         comm = self.reference.comm_s
-        return max(0.0, self.reference.total_s - row.seconds) / comm if comm > 0 and math.isfinite(row.seconds) \
-            else 0.0
+        if comm <= 0 or not math.isfinite(row.seconds):
+            return 0.0
+        return min(1.0, max(0.0, self.reference.total_s - row.seconds) / comm)
 
     def speedup(self, row: Row) -> float:
         return self.reference.total_s / row.seconds if row.seconds > 0 else math.inf
@@ -83,7 +84,7 @@ class Forecast:
         if saved < MARGINAL * ref.total_s:
             return (f"marginal: {best.label} saves {_us(saved)} of {_us(ref.total_s)} ({saved / ref.total_s:.0%}, "
                     f"within the model's error){why}")
-        return (f"overlap pays: {best.label} hides {min(1.0, self.hidden(best)):.0%} of the communication, "
+        return (f"overlap pays: {best.label} hides {self.hidden(best):.0%} of the communication, "
                 f"{ref.total_s / best.seconds:.2f}x reference")
 
     def to_json(self) -> dict:
@@ -93,7 +94,7 @@ class Forecast:
                     "chunks": dict((c, r.plan.chunks_for(c)) for c in self.links) if finite and r.label != "reference"
                     else {}, "predicted_s": r.seconds if finite else None,
                     "speedup": self.speedup(r) if finite else None,
-                    "hidden": min(1.0, self.hidden(r)) if finite else None,
+                    "hidden": self.hidden(r) if finite else None,
                     "why_not": None if finite else r.prediction.detail}
 
         return {"problem": self.problem.key, "topology": self.topology.signature,
