@@ -39,6 +39,8 @@ if "torch" in _sys.modules:  # torch is loaded already: costs nothing now, and c
 _LAZY: dict[str, tuple[str, str | None]] = {
     "all_gather_matmul": (".ops.tp.all_gather_matmul", "all_gather_matmul"),
     "quantize_fp8": (".ops.fp8", "quantize_fp8"),
+    "Fp8Recipe": (".ops.fp8_recipe", "Fp8Recipe"),
+    "fp8_matmul": (".ops.fp8_matmul", "fp8_matmul"),
     "matmul_reduce_scatter": (".ops.tp.matmul_reduce_scatter", "matmul_reduce_scatter"),
     "matmul_all_reduce": (".ops.tp.matmul_all_reduce", "matmul_all_reduce"),
     "all_gather_weight_matmul": (".ops.tp.all_gather_weight_matmul", "all_gather_weight_matmul"),

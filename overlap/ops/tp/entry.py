@@ -25,6 +25,7 @@ from .. import fp8 as fp8s
 from .. import library
 from ..context import FLOAT_DTYPES, CallContext, autocast_inputs, describe, preamble
 from ..fp8 import Fp8Args
+from ..fp8_recipe import check_recipe, text_of
 from ..fused import check_fused_available
 from .rows import normalize_dim
 
@@ -64,20 +65,23 @@ def check_fp8(op: str, a: torch.Tensor, bs: list[torch.Tensor], scaled: Fp8Args 
     ``fp8=`` recipe on high-precision operands, or neither. Returns what the call's signature adds."""
     scaled = scaled if scaled is not None else Fp8Args()
     a_scale, b_scales, out_dtype = scaled.a_scale, list(scaled.b_scales), scaled.out_dtype
-    recipe = None if scaled.recipe == "" else scaled.recipe
     if fp8s.is_fp8(a) or any(fp8s.is_fp8(b) for b in bs):
-        fp8s.check_recipe(op, recipe, a)
+        check_recipe(op, scaled.recipe, a)
         a_kind, b_kinds = fp8s.check_scales(op, a, bs, a_scale, b_scales, out_dtype)
         return f", scales={a_kind}/{'+'.join(b_kinds)}, out={str(out_dtype).removeprefix('torch.')}"
     fp8s.check_no_scales(op, a, a_scale, b_scales or None, out_dtype)
-    fp8s.check_recipe(op, recipe, a)
-    return f", fp8={recipe}" if recipe else ""
+    recipe = check_recipe(op, scaled.recipe, a)
+    if recipe is not None and recipe.granularity == "mxfp8" and a.shape[-1] % fp8s.MX_BLOCK:
+        raise ValueError(f"overlap.{op}: fp8='mxfp8' quantizes blocks of {fp8s.MX_BLOCK} along k, which is "
+                         f"{a.shape[-1]}: it must be a multiple of {fp8s.MX_BLOCK}")
+    return f", fp8={recipe.text}" if recipe else ""
 
 
 def fp8_args(a_scale: Any, b_scale: Any, out_dtype: Any, fp8: Any) -> Fp8Args | None:
     """An op's fp8 arguments as its custom op takes them (`Fp8Args`), None where one is of a type it does not
     take (the caller then lets the op's checks raise)."""
     b_scales = _listed(b_scale)
+    fp8 = text_of(fp8)
     ok = ((a_scale is None or isinstance(a_scale, torch.Tensor)) and library.tensors(*b_scales)
           and (out_dtype is None or isinstance(out_dtype, torch.dtype)) and (fp8 is None or isinstance(fp8, str)))
     return Fp8Args(a_scale, tuple(b_scales), out_dtype, fp8 or "") if ok else None

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..fp8 import OPERAND_DTYPE, Fp8Args, is_fp8, quantize_fp8, scaled_mm
+from ..fp8 import OPERAND_DTYPE, Fp8Args, is_fp8, quantize_fp8, quantize_weight, scaled_mm
+from ..fp8_recipe import recipe_of
 
 SCALE_BYTES = 4
 
@@ -143,14 +144,6 @@ class Weights:
 # ----------------------------------------------------------------------------------------------
 
 
-def quantize_weight(b: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(b_fp8, b_scale)`` of a weight ``b`` ``[k, n]``: rowwise is one scale per column, ``[1, n]``."""
-    if granularity == "rowwise":
-        bt, s = quantize_fp8(b.t(), "rowwise")
-        return bt.t(), s.t()
-    return quantize_fp8(b, "tensorwise")
-
-
 def activation(a2: torch.Tensor, scaled: Fp8Args) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(a_fp8 [M, k], a_scale [M, 1] or one element)`` of an fp8 call's activation `a2` ``[M, k]`` (fp8 operands:
     their scale flattened; with the recipe: quantized here), None for a plain call."""
@@ -158,7 +151,7 @@ def activation(a2: torch.Tensor, scaled: Fp8Args) -> tuple[torch.Tensor, torch.T
     if is_fp8(a2):
         return a2, (a_scale.reshape(-1, 1).contiguous() if a_scale.numel() != 1 else a_scale.reshape(()))
     if recipe:
-        return quantize_fp8(a2, recipe)
+        return quantize_fp8(a2, recipe_of("", recipe).granularity)
     return None
 
 
@@ -169,7 +162,7 @@ def weights(bs: list[torch.Tensor], scaled: Fp8Args) -> tuple[list[torch.Tensor]
     if bs and is_fp8(bs[0]):
         return bs, list(b_scales)
     if recipe:
-        pairs = [quantize_weight(b, recipe) for b in bs]
+        pairs = [quantize_weight(b, recipe_of("", recipe).granularity) for b in bs]
         return [p[0] for p in pairs], [p[1] for p in pairs]
     return None
 
