@@ -16,6 +16,10 @@ The spin is bounded: on GPUs by ``%globaltimer`` against ``timeout_ns``, when in
 abort word that a host watchdog sets at the deadline. A tile that gives up records ``src + 1``
 in ``err_ptr`` (atomic max) and the host raises `OverlapTimeout` naming that peer.
 
+fp8 (e4m3 shards packed with their scales, `overlap.ops.tp.operands.Packed`): rowwise or tensorwise scales multiply
+the tile in its epilogue; MX block scales (one e8m0 byte per 32 elements of a row, after the row's bytes) multiply
+each 32-wide block's dot in the K loop (`overlap.kernels.flags.mx_matmul_tile`).
+
 `launch_all_gather_matmul` (after the kernel) is its host launcher, called by
 `overlap.all_gather_matmul`'s ``fused`` strategy and by the GPU tests (``tests/gpu``).
 """
@@ -25,14 +29,14 @@ import triton
 import triton.language as tl
 
 from . import host
-from .flags import matmul_tile, rank_major_tile, scale_tile, wait_rank_buffer
+from .flags import MX_SCALES, matmul_tile, mx_matmul_tile, rank_major_tile, scale_tile, wait_rank_buffer
 
 
 # Not specialized on: values that differ between ranks or calls (one compiled variant serves them all) and M
 # (rows: it only masks and offsets rows). The sizes and strides that set the GEMM's vector loads stay specialized.
 @triton.jit(do_not_specialize=["epoch_ptr", "rank", "world_size", "abort_ptr", "err_ptr", "timeout_ns", "M", "ROWS"])
 def all_gather_matmul_kernel(
-    # output and the local weight shard (fp8: its scales, one or one per column)
+    # output and the local weight shard (fp8: its scales, one, one per column, or MX: [K/32, N] e8m0 bytes)
     out_ptr, b_ptr, b_scale_ptr,
     # symmetric memory: per-rank shard addresses and ready-flag addresses (int64 tables)
     ptr_table, flag_table,
@@ -41,12 +45,14 @@ def all_gather_matmul_kernel(
     # sizes: M rows per rank, N, K; a rank's rows land in runs of ROWS (M: one run; less: a gather dim past the
     # first, `overlap.ops.tp.rows.Rows`)
     M, N, K, ROWS,
-    # strides (the shards are row-major [M, K] in their buffers; fp8: rows of bytes, each row's float32 scale at
-    # byte SCALE_OFF of the row, `overlap.ops.tp.operands.Packed`)
+    # strides (the shards are row-major [M, K] in their buffers; fp8: rows of bytes, each row's scales from byte
+    # SCALE_OFF of the row: one float32, or MX its K/32 e8m0 bytes, `overlap.ops.tp.operands.Packed`); MX: the
+    # weight's block scales' strides
     stride_am, SCALE_OFF,
     stride_bk, stride_bn,
+    stride_bsk, stride_bsn,
     stride_om, stride_on,
-    # meta
+    # meta (B_SCALE: 0 plain, 1 one scale of b, 2 one per column, 3 MX blocks: `overlap.kernels.flags.MX_SCALES`)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, INTERPRETED: tl.constexpr, B_SCALE: tl.constexpr,
 ):
@@ -60,16 +66,24 @@ def all_gather_matmul_kernel(
     # ---- GEMM tile ------------------------------------------------------------------------------
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     # 64-bit offsets: W*M*N and M*K can pass 2^31 elements at long sequences, and so can a column of a weight of
     # 2^31 elements or more (column-major, w.t(): n * stride_bn).
-    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
-    acc = matmul_tile(a_ptrs, b_ptrs, offs_m < M, offs_k, offs_n, N, K, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
-    if B_SCALE:  # fp8: each row's scale from its packed row, the weight's from b_scale_ptr
-        a_scale_ptrs = (a_ptr + offs_m.to(tl.int64) * stride_am + SCALE_OFF).to(tl.pointer_type(tl.float32))
-        a_scale = tl.load(a_scale_ptrs, mask=offs_m < M, other=0.0)
-        acc = scale_tile(acc, a_scale, True, b_scale_ptr, offs_n, N, B_SCALE)
+    a_rows = a_ptr + offs_m.to(tl.int64) * stride_am
+    if B_SCALE == MX_SCALES:  # MX: every 32-wide block of K scaled in the loop, a row's scales from its packed row
+        a_scale_rows = (a_rows + SCALE_OFF).to(tl.pointer_type(tl.uint8))
+        b_cols = b_ptr + offs_n.to(tl.int64) * stride_bn
+        b_scale_cols = b_scale_ptr + offs_n.to(tl.int64) * stride_bsn
+        acc = mx_matmul_tile(a_rows, a_scale_rows, b_cols, b_scale_cols, stride_bsk, offs_m < M, offs_n < N, K,
+                             stride_bk, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_rows[:, None] + offs_k[None, :]
+        b_ptrs = b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
+        acc = matmul_tile(a_ptrs, b_ptrs, offs_m < M, offs_k, offs_n, N, K, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K,
+                          UPCAST)
+        if B_SCALE:  # fp8: each row's scale from its packed row, the weight's from b_scale_ptr, in the epilogue
+            a_scale = tl.load((a_rows + SCALE_OFF).to(tl.pointer_type(tl.float32)), mask=offs_m < M, other=0.0)
+            acc = scale_tile(acc, a_scale, True, b_scale_ptr, offs_n, N, B_SCALE)
 
     # ---- store into this source rank's rows of the output ------------------------------------
     run = offs_m.to(tl.int64) // ROWS
@@ -104,8 +118,9 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
         b: ``[K, N]`` this rank's weight, any strides; its dtype is the shards' and the output's (fp8: see
             `b_scale`).
         ptr_table: int64 ``[W]``, on `b`'s device: the address of rank r's shard, row-major ``[rows, K]``,
-            16-byte aligned (a symmetric buffer); fp8: ``[rows, row_bytes]`` bytes, each row's float32 scale at
-            byte `scale_offset` (`overlap.ops.tp.operands.Packed`; `row_bytes` default ``scale_offset + 4``).
+            16-byte aligned (a symmetric buffer); fp8: ``[rows, row_bytes]`` bytes, each row's scales from byte
+            `scale_offset`: one float32, or with MX scales its ``K / 32`` e8m0 bytes
+            (`overlap.ops.tp.operands.Packed`; `row_bytes` default ``scale_offset`` plus those bytes).
         flag_table: int64 ``[W]``: the address of rank r's int32 ready flag; a tile waits until it reaches `epoch`.
         rows: ``M``, rows of every rank's shard.
         epoch: int32 word on `b`'s device holding this call's epoch (`overlap.kernels.epoch_word`; the ops pass
@@ -121,8 +136,10 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
         num_warps, num_stages: Triton launch options on GPUs (default: Triton's).
         rows_per_outer: ``R``, a divisor of `rows`: rank r's rows land in runs of ``R``, its row ``o*R + f`` at
             ``(o*W + r)*R + f`` (a gather dim past the first); default `rows` (one run).
-        b_scale: fp8 `b` (e4m3): its float32 scale, one element or ``[1, N]``; the tile is multiplied in fp8 and
-            scaled in its epilogue. out_dtype: the output's dtype then (default bfloat16). scale_offset: as above.
+        b_scale: fp8 `b` (e4m3): its float32 scale, one element or ``[1, N]`` (the tile is multiplied in fp8 and
+            scaled in its epilogue), or MX block scales ``[K / 32, N]`` (``torch.float8_e8m0fnu``, any strides; ``K``
+            a multiple of 32 and ``BLOCK_K`` of 32: every 32-wide block of K scaled in the K loop by its row's and
+            column's scales). out_dtype: the output's dtype then (default bfloat16). scale_offset: as above.
 
     Returns:
         `out`: rank r's rows at ``r*rows ... (r+1)*rows - 1`` (or in runs of `rows_per_outer`).
@@ -149,11 +166,17 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
     b_mode = 0
     if b_scale is not None or b.dtype in host.FP8_DTYPES:
         b_mode = host.check_b_scale(kernel, b, b_scale)
-        if not isinstance(scale_offset, int) or scale_offset < k or scale_offset % 4:
-            host.fail(kernel, f"scale_offset must be a multiple of 4 at least K={k}, got {scale_offset!r}")
-        row_bytes = scale_offset + 4 if row_bytes is None else row_bytes
-        if not isinstance(row_bytes, int) or row_bytes < scale_offset + 4:
-            host.fail(kernel, f"row_bytes must be at least scale_offset + 4 = {scale_offset + 4}, got {row_bytes!r}")
+        mx = b_mode == host.MX_SCALES
+        if mx:
+            host.check_mx_tile(kernel, bk)
+        if not isinstance(scale_offset, int) or scale_offset < k or (scale_offset % 4 and not mx):
+            host.fail(kernel, f"scale_offset must be {'' if mx else 'a multiple of 4 '}at least K={k}, got "
+                              f"{scale_offset!r}")
+        end = scale_offset + (k // host.MX_BLOCK if mx else 4)
+        row_bytes = end if row_bytes is None else row_bytes
+        if not isinstance(row_bytes, int) or row_bytes < end:
+            host.fail(kernel, f"row_bytes must be at least scale_offset + {end - scale_offset} = {end}, got "
+                              f"{row_bytes!r}")
     out_dtype = (out_dtype or torch.bfloat16) if b_mode else b.dtype
     if out is None:
         out = b.new_empty((world_size * rows, n), dtype=out_dtype)
@@ -164,12 +187,13 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
     abort = host.abort_word(kernel, abort, err, interpreted)
     with host.bounded(abort, timeout_ns, watchdog, interpreted):
         all_gather_matmul_kernel[(all_gather_matmul_grid(world_size, rows, n, bm, bn),)](
-            out, b, b_scale if b_mode else b,
+            out, b, host.scale_arg(b_scale, b_mode, b),
             ptr_table, flag_table,
             epoch, rank, world_size, abort, err, timeout_ns,
             rows, n, k, max(run, 1),
             row_bytes if b_mode else k, scale_offset,
             b.stride(0), b.stride(1),
+            *host.scale_strides(b_scale, b_mode),
             out.stride(0), out.stride(1),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M,
             UPCAST=interpreted and b.dtype == torch.bfloat16, INTERPRETED=interpreted, B_SCALE=b_mode,

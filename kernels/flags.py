@@ -1,6 +1,6 @@
-"""Primitives shared by the kernels: a bounded acquire-wait, a count-then-release signal, a GEMM tile, and the
-two steps every gather kernel takes before its GEMM (which tile of which rank's block, wait for that rank's
-buffer).
+"""Primitives shared by the kernels: a bounded acquire-wait, a count-then-release signal, a GEMM tile (plain, fp8 with
+its epilogue's scales, or MX with block scales in its K loop), and the two steps every gather kernel takes before its
+GEMM (which tile of which rank's block, wait for that rank's buffer).
 
 Flags are int32 words holding a call's epoch; "reached" is a non-negative int32 difference, so
 epochs compare correctly modulo 2^32 (as in ``overlap._C``). System scope throughout: the other
@@ -18,6 +18,11 @@ fix_interpreter_index()  # before any kernel runs: every kernel file imports thi
 
 #: how often a spinning wait reads the error word (host memory on GPUs), nanoseconds; also its first read
 ERR_POLL_NS: tl.constexpr = tl.constexpr(1_000_000)
+#: an MX block: the elements along K that share one e8m0 scale (`overlap.ops.fp8.MX_BLOCK`)
+MX_K: tl.constexpr = tl.constexpr(32)
+#: a scale mode (`A_SCALE`, `B_SCALE` of the GEMM kernels): MX blocks of `MX_K` along K (1: one value, 2: one per row
+#: of a or column of b)
+MX_SCALES: tl.constexpr = tl.constexpr(3)
 
 
 @triton.jit
@@ -116,7 +121,8 @@ def matmul_tile(a_ptrs, b_ptrs, row_ok, offs_k, offs_n, N, K, stride_bk,
 @triton.jit
 def scale_tile(acc, a_scale, A_ROWWISE: tl.constexpr, b_scale_ptr, offs_n, N, B_SCALE: tl.constexpr):
     """An fp8 tile's epilogue: ``acc * a_scale * b_scale`` (`a_scale`: the tile's rows' scales, ``[BLOCK_M]``, where
-    ``A_ROWWISE``, else one value; ``B_SCALE`` 1: one value at `b_scale_ptr`, 2: one per column, ``[N]``)."""
+    ``A_ROWWISE``, else one value; ``B_SCALE`` 1: one value at `b_scale_ptr`, 2: one per column, ``[N]``). MX tiles
+    are scaled in their K loop instead (`mx_matmul_tile`)."""
     if A_ROWWISE:
         acc = acc * a_scale[:, None]
     else:
@@ -125,6 +131,51 @@ def scale_tile(acc, a_scale, A_ROWWISE: tl.constexpr, b_scale_ptr, offs_n, N, B_
         acc = acc * tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
     else:
         acc = acc * tl.load(b_scale_ptr)
+    return acc
+
+
+@triton.jit
+def e8m0_to_float(e):
+    """e8m0 scales (uint8 exponent bytes) as float32 ``2^(e - 127)``: the byte is a float32's exponent field. 0 is
+    ``2^-127``, a float32 subnormal (mantissa ``0x400000``); 255 is NaN (exponent 255 with that mantissa bit)."""
+    e32 = e.to(tl.int32)
+    bits = (e32 << 23) | tl.where((e32 == 0) | (e32 == 255), 0x400000, 0)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mx_matmul_tile(a_rows, a_scale_rows, b_cols, b_scale_cols, stride_bsk, row_ok, col_ok, K, stride_bk,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One ``[BLOCK_M, BLOCK_N]`` tile of an MX product in fp32: every 32-wide block of K is an fp8 dot scaled by its
+    row's and its column's e8m0 scale of that block (Hopper has no block-scaled MMA: each block's wgmma result is
+    scaled and added in fp32, which is also the dequantized product's value up to the accumulation order).
+
+    `a_rows`: ``[BLOCK_M]`` pointers to the tile's rows at k = 0 (e4m3, unit column stride); `a_scale_rows`:
+    ``[BLOCK_M]`` uint8 pointers to each row's scale of block 0, the next block's one byte on; `b_cols`:
+    ``[BLOCK_N]`` pointers to the columns at k = 0, `stride_bk` between k; `b_scale_cols`: ``[BLOCK_N]`` uint8
+    pointers to each column's scale of block 0, `stride_bsk` between blocks. ``K`` is a multiple of 32; ``BLOCK_K``
+    (a multiple of 32) is the K step of the loop, each step ``BLOCK_K / 32`` blocks (the last step's blocks past K
+    masked). Masked rows and columns load zeros and the scale 1."""
+    offs_k = tl.arange(0, MX_K)
+    a_ptrs = a_rows[:, None] + offs_k[None, :]
+    b_ptrs = b_cols[None, :] + offs_k[:, None].to(tl.int64) * stride_bk
+    block_b = MX_K * tl.cast(stride_bk, tl.int64)  # (tl.cast: the stride may be the constant 1)
+    last = K // MX_K - 1
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(K, BLOCK_K)):
+        for j in tl.static_range(BLOCK_K // MX_K):
+            blk = kk * (BLOCK_K // MX_K) + j
+            k_left = K - blk * MX_K  # (<= 0: a block past K, all masked: its dot is zero)
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & col_ok[None, :], other=0.0)
+            # a block past K reads the last block's scales (in bounds: they multiply its zero dot)
+            at = tl.minimum(blk, last).to(tl.int64)
+            a_scale = e8m0_to_float(tl.load(a_scale_rows + at, mask=row_ok, other=127))
+            b_scale = e8m0_to_float(tl.load(b_scale_cols + at * tl.cast(stride_bsk, tl.int64), mask=col_ok,
+                                            other=127))
+            acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+            a_ptrs += MX_K
+            b_ptrs += block_b
     return acc
 
 

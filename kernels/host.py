@@ -24,6 +24,12 @@ from .. import envs
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: the fp8 operands the GEMM kernels take with their scales (fp8 wgmma on Hopper; the epilogue scales)
 FP8_DTYPES = (torch.float8_e4m3fn,)
+#: MX block scales (OCP MX, `overlap.ops.fp8`): one e8m0 scale per `MX_BLOCK` elements along K
+MX_BLOCK = 32
+MX_SCALE_DTYPE = torch.float8_e8m0fnu
+#: the scale mode of MX operands (the kernels' ``A_SCALE``/``B_SCALE``: 0 none, 1 one value, 2 one per row of a or
+#: column of b, 3 MX blocks; `overlap.kernels.flags.MX_SCALES`)
+MX_SCALES = 3
 
 
 def interpreted() -> bool:
@@ -184,11 +190,17 @@ def check_matrix(kernel: str, name: str, t: torch.Tensor, dtype: torch.dtype | N
 
 
 def check_b_scale(kernel: str, b: torch.Tensor, b_scale: torch.Tensor | None) -> int:
-    """An fp8 GEMM's weight `b` ``[K, N]`` (e4m3) and its float32 scale on `b`'s device: one element (returns 1)
-    or ``[1, N]`` (returns 2, one per column)."""
+    """An fp8 GEMM's weight `b` ``[K, N]`` (e4m3) and its scale on `b`'s device: float32, one element (returns 1)
+    or ``[1, N]`` (returns 2, one per column); or MX block scales, e8m0 ``[K / 32, N]`` with any strides, ``K`` a
+    multiple of 32 (returns `MX_SCALES`)."""
     if b.dtype != torch.float8_e4m3fn:
         fail(kernel, f"with b_scale, b must be {torch.float8_e4m3fn}, got {b.dtype}")
-    n = b.shape[1]
+    k, n = b.shape
+    if isinstance(b_scale, torch.Tensor) and b_scale.dtype == MX_SCALE_DTYPE:
+        if k % MX_BLOCK or tuple(b_scale.shape) != (k // MX_BLOCK, n) or b_scale.device != b.device:
+            fail(kernel, f"MX b_scale must be [K/{MX_BLOCK}, N] = [{k // MX_BLOCK}, {n}] on {b.device} with K={k} a "
+                         f"multiple of {MX_BLOCK}; got {list(b_scale.shape)} on {b_scale.device}")
+        return MX_SCALES
     if (not isinstance(b_scale, torch.Tensor) or b_scale.dtype != torch.float32 or b_scale.device != b.device
             or not (b_scale.numel() == 1 or tuple(b_scale.shape) == (1, n))):
         got = (f"{b_scale.dtype} {list(b_scale.shape)} on {b_scale.device}" if isinstance(b_scale, torch.Tensor)
@@ -198,17 +210,44 @@ def check_b_scale(kernel: str, b: torch.Tensor, b_scale: torch.Tensor | None) ->
 
 
 def check_a_scale(kernel: str, a: torch.Tensor, a_scale: torch.Tensor) -> int:
-    """An fp8 GEMM's activation `a` ``[M, K]`` (e4m3) and its float32 scale: one element (returns 1) or
-    ``[M, 1]`` contiguous (returns 2, one per row)."""
-    m = a.shape[0]
+    """An fp8 GEMM's activation `a` ``[M, K]`` (e4m3) and its scale: float32, one element (returns 1) or ``[M, 1]``
+    contiguous (returns 2, one per row); or MX block scales, e8m0 ``[M, K / 32]`` contiguous (returns
+    `MX_SCALES`)."""
+    m, k = a.shape
     if a.dtype != torch.float8_e4m3fn:
         fail(kernel, f"with a_scale, a must be {torch.float8_e4m3fn}, got {a.dtype}")
+    if isinstance(a_scale, torch.Tensor) and a_scale.dtype == MX_SCALE_DTYPE:
+        if (k % MX_BLOCK or tuple(a_scale.shape) != (m, k // MX_BLOCK) or not a_scale.is_contiguous()
+                or a_scale.device != a.device):
+            fail(kernel, f"MX a_scale must be [M, K/{MX_BLOCK}] = [{m}, {k // MX_BLOCK}] contiguous on {a.device} "
+                         f"with K={k} a multiple of {MX_BLOCK}; got {list(a_scale.shape)} strides "
+                         f"{a_scale.stride()} on {a_scale.device}")
+        return MX_SCALES
     if (not isinstance(a_scale, torch.Tensor) or a_scale.dtype != torch.float32 or a_scale.device != a.device
             or not (a_scale.numel() == 1 or (tuple(a_scale.shape) == (m, 1) and a_scale.is_contiguous()))):
         got = (f"{a_scale.dtype} {list(a_scale.shape)} on {a_scale.device}" if isinstance(a_scale, torch.Tensor)
                else type(a_scale).__name__)
         fail(kernel, f"a_scale must be float32, one element or [{m}, 1] contiguous, on {a.device}; got {got}")
     return 1 if a_scale.numel() == 1 and tuple(a_scale.shape) != (m, 1) else 2
+
+
+def check_mx_tile(kernel: str, block_k: int) -> None:
+    """An MX GEMM's K step: whole blocks of `MX_BLOCK` (the K loop scales one block at a time)."""
+    if block_k % MX_BLOCK:
+        fail(kernel, f"with MX scales BLOCK_K must be a multiple of {MX_BLOCK}, got {block_k}")
+
+
+def scale_arg(scale: torch.Tensor | None, mode: int, like: torch.Tensor) -> torch.Tensor:
+    """A scale as a kernel takes it: MX scales as their bytes (uint8, a view), float32 ones as they are; `like` (any
+    tensor: the argument is not read) where `mode` is 0."""
+    if not mode:
+        return like
+    return scale.view(torch.uint8) if mode == MX_SCALES else scale
+
+
+def scale_strides(scale: torch.Tensor | None, mode: int) -> tuple[int, int]:
+    """The strides of MX block scales ``[K / 32, N]`` (along K, along N); ``(0, 0)`` for any other mode."""
+    return (scale.stride(0), scale.stride(1)) if mode == MX_SCALES else (0, 0)
 
 
 def check_range(kernel: str, name: str, value: int, lo: int, hi: int) -> None:

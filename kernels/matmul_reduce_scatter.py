@@ -22,6 +22,10 @@ of every source (``flag_table[s] + chunk``), loads the source's partial from ``s
 and adds it in fp32, sources in the fixed order ``0 .. W-1``: the same inputs give bitwise the same
 sum whatever the order of arrival. Waits are bounded as in `overlap.kernels.flags.wait_flag`.
 
+fp8 operands (e4m3, the partials float32): rowwise or tensorwise scales multiply the tile in its epilogue; MX block
+scales (``[M, K/32]`` and ``[K/32, N]`` e8m0) multiply each 32-wide block's dot in the K loop
+(`overlap.kernels.flags.mx_matmul_tile`).
+
 One-shot all-reduce uses the same kernels with ``D = 1`` (every rank keeps its whole partial in its
 own buffer) and a reduction over every rank's buffer.
 
@@ -35,15 +39,16 @@ import triton
 import triton.language as tl
 
 from . import host
-from .flags import count_and_release, grouped_tile, matmul_tile, scale_tile, wait_flag
+from .flags import MX_K, MX_SCALES, count_and_release, grouped_tile, matmul_tile, mx_matmul_tile, scale_tile, wait_flag
 
 
 # Not specialized on: values that differ between ranks or calls, and counts that only mask rows or index flags
 # (the sizes and strides that set the GEMM's vector loads stay specialized).
 @triton.jit(do_not_specialize=["FLAG_STRIDE", "epoch_ptr", "rank", "M", "MB", "NUM_DEST", "NCH", "ROWS"])
 def matmul_scatter_kernel(
-    # the local operands: a [M, K] row-major (contiguous rows), b [K, N] any strides; fp8: their float32 scales
-    # (A_SCALE, B_SCALE: 0 none, 1 one value, 2 one per row of a / column of b), the partials float32
+    # the local operands: a [M, K] row-major (contiguous rows), b [K, N] any strides; fp8: their scales (A_SCALE,
+    # B_SCALE: 0 none, 1 one float32, 2 one per row of a / column of b, 3 MX blocks: e8m0 bytes, a's [M, K/32]
+    # contiguous, b's [K/32, N] with strides stride_bsk, stride_bsn), the partials float32
     a_ptr, b_ptr, a_scale_ptr, b_scale_ptr,
     # where block d goes (int64 addresses, one per destination), chunk counters, every rank's flag
     # base (int64; this rank's is used), flags per destination block in the flag area
@@ -56,6 +61,7 @@ def matmul_scatter_kernel(
     # strides
     stride_am,
     stride_bk, stride_bn,
+    stride_bsk, stride_bsn,
     stride_dm,
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -75,23 +81,30 @@ def matmul_scatter_kernel(
     # ---- GEMM tile --------------------------------------------------------------------------
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     row_ok = offs_m < rows_d
     run = offs_m.to(tl.int64) // ROWS  # 64-bit: D*MB*K can pass 2^31 elements
     a_rows = (run * NUM_DEST + d) * ROWS + offs_m % ROWS
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
-    # 64-bit: a column of a weight of 2^31 elements or more (column-major, w.t(): n * stride_bn) passes 2^31
-    b_ptrs = b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
-    acc = matmul_tile(a_ptrs, b_ptrs, row_ok, offs_k, offs_n, N, K, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+    if A_SCALE == MX_SCALES:  # MX: every 32-wide block of K scaled in the loop
+        # 64-bit: a column of a weight of 2^31 elements or more (column-major, w.t(): n * stride_bn) passes 2^31
+        acc = mx_matmul_tile(a_ptr + a_rows * stride_am, a_scale_ptr + a_rows * (K // MX_K),
+                             b_ptr + offs_n.to(tl.int64) * stride_bn, b_scale_ptr + offs_n.to(tl.int64) * stride_bsn,
+                             stride_bsk, row_ok, offs_n < N, K, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+        # 64-bit: a column of a weight of 2^31 elements or more (column-major, w.t(): n * stride_bn) passes 2^31
+        b_ptrs = b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
+        acc = matmul_tile(a_ptrs, b_ptrs, row_ok, offs_k, offs_n, N, K, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
 
     # ---- store into the owner's buffer (fp8: scaled, float32) ---------------------------------
     mask = row_ok[:, None] & (offs_n[None, :] < N)
     if A_SCALE:
-        if A_SCALE == 2:
-            a_scale = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)
-        else:
-            a_scale = tl.load(a_scale_ptr)
-        acc = scale_tile(acc, a_scale, A_SCALE == 2, b_scale_ptr, offs_n, N, B_SCALE)
+        if A_SCALE != MX_SCALES:  # (MX: scaled block by block in the K loop)
+            if A_SCALE == 2:
+                a_scale = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)
+            else:
+                a_scale = tl.load(a_scale_ptr)
+            acc = scale_tile(acc, a_scale, A_SCALE == 2, b_scale_ptr, offs_n, N, B_SCALE)
         dst = tl.multiple_of(tl.load(dst_table + d).to(tl.pointer_type(tl.float32)), 16)
         out_ptrs = dst + offs_m[:, None].to(tl.int64) * stride_dm + offs_n[None, :]
         tl.store(out_ptrs, acc, mask=mask)
@@ -192,7 +205,10 @@ def launch_matmul_scatter(a: torch.Tensor, b: torch.Tensor, dst_table: torch.Ten
         rows_per_outer: the blocks interleave in `a` in runs of this many rows (``a``'s row ``(o * D + d) * R + f``
             is row ``o * R + f`` of block ``d``); default `block_rows` (block ``d`` is rows ``d * block_rows ...``).
         a_scale, b_scale: fp8 `a` and `b` (e4m3): their float32 scales (``a_scale`` one element or ``[M, 1]``,
-            ``b_scale`` one element or ``[1, N]``); the blocks are then float32 partials, scaled in the epilogue.
+            ``b_scale`` one element or ``[1, N]``), scaled in the epilogue; or MX block scales on both
+            (``torch.float8_e8m0fnu``: ``a_scale`` ``[M, K / 32]`` contiguous, ``b_scale`` ``[K / 32, N]`` any
+            strides; ``K`` a multiple of 32, ``BLOCK_K`` of 32), every 32-wide block of K scaled in the K loop. The
+            blocks are then float32 partials.
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit, rows past the blocks, flags of two destinations
@@ -204,6 +220,9 @@ def launch_matmul_scatter(a: torch.Tensor, b: torch.Tensor, dst_table: torch.Ten
     a_mode = b_mode = 0
     if a_scale is not None or b_scale is not None or a.dtype in host.FP8_DTYPES:
         a_mode, b_mode = host.check_a_scale(kernel, a, a_scale), host.check_b_scale(kernel, b, b_scale)
+        if (a_mode == host.MX_SCALES) != (b_mode == host.MX_SCALES):
+            host.fail(kernel, f"MX block scales on both operands or on neither, got a_scale {a_scale.dtype} and "
+                              f"b_scale {b_scale.dtype}")
     (m, k), n = a.shape, b.shape[1]
     if b.shape[0] != k or b.device != a.device:
         host.fail(kernel, f"b must be [{k}, N] on {a.device}, got {list(b.shape)} on {b.device}")
@@ -215,6 +234,8 @@ def launch_matmul_scatter(a: torch.Tensor, b: torch.Tensor, dst_table: torch.Ten
     host.check_epoch(kernel, epoch, a.device)
     bm, bn, bk = block
     host.check_tile(kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    if a_mode == host.MX_SCALES:
+        host.check_mx_tile(kernel, bk)
     host.check_range(kernel, "block_rows", block_rows, 0, 1 << 31)
     if num_dest < 1 or m > num_dest * block_rows:
         host.fail(kernel, f"a's {m} rows do not fit {num_dest} blocks of {block_rows} rows")
@@ -229,12 +250,13 @@ def launch_matmul_scatter(a: torch.Tensor, b: torch.Tensor, dst_table: torch.Ten
         host.fail(kernel, f"counters must be int32 of at least {num_dest * num_chunks} words on {a.device}, got "
                           f"{counters.dtype} [{counters.numel()}] on {counters.device}")
     matmul_scatter_kernel[(matmul_scatter_grid(num_dest, block_rows, n, bm, bn),)](
-        a, b, a_scale if a_mode else a, b_scale if b_mode else b,
+        a, b, host.scale_arg(a_scale, a_mode, a), host.scale_arg(b_scale, b_mode, b),
         dst_table, counters, flag_table, flag_stride,
         epoch, rank,
         m, n, k, block_rows, num_dest, num_chunks, run,
         a.stride(0),
         b.stride(0), b.stride(1),
+        *host.scale_strides(b_scale, b_mode),
         n,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M,
         UPCAST=host.interpreted() and a.dtype == torch.bfloat16, A_SCALE=a_mode, B_SCALE=b_mode,

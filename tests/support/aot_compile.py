@@ -10,7 +10,8 @@ warps). The report says what the PTX shows: the GEMM on ``wgmma`` (bf16/f16, and
 loads, the flag protocol's system-scope release/acquire, the CTA barrier before the chunk count, the ``%globaltimer``
 bound of the waits, and the branches that could take different warps past different barriers (`ptx_flow`: a wait loop
 that warps leave on different iterations). A kernel with the per-thread wait that overlap had before
-(`per_thread_wait_kernel`) is compiled too, to show that the analysis finds it. Every product of an index and a
+(`per_thread_wait_kernel`) is compiled too, to show that the analysis finds it. fp8 rows say which scales they take
+(``scales``: ``rowwise``, or ``mxfp8``: 1x32 block scales applied in the K loop). Every product of an index and a
 ``stride_*`` argument is reported with its width, in the PTX and in the TTIR (`stride_products`): the GEMM kernels are
 also compiled with a column-major weight (``w.t()``, the usual layout), whose column offsets ``n * stride_bn`` pass
 2^31 elements for a weight of 2^31 elements or more.
@@ -271,17 +272,32 @@ def _weight(k: int, n: int, dtype: str, weight: str, experts: int = 0) -> torch.
     return torch.empty(*lead, n, k, dtype=DTYPES[dtype]).transpose(-1, -2)
 
 
+def _mx_weight_scale(k: int, n: int) -> torch.Tensor:
+    """MX block scales of a ``[k, n]`` weight as the ops hold them (`overlap.ops.fp8.quantize_weight`: the scales of
+    ``w [n, k]``, transposed): ``[k / 32, n]``, column-major."""
+    return torch.empty(n, k // 32, dtype=torch.float8_e8m0fnu).t()
+
+
+def _scales_of(dtype: str, scales: str) -> dict:
+    """What a row reports of its fp8 scales (``rowwise``, or ``mxfp8``: 1x32 blocks along K, scaled in the K loop)."""
+    return {"scales": scales} if dtype == "fp8" else {}
+
+
 def compile_all_gather_matmul(dtype: str, block: tuple[int, int, int], num_warps: int = 4,
-                              weight: str = "row-major") -> dict:
+                              weight: str = "row-major", scales: str = "rowwise") -> dict:
     """The all-gather GEMM as the op launches it: a shard of 1024 x 4096 rows per rank, b [4096, 2048]."""
     t0 = time.time()
     b = _weight(4096, 2048, dtype, weight)
-    # fp8: rows packed with their scales (`overlap.ops.tp.operands.Packed`), the weight's scale per column
-    fp8 = dict(b_scale=torch.ones(1, 2048), scale_offset=4096, row_bytes=4112) if dtype == "fp8" else {}
+    # fp8: rows packed with their scales (`overlap.ops.tp.operands.Packed`), the weight's scale per column; MX: each
+    # row's 4096 bytes then its 128 e8m0 block scales (16-byte rows), the weight's [128, 2048]
+    fp8 = {}
+    if dtype == "fp8":
+        fp8 = (dict(b_scale=_mx_weight_scale(4096, 2048), scale_offset=4096, row_bytes=4096 + 128)
+               if scales == "mxfp8" else dict(b_scale=torch.ones(1, 2048), scale_offset=4096, row_bytes=4112))
     head, ptx, cubin = _compile_launch(lambda: ag.launch_all_gather_matmul(
         b, _table(), _table(), rows=1024, epoch=_words(1, 3), rank=1, err=_words(), timeout_ns=30 * 10**9,
         block=block, num_warps=num_warps, **fp8))
-    return _common({**head, "weight": weight}, dtype, block, ptx, cubin, t0)
+    return _common({**head, "weight": weight, **_scales_of(dtype, scales)}, dtype, block, ptx, cubin, t0)
 
 
 def compile_all_gather_weight_matmul(dtype: str, block: tuple[int, int, int]) -> dict:
@@ -294,15 +310,20 @@ def compile_all_gather_weight_matmul(dtype: str, block: tuple[int, int, int]) ->
     return _common(head, dtype, block, ptx, cubin, t0)
 
 
-def compile_matmul_scatter(dtype: str, block: tuple[int, int, int], weight: str = "row-major") -> dict:
+def compile_matmul_scatter(dtype: str, block: tuple[int, int, int], weight: str = "row-major",
+                           scales: str = "rowwise") -> dict:
     """The reduce-scatter's producer: a [W * 512, 1024] @ [1024, 2048], 2 chunks per destination."""
     t0 = time.time()
     a, b = torch.empty(W * 512, 1024, dtype=DTYPES[dtype]), _weight(1024, 2048, dtype, weight)
-    fp8 = dict(a_scale=torch.ones(W * 512, 1), b_scale=torch.ones(1, 2048)) if dtype == "fp8" else {}
+    fp8 = {}
+    if dtype == "fp8":  # MX: a's [M, 32] block scales (contiguous), b's [32, 2048]
+        fp8 = (dict(a_scale=torch.empty(W * 512, 1024 // 32, dtype=torch.float8_e8m0fnu),
+                    b_scale=_mx_weight_scale(1024, 2048))
+               if scales == "mxfp8" else dict(a_scale=torch.ones(W * 512, 1), b_scale=torch.ones(1, 2048)))
     head, ptx, cubin = _compile_launch(lambda: rs.launch_matmul_scatter(
         a, b, _table(), _words(256), _table(), block_rows=512, num_chunks=2, flag_stride=16, epoch=_words(1, 3),
         rank=1, block=block, **fp8))
-    return _common({**head, "weight": weight}, dtype, block, ptx, cubin, t0)
+    return _common({**head, "weight": weight, **_scales_of(dtype, scales)}, dtype, block, ptx, cubin, t0)
 
 
 def compile_reduce_chunks(dtype: str, block: tuple[int, int]) -> dict:
@@ -407,6 +428,9 @@ if __name__ == "__main__":
               compile_all_gather_matmul("bf16", (128, 128, 64), num_warps=8),
               compile_all_gather_matmul("fp16", (128, 128, 64)), compile_all_gather_matmul("fp32", (128, 64, 32)),
               compile_all_gather_matmul("fp8", (128, 128, 64)),
+              # MX (1x32 block scales, every block's fp8 dot scaled in the K loop), the ops' column-major weight
+              compile_all_gather_matmul("fp8", (128, 128, 64), weight="column-major", scales="mxfp8"),
+              compile_matmul_scatter("fp8", (128, 128, 64), weight="column-major", scales="mxfp8"),
               compile_all_gather_weight_matmul("bf16", (128, 128, 64)),
               compile_all_gather_weight_matmul("fp32", (128, 64, 32)),
               compile_matmul_scatter("bf16", (128, 128, 64)), compile_matmul_scatter("fp16", (128, 128, 64)),

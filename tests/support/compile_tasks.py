@@ -331,6 +331,11 @@ def opchecks(rank: int, world_size: int, seed: int) -> dict[str, str]:
     fwd = ("", "symm", "", None, False)
     a8, a_scale = quantize_fp8(a3.detach(), "rowwise")
     b8, b_scale = quantize_weight(b.detach(), "rowwise")
+    # MX (1x32 blocks along k): k = 32, the scales e8m0 ([..., k/32] and [k/32, n])
+    a32 = torch.randn(2 * world_size, 2, 32, generator=g, requires_grad=True)
+    b32 = torch.randn(32, 6, generator=g, requires_grad=True)
+    a8_mx, a_scale_mx = quantize_fp8(a32.detach(), "mxfp8")
+    b8_mx, b_scale_mx = quantize_weight(b32.detach(), "mxfp8")
     x, idx, w1, w2, tw, E = moe_inputs(rank, world_size, seed)
     cases = {
         "all_gather_matmul": (ops.all_gather_matmul.default, (a3, [b], 0, False, *tp, None, None, None, "")),
@@ -341,6 +346,11 @@ def opchecks(rank: int, world_size: int, seed: int) -> dict[str, str]:
                                                                   "rowwise")),
         "all_gather_matmul fp8 operands": (ops.all_gather_matmul.default, (a8, [b8], 0, False, *fwd, a_scale,
                                                                            [b_scale], torch.bfloat16, "")),
+        "all_gather_matmul mxfp8": (ops.all_gather_matmul.default, (a32, [b32], 1, False, *tp, None, None, None,
+                                                                    "mxfp8")),
+        "all_gather_matmul mxfp8 operands": (ops.all_gather_matmul.default, (a8_mx, [b8_mx], 0, False, *fwd,
+                                                                             a_scale_mx, [b_scale_mx],
+                                                                             torch.float32, "")),
         "matmul_reduce_scatter": (ops.matmul_reduce_scatter.default, (a3, b, 0, *tp, *plain)),
         "matmul_reduce_scatter dim 1": (ops.matmul_reduce_scatter.default, (a3, b, 1, *tp, *plain)),
         "matmul_reduce_scatter fp8": (ops.matmul_reduce_scatter.default, (a3, b, 0, *tp, None, None, None,
@@ -348,6 +358,10 @@ def opchecks(rank: int, world_size: int, seed: int) -> dict[str, str]:
         "matmul_all_reduce": (ops.matmul_all_reduce.default, (a3, b, *tp, *plain)),
         "matmul_all_reduce fp8 operands": (ops.matmul_all_reduce.default, (a8, b8, *fwd, a_scale, b_scale,
                                                                            torch.float32, "")),
+        "matmul_reduce_scatter mxfp8 operands": (ops.matmul_reduce_scatter.default, (a8_mx, b8_mx, 1, *fwd,
+                                                                                     a_scale_mx, b_scale_mx,
+                                                                                     torch.bfloat16, "")),
+        "matmul_all_reduce mxfp8": (ops.matmul_all_reduce.default, (a32, b32, *tp, None, None, None, "mxfp8")),
         "all_gather_weight_matmul": (ops.all_gather_weight_matmul.default, (a3, b, *tp)),
         "all_reduce": (ops.all_reduce.default, (a3, "", None, "opcheck")),
         "all_gather_last_dim": (ops.all_gather_last_dim.default, (a3, "", None, "opcheck")),

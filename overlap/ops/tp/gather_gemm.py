@@ -33,7 +33,7 @@ from .. import fused
 from ..context import CallContext
 from ..hierarchical.node_call import guard
 from . import gather
-from .operands import Weights
+from .operands import Weights, kernel_tile
 from .rows import Rows
 
 
@@ -50,7 +50,8 @@ def run(a2: torch.Tensor, bs: list[torch.Tensor] | Weights, cc: CallContext, kee
     the call only gathers); every chunk's GEMMs, one per weight, as soon as it is there. ``gathered`` (the whole
     gathered `a2`) is None unless `keep_gathered`: the weight gradients take it from the gather. `rows`: where
     each rank's rows go (`overlap.ops.tp.rows.Rows`; default rank-major, dim 0). `bs` may be a
-    `overlap.ops.tp.operands.Weights` (fp8: `a2` holds packed rows, `overlap.ops.tp.operands.Packed`).
+    `overlap.ops.tp.operands.Weights` (fp8: `a2` holds packed rows, `overlap.ops.tp.operands.Packed`: each row's fp8
+    bytes and its scales, rowwise or MX blocks, so the gather moves them together).
     """
     rows = Rows.flat(cc.world_size, a2.shape[0]) if rows is None else rows
     bs = bs if isinstance(bs, Weights) else Weights(bs)
@@ -96,11 +97,14 @@ def _fused(cc: CallContext, call, a2, bs, keep_gathered, rows):
     # GPU: the kernel's error word is pinned host memory, checked by the next call without a
     # sync. CPU (interpreted): checked right after the kernel.
     err = heap.kernel_err() if a2.is_cuda else torch.zeros(1, dtype=torch.int32)
-    tile = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(), a2.dtype)
+    packed = bs.packed
+    tile = kernel_tile(fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(),
+                                         a2.dtype), packed is not None and packed.mx)
     outs = []
     for i, b in enumerate(bs.bs):
-        fp8 = {} if bs.packed is None else {"b_scale": bs.b_scales[i], "out_dtype": bs.out_dtype,
-                                            "scale_offset": bs.packed.k4, "row_bytes": bs.packed.width}
+        # fp8: the shards are packed rows, each row's scales (one, or MX blocks) from byte scale_offset of the row
+        fp8 = {} if packed is None else {"b_scale": bs.b_scales[i], "out_dtype": bs.out_dtype,
+                                         "scale_offset": packed.scale_offset, "row_bytes": packed.width}
         outs.append(kernels.launch_all_gather_matmul(
             b, heap.tables.ptr_table(call.slot), heap.tables.flag_table(call.slot, 0), rows=m, epoch=call.epoch_word(),
             rank=r, err=err, timeout_ns=int(timeout * 1e9), block=tile, rows_per_outer=rows.rows, **fp8))

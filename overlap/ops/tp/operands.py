@@ -2,20 +2,36 @@
 (`Gemm`), and fp8 rows packed with their scales for a gather (`Packed`).
 
 A plain `Gemm` is ``a @ b`` by `torch.mm` in the operands' dtype. An fp8 one (``a`` and ``b`` e4m3 with their
-scales, `overlap.ops.fp8`) is a scaled GEMM in float32: the partial sums that a reduce-scatter or an all-reduce
-sends and adds are float32, and the op casts its result to the caller's ``out_dtype`` at the end.
+scales, `overlap.ops.fp8`: rowwise, tensorwise or MX blocks) is a scaled GEMM in float32: the partial sums that a
+reduce-scatter or an all-reduce sends and adds are float32, and the op casts its result to the caller's
+``out_dtype`` at the end.
 
-An fp8 all-gather moves each row's fp8 bytes with its float32 scale in one row of bytes (`Packed`: ``k`` bytes,
-padded to 4, then the scale), so every gather transport (collective, messages, shared memory, the fused kernel)
-moves them as it moves any rows: a row's scale travels with it, in the layout of a gather dim past the first
-too. A tensorwise scale is repeated on each row (4 bytes a row; rowwise scales cost the same).
+An fp8 all-gather moves each row's fp8 bytes with its scales in one row of bytes (`Packed`), so every gather
+transport (collective, messages, shared memory, the fused kernel) moves them as it moves any rows, with no second
+collective: a row's scales travel with it, in the layout of a gather dim past the first too.
+
+* rowwise or tensorwise: the row's ``k`` bytes, zeros up to a multiple of 4, its float32 scale (4 bytes; a
+  tensorwise scale is repeated on each row: rowwise scales cost the same);
+* MX (``k`` a multiple of 32): the row's ``k`` bytes, then its ``k / 32`` e8m0 block scales (one byte each).
+
+On GPUs zeros follow, up to a multiple of 16 bytes (16-byte row loads).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..fp8 import OPERAND_DTYPE, Fp8Args, is_fp8, quantize_fp8, quantize_weight, scaled_mm
+from ..fp8 import (
+    MX_BLOCK,
+    MX_SCALE_DTYPE,
+    OPERAND_DTYPE,
+    Fp8Args,
+    is_fp8,
+    is_mx_scale,
+    quantize_fp8,
+    quantize_weight,
+    scaled_mm,
+)
 from ..fp8_recipe import recipe_of
 
 SCALE_BYTES = 4
@@ -23,13 +39,14 @@ SCALE_BYTES = 4
 
 class Gemm:
     """``a @ b`` (``a`` ``[M, k]``, ``b`` ``[k, n]``) row range by row range; with `a_scale` and `b_scale` an fp8
-    GEMM (``a_scale`` ``[M, 1]`` or one element, ``b_scale`` ``[1, n]`` or one element) whose partials are
-    float32."""
+    GEMM (``a_scale`` ``[M, 1]`` or one element, ``b_scale`` ``[1, n]`` or one element; MX: ``[M, k/32]`` and
+    ``[k/32, n]``, e8m0) whose partials are float32."""
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor | None = None,
                  b_scale: torch.Tensor | None = None):
         self.a, self.b, self.a_scale, self.b_scale = a, b, a_scale, b_scale
         self.scaled = a_scale is not None
+        self.mx = self.scaled and is_mx_scale(a_scale)  # (MX block scales on both operands: `check_scales`)
         self.n = b.shape[1]
         self.dtype = torch.float32 if self.scaled else a.dtype
         self.device = a.device
@@ -39,7 +56,7 @@ class Gemm:
         return pair if isinstance(pair, Gemm) else cls(*pair)
 
     def _scale(self, lo: int, hi: int) -> torch.Tensor:
-        return self.a_scale if self.a_scale.numel() == 1 else self.a_scale[lo:hi]
+        return self.a_scale[lo:hi] if per_row(self.a_scale) else self.a_scale
 
     def into(self, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
         """``out = a[lo:hi] @ b`` (`out` ``[hi - lo, n]`` of `dtype`)."""
@@ -63,49 +80,65 @@ class Gemm:
     def sliced(self, lo: int, hi: int) -> Gemm:
         """Rows ``lo ... hi`` alone."""
         s = self.a_scale
-        if s is not None and s.numel() != 1:
+        if s is not None and per_row(s):
             s = s[lo:hi]
         return Gemm(self.a[lo:hi], self.b, s, self.b_scale)
 
     def flat(self) -> Gemm:
-        """The same GEMM with ``a`` ``[M, k]`` (and a rowwise ``a_scale`` ``[M, 1]``) flattened from ``[..., k]``."""
+        """The same GEMM with ``a`` ``[M, k]`` (and a rowwise ``a_scale`` ``[M, 1]``, an MX one ``[M, k/32]``)
+        flattened from ``[..., k]``."""
         a = self.a.reshape(-1, self.a.shape[-1]).contiguous()
         s = self.a_scale
-        if s is not None and s.numel() != 1:
-            s = s.reshape(-1, 1)
+        if s is not None and per_row(s):
+            s = s.reshape(-1, s.shape[-1]).contiguous()
         return Gemm(a, self.b, s, self.b_scale)
 
 
-class Packed:
-    """fp8 rows and their float32 scales as rows of bytes ``[m, width]``: the row's ``k`` fp8 bytes, zeros up to
-    ``k4`` (``k`` rounded up to 4), the scale's 4 bytes, and on GPUs zeros up to a multiple of 16 bytes (the fused
-    kernel's and `torch._scaled_mm`'s 16-byte row loads; 12 bytes a row more on the wire)."""
+def per_row(scale: torch.Tensor) -> bool:
+    """Whether an activation's `scale` has a row per row of it (rowwise or MX), not one value (tensorwise)."""
+    return is_mx_scale(scale) or scale.numel() != 1
 
-    def __init__(self, k: int, device: torch.device | None = None):
-        self.k = k
-        self.k4 = -(-k // 4) * 4
+
+class Packed:
+    """fp8 rows and their scales as rows of bytes ``[m, width]`` (module docstring): the row's ``k`` fp8 bytes, then
+    its scales from byte `scale_offset` (rowwise or tensorwise: zeros up to ``k`` rounded up to 4, then one float32;
+    `mx`: right after the data, ``k / 32`` e8m0 bytes), and on GPUs zeros up to a multiple of 16 bytes (the fused
+    kernel's and `torch._scaled_mm`'s 16-byte row loads)."""
+
+    def __init__(self, k: int, device: torch.device | None = None, mx: bool = False):
+        self.k, self.mx = k, mx
+        if mx:
+            assert k % MX_BLOCK == 0, k  # (the ops' checks refuse such a call first)
+            self.scale_offset, self.scale_bytes = k, k // MX_BLOCK
+        else:
+            self.scale_offset, self.scale_bytes = -(-k // 4) * 4, SCALE_BYTES
         align = 16 if device is not None and device.type == "cuda" else 1
-        self.width = -(-(self.k4 + SCALE_BYTES) // align) * align
+        self.width = -(-(self.scale_offset + self.scale_bytes) // align) * align
 
     def pack(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """`x` ``[m, k]`` fp8 and its scale (``[m, 1]`` or one element) as ``[m, width]`` uint8."""
+        """`x` ``[m, k]`` fp8 and its scale (``[m, 1]`` or one element; `mx`: ``[m, k/32]`` e8m0) as ``[m, width]``
+        uint8."""
         m = x.shape[0]
         out = torch.empty((m, self.width), dtype=torch.uint8, device=x.device)
         out[:, : self.k].copy_(x.view(torch.uint8))
-        end = self.k4 + SCALE_BYTES
-        if self.k4 > self.k:
-            out[:, self.k : self.k4].zero_()
-        if self.width > end:
-            out[:, end:].zero_()
-        s = scale.reshape(-1, 1).float().expand(m, 1).contiguous()
-        out[:, self.k4 : end].copy_(s.view(torch.uint8))
+        lo, hi = self.scale_offset, self.scale_offset + self.scale_bytes
+        if lo > self.k:
+            out[:, self.k : lo].zero_()
+        if self.width > hi:
+            out[:, hi:].zero_()
+        if self.mx:
+            out[:, lo:hi].copy_(scale.reshape(m, self.scale_bytes).view(torch.uint8))
+        else:
+            s = scale.reshape(-1, 1).float().expand(m, 1).contiguous()
+            out[:, lo:hi].copy_(s.view(torch.uint8))
         return out
 
     def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x [r, k] fp8, scale [r, 1] float32)`` of packed `rows` (a view of the data, a copy of the scales)."""
+        """``(x [r, k] fp8, scale)`` of packed `rows` (a view of the data, a copy of the scales): the scale is
+        ``[r, 1]`` float32, or with `mx` ``[r, k/32]`` e8m0."""
         x = rows[:, : self.k].view(OPERAND_DTYPE)
-        s = rows[:, self.k4 : self.k4 + SCALE_BYTES].contiguous().view(torch.float32)
-        return x, s
+        s = rows[:, self.scale_offset : self.scale_offset + self.scale_bytes].contiguous()
+        return x, s.view(MX_SCALE_DTYPE if self.mx else torch.float32)
 
     def gemm(self, rows: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> Gemm:
         """The fp8 `Gemm` of packed `rows` times `b`."""
@@ -115,12 +148,14 @@ class Packed:
 
 class Weights:
     """The weights a gathered operand is multiplied by, chunk by chunk as it arrives: plain ``[k, n_i]``, or fp8
-    with their scales (the gathered rows are then `Packed`, the outputs `out_dtype`)."""
+    with their scales (the gathered rows are then `Packed`, with MX block scales where the weights' are; the outputs
+    `out_dtype`)."""
 
     def __init__(self, bs: list[torch.Tensor], b_scales: list[torch.Tensor] | None = None,
                  out_dtype: torch.dtype | None = None):
         self.bs, self.b_scales = bs, b_scales
-        self.packed = Packed(bs[0].shape[0], bs[0].device) if b_scales is not None and bs else None
+        self.packed = (Packed(bs[0].shape[0], bs[0].device, mx=is_mx_scale(b_scales[0]))
+                       if b_scales is not None and bs else None)
         self.out_dtype = out_dtype
 
     def outputs(self, rows: int, like: torch.Tensor) -> list[torch.Tensor]:
@@ -139,16 +174,26 @@ class Weights:
             scaled_mm(x, b, s, b_scale, self.out_dtype, out=out[lo:hi])
 
 
+def kernel_tile(tile: tuple[int, int, int], mx: bool) -> tuple[int, int, int]:
+    """A fused kernel's tile ``(BLOCK_M, BLOCK_N, BLOCK_K)``; with MX scales its K step whole 32-wide blocks
+    (``BLOCK_K`` at least 32: a power of two, so then a multiple of 32)."""
+    bm, bn, bk = tile
+    return (bm, bn, max(bk, MX_BLOCK)) if mx else tile
+
+
 # ----------------------------------------------------------------------------------------------
 # An op's fp8 operands: given (with their scales), or quantized on their owner by the fp8 recipe
 # ----------------------------------------------------------------------------------------------
 
 
 def activation(a2: torch.Tensor, scaled: Fp8Args) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(a_fp8 [M, k], a_scale [M, 1] or one element)`` of an fp8 call's activation `a2` ``[M, k]`` (fp8 operands:
-    their scale flattened; with the recipe: quantized here), None for a plain call."""
+    """``(a_fp8 [M, k], a_scale)`` of an fp8 call's activation `a2` ``[M, k]``, the scale ``[M, 1]`` or one element
+    (MX: ``[M, k/32]``) (fp8 operands: their scale flattened; with the recipe: quantized here), None for a plain
+    call."""
     a_scale, recipe = scaled.a_scale, scaled.recipe
     if is_fp8(a2):
+        if is_mx_scale(a_scale):
+            return a2, a_scale.reshape(-1, a_scale.shape[-1]).contiguous()
         return a2, (a_scale.reshape(-1, 1).contiguous() if a_scale.numel() != 1 else a_scale.reshape(()))
     if recipe:
         return quantize_fp8(a2, recipe_of("", recipe).granularity)

@@ -46,7 +46,7 @@ from ...symm import p2p
 from .. import fused
 from ..context import CallContext
 from . import hierarchical_reduce
-from .operands import Gemm
+from .operands import Gemm, kernel_tile
 from .rows import Product
 from .sums import sum_in_order
 
@@ -242,10 +242,10 @@ def scatter_and_reduce(cc: CallContext, call, g: Gemm, out, *, block_rows: int, 
                        rows_per_outer: int | None = None) -> None:
     """The two fused kernels (`overlap.kernels.matmul_reduce_scatter`, through their launchers).
 
-    Producer: ``g`` (``a2 @ b``, `overlap.ops.tp.operands.Gemm`: fp8 scaled into float32 partials) cut into
-    ``len(dst_table)`` blocks of `block_rows` rows, block ``d`` stored at ``dst_table[d]`` and flagged per chunk
-    in this rank's ready flags ``d * flag_stride + chunk``; the blocks interleave in runs of `rows_per_outer`
-    rows (default `block_rows`: `overlap.ops.tp.rows.Rows`).
+    Producer: ``g`` (``a2 @ b``, `overlap.ops.tp.operands.Gemm`: fp8 scaled into float32 partials, MX block by
+    block in the kernel's K loop) cut into ``len(dst_table)`` blocks of `block_rows` rows, block ``d`` stored at
+    ``dst_table[d]`` and flagged per chunk in this rank's ready flags ``d * flag_stride + chunk``; the blocks
+    interleave in runs of `rows_per_outer` rows (default `block_rows`: `overlap.ops.tp.rows.Rows`).
     Consumer: ``out = sum_s src_table[s]`` (``out.shape[0]`` rows), rank order, each chunk once every
     rank's flag ``flag_index + chunk`` has this call's epoch. Used by the reduce-scatter (one block
     per rank) and by ``matmul_all_reduce`` (one-shot: one block, summed over every rank's buffer).
@@ -254,7 +254,8 @@ def scatter_and_reduce(cc: CallContext, call, g: Gemm, out, *, block_rows: int, 
     kernels = fused.kernels().matmul_reduce_scatter
     heap = call.heap
     a2, b = g.a, g.b
-    bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(), a2.dtype)
+    bm, bn, bk = kernel_tile(fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(),
+                                               a2.dtype), g.mx)
     nch = kernels.chunk_count(chosen.chunks_for(info.slowest_link), max_chunks, block_rows, bm)
     call.wait_slot_free()
     counters = heap.tables.counters(call.slot)  # num_dest * nch <= MAX_FLAGS; the kernel leaves them at zero
