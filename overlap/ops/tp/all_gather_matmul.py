@@ -20,6 +20,14 @@ gradient is computed by `overlap.ops.tp.scatter_gemm` with the forward's plan (i
 behind its GEMMs) while the gather flies, then the weight gradient is one GEMM over the gathered
 rows (so it rounds exactly like the unfused one).
 
+fp8 gradients (a recipe with ``grads``, ``fp8="rowwise+grads"``: `overlap.ops.fp8_recipe`): the backward's GEMMs
+follow `overlap.ops.fp8_matmul.grad_gemm`. Each partial of the input gradient is an fp8 GEMM ``g @ b.T`` (``g``
+per row, ``b.T`` per column, quantized along ``n`` to the recipe's gradient dtype) into float32; the float32
+partials are reduce-scattered by the same strategies (summed in their fixed rank order) and cast once to ``a``'s
+dtype. ``a`` is gathered again in its own dtype, as without fp8, and ``grad_b = grad_gemm(a_full.T, g)`` (quantized
+along the gathered rows). ``fused``'s kernel multiplies e4m3 operands only: e5m2 (``tensorwise``) gradients are
+multiplied by torch and copied as ``symm`` does, under the same heap protocol.
+
 Batch-first code gathers another dim (``gather_dim=1`` of ``[b, s, h]``): every rank's rows land in place in
 the output, in runs (`overlap.ops.tp.rows`); no transpose, no copy of the whole tensor. Several weights: each
 gathered chunk is multiplied by every weight as it arrives (``fused``: one kernel launch per weight); backward
@@ -32,16 +40,21 @@ a new tensor. A rank's shard is copied into the heap, so ``a`` may be modified o
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ...kernels import host
 from ...plans import Plan
 from .. import library
 from ..context import CallContext, autocast_inputs, describe, no_autocast, record
-from ..fp8 import Fp8Args
+from ..fp8 import MX_BLOCK, Fp8Args, quantize_fp8, quantize_weight
+from ..fp8_matmul import grad_gemm
+from ..fp8_recipe import Fp8Recipe, recipe_of
 from . import entry, gather, gather_gemm, operands, scatter_gemm
+from .operands import Gemm
 from .rows import Product, normalize_dim, of, resized
 
 OP = "all_gather_matmul"
@@ -82,9 +95,10 @@ def all_gather_matmul(
             and ``b``'s, ``[1, n]`` or one element (a list of them where `b` is a list). The op computes
             ``all_gather(a * a_scale) @ (b * b_scale)`` with scaled GEMMs, forward only.
         out_dtype: the result's dtype with fp8 operands (default ``torch.bfloat16``).
-        fp8: ``"rowwise"`` or ``"tensorwise"``: the fp8 training recipe on high-precision operands (quantized on
-            their owner, so the gather moves fp8 bytes; forward GEMMs scaled; backward in the operands' dtype, as
-            without it: docs/fp8.md). The result has `a`'s dtype.
+        fp8: ``"rowwise"``, ``"tensorwise"`` or ``"mxfp8"``, or an `overlap.Fp8Recipe`: the fp8 training recipe on
+            high-precision operands (quantized on their owner, so the gather moves fp8 bytes; forward GEMMs scaled;
+            backward in the operands' dtype, as without it, or with ``grads=True`` (``"rowwise+grads"``) fp8 GEMMs:
+            docs/fp8.md). The result has `a`'s dtype.
 
     Returns:
         ``y``: `a`'s shape with ``world_size * m`` at `gather_dim` and ``n`` last, rank r's slice at
@@ -170,6 +184,7 @@ def _save(ctx: Any, inputs: tuple, output: Any) -> None:
     ctx.save_for_backward(a, *bs, output[2])
     ctx.dim, ctx.keep, ctx.need_b = normalize_dim(OP, DIM, dim, a.shape), keep, [b.requires_grad for b in bs]
     ctx.shapes = [y.shape for y in output[0]]
+    ctx.fp8 = inputs[-1]  # (the recipe's text: its backward runs in fp8 with ``+grads``)
     ctx.rest = len(inputs) - 2
     ctx.set_materialize_grads(False)  # (an unused gathered input: no gradient of zeros to add in backward)
 
@@ -180,34 +195,67 @@ def _autograd_backward(ctx: Any, grads: list, grad_full: torch.Tensor | None, _g
     need_b = ctx.need_b
     grads = [g if g is not None else a.new_zeros(shape) for g, shape in zip(grads, ctx.shapes, strict=True)]
     full = grad_full if ctx.keep and grad_full is not None else a.new_empty(0)
-    grad_a, grad_bs = _backward_op(grads, full, a, bs, context, ctx.dim, need_a, need_b)
+    grad_a, grad_bs = _backward_op(grads, full, a, bs, context, ctx.dim, need_a, need_b, ctx.fp8)
     return (grad_a if need_a else None, [g if need else None for g, need in zip(grad_bs, need_b, strict=True)],
             *(None,) * ctx.rest)
 
 
-def _backward(grads, grad_full, a, bs, context, dim, need_a, need_b):
-    """``overlap::all_gather_matmul_backward``: ``(grad_a, grad_bs)`` in the forward's call context."""
+def _backward(grads, grad_full, a, bs, context, dim, need_a, need_b, fp8=""):
+    """``overlap::all_gather_matmul_backward``: ``(grad_a, grad_bs)`` in the forward's call context; `fp8`: the
+    forward's recipe (its text), whose backward GEMMs run in fp8 where it has ``+grads``."""
     cc = library.kept(context, f"{OP}.backward").derive(op=f"{OP}.backward")
     W, k = cc.world_size, a.shape[-1]
+    recipe = _grad_recipe(fp8)
     ro = of(a.shape, dim, W, scatter=False)
     g2s = [g.reshape(-1, b.shape[1]).contiguous() for g, b in zip(grads, bs, strict=True)]
     extra = grad_full.reshape(-1, k).contiguous() if grad_full.numel() else None
-    prod = Product([(g2, b.t()) for g2, b in zip(g2s, bs, strict=True)], ro, extra) if need_a else None
+    assert recipe is None or extra is None  # (return_gathered is refused with fp8)
+    prod = None
+    if need_a:
+        prod = Product([(g2, b.t()) if recipe is None else _grad_pair(g2, b.t(), recipe)
+                        for g2, b in zip(g2s, bs, strict=True)], ro, extra)
     with no_autocast(cc.info.device.type):
         run = _reference_backward if cc.plan.strategy == "reference" else _overlapped_backward
         grad_a, full = run(cc, a, prod, any(need_b), ro)
-    grad_bs = [torch.mm(full.t(), g2) if need else b.new_empty(0)
-               for g2, b, need in zip(g2s, bs, need_b, strict=True)]
-    return grad_a.view(a.shape) if grad_a is not None else a.new_empty(0), grad_bs
+    # One GEMM over every gathered row: it rounds exactly as the unfused weight gradient does.
+    grad_bs = [(torch.mm(full.t(), g2) if recipe is None else grad_gemm(full.t(), g2, recipe).to(b.dtype))
+               if need else b.new_empty(0) for g2, b, need in zip(g2s, bs, need_b, strict=True)]
+    if grad_a is None:
+        return a.new_empty(0), grad_bs
+    return grad_a.to(a.dtype).view(a.shape), grad_bs  # (fp8 gradients: float32 sums, rounded once here)
 
 
-def _backward_fake(grads, grad_full, a, bs, context, dim, need_a, need_b):
+def _grad_recipe(fp8: str) -> Fp8Recipe | None:
+    """The forward's recipe where its backward runs in fp8 (``+grads``), else None."""
+    recipe = recipe_of(OP, fp8)
+    return recipe if recipe is not None and recipe.grads else None
+
+
+def _grad_pair(g2: torch.Tensor, bt: torch.Tensor, recipe: Fp8Recipe) -> Gemm:
+    """``g2 [M, n] @ bt [n, k]``, an input gradient's partials, as `grad_gemm` computes it, row range by row range:
+    both quantized along ``n`` to the recipe's gradient dtype, float32 partials (MX with ``n`` not a multiple of 32:
+    the float32 product)."""
+    g = recipe.granularity
+    if g == "mxfp8" and g2.shape[1] % MX_BLOCK:
+        return Gemm(g2.float(), bt.float())
+    g8, g_scale = quantize_fp8(g2, g, recipe.grad_dtype)
+    b8, b_scale = quantize_weight(bt, g, recipe.grad_dtype)
+    return Gemm(g8, b8, g_scale, b_scale)
+
+
+def _kernel_takes(g: Gemm) -> bool:
+    """Whether ``fused``'s reduce-scatter kernel multiplies `g`: plain operands, or fp8 ones of a kernel dtype (e4m3,
+    with float32 or MX scales; not e5m2 gradients)."""
+    return not g.scaled or (g.a.dtype in host.FP8_DTYPES and g.b.dtype in host.FP8_DTYPES)
+
+
+def _backward_fake(grads, grad_full, a, bs, context, dim, need_a, need_b, fp8=""):
     return (a.new_empty(a.shape if need_a else (0,)),
             [b.new_empty(b.shape if need else (0,)) for b, need in zip(bs, need_b, strict=True)])
 
 
 BACKWARD_SCHEMA = ("(Tensor[] grads, Tensor grad_full, Tensor a, Tensor[] bs, Tensor context, int dim, bool need_a, "
-                   "bool[] need_b) -> (Tensor, Tensor[])")
+                   "bool[] need_b, str fp8) -> (Tensor, Tensor[])")
 SCHEMA = ("(Tensor a, Tensor[] bs, int dim, bool keep, str group, str strategy, str plan, float? timeout, "
           "bool needs_grad, Tensor? a_scale, Tensor[]? b_scales, ScalarType? out_dtype, str fp8) "
           "-> (Tensor[], Tensor, Tensor)")
@@ -275,6 +323,10 @@ def _overlapped_backward(cc: CallContext, a, prod: Product | None, need_b: bool,
             if prod is not None:
                 grad_cc = cc.derive(signature=f"{cc.op}.grad_a(a={describe(a)}, {_terms(prod)}, "
                                               f"plan={chosen.describe()})")
+                if chosen.strategy == "fused" and not all(_kernel_takes(g) for g in prod.gemms):
+                    # The kernel takes e4m3 operands only: e5m2 gradients are multiplied by torch and copied as
+                    # ``symm`` does, under the same heap protocol (the same slot bytes).
+                    grad_cc = grad_cc.derive(plan=dataclasses.replace(chosen, strategy="symm"))
                 grad_a = scatter_gemm.run(prod, grad_cc)
             if need_b:
                 for _ in gathered.chunks():  # arrived during grad_a's GEMMs, most of it

@@ -34,7 +34,10 @@ same result run after run:
   ``one_shot`` is ignored across nodes). ``symm`` on one node.
 
 Autograd (Megatron's convention): the output and the loss are replicated, so the backward passes the
-output gradient through: ``grad_a = g @ b.T``, ``grad_b = a.T @ g``, local GEMMs with no communication.
+output gradient through: ``grad_a = g @ b.T``, ``grad_b = a.T @ g``, local GEMMs with no communication. With fp8
+gradients (a recipe with ``grads``, ``fp8="rowwise+grads"``: `overlap.ops.fp8_recipe`) they are
+`overlap.ops.fp8_matmul.grad_gemm`'s: ``grad_gemm(g, b.T)`` and ``grad_gemm(a.T, g)``, rounded to the leaves' dtype,
+in a custom op of their own (``overlap::matmul_all_reduce_backward``: the compiler does not trace the quantization).
 
 Concurrency and aliasing: calls on one group are issued by one thread, in the same order on every
 rank; ``a`` and ``b`` are only read; the output is a new tensor.
@@ -54,6 +57,8 @@ from ...symm import p2p
 from .. import fused, library
 from ..context import CallContext, no_autocast, record
 from ..fp8 import Fp8Args
+from ..fp8_matmul import grad_gemm
+from ..fp8_recipe import recipe_of
 from . import entry, hierarchical_reduce, operands
 from .operands import Gemm
 from .scatter_gemm import scatter_and_reduce
@@ -83,7 +88,7 @@ def matmul_all_reduce(
         group, strategy, timeout: as for `overlap.all_gather_matmul`.
         plan: an `overlap.Plan`; ``one_shot=True`` selects the one-shot variant.
         a_scale, b_scale, out_dtype, fp8: as for `overlap.all_gather_matmul` (fp8 operands: forward-only; the
-            partial sums and their reduction are float32).
+            partial sums and their reduction are float32; a recipe with ``grads``: fp8 backward GEMMs).
 
     Returns:
         ``[M, ..., n]``, ``sum over ranks of a @ b``, bitwise the same on every rank.
@@ -147,20 +152,45 @@ def _fake(a, b, group, strategy, plan, timeout, needs_grad, a_scale=None, b_scal
 def _save(ctx, inputs, output) -> None:
     a, b, *rest = inputs
     ctx.save_for_backward(a, b)
+    recipe = recipe_of(OP, inputs[-1])  # (the recipe's text: fp8 backward GEMMs with +grads)
+    ctx.fp8 = recipe.text if recipe is not None and recipe.grads else ""
     ctx.rest = len(rest)
 
 
 def _backward(ctx, grad_out, _grad_context):
     """Output and loss are replicated: the output gradient passes through the all-reduce unchanged, so the
-    gradients are local GEMMs (no transfer: plain torch code that the compiler traces)."""
+    gradients are local GEMMs (no transfer: plain torch code that the compiler traces; with fp8 gradients the
+    custom op ``overlap::matmul_all_reduce_backward``)."""
     a, b = ctx.saved_tensors
+    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if ctx.fp8:
+        grad_a, grad_b = _fp8_backward_op(grad_out, a, b, need_a, need_b, ctx.fp8)
+        return grad_a if need_a else None, grad_b if need_b else None, *(None,) * ctx.rest
     k, n = b.shape
     g2 = grad_out.reshape(-1, n)
-    grad_a = torch.mm(g2, b.t()).view(a.shape) if ctx.needs_input_grad[0] else None
-    grad_b = torch.mm(a.reshape(-1, k).t(), g2) if ctx.needs_input_grad[1] else None
+    grad_a = torch.mm(g2, b.t()).view(a.shape) if need_a else None
+    grad_b = torch.mm(a.reshape(-1, k).t(), g2) if need_b else None
     return grad_a, grad_b, *(None,) * ctx.rest
 
 
+def _fp8_backward(grad_out, a, b, need_a, need_b, fp8):
+    """``overlap::matmul_all_reduce_backward``: ``(grad_gemm(g, b.T), grad_gemm(a.T, g))`` of a recipe `fp8` with fp8
+    gradients, in the leaves' dtypes (0 elements where not asked). Its own op: the scaled GEMMs probe what the
+    installed torch takes (`overlap.ops.fp8.scaled_mm`) and quantizing is not for the compiler to trace."""
+    recipe = recipe_of(OP, fp8)
+    k, n = b.shape
+    g2 = grad_out.reshape(-1, n)
+    grad_a = grad_gemm(g2, b.t(), recipe).to(a.dtype).view(a.shape) if need_a else None
+    grad_b = grad_gemm(a.reshape(-1, k).t(), g2, recipe).to(b.dtype) if need_b else None
+    return library.grads_out(grad_a, grad_b, a, b)
+
+
+def _fp8_backward_fake(grad_out, a, b, need_a, need_b, fp8):
+    return a.new_empty(a.shape if need_a else (0,)), b.new_empty(b.shape if need_b else (0,))
+
+
+BACKWARD_SCHEMA = "(Tensor grad, Tensor a, Tensor b, bool need_a, bool need_b, str fp8) -> (Tensor, Tensor)"
+_fp8_backward_op = library.define(f"{OP}_backward", BACKWARD_SCHEMA, _fp8_backward, _fp8_backward_fake)
 _op = library.define(OP, entry.TP_SCHEMA, _forward, _fake, _backward, _save)
 
 

@@ -16,6 +16,15 @@ gather hidden behind its chunk GEMMs), and ``grad_b = a.T @ all_gather(g)`` take
 rows, in one GEMM so that it rounds exactly like the unfused weight gradient (``a`` is saved, as
 Megatron saves the layer input).
 
+fp8 gradients (a recipe with ``grads``, ``fp8="rowwise+grads"``: `overlap.ops.fp8_recipe`): the output gradient is
+gathered in its own dtype, as without fp8, and the backward's GEMMs follow `overlap.ops.fp8_matmul.grad_gemm`:
+``grad_a = grad_gemm(g_full, b.T)`` chunk by chunk as the gathered rows land (``b.T`` quantized along ``n`` once,
+each chunk of ``g`` along ``n`` as it arrives, float32 products rounded once to ``a``'s dtype; ``tensorwise``: one
+scale per gathered chunk, since the whole tensor's amax is known only once every chunk is there, and a finer scale
+is never less precise), then ``grad_b = grad_gemm(a.T, g_full)`` over every gathered row. ``fused``'s kernel
+multiplies the rows of peers' buffers as they are, unquantized: with fp8 gradients the chunks are multiplied by
+torch as they land, the gather being ``symm``'s under the same heap protocol.
+
 Batch-first code scatters another dim (``scatter_dim=1`` of ``[b, s, h]``): each destination's rows are runs of
 ``a`` (`overlap.ops.tp.rows`), multiplied in place; the backward's gather lands in the same runs.
 
@@ -25,13 +34,17 @@ rank; ``a`` and ``b`` are only read; the output is a new tensor.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
 from ...plans import Plan
 from .. import library
 from ..context import describe, no_autocast, record
-from ..fp8 import Fp8Args
+from ..fp8 import MX_BLOCK, Fp8Args, quantize_fp8, quantize_weight, scaled_mm
+from ..fp8_matmul import grad_gemm
+from ..fp8_recipe import Fp8Recipe, recipe_of
 from . import entry, gather_gemm, operands, scatter_gemm
 from .rows import Product, normalize_dim, of, resized
 
@@ -63,7 +76,7 @@ def matmul_reduce_scatter(
         scatter_dim: the dim of the product that is scattered, any but the last (dim 0 of ``[s, b, h]``, dim 1
             of batch-first ``[b, s, h]``; negative counts from the end).
         a_scale, b_scale, out_dtype, fp8: as for `overlap.all_gather_matmul` (fp8 operands: forward-only; the
-            partial sums and their reduction are float32).
+            partial sums and their reduction are float32; a recipe with ``grads``: fp8 backward GEMMs).
 
     Returns:
         `a`'s shape with ``M / world_size`` at `scatter_dim` and ``n`` last: slice ``r*M/W ... (r+1)*M/W - 1``
@@ -120,12 +133,14 @@ def _fake(a, b, dim, group, strategy, plan, timeout, needs_grad, a_scale=None, b
 def _save(ctx, inputs: tuple, output) -> None:
     entry.tp_save(ctx, inputs, output)
     a, _b, dim, *_ = inputs
-    ctx.extra = (normalize_dim(OP, DIM, dim, a.shape),)
+    ctx.extra = (normalize_dim(OP, DIM, dim, a.shape), inputs[-1])  # (the recipe's text: fp8 backward with +grads)
 
 
-def _backward(grad_out, a, b, context, need_a, need_b, dim):
-    """``overlap::matmul_reduce_scatter_backward``: ``(grad_a, grad_b)`` in the forward's call context."""
+def _backward(grad_out, a, b, context, need_a, need_b, dim, fp8=""):
+    """``overlap::matmul_reduce_scatter_backward``: ``(grad_a, grad_b)`` in the forward's call context; `fp8`: the
+    forward's recipe (its text), whose backward GEMMs run in fp8 where it has ``+grads``."""
     cc = library.kept(context, f"{OP}.backward")
+    recipe = _grad_recipe(fp8)
     k, n = b.shape
     g2 = grad_out.reshape(-1, n).contiguous()
     a2 = a.reshape(-1, k)
@@ -134,16 +149,53 @@ def _backward(grad_out, a, b, context, need_a, need_b, dim):
     cc = cc.derive(op=op, signature=f"{op}(g={describe(g2)}, a={describe(a)}, b={tuple(b.shape)}{dim_sig}, "
                                     f"grads={int(need_a)}{int(need_b)}, plan={cc.plan.describe()})")
     rows = of(grad_out.shape, dim, cc.world_size, scatter=False)
+    weights = [b.t()] if need_a else []
+    if recipe is not None and need_a:
+        weights = _GradWeights(b.t(), recipe)
+        if cc.plan.strategy == "fused":  # (module docstring: the kernel cannot quantize what it loads)
+            cc = cc.derive(plan=dataclasses.replace(cc.plan, strategy="symm"))
     with record(op), no_autocast(cc.info.device.type):
-        outs, gathered = gather_gemm.run(g2, [b.t()] if need_a else [], cc, keep_gathered=need_b, rows=rows)
+        outs, gathered = gather_gemm.run(g2, weights, cc, keep_gathered=need_b, rows=rows)
         # One GEMM over every gathered row: it rounds exactly as the unfused weight gradient does.
-        grad_b = torch.mm(a2.t(), gathered) if need_b else None
-    return library.grads_out(outs[0].view(a.shape) if need_a else None, grad_b, a, b)
+        grad_b = None
+        if need_b:
+            grad_b = torch.mm(a2.t(), gathered) if recipe is None else grad_gemm(a2.t(), gathered, recipe).to(b.dtype)
+    grad_a = outs[0].to(a.dtype).view(a.shape) if need_a else None  # (fp8 gradients: float32, rounded once here)
+    return library.grads_out(grad_a, grad_b, a, b)
+
+
+def _grad_recipe(fp8: str) -> Fp8Recipe | None:
+    """The forward's recipe where its backward runs in fp8 (``+grads``), else None."""
+    recipe = recipe_of(OP, fp8)
+    return recipe if recipe is not None and recipe.grads else None
+
+
+class _GradWeights(operands.Weights):
+    """``b.T`` ``[n, k]`` for ``grad_a = all_gather(g) @ b.T`` with fp8 gradients (`grad_gemm`'s convention, chunk by
+    chunk): ``b.T`` quantized along ``n`` once, each gathered chunk of ``g`` along ``n`` as it lands, float32
+    products (MX with ``n`` not a multiple of 32: the float32 product)."""
+
+    def __init__(self, bt: torch.Tensor, recipe: Fp8Recipe):
+        super().__init__([bt])
+        self.granularity, self.dtype = recipe.granularity, recipe.grad_dtype
+        self.in_float32 = self.granularity == "mxfp8" and bt.shape[0] % MX_BLOCK != 0
+        self.right = (bt.float(), None) if self.in_float32 else quantize_weight(bt, self.granularity, self.dtype)
+
+    def outputs(self, rows: int, like: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.empty((rows, self.bs[0].shape[1]), dtype=torch.float32, device=like.device)]
+
+    def multiply(self, chunk: torch.Tensor, outs: list[torch.Tensor], lo: int, hi: int) -> None:
+        b, b_scale = self.right
+        if self.in_float32:
+            torch.mm(chunk.float(), b, out=outs[0][lo:hi])
+            return
+        x8, x_scale = quantize_fp8(chunk, self.granularity, self.dtype)
+        scaled_mm(x8, b, x_scale, b_scale, torch.float32, out=outs[0][lo:hi])
 
 
 SCHEMA = ("(Tensor a, Tensor b, int dim, str group, str strategy, str plan, float? timeout, bool needs_grad, "
           f"{entry.FP8_SCHEMA}) -> (Tensor, Tensor)")
-BACKWARD_SCHEMA = ("(Tensor grad, Tensor a, Tensor b, Tensor context, bool need_a, bool need_b, int dim) "
+BACKWARD_SCHEMA = ("(Tensor grad, Tensor a, Tensor b, Tensor context, bool need_a, bool need_b, int dim, str fp8) "
                    "-> (Tensor, Tensor)")
 _backward_op = library.define(f"{OP}_backward", BACKWARD_SCHEMA, _backward, entry.tp_backward_fake)
 _op = library.define(OP, SCHEMA, _forward, _fake, entry.tp_backward(_backward_op), _save)
