@@ -24,7 +24,6 @@ otherwise dequantizes to float32 and runs `torch.mm` (the same value up to the a
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import torch
@@ -277,13 +276,28 @@ def _aligned(a: torch.Tensor, b: torch.Tensor, mx: bool) -> bool:
     return a.shape[0] % 16 == 0 and a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0
 
 
-@functools.lru_cache(maxsize=64)
+#: `_native`'s answers, per kind of call
+_PROBED: dict[tuple, bool] = {}
+
+
 def _native(device: torch.device, kind: str, a_dtype: torch.dtype, b_dtype: torch.dtype, out_dtype: torch.dtype,
             aligned: bool) -> bool:
     """Whether `torch._scaled_mm` takes such a call on `device` and gives the dequantized product (tried once on a
-    tiny problem with random scales, so that a layout it reads otherwise is caught too)."""
+    tiny problem with random scales, so that a layout it reads otherwise is caught too). While torch.compile
+    traces, a kind of call not probed yet is dequantized (a probe cannot run inside a trace; the same numbers up
+    to float32 rounding)."""
     if device.type == "cuda" and not aligned:
         return False
+    key = (device, kind, a_dtype, b_dtype, out_dtype)
+    if key not in _PROBED:
+        if torch.compiler.is_compiling():
+            return False
+        _PROBED[key] = _probe(device, kind, a_dtype, b_dtype, out_dtype)
+    return _PROBED[key]
+
+
+def _probe(device: torch.device, kind: str, a_dtype: torch.dtype, b_dtype: torch.dtype,
+           out_dtype: torch.dtype) -> bool:
     m = n = k = 128 if kind == "mx" else 16
     gen = torch.Generator().manual_seed(0)
     a = torch.randn((m, k), generator=gen)

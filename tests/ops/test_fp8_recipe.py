@@ -110,3 +110,21 @@ def test_blocked_scale_layout_places_each_scale_in_its_tile(seed):
         rr, cc = r % 128, c % 4
         assert flat[tile * 512 + (rr % 32) * 16 + (rr // 32) * 4 + cc].item() == values[r, c].item()
     assert flat.sum().item() == values.sum().item()  # every value once, the padding zeros
+
+
+def test_fp8_matmul_compiles_without_a_graph_break(seed):
+    """torch.compile(fullgraph=True) traces the recipe's GEMM, forward and fp8 backward, with the numbers of eager
+    (up to float32 rounding: a trace dequantizes where eager may run torch._scaled_mm)."""
+    gen = torch.Generator().manual_seed(seed)
+    recipe = Fp8Recipe("rowwise", grads=True)
+    a0, b0 = torch.randn((32, 64), generator=gen), torch.randn((64, 48), generator=gen)
+    g = torch.randn((32, 48), generator=gen)
+    results = []
+    for fn in (torch.compile(lambda a, b: overlap.fp8_matmul(a, b, recipe), fullgraph=True),
+               lambda a, b: overlap.fp8_matmul(a, b, recipe)):
+        a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+        y = fn(a, b)
+        y.backward(g)
+        results.append((y.detach(), a.grad, b.grad))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
