@@ -245,9 +245,9 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
         else:
             a_scale = a_scale.reshape(()) if a_scale.numel() == 1 else a_scale.contiguous()
             b_scale = b_scale.reshape(()) if b_scale.numel() == 1 else b_scale.contiguous()
-        if a.device.type == "cuda":  # (row-major a, column-major b)
-            a = a.contiguous()
-            b = b.t().contiguous().t()
+        # row-major a, column-major b: what CUDA needs, and what inductor's CPU lowering checks too
+        a = a.contiguous()
+        b = b.t().contiguous().t()
         if out is None:
             return torch._scaled_mm(a, b, scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
         return torch._scaled_mm(a, b, scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype, out=out)
