@@ -18,6 +18,11 @@ and `replace_in_spec` rewrites any ``ModuleSpec`` tree (e.g. ``get_gpt_layer_loc
     from overlap.hooks.megatron import replace_in_spec
     spec = replace_in_spec(get_gpt_layer_local_spec())
 
+fp8: every layer takes its recipe from its Megatron config (``config.fp8``, ``config.fp8_recipe``: the mapping is
+`overlap.hooks.megatron_linear`'s), unless ``patch(model, fp8=...)`` or ``replace_in_spec(spec, fp8=...)`` names
+one (``"rowwise"``, ``"tensorwise"``, ``"mxfp8"``, an `overlap.Fp8Recipe`, or None for none) for every layer. MoE
+experts in fp8 are not supported yet: a MoE layer with either raises ``NotImplementedError``.
+
 `patch`, `unpatch`, `replace_in_spec`, `OverlapSpecProvider` and ``REPLACEMENTS`` need megatron-core
 (tested with 0.16.1), imported when one of them is first used, not with this module: importing
 megatron-core warns where Transformer Engine and Apex are missing, and a user of the plain layers
@@ -33,9 +38,10 @@ from typing import Any
 
 import torch
 
+from ..ops.fp8_recipe import Fp8Recipe, recipe_of
 from ..plans import Plan
-from .megatron_linear import ColumnParallelLinear, RowParallelLinear
-from .megatron_moe import MoESettings, check_moe_layer, moe_layer_class, replace_moe_layer
+from .megatron_linear import FP8_FROM_CONFIG, ColumnParallelLinear, RowParallelLinear
+from .megatron_moe import MoESettings, check_moe_layer, moe_layer_class, refuse_fp8_experts, replace_moe_layer
 
 # REPLACEMENTS, OverlapSpecProvider and OverlapMoELayer are made on first use (`__getattr__`).
 __all__ = ["ColumnParallelLinear", "Replaced", "RowParallelLinear", "patch", "replace_in_spec", "unpatch"]
@@ -102,8 +108,16 @@ def _parent(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
     return (model.get_submodule(path) if path else model), leaf
 
 
+def _explicit_fp8(fp8: Any, what: str) -> bool:
+    """Whether `fp8` names a recipe (not `FP8_FROM_CONFIG`, not None); a bad one raises naming `what`."""
+    if isinstance(fp8, str) and fp8 == FP8_FROM_CONFIG:
+        return False
+    return recipe_of(what, fp8) is not None
+
+
 def patch(model: torch.nn.Module, plan: Plan | dict | None = None, strategy: str = "auto",
-          timeout: float | None = None, max_tokens_per_rank: int | None = None) -> list[Replaced]:
+          timeout: float | None = None, max_tokens_per_rank: int | None = None,
+          fp8: str | Fp8Recipe | None = FP8_FROM_CONFIG) -> list[Replaced]:
     """Replace, in place, every Megatron-core ``ColumnParallelLinear``/``RowParallelLinear`` of `model` by
     overlap's, and every ``MoELayer`` by an ``OverlapMoELayer`` (`overlap.hooks.megatron_moe`: its dispatch,
     experts and combine on overlap's fused MoE ops; its router, shared experts and parameters Megatron's).
@@ -115,12 +129,18 @@ def patch(model: torch.nn.Module, plan: Plan | dict | None = None, strategy: str
         max_tokens_per_rank: for the MoE layers: None (exact row counts), or the most tokens (``s * b``) a
             rank passes to one MoE layer, the same on every rank: the MoE ops then run with static shapes
             (`overlap.ops.moe.bound`, for CUDA graphs and torch.compile).
+        fp8: the linear layers' fp8 recipe: ``"config"`` (default: each layer's Megatron config, see
+            `overlap.hooks.megatron_linear`), None (none, whatever the config says), ``"rowwise"``,
+            ``"tensorwise"``, ``"mxfp8"`` or an `overlap.Fp8Recipe`.
 
     Returns:
         What was replaced, in module order; pass it to `unpatch` to undo.
 
     Raises:
-        NotImplementedError: a MoE layer with an option the replacement does not implement (named), before
+        NotImplementedError: a MoE layer with an option the replacement does not implement (named; fp8 from
+            `fp8` or its config included), a config fp8 recipe with no counterpart here; before anything is
+            replaced.
+        ValueError, TypeError: a bad `fp8`; ``"mxfp8"`` on a layer whose GEMM's k is not a multiple of 32; before
             anything is replaced.
 
     The experts' own linear layers (``is_expert=True``) are left in place (the MoE replacement reads their
@@ -134,21 +154,18 @@ def patch(model: torch.nn.Module, plan: Plan | dict | None = None, strategy: str
     if isinstance(model, tuple(replacements)) or type(model) is moe_base:
         raise ValueError("overlap.hooks.megatron.patch: pass the model that contains the layer, not the layer")
     settings = MoESettings(strategy=strategy, plan=plan, timeout=timeout, max_tokens_per_rank=max_tokens_per_rank)
+    explicit_fp8 = _explicit_fp8(fp8, "hooks.megatron.patch")
     modules = list(model.named_modules())
     moe_names = [name for name, module in modules if type(module) is moe_base]
-    for name in moe_names:
-        check_moe_layer(model.get_submodule(name))  # every refusal before any replacement
-    done: list[Replaced] = []
+    for name in moe_names:  # every refusal before any replacement
+        check_moe_layer(model.get_submodule(name))
+        if explicit_fp8:
+            refuse_fp8_experts(f"fp8={fp8!r}")
     skipped: list[str] = []
-    for name in moe_names:
-        original = model.get_submodule(name)
-        new = replace_moe_layer(original, settings)
-        parent, leaf = _parent(model, name)
-        setattr(parent, leaf, new)
-        done.append(Replaced(name, original, new))
     inside_moe = tuple(f"{name}." for name, module in modules if isinstance(module, moe_base))
     skipped += [f"{name} ({type(module).__name__}: a subclass of MoELayer)" for name, module in modules
                 if isinstance(module, moe_base) and type(module) not in (moe_base, moe_class)]
+    linears: list[Replaced] = []  # built first: a layer's refusal (its fp8) raises before any replacement
     for name, module in modules:
         target = replacements.get(type(module))
         if target is None:
@@ -159,11 +176,20 @@ def patch(model: torch.nn.Module, plan: Plan | dict | None = None, strategy: str
             if not name.startswith(inside_moe):
                 skipped.append(f"{name} (is_expert=True)")
             continue
-        new = target.from_megatron(module, strategy=strategy, plan=plan, timeout=timeout)
+        new = target.from_megatron(module, strategy=strategy, plan=plan, timeout=timeout, fp8=fp8)
         new.train(module.training)
+        linears.append(Replaced(name, module, new))
+    done: list[Replaced] = []
+    for name in moe_names:
+        original = model.get_submodule(name)
+        new = replace_moe_layer(original, settings)
         parent, leaf = _parent(model, name)
         setattr(parent, leaf, new)
-        done.append(Replaced(name, module, new))
+        done.append(Replaced(name, original, new))
+    for r in linears:
+        parent, leaf = _parent(model, r.name)
+        setattr(parent, leaf, r.replacement)
+        done.append(r)
     if skipped:
         warnings.warn("overlap.hooks.megatron.patch left these layers as they are: " + ", ".join(skipped),
                       stacklevel=2)
@@ -181,39 +207,54 @@ def unpatch(model: torch.nn.Module, replaced: list[Replaced]) -> None:
         setattr(parent, leaf, r.original)
 
 
-def replace_in_spec(spec: Any, max_tokens_per_rank: int | None = None) -> Any:
+def replace_in_spec(spec: Any, max_tokens_per_rank: int | None = None,
+                    fp8: str | Fp8Recipe | None = FP8_FROM_CONFIG) -> Any:
     """A copy of a Megatron-core ``ModuleSpec`` tree with overlap's layers in place of Megatron's.
 
     Walks ``ModuleSpec.module`` and ``.submodules`` (a dataclass of specs or classes), recursively. A
     ``MoELayer`` spec becomes an ``OverlapMoELayer`` spec (`max_tokens_per_rank` as for `patch`) whose
     submodules (router, experts, shared experts) stay Megatron's: the replacement reads the experts' weights
     from them, and Megatron's dispatcher-side protocol of overlapped shared experts drives their linears.
+    `fp8` as for `patch`: other than ``"config"`` (the default: the class alone, its recipe from the config the
+    model is built with), every linear layer becomes a ``ModuleSpec`` of overlap's class with ``params={"fp8":
+    fp8}``; with a MoE layer in the tree that raises ``NotImplementedError``.
     """
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     MoESettings(max_tokens_per_rank=max_tokens_per_rank)  # a bad bound raises here
+    explicit_fp8 = _explicit_fp8(fp8, "hooks.megatron.replace_in_spec")
     replacements = __getattr__("REPLACEMENTS")
     moe = __getattr__("OverlapMoELayer")
     moe_base = moe.__mro__[1]  # megatron-core's MoELayer
-    if isinstance(spec, type):
-        return replacements.get(spec, spec)
-    if isinstance(spec, ModuleSpec):
-        module = spec.module
-        if module is moe_base or (isinstance(module, functools.partial) and module.func is moe_base):
-            params = dict(spec.params or {})
-            if max_tokens_per_rank is not None:
-                params["max_tokens_per_rank"] = max_tokens_per_rank
-            if isinstance(module, functools.partial):  # megatron-core's newer specs (untested here)
-                return dataclasses.replace(spec, module=functools.partial(moe, *module.args, **module.keywords),
-                                           params=params)
-            return dataclasses.replace(spec, module=moe, params=params)
-        subs = spec.submodules
-        return dataclasses.replace(spec, module=replace_in_spec(spec.module, max_tokens_per_rank),
-                                   submodules=None if subs is None else replace_in_spec(subs, max_tokens_per_rank))
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {f.name: replace_in_spec(getattr(spec, f.name), max_tokens_per_rank)
-                   for f in dataclasses.fields(spec)}
-        return dataclasses.replace(spec, **changes)
-    if isinstance(spec, (list, tuple)):
-        return type(spec)(replace_in_spec(s, max_tokens_per_rank) for s in spec)
-    return spec
+    fp8_params = {} if isinstance(fp8, str) and fp8 == FP8_FROM_CONFIG else {"fp8": fp8}
+
+    def walk(spec: Any) -> Any:
+        if isinstance(spec, type):
+            target = replacements.get(spec)
+            if target is None:
+                return spec
+            return ModuleSpec(module=target, params=dict(fp8_params)) if fp8_params else target
+        if isinstance(spec, ModuleSpec):
+            module = spec.module
+            if module is moe_base or (isinstance(module, functools.partial) and module.func is moe_base):
+                if explicit_fp8:
+                    refuse_fp8_experts(f"fp8={fp8!r}")
+                params = dict(spec.params or {})
+                if max_tokens_per_rank is not None:
+                    params["max_tokens_per_rank"] = max_tokens_per_rank
+                if isinstance(module, functools.partial):  # megatron-core's newer specs (untested here)
+                    return dataclasses.replace(spec, module=functools.partial(moe, *module.args, **module.keywords),
+                                               params=params)
+                return dataclasses.replace(spec, module=moe, params=params)
+            subs = None if spec.submodules is None else walk(spec.submodules)
+            if isinstance(module, type) and module in replacements:
+                return dataclasses.replace(spec, module=replacements[module],
+                                           params={**(spec.params or {}), **fp8_params}, submodules=subs)
+            return dataclasses.replace(spec, module=walk(module), submodules=subs)
+        if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+            return dataclasses.replace(spec, **{f.name: walk(getattr(spec, f.name)) for f in dataclasses.fields(spec)})
+        if isinstance(spec, (list, tuple)):
+            return type(spec)(walk(s) for s in spec)
+        return spec
+
+    return walk(spec)

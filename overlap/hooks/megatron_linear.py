@@ -26,6 +26,30 @@ to import or use the modules (``config`` is read by attribute: a ``ModelParallel
 ``TransformerConfig`` or any object with those fields); ``sharded_state_dict`` and the default
 ``tp_group`` (Megatron's tensor-parallel group) use it where it is installed.
 
+fp8 (docs/fp8.md): the layers run the fp8 training recipe of `overlap.nn.fp8_linear` on every mode of the table
+(the fused ops take it; a local GEMM is `overlap.fp8_matmul`). Which recipe: the ``fp8=`` keyword (``"rowwise"``,
+``"tensorwise"``, ``"mxfp8"``, an `overlap.Fp8Recipe`, or None for none) where given, else ``"config"`` (the
+default): Megatron's ``config.fp8`` / ``config.fp8_recipe``, mapped by `config_recipe`:
+
+===========================  =====================================================================================
+``config.fp8_recipe``        here (``config.fp8`` ``"e4m3"`` or ``"hybrid"``; ``config.fp8=None``: no fp8)
+===========================  =====================================================================================
+``"tensorwise"``             ``"tensorwise"``: Transformer Engine's current per-tensor scaling, the same scales
+``"mxfp8"``                  ``"mxfp8"``: 1x32 blocks along k, power-of-two scales, as Transformer Engine's MXFP8
+``"delayed"``                refused: its scales come from an amax history of earlier steps, which no recipe here
+                             keeps (set ``fp8_recipe="tensorwise"``: the same format with current scales)
+``"blockwise"``              refused: 1x128 activation and 128x128 weight blocks; ``"rowwise"`` (one scale per
+                             row of k) would be coarser, not the same numbers (set ``"mxfp8"``: finer blocks)
+``"custom"``                 refused: a quantizer factory of Transformer Engine's
+===========================  =====================================================================================
+
+Gradients: Transformer Engine also runs the backward GEMMs in fp8 (e4m3, or e5m2 gradients with ``"hybrid"``);
+the mapped recipe keeps them in the parameters' dtype (``grads=False``, torchao's high-precision gradients), and
+says so once: pass ``fp8=overlap.Fp8Recipe(granularity, grads=True)`` for fp8 gradients (torchao's convention for
+the granularity). ``config.fp8_param``, ``config.first_last_layers_bf16`` and ``config.fp4`` are refused with the
+config's recipe (the parameters stay in ``params_dtype``; a layer does not know its depth; no fp4 recipe here); an
+explicit ``fp8=`` replaces the config's quantization settings altogether.
+
 Arguments whose effect is not implemented raise ``NotImplementedError`` naming them
 (``is_expert=True``: expert layers belong to `overlap`'s MoE ops; deferred embedding weight
 gradients; CPU activation offloading). ``tp_comm_buffer_name`` is accepted and unused, as in
@@ -45,6 +69,8 @@ from torch.nn import Parameter
 
 from .. import envs
 from ..errors import warn_once
+from ..nn.fp8_linear import fp8_linear, layer_recipe
+from ..ops.fp8_recipe import Fp8Recipe
 from ..ops.tp.all_gather_matmul import all_gather_matmul
 from ..ops.tp.collectives import gather_last_dim, linear_all_reduce_dgrad, split_last_dim
 from ..ops.tp.matmul_all_reduce import matmul_all_reduce
@@ -54,6 +80,69 @@ from ..plans import Plan
 
 def _cfg(config: Any, name: str, default: Any) -> Any:
     return getattr(config, name, default)
+
+
+#: ``fp8=`` of the layers and of `overlap.hooks.megatron.patch`: take the recipe from Megatron's config
+FP8_FROM_CONFIG = "config"
+
+#: Megatron's ``config.fp8_recipe`` -> the granularity of the same numbers here (the module docstring)
+CONFIG_RECIPES = {"tensorwise": "tensorwise", "mxfp8": "mxfp8"}
+_REFUSED_RECIPES = {
+    "delayed": "Transformer Engine's delayed scaling takes its scales from an amax history of earlier steps",
+    "blockwise": "Transformer Engine's 1x128 and 128x128 blocks have no recipe of the same numbers here",
+    "custom": "a custom quantizer factory is Transformer Engine's",
+}
+
+
+def _value(option: Any) -> Any:
+    return getattr(option, "value", option)  # Megatron's enums are str enums
+
+
+def config_recipe(config: Any, what: str) -> Fp8Recipe | None:
+    """The fp8 recipe of Megatron's `config` (``fp8``, ``fp8_recipe``) for the layer `what` (see the module
+    docstring's table), or None where ``config.fp8`` is unset.
+
+    Raises:
+        NotImplementedError: a Megatron recipe with no counterpart here (``delayed``, ``blockwise``, ``custom``),
+            ``fp8_param``, ``first_last_layers_bf16``, or ``fp4``: one line naming the option and what to use.
+        ValueError: an ``fp8`` format or ``fp8_recipe`` Megatron does not know either.
+    """
+    where = f"overlap.hooks.megatron.{what}"
+    instead = ("or pass fp8='rowwise'|'tensorwise'|'mxfp8' to the layer (overlap.hooks.megatron.patch(model, "
+               "fp8=...)) to override the config")
+    if _cfg(config, "fp4", None):
+        raise NotImplementedError(f"{where}: config.fp4 is not supported (no fp4 recipe here): unset it, {instead}")
+    fmt = _value(_cfg(config, "fp8", None))
+    if not fmt:
+        return None
+    if fmt not in ("e4m3", "hybrid"):
+        raise ValueError(f"{where}: config.fp8 must be 'e4m3', 'hybrid' or None, got {fmt!r}")
+    recipe = _value(_cfg(config, "fp8_recipe", "delayed"))
+    if recipe in _REFUSED_RECIPES:
+        raise NotImplementedError(f"{where}: config.fp8_recipe={recipe!r} is not supported "
+                                  f"({_REFUSED_RECIPES[recipe]}): set config.fp8_recipe='tensorwise' or 'mxfp8', "
+                                  f"{instead}")
+    if recipe not in CONFIG_RECIPES:
+        raise ValueError(f"{where}: config.fp8_recipe must be one of {sorted([*CONFIG_RECIPES, *_REFUSED_RECIPES])}, "
+                         f"got {recipe!r}")
+    for option, why in (("fp8_param", "the parameters stay in params_dtype, quantized at each forward"),
+                        ("first_last_layers_bf16", "a layer does not know its depth")):
+        if _cfg(config, option, False):
+            raise NotImplementedError(f"{where}: config.{option} is not supported ({why}): unset it, {instead}")
+    granularity = CONFIG_RECIPES[recipe]
+    warn_once(f"overlap.hooks.megatron: config.fp8={fmt!r} with fp8_recipe={recipe!r} runs the forward GEMMs in "
+              f"fp8 (overlap's {granularity!r} recipe) and the backward GEMMs in the parameters' dtype (Transformer "
+              f"Engine runs them in fp8): pass fp8=overlap.Fp8Recipe({granularity!r}, grads=True) for fp8 gradients",
+              key="megatron config fp8 gradients")
+    return Fp8Recipe(granularity)
+
+
+def resolve_fp8(what: str, fp8: Any, config: Any, k: int, k_name: str, dtype: torch.dtype) -> Fp8Recipe | None:
+    """The recipe of a layer `what` built with ``fp8=`` `fp8` (`FP8_FROM_CONFIG`: `config_recipe`), checked as
+    `overlap.nn.fp8_linear.layer_recipe` checks it (GEMM reduction `k`, named `k_name`; parameters of `dtype`)."""
+    if isinstance(fp8, str) and fp8 == FP8_FROM_CONFIG:
+        fp8 = config_recipe(config, what)
+    return layer_recipe(f"hooks.megatron.{what}", fp8, k, k_name, dtype)
 
 
 def _default_tp_group(is_expert: bool) -> dist.ProcessGroup:
@@ -213,6 +302,14 @@ class _ParallelLinear(torch.nn.Module):
         bias.allreduce = not (self.is_expert and self.expert_parallel)
         return bias
 
+    def _set_fp8(self, fp8: Any, dtype: torch.dtype) -> None:
+        """``self.fp8``, the recipe (`resolve_fp8`) of this layer's GEMM: its reduction is the whole input of a
+        column layer, this rank's part of a row layer's."""
+        column = self._partition_dim == 0
+        k = self.input_size if column else self.input_size // self.world_size
+        self.fp8 = resolve_fp8(type(self).__name__, fp8, self.config, k,
+                               "input_size" if column else "input_size/tp", dtype)
+
     def _weight_for_op(self, weight: torch.Tensor) -> torch.Tensor:
         """`weight`, routed into ``main_grad`` where Megatron's gradient accumulation fusion asks for it."""
         if self.gradient_accumulation_fusion and weight.requires_grad and hasattr(weight, "main_grad"):
@@ -220,7 +317,8 @@ class _ParallelLinear(torch.nn.Module):
         return weight
 
     def _op_kwargs(self) -> dict[str, Any]:
-        return {"group": self.tp_group, "strategy": self.strategy, "plan": self.plan, "timeout": self.timeout}
+        return {"group": self.tp_group, "strategy": self.strategy, "plan": self.plan, "timeout": self.timeout,
+                "fp8": self.fp8}
 
     def _sharded_state_dict(self, prefix: str, axes: dict[str, int], sharded_offsets, metadata):
         try:
@@ -249,18 +347,20 @@ class _ParallelLinear(torch.nn.Module):
 
     @classmethod
     def from_megatron(cls, original: torch.nn.Module, strategy: str = "auto", plan=None,
-                      timeout: float | None = None) -> _ParallelLinear:
-        """This module in place of Megatron's `original`, sharing its very parameters (no copy, no init)."""
+                      timeout: float | None = None, fp8: Any = FP8_FROM_CONFIG) -> _ParallelLinear:
+        """This module in place of Megatron's `original`, sharing its very parameters (no copy, no init); `fp8`
+        as for the constructor (default: from `original`'s config)."""
         if getattr(original, "is_expert", False):
             raise NotImplementedError(f"overlap.hooks.megatron.{cls.__name__}: is_expert=True layers are not replaced")
-        return cls._adopt(original, strategy, plan, timeout)
+        return cls._adopt(original, strategy, plan, timeout, fp8)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size}, out_features={self.output_size}, bias={self.bias is not None}, "
-                f"TP={self.world_size}, sequence_parallel={self.sequence_parallel}, strategy={self.strategy!r}")
+                f"TP={self.world_size}, sequence_parallel={self.sequence_parallel}, strategy={self.strategy!r}, "
+                f"fp8={None if self.fp8 is None else self.fp8.text!r}")
 
     @classmethod
-    def _adopt(cls, original: torch.nn.Module, strategy: str, plan, timeout) -> _ParallelLinear:
+    def _adopt(cls, original: torch.nn.Module, strategy: str, plan, timeout, fp8: Any) -> _ParallelLinear:
         """A new module of this class sharing `original`'s parameters (no copy, no initialization)."""
         new = cls.__new__(cls)
         torch.nn.Module.__init__(new)
@@ -276,6 +376,8 @@ class _ParallelLinear(torch.nn.Module):
         new.world_size = dist.get_world_size(new.tp_group)
         new.rank = dist.get_rank(new.tp_group)
         new.strategy, new.plan, new.timeout = strategy, plan, timeout
+        weight = getattr(original, "weight", None)
+        new._set_fp8(fp8, weight.dtype if weight is not None else _cfg(new.config, "params_dtype", torch.float32))
         new.gradient_accumulation_fusion = bool(_cfg(new.config, "gradient_accumulation_fusion", False))
         new._default_extra_state()
         return new
@@ -289,7 +391,9 @@ class ColumnParallelLinear(_ParallelLinear):
     init_method, bias, gather_output, stride, keep_master_weight_for_test, skip_bias_add,
     skip_weight_param_allocation, embedding_activation_buffer, grad_output_buffer, is_expert,
     tp_comm_buffer_name, disable_grad_reduce, tp_group``), then `overlap`'s: ``strategy``, ``plan``,
-    ``timeout`` of the ops (defaults: ``"auto"``, none, ``OVERLAP_TIMEOUT_S``).
+    ``timeout`` of the ops (defaults: ``"auto"``, none, ``OVERLAP_TIMEOUT_S``) and ``fp8`` (the module docstring;
+    default ``"config"``: Megatron's ``config.fp8``/``fp8_recipe``; with ``"mxfp8"``, ``input_size`` must be a
+    multiple of 32).
 
     Input: ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism). Returns ``(output, output_bias)``:
     ``output`` is ``[s, b, output_size/tp]`` (``[s, b, output_size]`` when gathered), ``output_bias``
@@ -304,7 +408,8 @@ class ColumnParallelLinear(_ParallelLinear):
                  skip_weight_param_allocation: bool = False, embedding_activation_buffer: list | None = None,
                  grad_output_buffer: list | None = None, is_expert: bool = False,
                  tp_comm_buffer_name: str | None = None, disable_grad_reduce: bool = False, tp_group=None,
-                 strategy: str = "auto", plan: Plan | dict | None = None, timeout: float | None = None):
+                 strategy: str = "auto", plan: Plan | dict | None = None, timeout: float | None = None,
+                 fp8: str | Fp8Recipe | None = FP8_FROM_CONFIG):
         super().__init__()
         defer = bool(_cfg(config, "defer_embedding_wgrad_compute", False))
         self._setup(input_size, output_size, config, is_expert, tp_group, skip_bias_add, strategy, plan, timeout,
@@ -316,6 +421,7 @@ class ColumnParallelLinear(_ParallelLinear):
             raise ValueError(f"overlap.hooks.megatron.ColumnParallelLinear: output_size={output_size} is not "
                              f"divisible by the tensor-parallel size {self.world_size}")
         self.output_size_per_partition = output_size // self.world_size
+        self._set_fp8(fp8, self._placement()[0])
         self.explicit_expert_comm = False
         if skip_weight_param_allocation:
             self.weight = None
@@ -343,6 +449,9 @@ class ColumnParallelLinear(_ParallelLinear):
         w = self._weight_for_op(weight)
         if self.sequence_parallel:
             out = all_gather_matmul(input_, w.t(), **self._op_kwargs())
+        elif self.fp8 is not None:  # the input gradient all-reduced where Megatron's is
+            group = self.tp_group if self.allreduce_dgrad else None
+            out = fp8_linear(input_, w, self.fp8, group, self._resolve_timeout(), "ColumnParallelLinear")
         elif self.allreduce_dgrad:
             out = linear_all_reduce_dgrad(input_, w, self.tp_group, self._resolve_timeout(), "ColumnParallelLinear")
         else:
@@ -365,7 +474,8 @@ class RowParallelLinear(_ParallelLinear):
 
     Args: those of Megatron-core's ``RowParallelLinear`` (``input_size, output_size, *, config,
     init_method, bias, input_is_parallel, skip_bias_add, stride, keep_master_weight_for_test,
-    is_expert, tp_comm_buffer_name, tp_group``), then ``strategy``, ``plan``, ``timeout``.
+    is_expert, tp_comm_buffer_name, tp_group``), then ``strategy``, ``plan``, ``timeout`` and ``fp8`` (as for
+    `ColumnParallelLinear`; with ``"mxfp8"``, ``input_size / tp`` must be a multiple of 32).
 
     Input: ``[s, b, input_size/tp]`` (``[s, b, input_size]`` when not ``input_is_parallel``). Returns
     ``(output, output_bias)``: ``[s, b, output_size]`` (``[s/tp, b, output_size]`` with sequence
@@ -378,7 +488,8 @@ class RowParallelLinear(_ParallelLinear):
                  input_is_parallel: bool, skip_bias_add: bool, stride: int = 1,
                  keep_master_weight_for_test: bool = False, is_expert: bool = False,
                  tp_comm_buffer_name: str | None = None, tp_group=None,
-                 strategy: str = "auto", plan: Plan | dict | None = None, timeout: float | None = None):
+                 strategy: str = "auto", plan: Plan | dict | None = None, timeout: float | None = None,
+                 fp8: str | Fp8Recipe | None = FP8_FROM_CONFIG):
         super().__init__()
         self._setup(input_size, output_size, config, is_expert, tp_group, skip_bias_add, strategy, plan, timeout, {})
         del tp_comm_buffer_name
@@ -390,6 +501,7 @@ class RowParallelLinear(_ParallelLinear):
             raise ValueError(f"overlap.hooks.megatron.RowParallelLinear: input_size={input_size} is not divisible "
                              f"by the tensor-parallel size {self.world_size}")
         self.input_size_per_partition = input_size // self.world_size
+        self._set_fp8(fp8, self._placement()[0])
         self.explicit_expert_comm = False
         self.weight = self._make_weight((output_size, self.input_size_per_partition), (output_size, input_size),
                                         init_method, stride, keep_master_weight_for_test)

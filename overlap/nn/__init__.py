@@ -2,8 +2,11 @@
 
 * `ColumnParallelLinear`, `RowParallelLinear` (`overlap.nn.linear`): tensor-parallel linear layers in
   plain torch (``nn.Linear``'s arguments plus ``group``, ``sequence_parallel``, ...), returning a tensor.
-  The Megatron-core-compatible layers of the same names are `overlap.hooks.megatron`'s.
-* `ExpertParallelMLP` (`overlap.nn.moe`): a top-k routed MoE MLP with its experts over an expert-parallel group.
+  The Megatron-core-compatible layers of the same names are `overlap.hooks.megatron`'s. ``fp8="rowwise" |
+  "tensorwise" | "mxfp8"`` (or an `overlap.Fp8Recipe`) trains them with that fp8 recipe on every path
+  (`overlap.nn.fp8_linear`).
+* `ExpertParallelMLP` (`overlap.nn.moe`): a top-k routed MoE MLP with its experts over an expert-parallel group
+  (its experts in fp8: not yet).
 * `ShardedLinear` (`overlap.nn.sharded`): an ``nn.Linear`` whose weight and bias are sharded by rows over a
   data-parallel group (FSDP / ZeRO-3), gathered behind the GEMM by `overlap.all_gather_weight_matmul`.
 """

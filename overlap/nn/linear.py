@@ -25,7 +25,16 @@ row, ``sequence_parallel=True``             `overlap.matmul_reduce_scatter` of `
                                             ``[s/W, b, out]``; the bias gradient all-reduced
 row, ``sequence_parallel=False``            `overlap.matmul_all_reduce`: ``[s, b, out]`` on every rank
 row, ``input_is_parallel=False``            the whole ``[s, b, in]`` in, this rank's columns taken first
+one rank (a group of one)                   ``x @ w.T``: ``F.linear``
 =========================================  ===========================================================
+
+fp8 (``fp8="rowwise" | "tensorwise" | "mxfp8"`` or an `overlap.Fp8Recipe`, docs/fp8.md) is a training mode of
+every row of the table: the fused ops take the recipe (the gather moves fp8 bytes), and where no op is fused with
+the GEMM (one rank; a column layer's replicated input) `overlap.fp8_matmul` runs the same recipe on the rank, its
+input gradient all-reduced as above (after the weight-gradient GEMM rather than during it:
+`overlap.nn.fp8_linear`). Bias and ``gather_output`` are as without fp8. ``fp8=`` is checked in ``__init__``: with
+``"mxfp8"`` the GEMM's ``k`` (``in_features`` of a column layer, ``in_features / W`` of a row layer) must be a
+multiple of 32.
 
 Initialization: exactly the slice of ``torch.nn.Linear(in_features, out_features, bias, device=device,
 dtype=dtype)`` built from the same random state (the layer builds that whole layer once, then keeps its
@@ -51,12 +60,14 @@ import torch.nn.functional as F
 from torch.nn import Parameter
 
 from .. import envs, world
+from ..ops.fp8_recipe import Fp8Recipe
 from ..ops.tp.all_gather_matmul import all_gather_matmul
 from ..ops.tp.collectives import all_reduce_grad, gather_last_dim, linear_all_reduce_dgrad, split_last_dim
 from ..ops.tp.matmul_all_reduce import matmul_all_reduce
 from ..ops.tp.matmul_reduce_scatter import matmul_reduce_scatter
 from ..plans import Plan
 from ..plans.auto import as_plan
+from .fp8_linear import fp8_linear, layer_recipe
 
 
 def _megatron_layer(name: str, args: tuple, kwargs: dict[str, Any]) -> torch.nn.Module:
@@ -84,7 +95,7 @@ class _TensorParallelLinear(torch.nn.Module):
         return super().__new__(cls)
 
     def _setup(self, in_features: int, out_features: int, split: int, group, sequence_parallel: bool,
-               strategy: str, plan: Plan | dict | None, timeout: float | None) -> None:
+               strategy: str, plan: Plan | dict | None, timeout: float | None, fp8: Any, dtype) -> None:
         name = type(self).__name__
         self.in_features = _positive_int(name, "in_features", in_features)
         self.out_features = _positive_int(name, "out_features", out_features)
@@ -100,6 +111,9 @@ class _TensorParallelLinear(torch.nn.Module):
         size = out_features if split == 0 else in_features
         if size % self.world_size:
             raise ValueError(f"overlap.nn.{name}: {which}={size} must divide by the group's size {self.world_size}")
+        # the GEMM's reduction: the whole input of a column layer, this rank's columns of a row layer's
+        k, k_name = (in_features, "in_features") if split == 0 else (in_features // self.world_size, "in_features/W")
+        self.fp8 = layer_recipe(f"nn.{name}", fp8, k, k_name, dtype)
 
     def _parameters_from_linear(self, bias: bool, split: int, dtype, device) -> None:
         """This rank's slice (rows for ``split=0``, columns for ``1``) of a freshly built full ``nn.Linear``."""
@@ -115,14 +129,25 @@ class _TensorParallelLinear(torch.nn.Module):
                 self.register_parameter("bias", None)
 
     def _op_kwargs(self) -> dict[str, Any]:
-        return {"group": self.group, "strategy": self.strategy, "plan": self.plan, "timeout": self.timeout}
+        return {"group": self.group, "strategy": self.strategy, "plan": self.plan, "timeout": self.timeout,
+                "fp8": self.fp8}
+
+    def _local(self, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        """``x @ w.T`` with no op fused (one rank, or a replicated input whose gradient is summed over `group`),
+        in fp8 with a recipe; no bias."""
+        if self.fp8 is not None:
+            return fp8_linear(x, self.weight, self.fp8, group, self.timeout, self._what())
+        if group is None:
+            return F.linear(x, self.weight)
+        return linear_all_reduce_dgrad(x, self.weight, group, self.timeout, self._what())
 
     def _what(self) -> str:
         return f"overlap.nn.{type(self).__name__}"
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"TP={self.world_size}, sequence_parallel={self.sequence_parallel}, strategy={self.strategy!r}")
+                f"TP={self.world_size}, sequence_parallel={self.sequence_parallel}, strategy={self.strategy!r}, "
+                f"fp8={None if self.fp8 is None else self.fp8.text!r}")
 
 
 class ColumnParallelLinear(_TensorParallelLinear):
@@ -137,37 +162,41 @@ class ColumnParallelLinear(_TensorParallelLinear):
             the same on every rank.
         gather_output: return ``[s, b, out]`` (every rank's columns) instead of ``[s, b, out/W]``.
         strategy, plan, timeout: of the op (defaults: ``"auto"``, none, ``OVERLAP_TIMEOUT_S``).
+        fp8: None, or the fp8 training recipe (``"rowwise"``, ``"tensorwise"``, ``"mxfp8"``, an
+            `overlap.Fp8Recipe`) of the layer's GEMM, on every path (the module docstring).
         dtype, device: of the parameters (defaults: torch's, CPU), as for ``nn.Linear``.
 
     Returns a tensor. ``config=`` (deprecated) builds `overlap.hooks.megatron.ColumnParallelLinear` instead.
 
     Raises:
         ValueError: sizes that are not positive ints, ``out_features`` not divisible by the group's size,
-            a bad strategy/plan/timeout (here, before any communication); the op's errors in forward.
+            a bad strategy/plan/timeout, an unknown fp8 granularity, ``fp8="mxfp8"`` with ``in_features`` not a
+            multiple of 32 (here, before any communication); the op's errors in forward.
+        TypeError: ``fp8`` of another type; fp8 with float64 parameters (here).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group: dist.ProcessGroup | None = None,
                  sequence_parallel: bool = False, gather_output: bool = False, *, strategy: str = "auto",
-                 plan: Plan | dict | None = None, timeout: float | None = None, dtype: torch.dtype | None = None,
+                 plan: Plan | dict | None = None, timeout: float | None = None,
+                 fp8: str | Fp8Recipe | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None):
         super().__init__()
-        self._setup(in_features, out_features, 0, group, sequence_parallel, strategy, plan, timeout)
+        self._setup(in_features, out_features, 0, group, sequence_parallel, strategy, plan, timeout, fp8, dtype)
         self.gather_output = bool(gather_output)
         self.out_features_per_partition = out_features // self.world_size
         self._parameters_from_linear(bias, 0, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parallel = self.world_size > 1
-        if parallel and self.sequence_parallel:
-            y = all_gather_matmul(x, self.weight.t(), **self._op_kwargs())
-            if self.bias is not None:
-                y = y + self.bias.to(y.dtype)
-        elif parallel:  # replicated input: its gradient all-reduced during the weight-gradient GEMM
-            y = linear_all_reduce_dgrad(x, self.weight, self.group, self.timeout, self._what())
-            if self.bias is not None:
-                y = y + self.bias.to(y.dtype)
-        else:
+        if not parallel and self.fp8 is None:
             y = F.linear(x, self.weight, self.bias)
+        else:
+            if parallel and self.sequence_parallel:
+                y = all_gather_matmul(x, self.weight.t(), **self._op_kwargs())
+            else:  # one rank, or a replicated input whose gradient is all-reduced over the group
+                y = self._local(x, self.group if parallel else None)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
         if parallel and self.gather_output:
             y = gather_last_dim(y, self.group, self.timeout, f"{self._what()}(gather_output=True)")
         return y
@@ -190,22 +219,27 @@ class RowParallelLinear(_TensorParallelLinear):
             layer leaves them); ``False``: the whole ``[s, b, in]``, of which this rank takes its part
             (not with sequence parallelism).
         strategy, plan, timeout: of the op (defaults: ``"auto"``, none, ``OVERLAP_TIMEOUT_S``).
+        fp8: None, or the fp8 training recipe (``"rowwise"``, ``"tensorwise"``, ``"mxfp8"``, an
+            `overlap.Fp8Recipe`) of the layer's GEMM, on every path (the module docstring).
         dtype, device: of the parameters (defaults: torch's, CPU), as for ``nn.Linear``.
 
     Returns a tensor. ``config=`` (deprecated) builds `overlap.hooks.megatron.RowParallelLinear` instead.
 
     Raises:
         ValueError: sizes that are not positive ints, ``in_features`` not divisible by the group's size,
-            ``sequence_parallel`` with ``input_is_parallel=False``, a bad strategy/plan/timeout (here);
-            the op's errors in forward.
+            ``sequence_parallel`` with ``input_is_parallel=False``, a bad strategy/plan/timeout, an unknown fp8
+            granularity, ``fp8="mxfp8"`` with ``in_features / W`` not a multiple of 32 (here); the op's errors
+            in forward.
+        TypeError: ``fp8`` of another type; fp8 with float64 parameters (here).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group: dist.ProcessGroup | None = None,
                  sequence_parallel: bool = False, input_is_parallel: bool = True, *, strategy: str = "auto",
-                 plan: Plan | dict | None = None, timeout: float | None = None, dtype: torch.dtype | None = None,
+                 plan: Plan | dict | None = None, timeout: float | None = None,
+                 fp8: str | Fp8Recipe | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None):
         super().__init__()
-        self._setup(in_features, out_features, 1, group, sequence_parallel, strategy, plan, timeout)
+        self._setup(in_features, out_features, 1, group, sequence_parallel, strategy, plan, timeout, fp8, dtype)
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("overlap.nn.RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
         self.input_is_parallel = bool(input_is_parallel)
@@ -214,7 +248,10 @@ class RowParallelLinear(_TensorParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            if self.fp8 is None:
+                return F.linear(x, self.weight, self.bias)
+            y = self._local(x, None)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         if not self.input_is_parallel:
             x = split_last_dim(x, self.group, self.timeout, f"{self._what()}(input_is_parallel=False)")
         op = matmul_reduce_scatter if self.sequence_parallel else matmul_all_reduce
