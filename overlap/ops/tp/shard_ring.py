@@ -13,6 +13,9 @@ then each peer's chunks from ``rank+1`` on, each only once it has arrived; ``lo,
 whole weight ``[W*n, k]`` (rank ``p``'s at ``p*n ... (p+1)*n``). A yielded ``rows`` is valid until the
 consumer asks for the chunks of the peer after next (the buffer is then refilled). The caller made the
 call's handshake with `heap_bytes`; `ShardRing.close` ends the call (always, also on error paths).
+
+The rows may be of any dtype: with the fp8 recipe they are the shard's rows packed with their scales (uint8,
+`overlap.ops.tp.operands.Packed`), and each pull moves a row's scales with it.
 """
 
 from __future__ import annotations
