@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from ..plans.optable import MX_BLOCK, MX_DTYPE
 from .definitions import (
     AUTO,
     BENCH_OPS,
@@ -70,6 +71,7 @@ __all__ = [
     "SUITES",
     "BenchConfig",
     "default_cases",
+    "dtype_problem",
     "preset_cases",
     "suite_cases",
     # `definitions`'
@@ -151,30 +153,46 @@ def _check_selection(ops: tuple[str, ...], modes: Sequence[str]) -> None:
         raise ValueError(f"unknown modes {bad_modes}; known: {MODES}")
 
 
+def dtype_problem(dtype: str | None, k: int) -> str | None:
+    """Why a case whose GEMMs reduce over ``k`` cannot run in `dtype`, or None: ``mxfp8`` scales blocks of 32
+    along ``k``."""
+    if dtype == MX_DTYPE and k % MX_BLOCK:
+        return f"{MX_DTYPE} needs k a multiple of {MX_BLOCK}, got {k}"
+    return None
+
+
 def preset_cases(
     preset: str,
     op: str | Sequence[str] = OPS,
     world_size: int = 2,
     dtype: str = "float32",
     modes: Sequence[str] = MODES,
+    left_out: list[str] | None = None,
 ) -> list[Case]:
     """The cases of the `models.TP_PRESETS` layer `preset` at tensor-parallel size `world_size`, for
     the tensor-parallel ops among `op` (others are ignored), grouped by op, then layer (`models.LAYERS`
     order), then mode. Raises ValueError for an unknown preset, op or mode, or a layer that does not
-    split over `world_size` ranks (`models.tp_problem`)."""
+    split over `world_size` ranks (`models.tp_problem`); a layer that `dtype` cannot run (`dtype_problem`) raises
+    too, or, given `left_out`, is left out with the reason appended to it."""
     ops = (op,) if isinstance(op, str) else tuple(op)
     _check_selection(ops, modes)
     if preset not in TP_PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {tuple(TP_PRESETS)}")
-    problems = tp_problems(TP_PRESETS[preset][0], world_size)
-    return [
-        Case.of(o, *dims, dtype, backward=mode == "fwd+bwd", preset=preset, layer=layer, tp=world_size)
-        for o in ops
-        for layer, layer_op, dims in problems
-        if layer_op == o
-        for mode in MODES
-        if mode in modes
-    ]
+    cases = []
+    for o in ops:
+        for layer, layer_op, dims in tp_problems(TP_PRESETS[preset][0], world_size):
+            if layer_op != o:
+                continue
+            if why := dtype_problem(dtype, dims[1]):
+                why = f"{o} {preset}/{layer}: {why}"
+                if left_out is None:
+                    raise ValueError(why)
+                if why not in left_out:
+                    left_out.append(why)
+                continue
+            cases += [Case.of(o, *dims, dtype, backward=mode == "fwd+bwd", preset=preset, layer=layer,
+                              tp=world_size) for mode in MODES if mode in modes]
+    return cases
 
 
 def default_cases(
@@ -190,7 +208,8 @@ def default_cases(
     shape (a preset's layers in order), then mode.
 
     `dtype` (a name of `DTYPES`) replaces every case's own dtype when given (an fp8 dtype: `FP8_OPS` only,
-    sequence-first, the other ops' reason appended to `left_out`). A preset whose layer
+    sequence-first, the other ops' reason appended to `left_out`; ``mxfp8``: shapes whose ``k`` divides by 32, the
+    others' reason appended). A preset whose layer
     does not split over `world_size` ranks is left out, and the reason appended to `left_out`
     (MoE presets whose experts do not split are returned: `MoECase.world_problem` says why).
     Raises ValueError for an unknown op, device type, dtype or mode.
@@ -219,12 +238,18 @@ def default_cases(
             if o not in case_ops:
                 continue
             if not isinstance(shape, str):
+                if why := dtype_problem(dtype or dt, shape[1]):
+                    why = f"{o} {'x'.join(map(str, shape))}: {why}"
+                    if left_out is not None and why not in left_out:
+                        left_out.append(why)
+                    continue
                 cases += [Case.of(o, *shape, dtype or dt, backward=mode == "fwd+bwd") for mode in selected]
             elif why := tp_problem(TP_PRESETS[shape][0], world_size):
                 if left_out is not None and f"{shape}: {why}" not in left_out:
                     left_out.append(f"{shape}: {why}")
             else:
-                cases += preset_cases(shape, o, world_size, dtype or dt, selected)
+                cases += preset_cases(shape, o, world_size, dtype or dt, selected,
+                                      [] if left_out is None else left_out)
         if dtype not in FP8_DTYPES:  # (fp8 cases are sequence-first with one weight)
             cases += _batch_first_cases(o, device_type, dtype, modes, world_size)
     return list(dict.fromkeys(cases))  # a dtype override can make two cases equal

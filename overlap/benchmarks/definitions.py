@@ -24,11 +24,14 @@ For the two row-parallel ops ``k`` is this rank's slice of the reduced dim (the 
 sequence is the whole ``W*m``. "Elements in" counts what one rank receives in a ring or pairwise
 implementation, the basis of the GB/s column.
 
-fp8 (dtype ``float8_e4m3fn``; the three ops of the op table that take fp8): the op's ``fp8="rowwise"`` training
-recipe on bfloat16 leaves (`overlap.workloads.tp`): quantized on each operand's owner, the gather moving fp8 rows
-with their scales and the reductions float32 partials, scaled GEMMs forward, the backward in bfloat16; the ``torch``
-row casts, runs the plain collectives of the fp8 bytes (and scales) and ``torch._scaled_mm``, its backward the
-bfloat16 one. The GB/s column counts those bytes (`overlap.plans.wire_sizes`).
+fp8 (dtype ``float8_e4m3fn`` or ``mxfp8``; the tensor-parallel ops of the op table, the weight gather included):
+the op's ``fp8="rowwise"`` or ``fp8="mxfp8"`` training recipe on bfloat16 leaves (`overlap.workloads.tp`):
+quantized on each operand's owner (``a`` per row or per block of 32 along ``k``, the weight per column or per
+block along ``k``), the gathers moving fp8 rows with their scales (``all_gather_weight_matmul``: the weight's
+columns) and the reductions float32 partials, scaled GEMMs forward, the backward in bfloat16; the ``torch`` row
+casts, runs the plain collectives of the fp8 bytes and of the scales and ``torch._scaled_mm``, its backward the
+bfloat16 one. The GB/s column counts those bytes, scales included (`overlap.plans.wire_sizes`: ``k + 4`` bytes a
+gathered row rowwise, ``k + k/32`` MX). An ``mxfp8`` case needs ``k`` a multiple of 32.
 
 Modes. ``fwd+bwd`` times the forward and the backward of a fresh output: three GEMMs
 (``6*W*m*k*n`` FLOPs) and, per Megatron's conventions (docs/conventions.md), more communication:
@@ -146,7 +149,7 @@ DTYPES: dict[str, torch.dtype] = {name: torch_dtype(name) for name in DTYPE_NAME
 #: the tensor-parallel ops of the op table, each benchmarked as ``overlap.<op>`` at a shape ``m x k x n``
 #: (`Case`; bench/soak.py runs these too, by that name)
 OPS = TP_OPS
-#: the ops with fp8 cases (dtype in `FP8_DTYPES`: the ``fp8="rowwise"`` recipe)
+#: the ops with fp8 cases (dtype in `FP8_DTYPES`: the ``fp8="rowwise"`` or ``fp8="mxfp8"`` recipe)
 FP8_OPS = tuple(name for name in OPS if OP_TABLE[name].fp8)
 
 #: strategy labels beyond `plan.STRATEGIES`, per op: label -> (strategy, fields of its `overlap.Plan`)

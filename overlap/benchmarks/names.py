@@ -27,7 +27,7 @@ BENCH_OPS = TP_OPS + MOE_OPS
 MODES = ("fwd", "fwd+bwd")
 
 #: the dtypes a case may have (the op table's training dtypes); ``float8_e4m3fn``: the op's ``fp8="rowwise"``
-#: recipe on bfloat16 leaves (`definitions`)
+#: recipe on bfloat16 leaves, ``mxfp8``: its ``fp8="mxfp8"`` recipe (`definitions`)
 DTYPE_NAMES = TRAINING_DTYPES
 
 #: the strategies of `overlap.plans.STRATEGIES` that ``overlap bench`` does not run: ``hierarchical`` runs ``symm``

@@ -37,10 +37,12 @@ examples:
   overlap bench --op matmul_all_reduce --mode fwd
   overlap bench --ranks 4 --shape 1024x1024x1024 --dtype bfloat16 --json results.json
   overlap bench --op moe
+  overlap bench --dtype mxfp8 --op all_gather_matmul,all_gather_weight_matmul
   overlap bench --shape mixtral 256,128,256,8,2 --mode fwd+bwd
   overlap bench --shape llama3-8b --json now.json --plot now.png --compare before.json
   torchrun --nproc-per-node 8 -m overlap.cli bench --strategies reference,symm,fused
   overlap tune --shape all_gather_matmul:256x1024x1024 --shape moe:512x128x448:8:2 --out plans.json
+  overlap tune --shape all_gather_matmul:256x1024x1024:mxfp8 --out plans.json
   overlap tune --model hidden=4096,ffn=14336,tokens=4096,heads=32,kv_heads=8,gated=1,dtype=bfloat16 --out plans.json
   overlap tune --machine h100-sxm --model hidden=8192,ffn=28672,tokens=8192,heads=64,kv_heads=8,gated=1,dtype=bfloat16
   overlap predict --machine h100-sxm --shape llama3-70b-full --dtype bfloat16
@@ -141,8 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
         "bench, all_gather_weight_matmul's [m, k] @ [k, W*n]) or "
         "moe:TxHxF:EXPERTS:TOPK[:DTYPE][:fwd|fwd+bwd]. A model: hidden=H,ffn=F,tokens=S[,heads=A,kv_heads=B]"
         "[,experts=E,topk=K][,gated=1][,dtype=D], one transformer layer with TP = the number of ranks and "
-        "sequence parallelism. DTYPE float32, bfloat16, float16, or float8_e4m3fn: the op's fp8='rowwise' recipe on "
-        "bfloat16 leaves (all_gather_matmul, matmul_reduce_scatter, matmul_all_reduce; plans are keyed by it).",
+        "sequence parallelism. DTYPE float32, bfloat16, float16, float8_e4m3fn (the op's fp8='rowwise' recipe on "
+        "bfloat16 leaves) or mxfp8 (its fp8='mxfp8' recipe: MX blocks of 32 along K, which must divide by 32), for "
+        "the tensor-parallel ops (not moe); plans are keyed by it: an fp8 call's plan-file entry has dtype "
+        "float8_e4m3fn (rowwise or tensorwise scales) or mxfp8 (MX block scales).",
     )
     add_ranks_option(tune)
     tune.add_argument("--shape", action="append", default=[], metavar="SPEC", help="a problem (repeatable)")
@@ -237,8 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=DTYPE_NAMES,
         default=None,
         help="dtype of the cases (default: float32 for --shape, presets included, else each built-in case's own); "
-        "float8_e4m3fn: the fp8='rowwise' recipe on bfloat16 leaves, for all_gather_matmul, matmul_reduce_scatter "
-        "and matmul_all_reduce (the torch row casts, runs the collectives of the fp8 bytes and torch._scaled_mm)",
+        "float8_e4m3fn: the fp8='rowwise' recipe on bfloat16 leaves, mxfp8: the fp8='mxfp8' recipe (MX blocks of 32 "
+        "along K, which must divide by 32), for the tensor-parallel ops, the weight gather included (the torch row "
+        "casts, runs the collectives of the fp8 bytes and of the scales and torch._scaled_mm; GB/s counts both)",
     )
     bench.add_argument(
         "--strategies",

@@ -80,7 +80,9 @@ def add_parser(sub: Any, shape_type: Any, ops_type: Any, modes_type: Any) -> Non
                    "model preset (llama3-8b-full, ...), T,H,F,E,K or an MoE preset for moe")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                    help="dtype of the cases (default: bfloat16 for --shape, else each default case's own); "
-                   "float8_e4m3fn: the fp8 recipe, at the machine's FP8 GEMM rate")
+                   "float8_e4m3fn: the fp8='rowwise' recipe, at the machine's FP8 GEMM rate; mxfp8: the fp8='mxfp8' "
+                   "recipe (MX blocks of 32 along K), at the FP8 rate where the GPU multiplies MX blocks (Blackwell), "
+                   "else the FP32 rate (dequantized); both count the fp8 bytes and the scales the gathers move")
     p.add_argument("--mode", type=modes_type, action="append", default=None, metavar="LIST",
                    help="comma-separated modes: fwd, fwd+bwd (default: both)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the predictions there as JSON (- : stdout)")

@@ -3,9 +3,12 @@ parses arguments and starts the ranks).
 
 Problems come from the command line (``--shape``) or from a model description (``--model``):
 
-* ``--shape OP:MxKxN[:DTYPE][:fwd|fwd+bwd]`` with OP ``all_gather_matmul``, ``matmul_reduce_scatter`` or
-  ``matmul_all_reduce`` (``m x k x n`` as in ``overlap bench``: the per-rank GEMM is ``[W*m, k] @ [k, n]``),
-  or ``moe:TxHxF:EXPERTS:TOPK[:DTYPE][:fwd|fwd+bwd]`` (``T`` tokens per rank, hidden ``H``, expert ffn ``F``).
+* ``--shape OP:MxKxN[:DTYPE][:fwd|fwd+bwd]`` with OP ``all_gather_matmul``, ``matmul_reduce_scatter``,
+  ``matmul_all_reduce`` (``m x k x n`` as in ``overlap bench``: the per-rank GEMM is ``[W*m, k] @ [k, n]``) or
+  ``all_gather_weight_matmul`` (``[m, k] @ [k, W*n]``), or ``moe:TxHxF:EXPERTS:TOPK[:DTYPE][:fwd|fwd+bwd]``
+  (``T`` tokens per rank, hidden ``H``, expert ffn ``F``). DTYPE ``float8_e4m3fn`` tunes the op's
+  ``fp8="rowwise"`` recipe, ``mxfp8`` its ``fp8="mxfp8"`` one (``k`` a multiple of 32); their plan-file keys
+  differ, as the bytes they move do (`overlap.plans.fp8_dtype`), and an op's call looks its own up.
 * ``--model hidden=H,ffn=F,tokens=S[,heads=A,kv_heads=B][,experts=E,topk=K][,gated=1][,dtype=D]``: one
   transformer layer with tensor parallelism over the ranks (TP = world size) and sequence parallelism,
   ``S`` tokens per micro-batch: the QKV projection (``all_gather_matmul``, ``S/TP x H x 3H/TP``, or
@@ -29,7 +32,7 @@ import sys
 from ..plans.optable import OPS, TRAINING_DTYPES, Problem, ops_of
 
 TP_OPS = ops_of("tp")
-DTYPES = TRAINING_DTYPES  # fp8: the op's fp8="rowwise" recipe
+DTYPES = TRAINING_DTYPES  # fp8: the op's fp8="rowwise" recipe (float8_e4m3fn) or fp8="mxfp8" (mxfp8)
 
 
 def _dims(text: str) -> tuple[int, int, int]:

@@ -89,8 +89,9 @@ class Schedule:
         self.size, self.part_size, self.grad_size = wire_sizes(problem)
         self.fused, self.fp8 = plan.strategy == "fused", problem.dtype in FP8_DTYPES
         self.transport = "p2p" if plan.strategy in ("reference", "pipelined") else "copy"
-        # fp8 GEMMs: no fit of their own yet; a GPU's scaled GEMM runs at least at its bf16 rate, a CPU's
-        # dequantizes to fp32 (`overlap.ops.fp8.scaled_mm`)
+        # fp8 GEMMs: the profile's fit of the dtype where it has one (a preset's: `presets.profile_of`, MX at the FP8
+        # or the FP32 rate); else a GPU's scaled GEMM runs at least at its bf16 rate, a CPU's dequantizes to fp32
+        # (`overlap.ops.fp8.scaled_mm`)
         fallback = (FP8_LEAVES if topo.device != "cpu" else "float32") if self.fp8 else "float32"
         self.gfit = profile.gemm.get(problem.dtype) or profile.gemm.get(fallback) or profile.gemm.get("float32")
         if self.gfit is None:

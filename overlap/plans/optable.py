@@ -27,24 +27,61 @@ if TYPE_CHECKING:
     import torch
 
 FAMILIES = ("tp", "moe")
-#: bytes per element of every dtype a problem may have, by its name (torch's: `torch_dtype`)
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1}
+#: the dtype name of an MX fp8 call (``fp8="mxfp8"``, or fp8 operands with e8m0 block scales): e4m3 elements, one
+#: power-of-two scale byte per `MX_BLOCK` of them along ``k``. Its own name, not ``float8_e4m3fn``'s: it moves other
+#: bytes (`wire_sizes`), so plan files key it apart
+MX_DTYPE = "mxfp8"
+#: the elements along ``k`` that share one MX scale (`overlap.ops.fp8.MX_BLOCK`)
+MX_BLOCK = 32
+#: bytes per element of every dtype a problem may have, by its name (torch's: `torch_dtype`; `MX_DTYPE`'s elements
+#: are e4m3)
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1, MX_DTYPE: 1}
 #: the dtypes of training calls, which ``overlap bench`` and ``overlap tune`` take (float64 is the oracles')
-TRAINING_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+TRAINING_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", MX_DTYPE)
 #: the fp8 dtypes: a problem in one is an fp8 call of a tensor-parallel op (fp8 operands, or the ``fp8=`` recipe on
-#: high-precision leaves), whose transfers move what `wire_sizes` says
-FP8_DTYPES = ("float8_e4m3fn",)
+#: high-precision leaves), whose transfers move what `wire_sizes` says: ``float8_e4m3fn`` with one float32 scale
+#: per row or tensor (rowwise, tensorwise), `MX_DTYPE` with MX block scales
+FP8_DTYPES = ("float8_e4m3fn", MX_DTYPE)
 #: the dtype of an fp8 problem's leaves and output (the recipe's convention: its backward runs in it)
 FP8_LEAVES = "bfloat16"
+#: bytes of a rowwise (or tensorwise: repeated on every row) scale on the wire, and of an MX block's
+ROW_SCALE_BYTES = 4
+MX_SCALE_BYTES = 1
+
+
+def fp8_dtype(granularity: str) -> str:
+    """The dtype name of an fp8 call at `granularity` (``rowwise``, ``tensorwise``, ``mxfp8``: `overlap.ops.fp8`), as
+    its `Problem` (and so its plan-file key) has it: `MX_DTYPE` for MX blocks, ``float8_e4m3fn`` otherwise."""
+    return MX_DTYPE if granularity == "mxfp8" else "float8_e4m3fn"
+
+
+def fp8_granularity(dtype: str) -> str:
+    """The ``fp8=`` recipe a problem in the fp8 dtype `dtype` runs (``overlap bench`` and ``overlap tune``'s calls):
+    ``mxfp8`` for `MX_DTYPE`, ``rowwise`` for ``float8_e4m3fn``. ValueError for another dtype."""
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_granularity: {dtype!r} is not an fp8 dtype {FP8_DTYPES}")
+    return "mxfp8" if dtype == MX_DTYPE else "rowwise"
+
+
+def gathered_row_bytes(dtype: str, k: int) -> int:
+    """Bytes a gather moves per row of ``k`` elements of dtype `dtype` (the op's wire format, its GPU padding to 16
+    bytes aside): ``k`` elements, and for fp8 their scales: a float32 per row (rowwise, and tensorwise whose scale is
+    written into every row) or one byte per `MX_BLOCK` (MX)."""
+    if dtype == MX_DTYPE:
+        return k * ITEMSIZE[dtype] + k // MX_BLOCK * MX_SCALE_BYTES
+    if dtype in FP8_DTYPES:
+        return k * ITEMSIZE[dtype] + ROW_SCALE_BYTES
+    return k * ITEMSIZE[dtype]
 
 
 def wire_sizes(p: Problem) -> tuple[float, float, float]:
     """Bytes per element `p`'s transfers move: ``(gathered operand, reduced partial, backward)``. The dtype's size
-    for all three, except fp8 (`FP8_DTYPES`): the gathered rows' fp8 bytes with each row's 4-byte scale
-    (``1 + 4/k``; a GPU pads rows to 16 bytes, not counted), the reductions' float32 partials (4), and the
-    backward in the leaves' `FP8_LEAVES` (2)."""
+    for all three, except fp8 (`FP8_DTYPES`): the gathered rows' fp8 bytes with their scales (`gathered_row_bytes`
+    over ``k``: ``1 + 4/k`` with a float32 scale per row, ``1 + 1/32`` with MX blocks; a GPU pads rows to 16 bytes,
+    not counted), the reductions' float32 partials (4), and the backward in the leaves' `FP8_LEAVES` (2). A gathered
+    weight (``all_gather_weight_matmul``) moves its columns as such rows (``k`` long: scales along ``k``)."""
     if p.dtype in FP8_DTYPES:
-        return 1.0 + 4.0 / p.k, 4.0, float(ITEMSIZE[FP8_LEAVES])
+        return gathered_row_bytes(p.dtype, p.k) / p.k, 4.0, float(ITEMSIZE[FP8_LEAVES])
     size = float(ITEMSIZE[p.dtype])
     return size, size, size
 
@@ -66,7 +103,8 @@ class OpSpec:
         never picks another, forcing one raises ValueError, the tuner and the benchmark skip the rest.
     dim_arg: the keyword naming the activation dim the op gathers or scatters (``gather_dim``, ``scatter_dim``;
         empty: dim 0 only); several_weights: whether ``b`` may be a list of weights fed by one transfer.
-    fp8: whether the op takes fp8 operands and the ``fp8=`` recipe (a `Problem` in an fp8 dtype).
+    fp8: whether the op takes fp8 (the ``fp8=`` recipe, and fp8 operands where it has them): a `Problem` in an fp8
+        dtype.
     calls: the calls (each a handshake or its steady-state post) one forward and one backward make: what the
         cost model charges `Profile.call_s` for.
     """
@@ -97,13 +135,13 @@ class OpSpec:
         return rows // per_m if rows >= per_m and rows % per_m == 0 else None
 
     def comm_bytes(self, p: Problem, world_size: int) -> int:
-        """Bytes one rank receives in one call's plain collectives."""
-        return int((world_size - 1) * self.bytes_per_peer(p, world_size))
+        """Bytes one rank receives in one call's plain collectives (rounded: fp8's bytes per element are fractions)."""
+        return round((world_size - 1) * self.bytes_per_peer(p, world_size))
 
     def bytes_per_link(self, p: Problem, topology) -> dict[str, int]:
         """`comm_bytes` per link class of `topology` (from each peer over the link to it)."""
         per_peer = self.bytes_per_peer(p, topology.world_size)
-        return {link: int(count * per_peer) for link, count in topology.links}
+        return {link: round(count * per_peer) for link, count in topology.links}
 
 
 def _tp(name: str, label: str, in_rows, out_rows, per_peer_bytes, chunked, cost, variants=(),
@@ -135,10 +173,11 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
         per_peer_bytes=lambda p, gather, part, grad: 2 * p.m * p.n * part, variants=("one_shot",),
         chunked=tp_ops.chunked_matmul_all_reduce, cost=tp_ops.cost_matmul_all_reduce,
         calls=(1, 0)),  # (its backward communicates nothing)
-    # The weight-side gather (FSDP): a [m, k] per rank, b_shard [k, n] (this rank's columns), out [m, W*n].
+    # The weight-side gather (FSDP): a [m, k] per rank, b_shard [k, n] (this rank's columns), out [m, W*n]; its
+    # backward gathers the weight again and reduce-scatters its gradient (fp8: both in the leaves' dtype).
     _tp("all_gather_weight_matmul", "AG(W)+MM", in_rows=lambda m, W: m, out_rows=lambda m, W: m,
-        per_peer_bytes=lambda p, gather, part, grad: p.k * p.n * (3 if p.backward else 1) * gather,
-        out_cols=lambda n, W: W * n, fp8=False,
+        per_peer_bytes=lambda p, gather, part, grad: p.k * p.n * (gather + (2 * grad if p.backward else 0)),
+        out_cols=lambda n, W: W * n,
         chunked=tp_ops.chunked_all_gather_weight_matmul, cost=tp_ops.cost_all_gather_weight_matmul),
     OpSpec("moe", "moe", "moe", in_rows=lambda m, W: m, out_rows=lambda m, W: m,
            flops=lambda p, W: (3 if p.backward else 1) * 4 * p.m * p.top_k * p.k * p.n,
@@ -186,6 +225,9 @@ class Problem:
             raise ValueError(f"Problem: op in {tuple(OPS)}, dtype in {tuple(ITEMSIZE)} (fp8 only for "
                              f"{tuple(n for n, s in OPS.items() if s.fp8)}), m, k, n ints >= 1, "
                              f"backward a bool, experts >= top_k >= 1 for moe: got {self}")
+        if self.dtype == MX_DTYPE and self.k % MX_BLOCK:
+            raise ValueError(f"Problem: {MX_DTYPE} scales blocks of {MX_BLOCK} along k, which is {self.k}: it must be "
+                             f"a multiple of {MX_BLOCK} (got {self})")
 
     @property
     def spec(self) -> OpSpec:
@@ -203,10 +245,11 @@ class Problem:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a dtype name of `ITEMSIZE` (``"bfloat16"`` -> ``torch.bfloat16``); KeyError for another.
-    The table itself imports no torch, so the command line reads it before torch loads."""
+    """The torch dtype of a dtype name of `ITEMSIZE` (``"bfloat16"`` -> ``torch.bfloat16``; `MX_DTYPE` -> its
+    elements', ``torch.float8_e4m3fn``); KeyError for another. The table itself imports no torch, so the command
+    line reads it before torch loads."""
     import torch
 
     if name not in ITEMSIZE:
         raise KeyError(name)
-    return getattr(torch, name)
+    return torch.float8_e4m3fn if name == MX_DTYPE else getattr(torch, name)

@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 
 from .machine import GemmFit, LinkFit, Profile, Topology
+from .optable import MX_DTYPE
 
 G = 1e9  # GB/s, GFLOP/s
 T = 1e12  # TFLOP/s, TB/s
@@ -126,7 +127,9 @@ class Machine:
     link: what that fabric is; pcie_Bps per direction; nic_Bps: the network per GPU in the reference system; sms:
     streaming multiprocessors (compute units on AMD); gpus_per_node of the reference system; device_names: what
     ``torch.cuda.get_device_name`` says for it (a measured profile of that name replaces the preset); sources:
-    where the figures come from.
+    where the figures come from; mx: whether its tensor cores multiply MX blocks (e8m0 scales per 32 elements:
+    Blackwell's block-scaled FP8), so that an MX GEMM runs at the FP8 rate; without them `torch._scaled_mm` refuses
+    MX scales and `overlap.ops.fp8.scaled_mm` dequantizes to float32 (the FP32 rate).
     """
 
     name: str
@@ -144,6 +147,7 @@ class Machine:
     device_names: tuple[str, ...]
     sources: str
     gpus_per_node: int = 8
+    mx: bool = False
 
 
 #: Every preset, by the name ``--machine`` takes. Figures per GPU, dense (vendors print sparse tensor peaks at
@@ -191,7 +195,8 @@ PRESETS: dict[str, Machine] = {m.name: m for m in (
             sources="NVIDIA HGX B200 datasheet (8 GPUs: FP8 72 PFLOPS and FP16/BF16 36 PFLOPS with sparsity, i.e. "
             "4.5 and 2.25 PFLOPS dense per GPU; NVLink 5 1.8 TB/s per GPU; FP32 75 TFLOPS per GPU); DGX B200 page "
             "(64 TB/s HBM3e over 8 GPUs, 8 TB/s each; an HGX datasheet prints 7.7; 8x ConnectX-7 400 Gb/s); 148 "
-            "SMs as commonly reported (not verified in a first-party source)"),
+            "SMs as commonly reported (not verified in a first-party source); MX FP8 at the FP8 rate (NVIDIA "
+            "Blackwell architecture: block-scaled tensor cores)", mx=True),
     Machine("mi300x", "AMD Instinct MI300X 192GB, 8 per OAM platform, Infinity Fabric mesh, 400 Gb/s per GPU",
             bf16_flops=1307.4 * T, fp8_flops=2614.9 * T, fp32_flops=163.4 * T, hbm_Bps=5.3 * T, link_Bps=448 * G,
             link="Infinity Fabric (xGMI): 7 links of 64 GB/s per direction, one to each peer", pcie_Bps=64 * G,
@@ -212,19 +217,21 @@ def machine(name: str) -> Machine:
 
 
 def profile_of(m: Machine) -> Profile:
-    """The cost model's `Profile` of preset `m`: its peaks times its family's `Efficiency`."""
+    """The cost model's `Profile` of preset `m`: its peaks times its family's `Efficiency` (an MX GEMM at the FP8
+    rate where the GPU multiplies MX blocks, `Machine.mx`, else at the FP32 rate: dequantized)."""
     e = m.efficiency
     bf16 = GemmFit(e.gemm * m.bf16_flops, e.gemm_overhead_s, memory_Bps=e.memory * m.hbm_Bps)
     fp8 = GemmFit(e.gemm_fp8 * m.fp8_flops, e.gemm_overhead_s, memory_Bps=e.memory * m.hbm_Bps) if m.fp8_flops \
         else bf16
+    fp32 = GemmFit(e.gemm_fp32 * m.fp32_flops, e.gemm_overhead_s, memory_Bps=e.memory * m.hbm_Bps)
     return Profile(
         links={"nvlink": {"p2p": LinkFit(e.link_latency_s, e.link_p2p * m.link_Bps),
                           "copy": LinkFit(e.copy_latency_s, e.link_copy * m.link_Bps)},
                "pcie": {"p2p": LinkFit(e.pcie_latency_s, e.pcie * m.pcie_Bps),
                         "copy": LinkFit(e.pcie_latency_s, e.pcie * m.pcie_Bps)},
                "network": {"p2p": LinkFit(e.network_latency_s, e.network * m.nic_Bps)}},
-        gemm={"bfloat16": bf16, "float16": bf16, "float8_e4m3fn": fp8,
-              "float32": GemmFit(e.gemm_fp32 * m.fp32_flops, e.gemm_overhead_s, memory_Bps=e.memory * m.hbm_Bps)},
+        gemm={"bfloat16": bf16, "float16": bf16, "float8_e4m3fn": fp8, MX_DTYPE: fp8 if m.mx else fp32,
+              "float32": fp32},
         gemm_slowdown=e.sm_gemm_slowdown, copy_gemm_slowdown=e.copy_gemm_slowdown, comm_slowdown=e.comm_slowdown,
         per_chunk_s=e.per_chunk_s, device=m.device_names[0], call_s=dict(e.call_s),
         machine=f"preset {m.name}: {m.about} (vendor peaks x documented efficiencies, not measured)")

@@ -62,7 +62,8 @@ class OpInputs:
     """One rank's inputs of one call. `leaves`: the differentiable inputs in the call's order (TP ops
     ``(a, b)``; moe ``(x, w1, w2, topk_weights)``); `grad_out`: the output gradient of a backward (None
     for a forward); moe: `routing` (``topk_idx`` ``[T, K]``) and `num_experts`; `options`: keywords of the
-    op's call that the problem sets (an fp8 problem's ``fp8="rowwise"``), taken by its plain-torch row too."""
+    op's call that the problem sets (an fp8 problem's ``fp8="rowwise"`` or ``fp8="mxfp8"``), taken by its plain-torch
+    row too."""
 
     leaves: tuple[torch.Tensor, ...]
     grad_out: torch.Tensor | None

@@ -25,11 +25,13 @@ its inputs order them (TP ``(a, b)``, moe ``(x, w1, w2, topk_weights)``):
 The TP ops take the benchmark's 2-D operands (``a [rows, k]``, ``b [k, n]``). Their backward collectives are
 explicit in an autograd `Function`, since torch's collectives have no autograd of their own.
 
-fp8 (the factories' ``fp8="rowwise" | "tensorwise"``, as the ops' recipe): the forward written the way a user
-would with torch alone: each operand cast to ``float8_e4m3fn`` on its owner (amax scales), the plain collective
-of the fp8 bytes and, beside it, of the scales, and ``torch._scaled_mm`` (where it does not take those operands
-on that device: the dequantized ``torch.matmul``); the reductions' partials in float32. The backward is the
-plain one above, in the leaves' dtype (the recipe's convention).
+fp8 (the factories' ``fp8="rowwise" | "tensorwise" | "mxfp8"``, as the ops' recipe): the forward written the way a
+user would with torch alone: each operand cast to ``float8_e4m3fn`` on its owner (amax scales: per row, per tensor,
+or MX: per block of 32 along ``k``, the scale a power of two stored as ``float8_e8m0fnu``), the plain collective of
+the fp8 bytes and, beside it, of the scales (the all-gather of ``a``, or of the weight's shards as rows: each
+column with its scales), and ``torch._scaled_mm`` (MX scales in the tiled layout cuBLAS reads; where it does not
+take those operands on that device: the dequantized ``torch.matmul``); the reductions' partials in float32. The
+backward is the plain one above, in the leaves' dtype (the recipe's convention).
 
 Batch-first and several-weight cases (`torch_all_gather_matmul_on`, `torch_matmul_reduce_scatter_on`): torch's
 collectives gather and scatter dim 0, so a user of another dim moves it, as DTensor's redistribution does:
@@ -107,12 +109,21 @@ class _MatmulAllReduce(torch.autograd.Function):
 
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(_FP8).max
-#: ``(device type, out dtype, a rowwise, b rowwise, dims multiples of 16)`` -> whether ``torch._scaled_mm`` took them
+_E8M0 = torch.float8_e8m0fnu
+#: the MX block: elements along ``k`` sharing one power-of-two scale
+_MX = 32
+#: ``(device type, out dtype, a's scales, b's scales, dims multiples of 16)`` -> whether ``torch._scaled_mm`` took them
 _SCALED_MM: dict[tuple, bool] = {}
 
 
 def _to_fp8(x: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x_fp8, scale)``, ``x ~= x_fp8 * scale``: amax over each row (``[rows, 1]``) or the tensor (one element)."""
+    """``(x_fp8, scale)``, ``x ~= x_fp8 * scale``: amax over each row (``[rows, 1]``), the tensor (one element), or
+    each block of 32 along the rows (mxfp8: ``[rows, k/32]`` e8m0, the amax's scale rounded up to a power of two)."""
+    if granularity == "mxfp8":
+        blocks = x.float().unflatten(-1, (-1, _MX))
+        amax = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=2.0 ** -126 * _FP8_MAX)
+        scale = torch.exp2(torch.ceil(torch.log2(amax / _FP8_MAX)).clamp(-127, 127))
+        return (blocks / scale).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8).flatten(-2), scale.squeeze(-1).to(_E8M0)
     amax = x.abs().amax(dim=-1, keepdim=True) if granularity == "rowwise" else x.abs().amax()
     scale = (amax.float() / _FP8_MAX).clamp(min=1e-12)
     return (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8), scale
@@ -120,22 +131,40 @@ def _to_fp8(x: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tens
 
 def _weight_to_fp8(b: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight ``[k, n]`` cast column-major (``torch._scaled_mm``'s layout); rowwise: a scale per column
-    ``[1, n]``."""
+    ``[1, n]``; mxfp8: ``[k/32, n]``."""
     bt, scale = _to_fp8(b.t(), granularity)
     return bt.t(), scale.t() if scale.dim() else scale
 
 
+def _swizzled(scale: torch.Tensor) -> torch.Tensor:
+    """MX scales ``[rows, k/32]`` as cuBLAS reads them: padded to 128 rows and 4 columns, each 128 x 4 tile stored as
+    32 x 16 (row ``r`` of a tile at ``(r % 32, (r // 32) * 4 + c)``), tiles row-block major, flattened."""
+    rows, cols = scale.shape
+    padded = scale.new_zeros((-(-rows // 128) * 128, -(-cols // 4) * 4))
+    padded[:rows, :cols] = scale
+    tiles = padded.view(padded.shape[0] // 128, 128, padded.shape[1] // 4, 4).permute(0, 2, 1, 3)
+    return tiles.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1).contiguous()
+
+
+def _dequantized(x8: torch.Tensor, scale: torch.Tensor, blocks_along: int) -> torch.Tensor:
+    if scale.dtype == _E8M0:  # MX: each scale over its block of 32 along k
+        return x8.float() * scale.float().repeat_interleave(_MX, dim=blocks_along)
+    return x8.float() * scale
+
+
 def _scaled_mm(a8, a_scale, b8, b_scale, out_dtype: torch.dtype) -> torch.Tensor:
-    key = (a8.device.type, out_dtype, a_scale.numel() > 1, b_scale.numel() > 1,
+    mx = a_scale.dtype == _E8M0
+    key = (a8.device.type, out_dtype, "mx" if mx else a_scale.numel() > 1, b_scale.numel() > 1,
            all(d % 16 == 0 for d in (*a8.shape, b8.shape[1])))
     if _SCALED_MM.get(key, True):
+        scales = (_swizzled(a_scale), _swizzled(b_scale.t())) if mx else (a_scale, b_scale)
         try:
-            out = torch._scaled_mm(a8, b8, scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
+            out = torch._scaled_mm(a8, b8, scale_a=scales[0], scale_b=scales[1], out_dtype=out_dtype)
             _SCALED_MM[key] = True
             return out
-        except (RuntimeError, NotImplementedError):
+        except (RuntimeError, NotImplementedError, ValueError):  # (ValueError: torch 2.13 on a CPU, MX scales)
             _SCALED_MM[key] = False
-    return torch.matmul(a8.float() * a_scale, b8.float() * b_scale).to(out_dtype)
+    return torch.matmul(_dequantized(a8, a_scale, -1), _dequantized(b8, b_scale, 0)).to(out_dtype)
 
 
 def _scaled_partial(a: torch.Tensor, b: torch.Tensor, granularity: str) -> torch.Tensor:
@@ -144,9 +173,12 @@ def _scaled_partial(a: torch.Tensor, b: torch.Tensor, granularity: str) -> torch
 
 
 def _gather_fp8(a: torch.Tensor, granularity: str, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's ``a`` cast on its owner: the fp8 bytes gathered, then the scales (per row of the gathered rows)."""
+    """Every rank's ``a`` cast on its owner: the fp8 bytes gathered, then the scales (per row of the gathered rows;
+    MX: the rows' block scales, as bytes)."""
     a8, scale = _to_fp8(a, granularity)
     full8 = _gather_rows(a8.view(torch.uint8), group).view(_FP8)
+    if granularity == "mxfp8":
+        return full8, _gather_rows(scale.view(torch.uint8), group).view(_E8M0)
     scales = _gather_rows(scale.reshape(-1, 1), group)
     if granularity != "rowwise":  # one scale per rank: per row of its block
         scales = scales.repeat_interleave(a.shape[0], dim=0)
@@ -204,6 +236,20 @@ class _AllGatherWeightMatmul(torch.autograd.Function):
         full_t = _gather_rows(b.t(), ctx.group)  # [W*n, k]: only the shard was saved, gathered again
         grad_b = _scatter_rows(torch.matmul(g.t(), a), ctx.group).t()  # rows of (a.T @ g).T, this rank's block
         return torch.matmul(g, full_t), grad_b, None
+
+
+class _AllGatherWeightMatmulFp8(_AllGatherWeightMatmul):
+    """The weight gather in fp8: the shard's columns cast on their owner (as rows of ``b_shard.T``: a scale per
+    column, or per block of 32 along ``k``) and gathered with their scales; ``a`` cast on this rank."""
+
+    @staticmethod
+    def forward(ctx, a, b, group, granularity):
+        ctx.save_for_backward(a, b)
+        ctx.group = group
+        full8, scales = _gather_fp8(b.t(), granularity, group)  # [W*n, k]: every rank's columns as rows
+        return _scaled_mm(*_to_fp8(a, granularity), full8.t(), scales.t(), a.dtype)
+
+    backward = _fp8_backward(_AllGatherWeightMatmul)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -327,7 +373,10 @@ def torch_matmul_all_reduce(group, routing=None, num_experts: int = 0, fp8: str 
     return lambda a, b: _MatmulAllReduce.apply(a, b, group)
 
 
-def torch_all_gather_weight_matmul(group, routing=None, num_experts: int = 0) -> Callable[..., torch.Tensor]:
+def torch_all_gather_weight_matmul(group, routing=None, num_experts: int = 0, fp8: str = ""
+                                   ) -> Callable[..., torch.Tensor]:
+    if fp8:
+        return lambda a, b: _AllGatherWeightMatmulFp8.apply(a, b, group, fp8)
     return lambda a, b: _AllGatherWeightMatmul.apply(a, b, group)
 
 

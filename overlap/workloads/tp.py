@@ -18,11 +18,14 @@ rank's inputs, sums over ranks in fp32. "Alone" (`plain_*`): the op's plain coll
 their size (``fwd+bwd``: every collective of the unfused forward and backward, back to back) and its
 GEMMs with the operand layouts the backward uses.
 
-An fp8 problem (`overlap.plans.FP8_DTYPES`) is the op's ``fp8="rowwise"`` recipe on bf16 leaves (`data.leaf_dtype`;
-the ``fp8`` keyword travels in `OpInputs.options`): its oracle's forward multiplies the leaves as the recipe
-quantizes them on their owners (dequantized, in fp32), its gradients are the leaves' own (the recipe's backward
-runs in their dtype); alone, its forward collective moves the fp8 rows with their scales (all-gather) or float32
-partials (reductions), its forward GEMM is the scaled GEMM, its backward is the bf16 one.
+An fp8 problem (`overlap.plans.FP8_DTYPES`) is the op's ``fp8=`` recipe on bf16 leaves (`data.leaf_dtype`):
+``float8_e4m3fn`` runs ``fp8="rowwise"``, ``mxfp8`` runs ``fp8="mxfp8"`` (`overlap.plans.fp8_granularity`; the
+``fp8`` keyword travels in `OpInputs.options`). Its oracle's forward multiplies the leaves as the recipe quantizes
+them on their owners (dequantized, in fp32: ``a`` per row or per block of 32 along ``k``, ``b`` per column or per
+block along ``k``; the weight gather's shards each on its owner), its gradients are the leaves' own (the recipe's
+backward runs in their dtype); alone, its forward collective moves the fp8 rows with their scales (the all-gather
+of ``a``, or of the weight's columns) or float32 partials (reductions), its forward GEMM is the scaled GEMM, its
+backward is the bf16 one.
 """
 
 from __future__ import annotations
@@ -35,10 +38,10 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..ops.fp8 import quantize_fp8, scaled_mm
+from ..ops.fp8 import dequantize, quantize_fp8, quantize_weight, scaled_mm
 from ..ops.tp import all_gather_matmul, all_gather_weight_matmul, matmul_all_reduce, matmul_reduce_scatter
-from ..ops.tp.operands import Packed, quantize_weight
-from ..plans import FP8_DTYPES, op_spec
+from ..ops.tp.operands import Packed
+from ..plans import FP8_DTYPES, MX_DTYPE, fp8_granularity, op_spec
 from .data import Expected, OpInputs, Plain, SeededDraw, fp32_sum
 
 # ----------------------------------------------------------------------------------------------
@@ -51,12 +54,15 @@ REDUCTION = {"all_gather_matmul": lambda k, W: k, "matmul_reduce_scatter": lambd
              "matmul_all_reduce": lambda k, W: W * k, "all_gather_weight_matmul": lambda k, W: k}
 #: the ops whose output (hence its gradient) is the same on every rank
 REPLICATED = ("matmul_all_reduce",)
-#: the recipe an fp8 problem runs
-FP8_RECIPE = "rowwise"
 
 
 def _fp8(p) -> bool:
     return getattr(p, "dtype", None) in FP8_DTYPES  # (a test's problem may be any object with the dims)
+
+
+def _recipe(p) -> str:
+    """The ``fp8=`` recipe an fp8 problem runs (`overlap.plans.fp8_granularity`)."""
+    return fp8_granularity(p.dtype)
 
 
 def inputs(p, world_size: int, draw: SeededDraw) -> OpInputs:
@@ -67,7 +73,7 @@ def inputs(p, world_size: int, draw: SeededDraw) -> OpInputs:
     cols = spec.out_cols(p.n, world_size)
     g = (draw.normal("grad_out", spec.out_rows(p.m, world_size), cols, shared=p.op in REPLICATED)
          if p.backward else None)
-    return OpInputs((a, b), g, options={"fp8": FP8_RECIPE} if _fp8(p) else {})
+    return OpInputs((a, b), g, options={"fp8": _recipe(p)} if _fp8(p) else {})
 
 
 # The calls look the op up on its module when called (a test's wrong op, put there, is the one called).
@@ -95,11 +101,12 @@ def call_all_gather_weight_matmul(inputs: OpInputs, group, **kwargs) -> torch.Te
 # ----------------------------------------------------------------------------------------------
 
 
-def _quantized(x: OpInputs) -> OpInputs:
-    """A rank's ``(a, b)`` as the fp8 recipe quantizes them on their owner, dequantized to fp32."""
+def _quantized(x: OpInputs, granularity: str) -> OpInputs:
+    """A rank's ``(a, b)`` as the fp8 recipe at `granularity` quantizes them on their owner (``a`` along its rows,
+    ``b`` along its columns: both along ``k``), dequantized to fp32."""
     a, b = x.leaves
-    (a8, sa), (b8, sb) = quantize_fp8(a, FP8_RECIPE), quantize_weight(b, FP8_RECIPE)
-    return OpInputs((a8.float() * sa, b8.float() * sb), x.grad_out)
+    (a8, sa), (b8, sb) = quantize_fp8(a, granularity), quantize_weight(b, granularity)
+    return OpInputs((dequantize(a8, sa, -1), dequantize(b8, sb, 0)), x.grad_out)
 
 
 def _fp8_forward(oracle: Callable[..., list[Expected]]) -> Callable[..., list[Expected]]:
@@ -110,7 +117,7 @@ def _fp8_forward(oracle: Callable[..., list[Expected]]) -> Callable[..., list[Ex
     def fn(p, every: list[OpInputs], rank: int) -> list[Expected]:
         if not _fp8(p):
             return oracle(p, every, rank)
-        out = oracle(dataclasses.replace(p, backward=False), [_quantized(e) for e in every], rank)[0]
+        out = oracle(dataclasses.replace(p, backward=False), [_quantized(e, _recipe(p)) for e in every], rank)[0]
         grads = oracle(p, every, rank)[1:] if p.backward else []
         return [Expected(out.what, out.value.to(every[rank].leaves[0].dtype), out.reduction), *grads]
 
@@ -118,7 +125,6 @@ def _fp8_forward(oracle: Callable[..., list[Expected]]) -> Callable[..., list[Ex
 
 
 @_fp8_forward
-
 def oracle_all_gather_matmul(p, every: list[OpInputs], rank: int) -> list[Expected]:
     W, m = len(every), p.m
     full_MK = torch.cat([e.leaves[0] for e in every])  # every rank's a: the gathered input
@@ -161,6 +167,7 @@ def oracle_matmul_all_reduce(p, every: list[OpInputs], rank: int) -> list[Expect
     return expected
 
 
+@_fp8_forward
 def oracle_all_gather_weight_matmul(p, every: list[OpInputs], rank: int) -> list[Expected]:
     W, n = len(every), p.n
     a_MK = every[rank].leaves[0]
@@ -190,7 +197,7 @@ def _gemms(p, x: torch.Tensor, b: torch.Tensor, g: torch.Tensor | None, reduced:
     rows, ``g``: the output gradient they meet)."""
     forward = functools.partial(torch.mm, x, b)
     if _fp8(p):
-        (x8, sx), (b8, sb) = quantize_fp8(x, FP8_RECIPE), quantize_weight(b, FP8_RECIPE)
+        (x8, sx), (b8, sb) = quantize_fp8(x, _recipe(p)), quantize_weight(b, _recipe(p))
         forward = functools.partial(scaled_mm, x8, b8, sx, sb, torch.float32 if reduced else x.dtype)
 
     def compute() -> None:
@@ -216,17 +223,20 @@ def _partials(p, like: torch.Tensor, *shape: int) -> torch.Tensor:
     return like.new_zeros(shape, dtype=torch.float32 if _fp8(p) else like.dtype)
 
 
+def _packed_rows(p, x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sent, got)`` of an fp8 problem's forward all-gather of `x` (``[r, k]`` rows) into `rows` rows: zeros,
+    rows of bytes as the op packs them with their scales (`overlap.ops.tp.operands.Packed`: rowwise or MX)."""
+    width = Packed(p.k, x.device, mx=p.dtype == MX_DTYPE).width
+    return x.new_zeros((x.shape[0], width), dtype=torch.uint8), x.new_zeros((rows, width), dtype=torch.uint8)
+
+
 def plain_all_gather_matmul(p, every: list[OpInputs], rank: int, group, info, timeout: float,
                             comm_bytes: int) -> Plain:
     a_MK, b_KN = every[rank].leaves
     full_MK = torch.cat([e.leaves[0] for e in every])
     # Zeros in the buffers of the collectives alone: values that stay put, never denormal garbage.
     gathered, partial_MK, grad_a_MK = torch.zeros_like(full_MK), torch.zeros_like(full_MK), torch.zeros_like(a_MK)
-    sent, got = a_MK, gathered
-    if _fp8(p):  # the fp8 rows packed with their scales, as the op gathers them
-        width = Packed(p.k, a_MK.device).width
-        sent = a_MK.new_zeros((a_MK.shape[0], width), dtype=torch.uint8)
-        got = a_MK.new_zeros((full_MK.shape[0], width), dtype=torch.uint8)
+    sent, got = _packed_rows(p, a_MK, full_MK.shape[0]) if _fp8(p) else (a_MK, gathered)
 
     def comm_fn() -> None:
         _wait(comm.all_gather_async(got, sent, group), "all_gather", info, timeout)
@@ -272,9 +282,11 @@ def plain_all_gather_weight_matmul(p, every: list[OpInputs], rank: int, group, i
     shard_NK = b_KN.t().contiguous()
     gathered = torch.zeros((len(every) * p.n, p.k), dtype=a_MK.dtype, device=a_MK.device)  # zeros: see above
     partial, grad_shard = torch.zeros_like(gathered), torch.zeros_like(shard_NK)
+    # the forward gathers the shard's columns as rows (fp8: packed with their scales); the backward in bf16
+    sent, got = _packed_rows(p, shard_NK, gathered.shape[0]) if _fp8(p) else (shard_NK, gathered)
 
     def comm_fn() -> None:
-        _wait(comm.all_gather_async(gathered, shard_NK, group), "all_gather", info, timeout)
+        _wait(comm.all_gather_async(got, sent, group), "all_gather", info, timeout)
         if p.backward:  # backward gathers the weight again, then reduce-scatters its gradient
             _wait(comm.all_gather_async(gathered, shard_NK, group), "all_gather", info, timeout)
             _wait(comm.reduce_scatter_async(grad_shard, partial, group), "reduce_scatter", info, timeout)

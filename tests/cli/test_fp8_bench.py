@@ -1,6 +1,7 @@
 """fp8 beyond the ops: the bytes the op table and the cost model count for an fp8 problem, the fp8 workloads
 (``overlap bench --dtype float8_e4m3fn``: the ``fp8="rowwise"`` recipe on bf16 leaves, its ``torch`` row of casts,
-plain collectives of fp8 bytes and ``torch._scaled_mm``), and ``overlap tune`` on fp8 shapes."""
+plain collectives of fp8 bytes and ``torch._scaled_mm``; the weight gather's too), and ``overlap tune`` on fp8
+shapes. MX (``--dtype mxfp8``): `test_mx_bench`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from overlap.plans import Plan, Problem, costmodel, op_spec, wire_sizes
 from overlap.workloads import SeededDraw, leaf_dtype, workload
 
 FP8 = "float8_e4m3fn"
-FP8_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+FP8_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_gather_weight_matmul")
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -24,15 +25,16 @@ def test_fp8_problems_count_fp8_rows_float32_partials_and_a_bf16_backward(world_
         "all_gather_matmul": (m * (k + 4), m * (k + 4) + 2 * m * k * 2),  # fp8 rows + 4 B scale; again in bf16,
         "matmul_reduce_scatter": (m * n * 4, m * n * 4 + m * n * 2),  # ... plus grad_a's reduce-scatter
         "matmul_all_reduce": (2 * m * n * 4, 2 * m * n * 4),
+        # the shard's n columns as fp8 rows of k + 4; backward: the weight again and its gradient, in bf16
+        "all_gather_weight_matmul": (n * (k + 4), n * (k + 4) + 2 * k * n * 2),
     }
     for op, (fwd, fwd_bwd) in per_peer.items():
         for backward, want in ((False, fwd), (True, fwd_bwd)):
             p = Problem(op, m, k, n, FP8, backward)
             assert op_spec(op).comm_bytes(p, W) == (W - 1) * want, (op, backward)
     assert wire_sizes(Problem("matmul_reduce_scatter", m, k, n, "bfloat16")) == (2.0, 2.0, 2.0)
-    for op, extra in (("all_gather_weight_matmul", {}), ("moe", {"experts": 4, "top_k": 2})):
-        with pytest.raises(ValueError, match="fp8 only for"):
-            Problem(op, m, k, n, FP8, **extra)
+    with pytest.raises(ValueError, match="fp8 only for"):
+        Problem("moe", m, k, n, FP8, experts=4, top_k=2)
 
 
 def test_cost_model_halves_the_gather_and_doubles_the_partials_in_fp8():
@@ -89,11 +91,11 @@ def test_fp8_oracle_multiplies_the_quantized_leaves(op):
         assert g8.what == g16.what and torch.equal(g8.value, g16.value)
 
 
-def test_fp8_cases_are_the_three_ops_sequence_first():
+def test_fp8_cases_are_the_tensor_parallel_ops_sequence_first():
     case = Case.of("matmul_reduce_scatter", 8, 16, 16, FP8, backward=True)
     assert case.name == "matmul_reduce_scatter 8x16x16 float8_e4m3fn fwd+bwd" and case.problem.dtype == FP8
-    for kwargs in (dict(op="all_gather_weight_matmul"), dict(op="all_gather_matmul", batch=2),
-                   dict(op="all_gather_matmul", split=(8, 8))):
+    assert Case.of("all_gather_weight_matmul", 8, 16, 16, FP8).problem.dtype == FP8  # the weight gather in fp8
+    for kwargs in (dict(op="all_gather_matmul", batch=2), dict(op="all_gather_matmul", split=(8, 8))):
         with pytest.raises(ValueError, match="fp8 recipe"):
             Case.of(kwargs.pop("op"), 8, 16, 16, FP8, **kwargs)
     with pytest.raises(ValueError, match="MoE case's dtype"):
@@ -102,7 +104,10 @@ def test_fp8_cases_are_the_three_ops_sequence_first():
     cases = default_cases(OPS + ("moe",), "cpu", FP8, world_size=2, left_out=left_out)
     assert {c.op for c in cases} == set(FP8_OPS) and not any(c.batch or c.split for c in cases)
     assert all(c.dtype == FP8 for c in cases)
-    assert [line.split(":")[0] for line in left_out] == ["all_gather_weight_matmul", "moe"], left_out
+    # the weight gather's layers: the four projections of the preset, and the tiny shape
+    layers = {c.layer for c in cases if c.op == "all_gather_weight_matmul"}
+    assert layers == {"qkv", "attn-out", "mlp-up", "mlp-down", ""}, layers
+    assert [line.split(":")[0] for line in left_out] == ["moe"], left_out
 
 
 CASES = [Case.of(op, m, 24, 16, FP8, backward=backward)
@@ -132,7 +137,7 @@ def check_fp8_cases(rank, world_size, seed):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fp8_cases_pass_their_checks(pools, seed, world_size):
     """``reference`` and the ``torch`` row against the oracle of the quantized leaves (and the bf16 gradients),
-    every strategy against ``reference``; outputs and gradients in bf16."""
+    every strategy against ``reference``; outputs and gradients in bf16. The weight gather's shards in fp8 too."""
     for verdicts in pools(world_size).run(check_fp8_cases, seed, timeout=300):
         for name, labels, failed, torch_plan, torch_dtypes, ref_dtypes in verdicts:
             assert labels == ["torch", "reference", "pipelined", "symm", "auto"] and not failed, (name, failed)
@@ -143,6 +148,8 @@ def test_fp8_cases_pass_their_checks(pools, seed, world_size):
 def test_tune_takes_fp8_shapes_and_models():
     p = parse_shape("matmul_all_reduce:8x64x32:float8_e4m3fn:fwd", True)
     assert p == Problem("matmul_all_reduce", 8, 64, 32, FP8, False)
+    assert parse_shape("all_gather_weight_matmul:8x64x32:float8_e4m3fn", True).key == \
+        "all_gather_weight_matmul:8x64x32:float8_e4m3fn:fwd+bwd"
     assert {q.dtype for q in parse_model("hidden=64,ffn=128,tokens=16,dtype=float8_e4m3fn", 2, True)} == {FP8}
     with pytest.raises(ValueError, match="fp8 only for"):
         parse_shape("moe:16x32x64:4:2:float8_e4m3fn", False)

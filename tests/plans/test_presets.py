@@ -180,7 +180,7 @@ def test_decode_sized_chunks_are_memory_bound():
 
 
 CASES = [(name, op, dtype, backward, nodes) for name in NAMES for op in OPS
-         for dtype in ("bfloat16", "float8_e4m3fn") if dtype == "bfloat16" or OPS[op].fp8
+         for dtype in ("bfloat16", "float8_e4m3fn", "mxfp8") if dtype == "bfloat16" or OPS[op].fp8
          for backward in (False, True) for nodes in (1, 2)]
 
 
@@ -231,7 +231,10 @@ def described(draw):
     moe = {"experts": W * draw(st.integers(1, 8)), "top_k": 0} if OPS[op].family == "moe" else {}
     if moe:
         moe["top_k"] = draw(st.integers(1, min(8, moe["experts"])))
-    dtype = draw(st.sampled_from(("bfloat16", "float16", "float32") + (("float8_e4m3fn",) if OPS[op].fp8 else ())))
+    dtype = draw(st.sampled_from(("bfloat16", "float16", "float32")
+                                 + (("float8_e4m3fn", "mxfp8") if OPS[op].fp8 else ())))
+    if dtype == "mxfp8":  # (MX blocks of 32 along k)
+        dims[1] = 32 * -(-dims[1] // 32)
     return presets.cluster(name, gpus, nodes), Problem(op, *dims, dtype=dtype, backward=draw(st.booleans()), **moe)
 
 

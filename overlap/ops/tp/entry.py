@@ -19,13 +19,13 @@ from typing import Any
 import torch
 
 from ... import world
-from ...plans import Plan, Problem, op_spec
+from ...plans import Plan, Problem, fp8_dtype, op_spec
 from ...plans.auto import as_plan, fit_plan, plan_source, resolve_auto
 from .. import fp8 as fp8s
 from .. import library
 from ..context import FLOAT_DTYPES, CallContext, autocast_inputs, describe, preamble
 from ..fp8 import Fp8Args
-from ..fp8_recipe import check_recipe, text_of
+from ..fp8_recipe import check_recipe, recipe_of, text_of
 from ..fused import check_fused_available
 from .rows import normalize_dim
 
@@ -96,6 +96,15 @@ def wire_dtype(a: torch.Tensor, scaled: Fp8Args | None) -> torch.dtype:
     return fp8s.OPERAND_DTYPE if fp8s.is_fp8(a) or (scaled is not None and scaled.recipe) else a.dtype
 
 
+def key_dtype(a: torch.Tensor, scaled: Fp8Args | None) -> str:
+    """The dtype name of a call's plan-file key (`overlap.plans.Problem.dtype`): ``mxfp8`` for MX scales or the MX
+    recipe (`overlap.plans.fp8_dtype`: an MX call moves other bytes than a rowwise one), else `wire_dtype`'s."""
+    if scaled is not None and (fp8s.is_mx_scale(scaled.a_scale)
+                               or (scaled.recipe and recipe_of("", scaled.recipe).granularity == "mxfp8")):
+        return fp8_dtype("mxfp8")
+    return str(wire_dtype(a, scaled)).removeprefix("torch.")
+
+
 def out_dtype_of(a: torch.Tensor, scaled: Fp8Args | None) -> torch.dtype:
     """The dtype of a call's result: `a`'s, but fp8 operands' ``out_dtype`` (default bfloat16)."""
     if fp8s.is_fp8(a):
@@ -160,10 +169,10 @@ def prepare(call: TpCall, a: Any, b: Any, scaled: Fp8Args | None = None, needs_g
         wire = wire_dtype(a2, scaled)
         if chosen is None:
             rows = math.prod(a2.shape[:-1])
-            dtype = str(wire).removeprefix("torch.")
+            dtype = key_dtype(a2, scaled)
             out_bytes = rows * n * out_dtype_of(a2, scaled).itemsize
             chosen = resolve_auto(op, shape_sig, info, rows, dtype, out_bytes=out_bytes,
-                                  problem=tp_problem(op, rows, a2, b2, info.world_size, needs_grad, n, wire),
+                                  problem=tp_problem(op, rows, a2, b2, info.world_size, needs_grad, n, dtype),
                                   plan_file=plan_source(plan))
         chosen = fit_plan(op, chosen, info)
         if chosen.strategy == "fused":
@@ -177,7 +186,7 @@ def prepare(call: TpCall, a: Any, b: Any, scaled: Fp8Args | None = None, needs_g
 
 def tp_problem(op: str, rows: int, a: torch.Tensor, b: torch.Tensor, world_size: int,
                needs_grad: bool | None = None, n: int | None = None,
-               dtype: torch.dtype | None = None) -> Problem | None:
+               dtype: torch.dtype | str | None = None) -> Problem | None:
     """The `overlap.plans.Problem` of a TP call (plan files are keyed by it), None where it has none. `n`: the
     columns of every weight together (one gather feeding several GEMMs moves the bytes of one); `dtype`: the
     operands' on the wire (default `a`'s: fp8 for the fp8 recipe)."""
