@@ -5,7 +5,9 @@
   built model for them (same parameter tensors), ``unpatch`` restores them; a layer-spec helper builds
   new Megatron-core models with them. Megatron-core is imported when patching or building specs.
 * `overlap.hooks.torch_tp`: parallel styles for ``torch.distributed.tensor.parallel.parallelize_module``
-  whose linear layers run through the fused ops.
+  whose linear layers run through the fused ops, in fp8 with ``fp8=`` (a recipe) or as torchao's float8 layers.
+* `overlap.hooks.torchao_float8`: the recipe a layer converted by torchao's float8 training
+  (``torchao.float8.convert_to_float8_training``) trains with under those styles; torchao is not imported.
 
 Submodules are imported on use (``import overlap.hooks.megatron``): neither Megatron-core nor torch's
 tensor-parallel API is needed to import `overlap`.

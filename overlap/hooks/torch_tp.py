@@ -2,8 +2,9 @@
 
 ``ColwiseParallel`` and ``RowwiseParallel`` here are torch's styles of the same names
 (``torch.distributed.tensor.parallel``, subclassed: the same keyword arguments, defaults and meaning, plus
-``strategy``/``plan``/``timeout`` for the ops). Pass them to ``parallelize_module`` in place of torch's, or let
-`use_overlap_styles` rebind the names a parallelizing module imported (torchtitan's ``parallelize_llama``)::
+``strategy``/``plan``/``timeout`` for the ops and ``fp8`` for the fp8 training recipe). Pass them to
+``parallelize_module`` in place of torch's, or let `use_overlap_styles` rebind the names a parallelizing module
+imported (torchtitan's ``parallelize_llama``)::
 
     from overlap.hooks.torch_tp import ColwiseParallel, RowwiseParallel
     parallelize_module(block, tp_mesh, {
@@ -32,6 +33,14 @@ input other than ``Shard(-1)`` is redistributed to it. Where nothing is left to 
 that do not divide by the mesh size (torch shards them unevenly), a row-wise output that is neither
 ``Replicate()`` nor a sequence shard.
 
+fp8 (``fp8="rowwise" | "tensorwise" | "mxfp8"`` or an `overlap.Fp8Recipe`, checked when the style is made; docs/fp8.md):
+every path above trains the layer with the recipe: the fused ones pass it to the op (a gather moves fp8 rows), the
+replicated column-wise input multiplies by `overlap.fp8_matmul` (the same numbers on one rank). A layer converted by
+torchao's float8 training (``torchao.float8.convert_to_float8_training``: a ``Float8Linear``) trains with its own
+config's recipe (`overlap.hooks.torchao_float8`), so these styles stand where torchao's ``Float8ColwiseParallel``/
+``Float8RowwiseParallel`` would, and `PrepareModuleInput` where its ``PrepareFloat8ModuleInput`` would. An
+``nn.Linear`` left to torch's own style (above) is not trained in fp8: a warning says so.
+
 Parameters are sharded as torch's styles shard them, as ``DTensor`` parameters (column-wise: weight and bias
 ``Shard(0)``; row-wise: weight ``Shard(1)``, bias ``Replicate()``), so a ``state_dict``, a distributed
 checkpoint or an optimizer sees the same tensors as with torch's styles, and the parameters' gradients are
@@ -57,12 +66,17 @@ from torch.distributed.tensor import parallel as torch_tp
 from torch.distributed.tensor.placement_types import Placement
 
 from .. import envs
+from ..errors import warn_once
+from ..ops.fp8 import MX_BLOCK
+from ..ops.fp8_matmul import fp8_matmul
+from ..ops.fp8_recipe import Fp8Recipe, recipe_of
 from ..ops.tp.all_gather_matmul import all_gather_matmul
 from ..ops.tp.collectives import all_reduce_grad
 from ..ops.tp.matmul_all_reduce import matmul_all_reduce
 from ..ops.tp.matmul_reduce_scatter import matmul_reduce_scatter
 from ..plans import Plan
 from ..plans.auto import as_plan
+from .torchao_float8 import float8_linear_recipe, is_float8_linear
 
 __all__ = ["ColwiseParallel", "PrepareModuleInput", "RowwiseParallel", "use_overlap_styles"]
 
@@ -86,7 +100,7 @@ class _Fused:
     _param_placements: dict[str, Placement]
     _sharded_features: str  # the nn.Linear attribute the mesh splits
 
-    def _setup(self, strategy: str, plan: Plan | dict | None, timeout: float | None) -> None:
+    def _setup(self, strategy: str, plan: Plan | dict | None, timeout: float | None, fp8: Any) -> None:
         for name in ("input_layouts", "output_layouts"):
             value = getattr(self, name)[0]
             if not isinstance(value, Placement):
@@ -96,6 +110,7 @@ class _Fused:
         if timeout is not None:
             envs.resolve_timeout(timeout)
         self.strategy, self.plan, self.timeout = strategy, plan, timeout
+        self.fp8: Fp8Recipe | None = recipe_of(f"hooks.torch_tp.{type(self).__name__}", fp8)
         self.fused: bool | None = None  # set when applied: whether the module runs through overlap's ops
 
     def _fuses(self, module: nn.Module, device_mesh: DeviceMesh) -> bool:
@@ -116,8 +131,15 @@ class _Fused:
             raise ValueError(f"overlap's {name}: {module} is already parallelized (its parameters are DTensors)")
         self.fused = self._fuses(module, device_mesh)
         if not self.fused:
+            if self.fp8 is not None and isinstance(module, nn.Linear) and not is_float8_linear(module):
+                # (an embedding has no GEMM to train in fp8; torchao's layer keeps its own fp8 under torch's style)
+                warn_once(f"overlap's {name}(fp8={self.fp8.text!r}): {module} on a {device_mesh.ndim}-d mesh of "
+                          f"{device_mesh.size()} runs torch's own style (nothing to fuse): it is not trained in fp8",
+                          key=f"torch_tp.unfused_fp8:{name}:{type(module).__name__}")
             return super()._apply(module, device_mesh)  # torch's style: nothing of overlap to run here
+        recipe = self._recipe(module, device_mesh)
         module._overlap_style = self  # (found by a PrepareModuleInput above it: `PrepareModuleInput`)
+        module._overlap_fp8 = recipe  # (per layer: one style may be applied to several)
 
         def partition(_name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             for pname, param in list(mod.named_parameters(recurse=False)):
@@ -138,22 +160,41 @@ class _Fused:
             if isinstance(x, DTensor) and x.device_mesh != device_mesh:
                 raise ValueError(f"overlap's {name}: the input DTensor lives on {x.device_mesh}, the layer on "
                                  f"{device_mesh}")
-            return self._forward(mod, x, pg, device_mesh)
+            return self._forward(mod, x, pg, device_mesh, recipe)
 
         # An instance attribute shadows nn.Linear.forward; nn.Module.__call__ (and its hooks) call it.
         module.forward = types.MethodType(forward, module)
         return module
 
-    def _op_kwargs(self, pg) -> dict[str, Any]:
-        return dict(group=pg, strategy=self.strategy, plan=self.plan, timeout=self.timeout)
+    def _recipe(self, module: nn.Linear, mesh: DeviceMesh) -> Fp8Recipe | None:
+        """The fp8 recipe `module` trains with: a torchao ``Float8Linear``'s own (`overlap.hooks.torchao_float8`),
+        else the style's `fp8`. Raises ValueError where both name one and they differ, or where ``"mxfp8"`` meets a
+        ``k`` (this rank's input features) that is not a multiple of 32."""
+        name = type(self).__name__
+        recipe = self.fp8
+        if is_float8_linear(module):
+            recipe = float8_linear_recipe(module, name)
+            if self.fp8 is not None and self.fp8 != recipe:
+                raise ValueError(f"overlap's {name}(fp8={self.fp8!r}): {module} is torchao's Float8Linear, whose "
+                                 f"config trains it with {recipe!r}: leave the style's fp8 out, or convert the layer "
+                                 "with the recipe wanted")
+        k = module.in_features // (mesh.size() if self._sharded_features == "in_features" else 1)
+        if recipe is not None and recipe.granularity == "mxfp8" and k % MX_BLOCK:
+            raise ValueError(f"overlap's {name}(fp8='mxfp8'): {module} multiplies k={k} features per rank; MX blocks "
+                             f"of {MX_BLOCK} along k need a multiple of {MX_BLOCK}")
+        return recipe
 
-    def _forward(self, mod: nn.Linear, x: torch.Tensor, pg, mesh: DeviceMesh) -> torch.Tensor:
+    def _op_kwargs(self, pg, recipe: Fp8Recipe | None) -> dict[str, Any]:
+        return dict(group=pg, strategy=self.strategy, plan=self.plan, timeout=self.timeout, fp8=recipe)
+
+    def _forward(self, mod: nn.Linear, x: torch.Tensor, pg, mesh: DeviceMesh, recipe: Fp8Recipe | None
+                 ) -> torch.Tensor:
         raise NotImplementedError
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(input_layouts={self.input_layouts[0]!r}, "
                 f"output_layouts={self.output_layouts[0]!r}, use_local_output={self.use_local_output}, "
-                f"strategy={self.strategy!r}, plan={self.plan!r}, timeout={self.timeout!r})")
+                f"strategy={self.strategy!r}, plan={self.plan!r}, timeout={self.timeout!r}, fp8={self.fp8!r})")
 
 
 def _placed(x: torch.Tensor, placement: Placement, mesh: DeviceMesh) -> tuple[torch.Tensor, Placement]:
@@ -183,10 +224,15 @@ class ColwiseParallel(_Fused, torch_tp.ColwiseParallel):
             (``Replicate()`` for an LM head) is redistributed from ``Shard(-1)`` as torch's style does.
         use_local_output: return a local tensor (default) or a ``DTensor`` (loss parallel: ``Shard(-1)`` logits).
         strategy, plan, timeout: passed to `overlap.all_gather_matmul` (default ``"auto"``).
+        fp8: None (default), ``"rowwise"``, ``"tensorwise"``, ``"mxfp8"`` or an `overlap.Fp8Recipe`: the layer trains
+            with that recipe, gathered by `overlap.all_gather_matmul` (fp8 rows move) or, with a replicated input,
+            multiplied by `overlap.fp8_matmul`. A torchao ``Float8Linear`` trains with its config's recipe.
 
     Raises:
-        TypeError / ValueError: a layout that is not a ``Placement``, a bad strategy/plan/timeout (here); a module
-            parallelized already (when applied); an input ``DTensor`` on another mesh (in forward).
+        TypeError / ValueError: a layout that is not a ``Placement``, a bad strategy/plan/timeout/fp8 (here); a
+            module parallelized already, a torchao ``Float8Linear`` whose recipe is not `fp8` (where given) or cannot
+            be expressed, ``"mxfp8"`` with input features not a multiple of 32 (when applied); an input ``DTensor``
+            on another mesh (in forward).
     """
 
     _param_placements = {"weight": Shard(0), "bias": Shard(0)}
@@ -194,17 +240,18 @@ class ColwiseParallel(_Fused, torch_tp.ColwiseParallel):
 
     def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
                  use_local_output: bool = True, strategy: str = "auto", plan: Plan | dict | None = None,
-                 timeout: float | None = None):
+                 timeout: float | None = None, fp8: str | Fp8Recipe | None = None):
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts,
                          use_local_output=use_local_output)
-        self._setup(strategy, plan, timeout)
+        self._setup(strategy, plan, timeout, fp8)
         self.ready: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(input) -> (input, output without bias)
 
     def _gathers_into(self) -> bool:
         """Whether a gather in front of this layer may compute its output (a replicated input, fused)."""
         return bool(self.fused) and isinstance(self.input_layouts[0], Replicate)
 
-    def _forward(self, mod: nn.Linear, x: torch.Tensor, pg, mesh: DeviceMesh) -> torch.Tensor:
+    def _forward(self, mod: nn.Linear, x: torch.Tensor, pg, mesh: DeviceMesh, recipe: Fp8Recipe | None
+                 ) -> torch.Tensor:
         w_NK = mod.weight.to_local()  # backward: this rank's gradient, a Shard(0) DTensor
         bias = mod.bias.to_local() if mod.bias is not None else None
         ready = self.ready.pop(id(x), None)
@@ -213,7 +260,7 @@ class ColwiseParallel(_Fused, torch_tp.ColwiseParallel):
         if ready is not None and ready[0] is x:  # computed by the gather in front of this layer (`PrepareModuleInput`)
             y = ready[1] if bias is None else ready[1] + bias.to(ready[1].dtype)
         elif dim is not None:
-            y = all_gather_matmul(local, w_NK.t(), gather_dim=dim, **self._op_kwargs(pg))
+            y = all_gather_matmul(local, w_NK.t(), gather_dim=dim, **self._op_kwargs(pg, recipe))
             if bias is not None:
                 y = y + bias.to(y.dtype)
         else:
@@ -221,7 +268,11 @@ class ColwiseParallel(_Fused, torch_tp.ColwiseParallel):
                 local = _redistributed(x, placement, Replicate(), mesh)
             if mesh.size() > 1:
                 local = all_reduce_grad(local, pg, self.timeout, "torch_tp.ColwiseParallel")
-            y = F.linear(local, w_NK, bias)
+            if recipe is None:
+                y = F.linear(local, w_NK, bias)
+            else:  # the same recipe as the fused paths', on one rank
+                y = fp8_matmul(local, w_NK.t(), recipe)
+                y = y if bias is None else y + bias.to(y.dtype)
         want = _norm(self.output_layouts[0], y.ndim)
         if want == Shard(y.ndim - 1):
             return y if self.use_local_output else DTensor.from_local(y, mesh, [want], run_check=False)
@@ -241,14 +292,18 @@ class RowwiseParallel(_Fused, torch_tp.RowwiseParallel):
             `overlap.matmul_all_reduce`. Any other: torch's style.
         use_local_output: return a local tensor (default) or a ``DTensor`` with ``output_layouts``.
         strategy, plan, timeout: passed to the op (default ``"auto"``).
+        fp8: None (default), ``"rowwise"``, ``"tensorwise"``, ``"mxfp8"`` or an `overlap.Fp8Recipe`, passed to the op
+            (the reduction moves float32 partials: docs/fp8.md). A torchao ``Float8Linear`` trains with its config's
+            recipe.
 
     The bias is added once, after the reduction. With a sequence-sharded output its gradient is all-reduced over
     the mesh in backward (each rank sees only its rows), so it equals torch's own styles' gradient.
 
     Raises:
-        TypeError / ValueError: a layout that is not a ``Placement``, a bad strategy/plan/timeout (here); a module
-            parallelized already (when applied); an input ``DTensor`` on another mesh, a ``Shard(d)`` output whose
-            ``d`` is the last dim of the input (in forward).
+        TypeError / ValueError: a layout that is not a ``Placement``, a bad strategy/plan/timeout/fp8 (here); a
+            module parallelized already, a torchao ``Float8Linear`` whose recipe is not `fp8` (where given) or cannot
+            be expressed, ``"mxfp8"`` with this rank's input features not a multiple of 32 (when applied); an input
+            ``DTensor`` on another mesh, a ``Shard(d)`` output whose ``d`` is the last dim of the input (in forward).
     """
 
     _param_placements = {"weight": Shard(1), "bias": Replicate()}
@@ -256,16 +311,17 @@ class RowwiseParallel(_Fused, torch_tp.RowwiseParallel):
 
     def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
                  use_local_output: bool = True, strategy: str = "auto", plan: Plan | dict | None = None,
-                 timeout: float | None = None):
+                 timeout: float | None = None, fp8: str | Fp8Recipe | None = None):
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts,
                          use_local_output=use_local_output)
-        self._setup(strategy, plan, timeout)
+        self._setup(strategy, plan, timeout, fp8)
 
     def _layouts_fuse(self) -> bool:
         out = self.output_layouts[0]
         return isinstance(out, Replicate) or (isinstance(out, Shard) and out.dim != -1)
 
-    def _forward(self, mod: nn.Linear, x: torch.Tensor, pg, mesh: DeviceMesh) -> torch.Tensor:
+    def _forward(self, mod: nn.Linear, x: torch.Tensor, pg, mesh: DeviceMesh, recipe: Fp8Recipe | None
+                 ) -> torch.Tensor:
         w_NK = mod.weight.to_local()  # [out, in/W]; backward: a Shard(1) DTensor
         local, placement = _placed(x, self.input_layouts[0], mesh)
         if _norm(placement, local.ndim) != Shard(local.ndim - 1):
@@ -277,9 +333,9 @@ class RowwiseParallel(_Fused, torch_tp.RowwiseParallel):
                              f"the {local.ndim}-d input (its features); a sequence dim or Replicate() is fused, "
                              "torch's own style takes Shard(-1)")
         if dim is not None:
-            y = matmul_reduce_scatter(local, w_NK.t(), scatter_dim=dim, **self._op_kwargs(pg))
+            y = matmul_reduce_scatter(local, w_NK.t(), scatter_dim=dim, **self._op_kwargs(pg, recipe))
         else:
-            y = matmul_all_reduce(local, w_NK.t(), **self._op_kwargs(pg))
+            y = matmul_all_reduce(local, w_NK.t(), **self._op_kwargs(pg, recipe))
         if mod.bias is not None:
             bias = mod.bias.to_local()
             if dim is not None and mesh.size() > 1:
@@ -309,6 +365,11 @@ class PrepareModuleInput(torch_tp.PrepareModuleInput):
     all-reduce once each). A layer that is not called with that input computes as usual (its product here was
     wasted, its gradient zero). Every other input and layout is prepared exactly as torch's style prepares it.
     The ops' arguments: `strategy`, `plan`, `timeout` (default ``"auto"``).
+
+    Layers trained in fp8 (their style's ``fp8``, or torchao's ``Float8Linear``) are left out of that gather: the op
+    gathering fp8 rows does not return the gathered input the module needs. They multiply the gathered input
+    themselves (`overlap.fp8_matmul`), the gather moving the input in its own dtype (warned once); this is where
+    torchao users put ``PrepareFloat8ModuleInput``, whose gather moves fp8.
     """
 
     def __init__(self, *args: Any, strategy: str = "auto", plan: Plan | dict | None = None,
@@ -327,12 +388,20 @@ class PrepareModuleInput(torch_tp.PrepareModuleInput):
 
     def _layers(self) -> list[tuple[nn.Linear, ColwiseParallel]]:
         """The module's layers a gather of its input may compute (found at each call: the plan may apply them after
-        this style)."""
+        this style). Not those trained in fp8: the module needs the gathered input too, which a gather of fp8 rows
+        does not return; they multiply the gathered input on their own (`fp8_matmul`), as torch's arrangement does."""
         found = []
         for m in self.module.modules():
             style = getattr(m, "_overlap_style", None)
-            if isinstance(style, ColwiseParallel) and style._gathers_into():
+            if not (isinstance(style, ColwiseParallel) and style._gathers_into()):
+                continue
+            if m._overlap_fp8 is None:
                 found.append((m, style))
+            else:
+                warn_once(f"overlap's PrepareModuleInput: {m} trains with fp8 {m._overlap_fp8.text!r}: the gather in "
+                          "front of it moves the input in its own dtype (a gather of fp8 rows does not return the "
+                          "gathered input the module needs), and the layer multiplies the gathered input by itself",
+                          key=f"torch_tp.prepare_fp8:{m._overlap_fp8.text}")
         return found
 
     def _prepare_input_fn(self, inputs, device_mesh):
@@ -378,6 +447,21 @@ class _Replica(torch.autograd.Function):
         return grad.chunk(ctx.world, ctx.dim)[ctx.rank].contiguous(), None, None, None, None
 
 
+class _PrepareFloat8ModuleInput(PrepareModuleInput):
+    """What `use_overlap_styles` puts where torchao's ``PrepareFloat8ModuleInput`` was: overlap's `PrepareModuleInput`
+    taking torchao's arguments too. ``float8_dtype`` must be ``torch.float8_e4m3fn`` (torchao's only one);
+    ``fwd_config_submodule_fqn`` is taken and not needed (each layer behind casts with its own recipe). torchao's
+    casts the input to fp8 before its gather; here layers trained in fp8 multiply the gathered input themselves
+    (`PrepareModuleInput`, warned)."""
+
+    def __init__(self, *args: Any, float8_dtype: torch.dtype = torch.float8_e4m3fn,
+                 fwd_config_submodule_fqn: str | None = None, **kwargs: Any):
+        if float8_dtype != torch.float8_e4m3fn:
+            raise ValueError(f"overlap's PrepareModuleInput in place of torchao's PrepareFloat8ModuleInput: "
+                             f"float8_dtype must be torch.float8_e4m3fn, got {float8_dtype}")
+        super().__init__(*args, **kwargs)
+
+
 # ----------------------------------------------------------------------------------------------
 # One call swaps torch's styles for these in a module that imported them
 # ----------------------------------------------------------------------------------------------
@@ -386,10 +470,33 @@ class _Replica(torch.autograd.Function):
 _SWAPS = {"ColwiseParallel": (torch_tp.ColwiseParallel, ColwiseParallel),
           "RowwiseParallel": (torch_tp.RowwiseParallel, RowwiseParallel),
           "PrepareModuleInput": (torch_tp.PrepareModuleInput, PrepareModuleInput)}
+#: torchao's float8 styles -> overlap's, by name (recognized by their class's name and module: torchao not imported).
+#: torchtitan imports them from ``torchao.float8.float8_tensor_parallel`` inside its parallelize function: swap there.
+_TORCHAO_SWAPS = {"Float8ColwiseParallel": ColwiseParallel, "Float8RowwiseParallel": RowwiseParallel,
+                  "PrepareFloat8ModuleInput": _PrepareFloat8ModuleInput}
+
+
+def _theirs(module: types.ModuleType, name: str) -> type | None:
+    """The style `module` holds under `name` where it is torch's or torchao's of that name, else None."""
+    value = getattr(module, name, None)
+    if name in _SWAPS:
+        return value if value is _SWAPS[name][0] else None
+    torchao = isinstance(value, type) and value.__name__ == name and value.__module__.split(".")[0] == "torchao"
+    return value if torchao else None
+
+
+def _with_fp8(style: type, fp8: Fp8Recipe) -> type:
+    """`style` (a class) whose ``fp8`` defaults to `fp8`."""
+
+    def __init__(self, *args: Any, fp8: Any = fp8, **kwargs: Any) -> None:
+        style.__init__(self, *args, fp8=fp8, **kwargs)
+
+    return type(style.__name__, (style,), {"__init__": __init__, "__module__": style.__module__,
+                                           "__qualname__": style.__qualname__, "__doc__": style.__doc__})
 
 
 @contextlib.contextmanager
-def use_overlap_styles(*modules: types.ModuleType) -> Iterator[None]:
+def use_overlap_styles(*modules: types.ModuleType, fp8: str | Fp8Recipe | None = None) -> Iterator[None]:
     """Within the ``with`` block, the names ``ColwiseParallel``, ``RowwiseParallel`` and ``PrepareModuleInput`` that
     each of `modules` imported from torch are overlap's styles (restored on exit, also on an error), so that code
     parallelizing a model with torch's styles (torchtitan's ``parallelize_llama``) runs overlap's ops unchanged::
@@ -398,21 +505,33 @@ def use_overlap_styles(*modules: types.ModuleType) -> Iterator[None]:
         with overlap.hooks.torch_tp.use_overlap_styles(llama_tp):
             llama_tp.parallelize_llama(model, parallel_dims, job_config)
 
-    ``SequenceParallel`` stays torch's. Raises TypeError for an argument that is not a module, ValueError for a
-    module that imported none of those styles."""
+    torchao's float8 styles (``Float8ColwiseParallel``, ``Float8RowwiseParallel``, ``PrepareFloat8ModuleInput``) are
+    swapped the same way where a module holds them: pass ``torchao.float8.float8_tensor_parallel`` too for
+    torchtitan's float8 tensor parallelism (it imports them from there when it parallelizes); overlap's styles take
+    each ``Float8Linear``'s recipe from its config (`overlap.hooks.torchao_float8`).
+
+    `fp8`: the recipe overlap's ``ColwiseParallel``/``RowwiseParallel`` default to within the block (the styles'
+    ``fp8=``; default None; a torchao ``Float8Linear`` they meet must name the same). ``SequenceParallel`` stays
+    torch's. Raises TypeError for an argument that is not a module, ValueError for a module that imported none of
+    those styles; a bad `fp8` as the styles do."""
+    recipe = recipe_of("hooks.torch_tp.use_overlap_styles", fp8)
+    ours = {name: mine for name, (_, mine) in _SWAPS.items()} | _TORCHAO_SWAPS
+    if recipe is not None:
+        ours = {name: _with_fp8(mine, recipe) if mine in (ColwiseParallel, RowwiseParallel) else mine
+                for name, mine in ours.items()}
     swapped: list[tuple[types.ModuleType, str, type]] = []
     for module in modules:
         if not isinstance(module, types.ModuleType):
             raise TypeError(f"use_overlap_styles takes modules (the one that imports torch's styles), got "
                             f"{type(module).__name__}")
-        names = [name for name, (theirs, _) in _SWAPS.items() if getattr(module, name, None) is theirs]
-        if not names:
+        found = [(module, name, theirs) for name in ours if (theirs := _theirs(module, name)) is not None]
+        if not found:
             raise ValueError(f"use_overlap_styles: {module.__name__} imports none of torch's {', '.join(_SWAPS)} "
-                             "under those names: nothing to swap")
-        swapped += [(module, name, _SWAPS[name][0]) for name in names]
+                             f"or torchao's {', '.join(_TORCHAO_SWAPS)} under those names: nothing to swap")
+        swapped += found
     try:
-        for module, name, _theirs in swapped:
-            setattr(module, name, _SWAPS[name][1])
+        for module, name, _theirs_style in swapped:
+            setattr(module, name, ours[name])
         yield
     finally:
         for module, name, theirs in swapped:
