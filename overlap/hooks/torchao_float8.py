@@ -31,8 +31,6 @@ Differences at rounding level, not warned:
   power of two (``round_scales_to_power_of_2``). The same e4m3 grid, overlap's scale at most one binade finer.
 * tensorwise: overlap quantizes a tensor on the rank that owns it, one scale per rank's shard of the activation
   and of the weight; torchao's ``DTensor`` casts reduce the amax over the whole tensor (an all-reduce per cast).
-* tensorwise fp8 gradients: overlap's backward GEMMs cast both operands to e5m2 (`Fp8Recipe.grad_dtype`); torchao's
-  cast the output gradient to e5m2 and keep the weight and the input e4m3.
 * what moves in backward: overlap's ops move gradients in their dtype (docs/fp8.md); torchao's styles cast a
   row-wise layer's output gradient to fp8 before its all-gather.
 * GEMM settings (``use_fast_accum``, ``emulate``, ``pad_inner_dim``) do not apply: overlap's scaled GEMM is

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .fp8 import MX_BLOCK, quantize_fp8, quantize_weight, scaled_mm
+from .fp8 import MX_BLOCK, OPERAND_DTYPE, quantize_fp8, quantize_weight, scaled_mm
 from .fp8_recipe import Fp8Recipe, recipe_of
 
 
@@ -24,16 +24,21 @@ def forward_gemm(a2: torch.Tensor, b: torch.Tensor, granularity: str, out_dtype:
     return scaled_mm(a8, b8, sa, sb, out_dtype)
 
 
-def grad_gemm(x: torch.Tensor, y: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
-    """``x [m, r] @ y [r, n]`` in float32 for a backward with fp8 gradients: both quantized along ``r`` to the
-    recipe's `grad_dtype` (`overlap.ops.fp8_recipe`); an MX recipe whose ``r`` is not a multiple of 32 multiplies in
-    float32."""
+def grad_gemm(x: torch.Tensor, y: torch.Tensor, recipe: Fp8Recipe, grad: str = "x") -> torch.Tensor:
+    """``x [m, r] @ y [r, n]`` in float32 for a backward with fp8 gradients: both quantized along ``r``, the output
+    gradient (`grad`: ``"x"`` or ``"y"``) to the recipe's `grad_dtype`, the other operand to e4m3
+    (`overlap.ops.fp8_recipe`); an MX recipe whose ``r`` is not a multiple of 32 multiplies in float32."""
     g = recipe.granularity
     if g == "mxfp8" and x.shape[1] % MX_BLOCK:
         return torch.mm(x.float(), y.float())
-    x8, sx = quantize_fp8(x, g, recipe.grad_dtype)
-    y8, sy = quantize_weight(y, g, recipe.grad_dtype)
+    x8, sx = quantize_fp8(x, g, grad_operand_dtype(recipe, grad == "x"))
+    y8, sy = quantize_weight(y, g, grad_operand_dtype(recipe, grad == "y"))
     return scaled_mm(x8, y8, sx, sy, torch.float32)
+
+
+def grad_operand_dtype(recipe: Fp8Recipe, is_grad: bool) -> torch.dtype:
+    """The fp8 dtype of one operand of a backward GEMM: the output gradient's `grad_dtype`, e4m3 for the other."""
+    return recipe.grad_dtype if is_grad else OPERAND_DTYPE
 
 
 class _Fp8Matmul(torch.autograd.Function):
@@ -54,7 +59,7 @@ class _Fp8Matmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_a = (grad_gemm(g2, b.t(), recipe).to(a.dtype) if recipe.grads else g2 @ b.t()).view(a.shape)
         if ctx.needs_input_grad[1]:
-            grad_b = grad_gemm(a2.t(), g2, recipe).to(b.dtype) if recipe.grads else a2.t() @ g2
+            grad_b = grad_gemm(a2.t(), g2, recipe, grad="y").to(b.dtype) if recipe.grads else a2.t() @ g2
         return grad_a, grad_b, None
 
 

@@ -10,7 +10,7 @@ with high-precision gradients), or in fp8 (``grads=True``) with torchao's conven
 ============  ===============================================================================================
 granularity   fp8 gradients (``grads=True``): the output gradient and the operand it meets
 ============  ===============================================================================================
-tensorwise    e5m2, one scale per tensor (torchao's ``tensorwise`` recipe)
+tensorwise    the output gradient e5m2, the operand it meets e4m3, one scale per tensor (torchao's ``tensorwise``)
 rowwise       e4m3, one scale per row along the GEMM's reduction (torchao's ``rowwise`` recipe)
 mxfp8         e4m3, MX blocks of 32 along the GEMM's reduction (torchao's MX training); a reduction that is not a
               multiple of 32 (a token count) is multiplied in float32 instead
@@ -59,7 +59,8 @@ class Fp8Recipe:
 
     @property
     def grad_dtype(self) -> torch.dtype:
-        """The fp8 dtype of the backward's operands (``grads=True``): e5m2 tensorwise, e4m3 otherwise."""
+        """The fp8 dtype of the output gradient in the backward's GEMMs (``grads=True``): e5m2 tensorwise, e4m3
+        otherwise; the operand it meets (a weight, a saved input) is e4m3."""
         return torch.float8_e5m2 if self.granularity == "tensorwise" else torch.float8_e4m3fn
 
 

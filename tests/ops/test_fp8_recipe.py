@@ -128,3 +128,17 @@ def test_fp8_matmul_compiles_without_a_graph_break(seed):
         results.append((y.detach(), a.grad, b.grad))
     for got, want in zip(*results, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("grad", ["x", "y"])
+def test_grad_gemm_casts_the_output_gradient_to_the_gradient_format_the_other_operand_to_e4m3(seed, grad):
+    """torchao's tensorwise convention: e5m2 for the output gradient only; the weight or saved input it meets e4m3."""
+    gen = torch.Generator().manual_seed(seed)
+    x, y = torch.randn((16, 64), generator=gen), torch.randn((64, 8), generator=gen)
+    recipe = Fp8Recipe("tensorwise", grads=True)
+    dx = torch.float8_e5m2 if grad == "x" else torch.float8_e4m3fn
+    dy = torch.float8_e5m2 if grad == "y" else torch.float8_e4m3fn
+    x8, sx = overlap.quantize_fp8(x, "tensorwise", dx)
+    y8, sy = overlap.quantize_fp8(y, "tensorwise", dy)
+    want = x8.double() * sx.double() @ (y8.double() * sy.double())
+    torch.testing.assert_close(grad_gemm(x, y, recipe, grad=grad).double(), want, rtol=1e-5, atol=1e-5)

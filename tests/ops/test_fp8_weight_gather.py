@@ -173,7 +173,7 @@ def fp8_grads(rank, world_size, strategy, seed, granularities, group=None):
         g2 = g.reshape(-1, world_size * n)
         want_a = grad_gemm(g2, full, recipe).double().view(a.shape)
         cols = slice(rank * n, (rank + 1) * n)
-        want_w = sum(grad_gemm(q_a.reshape(-1, k).t(), q_g.reshape(-1, world_size * n), recipe).double()
+        want_w = sum(grad_gemm(q_a.reshape(-1, k).t(), q_g.reshape(-1, world_size * n), recipe, grad="y").double()
                      for q_a, _, q_g in inputs)[:, cols].t()
         mag_a = g2.double().abs() @ full.double().abs()
         mag_w = sum(q_g.reshape(-1, world_size * n).double().abs().t() @ q_a.reshape(-1, k).double().abs()

@@ -300,14 +300,21 @@ def compile_all_gather_matmul(dtype: str, block: tuple[int, int, int], num_warps
     return _common({**head, "weight": weight, **_scales_of(dtype, scales)}, dtype, block, ptx, cubin, t0)
 
 
-def compile_all_gather_weight_matmul(dtype: str, block: tuple[int, int, int]) -> dict:
-    """The weight-side all-gather GEMM as the op launches it: a [2048, 4096] per rank, shards [1024, 4096]."""
+def compile_all_gather_weight_matmul(dtype: str, block: tuple[int, int, int], scales: str = "rowwise") -> dict:
+    """The weight-side all-gather GEMM as the op launches it: a [2048, 4096] per rank, shards [1024, 4096]; fp8: the
+    shards' rows packed with their scales (`Packed`: 4096 bytes, then one float32, 16-byte rows; MX: then 128 e8m0
+    block scales), a's scales one per row (tensorwise: one), or MX [2048, 128]."""
     t0 = time.time()
     a = torch.empty(2048, 4096, dtype=DTYPES[dtype])
+    fp8 = {}
+    if dtype == "fp8":
+        a_scale = {"rowwise": torch.ones(2048, 1), "tensorwise": torch.ones(()),
+                   "mxfp8": torch.empty(2048, 128, dtype=torch.float8_e8m0fnu)}[scales]
+        fp8 = dict(a_scale=a_scale, scale_offset=4096, row_bytes=4096 + 128 if scales == "mxfp8" else 4112)
     head, ptx, cubin = _compile_launch(lambda: agw.launch_all_gather_weight_matmul(
         a, _table(), _table(), n=1024, epoch=_words(1, 3), rank=1, err=_words(), timeout_ns=30 * 10**9,
-        block=block))
-    return _common(head, dtype, block, ptx, cubin, t0)
+        block=block, **fp8))
+    return _common({**head, **_scales_of(dtype, scales)}, dtype, block, ptx, cubin, t0)
 
 
 def compile_matmul_scatter(dtype: str, block: tuple[int, int, int], weight: str = "row-major",
@@ -433,6 +440,8 @@ if __name__ == "__main__":
               compile_matmul_scatter("fp8", (128, 128, 64), weight="column-major", scales="mxfp8"),
               compile_all_gather_weight_matmul("bf16", (128, 128, 64)),
               compile_all_gather_weight_matmul("fp32", (128, 64, 32)),
+              *(compile_all_gather_weight_matmul("fp8", (128, 128, 64), scales=s)
+                for s in ("rowwise", "tensorwise", "mxfp8")),
               compile_matmul_scatter("bf16", (128, 128, 64)), compile_matmul_scatter("fp16", (128, 128, 64)),
               compile_matmul_scatter("fp32", (128, 64, 32)), compile_matmul_scatter("fp8", (128, 128, 64)),
               compile_reduce_chunks("bf16", (128, 128)), compile_reduce_chunks("fp32", (128, 64)),

@@ -319,6 +319,7 @@ def opchecks(rank: int, world_size: int, seed: int) -> dict[str, str]:
         matmul_all_reduce,
         matmul_reduce_scatter,
     )
+    from overlap.ops.tp.all_gather_weight_matmul import quantize_shard
     from overlap.ops.tp.operands import quantize_weight
 
     g = _draw(seed, rank)
@@ -363,6 +364,11 @@ def opchecks(rank: int, world_size: int, seed: int) -> dict[str, str]:
                                                                                      torch.bfloat16, "")),
         "matmul_all_reduce mxfp8": (ops.matmul_all_reduce.default, (a32, b32, *tp, None, None, None, "mxfp8")),
         "all_gather_weight_matmul": (ops.all_gather_weight_matmul.default, (a3, b, *tp)),
+        "all_gather_weight_matmul fp8": (ops.all_gather_weight_matmul.default, (a3, b, *tp, None, "rowwise")),
+        "all_gather_weight_matmul fp8 grads": (ops.all_gather_weight_matmul.default,
+                                               (a3, b, *tp, None, "tensorwise+grads")),
+        "all_gather_weight_matmul b_fp8": (ops.all_gather_weight_matmul.default,
+                                           (a3, b, *tp, quantize_shard(b.detach(), "rowwise"), "rowwise")),
         "all_reduce": (ops.all_reduce.default, (a3, "", None, "opcheck")),
         "all_gather_last_dim": (ops.all_gather_last_dim.default, (a3, "", None, "opcheck")),
         "moe_dispatch": (ops.moe_dispatch.default, (x, idx, w1, E, "", "symm", "", None, "11")),

@@ -46,15 +46,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...kernels import host
 from ...plans import Plan
 from .. import library
 from ..context import CallContext, autocast_inputs, describe, no_autocast, record
-from ..fp8 import MX_BLOCK, Fp8Args, quantize_fp8, quantize_weight
+from ..fp8 import Fp8Args
 from ..fp8_matmul import grad_gemm
 from ..fp8_recipe import Fp8Recipe, recipe_of
 from . import entry, gather, gather_gemm, operands, scatter_gemm
-from .operands import Gemm
 from .rows import Product, normalize_dim, of, resized
 
 OP = "all_gather_matmul"
@@ -212,13 +210,13 @@ def _backward(grads, grad_full, a, bs, context, dim, need_a, need_b, fp8=""):
     assert recipe is None or extra is None  # (return_gathered is refused with fp8)
     prod = None
     if need_a:
-        prod = Product([(g2, b.t()) if recipe is None else _grad_pair(g2, b.t(), recipe)
+        prod = Product([(g2, b.t()) if recipe is None else operands.grad_operands(g2, b.t(), recipe)
                         for g2, b in zip(g2s, bs, strict=True)], ro, extra)
     with no_autocast(cc.info.device.type):
         run = _reference_backward if cc.plan.strategy == "reference" else _overlapped_backward
         grad_a, full = run(cc, a, prod, any(need_b), ro)
     # One GEMM over every gathered row: it rounds exactly as the unfused weight gradient does.
-    grad_bs = [(torch.mm(full.t(), g2) if recipe is None else grad_gemm(full.t(), g2, recipe).to(b.dtype))
+    grad_bs = [(torch.mm(full.t(), g2) if recipe is None else grad_gemm(full.t(), g2, recipe, grad="y").to(b.dtype))
                if need else b.new_empty(0) for g2, b, need in zip(g2s, bs, need_b, strict=True)]
     if grad_a is None:
         return a.new_empty(0), grad_bs
@@ -229,24 +227,6 @@ def _grad_recipe(fp8: str) -> Fp8Recipe | None:
     """The forward's recipe where its backward runs in fp8 (``+grads``), else None."""
     recipe = recipe_of(OP, fp8)
     return recipe if recipe is not None and recipe.grads else None
-
-
-def _grad_pair(g2: torch.Tensor, bt: torch.Tensor, recipe: Fp8Recipe) -> Gemm:
-    """``g2 [M, n] @ bt [n, k]``, an input gradient's partials, as `grad_gemm` computes it, row range by row range:
-    both quantized along ``n`` to the recipe's gradient dtype, float32 partials (MX with ``n`` not a multiple of 32:
-    the float32 product)."""
-    g = recipe.granularity
-    if g == "mxfp8" and g2.shape[1] % MX_BLOCK:
-        return Gemm(g2.float(), bt.float())
-    g8, g_scale = quantize_fp8(g2, g, recipe.grad_dtype)
-    b8, b_scale = quantize_weight(bt, g, recipe.grad_dtype)
-    return Gemm(g8, b8, g_scale, b_scale)
-
-
-def _kernel_takes(g: Gemm) -> bool:
-    """Whether ``fused``'s reduce-scatter kernel multiplies `g`: plain operands, or fp8 ones of a kernel dtype (e4m3,
-    with float32 or MX scales; not e5m2 gradients)."""
-    return not g.scaled or (g.a.dtype in host.FP8_DTYPES and g.b.dtype in host.FP8_DTYPES)
 
 
 def _backward_fake(grads, grad_full, a, bs, context, dim, need_a, need_b, fp8=""):
@@ -323,7 +303,7 @@ def _overlapped_backward(cc: CallContext, a, prod: Product | None, need_b: bool,
             if prod is not None:
                 grad_cc = cc.derive(signature=f"{cc.op}.grad_a(a={describe(a)}, {_terms(prod)}, "
                                               f"plan={chosen.describe()})")
-                if chosen.strategy == "fused" and not all(_kernel_takes(g) for g in prod.gemms):
+                if chosen.strategy == "fused" and not all(operands.kernel_takes(g) for g in prod.gemms):
                     # The kernel takes e4m3 operands only: e5m2 gradients are multiplied by torch and copied as
                     # ``symm`` does, under the same heap protocol (the same slot bytes).
                     grad_cc = grad_cc.derive(plan=dataclasses.replace(chosen, strategy="symm"))

@@ -70,15 +70,14 @@ import torch
 import torch.distributed as dist
 
 from ...errors import OverlapTimeout
-from ...kernels import host
 from ...plans import Plan
 from .. import fused, library
 from ..context import CallContext, autocast_inputs, describe, no_autocast, record
-from ..fp8 import MX_BLOCK, Fp8Args, quantize_fp8, quantize_weight, scaled_mm
+from ..fp8 import Fp8Args, quantize_fp8, scaled_mm
 from ..fp8_matmul import grad_gemm
 from ..fp8_recipe import Fp8Recipe, recipe_of
 from . import entry, gather, grad_ring, hierarchical_weight, scatter_gemm, shard_ring
-from .operands import Gemm, Packed, kernel_tile
+from .operands import Packed, grad_operands, kernel_takes, kernel_tile
 from .rows import Product, Rows
 
 OP = "all_gather_weight_matmul"
@@ -215,22 +214,6 @@ class _Fp8Forward:
             start = end
 
 
-def _kernel_takes(g: Gemm) -> bool:
-    """Whether ``fused``'s reduce-scatter kernel multiplies `g`: plain operands, or e4m3 ones (not e5m2)."""
-    return not g.scaled or (g.a.dtype in host.FP8_DTYPES and g.b.dtype in host.FP8_DTYPES)
-
-
-def _grad_operands(x: torch.Tensor, y: torch.Tensor, recipe: Fp8Recipe) -> Gemm:
-    """``x [m, r] @ y [r, n]`` as `grad_gemm` multiplies it (both quantized along ``r`` to the recipe's gradient
-    format, float32 partials; MX with ``r % 32`` in float32), as a `Gemm` a reduce-scatter runs block by block."""
-    g = recipe.granularity
-    if g == "mxfp8" and x.shape[1] % MX_BLOCK:
-        return Gemm(x.float(), y.float())
-    x8, sx = quantize_fp8(x, g, recipe.grad_dtype)
-    y8, sy = quantize_weight(y, g, recipe.grad_dtype)
-    return Gemm(x8, y8, sx, sy)
-
-
 # ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
@@ -353,9 +336,9 @@ def _overlapped_backward(cc: CallContext, a2, b, g2, need_a, need_b, grads: Fp8R
     heap_ring = kind == "symm" and grads is None  # grad_b through the ring of two chunk regions
     # fp8 gradients: grad_gemm's operands of grad_w = g.T @ a ([W*n, k]), reduce-scattered by matmul_reduce_scatter's
     # strategies; fused's kernel takes e4m3 (rowwise, MX), symm's copies the rest (tensorwise's e5m2)
-    pair = _grad_operands(g2.t().contiguous(), a2, grads) if grads is not None and need_b else None
+    pair = grad_operands(g2.t().contiguous(), a2, grads) if grads is not None and need_b else None
     grad_plan = chosen
-    if pair is not None and chosen.strategy == "fused" and not _kernel_takes(pair):
+    if pair is not None and chosen.strategy == "fused" and not kernel_takes(pair):
         grad_plan = dataclasses.replace(chosen, strategy="symm")
     shard_NK = _rows_of(b)
     k, n = b.shape

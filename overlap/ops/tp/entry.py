@@ -1,12 +1,13 @@
 """How a tensor-parallel op is entered: its checks, plan and signature (`prepare` of a `TpCall`), and the custom-op
 schema, public call and autograd plumbing the four ops share (`tp_call`, `tp_context`, `tp_save`, `tp_backward`).
 
-Every TP op takes ``(a, b, group, strategy, plan, timeout)``; `matmul_all_reduce` and `all_gather_weight_matmul`
-have the same custom-op signature (`TP_SCHEMA`: the operands, the call's arguments as text, whether a backward
-will run; two outputs, the result and the key of the call context its backward reuses), `matmul_reduce_scatter`
-that with its ``scatter_dim`` after ``b``, and `all_gather_matmul` one of its own (a list of weights, its
-``gather_dim``, the gathered input as an output). Each but `matmul_all_reduce` has a backward custom op
-(`TP_BACKWARD_SCHEMA` and its variants) computing the input gradients in the forward's call context.
+Every TP op takes ``(a, b, group, strategy, plan, timeout)``; `matmul_all_reduce` has the custom-op signature
+`TP_SCHEMA` (the operands, the call's arguments as text, whether a backward will run, the fp8 arguments
+`FP8_SCHEMA`; two outputs, the result and the key of the call context its backward reuses), `matmul_reduce_scatter`
+that with its ``scatter_dim`` after ``b``, `all_gather_weight_matmul` that with a pre-quantized shard and the recipe
+in place of the fp8 operands' scales, and `all_gather_matmul` one of its own (a list of weights, its
+``gather_dim``, the gathered input as an output). Each has a backward custom op of its own (taking the fp8
+recipe) computing the input gradients in the forward's call context.
 """
 
 from __future__ import annotations
@@ -210,12 +211,8 @@ def tp_problem(op: str, rows: int, a: torch.Tensor, b: torch.Tensor, world_size:
 
 FP8_SCHEMA = "Tensor? a_scale, Tensor? b_scale, ScalarType? out_dtype, str fp8"
 """The fp8 arguments the activation-side TP ops' custom ops take last (`Fp8Args`; one weight, one ``b_scale``)."""
-PLAIN_SCHEMA = ("(Tensor a, Tensor b, str group, str strategy, str plan, float? timeout, bool needs_grad) "
-                "-> (Tensor, Tensor)")
-"""`all_gather_weight_matmul`'s (no fp8 yet)."""
 TP_SCHEMA = ("(Tensor a, Tensor b, str group, str strategy, str plan, float? timeout, bool needs_grad, "
              f"{FP8_SCHEMA}) -> (Tensor, Tensor)")
-TP_BACKWARD_SCHEMA = "(Tensor grad, Tensor a, Tensor b, Tensor context, bool need_a, bool need_b) -> (Tensor, Tensor)"
 
 
 def call_args(call: TpCall, a: Any, weights: list,

@@ -181,7 +181,7 @@ def _fp8_backward(grad_out, a, b, need_a, need_b, fp8):
     k, n = b.shape
     g2 = grad_out.reshape(-1, n)
     grad_a = grad_gemm(g2, b.t(), recipe).to(a.dtype).view(a.shape) if need_a else None
-    grad_b = grad_gemm(a.reshape(-1, k).t(), g2, recipe).to(b.dtype) if need_b else None
+    grad_b = grad_gemm(a.reshape(-1, k).t(), g2, recipe, grad="y").to(b.dtype) if need_b else None
     return library.grads_out(grad_a, grad_b, a, b)
 
 

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from ...plans import Plan
 from .. import library
 from ..context import describe, no_autocast, record
-from ..fp8 import MX_BLOCK, Fp8Args, quantize_fp8, quantize_weight, scaled_mm
+from ..fp8 import MX_BLOCK, OPERAND_DTYPE, Fp8Args, quantize_fp8, quantize_weight, scaled_mm
 from ..fp8_matmul import grad_gemm
 from ..fp8_recipe import Fp8Recipe, recipe_of
 from . import entry, gather_gemm, operands, scatter_gemm
@@ -159,7 +159,8 @@ def _backward(grad_out, a, b, context, need_a, need_b, dim, fp8=""):
         # One GEMM over every gathered row: it rounds exactly as the unfused weight gradient does.
         grad_b = None
         if need_b:
-            grad_b = torch.mm(a2.t(), gathered) if recipe is None else grad_gemm(a2.t(), gathered, recipe).to(b.dtype)
+            grad_b = (torch.mm(a2.t(), gathered) if recipe is None
+                      else grad_gemm(a2.t(), gathered, recipe, grad="y").to(b.dtype))
     grad_a = outs[0].to(a.dtype).view(a.shape) if need_a else None  # (fp8 gradients: float32, rounded once here)
     return library.grads_out(grad_a, grad_b, a, b)
 
@@ -172,14 +173,15 @@ def _grad_recipe(fp8: str) -> Fp8Recipe | None:
 
 class _GradWeights(operands.Weights):
     """``b.T`` ``[n, k]`` for ``grad_a = all_gather(g) @ b.T`` with fp8 gradients (`grad_gemm`'s convention, chunk by
-    chunk): ``b.T`` quantized along ``n`` once, each gathered chunk of ``g`` along ``n`` as it lands, float32
+    chunk): ``b.T`` quantized along ``n`` once (e4m3), each gathered chunk of ``g`` along ``n`` as it lands (the
+    gradient format), float32
     products (MX with ``n`` not a multiple of 32: the float32 product)."""
 
     def __init__(self, bt: torch.Tensor, recipe: Fp8Recipe):
         super().__init__([bt])
         self.granularity, self.dtype = recipe.granularity, recipe.grad_dtype
         self.in_float32 = self.granularity == "mxfp8" and bt.shape[0] % MX_BLOCK != 0
-        self.right = (bt.float(), None) if self.in_float32 else quantize_weight(bt, self.granularity, self.dtype)
+        self.right = (bt.float(), None) if self.in_float32 else quantize_weight(bt, self.granularity, OPERAND_DTYPE)
 
     def outputs(self, rows: int, like: torch.Tensor) -> list[torch.Tensor]:
         return [torch.empty((rows, self.bs[0].shape[1]), dtype=torch.float32, device=like.device)]

@@ -219,3 +219,22 @@ def gemm(a2: torch.Tensor, b: torch.Tensor, scaled: Fp8Args) -> Gemm:
         return Gemm(a2, b)
     (b8,), (b_scale,) = weights([b], scaled)
     return Gemm(act[0], b8, act[1], b_scale)
+
+
+def grad_operands(x: torch.Tensor, y: torch.Tensor, recipe, grad: str = "x") -> Gemm:
+    """``x [m, r] @ y [r, n]`` of a backward with fp8 gradients as `overlap.ops.fp8_matmul.grad_gemm` multiplies it
+    (both quantized along ``r``, the output gradient `grad` to the recipe's gradient format, the other to e4m3;
+    float32 partials; MX with ``r`` not a multiple of 32: the float32 product), as a `Gemm` a reduce-scatter runs
+    row range by row range."""
+    g = recipe.granularity
+    if g == "mxfp8" and x.shape[1] % MX_BLOCK:
+        return Gemm(x.float(), y.float())
+    x8, sx = quantize_fp8(x, g, recipe.grad_dtype if grad == "x" else OPERAND_DTYPE)
+    y8, sy = quantize_weight(y, g, recipe.grad_dtype if grad == "y" else OPERAND_DTYPE)
+    return Gemm(x8, y8, sx, sy)
+
+
+def kernel_takes(g: Gemm) -> bool:
+    """Whether ``fused``'s kernels multiply `g`: plain operands, or e4m3 ones (float32 or MX scales); not e5m2
+    gradients, which torch multiplies within the same protocol."""
+    return not g.scaled or (g.a.dtype == OPERAND_DTYPE and g.b.dtype == OPERAND_DTYPE)

@@ -46,10 +46,11 @@ def test_all_gather_matmul_compiles_for_sm90_with_wgmma(report):
 
 
 def test_all_gather_weight_matmul_compiles_for_sm90_with_wgmma(report):
-    """The weight-side gather's kernel: its shards loaded from the owners' buffers feed wgmma."""
+    """The weight-side gather's kernel: its shards loaded from the owners' buffers feed wgmma (fp8: the packed rows'
+    bytes, rowwise, tensorwise and MX scales)."""
     rows = _of(report, "all_gather_weight_matmul_kernel")
-    assert {r["dtype"] for r in rows} == {"bf16", "fp32"}
-    wgmma_type = {"bf16": "bf16", "fp32": "tf32"}
+    assert {r["dtype"] for r in rows} == {"bf16", "fp32", "fp8"}
+    wgmma_type = {"bf16": "bf16", "fp32": "tf32", "fp8": "e4m3"}
     for r in rows:
         assert r["wgmma"] and r["wgmma_types"] == [wgmma_type[r["dtype"]]], f"GEMM not on wgmma {r['dtype']}: {r}"
         assert r["globaltimer"], f"the bounded wait does not read %globaltimer: {r}"
