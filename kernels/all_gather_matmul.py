@@ -166,17 +166,7 @@ def launch_all_gather_matmul(b: torch.Tensor, ptr_table: torch.Tensor, flag_tabl
     b_mode = 0
     if b_scale is not None or b.dtype in host.FP8_DTYPES:
         b_mode = host.check_b_scale(kernel, b, b_scale)
-        mx = b_mode == host.MX_SCALES
-        if mx:
-            host.check_mx_tile(kernel, bk)
-        if not isinstance(scale_offset, int) or scale_offset < k or (scale_offset % 4 and not mx):
-            host.fail(kernel, f"scale_offset must be {'' if mx else 'a multiple of 4 '}at least K={k}, got "
-                              f"{scale_offset!r}")
-        end = scale_offset + (k // host.MX_BLOCK if mx else 4)
-        row_bytes = end if row_bytes is None else row_bytes
-        if not isinstance(row_bytes, int) or row_bytes < end:
-            host.fail(kernel, f"row_bytes must be at least scale_offset + {end - scale_offset} = {end}, got "
-                              f"{row_bytes!r}")
+        row_bytes = host.check_packed_rows(kernel, k, b_mode == host.MX_SCALES, bk, scale_offset, row_bytes)
     out_dtype = (out_dtype or torch.bfloat16) if b_mode else b.dtype
     if out is None:
         out = b.new_empty((world_size * rows, n), dtype=out_dtype)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -235,6 +235,21 @@ def check_mx_tile(kernel: str, block_k: int) -> None:
     """An MX GEMM's K step: whole blocks of `MX_BLOCK` (the K loop scales one block at a time)."""
     if block_k % MX_BLOCK:
         fail(kernel, f"with MX scales BLOCK_K must be a multiple of {MX_BLOCK}, got {block_k}")
+
+
+def check_packed_rows(kernel: str, k: int, mx: bool, block_k: int, scale_offset: Any, row_bytes: Any) -> int:
+    """Packed fp8 rows (`overlap.ops.tp.operands.Packed`): `k` fp8 bytes, the scales from byte `scale_offset` (a
+    float32 at a multiple of 4, or MX's ``k / 32`` e8m0 bytes), `row_bytes` a row (None: the scales' end). Returns
+    `row_bytes`."""
+    if mx:
+        check_mx_tile(kernel, block_k)
+    if not isinstance(scale_offset, int) or scale_offset < k or (scale_offset % 4 and not mx):
+        fail(kernel, f"scale_offset must be {'' if mx else 'a multiple of 4 '}at least K={k}, got {scale_offset!r}")
+    end = scale_offset + (k // MX_BLOCK if mx else 4)
+    row_bytes = end if row_bytes is None else row_bytes
+    if not isinstance(row_bytes, int) or row_bytes < end:
+        fail(kernel, f"row_bytes must be at least scale_offset + {end - scale_offset} = {end}, got {row_bytes!r}")
+    return row_bytes
 
 
 def scale_arg(scale: torch.Tensor | None, mode: int, like: torch.Tensor) -> torch.Tensor:

@@ -68,8 +68,11 @@ def _tolerances(
     case: AnyCase, expected: list[Expected], device_type: str, strategies: list[str]
 ) -> dict[str, dict[str, dict[str, float]]]:
     """Per strategy label, per tensor (``out``, then the gradients; `case_data.Expected`): `tolerance`,
-    with ``atol`` multiplied by the tensor's RMS where that exceeds 1."""
-    scales = {e.what: (e.reduction, max(1.0, float(e.value.double().pow(2).mean().sqrt()))) for e in expected}
+    with ``atol`` multiplied by the tensor's RMS where that exceeds 1, or for a sum over ranks by the RMS of the
+    partials' summed magnitudes where larger (`Expected.magnitude`: each rank's partial, rounded in 16 bits before
+    the sum, is off by a share of its own size, however much the sum cancels)."""
+    scales = {e.what: (e.reduction, max(1.0, float(e.value.double().pow(2).mean().sqrt()), e.magnitude))
+              for e in expected}
     tols: dict[str, dict[str, dict[str, float]]] = {}
     for label in strategies:
         s = report.base_strategy(case.op, label)

@@ -72,7 +72,7 @@ def arrange(case: Case, W: int, leaves: tuple[torch.Tensor, ...], grad_out: torc
         values = {k: _batch_first(v, W, B) if k == "grad_a" else _local(v, B) if k == "out" else v
                   for k, v in values.items()}
         grad_out = _local(grad_out, B) if grad_out is not None else None
-    expected = [Expected(e.what, values[e.what], e.reduction) for e in expected]
+    expected = [dataclasses.replace(e, value=values[e.what]) for e in expected]
     kwargs = {spec.dim_arg: 1} if B else {}
     dim = 1 if B else 0
     if not case.split:
@@ -84,7 +84,7 @@ def arrange(case: Case, W: int, leaves: tuple[torch.Tensor, ...], grad_out: torc
         return Arranged((a, b), grad_out, expected, kwargs, lambda a, b: (a, b), torch_op)
     bounds = [(sum(case.split[:i]), sum(case.split[: i + 1])) for i in range(len(case.split))]
     out = expected[0]
-    cut = [Expected(f"out[{i}]", out.value[..., lo:hi].contiguous(), out.reduction) for i, (lo, hi) in
+    cut = [Expected(f"out[{i}]", out.value[..., lo:hi].contiguous(), out.reduction, out.magnitude) for i, (lo, hi) in
            enumerate(bounds)]
     grads = [grad_out[..., lo:hi].contiguous() for lo, hi in bounds] if grad_out is not None else None
     gather_on = plain_torch.torch_all_gather_matmul_on(group, dim)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from . import moe, plain_torch, tp
-from .data import Expected, OpInputs, Plain, SeededDraw, fp32_sum, leaf_dtype
+from .data import Expected, OpInputs, Plain, SeededDraw, leaf_dtype, summed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,4 +68,4 @@ def workload(name: str) -> Workload:
     return WORKLOADS[name]
 
 
-__all__ = ["WORKLOADS", "Expected", "OpInputs", "Plain", "SeededDraw", "Workload", "fp32_sum", "leaf_dtype", "workload"]
+__all__ = ["WORKLOADS", "Expected", "OpInputs", "Plain", "SeededDraw", "Workload", "leaf_dtype", "summed", "workload"]

@@ -81,6 +81,9 @@ class Expected:
     what: str
     value: torch.Tensor
     reduction: int
+    #: a sum over ranks of their partials (`summed`): the RMS of the sum of the partials' magnitudes, which bounds
+    #: the rounding of partials computed in 16 bits where the sum cancels; 0 for anything else
+    magnitude: float = 0.0
 
 
 @dataclasses.dataclass
@@ -96,10 +99,13 @@ class Plain:
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
-def fp32_sum(parts) -> torch.Tensor:
-    """The sum of `parts` accumulated in fp32 or wider (float64 parts stay float64): the oracles' sums."""
-    total = None
+def summed(what: str, parts, dtype: torch.dtype, reduction: int) -> Expected:
+    """The oracle of a tensor summed over ranks (a reduce-scatter's or all-reduce's result): `parts` accumulated in
+    fp32 or wider (float64 parts stay float64), rounded to `dtype`, with the magnitude of what is added
+    (`Expected.magnitude`)."""
+    total = absolute = None
     for p in parts:
         p = p.to(torch.promote_types(p.dtype, torch.float32))
+        absolute = p.abs() if absolute is None else absolute.add_(p.abs())
         total = p if total is None else total.add_(p)
-    return total
+    return Expected(what, total.to(dtype), reduction, float(absolute.double().pow(2).mean().sqrt()))

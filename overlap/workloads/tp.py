@@ -42,7 +42,7 @@ from ..ops.fp8 import dequantize, quantize_fp8, quantize_weight, scaled_mm
 from ..ops.tp import all_gather_matmul, all_gather_weight_matmul, matmul_all_reduce, matmul_reduce_scatter
 from ..ops.tp.operands import Packed
 from ..plans import FP8_DTYPES, MX_DTYPE, fp8_granularity, op_spec
-from .data import Expected, OpInputs, Plain, SeededDraw, fp32_sum
+from .data import Expected, OpInputs, Plain, SeededDraw, summed
 
 # ----------------------------------------------------------------------------------------------
 # Inputs of one rank, and the call
@@ -119,7 +119,7 @@ def _fp8_forward(oracle: Callable[..., list[Expected]]) -> Callable[..., list[Ex
             return oracle(p, every, rank)
         out = oracle(dataclasses.replace(p, backward=False), [_quantized(e, _recipe(p)) for e in every], rank)[0]
         grads = oracle(p, every, rank)[1:] if p.backward else []
-        return [Expected(out.what, out.value.to(every[rank].leaves[0].dtype), out.reduction), *grads]
+        return [dataclasses.replace(out, value=out.value.to(every[rank].leaves[0].dtype)), *grads]
 
     return fn
 
@@ -134,7 +134,7 @@ def oracle_all_gather_matmul(p, every: list[OpInputs], rank: int) -> list[Expect
         grad_out = every[rank].grad_out
         # grad_a = reduce_scatter(grad_out @ b.T): this rank's rows of every rank's partial.
         parts = (e.grad_out[rank * m : (rank + 1) * m] @ e.leaves[1].t() for e in every)
-        expected.append(Expected("grad_a", fp32_sum(parts).to(full_MK.dtype), W * p.n))
+        expected.append(summed("grad_a", parts, full_MK.dtype, W * p.n))
         expected.append(Expected("grad_b", full_MK.t() @ grad_out, W * m))
     return expected
 
@@ -146,7 +146,7 @@ def oracle_matmul_reduce_scatter(p, every: list[OpInputs], rank: int) -> list[Ex
     a_MK, b_KN = every[rank].leaves
     # out = this rank's rows of the sum of every rank's partial a_q @ b_q.
     parts = (e.leaves[0][rows] @ e.leaves[1] for e in every)
-    expected = [Expected("out", fp32_sum(parts).to(a_MK.dtype), W * p.k)]
+    expected = [summed("out", parts, a_MK.dtype, W * p.k)]
     if p.backward:
         full_grad = torch.cat([e.grad_out for e in every])  # backward all-gathers grad_out
         expected.append(Expected("grad_a", full_grad @ b_KN.t(), p.n))
@@ -159,7 +159,7 @@ def oracle_matmul_all_reduce(p, every: list[OpInputs], rank: int) -> list[Expect
     W = len(every)
     a_MK, b_KN = every[rank].leaves
     parts = (e.leaves[0] @ e.leaves[1] for e in every)
-    expected = [Expected("out", fp32_sum(parts).to(a_MK.dtype), W * p.k)]
+    expected = [summed("out", parts, a_MK.dtype, W * p.k)]
     if p.backward:
         grad_out = every[rank].grad_out  # replicated output and loss: one gradient for every rank
         expected.append(Expected("grad_a", grad_out @ b_KN.t(), p.n))
@@ -178,7 +178,7 @@ def oracle_all_gather_weight_matmul(p, every: list[OpInputs], rank: int) -> list
         expected.append(Expected("grad_a", grad_out @ full_KN.t(), W * n))
         # grad_b = this rank's columns of sum_q a_q.T @ g_q (a reduce-scatter with sum).
         parts = (e.leaves[0].t() @ e.grad_out[:, rank * n : (rank + 1) * n] for e in every)
-        expected.append(Expected("grad_b", fp32_sum(parts).to(a_MK.dtype), W * p.m))
+        expected.append(summed("grad_b", parts, a_MK.dtype, W * p.m))
     return expected
 
 

@@ -1,6 +1,7 @@
 """One rank of the ops run on one device (tests/gpu/test_ops_on_one_device.py): every op of the op table x
-{``symm``, ``fused``} x {forward, forward and backward}, and the ops that take fp8 once more in their fp8 recipe
-(``fp8="rowwise"`` on bf16 leaves: the packed fp8 rows, the scaled GEMMs, the fused kernels' fp8 dot), through the
+{``symm``, ``fused``} x {forward, forward and backward}, and the ops that take fp8 twice more in their fp8 recipes
+(``fp8="rowwise"``, then ``fp8="mxfp8"``, on bf16 leaves: the packed fp8 rows with their scales, the scaled GEMMs,
+the fused kernels' fp8 dot, MX's per k-block), through the
 public API, against a float64 oracle computed here from the seed (fp8: of the leaves as the recipe quantizes
 them), each call made twice and required to give bitwise the same results.
 
@@ -52,20 +53,22 @@ TRACE_CHARS = 3000  # how much of a failing call's traceback a record keeps
 class Case:
     """One check: an op of the table, a `Plan` variant flag (``""`` or e.g. ``one_shot``), a strategy, and
     whether the call runs its backward too (forward-only calls run under ``torch.no_grad``, which takes other
-    paths: the MoE combine's CUDA sum kernel); `fp8`: the op's fp8 recipe on bf16 leaves."""
+    paths: the MoE combine's CUDA sum kernel); `fp8`: the op's fp8 recipe on bf16 leaves, as the dtype of its
+    problem (``float8_e4m3fn``: rowwise, ``mxfp8``: MX), or ``""``."""
 
     op: str
     variant: str
     strategy: str
     backward: bool
     shape: dict[str, int]
-    fp8: bool = False
+    fp8: str = ""
 
     @property
     def name(self) -> str:
         """``op-strategy-mode``, e.g. ``matmul_all_reduce.one_shot-fused-fwd+bwd`` (a test id: no dims; fp8:
-        ``all_gather_matmul.fp8-fused-fwd``)."""
-        op = ".".join((self.op, *((self.variant,) if self.variant else ()), *(("fp8",) if self.fp8 else ())))
+        ``all_gather_matmul.fp8-fused-fwd``, MX ``all_gather_matmul.mxfp8-fused-fwd``)."""
+        recipe = {"": (), "mxfp8": ("mxfp8",)}.get(self.fp8, ("fp8",))
+        op = ".".join((self.op, *((self.variant,) if self.variant else ()), *recipe))
         return f"{op}-{self.strategy}-{'fwd+bwd' if self.backward else 'fwd'}"
 
     @property
@@ -73,22 +76,23 @@ class Case:
         return " ".join(f"{k}={v}" for k, v in self.shape.items())
 
 
-def shapes(family: str, cuda: bool) -> dict[str, int]:
+def shapes(family: str, cuda: bool, mx: bool = False) -> dict[str, int]:
     """A `Problem`'s dims per family. GPU: several tiles of the default 128x128 bf16 tiles, dims that are no
-    multiple of them, MoE rows of 256 bytes (what the dispatch kernel takes); CPU: interpreted, tiny."""
+    multiple of them (MX: ``k`` a multiple of its blocks of 32, not of the tile), MoE rows of 256 bytes (what the
+    dispatch kernel takes); CPU: interpreted, tiny."""
     if family == "moe":
         return ({"m": 80, "k": 128, "n": 96, "experts": 8, "top_k": 2} if cuda
                 else {"m": 8, "k": 32, "n": 24, "experts": 4, "top_k": 2})
-    return {"m": 72, "k": 136, "n": 200} if cuda else {"m": 8, "k": 32, "n": 24}
+    return {"m": 72, "k": 160 if mx else 136, "n": 200} if cuda else {"m": 8, "k": 32, "n": 24}
 
 
 def cases(cuda: bool) -> list[Case]:
     """Every op of the table (and every `Plan` variant it takes) x `STRATEGIES` x {fwd, fwd+bwd}, table order; then
-    the same of the ops that take fp8, in their fp8 recipe."""
-    from overlap.plans import OPS
+    the same of the ops that take fp8, in the rowwise recipe, then in the MX one."""
+    from overlap.plans import FP8_DTYPES, OPS
 
-    return [Case(name, variant, strategy, backward, shapes(spec.family, cuda), fp8)
-            for fp8 in (False, True) for name, spec in OPS.items() if spec.fp8 or not fp8
+    return [Case(name, variant, strategy, backward, shapes(spec.family, cuda, fp8 == "mxfp8"), fp8)
+            for fp8 in ("", *FP8_DTYPES) for name, spec in OPS.items() if spec.fp8 or not fp8
             for variant in ("", *spec.variants) for strategy in STRATEGIES for backward in (False, True)]
 
 
@@ -149,7 +153,7 @@ def run_case(case: Case, index: int, seed: int, group, device: torch.device, dty
     W, rank = dist.get_world_size(group), dist.get_rank(group)
     if case.fp8:  # the recipe on bf16 leaves (the workload's fp8 problem): results rounded as bf16's
         dtype = leaf_dtype(torch.float8_e4m3fn)
-    problem = Problem(case.op, dtype="float8_e4m3fn" if case.fp8 else dtype_name(dtype), backward=case.backward,
+    problem = Problem(case.op, dtype=case.fp8 or dtype_name(dtype), backward=case.backward,
                       **case.shape)
     draw = SeededDraw((seed * 1_000_003 + index) % 2**62, rank, device, dtype)
     with torch.no_grad():

@@ -41,11 +41,13 @@ def test_the_cases_are_every_op_and_variant_by_strategy_and_mode():
 
     names = [c.name for c in ops_rank.cases(False)]
     ops_and_variants = [f"{n}.{v}" if v else n for n, spec in OPS.items() for v in ("", *spec.variants)]
-    fp8 = [f"{n}.{v}.fp8" if v else f"{n}.fp8" for n, spec in OPS.items() if spec.fp8 for v in ("", *spec.variants)]
+    fp8 = [f"{n}.{v}.{r}" if v else f"{n}.{r}" for r in ("fp8", "mxfp8") for n, spec in OPS.items() if spec.fp8
+           for v in ("", *spec.variants)]
     assert {"all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce.one_shot", "all_gather_weight_matmul",
             "moe"} <= set(ops_and_variants)
-    assert fp8 == ["all_gather_matmul.fp8", "matmul_reduce_scatter.fp8", "matmul_all_reduce.fp8",
-                   "matmul_all_reduce.one_shot.fp8"]
+    assert fp8 == [f"{op}.{r}" for r in ("fp8", "mxfp8") for op in (
+        "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_reduce.one_shot",
+        "all_gather_weight_matmul")]
     assert names == [f"{op}-{s}-{mode}" for op in ops_and_variants + fp8 for s in ("symm", "fused")
                      for mode in ("fwd", "fwd+bwd")]
     assert [c.name for c in ops_rank.cases(True)] == names  # the sizes differ, the names do not

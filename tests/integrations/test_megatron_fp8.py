@@ -25,6 +25,8 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[test]')")
 
+from tests.integrations.test_megatron import Stack  # noqa: E402  (Megatron MLP blocks with residuals)
+
 S, B, H = 6, 2, 64  # sequence (divides by 2 and 3), batch, hidden (the column GEMM's k: a multiple of 32)
 LAYERS = 2
 
@@ -250,22 +252,6 @@ def test_layers_are_the_ops_recipe(pools, seed, world_size):
 # ----------------------------------------------------------------------------------------------
 # patch and specs
 # ----------------------------------------------------------------------------------------------
-
-
-class Stack(torch.nn.Module):
-    """Megatron MLP blocks with residuals: ``x = x + fc2(gelu(fc1(x)))``."""
-
-    def __init__(self, config, submodules):
-        super().__init__()
-        from megatron.core.transformer.mlp import MLP
-
-        self.blocks = torch.nn.ModuleList(MLP(config, submodules) for _ in range(LAYERS))
-
-    def forward(self, x):
-        for block in self.blocks:
-            y, bias = block(x)
-            x = x + (y + bias if bias is not None else y)
-        return x
 
 
 def _stack(world_size, seed, sequence_parallel, spec_fn=None, **fields):
