@@ -24,21 +24,27 @@ def forward_gemm(a2: torch.Tensor, b: torch.Tensor, granularity: str, out_dtype:
     return scaled_mm(a8, b8, sa, sb, out_dtype)
 
 
-def grad_gemm(x: torch.Tensor, y: torch.Tensor, recipe: Fp8Recipe, grad: str = "x") -> torch.Tensor:
-    """``x [m, r] @ y [r, n]`` in float32 for a backward with fp8 gradients: both quantized along ``r``, the output
-    gradient (`grad`: ``"x"`` or ``"y"``) to the recipe's `grad_dtype`, the other operand to e4m3
-    (`overlap.ops.fp8_recipe`); an MX recipe whose ``r`` is not a multiple of 32 multiplies in float32."""
+def grad_quantized(x: torch.Tensor, y: torch.Tensor, recipe: Fp8Recipe, grad: str = "x") -> tuple | None:
+    """``(x8, x_scale, y8, y_scale)``: the operands of a backward GEMM ``x [m, r] @ y [r, n]`` with fp8 gradients,
+    both quantized along ``r``, the output gradient (`grad`: ``"x"`` or ``"y"``) to the recipe's `grad_dtype`, the
+    other operand to e4m3 (`overlap.ops.fp8_recipe`); None where the GEMM runs in float32 instead (an MX recipe
+    whose ``r`` is not a multiple of 32)."""
     g = recipe.granularity
     if g == "mxfp8" and x.shape[1] % MX_BLOCK:
+        return None
+    x8, sx = quantize_fp8(x, g, recipe.grad_dtype if grad == "x" else OPERAND_DTYPE)
+    y8, sy = quantize_weight(y, g, recipe.grad_dtype if grad == "y" else OPERAND_DTYPE)
+    return x8, sx, y8, sy
+
+
+def grad_gemm(x: torch.Tensor, y: torch.Tensor, recipe: Fp8Recipe, grad: str = "x") -> torch.Tensor:
+    """``x [m, r] @ y [r, n]`` in float32 for a backward with fp8 gradients: the scaled GEMM of `grad_quantized`'s
+    operands, or the float32 product where it gives none."""
+    q = grad_quantized(x, y, recipe, grad)
+    if q is None:
         return torch.mm(x.float(), y.float())
-    x8, sx = quantize_fp8(x, g, grad_operand_dtype(recipe, grad == "x"))
-    y8, sy = quantize_weight(y, g, grad_operand_dtype(recipe, grad == "y"))
+    x8, sx, y8, sy = q
     return scaled_mm(x8, y8, sx, sy, torch.float32)
-
-
-def grad_operand_dtype(recipe: Fp8Recipe, is_grad: bool) -> torch.dtype:
-    """The fp8 dtype of one operand of a backward GEMM: the output gradient's `grad_dtype`, e4m3 for the other."""
-    return recipe.grad_dtype if is_grad else OPERAND_DTYPE
 
 
 class _Fp8Matmul(torch.autograd.Function):

@@ -32,6 +32,7 @@ from ..fp8 import (
     quantize_weight,
     scaled_mm,
 )
+from ..fp8_matmul import grad_quantized
 from ..fp8_recipe import recipe_of
 
 SCALE_BYTES = 4
@@ -223,15 +224,10 @@ def gemm(a2: torch.Tensor, b: torch.Tensor, scaled: Fp8Args) -> Gemm:
 
 def grad_operands(x: torch.Tensor, y: torch.Tensor, recipe, grad: str = "x") -> Gemm:
     """``x [m, r] @ y [r, n]`` of a backward with fp8 gradients as `overlap.ops.fp8_matmul.grad_gemm` multiplies it
-    (both quantized along ``r``, the output gradient `grad` to the recipe's gradient format, the other to e4m3;
-    float32 partials; MX with ``r`` not a multiple of 32: the float32 product), as a `Gemm` a reduce-scatter runs
+    (`grad_quantized`'s operands, float32 partials; else the float32 product), as a `Gemm` a reduce-scatter runs
     row range by row range."""
-    g = recipe.granularity
-    if g == "mxfp8" and x.shape[1] % MX_BLOCK:
-        return Gemm(x.float(), y.float())
-    x8, sx = quantize_fp8(x, g, recipe.grad_dtype if grad == "x" else OPERAND_DTYPE)
-    y8, sy = quantize_weight(y, g, recipe.grad_dtype if grad == "y" else OPERAND_DTYPE)
-    return Gemm(x8, y8, sx, sy)
+    q = grad_quantized(x, y, recipe, grad)
+    return Gemm(x.float(), y.float()) if q is None else Gemm(q[0], q[2], q[1], q[3])
 
 
 def kernel_takes(g: Gemm) -> bool:
