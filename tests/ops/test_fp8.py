@@ -9,8 +9,6 @@ in float64 from the dequantized values: ``y_r = cat_s(a8_s * sa_s, dim) @ (b8_r 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -186,11 +184,8 @@ def test_fp8_fused_interpreted_matches_float64(pools, seed):
 
 
 def fp8_across_nodes(rank, W, seed):
-    group = nodes.spanning_group(rank, 2, "f8node")
-    try:
+    with nodes.spanning(rank, 2, "f8node") as group:
         return fp8_ops(rank, W, "hierarchical", seed, torch.float32, GRANS[:2], GATHER[:2], SCATTER, group=group)
-    finally:
-        del os.environ["OVERLAP_NODE_ID"]
 
 
 def test_fp8_hierarchical_across_nodes(pools, seed):

@@ -30,7 +30,6 @@ scale, itself at most ``2 amax / max`` (MX rounds up to a power of two); the tes
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -257,11 +256,8 @@ def test_fp8_grads_keep_the_overlap(pools, seed, strategy):
 
 
 def grads_across_nodes(rank: int, W: int, seed: int):
-    group = nodes.spanning_group(rank, 2, "f8grads")
-    try:
+    with nodes.spanning(rank, 2, "f8grads") as group:
         return grads_task(rank, W, "hierarchical", seed, GRANULARITIES, CASES, group=group)
-    finally:
-        del os.environ["OVERLAP_NODE_ID"]
 
 
 def test_fp8_grads_hierarchical_across_nodes(pools, seed):

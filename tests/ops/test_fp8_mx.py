@@ -14,7 +14,6 @@ tolerance.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -290,11 +289,8 @@ def test_mx_fused_interpreted_matches_float64(pools, seed):
 
 
 def mx_across_nodes(rank, W, seed):
-    group = nodes.spanning_group(rank, 2, "mxnode")
-    try:
+    with nodes.spanning(rank, 2, "mxnode") as group:
         return mx_ops(rank, W, "hierarchical", seed, torch.float32, GATHER[:2], SCATTER, group=group)
-    finally:
-        del os.environ["OVERLAP_NODE_ID"]
 
 
 def test_mx_hierarchical_across_nodes(pools, seed):
@@ -367,11 +363,8 @@ def test_mx_recipe_fused_interpreted(pools, seed):
 
 
 def recipe_across_nodes(rank, W, seed, dtype):
-    group = nodes.spanning_group(rank, 2, "mxrecipe")
-    try:
+    with nodes.spanning(rank, 2, "mxrecipe") as group:
         return recipe(rank, W, "hierarchical", seed, dtype, group=group)
-    finally:
-        del os.environ["OVERLAP_NODE_ID"]
 
 
 def test_mx_recipe_hierarchical_and_one_rank(pools, seed):

@@ -14,7 +14,6 @@ each recipe within a stated bound of fp32.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -138,12 +137,9 @@ def test_fused_interpreted(pools, seed, world_size):
 
 
 def across_nodes(rank, world_size, seed):
-    group = nodes.spanning_group(rank, 2, "f8w")
-    try:
+    with nodes.spanning(rank, 2, "f8w") as group:
         return (check_fp8(rank, world_size, "hierarchical", seed, RECIPES, CASES[:1], group=group)
                 + fp8_grads(rank, world_size, "hierarchical", seed, RECIPES, group=group))
-    finally:
-        del os.environ["OVERLAP_NODE_ID"]
 
 
 def test_hierarchical_across_nodes(pools, seed):

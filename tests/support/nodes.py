@@ -3,7 +3,9 @@ is named by every survivor (tests of `hierarchical`, the hierarchical MoE ops, e
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 from .harness import LATE_S, RankError
 
@@ -15,6 +17,24 @@ def spanning_group(rank: int, ranks_per_node: int, prefix: str):
 
     os.environ["OVERLAP_NODE_ID"] = f"{prefix}{rank // ranks_per_node}"
     return dist.new_group(list(range(dist.get_world_size())))
+
+
+@contextlib.contextmanager
+def spanning(rank: int, ranks_per_node: int, prefix: str) -> Iterator:
+    """`spanning_group` for a ``with`` block, deleted after it: its heap released and the group destroyed (a
+    pooled rank lives through the whole run: every group left behind keeps gloo's threads and sockets), and
+    ``OVERLAP_NODE_ID`` unset."""
+    import torch.distributed as dist
+
+    import overlap
+
+    group = spanning_group(rank, ranks_per_node, prefix)
+    try:
+        yield group
+        overlap.release(group)
+    finally:
+        del os.environ["OVERLAP_NODE_ID"]
+        dist.destroy_process_group(group)
 
 
 def assert_dead_named(failed: RankError, victim: int, deadline: float) -> None:
