@@ -97,9 +97,10 @@ def segment_name(run: str, pid_ns: int, pid: int, kind: str, rank: int) -> str:
 
 
 def private_dir(base: str | None = None) -> str:
-    """``<base>/overlap-<uid>`` (base: OVERLAP_SHM_DIR), created mode 0700 where missing. Raises `OverlapError`
-    where it is not a real folder owned by this user (a symlink, a file, another user's)."""
-    path = _dir_path(base)
+    """``<base>/overlap-<uid>`` (base: OVERLAP_SHM_DIR), created mode 0700 where missing. Raises OSError naming
+    OVERLAP_SHM_DIR where that is no folder this user can write (`envs.checked_shm_dir`), `OverlapError` where the
+    private folder is not a real folder owned by this user (a symlink, a file, another user's)."""
+    path = _dir_path(base or envs.checked_shm_dir())
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
     fd = _open_dir(path)

@@ -325,6 +325,7 @@ class BenchConfig:
     json_path: str | None = None  # rank 0 writes the results there
     seed: int | None = None  # None: rank 0 draws one
     progress: bool = True  # progress lines on rank 0's stderr
+    wide: bool = False  # the table one line per row, about 200 columns (default: 120, `report.Table`); not in the JSON
 
     def __post_init__(self) -> None:
         for name, known in (("ops", BENCH_OPS), ("modes", MODES)):

@@ -44,8 +44,11 @@ def verdict(earlier: dict[str, Any], now: dict[str, Any]) -> str:
     return ""
 
 
-def compare(earlier: dict[str, Any], current: dict[str, Any], earlier_name: str = "earlier") -> list[str]:
-    """Lines comparing `current`'s medians with `earlier`'s (payloads of ``overlap bench --json``)."""
+def compare(earlier: dict[str, Any], current: dict[str, Any], earlier_name: str = "earlier",
+            wide: bool = False) -> list[str]:
+    """Lines comparing `current`'s medians with `earlier`'s (payloads of ``overlap bench --json``): a table of the
+    timings in both, as ``overlap bench``'s own (`report.Table`): each case's name on a line of its own over its
+    strategies (about 100 columns), or with `wide` one line per case and strategy, the case first."""
     lines = [f"compared with {earlier_name}:"]
     m0, m1 = earlier.get("machine", {}), current.get("machine", {})
     if m0.get("description") != m1.get("description"):
@@ -58,21 +61,28 @@ def compare(earlier: dict[str, Any], current: dict[str, Any], earlier_name: str 
     before, after = _timed(earlier), _timed(current)
     common = [key for key in after if key in before]
     if common:
-        w_case = max(len("case"), *(len(c) for c, _ in common))
         w_label = max(len("strategy"), *(len(s) for _, s in common))
         w_time = max(len("earlier ms [p25..p75]"), *(len(_time(r[key])) for key in common for r in (before, after)))
-        lines.append(f"{'case':<{w_case}}  {'strategy':<{w_label}}  {'earlier ms [p25..p75]':>{w_time}}  "
-                     f"{'now ms [p25..p75]':>{w_time}}  {'change':>8}")
+        heads = (f"{'strategy':<{w_label}}  {'earlier ms [p25..p75]':>{w_time}}  {'now ms [p25..p75]':>{w_time}}  "
+                 f"{'change':>8}")
+        w_case = max(len("case"), *(len(c) for c, _ in common))
+        lines += [f"{'case':<{w_case}}  {heads}"] if wide else ["case", f"  {heads}"]
         counts = {"faster": 0, "slower": 0, "": 0}
+        case = None
         for key in common:
             r0, r1 = before[key], after[key]
             mark = verdict(r0, r1)
             counts[mark] += 1
             change = r1["median_ms"] / r0["median_ms"] - 1
-            lines.append(
-                f"{key[0]:<{w_case}}  {key[1]:<{w_label}}  {_time(r0):>{w_time}}  {_time(r1):>{w_time}}  "
-                f"{change:>+8.1%}" + (f"  {mark}" if mark else "")
-            )
+            cells = (f"{key[1]:<{w_label}}  {_time(r0):>{w_time}}  {_time(r1):>{w_time}}  {change:>+8.1%}"
+                     + (f"  {mark}" if mark else ""))
+            if wide:
+                lines.append(f"{key[0]:<{w_case}}  {cells}")
+                continue
+            if key[0] != case:  # narrow: each case's name on a line of its own, over its strategies
+                case = key[0]
+                lines.append(case)
+            lines.append(f"  {cells}")
         lines.append(f"{len(common)} timings in both runs: {counts['faster']} faster, {counts['slower']} slower, "
                      f"{counts['']} within the spreads (p25..p75 overlap)")
     else:

@@ -1,6 +1,7 @@
 """What ``overlap bench`` prints and writes besides the timings: the table, the geometric means, the
 footnotes, the JSON file (`runner` measures; this module says what the measurements are).
 
+The table (`Table`) fits 120 columns, each case's name over its rows, or with ``--wide`` is one line per row.
 Strategy labels are shown as the runner ran them: interpreted ``fused`` gets ``(interpreted)``
 (`display_label`) and stays out of the geometric means (rows with ``in_summary`` false); the ``plan``
 column is the plan each row ran (``auto``'s choice among them), written by `overlap.Plan.label`.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from typing import Any
 
 from ..plans.planfile import write_atomic
@@ -54,48 +56,115 @@ def geomean(values: list[float]) -> float:
 
 
 class Table:
-    """Aligned text table printed row by row (widths fixed up front from the cases and labels)."""
+    """The aligned text table, printed case by case (widths fixed up front from the cases and labels).
+
+    Narrow, the default: at most `WIDTH` columns (a case name alone takes up to ~90): the header, then per case its
+    name on a line of its own and its rows below it, indented, without the case column; narrower number columns
+    (``ovl eff``: overlap efficiency); a plan label that does not fit is wrapped at its spaces onto lines below, in
+    its column, and a long FAILED error likewise. Wide (``overlap bench --wide``): one line per row, the case name
+    first, about 200 columns. The JSON file is the same either way."""
 
     HEADS = ("case", "strategy", "median ms", "p25..p75 ms", "TFLOP/s", "GB/s", "speedup", "vs ref", "overlap eff",
              "plan")
+    #: the narrow form's heads of the columns after the strategy (the case is a line of its own)
+    NARROW_HEADS = ("median ms", "p25..p75 ms", "TFLOP/s", "GB/s", "speedup", "vs ref", "ovl eff", "plan")
+    #: the widths of the number columns (median ms .. overlap eff), wide and narrow
+    WIDE_WIDTHS = (10, 15, 8, 7, 8, 7, 11)
+    NARROW_WIDTHS = (9, 14, 7, 6, 7, 6, 7)
+    #: the narrow form's width in columns
+    WIDTH = 120
+    #: the narrow form's indent of a row under its case
+    INDENT = "  "
 
-    def __init__(self, cases: tuple[AnyCase, ...], strategies: tuple[str, ...], interpreted: bool):
+    def __init__(self, cases: tuple[AnyCase, ...], strategies: tuple[str, ...], interpreted: bool,
+                 wide: bool = False):
+        self.wide = wide
         self.w_case = max(len(self.HEADS[0]), *(len(c.name) for c in cases))
         labels = [display_label(c.op, s, interpreted) for c in cases for s in strategies if s in bench_labels(c.op)]
         self.w_strategy = max(len(self.HEADS[1]), len("(reduce_scatter alone)"), *map(len, labels))
 
     def line(self, case: str, strategy: str, *cols: str) -> str:
-        widths = (10, 15, 8, 7, 8, 7, 11)
+        """One wide line: the case, the strategy, the number columns, the plan (left-aligned, last)."""
+        return f"{case:<{self.w_case}}  {strategy:<{self.w_strategy}} {self._tail(cols, self.WIDE_WIDTHS)}".rstrip()
+
+    @staticmethod
+    def _tail(cols: tuple[str, ...], widths: tuple[int, ...]) -> str:
         tail = " ".join(c.rjust(w) for c, w in zip(cols, widths, strict=False))
         if len(cols) > len(widths):  # the plan, left-aligned last
             tail += "  " + cols[-1]
-        return f"{case:<{self.w_case}}  {strategy:<{self.w_strategy}} {tail}".rstrip()
+        return tail
 
-    def header(self) -> str:
-        return self.line(*self.HEADS)
+    def header(self) -> list[str]:
+        """The header: one line (wide), or ``case`` over the indented heads of its rows (narrow)."""
+        if self.wide:
+            return [self.line(*self.HEADS)]
+        return [self.HEADS[0], self._narrow_line(self.HEADS[1], self.NARROW_HEADS)[0]]
+
+    def case_lines(self, case: str, rows: list[dict[str, Any]]) -> list[str]:
+        """The lines of one case's `rows` (`runner.case_rows`): a line per row (wide), or the case's name, then
+        a line per row (narrow; a long plan or error wraps onto more)."""
+        if self.wide:
+            return [self.row(r) for r in rows]
+        return [*textwrap.wrap(case, self.WIDTH, break_long_words=False, break_on_hyphens=False,
+                               subsequent_indent=2 * self.INDENT), *(ln for r in rows for ln in self.row_lines(r))]
 
     def row(self, r: dict[str, Any]) -> str:
+        """The wide line of one row."""
         name = r.get("label", r["strategy"])
         if r.get("status") == "FAILED":
             return f"{r['case']:<{self.w_case}}  {name:<{self.w_strategy}} FAILED  {r['error']}"
+        return self.line(r["case"], name, *self._cols(r))
+
+    def row_lines(self, r: dict[str, Any]) -> list[str]:
+        """The narrow lines of one row, under its case's name: one, or more where its plan or error is long."""
+        name = r.get("label", r["strategy"])
+        if r.get("status") == "FAILED":
+            text = f"{self.INDENT}{name:<{self.w_strategy}} FAILED  {r['error']}"
+            if len(text) <= self.WIDTH:
+                return [text]
+            return textwrap.wrap(text, self.WIDTH, break_long_words=False, break_on_hyphens=False,
+                                 subsequent_indent=" " * (len(self.INDENT) + self.w_strategy + 1))
+        return self._narrow_line(name, self._cols(r))
+
+    def _narrow_line(self, name: str, cols: tuple[str, ...]) -> list[str]:
+        """The narrow line of a strategy and its columns; a plan past `WIDTH` wrapped below, in its column (or
+        below the row, indented, where its column has too little room left): no line is longer than `WIDTH`."""
+        has_plan = len(cols) > len(self.NARROW_WIDTHS)
+        number_cols = cols[:-1] if has_plan else cols
+        text = f"{self.INDENT}{name:<{self.w_strategy}} {self._tail(number_cols, self.NARROW_WIDTHS)}".rstrip()
+        plan = cols[-1] if has_plan else ""
+        if not plan:
+            return [text]
+        start = len(text) + 2
+        if start + len(plan) <= self.WIDTH:
+            return [f"{text}  {plan}"]
+        room = self.WIDTH - start
+        pieces = textwrap.wrap(plan, room, break_long_words=False, break_on_hyphens=False) if room >= 16 else []
+        if pieces and max(map(len, pieces)) <= room:  # the plan's own column, wrapped at its spaces
+            return [f"{text}  {pieces[0]}", *(" " * start + piece for piece in pieces[1:])]
+        indent = 2 * self.INDENT  # no room in its column: below the row
+        return [text, *textwrap.wrap(plan, self.WIDTH, break_on_hyphens=False, initial_indent=indent,
+                                     subsequent_indent=indent)]
+
+    @staticmethod
+    def _cols(r: dict[str, Any]) -> tuple[str, ...]:
+        """The columns after the strategy of a row that ran: median, spread, rates, speedups, efficiency, plan."""
         spread = f"{r['p25_ms']:.2f}..{r['p75_ms']:.2f}"
         dash = "-"
         if r.get("context") == "comm":
-            cols = (f"{r['median_ms']:.3f}", spread, dash, f"{r['comm_gbps']:.3g}", dash, dash, dash)
-        elif r.get("context") == "compute":
-            cols = (f"{r['median_ms']:.3f}", spread, f"{r['compute_tflops']:.3g}", dash, dash, dash, dash)
-        else:
-            cols = (
-                f"{r['median_ms']:.3f}",
-                spread,
-                f"{r['tflops']:.3g}",
-                dash,
-                f"{r['speedup']:.2f}x",
-                f"{r['speedup_vs_reference']:.2f}x",
-                f"{r['efficiency']:+.2f}",
-                r.get("plan", ""),
-            )
-        return self.line(r["case"], name, *cols)
+            return (f"{r['median_ms']:.3f}", spread, dash, f"{r['comm_gbps']:.3g}", dash, dash, dash)
+        if r.get("context") == "compute":
+            return (f"{r['median_ms']:.3f}", spread, f"{r['compute_tflops']:.3g}", dash, dash, dash, dash)
+        return (
+            f"{r['median_ms']:.3f}",
+            spread,
+            f"{r['tflops']:.3g}",
+            dash,
+            f"{r['speedup']:.2f}x",
+            f"{r['speedup_vs_reference']:.2f}x",
+            f"{r['efficiency']:+.2f}",
+            r.get("plan", ""),
+        )
 
 
 _ORDER = all_bench_labels()

@@ -235,7 +235,7 @@ def run(config: BenchConfig, group: dist.ProcessGroup | None = None) -> list[dic
     counts = {"ran": len(config.cases), "asked": asked}
     seed = _agree_seed(config.seed, pg)
     machine = machine_info(info)
-    table = report.Table(config.cases, config.strategies, fused_interpreted(info.device))
+    table = report.Table(config.cases, config.strategies, fused_interpreted(info.device), wide=config.wide)
     bar = ProgressBar(lead and config.progress, total=len(config.cases))
 
     def out(text: str = "") -> None:
@@ -249,7 +249,8 @@ def run(config: BenchConfig, group: dist.ProcessGroup | None = None) -> list[dic
         "time = max over ranks per repeat, median over repeats"
     )
     out()
-    out(table.header())
+    for line in table.header():
+        out(line)
     rows: list[dict[str, Any]] = []
     all_notes = [f"left out: {p}" for p in left_out]
     for i, case in enumerate(config.cases):
@@ -262,8 +263,8 @@ def run(config: BenchConfig, group: dist.ProcessGroup | None = None) -> list[dic
         rows_i, notes = run_case(case, i, config, seed, info, pg, progress if lead else quiet)
         rows.extend(rows_i)
         all_notes.extend(n for n in notes if n not in all_notes)
-        for r in rows_i:
-            out(table.row(r))
+        for line in table.case_lines(case.name, rows_i):
+            out(line)
 
     results = report.summary(rows)
     out()
@@ -286,7 +287,8 @@ def run(config: BenchConfig, group: dist.ProcessGroup | None = None) -> list[dic
             config.json_path,
             {
                 "machine": machine,
-                "config": {**dataclasses.asdict(config), "cases": [c.record() for c in config.cases]},
+                "config": {**{k: v for k, v in dataclasses.asdict(config).items() if k != "wide"},  # how it printed
+                           "cases": [c.record() for c in config.cases]},
                 "seed": seed,
                 "results": rows,
                 "summary": results,

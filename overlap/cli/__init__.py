@@ -30,6 +30,7 @@ from typing import Any
 from ..benchmarks.names import BENCH_OPS, MODES, all_bench_labels, bench_labels
 from ..errors import Terminated
 from .argtypes import selection
+from .config import check_config
 from .parser import build_parser
 
 # Nothing here imports torch before a command runs: the ranks (`ranks`), `info` and the benchmark's
@@ -76,6 +77,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             bench.check_defaults(ops, modes, args.dtype, world.ranks_device_type(world_size), world_size)
     except ValueError as exc:
         parser.error(str(exc))
+    check_config(args)
     with tempfile.TemporaryDirectory(prefix="overlap-bench-") as tmp:
         # --plot and --compare read rank 0's results back from a JSON file (--json's, or one of ours)
         json_path = args.json or (os.path.join(tmp, "results.json") if args.plot or args.compare else None)
@@ -92,6 +94,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 timeout=args.timeout,
                 json_path=json_path,
                 seed=args.seed,
+                wide=args.wide,
             )
         except ValueError as exc:  # e.g. --strategies symm+one_shot for an op that has no such variant
             parser.error(str(exc))
@@ -108,7 +111,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if rank == 0 and args.json:
             print(f"wrote {args.json}", flush=True)
         if rank == 0 and json_path and (args.plot or args.compare):
-            lines, error = bench.after_run(json_path, earlier, args.compare, args.plot)
+            lines, error = bench.after_run(json_path, earlier, args.compare, args.plot, wide=args.wide)
             if lines:
                 print("\n".join(lines), flush=True)
             if error:
@@ -183,6 +186,7 @@ def _tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         problems_of(config, num_ranks(args.nproc))
     except ValueError as exc:
         parser.error(str(exc))
+    check_config(args)
     with tempfile.TemporaryDirectory(prefix="overlap-tune-") as tmp:
         status_path = os.path.join(tmp, "status.txt")
         code, _ = on_ranks("tune", _tune_rank, (config, status_path), args.nproc, tmp)
@@ -204,6 +208,7 @@ def _info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from . import info
     from .ranks import on_ranks
 
+    check_config(args)
     code = on_ranks("info", info.info_rank, (), args.nproc)[0]
     if code == 0 and args.probe:
         code = on_ranks("info --probe", info.probe_rank, (args.refresh, args.quick), args.nproc)[0]

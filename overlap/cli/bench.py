@@ -144,13 +144,13 @@ def check_outputs(json_path: str | None, plot_path: str | None, compare_path: st
 
 
 def after_run(json_path: str, earlier: dict[str, Any] | None, compare_path: str | None,
-              plot_path: str | None) -> tuple[list[str], str | None]:
-    """After the run, from rank 0's results in `json_path`: (lines to print: ``--compare``'s, then
-    what ``--plot`` wrote; an error of ``--plot``, or None)."""
+              plot_path: str | None, wide: bool = False) -> tuple[list[str], str | None]:
+    """After the run, from rank 0's results in `json_path`: (lines to print: ``--compare``'s, its table one line per
+    row with `wide` (``--wide``), then what ``--plot`` wrote; an error of ``--plot``, or None)."""
     current = compare.load(json_path)
     lines: list[str] = []
     if earlier is not None:
-        lines += ["", *compare.compare(earlier, current, compare_path or "earlier")]
+        lines += ["", *compare.compare(earlier, current, compare_path or "earlier", wide=wide)]
     if plot_path is not None:
         from ..benchmarks.plot import plot
 

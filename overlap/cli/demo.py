@@ -15,8 +15,12 @@ import sys
 import tempfile
 import textwrap
 import time
+from typing import TYPE_CHECKING
 
 from .argtypes import add_ranks_option, int_at_least, positive_float, timeout_seconds
+
+if TYPE_CHECKING:
+    from ..demo.config import ModelConfig
 
 _DESCRIPTION = (
     "Train a small GPT-style model (embedding; attention and MLP blocks with sequence-parallel tensor "
@@ -25,9 +29,10 @@ _DESCRIPTION = (
     "and plain all-to-alls for the MoE block, once with overlap's (overlap.hooks.torch_tp's styles, "
     "overlap.nn.ExpertParallelMLP) on --strategy. The data is a fixed token stream from a seeded Markov chain "
     "(nothing is downloaded). Prints every step's loss side by side with their largest relative difference, "
-    "the step-time ratio (median and p25..p75 of the slowest rank's step times; step 0 is a warm-up and not "
-    "timed) and the peak memory of each run. The model's heads, ffn size, experts and sequence length must "
-    "divide by the number of ranks."
+    "the step times (median and p25..p75 of the slowest rank's, per run; step 0 is a warm-up and not timed), the "
+    "step-time ratio overlap/torch (the median and p25..p75 of the per-step ratios, which need not equal the ratio "
+    "of the two medians) and the peak memory of each run. The model's heads, ffn size, experts and sequence length "
+    "must divide by the number of ranks (the error names sizes that do)."
 )
 
 _EPILOG = """\
@@ -76,6 +81,24 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return demo
 
 
+def sizes_that_fit(model: ModelConfig, world_size: int) -> str:
+    """What to run instead of a `model` (`overlap.demo.config.ModelConfig`) that does not divide over `world_size`
+    ranks: the numbers of ranks it divides over, and the options of the least larger model that divides over
+    `world_size` (`ModelConfig.fitted`); ``"; "`` first, or empty where there is nothing to say."""
+    hints = []
+    fit = [str(w) for w in model.ranks_that_fit()]
+    if fit:
+        ranks = f"{', '.join(fit[:-1])} or {fit[-1]}" if len(fit) > 1 else fit[0]
+        hints.append(f"these sizes divide over {ranks} ranks (--ranks)")
+    fitted = model.fitted(world_size)
+    if fitted != model and not fitted.problems(world_size):
+        changed = " ".join(f"--{name.replace('_', '-')} {getattr(fitted, name)}"
+                           for name in ("heads", "hidden", "ffn", "experts", "seq_len")
+                           if getattr(fitted, name) != getattr(model, name))
+        hints.append(f"on {world_size} ranks, try {changed}")
+    return "".join(f"; {h}" for h in hints)
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``overlap demo``: exit 0, 1 (a rank failed) or 2 (arguments, checked before the ranks start)."""
     from ..demo import report
@@ -83,6 +106,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..demo.train import train_rank
     from ..plans import STRATEGIES
     from .bench import check_outputs
+    from .config import check_config
     from .ranks import num_ranks, on_ranks
 
     if args.strategy not in ("auto", *STRATEGIES):
@@ -96,9 +120,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     world_size = num_ranks(args.nproc)
     problems = model.problems(world_size)
     if problems:
-        parser.error(f"the model does not divide over {world_size} ranks: " + "; ".join(problems))
+        parser.error(f"the model does not divide over {world_size} ranks: {'; '.join(problems)}"
+                     f"{sizes_that_fit(model, world_size)}")
     config = DemoConfig(model=model, steps=args.steps, lr=args.lr, seed=args.seed, strategy=args.strategy,
                         timeout=args.timeout)
+    check_config(args)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="overlap-demo-") as tmp:
         out_path = os.path.join(tmp, "results.json")

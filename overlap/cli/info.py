@@ -22,9 +22,16 @@ def _software_lines() -> list[str]:
     lines = [f"overlap {overlap.__version__} ({os.path.dirname(overlap.__file__)})", f"torch {torch.__version__}"]
     tv = triton_version()
     lines.append("triton: not installed (the 'fused' strategy is unavailable)" if tv is None else f"triton {tv}")
-    interp = envs.triton_interpret()
-    how = " (set by overlap: no GPU)" if envs.TRITON_INTERPRET_SET_BY_OVERLAP else ""
-    lines.append(f"TRITON_INTERPRET: {'on: Triton kernels run in the interpreter' + how if interp else 'off'}")
+    # as Triton reads it (`envs.triton_interpret`): what this line says is what Triton does
+    if envs.triton_interpret():
+        how = " (set by overlap: no GPU)" if envs.TRITON_INTERPRET_SET_BY_OVERLAP else ""
+        lines.append(f"TRITON_INTERPRET: on: Triton kernels run in the interpreter{how}")
+    elif not torch.cuda.is_available() and envs.triton_interpret_set_by_user():  # turned off where no GPU is
+        raw = os.environ["TRITON_INTERPRET"]
+        lines.append(f"TRITON_INTERPRET: off ({raw!r}, as Triton reads it): strategy 'fused' needs Triton's "
+                     "interpreter where no GPU exists; unset TRITON_INTERPRET or set it to 1 to run it")
+    else:
+        lines.append("TRITON_INTERPRET: off: Triton compiles its kernels")
     try:
         from .. import signals as _C
 

@@ -8,6 +8,8 @@ answer in a fraction of a second.
 from __future__ import annotations
 
 import argparse
+import re
+import sys
 
 from ..benchmarks.models import TP_PRESETS, parse_tp_preset
 from ..benchmarks.names import (
@@ -40,7 +42,7 @@ examples:
   overlap bench --dtype mxfp8 --op all_gather_matmul,all_gather_weight_matmul
   overlap bench --shape mixtral 256,128,256,8,2 --mode fwd+bwd
   overlap bench --shape llama3-8b --json now.json --plot now.png --compare before.json
-  torchrun --nproc-per-node 8 -m overlap.cli bench --strategies reference,symm,fused
+  .venv/bin/torchrun --nproc-per-node 8 -m overlap.cli bench --strategies reference,symm,fused
   overlap tune --shape all_gather_matmul:256x1024x1024 --shape moe:512x128x448:8:2 --out plans.json
   overlap tune --shape all_gather_matmul:256x1024x1024:mxfp8 --out plans.json
   overlap tune --model hidden=4096,ffn=14336,tokens=4096,heads=32,kv_heads=8,gated=1,dtype=bfloat16 --out plans.json
@@ -73,6 +75,8 @@ def _shape(text: str) -> tuple[int, int, int] | tuple[MoEShape, str] | tuple[str
     try:
         return parse_shape(text)
     except ValueError as exc:
+        if re.fullmatch(r"\s*[-+]?\d+(\s*x\s*[-+]?\d+){2}\s*", text.lower()):  # MxKxN, a dim < 1: no list of presets
+            raise argparse.ArgumentTypeError(str(exc)) from None
         raise argparse.ArgumentTypeError(
             f"{exc}; or a preset among {', '.join(TP_PRESETS)}; for moe: T,H,F,E,K or a preset among "
             f"{', '.join(MOE_PRESETS)}"
@@ -104,10 +108,36 @@ _modes = _names(MODES, "modes among")
 # ----------------------------------------------------------------------------------------------
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, with two differences a user sees (the commands' parsers are of this class too, as
+    ``add_subparsers`` makes them of their parent's):
+
+    - a value that starts with ``-`` and a digit is a value, not an option: ``--shape -5x64x64`` reaches the
+      shape's own check ("every dim of the shape must be >= 1") instead of argparse's "expected at least one
+      argument" (argparse before Python 3.13 takes only ``-5`` and ``-1.5`` for values; 3.13's, as here, any
+      ``-`` and a digit);
+    - an unknown option after a command is that command's usage error (``overlap bench --bogus``: bench's usage
+      and ``overlap bench: error: unrecognized arguments: --bogus``), not the top-level one's.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")  # what argparse reads as a value, not an option
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        argv = list(sys.argv[1:] if args is None else args)
+        parsed, extras = self.parse_known_args(argv, namespace)
+        if extras:
+            command = getattr(parsed, "subparser", None)
+            after_command = command is not None and argv.index(parsed.command) < argv.index(extras[0])
+            (command if after_command else self).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``overlap``: commands info, tune, bench, demo and predict; each command's parser is its
     namespace's ``subparser`` (for `parser.error` after parsing)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="overlap",
         description=_DESCRIPTION,
         epilog=_EPILOG,
@@ -182,8 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
         "'reference' and 'torch' (the op in plain torch: torch.distributed collectives and torch.matmul, no code of "
         "overlap on its timed path) against the op's result computed locally, and every strategy and 'auto' (the "
         "default strategy) against 'reference' (the output, and in fwd+bwd the gradients of every input; a mismatch "
-        "fails the command), warm up, then time interleaved repeats between barriers. Prints one line per row and "
-        "case (median ms, p25..p75, TFLOP/s, speedup over torch, speedup over reference, overlap efficiency = "
+        "fails the command), warm up, then time interleaved repeats between barriers. Prints a table in 120 columns "
+        "(--wide: one line per row), each case's name over one line per row (median ms, p25..p75, TFLOP/s, speedup "
+        "over torch, speedup over reference, overlap efficiency ('ovl eff') = "
         "(T_ref - T) / min(T_comm, T_compute), the plan it ran: auto's choice), the plain collectives and the GEMMs "
         "alone for context, the geometric-mean speedup over torch per strategy and mode, then per op (reference "
         "and auto included), and a line counting the cases where auto was slower than torch by more than 10% or "
@@ -291,6 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--seed", type=_non_negative_int, default=None, help="seed of the random inputs (default: a fresh one, printed)"
+    )
+    bench.add_argument(
+        "--wide",
+        action="store_true",
+        help="print the table one line per row, the case first (about 200 columns); default: at most 120 columns, "
+        "each case's name on a line of its own over its rows, long plans wrapped (--json is the same either way)",
     )
     bench.set_defaults(subparser=bench)
     info.set_defaults(subparser=info)

@@ -34,6 +34,22 @@ class ModelConfig:
             out.append(f"top-k {self.top_k} is not between 1 and the {self.experts} experts")
         return out
 
+    def ranks_that_fit(self, most: int = 8) -> list[int]:
+        """The numbers of ranks, up to `most`, the model divides over (`problems`)."""
+        return [w for w in range(1, most + 1) if not self.problems(w)]
+
+    def fitted(self, world_size: int) -> ModelConfig:
+        """The model with the least larger sizes that divide over `world_size` ranks: heads, ffn size, experts and
+        sequence length rounded up to multiples of `world_size`, the hidden size up to a multiple of the heads (the
+        top-k as it is: `problems` may still name it)."""
+
+        def up(size: int, multiple: int) -> int:
+            return -(-size // multiple) * multiple
+
+        heads = up(self.heads, world_size)
+        return dataclasses.replace(self, heads=heads, hidden=up(self.hidden, heads), ffn=up(self.ffn, world_size),
+                                   experts=up(self.experts, world_size), seq_len=up(self.seq_len, world_size))
+
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:

@@ -126,7 +126,9 @@ def _preamble(op: str, group, timeout: float | None, decide: Callable[[CallConte
     try:
         timeout = envs.resolve_timeout(timeout)
     except ValueError as exc:
-        error, timeout = exc, envs.resolve_timeout(None)
+        error = exc
+    if error is not None:  # (outside the handler: a bad OVERLAP_TIMEOUT_S raises alone, not chained to `error`)
+        timeout = envs.timeout_s()
     cc = CallContext(op, pg, world.group_info(pg, timeout), timeout)
     try:
         if error is not None:

@@ -3,7 +3,10 @@
 The kernels' launchers (argument checks, grids, the interpreter's watchdog), default tiles (`fused_tiles`) and
 tile tables are the kernels' own (`overlap.kernels`); this module imports the kernel modules lazily, so that a
 missing Triton fails only the calls that need it (`overlap.kernels.slots`, the slot layouts, needs no Triton).
-Where no GPU exists the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by ``import overlap``).
+Where no GPU exists the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by ``import overlap``
+where it is unset); a user who turned the interpreter off there (``TRITON_INTERPRET=0``, as Triton reads it:
+`overlap.envs.triton_interpret`) gets one ValueError saying so before the handshake, not Triton's "0 active
+drivers" from inside a launch.
 """
 
 from __future__ import annotations
@@ -58,11 +61,25 @@ def kernels() -> Kernels:
                    grouped_matmul_combine)
 
 
+def unavailable_reason() -> str | None:
+    """Why the fused kernels cannot run in this process as far as the environment says, or None: where no GPU
+    exists, they run in Triton's interpreter, which the user may have turned off (`envs.triton_interpret_off`).
+    One line naming TRITON_INTERPRET and the fix."""
+    off = envs.triton_interpret_off()
+    if off is None or torch.cuda.is_available():
+        return None
+    return off
+
+
 def check_fused_available(op: str, dtype: torch.dtype) -> None:
-    """Raise (before the handshake) where the fused strategy cannot run: dtype, or Triton missing."""
+    """Raise (before the handshake) where the fused strategy cannot run: TypeError for the dtype, ValueError where
+    Triton is missing or its interpreter is turned off where no GPU exists (`unavailable_reason`)."""
     if dtype not in FUSED_DTYPES:
         raise TypeError(f"overlap.{op}: the fused kernel supports {FUSED_DTYPES}, got {dtype}")
+    reason = unavailable_reason()
+    if reason is not None:
+        raise ValueError(f"overlap.{op}: strategy 'fused' is unavailable here: {reason}")
     try:
         kernels()  # import (and define) the Triton kernels before the handshake
     except RuntimeError as exc:
-        raise ValueError(f"overlap.{op}: strategy 'fused' is unavailable here: {exc}") from exc
+        raise ValueError(f"overlap.{op}: strategy 'fused' is unavailable here: {exc}") from None

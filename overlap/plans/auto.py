@@ -48,14 +48,22 @@ from ..world import GroupInfo
 from .costmodel import default_profile, predict, rank_candidates, topology_of
 from .migration import check_migrate, nodes_of
 from .optable import FP8_DTYPES, FP8_LEAVES, ITEMSIZE, OPS, Problem
-from .plan import Plan
+from .plan import STRATEGIES, Plan
 from .planfile import PlanFile, load_cached
 
 log = logging.getLogger("overlap")
 
 def as_plan(strategy: str, plan) -> Plan | None:
     """Normalize the ``strategy=``/``plan=`` arguments of an op; None means 'resolve auto' (with
-    ``plan=`` a plan file, see `plan_source`)."""
+    ``plan=`` a plan file, see `plan_source`).
+
+    Raises TypeError/ValueError for a bad pair, among them ``plan="symm"``: a string is a plan file's path, and a
+    strategy's name where no such file exists is a mistake for ``strategy="symm"`` or ``plan=Plan("symm")``."""
+    if isinstance(plan, str) and _names_a_strategy(plan) and not os.path.exists(plan):
+        raise ValueError(f"plan={plan!r} names a strategy, but plan= takes a plan file (a path or "
+                         f"overlap.plans.PlanFile) or an overlap.Plan: pass strategy={plan.split('+')[0]!r}, or "
+                         f"plan=overlap.Plan({plan.split('+')[0]!r}"
+                         + (", one_shot=True)" if plan.endswith("+one_shot") else ")"))
     if plan is not None and plan_source(plan) is None:
         if isinstance(plan, Mapping):
             plan = Plan(**plan)
@@ -74,6 +82,13 @@ def as_plan(strategy: str, plan) -> Plan | None:
     return _named_plan(strategy)
 
 
+def _names_a_strategy(text: str) -> bool:
+    """Whether `text` is a strategy's name (or ``auto``), as ``strategy=`` takes it, or a variant's label
+    (``symm+one_shot``)."""
+    name, _, variant = text.strip().partition("+")
+    return name in ("auto", *STRATEGIES) and variant in ("", "one_shot")
+
+
 @functools.lru_cache(maxsize=64)
 def _named_plan(strategy: str) -> Plan:
     """``Plan(strategy)``, made once per name (plans are immutable; an unknown name raises every time)."""
@@ -85,6 +100,19 @@ def plan_source(plan):
     if isinstance(plan, (str, os.PathLike, PlanFile)):
         return plan
     return None
+
+
+def env_plan_file() -> PlanFile | None:
+    """The plan file OVERLAP_PLAN names (`envs.plan_path`), loaded (`load_cached`: read again once rewritten), or
+    None where the variable is unset. Raises one ValueError naming the variable, the file and what is wrong where
+    it cannot be read or is no valid plan file (the command line checks it so before any rank starts)."""
+    path = envs.plan_path()
+    if path is None:
+        return None
+    try:
+        return load_cached(path)
+    except ValueError as exc:
+        raise ValueError(f"OVERLAP_PLAN={os.environ['OVERLAP_PLAN']!r}: {exc} (or unset OVERLAP_PLAN)") from None
 
 
 _LOGGED: set[str] = set()
@@ -110,6 +138,8 @@ def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int | 
     """
     source = plan_file if plan_file is not None else envs.plan_path()
     if source is not None and problem is not None and info.world_size > 1:
+        if plan_file is None:
+            source = env_plan_file()
         plan, how = _from_plan_file(source, problem, info)
         if plan is not None:
             _log_once(op, signature, plan, how)

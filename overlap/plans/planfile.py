@@ -179,9 +179,9 @@ class PlanFile:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
         except OSError as exc:
-            raise ValueError(f"plan file {path} cannot be read: {exc}") from exc
+            raise ValueError(f"plan file {path} cannot be read: {exc.strerror or exc}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"plan file {path} is not valid JSON ({exc}): re-run overlap tune") from exc
+            raise ValueError(f"plan file {path} is not valid JSON ({exc}): re-run overlap tune") from None
         if not isinstance(data, Mapping):
             raise ValueError(f"plan file {path} holds a JSON {type(data).__name__}, not an object: re-run overlap tune")
         if data.get("version") != PLAN_FILE_VERSION:
@@ -199,7 +199,7 @@ class PlanFile:
             profile = Profile.from_json(data["profile"], where=f"plan file {path}: profile") \
                 if data.get("profile") is not None else None
         except ValueError as exc:  # (names the file and the field)
-            raise ValueError(f"{exc}: re-run overlap tune") from exc
+            raise ValueError(f"{exc}: re-run overlap tune") from None
         planfile = cls(topology=data["topology"], world_size=world_size, profile=profile,
                        created=str(data["created"]), path=path)
         for key, raw in data["entries"].items():
@@ -209,7 +209,7 @@ class PlanFile:
                 what = (f"missing field {exc}" if isinstance(exc, KeyError) else str(exc) if isinstance(exc, ValueError)
                         else f"{type(exc).__name__}: {exc}")
                 raise ValueError(f"plan file {path}: entry {key!r} is malformed ({what}): re-run overlap tune") \
-                    from exc
+                    from None
         return planfile
 
 
@@ -277,7 +277,7 @@ def load_cached(path: str | os.PathLike) -> PlanFile:
     try:
         mtime = os.stat(path).st_mtime_ns
     except OSError as exc:
-        raise ValueError(f"plan file {path} cannot be read: {exc}") from exc
+        raise ValueError(f"plan file {path} cannot be read: {exc.strerror or exc}") from None
     cached = _CACHE.get(path)
     if cached is not None and cached[0] == mtime:
         return cached[1]

@@ -119,7 +119,9 @@ def reserve(group: Any = None, nbytes: int = 0, timeout: float | None = None) ->
     try:
         timeout = envs.resolve_timeout(timeout)
     except ValueError as exc:
-        error, timeout = exc, envs.timeout_s()
+        error = exc
+    if error is not None:  # (outside the handler: a bad OVERLAP_TIMEOUT_S raises alone, not chained to `error`)
+        timeout = envs.timeout_s()
     if error is None and (not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes <= MAX_SLOT_BYTES):
         error = ValueError(f"overlap.reserve: nbytes must be an int from 0 to {MAX_SLOT_BYTES}, got {nbytes!r}")
     heap = heap_for(group, timeout)

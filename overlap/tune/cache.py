@@ -34,6 +34,26 @@ def cache_dir() -> Path:
     return Path(envs.cache_dir())
 
 
+def check_cache_dir() -> Path:
+    """`cache_dir`, where a profile can be saved (a folder this user can write, or create); raises OSError naming
+    OVERLAP_CACHE_DIR otherwise (`envs.checked_cache_dir`). `overlap.tune.probing.probe_cached` calls it before it
+    probes, and the command line before any rank starts: not after a probe of seconds."""
+    return Path(envs.checked_cache_dir(writable=True))
+
+
+def may_probe(refresh: bool) -> bool:
+    """Whether a command that takes the cached profile (`probe_cached`) may have to probe and save one, as far as
+    can be told before its ranks start: with `refresh`, or where the cache holds no profile of this host (which
+    profile the ranks need depends on their links). The command line then checks `check_cache_dir` up front."""
+    if refresh:
+        return True
+    prefix = re.sub(r"[^A-Za-z0-9._+-]+", "_", f"profile-{socket.gethostname()}-")
+    try:
+        return not any(p.name.startswith(prefix) for p in cache_dir().iterdir())
+    except OSError:
+        return True
+
+
 def _info(group: GroupInfo | dist.ProcessGroup | None, timeout: float | None = None) -> GroupInfo:
     return group if isinstance(group, GroupInfo) else world.group_info(group, timeout)
 

@@ -171,7 +171,7 @@ def test_compare_marks_changes_beyond_the_spreads():
                         _row(b, "reference", 5.0), _row(gone, "reference", 1.0)])
     now = _payload([_row(a, "reference", 10.0), _row(a, "symm", 10.2), _row(a, "pipelined", 20.0),
                     _row(b, "reference", 5.0), _row(b, "symm", 4.0), _row(new, "reference", 1.0)])
-    lines = cmp.compare(earlier, now, "before.json")
+    lines = cmp.compare(earlier, now, "before.json", wide=True)  # one line per case and strategy
     assert lines[0] == "compared with before.json:"
     by = {tuple(re.split(r"\s{2,}", ln.strip())[:2]): ln for ln in lines[2:] if ln.startswith("op ")}
     assert by[(a, "reference")].endswith("-90.0%  faster"), by  # the much slower earlier reference
@@ -182,6 +182,12 @@ def test_compare_marks_changes_beyond_the_spreads():
     assert f"warning: 1 case(s) in the earlier run only: {gone}" in lines
     assert f"warning: 1 case(s) in this run only: {new}" in lines
     assert any(ln.startswith("warning: 1 strategy timing(s)") and f"{b} symm" in ln for ln in lines), lines
+    narrow = cmp.compare(earlier, now, "before.json")  # the default: each case's name over its strategies
+    col = lines[1].index("strategy")  # the wide form's lines from the strategy on
+    assert narrow[1:3] == ["case", "  " + lines[1][col:]], narrow
+    assert narrow[3:6] == [a, "  " + by[(a, "reference")][col:], "  " + by[(a, "symm")][col:]], narrow
+    assert narrow[7:9] == [b, "  " + by[(b, "reference")][col:]], narrow
+    assert narrow[9:] == lines[len(lines) - len(narrow) + 9:], narrow  # the counts and warnings as in the wide form
     other = cmp.compare(_payload([_row(a, "reference", 1.0)], world_size=4), now)
     assert any("differ in ranks (4 then 2)" in ln for ln in other), other
 
@@ -362,8 +368,9 @@ def test_bench_presets_progress_compare_and_plot(tmp_path):
     out = proc.stdout[proc.stdout.index(f"compared with {slow}:"):]
     for case in ("all_gather_matmul llama3-8b/qkv:512x256x192 float32 fwd",
                  "matmul_reduce_scatter llama3-8b/mlp-down:512x448x256 float32 fwd"):
-        assert re.search(rf"^{re.escape(case)}\s+reference\s+.*-\d+\.\d%  faster$", out, re.M), out
-        assert re.search(rf"^{re.escape(case)}\s+symm\s+[\d.]+ \[", out, re.M), out
+        block = out[out.index(f"\n{case}\n") + len(case) + 2:].split("\n" + case.split()[0])[0]  # its rows
+        assert re.search(r"^  reference\s+.*-\d+\.\d%  faster$", block, re.M), out
+        assert re.search(r"^  symm\s+[\d.]+ \[", block, re.M), out
     assert f"warning: 1 case(s) in this run only: {gone}" in out, out
     assert "warning: 1 case(s) in the earlier run only: all_gather_matmul 8x8x8 float32 fwd" in out, out
     if png.exists() or "matplotlib" not in proc.stderr:

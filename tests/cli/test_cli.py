@@ -23,9 +23,23 @@ def labels_of(op: str) -> tuple[str, ...]:
     return STRATEGY_LABELS + (ONE_SHOT_LABELS if op == "matmul_all_reduce" else ())
 
 
+def table(stdout: str) -> str:
+    """The table of ``overlap bench``'s `stdout` one line per row, ``case  strategy  columns`` (``--wide``'s form),
+    from its default form: each case's name on a line of its own, its rows below it indented by two spaces (a plan
+    wrapped onto lines indented further, left out here)."""
+    out, case = [], None
+    for line in stdout.splitlines():
+        if re.match(r"  \S", line) and case is not None:
+            out.append(f"{case}  {line.strip()}")
+        elif line and not line[0].isspace():
+            case = line
+            out.append(line)
+    return "\n".join(out)
+
+
 def result_lines(stdout: str, case: str, label: str) -> list[str]:
     """The table lines of `case` (``"op MxKxN dtype mode"``) and strategy `label` that carry a time."""
-    return [ln for ln in stdout.splitlines() if re.match(rf"{re.escape(case)}\s+{re.escape(label)}\s+\d", ln)]
+    return [ln for ln in table(stdout).splitlines() if re.match(rf"{re.escape(case)}\s+{re.escape(label)}\s+\d", ln)]
 
 
 def overlap_cmd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -167,19 +181,25 @@ def test_bench_op_mode_strategy_selection():
     assert "over torch, all:" not in proc.stdout, proc.stdout  # one mode: no overall line
 
 
-def test_bench_rank_error_exits_1():
-    """An exception on the ranks reaches stderr with its traceback, and the exit code is 1."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", OVERLAP_TIMEOUT_S="not-a-number")
+def test_bench_rank_error_exits_1(tmp_path):
+    """An exception on the ranks reaches stderr with its traceback, and the exit code is 1. (A bad variable is
+    caught before the ranks start, exit 2: `tests/cli/test_config_errors.py`; a plan file of another topology is
+    found only on the ranks, which know their topology.)"""
+    from overlap.plans import PlanFile
+
+    plans = tmp_path / "plans.json"
+    PlanFile(topology="cpu:nodes=1:ranks=3:links=shm*1", world_size=3).save(plans)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OVERLAP_PLAN=str(plans))
     proc = subprocess.run(
         [sys.executable, "-m", "overlap.cli", "bench", "--nproc", "2", "--shape", "8x8x8", "--iters", "1"],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=120,
         env=env,
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "overlap bench: rank" in proc.stderr and "Traceback" in proc.stderr, proc.stderr
-    assert "OVERLAP_TIMEOUT_S must be a number of seconds" in proc.stderr, proc.stderr
+    assert f"plan file {plans} was tuned on topology" in proc.stderr, proc.stderr
 
 
 def test_bench_json_folder_missing_exits_2(tmp_path):
@@ -234,10 +254,11 @@ def test_bench_mismatch_under_torchrun_fails(tmp_path):
     """A wrong strategy is reported FAILED and the command exits 1 (ranks started by torchrun, in place)."""
     proc = _run_torchrun(tmp_path, _WRONG_SYMM)
     assert proc.returncode != 0, proc.stdout + proc.stderr
-    assert re.search(r"16x8x8 float32 fwd\s+symm\s+FAILED\s+rank 1: symm vs reference \(out\)", proc.stdout), (
+    rows = table(proc.stdout)  # one line per row
+    assert re.search(r"16x8x8 float32 fwd\s+symm\s+FAILED\s+rank 1: symm vs reference \(out\)", rows), (
         proc.stdout
     )
-    assert re.search(r"16x8x8 float32 fwd\s+pipelined\s+\d", proc.stdout), proc.stdout
+    assert re.search(r"16x8x8 float32 fwd\s+pipelined\s+\d", rows), proc.stdout
     assert "did not match reference" in proc.stderr, proc.stderr
 
 
@@ -270,20 +291,22 @@ def test_bench_torch_row_is_checked_against_the_oracle(tmp_path):
     """The torch row is checked against the op's result computed locally, like reference: a wrong one fails."""
     proc = _run_torchrun(tmp_path, _WRONG_TORCH)
     assert proc.returncode != 0, proc.stdout + proc.stderr
+    rows = table(proc.stdout)  # one line per row
     case = "matmul_all_reduce 16x8x8 float32 fwd"
-    assert re.search(rf"{case}\s+torch\s+FAILED\s+rank 0: torch vs the local matmul_all_reduce \(out\)", proc.stdout), (
+    assert re.search(rf"{case}\s+torch\s+FAILED\s+rank 0: torch vs the local matmul_all_reduce \(out\)", rows), (
         proc.stdout)
-    assert re.search(rf"{case}\s+symm\s+\d", proc.stdout), proc.stdout  # the others are still checked and timed
+    assert re.search(rf"{case}\s+symm\s+\d", rows), proc.stdout  # the others are still checked and timed
 
 
 def test_bench_gradient_mismatch_fails(tmp_path):
     """fwd+bwd checks the gradients too: a right output with a wrong grad_a fails the strategy."""
     proc = _run_torchrun(tmp_path, _WRONG_GRAD)
     assert proc.returncode != 0, proc.stdout + proc.stderr
-    assert re.search(r"16x8x8 float32 fwd\+bwd\s+symm\s+FAILED\s+rank 1: symm vs reference \(grad_a\)", proc.stdout), (
+    rows = table(proc.stdout)  # one line per row
+    assert re.search(r"16x8x8 float32 fwd\+bwd\s+symm\s+FAILED\s+rank 1: symm vs reference \(grad_a\)", rows), (
         proc.stdout
     )
-    assert re.search(r"16x8x8 float32 fwd\+bwd\s+pipelined\s+\d", proc.stdout), proc.stdout
+    assert re.search(r"16x8x8 float32 fwd\+bwd\s+pipelined\s+\d", rows), proc.stdout
 
 
 # ----------------------------------------------------------------------------------------------
@@ -412,10 +435,11 @@ def test_bench_moe_mismatch_fails(tmp_path):
     """A wrong MoE output or a wrong expert-weight gradient fails its strategy; reference is still timed."""
     proc = _run_torchrun(tmp_path, _WRONG_MOE)
     assert proc.returncode != 0, proc.stdout + proc.stderr
+    rows = table(proc.stdout)  # one line per row
     case = re.escape("moe 16,8,12,4,2 float32 fwd+bwd")
-    assert re.search(rf"{case}\s+pipelined\s+FAILED\s+rank 1: pipelined vs reference \(out\)", proc.stdout), proc.stdout
-    assert re.search(rf"{case}\s+symm\s+FAILED\s+rank 1: symm vs reference \(grad_w1\)", proc.stdout), proc.stdout
-    assert re.search(rf"{case}\s+reference\s+\d", proc.stdout), proc.stdout
+    assert re.search(rf"{case}\s+pipelined\s+FAILED\s+rank 1: pipelined vs reference \(out\)", rows), proc.stdout
+    assert re.search(rf"{case}\s+symm\s+FAILED\s+rank 1: symm vs reference \(grad_w1\)", rows), proc.stdout
+    assert re.search(rf"{case}\s+reference\s+\d", rows), proc.stdout
     assert "did not match reference" in proc.stderr, proc.stderr
 
 

@@ -68,7 +68,7 @@ import torch.distributed as dist
 from ... import envs, rendezvous, world
 from ...plans import LinkFit, Plan, Problem, Profile, predict, topology_of
 from ...world import GroupInfo
-from ..cache import cache_dir, cache_path, device_name, load_cached, save_cached
+from ..cache import cache_dir, cache_path, check_cache_dir, device_name, load_cached, save_cached
 from ..fits import TRANSPORTS, fit_gemm, fit_line, fit_link, format_profile
 from .steps import (
     CALL_PROBLEM,
@@ -209,7 +209,8 @@ def probe_cached(group: dist.ProcessGroup | None = None, *, refresh: bool = Fals
 
     Rank 0 reads its machine's file (unless `refresh`) and hands what it found, or "none", to every
     rank through the store, so every rank returns the same Profile and all probe or none does.
-    After a probe rank 0 writes the file (`save_cached`). Raises as `probe`.
+    After a probe rank 0 writes the file (`save_cached`). Raises as `probe`, and OSError naming OVERLAP_CACHE_DIR
+    on every rank, before probing, where rank 0 could not save the profile there (`check_cache_dir`).
     """
     pg = world.resolve_group(group)
     timeout = envs.resolve_timeout(timeout)
@@ -220,9 +221,16 @@ def probe_cached(group: dist.ProcessGroup | None = None, *, refresh: bool = Fals
         if info.rank == 0 and not refresh:
             cached = load_cached(info, quick=quick)
             shared = cached.to_json() if cached is not None else None
+        if info.rank == 0 and shared is None:
+            try:  # a probe of seconds whose profile could not be saved: fail now, on every rank
+                check_cache_dir()
+            except OSError as exc:
+                shared = {"cache_error": [exc.errno, exc.strerror]}
         shared = rendezvous.exchange(pg, "probe-cache", shared, timeout)[0]
     finally:
         rendezvous.CALLER.reset(token)
+    if shared and "cache_error" in shared:
+        raise OSError(*shared["cache_error"])
     if shared:
         if progress is not None:
             progress("machine profile from the cache")
