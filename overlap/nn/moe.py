@@ -24,10 +24,11 @@ Parameters and initialization (the same model whatever ``W``):
   (``fan_in`` = ``H`` for ``w1``, ``F`` for ``w2``: the bound of ``nn.Linear``'s default). So expert ``e``
   starts from the same values at any ``W``.
 
-fp8: not yet. The experts' GEMMs run inside the fused MoE ops (`dispatch_grouped_matmul` multiplies each chunk of
-rows as it lands, `grouped_matmul_combine` sends each expert's output as it is computed), so the recipe cannot be
-applied around them here: fp8 experts need the ops to quantize before the dispatch and to run fp8 grouped GEMMs (a
-follow-up). ``fp8=`` takes the recipes' vocabulary and refuses every recipe with ``NotImplementedError``.
+fp8 (``fp8="rowwise" | "block128" | "mxfp8"`` or an `overlap.Fp8Recipe` of one): the tokens are quantized once on
+their rank and dispatched as fp8 rows with their scales (about half of bf16's bytes), and the first GEMM multiplies
+them by ``w1`` quantized at the same granularity (`overlap.ops.moe.fp8`); the activation, the second GEMM and the
+combine run in the parameters' dtype; the backward too (the recipe's high-precision gradients; ``+grads`` is not
+supported here yet).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from torch.nn import Parameter
 
 from .. import envs, world
 from ..ops.context import CallContext, describe
-from ..ops.fp8_recipe import Fp8Recipe, recipe_of
+from ..ops.fp8_recipe import Fp8Recipe
+from ..ops.moe import fp8 as moe_fp8
 from ..ops.moe.combine import grouped_matmul_combine
 from ..ops.moe.dispatch import OP_DISPATCH_MM, dispatch_grouped_matmul
 from ..plans import Plan
@@ -86,8 +88,8 @@ class ExpertParallelMLP(torch.nn.Module):
             any rank passes to one forward, the same on every rank: the MoE ops then run with static shapes
             (`overlap.ops.moe.bound`; torch.compile needs no data-dependent size), and a forward with more
             tokens on any rank raises ValueError on every rank.
-        fp8: None. An fp8 recipe (``"rowwise"``, ``"tensorwise"``, ``"mxfp8"``, an `overlap.Fp8Recipe`) raises
-            ``NotImplementedError``: MoE experts in fp8 are not supported yet (the module docstring).
+        fp8: None, or the dispatch's fp8 granularity: ``"rowwise"``, ``"block128"``, ``"mxfp8"`` (``hidden_size``
+            a multiple of 32) or an `overlap.Fp8Recipe` of one (the module docstring).
         dtype, device: of the parameters (defaults: torch's default dtype, CPU).
 
     Forward: ``x`` ``[T, H]`` or ``[s, b, H]`` holds this rank's own tokens (``T`` may differ between ranks,
@@ -103,11 +105,12 @@ class ExpertParallelMLP(torch.nn.Module):
     Raises:
         ValueError: in ``__init__``, before any communication: ``num_experts`` not divisible by the group's
             size, ``top_k`` out of ``[1, num_experts]``, an unknown activation, sizes that are not positive
-            ints, a bad strategy/plan/timeout, an unknown fp8 granularity. In ``forward``: ``x`` not
-            ``[T, H]``/``[s, b, H]`` (the peers' calls then raise at once, as for the ops' own input errors).
+            ints, a bad strategy/plan/timeout, an fp8 granularity the dispatch does not take (``tensorwise``).
+            In ``forward``: ``x`` not ``[T, H]``/``[s, b, H]`` (the peers' calls then raise at once, as for the
+            ops' own input errors).
         TypeError: a plan of the wrong type, ``fp8`` of another type; ``x`` of a dtype other than the parameters'
             outside autocast.
-        NotImplementedError: any fp8 recipe, in ``__init__``.
+        NotImplementedError: an fp8 recipe with ``grads=True``, in ``__init__``.
         The ops' errors (OverlapMismatchError, OverlapTimeout) as documented in `overlap.moe`.
     """
 
@@ -118,11 +121,8 @@ class ExpertParallelMLP(torch.nn.Module):
                  fp8: str | Fp8Recipe | None = None):
         super().__init__()
         name = "overlap.nn.ExpertParallelMLP"
-        recipe = recipe_of("nn.ExpertParallelMLP", fp8)
-        if recipe is not None:
-            raise NotImplementedError(f"{name}: fp8={recipe.text!r}: MoE experts in fp8 are not supported yet (their "
-                                      "GEMMs run inside overlap.moe's fused dispatch and combine; fp8 there is a "
-                                      "follow-up): use fp8=None")
+        self.fp8 = moe_fp8.recipe_for("nn.ExpertParallelMLP", fp8, hidden_size if isinstance(hidden_size, int)
+                                      else None)
         self.hidden_size = _positive_int("hidden_size", hidden_size)
         self.ffn_hidden_size = _positive_int("ffn_hidden_size", ffn_hidden_size)
         self.num_experts = _positive_int("num_experts", num_experts)
@@ -193,7 +193,7 @@ class ExpertParallelMLP(torch.nn.Module):
         topk_idx, topk_weights = self.route(x2d)
         kwargs = {"strategy": self.strategy, "plan": self.plan, "timeout": self.timeout}
         h, handle = dispatch_grouped_matmul(x2d, topk_idx, self.w1, self.num_experts, group=self.group,
-                                            max_tokens_per_rank=self.max_tokens_per_rank, **kwargs)
+                                            max_tokens_per_rank=self.max_tokens_per_rank, fp8=self.fp8, **kwargs)
         h = ACTIVATIONS[self.activation][0](h)
         y = grouped_matmul_combine(h, self.w2, topk_weights, handle, **kwargs)
         return y.view(x.shape[:-1] + (y.shape[-1],))
@@ -220,4 +220,5 @@ class ExpertParallelMLP(torch.nn.Module):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"num_experts={self.num_experts}, num_local_experts={self.num_local_experts}, top_k={self.top_k}, "
                 f"activation={self.activation!r}, EP={self.world_size}, strategy={self.strategy!r}"
-                + ("" if self.max_tokens_per_rank is None else f", max_tokens_per_rank={self.max_tokens_per_rank}"))
+                + ("" if self.max_tokens_per_rank is None else f", max_tokens_per_rank={self.max_tokens_per_rank}")
+                + ("" if self.fp8 is None else f", fp8={self.fp8.text!r}"))

@@ -32,6 +32,10 @@ import torch
 from .fp8 import GRANULARITIES, is_fp8
 
 GRADS_SUFFIX = "+grads"
+#: 1 x 128 token blocks, 128 x 128 weight blocks (DeepSeek-V3): the MoE dispatch's (`overlap.ops.moe.fp8`) alone
+BLOCK128 = "block128"
+#: what a recipe may name: the TP ops take `GRANULARITIES`, the MoE ops rowwise, block128 and mxfp8
+RECIPE_GRANULARITIES = (*GRANULARITIES, BLOCK128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +50,8 @@ class Fp8Recipe:
     grads: bool = False
 
     def __post_init__(self) -> None:
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"overlap.Fp8Recipe: granularity must be one of {GRANULARITIES}, got "
+        if self.granularity not in RECIPE_GRANULARITIES:
+            raise ValueError(f"overlap.Fp8Recipe: granularity must be one of {RECIPE_GRANULARITIES}, got "
                              f"{self.granularity!r}")
         if not isinstance(self.grads, bool):
             raise TypeError(f"overlap.Fp8Recipe: grads must be a bool, got {type(self.grads).__name__}")
@@ -65,7 +69,7 @@ class Fp8Recipe:
 
 
 def _expected(op: str) -> str:
-    return (f"overlap.{op}: fp8 must be None, one of {', '.join(repr(g) for g in GRANULARITIES)} or an "
+    return (f"overlap.{op}: fp8 must be None, one of {', '.join(repr(g) for g in RECIPE_GRANULARITIES)} or an "
             "overlap.Fp8Recipe")
 
 
@@ -79,7 +83,7 @@ def recipe_of(op: str, fp8: Any) -> Fp8Recipe | None:
     if not isinstance(fp8, str):
         raise TypeError(f"{_expected(op)}, got {type(fp8).__name__}")
     granularity = fp8.removesuffix(GRADS_SUFFIX)
-    if granularity not in GRANULARITIES:
+    if granularity not in RECIPE_GRANULARITIES:
         raise ValueError(f"{_expected(op)}, got {fp8!r}")
     return Fp8Recipe(granularity, fp8.endswith(GRADS_SUFFIX))
 
@@ -94,6 +98,9 @@ def check_recipe(op: str, fp8: Any, a: torch.Tensor) -> Fp8Recipe | None:
     recipe = recipe_of(op, fp8)
     if recipe is None:
         return None
+    if recipe.granularity not in GRANULARITIES:
+        raise ValueError(f"overlap.{op}: fp8={recipe.text!r} is the MoE dispatch's granularity (its tokens' 1 x 128 "
+                         f"blocks); the tensor-parallel ops take {', '.join(repr(g) for g in GRANULARITIES)}")
     if is_fp8(a):
         raise TypeError(f"overlap.{op}: fp8={recipe.text!r} quantizes high-precision operands; a is {a.dtype} "
                         "already (pass a_scale and b_scale instead)")

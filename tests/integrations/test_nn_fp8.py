@@ -383,7 +383,9 @@ def construction_task(rank, world_size) -> dict:
         "mxfp8 column k": lambda: ColumnParallelLinear(48, 32, fp8="mxfp8"),
         "mxfp8 row k": lambda: RowParallelLinear(48 * world_size, H, fp8=Fp8Recipe("mxfp8")),
         "float64": lambda: ColumnParallelLinear(H, 32, fp8="rowwise", dtype=torch.float64),
-        "moe": lambda: ExpertParallelMLP(H, 32, 2 * world_size, 1, fp8="rowwise"),
+        "moe": lambda: ExpertParallelMLP(H, 32, 2 * world_size, 1, fp8="tensorwise"),
+        "moe grads": lambda: ExpertParallelMLP(H, 32, 2 * world_size, 1, fp8="rowwise+grads"),
+        "moe mxfp8 hidden": lambda: ExpertParallelMLP(48, 32, 2 * world_size, 1, fp8="mxfp8"),
         "moe unknown": lambda: ExpertParallelMLP(H, 32, 2 * world_size, 1, fp8="bogus"),
     }
     for name, make in bad.items():
@@ -406,8 +408,10 @@ def test_bad_recipes_raise_in_init_on_every_rank(pools):
         assert res["mxfp8 column k"][0] == "ValueError" and "in_features=48" in res["mxfp8 column k"][1], res
         assert res["mxfp8 row k"][0] == "ValueError" and "in_features/W=48" in res["mxfp8 row k"][1], res
         assert res["float64"][0] == "TypeError" and "float64" in res["float64"][1], res
-        assert res["moe"][0] == "NotImplementedError", res
-        assert "MoE experts in fp8 are not supported yet" in res["moe"][1], res
+        assert res["moe"][0] == "ValueError" and "'tensorwise'" in res["moe"][1], res
+        assert "per token or per block" in res["moe"][1], res
+        assert res["moe grads"][0] == "NotImplementedError" and "'+grads'" in res["moe grads"][1], res
+        assert res["moe mxfp8 hidden"][0] == "ValueError" and "48" in res["moe mxfp8 hidden"][1], res
         assert res["moe unknown"][0] == "ValueError" and "'bogus'" in res["moe unknown"][1], res
         assert "fp8='tensorwise+grads'" in res["repr"][0] and "fp8=None" in res["repr"][1], res
         assert res["mxfp8 ok"], res

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .. import library
+from . import fp8 as moe_fp8
 from . import handle as moe_handle
 from . import layout
 
@@ -121,8 +122,8 @@ def define(forward: Callable, backward_op: Any) -> Any:
     the bound for its checks and signature) and its backward op `backward_op` (which reads only the first
     ``num_recv`` rows of a bounded gradient). Returns the op's overload packet."""
 
-    def bounded(x, topk_idx, w, num_experts, bound, group, strategy, plan, timeout, grads):
-        out, rows, key = forward(x, topk_idx, w, num_experts, group, strategy, plan, timeout, grads, bound)
+    def bounded(x, topk_idx, w, num_experts, bound, group, strategy, plan, timeout, grads, fp8):
+        out, rows, key = forward(x, topk_idx, w, num_experts, group, strategy, plan, timeout, grads, fp8, bound)
         h = moe_handle.layout_of(key, "dispatch")
         cap = capacity(h.info.world_size, bound, h.top_k, h.num_local_experts)
         rows = padded(rows, cap) if rows.dim() == 2 else rows
@@ -136,21 +137,20 @@ def define(forward: Callable, backward_op: Any) -> Any:
         topk_idx, rows, w, key = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         grad_x, grad_w = backward_op(grad_out, topk_idx, rows, w, key, need_x, need_w)
-        return (grad_x if need_x else None, None, grad_w if need_w else None) + (None,) * 7
+        return (grad_x if need_x else None, None, grad_w if need_w else None) + (None,) * 8
 
     return library.define(
         "moe_dispatch_bounded",
         "(Tensor x, Tensor topk_idx, Tensor? w, int num_experts, int bound, str group, str strategy, str plan, "
-        "float? timeout, str grads) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        "float? timeout, str grads, str fp8) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
         bounded, _fake, autograd_backward, save)  # static shapes: an ordered effect like every other op
 
 
-def _fake(x, topk_idx, w, num_experts, bound, group, strategy, plan, timeout, grads):
+def _fake(x, topk_idx, w, num_experts, bound, group, strategy, plan, timeout, grads, fp8):
     W = library.world_size(group)
     L = num_experts // W
     cap = capacity(W, bound, topk_idx.shape[1], L)
     cols = x.shape[1] if w is None else w.shape[2]
-    keep = w is not None and grads[1] == "1"
     counts = torch.empty(L, dtype=torch.int64, device=x.device)
-    return (x.new_empty((cap, cols)), x.new_empty((cap, x.shape[1]) if keep else (0,)),
+    return (x.new_empty((cap, cols)), moe_fp8.kept_rows(x, w, grads, fp8, cap),
             torch.empty(1, dtype=torch.int64), counts, counts.new_empty((L, W)), counts.new_empty(()))

@@ -25,8 +25,10 @@ import torch.distributed as dist
 
 from .. import library
 from ..context import CallContext, autocast_inputs, no_autocast, preamble, record
+from ..fp8_recipe import text_of
 from . import bound as moe_bound
 from . import entry, grouped, layout, to_experts, to_sources
+from . import fp8 as moe_fp8
 from . import handle as moe_handle
 from . import migration as moe_migration
 from .handle import MoEHandle
@@ -37,7 +39,7 @@ OP_DISPATCH_MM = "dispatch_grouped_matmul"
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | None = None,
              strategy: str = "auto", plan=None, timeout: float | None = None,
-             max_tokens_per_rank: int | None = None) -> tuple[torch.Tensor, MoEHandle]:
+             max_tokens_per_rank: int | None = None, fp8=None) -> tuple[torch.Tensor, MoEHandle]:
     """Send every (token, expert) pair's row to the rank that holds the expert.
 
     Args:
@@ -52,6 +54,9 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: d
             padding after them, and the handle's ``tokens_per_expert``, ``expert_offsets`` and ``num_recv``
             are int64 tensors on the tokens' device (`overlap.ops.moe.bound`). Static shapes for
             torch.compile; the counts still travel to the host inside the op.
+        fp8: None, or ``"rowwise"``, ``"block128"``, ``"mxfp8"`` (or an `overlap.Fp8Recipe` of one): every
+            token is quantized to e4m3 once, on this rank, and travels with its scales in its row
+            (`overlap.ops.moe.fp8`); ``x_recv`` holds the values the fp8 rows stand for, in ``x``'s dtype.
 
     Returns:
         ``(x_recv, handle)``: ``x_recv`` ``[R, H]`` holds the rows of this rank's experts grouped by local
@@ -65,19 +70,22 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: d
         OverlapMismatchError: ranks made different calls (hidden size, experts, top-k, dtype, plan, bound).
         OverlapTimeout: a peer did not answer within `timeout`; the group is then unusable.
     """
-    return _call(OP_DISPATCH, x, topk_idx, None, num_experts, group, strategy, plan, timeout, max_tokens_per_rank)
+    return _call(OP_DISPATCH, x, topk_idx, None, num_experts, group, strategy, plan, timeout, max_tokens_per_rank,
+                 fp8)
 
 
 def dispatch_grouped_matmul(x: torch.Tensor, topk_idx: torch.Tensor, w1, num_experts: int,
                             group: dist.ProcessGroup | None = None, strategy: str = "auto", plan=None,
-                            timeout: float | None = None,
-                            max_tokens_per_rank: int | None = None) -> tuple[torch.Tensor, MoEHandle]:
+                            timeout: float | None = None, max_tokens_per_rank: int | None = None,
+                            fp8=None) -> tuple[torch.Tensor, MoEHandle]:
     """`dispatch`, then ``h_e = x_recv_e @ w1[e]`` for every local expert, each block multiplied on arrival.
 
     Args:
         x, topk_idx, num_experts, group, strategy, plan, timeout, max_tokens_per_rank: as for `dispatch`;
             ``fused`` is available.
         w1: ``[L, H, F]`` (any strides) or a list of ``L`` tensors ``[H, F]``: this rank's experts, in order.
+        fp8: as for `dispatch`; the tokens stay fp8 into the GEMM, ``w1`` is quantized along ``H`` at the same
+            granularity and each block is a scaled GEMM (`overlap.ops.moe.fp8`); ``h`` has ``w1``'s dtype.
 
     Returns:
         ``(h, handle)``: ``h`` ``[R, F]`` in `dispatch`'s row order (no activation applied; with
@@ -85,43 +93,48 @@ def dispatch_grouped_matmul(x: torch.Tensor, topk_idx: torch.Tensor, w1, num_exp
 
     Raises: as `dispatch`; also for a `w1` of the wrong shape, dtype or device.
     """
-    return _call(OP_DISPATCH_MM, x, topk_idx, w1, num_experts, group, strategy, plan, timeout, max_tokens_per_rank)
+    return _call(OP_DISPATCH_MM, x, topk_idx, w1, num_experts, group, strategy, plan, timeout, max_tokens_per_rank,
+                 fp8)
 
 
-def _call(op, x, topk_idx, w, num_experts, group, strategy, plan, timeout, bound) -> tuple[torch.Tensor, MoEHandle]:
+def _call(op, x, topk_idx, w, num_experts, group, strategy, plan, timeout, bound,
+          fp8) -> tuple[torch.Tensor, MoEHandle]:
     """Both dispatches' public path: the arguments as the custom op takes them (autocast and a list of
     weights stacked here, where torch.compile traces it), then ``overlap::moe_dispatch`` (with a `bound`,
     ``overlap::moe_dispatch_bounded``). Arguments of the wrong types raise through the op's checks (which
     tell the peers) instead."""
     args = library.call_args(group, strategy, plan, timeout)
+    fp8 = text_of(fp8) if fp8 is not None else ""
     if w is not None:
         w = entry.stacked(w)
     if (args is None or not library.tensors(x, topk_idx) or (w is not None and not library.tensors(w))
             or isinstance(num_experts, bool) or not isinstance(num_experts, int)
-            or (bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)))):
-        _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, "", bound)  # raises, peers told
+            or (bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)))
+            or not isinstance(fp8, str)):
+        _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, "", bound, fp8)  # raises, peers told
         raise TypeError(f"overlap.moe.{op}: unsupported arguments")  # pragma: no cover - _prepare raised
     if w is not None:
         x, w = autocast_inputs(x, w)
     grads = entry.grad_flags(x) if w is None else entry.grad_flags(x, w)
     L = num_experts // dist.get_world_size(group)
     if bound is None:
-        out, _, key = _op(x, topk_idx, w, num_experts, *args, grads)
+        out, _, key = _op(x, topk_idx, w, num_experts, *args, grads, fp8)
         return out, MoEHandle(key, num_experts, L, topk_idx.shape[1])
-    out, _, key, *tensors = _bounded_op(x, topk_idx, w, num_experts, bound, *args, grads)
+    out, _, key, *tensors = _bounded_op(x, topk_idx, w, num_experts, bound, *args, grads, fp8)
     return out, MoEHandle(key, num_experts, L, topk_idx.shape[1], bound, tuple(tensors))
 
 
-def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, grads: str, bound=None):
+def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, grads: str, bound=None, fp8=""):
     """Local checks, plan, routing and signature (`overlap.ops.context.preamble`: a local mistake raises on
     every rank). `grads`: `entry.grad_flags` of ``x`` (and ``w``), read by the caller. Returns ``(x, w,
-    layout)``; the layout holds the dispatch's call context."""
+    layout)``; the layout holds the dispatch's call context and its fp8 row format."""
 
     def decide(cc: CallContext):
         nonlocal w
         info = cc.info
         L = entry.check_experts(op, num_experts, info.world_size)
         entry.check_tokens(op, x, info.device)
+        recipe = moe_fp8.check(op, fp8, x)
         if w is not None:
             w = entry.check_weights(op, w, L, x.shape[1], x.dtype, x.device, "w1")
         entry.check_topk_idx(op, topk_idx, x.shape[0], x.device)
@@ -138,11 +151,12 @@ def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, gr
             moe_bound.check_rows(op, bound, send_counts, topk_idx.shape[1], L)
         sig = entry.signature(f"moe.{op}", x.shape[1], None if w is None else w.shape[2], num_experts,
                                topk_idx.shape[1], x.dtype, chosen, info, grads) + moe_bound.signature_part(bound)
-        return chosen, sig, (E, order, send_counts, routed, mig)
+        sig += f", fp8={recipe.text}" if recipe is not None else ""
+        return chosen, sig, (E, order, send_counts, routed, mig, moe_fp8.row_format(recipe, x.shape[1]))
 
-    cc, (E, order, send_counts, routed, mig) = preamble(f"moe.{op}", group, timeout, decide)
+    cc, (E, order, send_counts, routed, mig, fmt) = preamble(f"moe.{op}", group, timeout, decide)
     h = layout.MoELayout(cc, E, E // cc.world_size, topk_idx.shape[1], x.shape[0], send_counts, order,
-                         max_tokens_per_rank=bound, migration=mig, routed=routed)
+                         max_tokens_per_rank=bound, migration=mig, routed=routed, fp8=fmt)
     return x, w, h
 
 
@@ -151,27 +165,28 @@ def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, gr
 # ----------------------------------------------------------------------------------------------
 
 
-def forward(x, topk_idx, w, num_experts, group, strategy, plan, timeout, grads, bound=None):
+def forward(x, topk_idx, w, num_experts, group, strategy, plan, timeout, grads, fp8="", bound=None):
     """``(out, rows, key)``: out is ``x_recv`` (no `w`) or ``h``; rows is ``x_recv`` where the weight
-    gradient will need it (else 0 elements); key names the layout (`overlap.ops.moe.handle`). Exact row
-    counts, also with a `bound` (`overlap.ops.moe.bound` pads them)."""
+    gradient will need it (else 0 elements; packed fp8 rows with `fp8`); key names the layout
+    (`overlap.ops.moe.handle`). Exact row counts, also with a `bound` (`overlap.ops.moe.bound` pads them)."""
     op = OP_DISPATCH if w is None else OP_DISPATCH_MM
     x, w, h = _prepare(op, x, topk_idx, num_experts, w, library.group_of(group), strategy, library.plan_of(plan),
-                       timeout, grads, bound)
+                       timeout, grads, bound, fp8)
     with record(f"moe.{op}"), no_autocast(h.info.device.type):
         keep = w is not None and grads[1] == "1"
-        recv, out = to_experts.run(h, x, h.token_of, w, h.context, counts=True, keep_rows=keep)
+        rows = x if h.fp8 is None else moe_fp8.pack(x, h.fp8)  # (once per token, before routing copies it)
+        recv, out = to_experts.run(h, rows, h.token_of, w, h.context, counts=True, keep_rows=keep, fp8=h.fp8)
     if w is None:
+        if h.fp8 is not None:
+            recv = moe_fp8.dequantize_rows(recv, h.fp8, x.dtype)
         return recv, x.new_empty(0), moe_handle.register(h)
     return out, recv if keep else x.new_empty(0), moe_handle.register(h)
 
 
-def _fake(x, topk_idx, w, num_experts, group, strategy, plan, timeout, grads):
+def _fake(x, topk_idx, w, num_experts, group, strategy, plan, timeout, grads, fp8=""):
     rows = torch.library.get_ctx().new_dynamic_size()  # data-dependent: the routing of every rank
     cols = x.shape[1] if w is None else w.shape[2]
-    keep = w is not None and grads[1] == "1"
-    return (x.new_empty((rows, cols)), x.new_empty((rows, x.shape[1]) if keep else (0,)),
-            torch.empty(1, dtype=torch.int64))
+    return x.new_empty((rows, cols)), moe_fp8.kept_rows(x, w, grads, fp8, rows), torch.empty(1, dtype=torch.int64)
 
 
 def _save(ctx, inputs, output) -> None:
@@ -184,7 +199,7 @@ def _autograd_backward(ctx, grad_out, _grad_rows, _grad_key):
     topk_idx, rows, w, key = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
     grad_x, grad_w = backward_op(grad_out, topk_idx, rows, w, key, need_x, need_w)
-    return (grad_x if need_x else None, None, grad_w if need_w else None) + (None,) * 6
+    return (grad_x if need_x else None, None, grad_w if need_w else None) + (None,) * 7
 
 
 def _backward(grad_out, topk_idx, rows, w, key, need_x, need_w):
@@ -193,6 +208,8 @@ def _backward(grad_out, topk_idx, rows, w, key, need_x, need_w):
     op = OP_DISPATCH if w is None else OP_DISPATCH_MM
     h = moe_handle.layout_of(key, f"{op}.backward")
     grad_out, rows = moe_bound.exact(grad_out, h).contiguous(), moe_bound.exact(rows, h)  # (padding: never read)
+    if need_w and h.fp8 is not None:  # what the forward multiplied: the values of the fp8 rows
+        rows = moe_fp8.dequantize_rows(rows, h.fp8, w.dtype)
     grad_w: list[torch.Tensor] = []
     w = w if h.migration is None else h.migration.extend(w, "w1")  # the hosted experts, as in the forward
 
@@ -230,7 +247,7 @@ backward_op = library.define(
 _op = library.define(
     "moe_dispatch",
     "(Tensor x, Tensor topk_idx, Tensor? w, int num_experts, str group, str strategy, str plan, float? timeout, "
-    "str grads) -> (Tensor, Tensor, Tensor)",
+    "str grads, str fp8) -> (Tensor, Tensor, Tensor)",
     # Not an ordered effect: inductor (torch 2.13) cannot schedule an effectful op whose output has a
     # data-dependent size. Never dropped (a side effect); its data orders it before its combine. (With a
     # bound the sizes are static: `overlap.ops.moe.bound`'s op is ordered.)

@@ -10,6 +10,7 @@ import itertools
 
 import torch
 
+from .fp8 import Fp8Experts
 from .layout import MoELayout
 
 #: The dtypes `torch._grouped_mm` takes on CPU ranks. GPU ranks keep one GEMM per block for now (their grouped
@@ -66,9 +67,23 @@ def block_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tenso
     return out
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, handle: MoELayout) -> torch.Tensor:
-    """``out_e = x_e @ w[e]`` for the expert-order blocks of ``x``."""
+def grouped_mm(x: torch.Tensor, w: torch.Tensor | Fp8Experts, handle: MoELayout) -> torch.Tensor:
+    """``out_e = x_e @ w[e]`` for the expert-order blocks of ``x`` (packed fp8 rows where `w` is `Fp8Experts`)."""
+    if isinstance(w, Fp8Experts):
+        return w.grouped(x, handle.tokens_per_expert)
     return block_mm(x, w, handle.tokens_per_expert)
+
+
+def expert_mm(rows: torch.Tensor, w: torch.Tensor | Fp8Experts, e: int, out: torch.Tensor) -> torch.Tensor:
+    """``out = rows @ w[e]``, one block of expert `e` as it lands (packed fp8 rows where `w` is `Fp8Experts`)."""
+    if isinstance(w, Fp8Experts):
+        return w.mm(rows, e, out)
+    return torch.mm(rows, w[e], out=out)
+
+
+def out_dtype(w: torch.Tensor | Fp8Experts, rows_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a GEMM's result on rows of `rows_dtype`: the weights' for fp8 rows, else the rows'."""
+    return w.dtype if isinstance(w, Fp8Experts) else rows_dtype
 
 
 def rows_for(h: MoELayout, y: torch.Tensor, w: torch.Tensor | None, s: int, into: torch.Tensor) -> None:

@@ -196,7 +196,8 @@ def to_experts(cc: CallContext, h: layout.MoELayout, rows: torch.Tensor, row_of_
                     own_idx.copy_(idx)
             call.signal_ready(n0)
             recv = torch.empty((h.num_recv, cols), dtype=dtype, device=h.info.device)
-            out = torch.empty((h.num_recv, w.shape[2]), dtype=dtype, device=h.info.device) if w is not None else None
+            out = (torch.empty((h.num_recv, w.shape[2]), dtype=grouped.out_dtype(w, dtype), device=h.info.device)
+                   if w is not None else None)
             # Our node's sources first (their GEMMs run while the network transfers travel), then each other
             # node's once its area landed: flagged then, so the node's ranks read it too.
             _take_blocks(cc, h, lay, rt, call, area_of, n0, recv, out, w)
@@ -241,7 +242,7 @@ def _take_blocks(cc, h, lay: Layout, rt: Routes, call, area_of, m: int, recv, ou
                 lo, dst = h.within_source(s, e), h.expert_offsets[e][s]
                 recv[dst : dst + n].copy_(staged[lo : lo + n])
                 if out is not None:
-                    torch.mm(recv[dst : dst + n], w[e], out=out[dst : dst + n])
+                    grouped.expert_mm(recv[dst : dst + n], w, e, out[dst : dst + n])
     return recv, out
 
 

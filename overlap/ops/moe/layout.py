@@ -61,6 +61,7 @@ class MoELayout:
             its smallest and largest expert id (an int64 tensor ``[E + 2]`` on the tokens' device, `route_stats`),
             read to the host with the received counts (one read per dispatch), which fill ``send_counts``;
             None once read, or where `route` read them.
+        fp8: the dispatch's `overlap.ops.moe.fp8.RowFormat` (its tokens travelled as packed fp8 rows), or None.
         context: the dispatch's `overlap.ops.context.CallContext` (group, group facts, plan, deadline);
             the matching combine and the backward passes run in contexts derived from it.
         group, info, plan, timeout: the context's.
@@ -78,6 +79,7 @@ class MoELayout:
     migration: Any = None
     across: dict = dataclasses.field(default_factory=dict)
     routed: torch.Tensor | None = None
+    fp8: Any = None
 
     @property
     def group(self) -> Any:

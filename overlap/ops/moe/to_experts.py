@@ -37,6 +37,7 @@ from ..context import CallContext
 from . import bound as moe_bound
 from . import cuda as moe_cuda
 from . import entry, grouped, layout
+from . import fp8 as moe_fp8
 from . import hierarchical as moe_hierarchical
 
 # ----------------------------------------------------------------------------------------------
@@ -45,13 +46,15 @@ from . import hierarchical as moe_hierarchical
 
 
 def run(h: layout.MoELayout, rows: torch.Tensor, row_of_send: torch.Tensor, w: torch.Tensor | None, cc: CallContext,
-        counts: bool = False, keep_rows: bool = False,
-        between: Callable[[], None] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        counts: bool = False, keep_rows: bool = False, between: Callable[[], None] | None = None,
+        fp8: moe_fp8.RowFormat | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Send ``rows[row_of_send[i]]`` (send position ``i``) to its expert's rank; one call on every rank.
 
     `counts`: this call also exchanges the counts (a dispatch), filling ``h.recv_counts``. With `w`
     (``[L, H, N]``, any strides) every block is multiplied by its expert's weight on arrival.
-    `between` runs while the transfers are in flight (after this rank's sends are issued). `cc` is the
+    `between` runs while the transfers are in flight (after this rank's sends are issued). With `fp8`, `rows` are
+    packed fp8 tokens of that format (`overlap.ops.moe.fp8`) and `w` is quantized to match, after any migration
+    fetched its copies; ``out`` then has `w`'s dtype. `cc` is the
     context of this call: its op, signature and plan (a combine's backward runs with the combine's plan,
     not the dispatch's).
 
@@ -63,6 +66,8 @@ def run(h: layout.MoELayout, rows: torch.Tensor, row_of_send: torch.Tensor, w: t
     try:
         if w is not None and w.shape[0] < h.num_local_experts:  # the forward's w1 [L]: fetch the copies, agreed
             w = h.migration.fetch(w, "w1", cc)
+        if w is not None and fp8 is not None:
+            w = moe_fp8.Fp8Experts.quantize(w, fp8)
         recv, out = STRATEGIES[kind](cc, call, h, rows, row_of_send, w, counts, between)
     finally:
         call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
@@ -106,7 +111,7 @@ def _pipelined(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
         for j, got, works in comm.exchange_chunked(buf, d, from_source(s), s, cc.plan.chunks_for, info, cc.pg, cc.op):
             pending[s].append((got, j, works))
     from_source(r).copy_(to_dest(r))
-    out = rows.new_empty((h.num_recv, w.shape[2])) if w is not None else None
+    out = rows.new_empty((h.num_recv, w.shape[2]), dtype=grouped.out_dtype(w, rows.dtype)) if w is not None else None
     # Multiply block (s, e) once the pieces holding it are in: our own rows first, then in step order.
     for i in range(W):
         s = (r - i) % W
@@ -122,7 +127,7 @@ def _pipelined(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
                     cc.wait(work, peer, j)
             if out is not None:
                 at = h.expert_offsets[e][s]
-                torch.mm(from_source(s)[lo : lo + c], w[e], out=out[at : at + c])
+                grouped.expert_mm(from_source(s)[lo : lo + c], w, e, out[at : at + c])
     if between is not None:
         between()
     for queue in pending.values():
@@ -147,7 +152,10 @@ def _fused(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
     with _produced(call, h, rows, row_of_send, counts):
         if counts:
             _read_counts(call, h)
-        recv, out = _consume_fused(cc, call, h, rows.dtype, rows.shape[1], w)
+        if isinstance(w, moe_fp8.Fp8Experts):  # (the Triton grouped GEMM has no fp8 form yet: symm's host loop)
+            recv, out = _consume(call, h, rows.dtype, rows.shape[1], w)
+        else:
+            recv, out = _consume_fused(cc, call, h, rows.dtype, rows.shape[1], w)
         if between is not None:
             between()
     return recv, out
@@ -224,7 +232,8 @@ def _consume(call, h: layout.MoELayout, dtype, cols: int, w):
     F, G = slots.flags_per_peer(W), slots.expert_groups(L, W)
     device = h.info.device
     recv = torch.empty((h.num_recv, cols), dtype=dtype, device=device)
-    out = torch.empty((h.num_recv, w.shape[2]), dtype=dtype, device=device) if w is not None else None
+    out = (torch.empty((h.num_recv, w.shape[2]), dtype=grouped.out_dtype(w, dtype), device=device)
+           if w is not None else None)
     for i in range(W):  # our own rows first, then in the order the senders write us
         s = (r - i) % W
         region = layout.region(call, h, r, s, dtype, cols)
@@ -240,7 +249,7 @@ def _consume(call, h: layout.MoELayout, dtype, cols: int, w):
                 lo, at = h.within_source(s, e), h.expert_offsets[e][s]
                 recv[at : at + c].copy_(region[lo : lo + c])
                 if out is not None:
-                    torch.mm(recv[at : at + c], w[e], out=out[at : at + c])
+                    grouped.expert_mm(recv[at : at + c], w, e, out[at : at + c])
     return recv, out
 
 

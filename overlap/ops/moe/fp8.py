@@ -1,0 +1,312 @@
+"""fp8 tokens of the MoE dispatch: quantized once on their owner, before routing copies them, with their scales in
+the same rows (`RowFormat`, `pack`), so that one transfer moves both at about half of bf16's bytes; and the experts'
+first GEMM on them (`Fp8Experts`: fp8 tokens times fp8 expert weights, the scales applied per row or block).
+
+``fp8=`` of `overlap.moe.dispatch`/`dispatch_grouped_matmul` (and `overlap.nn.ExpertParallelMLP`) takes a granularity
+or an `overlap.Fp8Recipe` (`check`):
+
+==========  ===========================================  ===============================================
+granularity a token's scales (in its row)                an expert weight ``w[e]`` ``[H, N]``'s scales
+==========  ===========================================  ===============================================
+rowwise     one float32 per token                        one float32 per column (along ``H``)
+block128    one float32 per 128 columns (DeepSeek-V3's   one float32 per 128 x 128 block
+            1 x 128; the last block may be partial)
+mxfp8       one e8m0 per 32 columns (OCP MX; ``H`` a     one e8m0 per 32 rows of each column
+            multiple of 32)
+==========  ===========================================  ===============================================
+
+A packed row is ``uint8``: the ``H`` e4m3 bytes, padding to 16 bytes, the scales' bytes, padding to 16 bytes
+(`RowFormat.cols`); every strategy moves such rows as it moves any other (the heap's regions, the point-to-point
+pieces, the network hop of ``hierarchical``), and the GEMM reads the block's rows as they land (`Fp8Experts.mm`).
+
+The GEMM: `overlap.ops.fp8.scaled_mm` per expert block for ``rowwise`` and ``mxfp8`` (`torch._scaled_mm` where the
+installed torch takes it on that device, as probed there; else dequantized); ``torch._scaled_grouped_mm`` for a
+whole ``rowwise`` grouped GEMM where the device has it (probed once; CUDA sm_90+; never run here); ``block128``
+dequantized to float32 and multiplied (no scaled GEMM here takes 1 x 128 by 128 x 128 scales). The result has the
+weights' dtype. The combine moves and multiplies in that dtype, as without fp8.
+
+Autograd (the dense recipe's ``grads=False``): the tokens' gradient is the straight-through one (the quantization's
+derivative taken as 1), travelling back in the weights' dtype; the weight gradient multiplies the dequantized rows
+that arrived (what the forward multiplied) by the output gradient in the weights' dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+
+from ..fp8 import MX_BLOCK, MX_SCALE_DTYPE, OPERAND_DTYPE, dequantize, quantize_fp8, scaled_mm
+from ..fp8_recipe import Fp8Recipe, recipe_of
+
+#: the granularities of an MoE dispatch's tokens
+GRANULARITIES = ("rowwise", "block128", "mxfp8")
+#: the columns of a ``block128`` scale (tokens), and the rows and columns of a weight's
+BLOCK = 128
+_ALIGN = 16
+
+
+def _up(n: int, to: int = _ALIGN) -> int:
+    return -(-n // to) * to
+
+
+# ----------------------------------------------------------------------------------------------
+# The recipe of a call
+# ----------------------------------------------------------------------------------------------
+
+
+def recipe_for(op: str, fp8: object, hidden: int | None = None) -> Fp8Recipe | None:
+    """``fp8=`` of an MoE call or layer (tokens of `hidden` columns where known): None, or its recipe; raises
+    (TypeError, ValueError, NotImplementedError) naming `op` for one the MoE ops do not take."""
+    recipe = recipe_of(op, fp8)
+    if recipe is None:
+        return None
+    if recipe.granularity not in GRANULARITIES:
+        raise ValueError(f"overlap.{op}: fp8={recipe.text!r}: a dispatch quantizes each token on its owner, so its "
+                         f"scales are per token or per block: {', '.join(map(repr, GRANULARITIES))}")
+    if recipe.grads:
+        raise NotImplementedError(f"overlap.{op}: fp8={recipe.text!r}: fp8 gradients in the MoE ops are not "
+                                  "supported yet (their backward runs in the weights' dtype): drop '+grads'")
+    if recipe.granularity == "mxfp8" and hidden is not None and hidden % MX_BLOCK:
+        raise ValueError(f"overlap.{op}: fp8='mxfp8' quantizes blocks of {MX_BLOCK} along the hidden size, which "
+                         f"is {hidden}: it must be a multiple of {MX_BLOCK} (or use 'rowwise' or 'block128')")
+    return recipe
+
+
+def check(op: str, fp8: object, x: torch.Tensor) -> Fp8Recipe | None:
+    """`recipe_for` of a dispatch whose tokens are `x` ``[T, H]``, which must be float32, bfloat16 or float16;
+    before any communication."""
+    recipe = recipe_for(f"moe.{op}", fp8, x.shape[1])
+    if recipe is not None and x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"overlap.moe.{op}: fp8={recipe.text!r} quantizes float32, bfloat16 or float16 tokens, got "
+                        f"{x.dtype}")
+    return recipe
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed rows: fp8 bytes, then the scales
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RowFormat:
+    """The packed row of a token of `hidden` columns at `granularity` (module docstring)."""
+
+    granularity: str
+    hidden: int
+
+    @property
+    def blocks(self) -> int:
+        """Scales per token."""
+        if self.granularity == "rowwise":
+            return 1
+        return -(-self.hidden // (BLOCK if self.granularity == "block128" else MX_BLOCK))
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return MX_SCALE_DTYPE if self.granularity == "mxfp8" else torch.float32
+
+    @property
+    def data_cols(self) -> int:
+        """Where the scales start: the fp8 bytes padded to 16."""
+        return _up(self.hidden)
+
+    @property
+    def cols(self) -> int:
+        """The packed row's bytes (a multiple of 16)."""
+        return self.data_cols + _up(self.blocks * (1 if self.granularity == "mxfp8" else 4))
+
+    @property
+    def text(self) -> str:
+        return self.granularity
+
+    def __str__(self) -> str:
+        return f"{self.granularity} ({self.cols} bytes a row for {self.hidden} columns)"
+
+
+def row_format(recipe: Fp8Recipe | None, hidden: int) -> RowFormat | None:
+    return None if recipe is None else RowFormat(recipe.granularity, hidden)
+
+
+def quantize_rows(x: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x8 [T, H] e4m3, scales [T, blocks])`` of tokens `x` ``[T, H]`` (amax-based, saturating: `overlap.ops.fp8`);
+    ``block128``'s last block may be partial (its amax over the columns it has)."""
+    if granularity == "rowwise":
+        return quantize_fp8(x, "rowwise")
+    if granularity == "mxfp8":
+        return quantize_fp8(x, "mxfp8")
+    T, H = x.shape
+    nb = -(-H // BLOCK)
+    xf = x.detach().float()
+    if nb * BLOCK != H:
+        xf = torch.cat([xf, xf.new_zeros((T, nb * BLOCK - H))], dim=1)
+    blocks = xf.view(T, nb, BLOCK)
+    fmax = torch.finfo(OPERAND_DTYPE).max
+    scale = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12 * fmax) / fmax
+    q = (blocks / scale).clamp(-fmax, fmax).to(OPERAND_DTYPE).view(T, nb * BLOCK)[:, :H]
+    return q, scale.view(T, nb)
+
+
+def pack(x: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
+    """Tokens `x` ``[T, H]`` as packed rows ``[T, fmt.cols]`` uint8 (quantized once, here)."""
+    T = x.shape[0]
+    out = torch.zeros((T, fmt.cols), dtype=torch.uint8, device=x.device)
+    if T == 0:
+        return out
+    q, scale = quantize_rows(x, fmt.granularity)
+    out[:, : fmt.hidden].copy_(q.view(torch.uint8))
+    nbytes = fmt.blocks * scale.element_size()
+    out[:, fmt.data_cols : fmt.data_cols + nbytes].copy_(scale.contiguous().view(torch.uint8).view(T, nbytes))
+    return out
+
+
+def unpack(rows: torch.Tensor, fmt: RowFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x8 [R, H] e4m3, scales [R, blocks])`` of packed `rows` (views where the layout allows, else copies)."""
+    x8 = rows[:, : fmt.hidden].view(OPERAND_DTYPE)
+    size = 1 if fmt.granularity == "mxfp8" else 4
+    raw = rows[:, fmt.data_cols : fmt.data_cols + fmt.blocks * size]
+    if size > 1 and (raw.stride(0) % size or raw.storage_offset() % size):
+        raw = raw.contiguous()
+    return x8, raw.view(fmt.scale_dtype)
+
+
+def dequantize_rows(rows: torch.Tensor, fmt: RowFormat, dtype: torch.dtype) -> torch.Tensor:
+    """Packed `rows` as the values they stand for, ``[R, H]`` in `dtype`."""
+    x8, scale = unpack(rows, fmt)
+    return _dequantize_tokens(x8, scale, fmt).to(dtype)
+
+
+def _dequantize_tokens(x8: torch.Tensor, scale: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
+    if fmt.granularity == "block128":
+        return x8.float() * scale.repeat_interleave(BLOCK, dim=1)[:, : fmt.hidden]
+    return dequantize(x8, scale, -1)
+
+
+def kept_rows(x, w, grads: str, fp8: str, rows) -> torch.Tensor:
+    """The fake of the rows a dispatch keeps for its weight gradient: ``[rows, H]`` in ``x``'s dtype, packed fp8
+    rows (uint8) with `fp8`, 0 elements where no weight gradient is asked for."""
+    if w is None or grads[1] != "1":
+        return x.new_empty((0,))
+    recipe = recipe_of("moe.dispatch", fp8)
+    if recipe is None:
+        return x.new_empty((rows, x.shape[1]))
+    return x.new_empty((rows, RowFormat(recipe.granularity, x.shape[1]).cols), dtype=torch.uint8)
+
+
+# ----------------------------------------------------------------------------------------------
+# The experts' weights and their GEMM
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class Fp8Experts:
+    """Expert weights ``[L, H, N]`` quantized along ``H`` at a `RowFormat`'s granularity, for the GEMMs of the
+    packed rows: `w8` e4m3 ``[L, H, N]``; `scale` ``[L, 1, N]`` (rowwise), ``[L, ceil(H/128), ceil(N/128)]``
+    (block128) or ``[L, H/32, N]`` e8m0 (mxfp8); `dtype` the result's (the weights' own)."""
+
+    w8: torch.Tensor
+    scale: torch.Tensor
+    fmt: RowFormat
+    dtype: torch.dtype
+    _dense: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, fmt: RowFormat) -> Fp8Experts:
+        L, H, N = w.shape
+        g = fmt.granularity
+        if g == "block128":
+            nh, nn = -(-H // BLOCK), -(-N // BLOCK)
+            wf = torch.zeros((L, nh * BLOCK, nn * BLOCK), dtype=torch.float32, device=w.device)
+            wf[:, :H, :N] = w.detach().float()
+            blocks = wf.view(L, nh, BLOCK, nn, BLOCK)
+            fmax = torch.finfo(OPERAND_DTYPE).max
+            scale = blocks.abs().amax(dim=(2, 4), keepdim=True).clamp(min=1e-12 * fmax) / fmax
+            q = (blocks / scale).clamp(-fmax, fmax).to(OPERAND_DTYPE).view(L, nh * BLOCK, nn * BLOCK)
+            return cls(q[:, :H, :N], scale.view(L, nh, nn), fmt, w.dtype)
+        wt8, st = quantize_fp8(w.transpose(1, 2), "rowwise" if g == "rowwise" else "mxfp8")  # along H
+        return cls(wt8.transpose(1, 2), st.transpose(1, 2), fmt, w.dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.w8.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.w8.device
+
+    def dense(self, e: int) -> torch.Tensor:
+        """Expert `e`'s weight as the values it stands for, float32 ``[H, N]`` (kept for the call)."""
+        if e not in self._dense:
+            w8, s = self.w8[e], self.scale[e]
+            if self.fmt.granularity == "block128":
+                H, N = w8.shape
+                full = s.repeat_interleave(BLOCK, dim=0).repeat_interleave(BLOCK, dim=1)[:H, :N]
+                self._dense[e] = w8.float() * full
+            else:
+                self._dense[e] = dequantize(w8, s, 0)
+        return self._dense[e]
+
+    def mm(self, rows: torch.Tensor, e: int, out: torch.Tensor) -> torch.Tensor:
+        """``out = rows @ w[e]``: `rows` packed (uint8), the scales applied per row or block."""
+        if not rows.shape[0]:
+            return out
+        x8, sx = unpack(rows, self.fmt)
+        if self.fmt.granularity == "block128":
+            return out.copy_(torch.mm(_dequantize_tokens(x8, sx, self.fmt), self.dense(e)))
+        return scaled_mm(x8, self.w8[e], sx, self.scale[e], out.dtype, out=out)
+
+    def grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Consecutive blocks of `counts` packed rows, block ``i`` times ``w[i]``: ``[sum(counts), N]``."""
+        n = sum(counts)
+        out = _scaled_grouped(rows[:n], self, counts)
+        if out is not None:
+            return out
+        out = torch.empty((n, self.shape[2]), dtype=self.dtype, device=rows.device)
+        at = 0
+        for e, c in enumerate(counts):
+            if c:
+                self.mm(rows[at : at + c], e, out[at : at + c])
+            at += c
+        return out
+
+
+#: `_grouped_native`'s answers, per device and dtype
+_PROBED: dict[tuple, bool] = {}
+
+
+def _scaled_grouped(rows: torch.Tensor, w: Fp8Experts, counts: list[int]) -> torch.Tensor | None:
+    """``torch._scaled_grouped_mm`` of a ``rowwise`` call where the device takes it (probed once), else None."""
+    if w.fmt.granularity != "rowwise" or rows.device.type != "cuda" or not sum(counts):
+        return None
+    if not _grouped_native(rows.device, w.dtype):
+        return None
+    x8, sx = unpack(rows, w.fmt)
+    offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=rows.device)
+    b = w.w8.transpose(1, 2).contiguous().transpose(1, 2)  # column-major per expert
+    return torch._scaled_grouped_mm(x8.contiguous(), b, sx.reshape(-1).contiguous(),
+                                    w.scale.reshape(w.shape[0], -1).contiguous(), offs=offs, out_dtype=w.dtype)
+
+
+def _grouped_native(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._scaled_grouped_mm`` takes rowwise e4m3 on `device` and gives the dequantized product
+    (tried once on a small problem; never while torch.compile traces)."""
+    key = (device, dtype)
+    if key not in _PROBED:
+        if torch.compiler.is_compiling() or not hasattr(torch, "_scaled_grouped_mm"):
+            return False
+        gen = torch.Generator().manual_seed(0)
+        fmt = RowFormat("rowwise", 64)
+        x = torch.randn((32, 64), generator=gen).to(device)
+        w = Fp8Experts.quantize(torch.randn((2, 64, 32), generator=gen).to(device, dtype), fmt)
+        rows = pack(x, fmt)
+        try:
+            _PROBED[key] = True
+            got = _scaled_grouped(rows, w, [16, 16]).float()
+        except (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError):
+            _PROBED[key] = False
+            return False
+        xd = dequantize_rows(rows, fmt, torch.float32)
+        want = torch.cat([xd[:16] @ w.dense(0), xd[16:] @ w.dense(1)])
+        _PROBED[key] = bool(((got - want).abs() <= 2.0**-6 * want.abs() + 1e-3 * want.abs().max()).all())
+    return _PROBED[key]
