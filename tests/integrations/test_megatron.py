@@ -14,6 +14,8 @@ import warnings
 import pytest
 import torch
 
+from tests.support import megatron_groups
+
 # The test extras pin megatron-core; a machine without it (the GPU machine's stack) skips this module.
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[test]')")
 
@@ -29,7 +31,7 @@ def _megatron(world_size: int):
     if parallel_state.model_parallel_is_initialized():
         if parallel_state.get_tensor_model_parallel_world_size() == world_size:
             return parallel_state
-        parallel_state.destroy_model_parallel()
+        megatron_groups.reset(parallel_state)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
     return parallel_state
 

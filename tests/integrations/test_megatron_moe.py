@@ -15,6 +15,8 @@ import warnings
 import pytest
 import torch
 
+from tests.support import megatron_groups
+
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[test]')")
 
 SEQ, BATCH = 6, 2  # tokens per rank: s x b
@@ -315,8 +317,7 @@ def refusals(rank, world_size, options, etp):
     from tests.support.megatron_moe import cuda_plumbing, moe_config, moe_layer
 
     with cuda_plumbing():
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
+        megatron_groups.reset(ps)
         ps.initialize_model_parallel(expert_model_parallel_size=world_size // etp, expert_tensor_parallel_size=etp)
         config = moe_config(1, world_size // etp, expert_tensor_parallel_size=etp, **options)
         model = Holder(moe_layer(config, 0))
@@ -493,8 +494,7 @@ def docs_snippet(rank, world_size, code):
     from tests.support.megatron_moe import cuda_plumbing
 
     with cuda_plumbing():
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
+        megatron_groups.reset(ps)
         namespace: dict = {}
         exec(compile(code, "docs/integrations.md", "exec"), namespace)
         model = namespace["model"]

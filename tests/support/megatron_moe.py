@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from . import megatron_groups
+
 
 class _Stream:
     def __init__(self, *args: Any, **kwargs: Any):
@@ -110,8 +112,7 @@ def parallel_state(tp: int, ep: int) -> Any:
     parallel 1."""
     from megatron.core import parallel_state as ps
 
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    megatron_groups.reset(ps)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                  expert_tensor_parallel_size=1)
     return ps
