@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from ..ops.context import autocast_inputs
-from ..ops.fp8 import MX_BLOCK
+from ..ops.fp8 import GRANULARITIES, MX_BLOCK
 from ..ops.fp8_matmul import fp8_matmul
-from ..ops.fp8_recipe import Fp8Recipe, recipe_of
+from ..ops.fp8_recipe import TP_ONLY, Fp8Recipe, recipe_among
 from ..ops.tp.collectives import all_reduce_grad
 
 #: the parameter dtypes a recipe quantizes (`overlap.fp8_matmul`'s and the ops' leaves)
@@ -41,9 +41,10 @@ def layer_recipe(what: str, fp8: Any, k: int, k_name: str, dtype: torch.dtype | 
     Raises:
         TypeError: `fp8` is not None, a granularity or an `Fp8Recipe`; parameters of a dtype the recipe cannot
             quantize from (float64).
-        ValueError: an unknown granularity; ``"mxfp8"`` with `k` not a multiple of 32.
+        ValueError: an unknown granularity, or ``"block128"`` (the MoE dispatch's); ``"mxfp8"`` with `k` not a
+            multiple of 32.
     """
-    recipe = recipe_of(what, fp8)
+    recipe = recipe_among(what, fp8, GRANULARITIES, TP_ONLY)
     if recipe is None:
         return None
     dtype = torch.get_default_dtype() if dtype is None else dtype

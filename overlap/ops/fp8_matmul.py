@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from .fp8 import MX_BLOCK, OPERAND_DTYPE, quantize_fp8, quantize_weight, scaled_mm
-from .fp8_recipe import Fp8Recipe, recipe_of
+from .fp8 import GRANULARITIES, MX_BLOCK, OPERAND_DTYPE, quantize_fp8, quantize_weight, scaled_mm
+from .fp8_recipe import TP_ONLY, Fp8Recipe, recipe_among
 
 
 def forward_gemm(a2: torch.Tensor, b: torch.Tensor, granularity: str, out_dtype: torch.dtype) -> torch.Tensor:
@@ -76,7 +76,7 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, fp8: Any) -> torch.Tensor:
         TypeError: `a` and `b` of different dtypes, or not float32/bfloat16/float16; a bad `fp8`.
         ValueError: ``k`` not a multiple of 32 with ``"mxfp8"``; shapes that do not multiply.
     """
-    recipe = recipe_of("fp8_matmul", fp8)
+    recipe = recipe_among("fp8_matmul", fp8, GRANULARITIES, TP_ONLY)
     if recipe is None:
         raise TypeError("overlap.fp8_matmul: fp8 must name a recipe, got None")
     if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.bfloat16, torch.float16):

@@ -88,6 +88,20 @@ def recipe_of(op: str, fp8: Any) -> Fp8Recipe | None:
     return Fp8Recipe(granularity, fp8.endswith(GRADS_SUFFIX))
 
 
+def recipe_among(op: str, fp8: Any, allowed: tuple[str, ...], why: str) -> Fp8Recipe | None:
+    """`recipe_of` for a call or layer that takes the granularities `allowed` alone; another raises ValueError naming
+    `op`, the recipe, `why` and what to use instead."""
+    recipe = recipe_of(op, fp8)
+    if recipe is not None and recipe.granularity not in allowed:
+        raise ValueError(f"overlap.{op}: fp8={recipe.text!r} is not taken here ({why}): use one of "
+                         f"{', '.join(map(repr, allowed))}")
+    return recipe
+
+
+#: why the TP ops, their layers and `fp8_matmul` refuse `BLOCK128`
+TP_ONLY = "block128 is the MoE dispatch's granularity: its tokens' 1 x 128 blocks"
+
+
 def text_of(fp8: Any) -> Any:
     """`fp8` as a custom op takes it: an `Fp8Recipe`'s text; anything else as it is (the op's checks judge it)."""
     return fp8.text if isinstance(fp8, Fp8Recipe) else fp8
@@ -95,12 +109,9 @@ def text_of(fp8: Any) -> Any:
 
 def check_recipe(op: str, fp8: Any, a: torch.Tensor) -> Fp8Recipe | None:
     """``fp8=`` of a call whose activation is `a`: a recipe (`recipe_of`), on high-precision operands. Returns it."""
-    recipe = recipe_of(op, fp8)
+    recipe = recipe_among(op, fp8, GRANULARITIES, TP_ONLY)
     if recipe is None:
         return None
-    if recipe.granularity not in GRANULARITIES:
-        raise ValueError(f"overlap.{op}: fp8={recipe.text!r} is the MoE dispatch's granularity (its tokens' 1 x 128 "
-                         f"blocks); the tensor-parallel ops take {', '.join(repr(g) for g in GRANULARITIES)}")
     if is_fp8(a):
         raise TypeError(f"overlap.{op}: fp8={recipe.text!r} quantizes high-precision operands; a is {a.dtype} "
                         "already (pass a_scale and b_scale instead)")

@@ -7,6 +7,7 @@ What they share: the two directions' transfers, `to_experts` (dispatch's forward
 slot's regions); `entry` (the checks, routing, plan, signatures and the counts' exchange); `grouped` (the grouped
 GEMMs on the host); `handle` (the handle a dispatch returns); `bound` (``max_tokens_per_rank``: static shapes);
 `migration` (expert migration across nodes; which experts: `overlap.plans.migration`); `hierarchical` (groups
-that span nodes); `cuda` (the CUDA all-to-all kernels' tables). The fused grouped GEMMs' tile tables are beside
+that span nodes); `fp8` (the dispatch's fp8 tokens, packed with their scales, and the experts' scaled GEMMs);
+`cuda` (the CUDA all-to-all kernels' tables). The fused grouped GEMMs' tile tables are beside
 their launchers (`overlap.kernels.dispatch_grouped_matmul`, `overlap.kernels.grouped_matmul_combine`).
 """

@@ -152,7 +152,7 @@ def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, gr
         sig = entry.signature(f"moe.{op}", x.shape[1], None if w is None else w.shape[2], num_experts,
                                topk_idx.shape[1], x.dtype, chosen, info, grads) + moe_bound.signature_part(bound)
         sig += f", fp8={recipe.text}" if recipe is not None else ""
-        return chosen, sig, (E, order, send_counts, routed, mig, moe_fp8.row_format(recipe, x.shape[1]))
+        return chosen, sig, (E, order, send_counts, routed, mig, moe_fp8.row_format(recipe, x.shape[1], x.device))
 
     cc, (E, order, send_counts, routed, mig, fmt) = preamble(f"moe.{op}", group, timeout, decide)
     h = layout.MoELayout(cc, E, E // cc.world_size, topk_idx.shape[1], x.shape[0], send_counts, order,

@@ -15,9 +15,10 @@ mxfp8       one e8m0 per 32 columns (OCP MX; ``H`` a     one e8m0 per 32 rows of
             multiple of 32)
 ==========  ===========================================  ===============================================
 
-A packed row is ``uint8``: the ``H`` e4m3 bytes, padding to 16 bytes, the scales' bytes, padding to 16 bytes
-(`RowFormat.cols`); every strategy moves such rows as it moves any other (the heap's regions, the point-to-point
-pieces, the network hop of ``hierarchical``), and the GEMM reads the block's rows as they land (`Fp8Experts.mm`).
+A packed row is `overlap.ops.fp8_rows.Packed`'s (the TP ops' fp8 gathers use it too): the ``H`` e4m3 bytes, then the
+scales (16-byte rows on GPUs, for the dispatch kernel). Every strategy moves such rows as it moves any other (the
+heap's regions, the point-to-point pieces, the network hop of ``hierarchical``), and the GEMM reads each block's rows
+as they land (`Fp8Experts.mm`).
 
 The GEMM: `overlap.ops.fp8.scaled_mm` per expert block for ``rowwise`` and ``mxfp8`` (`torch._scaled_mm` where the
 installed torch takes it on that device, as probed there; else dequantized); ``torch._scaled_grouped_mm`` for a
@@ -33,22 +34,19 @@ that arrived (what the forward multiplied) by the output gradient in the weights
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import torch
 
-from ..fp8 import MX_BLOCK, MX_SCALE_DTYPE, OPERAND_DTYPE, dequantize, quantize_fp8, scaled_mm
-from ..fp8_recipe import Fp8Recipe, recipe_of
+from ..fp8 import MIN_SCALE, MX_BLOCK, OPERAND_DTYPE, dequantize, quantize_fp8, scaled_mm
+from ..fp8_recipe import Fp8Recipe, recipe_among, recipe_of
+from ..fp8_rows import Packed
 
 #: the granularities of an MoE dispatch's tokens
 GRANULARITIES = ("rowwise", "block128", "mxfp8")
 #: the columns of a ``block128`` scale (tokens), and the rows and columns of a weight's
 BLOCK = 128
-_ALIGN = 16
-
-
-def _up(n: int, to: int = _ALIGN) -> int:
-    return -(-n // to) * to
 
 
 # ----------------------------------------------------------------------------------------------
@@ -59,12 +57,10 @@ def _up(n: int, to: int = _ALIGN) -> int:
 def recipe_for(op: str, fp8: object, hidden: int | None = None) -> Fp8Recipe | None:
     """``fp8=`` of an MoE call or layer (tokens of `hidden` columns where known): None, or its recipe; raises
     (TypeError, ValueError, NotImplementedError) naming `op` for one the MoE ops do not take."""
-    recipe = recipe_of(op, fp8)
+    recipe = recipe_among(op, fp8, GRANULARITIES, "a dispatch quantizes each token on its owner: its scales are per "
+                          "token or per block")
     if recipe is None:
         return None
-    if recipe.granularity not in GRANULARITIES:
-        raise ValueError(f"overlap.{op}: fp8={recipe.text!r}: a dispatch quantizes each token on its owner, so its "
-                         f"scales are per token or per block: {', '.join(map(repr, GRANULARITIES))}")
     if recipe.grads:
         raise NotImplementedError(f"overlap.{op}: fp8={recipe.text!r}: fp8 gradients in the MoE ops are not "
                                   "supported yet (their backward runs in the weights' dtype): drop '+grads'")
@@ -91,42 +87,30 @@ def check(op: str, fp8: object, x: torch.Tensor) -> Fp8Recipe | None:
 
 @dataclasses.dataclass(frozen=True)
 class RowFormat:
-    """The packed row of a token of `hidden` columns at `granularity` (module docstring)."""
+    """The packed row of a token of `hidden` columns at `granularity` on a device of `device_type` (module
+    docstring; the bytes are `overlap.ops.fp8_rows.Packed`'s)."""
 
     granularity: str
     hidden: int
+    device_type: str = "cpu"
 
-    @property
-    def blocks(self) -> int:
-        """Scales per token."""
-        if self.granularity == "rowwise":
-            return 1
-        return -(-self.hidden // (BLOCK if self.granularity == "block128" else MX_BLOCK))
-
-    @property
-    def scale_dtype(self) -> torch.dtype:
-        return MX_SCALE_DTYPE if self.granularity == "mxfp8" else torch.float32
-
-    @property
-    def data_cols(self) -> int:
-        """Where the scales start: the fp8 bytes padded to 16."""
-        return _up(self.hidden)
+    @functools.cached_property
+    def packed(self) -> Packed:
+        g = self.granularity
+        return Packed(self.hidden, torch.device(self.device_type), mx=g == "mxfp8",
+                      block=BLOCK if g == "block128" else None)
 
     @property
     def cols(self) -> int:
-        """The packed row's bytes (a multiple of 16)."""
-        return self.data_cols + _up(self.blocks * (1 if self.granularity == "mxfp8" else 4))
-
-    @property
-    def text(self) -> str:
-        return self.granularity
+        """The packed row's bytes."""
+        return self.packed.width
 
     def __str__(self) -> str:
         return f"{self.granularity} ({self.cols} bytes a row for {self.hidden} columns)"
 
 
-def row_format(recipe: Fp8Recipe | None, hidden: int) -> RowFormat | None:
-    return None if recipe is None else RowFormat(recipe.granularity, hidden)
+def row_format(recipe: Fp8Recipe | None, hidden: int, device: torch.device) -> RowFormat | None:
+    return None if recipe is None else RowFormat(recipe.granularity, hidden, device.type)
 
 
 def quantize_rows(x: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,32 +127,21 @@ def quantize_rows(x: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torc
         xf = torch.cat([xf, xf.new_zeros((T, nb * BLOCK - H))], dim=1)
     blocks = xf.view(T, nb, BLOCK)
     fmax = torch.finfo(OPERAND_DTYPE).max
-    scale = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12 * fmax) / fmax
+    scale = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_SCALE * fmax) / fmax
     q = (blocks / scale).clamp(-fmax, fmax).to(OPERAND_DTYPE).view(T, nb * BLOCK)[:, :H]
     return q, scale.view(T, nb)
 
 
 def pack(x: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
     """Tokens `x` ``[T, H]`` as packed rows ``[T, fmt.cols]`` uint8 (quantized once, here)."""
-    T = x.shape[0]
-    out = torch.zeros((T, fmt.cols), dtype=torch.uint8, device=x.device)
-    if T == 0:
-        return out
-    q, scale = quantize_rows(x, fmt.granularity)
-    out[:, : fmt.hidden].copy_(q.view(torch.uint8))
-    nbytes = fmt.blocks * scale.element_size()
-    out[:, fmt.data_cols : fmt.data_cols + nbytes].copy_(scale.contiguous().view(torch.uint8).view(T, nbytes))
-    return out
+    if x.shape[0] == 0:
+        return torch.zeros((0, fmt.cols), dtype=torch.uint8, device=x.device)
+    return fmt.packed.pack(*quantize_rows(x, fmt.granularity))
 
 
 def unpack(rows: torch.Tensor, fmt: RowFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x8 [R, H] e4m3, scales [R, blocks])`` of packed `rows` (views where the layout allows, else copies)."""
-    x8 = rows[:, : fmt.hidden].view(OPERAND_DTYPE)
-    size = 1 if fmt.granularity == "mxfp8" else 4
-    raw = rows[:, fmt.data_cols : fmt.data_cols + fmt.blocks * size]
-    if size > 1 and (raw.stride(0) % size or raw.storage_offset() % size):
-        raw = raw.contiguous()
-    return x8, raw.view(fmt.scale_dtype)
+    """``(x8 [R, H] e4m3, scales [R, blocks])`` of packed `rows` (a view of the data, a copy of the scales)."""
+    return fmt.packed.unpack(rows)
 
 
 def dequantize_rows(rows: torch.Tensor, fmt: RowFormat, dtype: torch.dtype) -> torch.Tensor:
@@ -191,7 +164,7 @@ def kept_rows(x, w, grads: str, fp8: str, rows) -> torch.Tensor:
     recipe = recipe_of("moe.dispatch", fp8)
     if recipe is None:
         return x.new_empty((rows, x.shape[1]))
-    return x.new_empty((rows, RowFormat(recipe.granularity, x.shape[1]).cols), dtype=torch.uint8)
+    return x.new_empty((rows, RowFormat(recipe.granularity, x.shape[1], x.device.type).cols), dtype=torch.uint8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,7 +194,7 @@ class Fp8Experts:
             wf[:, :H, :N] = w.detach().float()
             blocks = wf.view(L, nh, BLOCK, nn, BLOCK)
             fmax = torch.finfo(OPERAND_DTYPE).max
-            scale = blocks.abs().amax(dim=(2, 4), keepdim=True).clamp(min=1e-12 * fmax) / fmax
+            scale = blocks.abs().amax(dim=(2, 4), keepdim=True).clamp(min=MIN_SCALE * fmax) / fmax
             q = (blocks / scale).clamp(-fmax, fmax).to(OPERAND_DTYPE).view(L, nh * BLOCK, nn * BLOCK)
             return cls(q[:, :H, :N], scale.view(L, nh, nn), fmt, w.dtype)
         wt8, st = quantize_fp8(w.transpose(1, 2), "rowwise" if g == "rowwise" else "mxfp8")  # along H
@@ -296,7 +269,7 @@ def _grouped_native(device: torch.device, dtype: torch.dtype) -> bool:
         if torch.compiler.is_compiling() or not hasattr(torch, "_scaled_grouped_mm"):
             return False
         gen = torch.Generator().manual_seed(0)
-        fmt = RowFormat("rowwise", 64)
+        fmt = RowFormat("rowwise", 64, device.type)
         x = torch.randn((32, 64), generator=gen).to(device)
         w = Fp8Experts.quantize(torch.randn((2, 64, 32), generator=gen).to(device, dtype), fmt)
         rows = pack(x, fmt)

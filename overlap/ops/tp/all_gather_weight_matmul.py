@@ -44,7 +44,7 @@ whole weight and the whole weight gradient, each in flight during the other's GE
 fp8 (``fp8="rowwise" | "tensorwise" | "mxfp8"`` or an `overlap.Fp8Recipe`, `overlap.ops.fp8_recipe`): the shard is
 quantized on its owner along ``k`` (`quantize_shard`: as rows of ``w``, ``[n, k]``, one scale per row = per column
 of ``b``, one for the whole shard, or MX blocks of 32), and its rows travel packed with their scales
-(`overlap.ops.tp.operands.Packed`: ``k`` e4m3 bytes and 4 scale bytes a row, ``k / 32`` with MX; a tensorwise
+(`overlap.ops.fp8_rows.Packed`: ``k`` e4m3 bytes and 4 scale bytes a row, ``k / 32`` with MX; a tensorwise
 shard's one scale on each of its rows, so every shard keeps its own), about half of bf16's bytes, through every
 strategy's transport unchanged; ``a`` is quantized here along ``k``; each landed block of columns is a scaled
 GEMM in float32 rounded once to ``a``'s dtype (``fused``: the kernel's fp8 ``tl.dot``, the scales in its
@@ -76,8 +76,9 @@ from ..context import CallContext, autocast_inputs, describe, no_autocast, recor
 from ..fp8 import Fp8Args, quantize_fp8, scaled_mm
 from ..fp8_matmul import grad_gemm
 from ..fp8_recipe import Fp8Recipe, recipe_of
+from ..fp8_rows import Packed
 from . import entry, gather, grad_ring, hierarchical_weight, scatter_gemm, shard_ring
-from .operands import Packed, grad_operands, kernel_takes, kernel_tile
+from .operands import grad_operands, kernel_takes, kernel_tile
 from .rows import Product, Rows
 
 OP = "all_gather_weight_matmul"
@@ -176,7 +177,7 @@ def wire(k: int, granularity: str, device: torch.device) -> Packed:
 def quantize_shard(b_shard: torch.Tensor, fp8: str | Fp8Recipe) -> torch.Tensor:
     """This rank's shard ``[k, n]`` quantized as `all_gather_weight_matmul` gathers it with the recipe `fp8`: along
     ``k`` (per column of ``b_shard``, per shard, or MX blocks of 32), as rows of ``w`` packed with their scales,
-    uint8 ``[n, width]`` (`overlap.ops.tp.operands.Packed`). Computes no gradient.
+    uint8 ``[n, width]`` (`overlap.ops.fp8_rows.Packed`). Computes no gradient.
 
     Raises:
         TypeError / ValueError: `fp8` names no recipe; ``"mxfp8"`` with ``k % 32 != 0``.

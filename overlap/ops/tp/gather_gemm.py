@@ -50,7 +50,7 @@ def run(a2: torch.Tensor, bs: list[torch.Tensor] | Weights, cc: CallContext, kee
     the call only gathers); every chunk's GEMMs, one per weight, as soon as it is there. ``gathered`` (the whole
     gathered `a2`) is None unless `keep_gathered`: the weight gradients take it from the gather. `rows`: where
     each rank's rows go (`overlap.ops.tp.rows.Rows`; default rank-major, dim 0). `bs` may be a
-    `overlap.ops.tp.operands.Weights` (fp8: `a2` holds packed rows, `overlap.ops.tp.operands.Packed`: each row's fp8
+    `overlap.ops.tp.operands.Weights` (fp8: `a2` holds packed rows, `overlap.ops.fp8_rows.Packed`: each row's fp8
     bytes and its scales, rowwise or MX blocks, so the gather moves them together).
     """
     rows = Rows.flat(cc.world_size, a2.shape[0]) if rows is None else rows

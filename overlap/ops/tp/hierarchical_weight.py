@@ -6,7 +6,7 @@ of one node the plan is the op's ``symm`` (`overlap.plans.auto.fit_plan`).
 Across nodes the whole weight is gathered into a local buffer (as ``reference`` and ``pipelined`` do), and the
 op's backward re-gathers it the same way while ``grad_b``'s reduce-scatter (`matmul_reduce_scatter`'s
 ``hierarchical``) runs: the node's slot is sized for both (`start`'s `need`). With the fp8 recipe the forward's rows
-are the shard's packed fp8 rows (uint8, `overlap.ops.tp.operands.Packed`: a row's scales travel with it); the
+are the shard's packed fp8 rows (uint8, `overlap.ops.fp8_rows.Packed`: a row's scales travel with it); the
 backward re-gathers the leaves.
 """
 

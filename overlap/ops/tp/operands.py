@@ -6,15 +6,10 @@ scales, `overlap.ops.fp8`: rowwise, tensorwise or MX blocks) is a scaled GEMM in
 reduce-scatter or an all-reduce sends and adds are float32, and the op casts its result to the caller's
 ``out_dtype`` at the end.
 
-An fp8 all-gather moves each row's fp8 bytes with its scales in one row of bytes (`Packed`), so every gather
-transport (collective, messages, shared memory, the fused kernel) moves them as it moves any rows, with no second
-collective: a row's scales travel with it, in the layout of a gather dim past the first too.
-
-* rowwise or tensorwise: the row's ``k`` bytes, zeros up to a multiple of 4, its float32 scale (4 bytes; a
-  tensorwise scale is repeated on each row: rowwise scales cost the same);
-* MX (``k`` a multiple of 32): the row's ``k`` bytes, then its ``k / 32`` e8m0 block scales (one byte each).
-
-On GPUs zeros follow, up to a multiple of 16 bytes (16-byte row loads).
+An fp8 all-gather moves each row's fp8 bytes with its scales in one row of bytes (`Packed`, `overlap.ops.fp8_rows`,
+which the MoE dispatch packs its tokens with too), so every gather transport (collective, messages, shared memory,
+the fused kernel) moves them as it moves any rows, with no second collective: a row's scales travel with it, in the
+layout of a gather dim past the first too.
 """
 
 from __future__ import annotations
@@ -23,7 +18,6 @@ import torch
 
 from ..fp8 import (
     MX_BLOCK,
-    MX_SCALE_DTYPE,
     OPERAND_DTYPE,
     Fp8Args,
     is_fp8,
@@ -34,8 +28,7 @@ from ..fp8 import (
 )
 from ..fp8_matmul import grad_quantized
 from ..fp8_recipe import recipe_of
-
-SCALE_BYTES = 4
+from ..fp8_rows import Packed
 
 
 class Gemm:
@@ -98,53 +91,6 @@ class Gemm:
 def per_row(scale: torch.Tensor) -> bool:
     """Whether an activation's `scale` has a row per row of it (rowwise or MX), not one value (tensorwise)."""
     return is_mx_scale(scale) or scale.numel() != 1
-
-
-class Packed:
-    """fp8 rows and their scales as rows of bytes ``[m, width]`` (module docstring): the row's ``k`` fp8 bytes, then
-    its scales from byte `scale_offset` (rowwise or tensorwise: zeros up to ``k`` rounded up to 4, then one float32;
-    `mx`: right after the data, ``k / 32`` e8m0 bytes), and on GPUs zeros up to a multiple of 16 bytes (the fused
-    kernel's and `torch._scaled_mm`'s 16-byte row loads)."""
-
-    def __init__(self, k: int, device: torch.device | None = None, mx: bool = False):
-        self.k, self.mx = k, mx
-        if mx:
-            assert k % MX_BLOCK == 0, k  # (the ops' checks refuse such a call first)
-            self.scale_offset, self.scale_bytes = k, k // MX_BLOCK
-        else:
-            self.scale_offset, self.scale_bytes = -(-k // 4) * 4, SCALE_BYTES
-        align = 16 if device is not None and device.type == "cuda" else 1
-        self.width = -(-(self.scale_offset + self.scale_bytes) // align) * align
-
-    def pack(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """`x` ``[m, k]`` fp8 and its scale (``[m, 1]`` or one element; `mx`: ``[m, k/32]`` e8m0) as ``[m, width]``
-        uint8."""
-        m = x.shape[0]
-        out = torch.empty((m, self.width), dtype=torch.uint8, device=x.device)
-        out[:, : self.k].copy_(x.view(torch.uint8))
-        lo, hi = self.scale_offset, self.scale_offset + self.scale_bytes
-        if lo > self.k:
-            out[:, self.k : lo].zero_()
-        if self.width > hi:
-            out[:, hi:].zero_()
-        if self.mx:
-            out[:, lo:hi].copy_(scale.reshape(m, self.scale_bytes).view(torch.uint8))
-        else:
-            s = scale.reshape(-1, 1).float().expand(m, 1).contiguous()
-            out[:, lo:hi].copy_(s.view(torch.uint8))
-        return out
-
-    def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x [r, k] fp8, scale)`` of packed `rows` (a view of the data, a copy of the scales): the scale is
-        ``[r, 1]`` float32, or with `mx` ``[r, k/32]`` e8m0."""
-        x = rows[:, : self.k].view(OPERAND_DTYPE)
-        s = rows[:, self.scale_offset : self.scale_offset + self.scale_bytes].contiguous()
-        return x, s.view(MX_SCALE_DTYPE if self.mx else torch.float32)
-
-    def gemm(self, rows: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> Gemm:
-        """The fp8 `Gemm` of packed `rows` times `b`."""
-        x, s = self.unpack(rows)
-        return Gemm(x, b, s, b_scale)
 
 
 class Weights:

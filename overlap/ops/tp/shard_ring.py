@@ -15,7 +15,7 @@ consumer asks for the chunks of the peer after next (the buffer is then refilled
 call's handshake with `heap_bytes`; `ShardRing.close` ends the call (always, also on error paths).
 
 The rows may be of any dtype: with the fp8 recipe they are the shard's rows packed with their scales (uint8,
-`overlap.ops.tp.operands.Packed`), and each pull moves a row's scales with it.
+`overlap.ops.fp8_rows.Packed`), and each pull moves a row's scales with it.
 """
 
 from __future__ import annotations
