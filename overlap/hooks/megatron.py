@@ -20,8 +20,9 @@ and `replace_in_spec` rewrites any ``ModuleSpec`` tree (e.g. ``get_gpt_layer_loc
 
 fp8: every layer takes its recipe from its Megatron config (``config.fp8``, ``config.fp8_recipe``: the mapping is
 `overlap.hooks.megatron_linear`'s), unless ``patch(model, fp8=...)`` or ``replace_in_spec(spec, fp8=...)`` names
-one (``"rowwise"``, ``"tensorwise"``, ``"mxfp8"``, an `overlap.Fp8Recipe`, or None for none) for every layer. MoE
-experts in fp8 are not supported yet: a MoE layer with either raises ``NotImplementedError``.
+one (``"rowwise"``, ``"tensorwise"``, ``"mxfp8"``, an `overlap.Fp8Recipe`, or None for none) for every layer. A MoE
+layer quantizes its tokens before the dispatch (``"rowwise"``, ``"mxfp8"``, and from the config ``"blockwise"`` as
+``"block128"``: `overlap.hooks.megatron_moe`); ``"tensorwise"`` is refused there.
 
 `patch`, `unpatch`, `replace_in_spec`, `OverlapSpecProvider` and ``REPLACEMENTS`` need megatron-core
 (tested with 0.16.1), imported when one of them is first used, not with this module: importing
@@ -41,7 +42,7 @@ import torch
 from ..ops.fp8_recipe import Fp8Recipe, recipe_of
 from ..plans import Plan
 from .megatron_linear import FP8_FROM_CONFIG, ColumnParallelLinear, RowParallelLinear
-from .megatron_moe import MoESettings, check_moe_layer, moe_layer_class, refuse_fp8_experts, replace_moe_layer
+from .megatron_moe import MoESettings, check_moe_layer, moe_layer_class, moe_recipe, replace_moe_layer
 
 # REPLACEMENTS, OverlapSpecProvider and OverlapMoELayer are made on first use (`__getattr__`).
 __all__ = ["ColumnParallelLinear", "Replaced", "RowParallelLinear", "patch", "replace_in_spec", "unpatch"]
@@ -137,9 +138,8 @@ def patch(model: torch.nn.Module, plan: Plan | dict | None = None, strategy: str
         What was replaced, in module order; pass it to `unpatch` to undo.
 
     Raises:
-        NotImplementedError: a MoE layer with an option the replacement does not implement (named; fp8 from
-            `fp8` or its config included), a config fp8 recipe with no counterpart here; before anything is
-            replaced.
+        NotImplementedError: a MoE layer with an option the replacement does not implement (named), a config fp8
+            recipe with no counterpart here (for a MoE layer: ``tensorwise`` too); before anything is replaced.
         ValueError, TypeError: a bad `fp8`; ``"mxfp8"`` on a layer whose GEMM's k is not a multiple of 32; before
             anything is replaced.
 
@@ -154,13 +154,14 @@ def patch(model: torch.nn.Module, plan: Plan | dict | None = None, strategy: str
     if isinstance(model, tuple(replacements)) or type(model) is moe_base:
         raise ValueError("overlap.hooks.megatron.patch: pass the model that contains the layer, not the layer")
     settings = MoESettings(strategy=strategy, plan=plan, timeout=timeout, max_tokens_per_rank=max_tokens_per_rank)
-    explicit_fp8 = _explicit_fp8(fp8, "hooks.megatron.patch")
+    _explicit_fp8(fp8, "hooks.megatron.patch")  # (a bad fp8 raises before anything is replaced)
     modules = list(model.named_modules())
     moe_names = [name for name, module in modules if type(module) is moe_base]
+    moe_settings = {}
     for name in moe_names:  # every refusal before any replacement
-        check_moe_layer(model.get_submodule(name))
-        if explicit_fp8:
-            refuse_fp8_experts(f"fp8={fp8!r}")
+        layer = model.get_submodule(name)
+        check_moe_layer(layer)
+        moe_settings[name] = dataclasses.replace(settings, fp8=moe_recipe(fp8, layer.config))
     skipped: list[str] = []
     inside_moe = tuple(f"{name}." for name, module in modules if isinstance(module, moe_base))
     skipped += [f"{name} ({type(module).__name__}: a subclass of MoELayer)" for name, module in modules
@@ -182,7 +183,7 @@ def patch(model: torch.nn.Module, plan: Plan | dict | None = None, strategy: str
     done: list[Replaced] = []
     for name in moe_names:
         original = model.get_submodule(name)
-        new = replace_moe_layer(original, settings)
+        new = replace_moe_layer(original, moe_settings[name])
         parent, leaf = _parent(model, name)
         setattr(parent, leaf, new)
         done.append(Replaced(name, original, new))
@@ -216,8 +217,8 @@ def replace_in_spec(spec: Any, max_tokens_per_rank: int | None = None,
     submodules (router, experts, shared experts) stay Megatron's: the replacement reads the experts' weights
     from them, and Megatron's dispatcher-side protocol of overlapped shared experts drives their linears.
     `fp8` as for `patch`: other than ``"config"`` (the default: the class alone, its recipe from the config the
-    model is built with), every linear layer becomes a ``ModuleSpec`` of overlap's class with ``params={"fp8":
-    fp8}``; with a MoE layer in the tree that raises ``NotImplementedError``.
+    model is built with), every linear layer and MoE layer becomes a ``ModuleSpec`` of overlap's class with
+    ``params={"fp8": fp8}`` (a granularity a MoE layer does not take raises here).
     """
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -237,9 +238,10 @@ def replace_in_spec(spec: Any, max_tokens_per_rank: int | None = None,
         if isinstance(spec, ModuleSpec):
             module = spec.module
             if module is moe_base or (isinstance(module, functools.partial) and module.func is moe_base):
-                if explicit_fp8:
-                    refuse_fp8_experts(f"fp8={fp8!r}")
                 params = dict(spec.params or {})
+                if explicit_fp8:
+                    moe_recipe(fp8, None)  # (a granularity the MoE ops do not take raises here)
+                    params["fp8"] = fp8
                 if max_tokens_per_rank is not None:
                     params["max_tokens_per_rank"] = max_tokens_per_rank
                 if isinstance(module, functools.partial):  # megatron-core's newer specs (untested here)

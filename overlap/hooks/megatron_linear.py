@@ -98,9 +98,11 @@ def _value(option: Any) -> Any:
     return getattr(option, "value", option)  # Megatron's enums are str enums
 
 
-def config_recipe(config: Any, what: str) -> Fp8Recipe | None:
+def config_recipe(config: Any, what: str, recipes: dict[str, str] = CONFIG_RECIPES,
+                  refused: dict[str, str] = _REFUSED_RECIPES) -> Fp8Recipe | None:
     """The fp8 recipe of Megatron's `config` (``fp8``, ``fp8_recipe``) for the layer `what` (see the module
-    docstring's table), or None where ``config.fp8`` is unset.
+    docstring's table; `recipes` and `refused`: another layer's mapping, the MoE layers'), or None where
+    ``config.fp8`` is unset.
 
     Raises:
         NotImplementedError: a Megatron recipe with no counterpart here (``delayed``, ``blockwise``, ``custom``),
@@ -108,8 +110,8 @@ def config_recipe(config: Any, what: str) -> Fp8Recipe | None:
         ValueError: an ``fp8`` format or ``fp8_recipe`` Megatron does not know either.
     """
     where = f"overlap.hooks.megatron.{what}"
-    instead = ("or pass fp8='rowwise'|'tensorwise'|'mxfp8' to the layer (overlap.hooks.megatron.patch(model, "
-               "fp8=...)) to override the config")
+    instead = (f"or pass fp8={'|'.join(repr(g) for g in dict.fromkeys(('rowwise', *recipes.values())))} to the "
+               "layer (overlap.hooks.megatron.patch(model, fp8=...)) to override the config")
     if _cfg(config, "fp4", None):
         raise NotImplementedError(f"{where}: config.fp4 is not supported (no fp4 recipe here): unset it, {instead}")
     fmt = _value(_cfg(config, "fp8", None))
@@ -118,18 +120,16 @@ def config_recipe(config: Any, what: str) -> Fp8Recipe | None:
     if fmt not in ("e4m3", "hybrid"):
         raise ValueError(f"{where}: config.fp8 must be 'e4m3', 'hybrid' or None, got {fmt!r}")
     recipe = _value(_cfg(config, "fp8_recipe", "delayed"))
-    if recipe in _REFUSED_RECIPES:
-        raise NotImplementedError(f"{where}: config.fp8_recipe={recipe!r} is not supported "
-                                  f"({_REFUSED_RECIPES[recipe]}): set config.fp8_recipe='tensorwise' or 'mxfp8', "
-                                  f"{instead}")
-    if recipe not in CONFIG_RECIPES:
-        raise ValueError(f"{where}: config.fp8_recipe must be one of {sorted([*CONFIG_RECIPES, *_REFUSED_RECIPES])}, "
-                         f"got {recipe!r}")
+    if recipe in refused:
+        raise NotImplementedError(f"{where}: config.fp8_recipe={recipe!r} is not supported ({refused[recipe]}): set "
+                                  f"config.fp8_recipe={' or '.join(map(repr, recipes))}, {instead}")
+    if recipe not in recipes:
+        raise ValueError(f"{where}: config.fp8_recipe must be one of {sorted([*recipes, *refused])}, got {recipe!r}")
     for option, why in (("fp8_param", "the parameters stay in params_dtype, quantized at each forward"),
                         ("first_last_layers_bf16", "a layer does not know its depth")):
         if _cfg(config, option, False):
             raise NotImplementedError(f"{where}: config.{option} is not supported ({why}): unset it, {instead}")
-    granularity = CONFIG_RECIPES[recipe]
+    granularity = recipes[recipe]
     warn_once(f"overlap.hooks.megatron: config.fp8={fmt!r} with fp8_recipe={recipe!r} runs the forward GEMMs in "
               f"fp8 (overlap's {granularity!r} recipe) and the backward GEMMs in the parameters' dtype (Transformer "
               f"Engine runs them in fp8): pass fp8=overlap.Fp8Recipe({granularity!r}, grads=True) for fp8 gradients",

@@ -26,12 +26,16 @@ With ``moe_apply_probs_on_input`` (top-1) the tokens are scaled before the dispa
 
 Raises ``NotImplementedError`` at patch (or build) time naming the option, for what is not implemented: expert
 tensor parallelism (``expert_tensor_parallel_size > 1``), experts with biases, Transformer Engine's experts
-and activation functions, fp8/fp4, latent MoE projections, ``moe_pad_expert_input_to_capacity``.
+and activation functions, fp4, fp8 recipes with no counterpart (below), latent MoE projections,
+``moe_pad_expert_input_to_capacity``.
 
-fp8 (``config.fp8``, or ``fp8=`` of `overlap.hooks.megatron.patch`/``replace_in_spec``): MoE experts in fp8 are not
-supported yet. Their GEMMs run inside the fused ops (each chunk of rows multiplied as it lands, each expert's output
-sent as it is computed), so no recipe can be put around them in this layer; fp8 experts need the ops to quantize
-before the dispatch and to run fp8 grouped GEMMs, a follow-up. `refuse_fp8_experts` says so.
+fp8 (``fp8=`` of `overlap.hooks.megatron.patch`/``replace_in_spec``/the layer, else ``config.fp8``): the tokens are
+quantized before the dispatch and the first GEMM runs on fp8 tokens and fp8 ``w1`` (`overlap.ops.moe.fp8`); the
+activation, the second GEMM and the combine in the parameters' dtype, the backward too. ``fp8=``: ``"rowwise"``,
+``"block128"``, ``"mxfp8"`` or an `overlap.Fp8Recipe` of one (`moe_recipe`); from the config (`MOE_CONFIG_RECIPES`):
+``fp8_recipe="blockwise"`` is ``"block128"`` (Transformer Engine's 1 x 128 activation and 128 x 128 weight blocks),
+``"mxfp8"`` is ``"mxfp8"``; ``"tensorwise"`` is refused for the MoE layers (a token is quantized on its own rank,
+before anything tells it every rank's amax), as ``"delayed"`` and ``"custom"`` are everywhere.
 """
 
 from __future__ import annotations
@@ -42,11 +46,32 @@ from typing import Any
 
 import torch
 
+from ..ops.fp8_recipe import Fp8Recipe
+from ..ops.moe import fp8 as moe_fp8
 from ..ops.moe.combine import grouped_matmul_combine
 from ..ops.moe.dispatch import dispatch_grouped_matmul
 from ..plans.auto import as_plan
+from .megatron_linear import FP8_FROM_CONFIG, config_recipe
 
-__all__ = ["MoESettings", "check_moe_layer", "moe_layer_class", "refuse_fp8_experts", "replace_moe_layer"]
+__all__ = ["MOE_CONFIG_RECIPES", "MoESettings", "check_moe_layer", "moe_layer_class", "moe_recipe",
+           "replace_moe_layer"]
+
+#: Megatron's ``config.fp8_recipe`` -> the MoE dispatch's granularity (the module docstring)
+MOE_CONFIG_RECIPES = {"blockwise": "block128", "mxfp8": "mxfp8"}
+_MOE_REFUSED = {
+    "tensorwise": "a token is quantized on its own rank before the dispatch, where no per-tensor amax of every "
+                  "rank is known",
+    "delayed": "Transformer Engine's delayed scaling takes its scales from an amax history of earlier steps",
+    "custom": "a custom quantizer factory is Transformer Engine's",
+}
+
+
+def moe_recipe(fp8: Any, config: Any) -> Fp8Recipe | None:
+    """The fp8 recipe of a MoE layer built or patched with ``fp8=`` `fp8` (`FP8_FROM_CONFIG`: Megatron's `config`,
+    mapped by `MOE_CONFIG_RECIPES`); raises naming the option for one the MoE ops do not take."""
+    if isinstance(fp8, str) and fp8 == FP8_FROM_CONFIG:
+        fp8 = config_recipe(config, "MoE layer", MOE_CONFIG_RECIPES, _MOE_REFUSED)
+    return moe_fp8.recipe_for("hooks.megatron MoE layer", fp8, getattr(config, "hidden_size", None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +82,7 @@ class MoESettings:
     plan: Any = None
     timeout: float | None = None
     max_tokens_per_rank: int | None = None
+    fp8: Fp8Recipe | None = None  # the dispatch's (`moe_recipe`)
 
     def __post_init__(self):
         as_plan(self.strategy, self.plan)  # a bad strategy or plan raises at patch time
@@ -78,13 +104,6 @@ def _experts_kind(experts: torch.nn.Module) -> str:
     return type(experts).__name__
 
 
-def refuse_fp8_experts(option: str) -> None:
-    """Raise the ``NotImplementedError`` of fp8 asked of a MoE layer by `option` (see the module docstring)."""
-    raise NotImplementedError(f"overlap.hooks.megatron: MoE layer: {option}: MoE experts in fp8 are not supported "
-                              "yet (their GEMMs run inside overlap.moe's fused dispatch and combine; fp8 there is a "
-                              "follow-up): unset it for the MoE layers")
-
-
 def check_moe_layer(layer: Any) -> None:
     """Raise ``NotImplementedError`` naming the first option of `layer` (a Megatron ``MoELayer``) that the
     replacement does not implement."""
@@ -100,8 +119,6 @@ def check_moe_layer(layer: Any) -> None:
     if (getattr(cfg, "expert_tensor_parallel_size", None) or 1) > 1:
         refuse(f"expert_tensor_parallel_size={cfg.expert_tensor_parallel_size}",
                "each expert must sit whole on one rank of the expert-parallel group")
-    if getattr(cfg, "fp8", None):
-        refuse_fp8_experts(f"config.fp8={getattr(cfg.fp8, 'value', cfg.fp8)!r}")
     if getattr(cfg, "fp4", None):
         refuse("fp4", "the experts run in the parameters' dtype")
     if getattr(cfg, "moe_latent_size", None):
@@ -182,10 +199,12 @@ def moe_layer_class() -> type:
         `overlap.hooks.megatron_moe`). Built from a spec (`overlap.hooks.megatron.replace_in_spec`) or made
         from a built layer by `overlap.hooks.megatron.patch`."""
 
-        def __init__(self, *args: Any, max_tokens_per_rank: int | None = None, **kwargs: Any):
+        def __init__(self, *args: Any, max_tokens_per_rank: int | None = None, fp8: Any = FP8_FROM_CONFIG,
+                     **kwargs: Any):
             super().__init__(*args, **kwargs)
             check_moe_layer(self)
-            self.overlap_settings = MoESettings(max_tokens_per_rank=max_tokens_per_rank)
+            self.overlap_settings = MoESettings(max_tokens_per_rank=max_tokens_per_rank,
+                                                fp8=moe_recipe(fp8, self.config))
 
         # Megatron's forward calls these stages in order: shared experts, route, preprocess, dispatch,
         # routed_experts_compute, combine, postprocess.
@@ -216,7 +235,7 @@ def moe_layer_class() -> type:
             s = self.overlap_settings
             h, handle = dispatch_grouped_matmul(hidden_states, idx, _w1(self), self.config.num_moe_experts,
                                                 group=self.ep_group, max_tokens_per_rank=s.max_tokens_per_rank,
-                                                **s.op_kwargs())
+                                                fp8=s.fp8, **s.op_kwargs())
             return h, (handle, weights)
 
         def routed_experts_compute(self, hidden_states: torch.Tensor, state: tuple[Any, torch.Tensor]):

@@ -13,7 +13,8 @@
 * **patch and specs.** ``patch`` of a Megatron MLP stack gives every layer its config's recipe (the same numbers as
   ``patch(model, fp8=...)`` of the same model without fp8 in its config), and ``fp8=None`` gives the numbers of no
   fp8; a refused config or keyword leaves the model as it was; ``replace_in_spec(spec, fp8=...)`` builds layers
-  with that recipe. MoE layers refuse fp8 (config or keyword): MoE experts in fp8 are not supported yet.
+  with that recipe. MoE layers quantize their tokens before the dispatch (keyword ``rowwise``, config ``blockwise`` as
+  ``block128``, ``mxfp8``), within fp8's rounding of the same layer without fp8; ``tensorwise`` is refused there.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import warnings
 
 import pytest
 import torch
+
+from tests.support import megatron_groups
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[test]')")
 
@@ -53,7 +56,7 @@ def _megatron(world_size: int):
         if parallel_state.get_tensor_model_parallel_world_size() == world_size \
                 and parallel_state.get_expert_model_parallel_world_size() == 1:
             return parallel_state
-        parallel_state.destroy_model_parallel()
+        megatron_groups.reset(parallel_state)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
     return parallel_state
 
@@ -318,31 +321,73 @@ def test_patch_and_specs_pass_the_recipe(pools, seed, sequence_parallel):
         assert res["spec recipes"] == (2 * LAYERS, True), res
 
 
-def moe_task(rank, world_size) -> dict:
-    import overlap.hooks.megatron as om
+def _moe_model(world_size: int, seed: int, fp8_field=None, fp8_recipe=None):
     from tests.integrations.test_megatron_moe import Holder
-    from tests.support.megatron_moe import cuda_plumbing, moe_config, moe_layer, parallel_state
+    from tests.support.megatron_moe import moe_config, moe_layer
+
+    config = moe_config(1, world_size, hidden_size=32, num_attention_heads=4)
+    model = Holder(moe_layer(config, seed))
+    config.fp8 = fp8_field  # (set after the build: TransformerConfig wants Transformer Engine for MoE with fp8)
+    if fp8_recipe is not None:
+        config.fp8_recipe = fp8_recipe
+    return model
+
+
+def moe_task(rank, world_size, seed) -> dict:
+    import overlap.hooks.megatron as om
+    from tests.integrations.test_megatron_moe import _inputs, _run
+    from tests.support.megatron_moe import cuda_plumbing, parallel_state
 
     out = {}
     with cuda_plumbing():
         parallel_state(1, world_size)
-        for name, fp8_field, kw in (("keyword", None, {"fp8": "rowwise"}), ("config", "e4m3", {})):
-            config = moe_config(1, world_size)
-            config.fp8 = fp8_field  # TransformerConfig wants Transformer Engine for MoE with fp8
-            model = Holder(moe_layer(config, 0))
+        for name, field, recipe, kw in (("config tensorwise", "e4m3", "tensorwise", {}),
+                                        ("keyword tensorwise", None, None, {"fp8": "tensorwise"}),
+                                        ("config delayed", "e4m3", "delayed", {})):
+            model = _moe_model(world_size, 0, field, recipe)
             before = dict(model.named_modules())
             out[name] = _attempt(lambda model=model, kw=kw: om.patch(model, **kw))
             out[f"{name} untouched"] = dict(model.named_modules()) == before
         from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+        from megatron.core.transformer.spec_utils import build_module
 
         spec = get_moe_module_spec(use_te=False, num_experts=4, moe_grouped_gemm=False)
-        out["spec"] = _attempt(lambda: om.replace_in_spec(spec, fp8="tensorwise"))
+        out["spec tensorwise"] = _attempt(lambda: om.replace_in_spec(spec, fp8="tensorwise"))
+        built = build_module(om.replace_in_spec(spec, fp8="mxfp8"), config=_moe_model(world_size, 0).moe.config)
+        out["spec mxfp8"] = built.overlap_settings.fp8.granularity
+
+        x, g = _inputs(rank, seed, 32)
+        plain = _moe_model(world_size, seed)
+        om.patch(plain, fp8=None)
+        y0, gx0, _ = _run(plain, x, g)
+        for name, field, recipe, kw in (("keyword rowwise", None, None, {"fp8": "rowwise"}),
+                                        ("config blockwise", "e4m3", "blockwise", {}),
+                                        ("config mxfp8", "e4m3", "mxfp8", {})):
+            model = _moe_model(world_size, seed, field, recipe)
+            om.patch(model, **kw)
+            y, gx, grads = _run(model, x, g)
+            err, scale = float((y - y0).abs().max()), float(y0.abs().max())
+            gerr, gscale = float((gx - gx0).abs().max()), float(gx0.abs().max())
+            finite = all(bool(t.isfinite().all()) for t in grads.values())
+            out[name] = (model.moe.overlap_settings.fp8.granularity, err / scale, gerr / gscale, finite)
     return out
 
 
-def test_moe_layers_refuse_fp8(pools):
-    for res in pools(2).run(moe_task, timeout=120):
-        for name in ("keyword", "config", "spec"):
-            kind, message = res[name]
-            assert kind == "NotImplementedError" and "MoE experts in fp8 are not supported yet" in message, res
-        assert res["keyword untouched"] and res["config untouched"], res
+def test_moe_layers_quantize_before_the_dispatch(pools, seed):
+    """Megatron's MoE layer patched with fp8 (keyword, or config ``blockwise``/``mxfp8``): its recipe reaches the
+    dispatch, the outputs move by fp8's rounding from the same layer without fp8 (and do move: the recipe ran), the
+    gradients are finite; ``tensorwise`` and ``delayed`` are refused, leaving the model untouched."""
+    for res in pools(2).run(moe_task, seed, timeout=180):
+        assert res["config tensorwise"][0] == "NotImplementedError", res
+        assert "'tensorwise'" in res["config tensorwise"][1] and "'blockwise'" in res["config tensorwise"][1], res
+        assert res["keyword tensorwise"][0] == "ValueError" and "per token or per block" in res["keyword tensorwise"][1]
+        assert res["config delayed"][0] == "NotImplementedError", res
+        assert all(res[f"{n} untouched"] for n in ("config tensorwise", "keyword tensorwise", "config delayed")), res
+        assert res["spec tensorwise"][0] == "ValueError", res
+        assert res["spec mxfp8"] == "mxfp8", res
+        for name, granularity in (("keyword rowwise", "rowwise"), ("config blockwise", "block128"),
+                                  ("config mxfp8", "mxfp8")):
+            got, rel, grad_rel, finite = res[name]
+            assert got == granularity, res
+            # e4m3 keeps 3 mantissa bits: each product is within 2^-3 of its size, the layer's outputs well within
+            assert 0 < rel < 0.1 and 0 < grad_rel < 0.1 and finite, (name, res[name])
