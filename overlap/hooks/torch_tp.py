@@ -67,9 +67,9 @@ from torch.distributed.tensor.placement_types import Placement
 
 from .. import envs
 from ..errors import warn_once
-from ..ops.fp8 import MX_BLOCK
+from ..ops.fp8 import GRANULARITIES, MX_BLOCK
 from ..ops.fp8_matmul import fp8_matmul
-from ..ops.fp8_recipe import Fp8Recipe, recipe_of
+from ..ops.fp8_recipe import TP_ONLY, Fp8Recipe, recipe_among
 from ..ops.tp.all_gather_matmul import all_gather_matmul
 from ..ops.tp.collectives import all_reduce_grad
 from ..ops.tp.matmul_all_reduce import matmul_all_reduce
@@ -110,7 +110,7 @@ class _Fused:
         if timeout is not None:
             envs.resolve_timeout(timeout)
         self.strategy, self.plan, self.timeout = strategy, plan, timeout
-        self.fp8: Fp8Recipe | None = recipe_of(f"hooks.torch_tp.{type(self).__name__}", fp8)
+        self.fp8: Fp8Recipe | None = recipe_among(f"hooks.torch_tp.{type(self).__name__}", fp8, GRANULARITIES, TP_ONLY)
         self.fused: bool | None = None  # set when applied: whether the module runs through overlap's ops
 
     def _fuses(self, module: nn.Module, device_mesh: DeviceMesh) -> bool:
@@ -514,7 +514,7 @@ def use_overlap_styles(*modules: types.ModuleType, fp8: str | Fp8Recipe | None =
     ``fp8=``; default None; a torchao ``Float8Linear`` they meet must name the same). ``SequenceParallel`` stays
     torch's. Raises TypeError for an argument that is not a module, ValueError for a module that imported none of
     those styles; a bad `fp8` as the styles do."""
-    recipe = recipe_of("hooks.torch_tp.use_overlap_styles", fp8)
+    recipe = recipe_among("hooks.torch_tp.use_overlap_styles", fp8, GRANULARITIES, TP_ONLY)
     ours = {name: mine for name, (_, mine) in _SWAPS.items()} | _TORCHAO_SWAPS
     if recipe is not None:
         ours = {name: _with_fp8(mine, recipe) if mine in (ColwiseParallel, RowwiseParallel) else mine

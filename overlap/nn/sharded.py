@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from torch.nn import Parameter
 
 from .. import comm, envs, world
-from ..ops.fp8 import MX_BLOCK
-from ..ops.fp8_recipe import Fp8Recipe, recipe_of
+from ..ops.fp8 import GRANULARITIES, MX_BLOCK
+from ..ops.fp8_recipe import TP_ONLY, Fp8Recipe, recipe_among
 from ..ops.tp.all_gather_weight_matmul import all_gather_weight_matmul, quantize_shard
 from ..plans import Plan
 from ..plans.auto import as_plan
@@ -80,7 +80,7 @@ class ShardedLinear(torch.nn.Module):
         as_plan(strategy, plan)  # a bad strategy or plan raises here, not at the first forward
         if timeout is not None:
             envs.resolve_timeout(timeout)
-        self.fp8 = recipe_of("nn.ShardedLinear", fp8)
+        self.fp8 = recipe_among("nn.ShardedLinear", fp8, GRANULARITIES, TP_ONLY)
         if self.fp8 is not None and self.fp8.granularity == "mxfp8" and in_features % MX_BLOCK:
             raise ValueError(f"overlap.nn.ShardedLinear: fp8='mxfp8' quantizes blocks of {MX_BLOCK} along "
                              f"in_features={in_features}: it must be a multiple of {MX_BLOCK}")

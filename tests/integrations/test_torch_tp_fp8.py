@@ -344,10 +344,12 @@ def test_styles_take_recipes_and_refuse_bad_ones_when_made():
             style = make(fp8=fp8)
             assert style.fp8 == want, (make, fp8, style.fp8)
             assert f"fp8={want!r}" in repr(style), repr(style)
-        for bad, error in (("columnwise", ValueError), ("e4m3", ValueError), ("block128", ValueError),
+        for bad, error in (("columnwise", ValueError), ("e4m3", ValueError),
                            (8, TypeError), (torch.float8_e4m3fn, TypeError), (True, TypeError)):
             with pytest.raises(error, match=f"hooks.torch_tp.{make.__name__}: fp8 must be"):
                 make(fp8=bad)
+        with pytest.raises(ValueError, match=f"hooks.torch_tp.{make.__name__}: fp8='block128' .* MoE dispatch's"):
+            make(fp8="block128")
     with pytest.raises(ValueError, match="granularity"):
         RowwiseParallel(output_layouts=Shard(0), fp8=Fp8Recipe("columnwise"))
 

@@ -142,3 +142,16 @@ def test_grad_gemm_casts_the_output_gradient_to_the_gradient_format_the_other_op
     y8, sy = overlap.quantize_fp8(y, "tensorwise", dy)
     want = x8.double() * sx.double() @ (y8.double() * sy.double())
     torch.testing.assert_close(grad_gemm(x, y, recipe, grad=grad).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_block128_is_the_moe_dispatchs_alone():
+    """``block128`` names a recipe (the MoE dispatch takes it); the TP ops, their layers and `fp8_matmul` refuse it
+    with one line saying whose it is."""
+    from overlap.ops.fp8_recipe import check_recipe
+
+    assert overlap.Fp8Recipe("block128").text == "block128"
+    a, b = torch.randn(4, 32), torch.randn(32, 8)
+    with pytest.raises(ValueError, match="fp8='block128' is not taken here .*MoE dispatch's"):
+        overlap.fp8_matmul(a, b, "block128")
+    with pytest.raises(ValueError, match="all_gather_matmul: fp8=.block128. .*.rowwise., .tensorwise., .mxfp8."):
+        check_recipe("all_gather_matmul", "block128", a)
