@@ -281,6 +281,24 @@ def grouped_matmul_grid(num_tiles: int, n: int, block_n: int) -> int:
     return num_tiles * cdiv(n, block_n)
 
 
+def check_expert_scales(kernel: str, w: torch.Tensor, w_scale: torch.Tensor) -> int:
+    """fp8 expert weights `w` ``[L, K, N]`` (e4m3) and their scales on `w`'s device: float32 ``[L, 1, N]`` (returns 2,
+    one per column) or MX block scales, e8m0 ``[L, K / 32, N]`` with any strides, ``K`` a multiple of 32 (returns
+    `MX_SCALES`)."""
+    if w.dtype != torch.float8_e4m3fn:
+        fail(kernel, f"with w_scale, w must be {torch.float8_e4m3fn}, got {w.dtype}")
+    num, k, n = w.shape
+    mx = isinstance(w_scale, torch.Tensor) and w_scale.dtype == MX_SCALE_DTYPE
+    want = (num, k // MX_BLOCK, n) if mx else (num, 1, n)
+    if (not isinstance(w_scale, torch.Tensor) or (not mx and w_scale.dtype != torch.float32)
+            or tuple(w_scale.shape) != want or w_scale.device != w.device or (mx and k % MX_BLOCK)):
+        got = (f"{w_scale.dtype} {list(w_scale.shape)} on {w_scale.device}" if isinstance(w_scale, torch.Tensor)
+               else type(w_scale).__name__)
+        fail(kernel, f"w_scale must be float32 [{num}, 1, {n}] or e8m0 [{num}, K/{MX_BLOCK}, {n}] (K={k} a multiple of "
+                     f"{MX_BLOCK}) on {w.device}; got {got}")
+    return MX_SCALES if mx else 2
+
+
 def check_expert_weights(kernel: str, w: torch.Tensor, k: int, like: torch.Tensor) -> None:
     """The grouped GEMMs' stacked expert weights: ``[L, k, N]`` of `like`'s dtype and device."""
     if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.shape[1] != k or w.dtype != like.dtype \

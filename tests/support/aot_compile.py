@@ -343,16 +343,26 @@ def compile_reduce_chunks(dtype: str, block: tuple[int, int]) -> dict:
     return _common(head, dtype, block, ptx, cubin, t0)
 
 
-def compile_moe_wait(dtype: str, block: tuple[int, int, int], weight: str = "row-major") -> dict:
-    """The dispatch-direction grouped GEMM: 1024 received rows of 2048 times 4 local experts' [2048, 1024]."""
+def compile_moe_wait(dtype: str, block: tuple[int, int, int], weight: str = "row-major",
+                     scales: str = "rowwise") -> dict:
+    """The dispatch-direction grouped GEMM: 1024 received rows of 2048 times 4 local experts' [2048, 1024]; fp8: the
+    MoE dispatch's packed fp8 tokens (`overlap.ops.fp8_rows.Packed` on a GPU: 16-byte rows) and the experts' scales,
+    per column or MX (`overlap.ops.moe.fp8.Fp8Experts`), into bf16."""
     t0 = time.time()
     d = DTYPES[dtype]
-    w, out = _weight(2048, 1024, dtype, weight, experts=4), torch.empty(1024, 1024, dtype=d)
-    rows = torch.empty(1024, 2048, dtype=d)
+    w = _weight(2048, 1024, dtype, weight, experts=4)
+    out = torch.empty(1024, 1024, dtype=torch.bfloat16 if dtype == "fp8" else d)
+    rows, fp8 = torch.empty(1024, 2048, dtype=d), {}
+    if dtype == "fp8":
+        mx = scales == "mxfp8"
+        w_scale = (torch.empty(4, 1024, 2048 // 32, dtype=torch.float8_e8m0fnu).transpose(1, 2) if mx
+                   else torch.empty(4, 1, 1024))
+        rows, fp8 = None, dict(w_scale=w_scale, scale_offset=2048, row_bytes=2048 + (64 if mx else 16))
     tiles = torch.zeros(8, 6, dtype=torch.int32)
     head, ptx, cubin = _compile_launch(lambda: gwait.launch_grouped_matmul_wait(
-        _table(), _table(), tiles, w, out, rows, epoch=_words(1, 3), err=_words(), timeout_ns=30 * 10**9, block=block))
-    return _common({**head, "weight": weight}, dtype, block, ptx, cubin, t0)
+        _table(), _table(), tiles, w, out, rows, epoch=_words(1, 3), err=_words(), timeout_ns=30 * 10**9, block=block,
+        **fp8))
+    return _common({**head, "weight": weight, **_scales_of(dtype, scales)}, dtype, block, ptx, cubin, t0)
 
 
 def compile_moe_scatter(dtype: str, block: tuple[int, int, int], weight: str = "row-major") -> dict:
@@ -446,6 +456,9 @@ if __name__ == "__main__":
               compile_matmul_scatter("fp32", (128, 64, 32)), compile_matmul_scatter("fp8", (128, 128, 64)),
               compile_reduce_chunks("bf16", (128, 128)), compile_reduce_chunks("fp32", (128, 64)),
               compile_moe_wait("bf16", (128, 128, 64)), compile_moe_wait("fp32", (128, 64, 32)),
+              # the MoE dispatch's fp8 tokens: rowwise scales in the epilogue, MX in the K loop
+              compile_moe_wait("fp8", (128, 128, 64)),
+              compile_moe_wait("fp8", (128, 128, 64), weight="column-major", scales="mxfp8"),
               compile_moe_scatter("bf16", (128, 128, 64)), compile_moe_scatter("fp32", (128, 64, 32)),
               # a column-major weight (w.t()): its column offsets n * stride_bn reach 2^31 elements with the weight
               *(f("bf16", (128, 128, 64), weight="column-major") for f in (

@@ -23,8 +23,10 @@ as they land (`Fp8Experts.mm`).
 The GEMM: `overlap.ops.fp8.scaled_mm` per expert block for ``rowwise`` and ``mxfp8`` (`torch._scaled_mm` where the
 installed torch takes it on that device, as probed there; else dequantized); ``torch._scaled_grouped_mm`` for a
 whole ``rowwise`` grouped GEMM where the device has it (probed once; CUDA sm_90+; never run here); ``block128``
-dequantized to float32 and multiplied (no scaled GEMM here takes 1 x 128 by 128 x 128 scales). The result has the
-weights' dtype. The combine moves and multiplies in that dtype, as without fp8.
+dequantized to float32 and multiplied (no scaled GEMM here takes 1 x 128 by 128 x 128 scales); under ``fused``, the
+Triton grouped GEMM's fp8 form for ``rowwise`` and ``mxfp8`` (`Fp8Experts.fused`;
+`overlap.kernels.dispatch_grouped_matmul`). The result has the weights' dtype. The combine moves and multiplies in
+that dtype, as without fp8.
 
 Autograd (the dense recipe's ``grads=False``): the tokens' gradient is the straight-through one (the quantization's
 derivative taken as 1), travelling back in the weights' dtype; the weight gradient multiplies the dequantized rows
@@ -203,6 +205,11 @@ class Fp8Experts:
     @property
     def shape(self) -> torch.Size:
         return self.w8.shape
+
+    @property
+    def fused(self) -> bool:
+        """Whether the fused Triton grouped GEMM takes these scales (rowwise, MX; not 128 x 128 blocks)."""
+        return self.fmt.granularity != "block128"
 
     @property
     def device(self) -> torch.device:

@@ -152,7 +152,7 @@ def _fused(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
     with _produced(call, h, rows, row_of_send, counts):
         if counts:
             _read_counts(call, h)
-        if isinstance(w, moe_fp8.Fp8Experts):  # (the Triton grouped GEMM has no fp8 form yet: symm's host loop)
+        if isinstance(w, moe_fp8.Fp8Experts) and not w.fused:  # (block128: symm's host loop)
             recv, out = _consume(call, h, rows.dtype, rows.shape[1], w)
         else:
             recv, out = _consume_fused(cc, call, h, rows.dtype, rows.shape[1], w)
@@ -261,8 +261,10 @@ def _consume_fused(cc: CallContext, call, h: layout.MoELayout, dtype, cols: int,
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
     device = h.info.device
     recv = torch.empty((h.num_recv, cols), dtype=dtype, device=device)
-    out = torch.empty((h.num_recv, w.shape[2]), dtype=dtype, device=device)
-    bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(), dtype)
+    out = torch.empty((h.num_recv, w.shape[2]), dtype=grouped.out_dtype(w, dtype), device=device)
+    scaled = isinstance(w, moe_fp8.Fp8Experts)  # packed fp8 rows: the kernel's fp8 form, the rows copied after it
+    bm, bn, bk = fused.fused_tiles(chosen.block_m, chosen.block_n, chosen.block_k, fused.interpreted(),
+                                   w.w8.dtype if scaled else dtype)
     kernel = fused.kernels().dispatch_grouped_matmul
     table = kernel.dispatch_tile_table(h.recv_counts, r, bm, device)
     if not table.shape[0]:
@@ -271,13 +273,29 @@ def _consume_fused(cc: CallContext, call, h: layout.MoELayout, dtype, cols: int,
     stride = slots.region_stride(call.need, W, L)
     src_table = heap.tables.region_table(call.slot, r, stride, W, slots.header_bytes(W, L))
     err = heap.kernel_err() if out.is_cuda else torch.zeros(1, dtype=torch.int32)
-    kernel.launch_grouped_matmul_wait(src_table, heap.tables.flag_table(call.slot, 0), table, w, out, recv,
+    fp8 = {} if not scaled else {"w_scale": w.scale, "scale_offset": w.fmt.packed.scale_offset,
+                                 "row_bytes": w.fmt.cols}
+    kernel.launch_grouped_matmul_wait(src_table, heap.tables.flag_table(call.slot, 0), table,
+                                      w.w8 if scaled else w, out, None if scaled else recv,
                                       epoch=call.epoch_word(), err=err, timeout_ns=int(timeout * 1e9),
-                                      block=(bm, bn, bk))
+                                      block=(bm, bn, bk), **fp8)
     bad = 0 if out.is_cuda else int(err.item())
     if bad:
         raise OverlapTimeout(cc.op, r, bad - 1, "an expert block", timeout, "fused grouped GEMM wait")
+    if scaled:  # every block has landed (the kernel waited for each): the packed rows, scales included
+        _copy_rows(call, h, recv, dtype, cols)
     return recv, out
+
+
+def _copy_rows(call, h: layout.MoELayout, recv: torch.Tensor, dtype, cols: int) -> None:
+    """`recv` (expert order) from every source's region of this rank's buffer, after the blocks have landed."""
+    for s in range(h.info.world_size):
+        region = layout.region(call, h, h.info.rank, s, dtype, cols)
+        for e in range(h.num_local_experts):
+            c = h.recv_counts[s][e]
+            if c:
+                lo, at = h.within_source(s, e), h.expert_offsets[e][s]
+                recv[at : at + c].copy_(region[lo : lo + c])
 
 
 def _hierarchical(cc: CallContext, call, h, rows, row_of_send, w, counts, between):

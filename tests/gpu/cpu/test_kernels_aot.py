@@ -82,8 +82,9 @@ def test_reduce_chunks_compiles_for_sm90_with_bounded_acquire_wait(report):
 
 def test_moe_wait_kernel_compiles_for_sm90_with_wgmma_and_bounded_acquire_wait(report):
     rows = _of(report, "grouped_matmul_wait_kernel")
-    assert {r["dtype"] for r in rows} == {"bf16", "fp32"}
-    wgmma_type = {"bf16": "bf16", "fp32": "tf32"}
+    assert {r["dtype"] for r in rows} == {"bf16", "fp32", "fp8"}
+    assert {r.get("scales") for r in rows if r["dtype"] == "fp8"} == {"rowwise", "mxfp8"}  # the MoE fp8 dispatch
+    wgmma_type = {"bf16": "bf16", "fp32": "tf32", "fp8": "e4m3"}
     for r in rows:
         assert r["wgmma"] and r["wgmma_types"] == [wgmma_type[r["dtype"]]], f"GEMM not on wgmma {r['dtype']}: {r}"
         assert r["flag_acquire_sys"], f"the block's flag wait is not a system-scope acquire: {r}"
@@ -255,6 +256,11 @@ def _launch_with_bad_argument(case: str) -> None:
         gwait.launch_grouped_matmul_wait(table, table, torch.zeros(3, 5, dtype=i32), torch.randn(2, 8, 16),
                                            torch.empty(4, 16), torch.empty(4, 8), epoch=epoch, err=word, timeout_ns=1,
                                            block=(32, 32, 32))
+    elif case == "fp8 expert scales of the wrong shape":
+        gwait.launch_grouped_matmul_wait(table, table, torch.zeros(3, 6, dtype=i32),
+                                           torch.randn(2, 32, 16).to(torch.float8_e4m3fn), torch.empty(4, 16), None,
+                                           epoch=epoch, err=word, timeout_ns=1, block=(32, 32, 32),
+                                           w_scale=torch.ones(2, 16), scale_offset=32)
     elif case == "weights of another inner dim":
         gscatter.launch_grouped_matmul_scatter(torch.randn(4, 8), torch.randn(2, 9, 16), torch.zeros(1, 7, dtype=i32),
                                               table, torch.zeros(8, dtype=i32), table, epoch=epoch, rank=0,
@@ -275,6 +281,8 @@ def _launch_with_bad_argument(case: str) -> None:
     ("fp8 scale offset inside the row", "scale_offset must be a multiple of 4 at least K=32, got 8"),
     ("tile table of 5 columns", r"tile_table must be torch.int32 \[n, 6\], got torch.int32 \[3, 5\]"),
     ("weights of another inner dim", r"w must be torch.float32 \[L, 8, N\].*got torch.float32 \[2, 9, 16\]"),
+    ("fp8 expert scales of the wrong shape",
+     r"w_scale must be float32 \[2, 1, 16\] or e8m0 .*got torch.float32 \[2, 16\]"),
 ])
 def test_launchers_refuse_bad_arguments_with_their_values(case, message):
     with pytest.raises(ValueError, match=message):
