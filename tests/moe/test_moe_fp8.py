@@ -24,6 +24,7 @@ _SPECS = [
     ((6, 2, 9), 64, 32, 4, 4, "skewed"),
     ((4, 3), 64, 32, 4, 2, "empty"),
     ((3, 5), 64, 16, 2, 2, "one"),
+    ((7, 0, 4), 64, 32, 2, 1, "skewed"),  # top-1
 ]
 #: block128 also on a hidden size with a partial last block that is no multiple of 16
 _BLOCK_SPEC = ((4, 6, 1), 200, 24, 2, 2, "random")
@@ -241,8 +242,10 @@ def bad_recipe_task(rank: int, world_size: int) -> dict:
     w1 = torch.randn(2, 64, 16)
     out = {}
     for name, fp8, where in (("tensorwise", "tensorwise", None), ("grads", "rowwise+grads", None),
-                             ("unknown", "e5m2", 1), ("type", 8, 0), ("mxfp8 hidden", "mxfp8", None)):
-        xi = torch.randn(4, 48) if name == "mxfp8 hidden" else x
+                             ("unknown", "e5m2", 1), ("type", 8, 0), ("mxfp8 hidden", "mxfp8", None),
+                             ("fp8 tokens", "rowwise", 1)):
+        xi = {"mxfp8 hidden": torch.randn(4, 48), "fp8 tokens": x.to(torch.float8_e4m3fn) if rank == 1 else x}.get(
+            name, x)
         wi = torch.randn(2, 48, 16) if name == "mxfp8 hidden" else w1
         try:
             overlap.moe.dispatch_grouped_matmul(xi, idx, wi, 2 * world_size, strategy="symm",
@@ -260,10 +263,10 @@ def test_bad_recipes_raise_on_every_rank(pools):
         assert res["tensorwise"][0] == "ValueError" and "per token or per block" in res["tensorwise"][1], res
         assert res["grads"][0] == "NotImplementedError", res
         assert res["mxfp8 hidden"][0] == "ValueError" and "48" in res["mxfp8 hidden"][1], res
-        for name, culprit in (("unknown", 1), ("type", 0)):
+        for name, culprit in (("unknown", 1), ("type", 0), ("fp8 tokens", 1)):
             kind, message = res[name]
             if rank == culprit:
-                assert kind in ("ValueError", "TypeError") and "fp8" in message, (name, res)
+                assert kind in ("ValueError", "TypeError") and ("fp8" in message or "float8" in message), (name, res)
             else:  # the peer is told at once
                 assert f"rank {culprit}" in message, (name, res)
         assert res["after"][1] == 16, res
