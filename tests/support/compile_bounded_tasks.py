@@ -146,9 +146,11 @@ def bounded_opchecks(rank: int, world_size: int, seed: int) -> dict[str, str]:
     x, idx, w1, w2, tw, E = moe_inputs(rank, world_size, seed)
     bound = 3 + 2 * world_size
     cases = {
-        "grouped": (ops.moe_dispatch_bounded.default, (x, idx, w1, E, bound, "", "symm", "", None, "11")),
-        "plain": (ops.moe_dispatch_bounded.default, (x, idx, None, E, bound, "", "pipelined", "", None, "1")),
+        "grouped": (ops.moe_dispatch_bounded.default, (x, idx, w1, E, bound, "", "symm", "", None, "11", "")),
+        "grouped fp8": (ops.moe_dispatch_bounded.default, (x, idx, w1, E, bound, "", "symm", "", None, "11",
+                                                           "rowwise")),
+        "plain": (ops.moe_dispatch_bounded.default, (x, idx, None, E, bound, "", "pipelined", "", None, "1", "")),
     }
-    h, _, key, *_ = ops.moe_dispatch_bounded(x.detach(), idx, w1.detach(), E, bound, "", "symm", "", None, "00")
+    h, _, key, *_ = ops.moe_dispatch_bounded(x.detach(), idx, w1.detach(), E, bound, "", "symm", "", None, "00", "")
     cases["combine"] = (ops.moe_combine.default, (h.detach().requires_grad_(), w2, tw, key, "symm", "", None, "111"))
     return opcheck_all(cases)

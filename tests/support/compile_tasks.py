@@ -371,9 +371,10 @@ def opchecks(rank: int, world_size: int, seed: int) -> dict[str, str]:
                                            (a3, b, *tp, quantize_shard(b.detach(), "rowwise"), "rowwise")),
         "all_reduce": (ops.all_reduce.default, (a3, "", None, "opcheck")),
         "all_gather_last_dim": (ops.all_gather_last_dim.default, (a3, "", None, "opcheck")),
-        "moe_dispatch": (ops.moe_dispatch.default, (x, idx, w1, E, "", "symm", "", None, "11")),
+        "moe_dispatch": (ops.moe_dispatch.default, (x, idx, w1, E, "", "symm", "", None, "11", "")),
+        "moe_dispatch fp8": (ops.moe_dispatch.default, (x, idx, w1, E, "", "symm", "", None, "11", "rowwise")),
     }
-    h, _, key = ops.moe_dispatch(x.detach(), idx, w1.detach(), E, "", "symm", "", None, "00")
+    h, _, key = ops.moe_dispatch(x.detach(), idx, w1.detach(), E, "", "symm", "", None, "00", "")
     h = h.detach().requires_grad_()
     cases["moe_combine"] = (ops.moe_combine.default, (h, w2, tw, key, "symm", "", None, "111"))
     out = opcheck_all(cases)
