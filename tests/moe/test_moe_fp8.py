@@ -270,3 +270,33 @@ def test_bad_recipes_raise_on_every_rank(pools):
             else:  # the peer is told at once
                 assert f"rank {culprit}" in message, (name, res)
         assert res["after"][1] == 16, res
+
+
+def plan_file_task(rank: int, world_size: int) -> dict:
+    """``auto`` with a plan file: an fp8 call finds the entry of its recipe's dtype (its bytes differ from the
+    leaves'), not the leaves' one; the combine after it the same entry."""
+    import overlap
+    from overlap import world
+    from overlap.plans import Entry, PlanFile, Problem, default_profile, topology_of
+
+    T, H, F, E, K = 6, 64, 16, 2 * world_size, 2
+    pf = PlanFile.new(topology_of(world.group_info()), world_size, default_profile("cpu"))
+    for dtype, strategy in (("float32", "reference"), ("float8_e4m3fn", "pipelined"), ("mxfp8", "symm")):
+        pf.add(Entry(Problem("moe", T, H, F, dtype, True, E, K), overlap.Plan(strategy)))
+    gen = torch.Generator().manual_seed(rank)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    out = {}
+    for fp8 in (None, "rowwise", "mxfp8"):
+        x = torch.randn(T, H, generator=gen).requires_grad_()
+        w1 = torch.randn(E // world_size, H, F, generator=gen).requires_grad_()
+        w2 = torch.randn(E // world_size, F, H, generator=gen).requires_grad_()
+        h, handle = overlap.moe.dispatch_grouped_matmul(x, idx, w1, E, plan=pf, fp8=fp8)
+        y = overlap.moe.grouped_matmul_combine(torch.nn.functional.gelu(h), w2, torch.rand(T, K), handle, plan=pf)
+        y.sum().backward()
+        out[fp8 or "none"] = handle.plan.strategy
+    return out
+
+
+def test_auto_keys_an_fp8_dispatch_by_its_recipe(pools):
+    for res in pools(2).run(plan_file_task, timeout=120):
+        assert res == {"none": "reference", "rowwise": "pipelined", "mxfp8": "symm"}, res

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ...plans import Plan
+from ...plans import Plan, fp8_dtype
 from .. import library
 from ..context import CallContext, autocast_inputs, describe, no_autocast, preamble, record
 from . import bound as moe_bound
@@ -127,8 +127,9 @@ def _prepare(op, y, w, topk_weights, h: layout.MoELayout, strategy, plan, timeou
 
 def _plan(op, h: layout.MoELayout, y, w, strategy, plan, info, needs_grad: bool) -> Plan:
     experts = h.num_experts if h.migration is None else h.migration.num_experts  # (the dispatch's own E)
+    key_dtype = y.dtype if h.fp8 is None else fp8_dtype(h.fp8.granularity)  # (the dispatch's key: its layer's)
     problem = None if w is None else entry.moe_problem(h.num_tokens, w.shape[2], y.shape[1], experts,
-                                                    h.top_k, y.dtype, needs_grad)
+                                                    h.top_k, key_dtype, needs_grad)
     return entry.resolve_plan(op, strategy, plan, info, y.dtype, w is not None, problem, experts)
 
 

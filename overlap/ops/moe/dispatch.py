@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...plans import fp8_dtype
 from .. import library
 from ..context import CallContext, autocast_inputs, no_autocast, preamble, record
 from ..fp8_recipe import text_of
@@ -139,8 +140,9 @@ def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, gr
             w = entry.check_weights(op, w, L, x.shape[1], x.dtype, x.device, "w1")
         entry.check_topk_idx(op, topk_idx, x.shape[0], x.device)
         moe_bound.check_bound(op, bound, x.shape[0])
+        key_dtype = x.dtype if recipe is None else fp8_dtype(recipe.granularity)  # (an fp8 call's bytes differ)
         problem = None if w is None else entry.moe_problem(x.shape[0], x.shape[1], w.shape[2], num_experts,
-                                                        topk_idx.shape[1], x.dtype, "1" in grads)
+                                                        topk_idx.shape[1], key_dtype, "1" in grads)
         chosen = entry.resolve_plan(op, strategy, plan, info, x.dtype, w is not None, problem, num_experts)
         mig = moe_migration.prepare(op, chosen, info, num_experts, bound)  # (hosted experts)
         idx, E = (topk_idx, num_experts) if mig is None else (mig.remap(op, topk_idx), mig.hosted * info.world_size)

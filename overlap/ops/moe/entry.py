@@ -168,10 +168,10 @@ def sums_in_node(cc: CallContext) -> bool:
     return cc.plan.strategy == "hierarchical"
 
 
-def moe_problem(tokens: int, hidden: int, ffn: int, num_experts: int, top_k: int, dtype: torch.dtype,
+def moe_problem(tokens: int, hidden: int, ffn: int, num_experts: int, top_k: int, dtype: torch.dtype | str,
                 backward: bool) -> Problem | None:
-    """The `overlap.plans.Problem` of a grouped-GEMM MoE call (plan files are keyed by it); `backward`:
-    whether the call's backward will run."""
+    """The `overlap.plans.Problem` of a grouped-GEMM MoE call (plan files are keyed by it); `dtype`: the tokens',
+    or an fp8 dispatch's `overlap.plans.fp8_dtype`; `backward`: whether the call's backward will run."""
     try:
         return Problem("moe", max(tokens, 1), hidden, ffn, str(dtype).removeprefix("torch."), backward,
                                 num_experts, top_k)
