@@ -153,11 +153,11 @@ def _check_selection(ops: tuple[str, ...], modes: Sequence[str]) -> None:
         raise ValueError(f"unknown modes {bad_modes}; known: {MODES}")
 
 
-def dtype_problem(dtype: str | None, k: int) -> str | None:
-    """Why a case whose GEMMs reduce over ``k`` cannot run in `dtype`, or None: ``mxfp8`` scales blocks of 32
-    along ``k``."""
+def dtype_problem(dtype: str | None, k: int, what: str = "k") -> str | None:
+    """Why a case whose GEMMs reduce over ``k`` (`what`: its name in the reason; an MoE layer's hidden size)
+    cannot run in `dtype`, or None: ``mxfp8`` scales blocks of 32 along ``k``."""
     if dtype == MX_DTYPE and k % MX_BLOCK:
-        return f"{MX_DTYPE} needs k a multiple of {MX_BLOCK}, got {k}"
+        return f"{MX_DTYPE} needs {what} a multiple of {MX_BLOCK}, got {k}"
     return None
 
 
@@ -207,9 +207,9 @@ def default_cases(
     `device_type` (``"cpu"`` or ``"cuda"``), in the given `modes` (see `MODES`), grouped by op, then
     shape (a preset's layers in order), then mode.
 
-    `dtype` (a name of `DTYPES`) replaces every case's own dtype when given (an fp8 dtype: `FP8_OPS` only,
-    sequence-first, the other ops' reason appended to `left_out`; ``mxfp8``: shapes whose ``k`` divides by 32, the
-    others' reason appended). A preset whose layer
+    `dtype` (a name of `DTYPES`) replaces every case's own dtype when given (an fp8 dtype: `FP8_OPS` only, the
+    tensor-parallel ones sequence-first, the other ops' reason appended to `left_out`; ``mxfp8``: shapes whose ``k``
+    (MoE: hidden size) divides by 32, the others' reason appended). A preset whose layer
     does not split over `world_size` ranks is left out, and the reason appended to `left_out`
     (MoE presets whose experts do not split are returned: `MoECase.world_problem` says why).
     Raises ValueError for an unknown op, device type, dtype or mode.
@@ -226,12 +226,15 @@ def default_cases(
                 left_out.append(why)
             continue
         if o in MOE_OPS:
-            cases += [
-                MoECase.of(MOE_PRESETS[preset][0], dtype or dt, backward=mode == "fwd+bwd", preset=preset)
-                for preset, dt, case_modes in _MOE_DEFAULTS[device_type]
-                for mode in MODES
-                if mode in case_modes and mode in modes
-            ]
+            for preset, dt, case_modes in _MOE_DEFAULTS[device_type]:
+                dims = MOE_PRESETS[preset][0]
+                if why := dtype_problem(dtype or dt, dims.hidden, "the hidden size"):
+                    why = f"{o} {preset}: {why}"
+                    if left_out is not None and why not in left_out:
+                        left_out.append(why)
+                    continue
+                cases += [MoECase.of(dims, dtype or dt, backward=mode == "fwd+bwd", preset=preset)
+                          for mode in MODES if mode in case_modes and mode in modes]
             continue
         for shape, dt, case_modes, case_ops in _DEFAULTS[device_type]:
             selected = [mode for mode in MODES if mode in case_modes and mode in modes]

@@ -132,8 +132,10 @@ def plan_labels(case: AnyCase, labels: list[str], info: world.GroupInfo) -> dict
             rows = None if spec.family == "moe" else spec.in_rows(case.problem.m, W)
             itemsize = leaf_dtype(case.torch_dtype).itemsize  # (the output's: an fp8 case's is bf16)
             out_bytes = 0 if rows is None else spec.out_rows(case.problem.m, W) * case.problem.n * itemsize
-            op = "dispatch_grouped_matmul" if spec.family == "moe" else case.op
-            plan = resolve_auto(op, f"overlap bench {case.name}", info, rows, case.dtype, out_bytes, case.problem)
+            op, dtype = case.op, case.dtype
+            if spec.family == "moe":  # as the dispatch resolves it: its tokens' dtype, its problem's key (fp8's)
+                op, dtype = "dispatch_grouped_matmul", str(leaf_dtype(case.torch_dtype)).removeprefix("torch.")
+            plan = resolve_auto(op, f"overlap bench {case.name}", info, rows, dtype, out_bytes, case.problem)
         else:
             plan = Plan(strategy, **fields)
         out[label] = plan.label(links)

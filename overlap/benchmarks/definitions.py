@@ -31,7 +31,8 @@ block along ``k``), the gathers moving fp8 rows with their scales (``all_gather_
 columns) and the reductions float32 partials, scaled GEMMs forward, the backward in bfloat16; the ``torch`` row
 casts, runs the plain collectives of the fp8 bytes and of the scales and ``torch._scaled_mm``, its backward the
 bfloat16 one. The GB/s column counts those bytes, scales included (`overlap.plans.wire_sizes`: ``k + 4`` bytes a
-gathered row rowwise, ``k + k/32`` MX). An ``mxfp8`` case needs ``k`` a multiple of 32.
+gathered row rowwise, ``k + k/32`` MX). An ``mxfp8`` case needs ``k`` a multiple of 32. The MoE layer's fp8 cases:
+below.
 
 Modes. ``fwd+bwd`` times the forward and the backward of a fresh output: three GEMMs
 (``6*W*m*k*n`` FLOPs) and, per Megatron's conventions (docs/conventions.md), more communication:
@@ -70,6 +71,15 @@ The routing is fixed per case and drawn like a trained router's (`case_data`): l
   gradient's rows to the experts, the input gradient's rows back; all four carry ``H`` columns).
   This depends on the routing, so the workload computes it (`case_data.CaseData.comm_bytes`); with
   uniform routing it is about ``2*T*K*(W-1)/W*H*itemsize`` forward.
+* fp8 (dtype ``float8_e4m3fn`` or ``mxfp8``): the dispatch's ``fp8="rowwise"`` or ``fp8="mxfp8"`` on bfloat16
+  leaves (`overlap.workloads.moe`): each token quantized once on its owner (per row, or per block of 32 along
+  ``H`` with e8m0 scales) and dispatched as a packed row of bytes with its scales, the first grouped GEMM on fp8
+  tokens and fp8 ``w1`` (quantized per column along ``H``, or per block), gelu, the second GEMM, the combine and
+  the backward in bfloat16. The bytes count the dispatched rows packed (`overlap.plans.dispatch_row_bytes`:
+  ``H + 4`` rowwise, ``H + H/32`` MX, for ``H`` a multiple of 4; a GPU pads them to 16, not counted) and every
+  other transfer's ``2*H``. The ``torch`` row quantizes on the owner, runs the plain all-to-all of the packed
+  bytes and ``torch._scaled_mm`` per expert (dequantized where the device does not take the scales), the rest as
+  without fp8. An ``mxfp8`` case needs ``H`` a multiple of 32.
 
 MoE presets (`MOE_PRESETS`): the proportions of real models, scaled down so that a case runs in
 milliseconds to tens of milliseconds on 2 CPU ranks (one torch thread each):
@@ -113,7 +123,7 @@ import torch
 
 from ..plans import FP8_DTYPES, Problem
 from ..plans import OPS as OP_TABLE
-from ..plans.optable import torch_dtype
+from ..plans.optable import MX_BLOCK, MX_DTYPE, torch_dtype
 from .models import LAYERS, TP_PRESETS
 from .names import (
     AUTO,
@@ -149,8 +159,9 @@ DTYPES: dict[str, torch.dtype] = {name: torch_dtype(name) for name in DTYPE_NAME
 #: the tensor-parallel ops of the op table, each benchmarked as ``overlap.<op>`` at a shape ``m x k x n``
 #: (`Case`; bench/soak.py runs these too, by that name)
 OPS = TP_OPS
-#: the ops with fp8 cases (dtype in `FP8_DTYPES`: the ``fp8="rowwise"`` or ``fp8="mxfp8"`` recipe)
-FP8_OPS = tuple(name for name in OPS if OP_TABLE[name].fp8)
+#: the ops with fp8 cases (dtype in `FP8_DTYPES`: the ``fp8="rowwise"`` or ``fp8="mxfp8"`` recipe; the MoE layer's
+#: on its dispatch)
+FP8_OPS = tuple(name for name in BENCH_OPS if OP_TABLE[name].fp8)
 
 #: strategy labels beyond `plan.STRATEGIES`, per op: label -> (strategy, fields of its `overlap.Plan`)
 #: (an op's `OpSpec.variants`: ``matmul_all_reduce``'s ``one_shot``)
@@ -322,17 +333,20 @@ class MoECase(_CaseNames):
 
     @classmethod
     def of(cls, dims: MoEShape, dtype: str = "float32", backward: bool = False, preset: str = "") -> MoECase:
-        """The case of the MoE layer at `dims` in `dtype` (a name of `DTYPES` but fp8). Raises ValueError."""
+        """The case of the MoE layer at `dims` in `dtype` (a name of `DTYPES`; fp8: the dispatch's recipe, ``mxfp8``
+        with a hidden size that divides by 32). Raises ValueError."""
         if not isinstance(dims, MoEShape):
             raise ValueError(f"dims must be an MoEShape, got {dims!r}")
-        _check_mode(dtype, backward, tuple(d for d in DTYPES if d not in FP8_DTYPES), "an MoE case's dtype")
+        _check_mode(dtype, backward, tuple(DTYPES), "an MoE case's dtype")
+        if dtype == MX_DTYPE and dims.hidden % MX_BLOCK:
+            raise ValueError(f"{MX_DTYPE} needs the hidden size a multiple of {MX_BLOCK}, got {dims.hidden}")
         d = dims
         return cls(Problem(MOE_OPS[0], d.tokens, d.hidden, d.ffn, dtype, backward, d.experts, d.top_k), preset)
 
     def __post_init__(self) -> None:
         if not isinstance(self.problem, Problem) or self.problem.op not in MOE_OPS:
             raise ValueError(f"an MoECase's problem is a Problem of one of {MOE_OPS}, got {self.problem!r}")
-        _check_mode(self.dtype, self.backward, tuple(d for d in DTYPES if d not in FP8_DTYPES), "an MoE case's dtype")
+        _check_mode(self.dtype, self.backward, tuple(DTYPES), "an MoE case's dtype")
         if self.preset and self.preset not in MOE_PRESETS:
             raise ValueError(f"unknown MoE preset {self.preset!r}; known: {tuple(MOE_PRESETS)}")
 

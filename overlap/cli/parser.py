@@ -174,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
         "moe:TxHxF:EXPERTS:TOPK[:DTYPE][:fwd|fwd+bwd]. A model: hidden=H,ffn=F,tokens=S[,heads=A,kv_heads=B]"
         "[,experts=E,topk=K][,gated=1][,dtype=D], one transformer layer with TP = the number of ranks and "
         "sequence parallelism. DTYPE float32, bfloat16, float16, float8_e4m3fn (the op's fp8='rowwise' recipe on "
-        "bfloat16 leaves) or mxfp8 (its fp8='mxfp8' recipe: MX blocks of 32 along K, which must divide by 32), for "
-        "the tensor-parallel ops (not moe); plans are keyed by it: an fp8 call's plan-file entry has dtype "
+        "bfloat16 leaves) or mxfp8 (its fp8='mxfp8' recipe: MX blocks of 32 along K, which must divide by 32; moe: "
+        "the dispatch's fp8=, blocks along H); plans are keyed by it: an fp8 call's plan-file entry has dtype "
         "float8_e4m3fn (rowwise or tensorwise scales) or mxfp8 (MX block scales).",
     )
     add_ranks_option(tune)
@@ -274,7 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype of the cases (default: float32 for --shape, presets included, else each built-in case's own); "
         "float8_e4m3fn: the fp8='rowwise' recipe on bfloat16 leaves, mxfp8: the fp8='mxfp8' recipe (MX blocks of 32 "
         "along K, which must divide by 32), for the tensor-parallel ops, the weight gather included (the torch row "
-        "casts, runs the collectives of the fp8 bytes and of the scales and torch._scaled_mm; GB/s counts both)",
+        "casts, runs the collectives of the fp8 bytes and of the scales and torch._scaled_mm; GB/s counts both), and "
+        "for moe the dispatch's fp8= (tokens quantized on their owner and dispatched as packed fp8 rows with their "
+        "scales, the first grouped GEMM in fp8, the rest bf16; mxfp8: H a multiple of 32; GB/s counts the packed "
+        "rows)",
     )
     bench.add_argument(
         "--strategies",

@@ -19,7 +19,7 @@ import math
 from ..symm import MAX_FLAGS
 from . import hierarchical_cost, migration, presets
 from .machine import PROFILE_VERSION, GemmFit, LinkFit, Profile, Topology, topology_of
-from .optable import FP8_DTYPES, FP8_LEAVES, ITEMSIZE, OPS, Problem, op_spec, wire_sizes
+from .optable import FP8_DTYPES, FP8_LEAVES, ITEMSIZE, OPS, Problem, moe_row_bytes, op_spec, wire_sizes
 from .plan import Plan
 
 # ----------------------------------------------------------------------------------------------
@@ -115,6 +115,11 @@ class Schedule:
         """What follows is the call's backward: its transfers move `grad_size` bytes per element; an fp8 call's
         backward GEMMs run in its leaves' dtype (`optable.FP8_LEAVES`)."""
         self.size = self.part_size = self.grad_size
+        self.in_leaves()
+
+    def in_leaves(self) -> None:
+        """The GEMMs that follow run in the leaves' dtype (`optable.FP8_LEAVES`) where the call is fp8: its backward,
+        and an MoE layer's after the first grouped GEMM (only the dispatched tokens are fp8)."""
         if self.fp8:
             self.gfit = self.profile.gemm.get(FP8_LEAVES) or self.gfit
             self.itemsize = self.out_itemsize = ITEMSIZE[FP8_LEAVES]
@@ -236,32 +241,42 @@ class Schedule:
         self.serial(sum(c * self.msgs(link, m * n * size, pulls) for link, c in self.peers))
 
     def moe(self, p: Problem) -> None:
-        """Dispatch + grouped GEMM, combine; uniform routing: ``T*K/W`` rows to and from every peer."""
+        """Dispatch + grouped GEMM, combine; uniform routing: ``T*K/W`` rows to and from every peer, each of
+        `optable.moe_row_bytes` (an fp8 call: the dispatch's rows packed fp8 and its GEMM at the fp8 rate, the rest
+        in the leaves' dtype)."""
         if self.hier:
             return hierarchical_cost.moe(self, p)
         L = p.experts // self.W
-        every = self.moe_every(p)
+        dispatched, returned = moe_row_bytes(p)
         self.serial(self.each_peer(4 * L))  # the counts
         if self.plan.strategy == "reference":
-            nbytes = p.m * p.top_k / self.W * p.k * self.size
-            moves = sum(c * self.msgs(link, self.tokens(link, nbytes)) for link, c in self.peers)
-            return self.serial(2 * (1 + p.backward) * moves, (2 + 4 * p.backward) * every)
-        self.moe_dispatch(p)
-        self.moe_combine(p)
+            first = self.moe_every(p)
+            self.in_leaves()
+            rows = p.m * p.top_k / self.W
+
+            def moves(row_bytes: float) -> float:
+                return sum(c * self.msgs(link, self.tokens(link, rows * row_bytes)) for link, c in self.peers)
+
+            return self.serial(moves(dispatched) + (1 + 2 * p.backward) * moves(returned),
+                               first + (1 + 4 * p.backward) * self.moe_every(p))
+        self.moe_dispatch(p, dispatched)
+        self.in_leaves()
+        every = self.moe_every(p)
+        self.moe_combine(p, returned)
         if p.backward:  # combine's backward (a dispatch), w2's weight gradient; then dispatch's backward
-            self.moe_dispatch(p)  # (a combine) with w1's weight gradient run while those rows travel
+            self.moe_dispatch(p, returned)  # (a combine) with w1's weight gradient run while those rows travel
             self.serial(gemm=every)
-            self.moe_combine(p, tail=every)
+            self.moe_combine(p, returned, tail=every)
 
     def moe_every(self, p: Problem) -> float:
         """Every row of this rank's experts through them: ``T*K`` rows (uniform routing), ``L`` GEMM calls."""
         L = p.experts // self.W
         return self.mm(p.m * p.top_k, p.k, p.n, calls=L, weights=L)
 
-    def _moe_flow(self, p: Problem):
-        """``(L, nbytes, block, groups, chunks)`` of one MoE transfer between every two ranks: ``pipelined``'s
-        (and ``hierarchical``'s rows kept one per pair), pairwise (`groups` None), or ``symm``/``fused``'s,
-        flagged per expert group."""
+    def _moe_flow(self, p: Problem, row_bytes: float):
+        """``(L, nbytes, block, groups, chunks)`` of one MoE transfer of rows of `row_bytes` between every two ranks:
+        ``pipelined``'s (and ``hierarchical``'s rows kept one per pair), pairwise (`groups` None), or
+        ``symm``/``fused``'s, flagged per expert group."""
         W, L, H, plan = self.W, p.experts // self.W, p.k, self.plan
         rows = p.m * p.top_k / W
         block = self.mm(rows, H, p.n, calls=L, weights=L, of_rows=W * rows)  # one source's rows through our L experts
@@ -271,11 +286,12 @@ class Schedule:
         def chunks(link: str) -> int:
             return min(plan.chunks_for(link), max(1, int(rows))) if pairwise else groups
 
-        return L, rows * H * self.size, block, (None if pairwise else groups), chunks
+        return L, rows * row_bytes, block, (None if pairwise else groups), chunks
 
-    def moe_dispatch(self, p: Problem) -> None:
-        """Towards the experts: a peer's chunks multiplied as they arrive, no finer than a GEMM per expert block."""
-        L, nbytes, block, groups, chunks = self._moe_flow(p)
+    def moe_dispatch(self, p: Problem, row_bytes: float) -> None:
+        """Towards the experts (rows of `row_bytes`): a peer's chunks multiplied as they arrive, no finer than a GEMM
+        per expert block."""
+        L, nbytes, block, groups, chunks = self._moe_flow(p, row_bytes)
         stages = [(1, 0.0, block + self.launch)]
         for link, c in self.peers:
             ch = chunks(link)
@@ -283,10 +299,10 @@ class Schedule:
             stages.append((c * s, self.msgs(link, self.tokens(link, nbytes) / s, ch / s), block / s))
         self.consume(stages)
 
-    def moe_combine(self, p: Problem, tail: float = 0.0) -> None:
-        """Back to the sources: a source's GEMMs, then its rows (pairwise: in chunks; else per expert group);
-        `tail`: work after the last rows left (the dispatch's backward's weight gradient)."""
-        _L, nbytes, block, groups, chunks = self._moe_flow(p)
+    def moe_combine(self, p: Problem, row_bytes: float, tail: float = 0.0) -> None:
+        """Back to the sources: a source's GEMMs, then its rows of `row_bytes` (pairwise: in chunks; else per expert
+        group); `tail`: work after the last rows left (the dispatch's backward's weight gradient)."""
+        _L, nbytes, block, groups, chunks = self._moe_flow(p, row_bytes)
         s = 1 if groups is None else groups
         peers = [(c * s, block / s, self.msgs(link, self.tokens(link, nbytes) / s, chunks(link) / s))
                  for link, c in self.peers]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .optable import moe_row_bytes
+
 if TYPE_CHECKING:  # (the cost model imports this module)
     from .costmodel import Schedule
     from .optable import Problem
@@ -82,24 +84,30 @@ def moe(x: Schedule, p: Problem) -> None:
     add up (serial: an upper bound, the dispatch multiplies its node's blocks while the network transfers
     travel). With a backward the combine keeps its rows (one per pair, for ``topk_weights``' gradient): it and
     its backward move as ``pipelined`` moves them. Expert migration scales the network's bytes (``x.tokens``:
-    the share of token rows still dispatched)."""
+    the share of token rows still dispatched). Rows of `optable.moe_row_bytes`: an fp8 dispatch moves packed fp8
+    rows and multiplies them at the fp8 rate, the rest of the layer runs in the leaves' dtype."""
     W, N, L, loc = x.W, x.nodes, x.local_ranks, x.local_link
-    E, K, T, H = p.experts, p.top_k, p.m, p.k
+    E, K, T = p.experts, p.top_k, p.m
     per_node = E // N
     miss = 1.0  # the chance that none of a token's K distinct experts is on a given node
     for i in range(min(K, E)):
         miss *= max(0.0, (E - per_node - i) / (E - i))
     rows_node = T * (1.0 - miss)  # distinct tokens to one node
     pairs_node = T * K / N
-    net = (N - 1) * x.msgs("network", x.tokens("network", rows_node * H * x.size + pairs_node * 4),
-                           _chunks(x, "network", max(1, int(rows_node))))
-    copies = (W - 1) * x.msgs(loc, T * K / W * H * x.size) if L > 1 else 0.0
-    transfer = net + copies
+    dispatched, returned = moe_row_bytes(p)
+
+    def transfer(row_bytes: float) -> float:
+        net = (N - 1) * x.msgs("network", x.tokens("network", rows_node * row_bytes + pairs_node * 4),
+                               _chunks(x, "network", max(1, int(rows_node))))
+        return net + ((W - 1) * x.msgs(loc, T * K / W * row_bytes) if L > 1 else 0.0)
+
+    first = x.moe_every(p)
+    x.in_leaves()
     every = x.moe_every(p)
     x.serial(x.each_peer(8 * (E + N)))  # the routes: every rank's counts (W x L) and distinct tokens per node
     if not p.backward:
-        return x.serial(2 * transfer, 2 * every)
-    x.serial(transfer, every)  # the dispatch
-    x.moe_combine(p)  # rows kept per pair, flat; then its backward (a dispatch, flat) and w2's weight gradient
-    x.moe_dispatch(p)
-    x.serial(transfer, 3 * every)  # the dispatch's backward (node sums): its GEMMs and w1's weight gradient
+        return x.serial(transfer(dispatched) + transfer(returned), first + every)
+    x.serial(transfer(dispatched), first)  # the dispatch
+    x.moe_combine(p, returned)  # rows kept per pair, flat; then its backward (a dispatch, flat) and w2's weight
+    x.moe_dispatch(p, returned)  # gradient
+    x.serial(transfer(returned), 3 * every)  # the dispatch's backward (node sums): its GEMMs and w1's weight gradient

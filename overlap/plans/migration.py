@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from ..world import GroupInfo
 from .machine import Profile, Topology
-from .optable import ITEMSIZE, Problem
+from .optable import FP8_DTYPES, FP8_LEAVES, ITEMSIZE, Problem, moe_row_bytes
 
 #: the group ranks of each node, nodes in the order of their lowest rank
 Nodes = tuple[tuple[int, ...], ...]
@@ -139,13 +139,26 @@ def measured_loads(topk_idx_per_rank: Sequence, nodes: Where, num_experts: int) 
     return tuple(map(tuple, loads))
 
 
+def _row_bytes(problem: Problem) -> tuple[float, float]:
+    """``(to the expert, back)``: one routed row's bytes per call each way (`optable.moe_row_bytes`: ``x`` and in a
+    backward ``grad_y`` to the expert, ``y`` and ``grad_x`` back)."""
+    dispatched, returned = moe_row_bytes(problem)
+    return dispatched + (returned if problem.backward else 0), returned * (2 if problem.backward else 1)
+
+
+def _weight_size(problem: Problem) -> int:
+    """Bytes per element of a migrated weight: the dtype's, an fp8 call's leaves' (its weights travel unquantized)."""
+    return ITEMSIZE[FP8_LEAVES if problem.dtype in FP8_DTYPES else problem.dtype]
+
+
 def pair_bytes(problem: Problem, rows: float) -> tuple[float, float]:
     """``(token bytes, weight bytes)`` that cross the network per call for one remote pair with `rows` rows:
     tokens ``2 * P * rows * H * s`` (rows to the expert and back, ``P = 2`` passes with a backward: ``grad_y`` to
     the expert and ``grad_x`` back), weights ``2 * P * H * F * s`` (``w1`` and ``w2``, their gradients back), ``s``
-    the dtype's size. Per direction the same, so the bytes favour migration exactly when ``rows > F``."""
-    s, passes = ITEMSIZE[problem.dtype], 2 if problem.backward else 1
-    return 2 * passes * rows * problem.k * s, 2 * passes * problem.k * problem.n * s
+    the dtype's size. Per direction the same, so the bytes favour migration exactly when ``rows > F``. An fp8 call
+    (`optable.moe_row_bytes`): its dispatched rows are packed fp8, all else (weights included) its leaves' bf16."""
+    to_expert, back = _row_bytes(problem)
+    return rows * (to_expert + back), 2 * (2 if problem.backward else 1) * problem.k * problem.n * _weight_size(problem)
 
 
 @dataclasses.dataclass
@@ -169,14 +182,17 @@ class _Balance:
         self.node = _node_index(nodes)
         fit = profile.links.get("network", {}).get("p2p")
         gfit = profile.gemm.get(problem.dtype) or profile.gemm.get("float32")
+        leaves = profile.gemm.get(FP8_LEAVES) if problem.dtype in FP8_DTYPES else None
         if fit is None or gfit is None:
             raise ValueError("choose_migration: the machine profile needs a network p2p fit and a GEMM fit for "
                              f"{problem.dtype} (or float32): probe on this topology")
         self.bw, self.msg_s = fit.bandwidth_Bps, fit.latency_s + profile.per_chunk_s
         self.passes = 2 if problem.backward else 1
-        self.row_s = (3 if problem.backward else 1) * 4 * problem.k * problem.n / gfit.peak_flops
-        self.row_bytes = self.passes * problem.k * ITEMSIZE[problem.dtype]  # one way, per row
-        self.weight_bytes = 2 * problem.k * problem.n * ITEMSIZE[problem.dtype]  # w1 and w2 (or their gradients)
+        # a row's GEMMs: the first at the dtype's rate, the rest at the leaves' (an fp8 call's backward and w2)
+        rest = (5 if problem.backward else 1) / (leaves or gfit).peak_flops
+        self.row_s = 2 * problem.k * problem.n * (1 / gfit.peak_flops + rest)
+        self.to_expert, self.back = _row_bytes(problem)  # per row, each way
+        self.weight_bytes = 2 * problem.k * problem.n * _weight_size(problem)  # w1 and w2 (or their gradients)
         self.acct = _Account([0.0] * self.N, [0.0] * self.N, [0.0] * self.N, [0.0] * self.W)
         for e in range(problem.experts):
             for m in range(self.N):
@@ -190,9 +206,9 @@ class _Balance:
         a.rows[o] += sign * x
         n = self.node[o]
         if n != m:
-            for one_way in ((m, n), (n, m)):
-                a.out[one_way[0]] += sign * x * self.row_bytes
-                a.into[one_way[1]] += sign * x * self.row_bytes
+            for (src, dst), nbytes in (((m, n), self.to_expert), ((n, m), self.back)):
+                a.out[src] += sign * x * nbytes
+                a.into[dst] += sign * x * nbytes
 
     def move(self, e: int, m: int, sign: float) -> None:
         """Migrate pair ``(e, m)`` (`sign` 1) or undo it (-1): its tokens stay, the weights travel to node ``m``
@@ -285,6 +301,10 @@ def choose_migration(problem: Problem, profile: Profile, topology_or_nodes: Wher
     shared by its experts there), so a migrated pair saves at most its rows' bytes (an upper bound); interference,
     the fill and drain of the pipelines, the counts and indices, and the memory of the weight copies are not
     modelled. Raises ValueError where the profile lacks the network or GEMM fit or the experts do not divide.
+
+    An fp8 problem (``fp8=`` of the dispatch): the rows to the expert are packed fp8 rows
+    (`optable.moe_row_bytes`) instead of ``H * s`` forward, everything else moves in the leaves' bf16 (``s = 2``,
+    the weights included); a row's first GEMM runs at the dtype's rate, its others at bf16's.
     """
     nodes = nodes_of(topology_or_nodes)
     W = sum(len(node) for node in nodes)

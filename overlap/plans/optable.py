@@ -38,15 +38,17 @@ MX_BLOCK = 32
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1, MX_DTYPE: 1}
 #: the dtypes of training calls, which ``overlap bench`` and ``overlap tune`` take (float64 is the oracles')
 TRAINING_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", MX_DTYPE)
-#: the fp8 dtypes: a problem in one is an fp8 call of a tensor-parallel op (fp8 operands, or the ``fp8=`` recipe on
-#: high-precision leaves), whose transfers move what `wire_sizes` says: ``float8_e4m3fn`` with one float32 scale
-#: per row or tensor (rowwise, tensorwise), `MX_DTYPE` with MX block scales
+#: the fp8 dtypes: a problem in one is an fp8 call (fp8 operands, or the ``fp8=`` recipe on high-precision leaves)
+#: whose transfers move what `wire_sizes` (tensor-parallel ops) or `moe_row_bytes` (the MoE dispatch) says:
+#: ``float8_e4m3fn`` with one float32 scale per row or tensor (rowwise, tensorwise), `MX_DTYPE` with MX block scales
 FP8_DTYPES = ("float8_e4m3fn", MX_DTYPE)
 #: the dtype of an fp8 problem's leaves and output (the recipe's convention: its backward runs in it)
 FP8_LEAVES = "bfloat16"
 #: bytes of a rowwise (or tensorwise: repeated on every row) scale on the wire, and of an MX block's
 ROW_SCALE_BYTES = 4
 MX_SCALE_BYTES = 1
+#: the columns of an MoE token that share one float32 scale at ``block128`` (`overlap.ops.moe.fp8.BLOCK`)
+TOKEN_BLOCK = 128
 
 
 def fp8_dtype(granularity: str) -> str:
@@ -74,12 +76,38 @@ def gathered_row_bytes(dtype: str, k: int) -> int:
     return k * ITEMSIZE[dtype]
 
 
+def dispatch_row_bytes(granularity: str, hidden: int) -> int:
+    """Bytes of one token of `hidden` columns as the MoE dispatch packs it in fp8 at `granularity` (``rowwise``,
+    ``block128``, ``mxfp8``: `overlap.ops.moe.fp8.RowFormat`'s row on CPU ranks; a GPU pads it to 16 bytes, not
+    counted, as `gathered_row_bytes` does not count it): the ``hidden`` e4m3 bytes, then the scales: zeros up to a
+    multiple of 4 and one float32 (rowwise) or one per `TOKEN_BLOCK` columns (block128, the last block partial),
+    or one e8m0 byte per `MX_BLOCK` (MX, right after the data). ValueError for another granularity."""
+    if granularity == "mxfp8":
+        return hidden + hidden // MX_BLOCK * MX_SCALE_BYTES
+    if granularity not in ("rowwise", "block128"):
+        raise ValueError(f"dispatch_row_bytes: granularity must be rowwise, block128 or mxfp8, got {granularity!r}")
+    scales = -(-hidden // TOKEN_BLOCK) if granularity == "block128" else 1
+    return -(-hidden // 4) * 4 + scales * ROW_SCALE_BYTES
+
+
+def moe_row_bytes(p: Problem) -> tuple[int, int]:
+    """``(dispatched, returned)``: the bytes an MoE problem `p` moves per routed row (a token's copy for one of its
+    experts) in the forward dispatch, and in each of its other transfers (the combine, and in a backward the output
+    gradient's rows to the experts and the input gradient's back). ``H`` elements of the dtype both, but in an fp8
+    dtype the dispatch moves the packed fp8 row (`dispatch_row_bytes` at `fp8_granularity`) and the others the
+    leaves' `FP8_LEAVES` (the combine and the backward run in them)."""
+    if p.dtype in FP8_DTYPES:
+        return dispatch_row_bytes(fp8_granularity(p.dtype), p.k), p.k * ITEMSIZE[FP8_LEAVES]
+    return p.k * ITEMSIZE[p.dtype], p.k * ITEMSIZE[p.dtype]
+
+
 def wire_sizes(p: Problem) -> tuple[float, float, float]:
     """Bytes per element `p`'s transfers move: ``(gathered operand, reduced partial, backward)``. The dtype's size
     for all three, except fp8 (`FP8_DTYPES`): the gathered rows' fp8 bytes with their scales (`gathered_row_bytes`
     over ``k``: ``1 + 4/k`` with a float32 scale per row, ``1 + 1/32`` with MX blocks; a GPU pads rows to 16 bytes,
     not counted), the reductions' float32 partials (4), and the backward in the leaves' `FP8_LEAVES` (2). A gathered
-    weight (``all_gather_weight_matmul``) moves its columns as such rows (``k`` long: scales along ``k``)."""
+    weight (``all_gather_weight_matmul``) moves its columns as such rows (``k`` long: scales along ``k``). (An MoE
+    problem's rows: `moe_row_bytes`.)"""
     if p.dtype in FP8_DTYPES:
         return gathered_row_bytes(p.dtype, p.k) / p.k, 4.0, float(ITEMSIZE[FP8_LEAVES])
     size = float(ITEMSIZE[p.dtype])
@@ -155,8 +183,10 @@ def _tp(name: str, label: str, in_rows, out_rows, per_peer_bytes, chunked, cost,
 
 
 def _moe_bytes_per_peer(p, W: int) -> float:
-    """Uniform routing: ``T*K/W`` rows of ``H`` to and from every peer (the backward twice that)."""
-    return (4 if p.backward else 2) * p.m * p.top_k / W * p.k * ITEMSIZE[p.dtype]
+    """Uniform routing: ``T*K/W`` rows to and from every peer (the backward twice that), each of `moe_row_bytes`:
+    an fp8 dispatch's rows packed, the rest in the leaves' dtype."""
+    dispatched, returned = moe_row_bytes(p)
+    return p.m * p.top_k / W * (dispatched + (3 if p.backward else 1) * returned)
 
 
 #: every op, by name
@@ -181,8 +211,8 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
         chunked=tp_ops.chunked_all_gather_weight_matmul, cost=tp_ops.cost_all_gather_weight_matmul),
     OpSpec("moe", "moe", "moe", in_rows=lambda m, W: m, out_rows=lambda m, W: m,
            flops=lambda p, W: (3 if p.backward else 1) * 4 * p.m * p.top_k * p.k * p.n,
-           bytes_per_peer=_moe_bytes_per_peer, chunked=moe_op.chunked, cost=moe_op.cost,
-           calls=(2, 2)),  # (dispatch and combine)
+           bytes_per_peer=_moe_bytes_per_peer, chunked=moe_op.chunked, cost=moe_op.cost, fp8=True,
+           calls=(2, 2)),  # (dispatch and combine; fp8: the ``fp8=`` of the dispatch, the combine in the leaves')
 )}
 
 

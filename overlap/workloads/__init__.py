@@ -15,9 +15,10 @@ A `Workload` per op in `WORKLOADS` (`workload`):
 * plain_torch: ``(group, routing, num_experts, **options) -> fn(*leaves)``: the op written with torch alone
   (`plain_torch`), every benchmark's baseline (`options`: the inputs' `OpInputs.options`, ``fp8``).
 
-A problem in an fp8 dtype (`overlap.plans.FP8_DTYPES`; the tensor-parallel ops, the weight gather included) is the
-op's ``fp8=`` recipe on bf16 leaves: ``float8_e4m3fn`` ``fp8="rowwise"``, ``mxfp8`` ``fp8="mxfp8"`` (`leaf_dtype`;
-`tp` says what each function does with it, `plain_torch` what its torch row does).
+A problem in an fp8 dtype (`overlap.plans.FP8_DTYPES`; the tensor-parallel ops, the weight gather included, and the
+MoE layer's dispatch) is the op's ``fp8=`` recipe on bf16 leaves: ``float8_e4m3fn`` ``fp8="rowwise"``, ``mxfp8``
+``fp8="mxfp8"`` (`leaf_dtype`; `tp` and `moe` say what each function does with it, `plain_torch` what its torch row
+does).
 
 The tensor-parallel ops' functions: `tp`; the MoE layer's: `moe`; the plain-torch baselines: `plain_torch`; seeded
 inputs and the oracles' sums: `data`; a plan's trial call of a problem (what the tuner times): `trial`.

@@ -19,6 +19,16 @@ gradients of ``x``, ``w1``, ``w2`` and ``topk_weights`` (the loss is the sum ove
 combine) with this routing's split sizes, the two grouped GEMMs (one ``torch.mm`` per local expert) on
 this rank's received rows; ``fwd+bwd`` adds the backward's two transfers of ``H``-wide rows and its four
 grouped GEMMs.
+
+An fp8 problem (`overlap.plans.FP8_DTYPES`) is the dispatch's ``fp8=`` recipe on bf16 leaves (`data.leaf_dtype`):
+``float8_e4m3fn`` runs ``fp8="rowwise"``, ``mxfp8`` runs ``fp8="mxfp8"`` (`overlap.plans.fp8_granularity`; the
+keyword travels in `OpInputs.options`, to the dispatch alone). Its oracle's first GEMM multiplies, in float32, the
+tokens and ``w1`` as the dispatch quantizes them (`overlap.ops.moe.fp8`: each token on its owner, ``w1`` along
+``H``, dequantized) and rounds the product to the leaves' dtype, as the scaled GEMM does; the rest of the layer is
+the bf16 oracle's; the gradients are the recipe's: the tokens' through the quantization as through the identity,
+times ``w1`` itself, ``w1``'s from the dequantized tokens. Alone, its dispatch moves the packed fp8 rows
+(`overlap.ops.moe.fp8.RowFormat`; the bytes counted: `overlap.plans.moe_row_bytes`) and its first GEMM is the
+scaled GEMM; the rest is bf16's.
 """
 
 from __future__ import annotations
@@ -29,7 +39,10 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..ops.fp8 import quantize_fp8, quantize_weight, scaled_mm
 from ..ops.moe import combine, dispatch
+from ..ops.moe import fp8 as moe_fp8
+from ..plans import FP8_DTYPES, fp8_granularity, moe_row_bytes
 from .data import Expected, OpInputs, Plain, SeededDraw
 
 #: standard deviation of the per-expert popularity added to the routing logits (uneven loads)
@@ -59,23 +72,35 @@ def inputs(p, world_size: int, draw: SeededDraw, shares=None) -> OpInputs:
     w1 = draw.normal("w1", L * H, F, scale=H**-0.5).view(L, H, F)
     w2 = draw.normal("w2", L * F, H, scale=F**-0.5).view(L, F, H)
     g = draw.normal("grad_out", T, H) if p.backward else None
-    return OpInputs((x, w1, w2, weights), g, routing=top.indices, num_experts=E)
+    options = {"fp8": fp8_granularity(p.dtype)} if _fp8(p) else {}
+    return OpInputs((x, w1, w2, weights), g, routing=top.indices, num_experts=E, options=options)
+
+
+def _fp8(p) -> bool:
+    return getattr(p, "dtype", None) in FP8_DTYPES  # (a test's problem may be any object with the dims)
 
 
 def call(inputs: OpInputs, group, **kwargs) -> torch.Tensor:
-    """The layer: ``dispatch_grouped_matmul``, gelu, ``grouped_matmul_combine`` (each looked up on its module
-    when called)."""
+    """The layer: ``dispatch_grouped_matmul`` (with the problem's `OpInputs.options`: ``fp8``), gelu,
+    ``grouped_matmul_combine`` (each looked up on its module when called)."""
     x, w1, w2, weights = inputs.leaves
-    h, handle = dispatch.dispatch_grouped_matmul(x, inputs.routing, w1, inputs.num_experts, group=group, **kwargs)
+    h, handle = dispatch.dispatch_grouped_matmul(x, inputs.routing, w1, inputs.num_experts, group=group,
+                                                 **inputs.options, **kwargs)
     return combine.grouped_matmul_combine(torch.nn.functional.gelu(h), w2, weights, handle, **kwargs)
 
 
 def dense(x: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-          experts: range = range(0), act=torch.nn.functional.gelu) -> tuple[torch.Tensor, torch.Tensor]:
+          experts: range = range(0), act=torch.nn.functional.gelu,
+          w1_values: torch.Tensor | None = None,
+          sizes: dict[int, list] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The dense model of an MoE layer: ``y[t] = sum_k wt[t, k] * act(x[t] @ w1[e]) @ w2[e]`` (``e = idx[t, k]``)
     for every token, one GEMM per expert over its rows (token order), the sum in fp32 or wider (``k`` in order);
     also the rows of `experts` in expert order (the ``x_recv`` of the ranks holding them). Autograd-able; in
-    float64 it is the oracle of the MoE ops, here and in the tests."""
+    float64 it is the oracle of the MoE ops, here and in the tests. `w1_values`: the first GEMM's forward takes
+    these weights' values instead (an fp8 recipe's quantized ``w1``), its gradients stay ``w1``'s (the rows'
+    through ``w1`` itself, ``w1``'s from the rows). The first GEMM's output is rounded to ``w2``'s dtype (where
+    `x` and `w1` are wider: a scaled GEMM's output). `sizes`, where given, gets per expert what bounds its weights'
+    gradients' terms (`weight_grad_magnitudes`)."""
     N, K = idx.shape
     flat = idx.reshape(-1)
     pieces, where, recv = [], [], []
@@ -86,8 +111,14 @@ def dense(x: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor, w1: torch.Tensor
         rows = x.index_select(0, torch.div(pairs, K, rounding_mode="floor"))
         if e in experts:
             recv.append(rows)
-        pieces.append(act(rows @ w1[e]) @ w2[e])
+        h = rows @ w1[e]
+        if w1_values is not None:
+            h = h + rows.detach() @ (w1_values[e] - w1[e].detach())
+        a = act(h.to(w2.dtype))
+        pieces.append(a @ w2[e])
         where.append(pairs)
+        if sizes is not None and h.requires_grad:
+            sizes[e] = _weight_grad_sizes(rows, h, a, pieces[-1])
     if not where:  # no token here; the inputs stay in the graph, so their gradients are zeros, not None
         tie = (x.sum() + wt.sum() + w1.sum() + w2.sum()) * 0
         return (x.new_zeros((N, w2.shape[-1])) + tie).to(x.dtype), x.new_empty(0, x.shape[1])
@@ -97,6 +128,30 @@ def dense(x: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor, w1: torch.Tensor
     acc = back.view(N, K, -1).to(wide) * wt.to(wide).unsqueeze(-1)
     y = acc.sum(dim=1).to(x.dtype)
     return y, torch.cat([x.new_empty(0, x.shape[1]), *recv])
+
+
+def _weight_grad_sizes(rows, h, a, piece) -> list:
+    """``[|rows|, |grad h|, |act(h)|, |grad piece|]`` of one expert, the gradients filled in by hooks when the
+    backward runs: ``|rows|.T @ |grad h|`` bounds the terms ``w1``'s gradient sums, ``|act|.T @ |grad piece|``
+    ``w2``'s (`weight_grad_magnitudes`)."""
+    out = [rows.detach().abs(), None, a.detach().abs(), None]
+    h.register_hook(lambda g: out.__setitem__(1, g.detach().abs()))
+    piece.register_hook(lambda g: out.__setitem__(3, g.detach().abs()))
+    return out
+
+
+def weight_grad_magnitudes(sizes: dict[int, list], experts: range, like1: torch.Tensor,
+                           like2: torch.Tensor) -> tuple[float, float]:
+    """The RMS over `experts` of the summed magnitudes of ``w1``'s and ``w2``'s gradients (`Expected.magnitude`):
+    a strategy whose forward rounds ``h`` otherwise (a fused GEMM's order, in 16 bits) moves each term gelu's
+    derivative weighs by a share of its size, however much their sum cancels."""
+    m1 = torch.zeros((len(experts), *like1.shape[1:]), dtype=torch.float64)
+    m2 = torch.zeros((len(experts), *like2.shape[1:]), dtype=torch.float64)
+    for i, e in enumerate(experts):
+        if e in sizes and sizes[e][1] is not None:
+            rows, grad_h, a, grad_piece = (t.double() for t in sizes[e])
+            m1[i], m2[i] = rows.t() @ grad_h, a.t() @ grad_piece
+    return float(m1.pow(2).mean().sqrt()), float(m2.pow(2).mean().sqrt())
 
 
 class _Routing:
@@ -117,6 +172,21 @@ class _Routing:
         self.local_rows = self.per_expert[rank * L : (rank + 1) * L].tolist()
 
 
+def _fp8_layer(p, x: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor, w1: torch.Tensor,
+               w2: torch.Tensor, sizes: dict[int, list]) -> torch.Tensor:
+    """The layer of an fp8 problem (module docstring): the first GEMM in float32 on the tokens `x` and the weights
+    `w1` as the dispatch quantizes them (the tokens' gradient straight through), its output rounded to the leaves'
+    dtype as the scaled GEMM's is; the rest in the leaves' dtype with fp32 sums, as the bf16 oracle; ``y`` in `x`'s
+    dtype."""
+    fmt = moe_fp8.RowFormat(fp8_granularity(p.dtype), p.k)
+    xq = moe_fp8.dequantize_rows(moe_fp8.pack(x.detach(), fmt), fmt, torch.float32)
+    w1q = moe_fp8.Fp8Experts.quantize(w1.detach(), fmt)
+    w1_values = torch.stack([w1q.dense(e) for e in range(w1.shape[0])])
+    x32 = x.float()
+    y, _ = dense(x32 + (xq - x32).detach(), idx, wt, w1.float(), w2, w1_values=w1_values, sizes=sizes)
+    return y.to(x.dtype)
+
+
 def oracle(p, every: list[OpInputs], rank: int) -> list[Expected]:
     T, H, F, K = p.m, p.k, p.n, p.top_k
     routing = _Routing(every, rank)
@@ -126,16 +196,22 @@ def oracle(p, every: list[OpInputs], rank: int) -> list[Expected]:
         if p.backward:
             leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
         x_all, wt_all, w1_all, w2_all = leaves
-        y_all, _ = dense(x_all, torch.cat([e.routing for e in every]), wt_all, w1_all, w2_all, routing.mine)
+        idx_all = torch.cat([e.routing for e in every])
+        sizes: dict[int, list] = {}
+        if _fp8(p):
+            y_all = _fp8_layer(p, x_all, idx_all, wt_all, w1_all, w2_all, sizes)
+        else:
+            y_all, _ = dense(x_all, idx_all, wt_all, w1_all, w2_all, routing.mine, sizes=sizes)
         rows, mine = slice(rank * T, (rank + 1) * T), slice(routing.mine.start, routing.mine.stop)
         expected = [Expected("out", y_all[rows].detach(), H + F)]
         if p.backward:
             g_x, g_wt, g_w1, g_w2 = torch.autograd.grad(y_all, leaves, torch.cat([e.grad_out for e in every]))
             busiest = max(routing.local_rows) if routing.local_rows else 1
+            m1, m2 = weight_grad_magnitudes(sizes, routing.mine, w1_all, w2_all)
             expected += [
                 Expected("grad_x", g_x[rows], K * (H + F)),
-                Expected("grad_w1", g_w1[mine], busiest + H),
-                Expected("grad_w2", g_w2[mine], busiest),
+                Expected("grad_w1", g_w1[mine], busiest + H, m1),
+                Expected("grad_w2", g_w2[mine], busiest, m2),
                 Expected("grad_topk_weights", g_wt[rows], H + F),
             ]
     return expected
@@ -154,11 +230,15 @@ def plain(p, every: list[OpInputs], rank: int, group, info, timeout: float, comm
     def wait(work) -> None:
         comm.wait_work(work, "bench all_to_all", info.rank, "any", "all", timeout, info.device)
 
-    # Buffers of this routing's sizes (zeros: values that stay put).
+    # Buffers of this routing's sizes (zeros: values that stay put); an fp8 dispatch's rows packed, as bytes.
     counts_send = torch.tensor(r.per_source[rank].tolist(), dtype=torch.int64, device=info.device)
     counts_recv = torch.zeros_like(counts_send)
     pairs = x_TH.new_zeros((T * K, H))
     stage = x_TH.new_zeros((sum(r.recv_splits), H))
+    fmt = moe_fp8.RowFormat(fp8_granularity(p.dtype), H, info.device.type) if _fp8(p) else None
+    pairs8, stage8 = ((pairs, stage) if fmt is None else
+                      (x_TH.new_zeros((T * K, fmt.cols), dtype=torch.uint8),
+                       x_TH.new_zeros((stage.shape[0], fmt.cols), dtype=torch.uint8)))
 
     def to_experts(out: torch.Tensor, inp: torch.Tensor) -> None:
         wait(dist.all_to_all_single(out, inp, r.recv_splits, r.send_splits, group=group, async_op=True))
@@ -168,7 +248,7 @@ def plain(p, every: list[OpInputs], rank: int, group, info, timeout: float, comm
 
     def comm_fn() -> None:
         wait(dist.all_to_all_single(counts_recv, counts_send, group=group, async_op=True))
-        to_experts(stage, pairs)  # dispatch
+        to_experts(stage8, pairs8)  # dispatch
         to_tokens(pairs, stage)  # combine
         if p.backward:
             to_experts(stage, pairs)  # combine's backward: the output gradient's rows to the experts
@@ -179,13 +259,14 @@ def plain(p, every: list[OpInputs], rank: int, group, info, timeout: float, comm
         h = torch.cat([x_recv.new_empty(0, F), *(
             x_recv[a : a + n] @ w1[e] for e, (a, n) in enumerate(zip(starts, r.local_rows)) if n)])
         act = torch.nn.functional.gelu(h)
+    first = _first_gemm(p, x_recv, w1)
 
     def compute() -> None:  # operands of the right shapes: rows x, gelu(h), and gradients of the same sizes
         for e, (a, n) in enumerate(zip(starts, r.local_rows)):
             if not n:
                 continue
             x_e, h_e, a_e = x_recv[a : a + n], h[a : a + n], act[a : a + n]
-            torch.mm(x_e, w1[e])
+            first(e, a, n)
             torch.mm(a_e, w2[e])
             if p.backward:  # x_e stands for the output gradient's rows, h_e for gelu's input gradient
                 torch.mm(x_e, w2[e].t())
@@ -193,9 +274,23 @@ def plain(p, every: list[OpInputs], rank: int, group, info, timeout: float, comm
                 torch.mm(h_e, w1[e].t())
                 torch.mm(x_e.t(), h_e)
 
-    comm_bytes = (4 if p.backward else 2) * r.off_rank * H * x_TH.element_size() // W
+    # the rows that cross ranks: dispatched (an fp8 problem's packed, `overlap.plans.moe_row_bytes`), then the rest
+    dispatched, returned = moe_row_bytes(p) if _fp8(p) else (H * x_TH.element_size(),) * 2
+    comm_bytes = r.off_rank * (dispatched + (3 if p.backward else 1) * returned) // W
     mean = W * T * K
     note = (f"routed rows per rank max/mean {W * int(r.rows_of.max()) / mean:.2f}, per expert "
             f"{E * int(r.per_expert.max()) / mean:.2f} (busiest of {E}), {r.off_rank / mean:.0%} to other ranks")
     return Plain(comm_fn, compute, "(comm alone)" if p.backward else "(all_to_alls alone)", "(GEMMs alone)",
                  comm_bytes, [note])
+
+
+def _first_gemm(p, x_recv: torch.Tensor, w1: torch.Tensor):
+    """``fn(e, a, n)``: rows ``a .. a+n`` of the received tokens `x_recv` times ``w1[e]``, the first grouped GEMM
+    alone: ``torch.mm``, or an fp8 problem's scaled GEMM of the tokens and ``w1`` quantized as the dispatch
+    quantizes them (per row or MX block, ``w1`` along ``H``)."""
+    if not _fp8(p) or not x_recv.shape[0]:
+        return lambda e, a, n: torch.mm(x_recv[a : a + n], w1[e])
+    g = fp8_granularity(p.dtype)
+    x8, sx = quantize_fp8(x_recv, g)
+    w8 = [quantize_weight(w, g) for w in w1]
+    return lambda e, a, n: scaled_mm(x8[a : a + n], w8[e][0], sx[a : a + n], w8[e][1], x_recv.dtype)

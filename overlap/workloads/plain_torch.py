@@ -31,7 +31,13 @@ or MX: per block of 32 along ``k``, the scale a power of two stored as ``float8_
 the fp8 bytes and, beside it, of the scales (the all-gather of ``a``, or of the weight's shards as rows: each
 column with its scales), and ``torch._scaled_mm`` (MX scales in the tiled layout cuBLAS reads; where it does not
 take those operands on that device: the dequantized ``torch.matmul``); the reductions' partials in float32. The
-backward is the plain one above, in the leaves' dtype (the recipe's convention).
+backward is the plain one above, in the leaves' dtype (the recipe's convention). ``moe`` (``fp8="rowwise" |
+"mxfp8"``, the dispatch's recipe): each row to send cast on its owner (per row, or per block of 32 along ``H`` with
+e8m0 scales), its fp8 bytes and its scales' bytes side by side in one ``uint8`` row, one ``all_to_all_single`` of
+those rows, and per expert ``torch._scaled_mm`` of the rows that arrived and ``w1[e]`` cast along ``H`` (dequantized
+where it does not take them); gelu, the second GEMM and the combine as without fp8. Its backward, in the leaves'
+dtype: the rows' gradient ``grad_h @ w1[e].T`` back by the reverse all-to-all (the cast's derivative taken as 1),
+``w1[e]``'s from the dequantized rows that arrived.
 
 Batch-first and several-weight cases (`torch_all_gather_matmul_on`, `torch_matmul_reduce_scatter_on`): torch's
 collectives gather and scatter dim 0, so a user of another dim moves it, as DTensor's redistribution does:
@@ -270,8 +276,52 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
+class _Fp8ToExperts(torch.autograd.Function):
+    """An fp8 dispatch and the first GEMM per expert (module docstring): ``x`` the rows to send (by destination),
+    `recv` and `send` the all-to-all's split sizes, `by_expert` the received rows' order by local expert, `sizes` the
+    rows per local expert; ``h`` in expert order, in ``x``'s dtype."""
+
+    @staticmethod
+    def forward(ctx, x, w1, recv, send, by_expert, sizes, group, granularity):
+        H = x.shape[1]
+        x8, scale = _to_fp8(x, granularity)
+        scale = scale.reshape(x.shape[0], H // _MX if granularity == "mxfp8" else 1).contiguous()
+        packed = torch.cat([x8.view(torch.uint8), scale.view(torch.uint8)], 1)
+        got = packed.new_empty((sum(recv), packed.shape[1]))
+        dist.all_to_all_single(got, packed, recv, send, group=group)
+        got = got.index_select(0, by_expert)
+        rows8 = got[:, :H].contiguous().view(_FP8)
+        scales = got[:, H:].contiguous().view(_E8M0 if granularity == "mxfp8" else torch.float32)
+        outs, at = [], 0
+        for e, n in enumerate(sizes):
+            if n:
+                outs.append(_scaled_mm(rows8[at : at + n], scales[at : at + n], *_weight_to_fp8(w1[e], granularity),
+                                       x.dtype))
+            at += n
+        ctx.save_for_backward(w1, rows8, scales, by_expert)
+        ctx.splits, ctx.sizes, ctx.group = (recv, send), sizes, group
+        return torch.cat(outs) if outs else x.new_empty((0, w1.shape[2]))
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        w1, rows8, scales, by_expert = ctx.saved_tensors
+        recv, send = ctx.splits
+        grad_rows = grad_h.new_empty((grad_h.shape[0], w1.shape[1]))
+        grad_w1 = torch.zeros_like(w1)
+        at = 0
+        for e, n in enumerate(ctx.sizes):
+            if n:
+                g = grad_h[at : at + n]
+                grad_rows[at : at + n] = torch.matmul(g, w1[e].t())
+                grad_w1[e] = torch.matmul(_dequantized(rows8[at : at + n], scales[at : at + n], -1).to(g.dtype).t(), g)
+            at += n
+        back = grad_rows.new_empty((sum(send), grad_rows.shape[1]))
+        dist.all_to_all_single(back, grad_rows.index_select(0, torch.argsort(by_expert)), send, recv, group=ctx.group)
+        return back, grad_w1, None, None, None, None, None, None
+
+
 def _moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, routing: torch.Tensor,
-         num_experts: int, group) -> torch.Tensor:
+         num_experts: int, group, fp8: str = "") -> torch.Tensor:
     W = dist.get_world_size(group)
     L = num_experts // W
     T, K = routing.shape
@@ -283,13 +333,18 @@ def _moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weights: torch.Ten
     send = counts.view(W, L).sum(1).tolist()
     blocks = counts_in.view(W, L)
     recv = blocks.sum(1).tolist()
-    rows = _AllToAll.apply(x.index_select(0, torch.div(order, K, rounding_mode="floor")), recv, send, group)
+    sent = x.index_select(0, torch.div(order, K, rounding_mode="floor"))
     # Received rows are grouped by source, then local expert: regrouped by expert, one GEMM per expert.
     expert_of_row = torch.repeat_interleave(torch.arange(L, device=x.device).repeat(W), blocks.reshape(-1))
     by_expert = torch.argsort(expert_of_row, stable=True)
-    outs = [torch.matmul(torch.nn.functional.gelu(torch.matmul(r, w1[e])), w2[e])
-            for e, r in enumerate(torch.split(rows.index_select(0, by_expert), blocks.sum(0).tolist())) if r.numel()]
-    y_recv = torch.cat(outs) if outs else rows.new_empty((0, w2.shape[-1]))
+    sizes = blocks.sum(0).tolist()
+    if fp8:
+        hs = torch.split(_Fp8ToExperts.apply(sent, w1, recv, send, by_expert, sizes, group, fp8), sizes)
+    else:
+        rows = _AllToAll.apply(sent, recv, send, group)
+        hs = [torch.matmul(r, w1[e]) for e, r in enumerate(torch.split(rows.index_select(0, by_expert), sizes))]
+    outs = [torch.matmul(torch.nn.functional.gelu(h), w2[e]) for e, h in enumerate(hs) if h.numel()]
+    y_recv = torch.cat(outs) if outs else x.new_empty((0, w2.shape[-1]))
     y_recv = y_recv.index_select(0, torch.argsort(by_expert))  # back to source order for the combine direction
     back = _AllToAll.apply(y_recv, send, recv, group)  # this rank's pairs, in expert order
     pairs = back.index_select(0, torch.argsort(order))  # pair order t*K + k
@@ -380,5 +435,5 @@ def torch_all_gather_weight_matmul(group, routing=None, num_experts: int = 0, fp
     return lambda a, b: _AllGatherWeightMatmul.apply(a, b, group)
 
 
-def torch_moe(group, routing=None, num_experts: int = 0) -> Callable[..., torch.Tensor]:
-    return lambda x, w1, w2, weights: _moe(x, w1, w2, weights, routing, num_experts, group)
+def torch_moe(group, routing=None, num_experts: int = 0, fp8: str = "") -> Callable[..., torch.Tensor]:
+    return lambda x, w1, w2, weights: _moe(x, w1, w2, weights, routing, num_experts, group, fp8)

@@ -1,7 +1,8 @@
 """fp8 beyond the ops: the bytes the op table and the cost model count for an fp8 problem, the fp8 workloads
 (``overlap bench --dtype float8_e4m3fn``: the ``fp8="rowwise"`` recipe on bf16 leaves, its ``torch`` row of casts,
 plain collectives of fp8 bytes and ``torch._scaled_mm``; the weight gather's too), and ``overlap tune`` on fp8
-shapes. MX (``--dtype mxfp8``): `test_mx_bench`."""
+shapes (the MoE layer's too). MX (``--dtype mxfp8``): `test_mx_bench`; the MoE layer's fp8 cases:
+`test_moe_fp8_bench`."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def test_fp8_problems_count_fp8_rows_float32_partials_and_a_bf16_backward(world_
             p = Problem(op, m, k, n, FP8, backward)
             assert op_spec(op).comm_bytes(p, W) == (W - 1) * want, (op, backward)
     assert wire_sizes(Problem("matmul_reduce_scatter", m, k, n, "bfloat16")) == (2.0, 2.0, 2.0)
-    with pytest.raises(ValueError, match="fp8 only for"):
-        Problem("moe", m, k, n, FP8, experts=4, top_k=2)
+    # the MoE layer's dispatch takes fp8 too (its bytes: tests/plans/test_moe_fp8_model.py)
+    assert Problem("moe", m, k, n, FP8, experts=4, top_k=2).dtype == FP8
 
 
 def test_cost_model_halves_the_gather_and_doubles_the_partials_in_fp8():
@@ -91,23 +92,23 @@ def test_fp8_oracle_multiplies_the_quantized_leaves(op):
         assert g8.what == g16.what and torch.equal(g8.value, g16.value)
 
 
-def test_fp8_cases_are_the_tensor_parallel_ops_sequence_first():
+def test_fp8_cases_are_the_tensor_parallel_ops_sequence_first_and_moe():
     case = Case.of("matmul_reduce_scatter", 8, 16, 16, FP8, backward=True)
     assert case.name == "matmul_reduce_scatter 8x16x16 float8_e4m3fn fwd+bwd" and case.problem.dtype == FP8
     assert Case.of("all_gather_weight_matmul", 8, 16, 16, FP8).problem.dtype == FP8  # the weight gather in fp8
     for kwargs in (dict(op="all_gather_matmul", batch=2), dict(op="all_gather_matmul", split=(8, 8))):
         with pytest.raises(ValueError, match="fp8 recipe"):
             Case.of(kwargs.pop("op"), 8, 16, 16, FP8, **kwargs)
-    with pytest.raises(ValueError, match="MoE case's dtype"):
-        MoECase.of(MOE_PRESETS["tiny"][0], FP8)
+    assert MoECase.of(MOE_PRESETS["tiny"][0], FP8).dtype == FP8  # the dispatch's recipe (test_moe_fp8_bench)
     left_out: list[str] = []
     cases = default_cases(OPS + ("moe",), "cpu", FP8, world_size=2, left_out=left_out)
-    assert {c.op for c in cases} == set(FP8_OPS) and not any(c.batch or c.split for c in cases)
+    assert {c.op for c in cases} == {*FP8_OPS, "moe"}
+    assert not any(c.batch or c.split for c in cases if c.op != "moe")
     assert all(c.dtype == FP8 for c in cases)
     # the weight gather's layers: the four projections of the preset, and the tiny shape
     layers = {c.layer for c in cases if c.op == "all_gather_weight_matmul"}
     assert layers == {"qkv", "attn-out", "mlp-up", "mlp-down", ""}, layers
-    assert [line.split(":")[0] for line in left_out] == ["moe"], left_out
+    assert not left_out, left_out
 
 
 CASES = [Case.of(op, m, 24, 16, FP8, backward=backward)
@@ -151,5 +152,9 @@ def test_tune_takes_fp8_shapes_and_models():
     assert parse_shape("all_gather_weight_matmul:8x64x32:float8_e4m3fn", True).key == \
         "all_gather_weight_matmul:8x64x32:float8_e4m3fn:fwd+bwd"
     assert {q.dtype for q in parse_model("hidden=64,ffn=128,tokens=16,dtype=float8_e4m3fn", 2, True)} == {FP8}
-    with pytest.raises(ValueError, match="fp8 only for"):
-        parse_shape("moe:16x32x64:4:2:float8_e4m3fn", False)
+    assert parse_shape("moe:16x32x64:4:2:float8_e4m3fn", False) == Problem("moe", 16, 32, 64, FP8, False, 4, 2)
+    moe = [q for q in parse_model("hidden=64,ffn=128,tokens=16,experts=4,topk=2,dtype=float8_e4m3fn", 2, True)
+           if q.op == "moe"]
+    assert moe == [Problem("moe", 8, 64, 128, FP8, True, 4, 2)], moe
+    with pytest.raises(ValueError, match="multiple of 32"):
+        parse_shape("moe:16x48x64:4:2:mxfp8", False)

@@ -47,7 +47,7 @@ def test_the_cases_are_every_op_and_variant_by_strategy_and_mode():
             "moe"} <= set(ops_and_variants)
     assert fp8 == [f"{op}.{r}" for r in ("fp8", "mxfp8") for op in (
         "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_reduce.one_shot",
-        "all_gather_weight_matmul")]
+        "all_gather_weight_matmul", "moe")]
     assert names == [f"{op}-{s}-{mode}" for op in ops_and_variants + fp8 for s in ("symm", "fused")
                      for mode in ("fwd", "fwd+bwd")]
     assert [c.name for c in ops_rank.cases(True)] == names  # the sizes differ, the names do not
