@@ -94,6 +94,19 @@ def _sequence_dim(placement: Placement, ndim: int) -> int | None:
     return p.dim if isinstance(p, Shard) and p.dim < ndim - 1 else None
 
 
+def own_forward(module: nn.Linear) -> str | None:
+    """Where `module`, an ``nn.Linear``, computes otherwise than ``nn.Linear.forward`` (which the fused path
+    replaces: the styles leave such a layer to torch's own style), or None: a subclass's own ``forward`` (torchao's
+    ``Float8Linear`` aside: its fp8 GEMMs are the recipe overlap's ops run, `overlap.hooks.torchao_float8`), or a
+    ``forward`` set on the instance."""
+    if "forward" in vars(module):
+        return "set on the instance"
+    owner = next(c for c in type(module).__mro__ if "forward" in vars(c))
+    if owner is nn.Linear or is_float8_linear(module):
+        return None
+    return f"{owner.__qualname__}.forward"
+
+
 class _Fused:
     """What both styles add to torch's: the ops' arguments, the fused ``nn.Linear`` path, torch's own elsewhere."""
 
@@ -115,7 +128,7 @@ class _Fused:
 
     def _fuses(self, module: nn.Module, device_mesh: DeviceMesh) -> bool:
         """Whether `module` runs through the fused ops (else torch's style applies, unchanged)."""
-        return (isinstance(module, nn.Linear) and device_mesh.ndim == 1
+        return (isinstance(module, nn.Linear) and own_forward(module) is None and device_mesh.ndim == 1
                 and getattr(module, self._sharded_features) % device_mesh.size() == 0 and self._layouts_fuse())
 
     def _layouts_fuse(self) -> bool:
@@ -130,6 +143,10 @@ class _Fused:
         if any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             raise ValueError(f"overlap's {name}: {module} is already parallelized (its parameters are DTensors)")
         self.fused = self._fuses(module, device_mesh)
+        if isinstance(module, nn.Linear) and (where := own_forward(module)) is not None:
+            warn_once(f"overlap's {name}: {type(module).__module__}.{type(module).__qualname__} has its own forward "
+                      f"({where}), which overlap's ops would replace: torch's own style runs it, unfused",
+                      key=f"torch_tp.own_forward:{name}:{type(module).__qualname__}")
         if not self.fused:
             if self.fp8 is not None and isinstance(module, nn.Linear) and not is_float8_linear(module):
                 # (an embedding has no GEMM to train in fp8; torchao's layer keeps its own fp8 under torch's style)

@@ -471,3 +471,58 @@ def test_use_overlap_styles_rejects_what_it_cannot_swap():
         pass
     with pytest.raises(ValueError, match="nothing to swap"), use_overlap_styles(types.ModuleType("empty")):
         pass
+
+
+class _ScaledLinear(nn.Linear):
+    """An ``nn.Linear`` subclass with its own forward (a LoRA or quantized layer's kind): not ``x @ W.T + b``."""
+
+    def forward(self, x):
+        return super().forward(x) * 2 + 1
+
+
+def own_forward_task(rank, world_size, seed):
+    """A layer with its own forward (a subclass's, or one set on the instance) under overlap's styles: torch's
+    own style runs that forward (no op of overlap's replaces it), with a warning naming it; a plain layer beside
+    it still fuses."""
+    import types
+    import warnings
+
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import parallel as torch_tp
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from overlap.hooks import torch_tp as ours
+    from overlap.ops import library
+
+    mesh = _mesh(world_size)
+    torch.manual_seed(seed)
+    x = torch.randn(2, 2 * world_size, 6).chunk(world_size, 1)[rank]
+    out = {}
+    for kind in ("subclass", "instance"):
+        mlp = nn.Sequential(nn.Linear(6, 6), nn.GELU(), _ScaledLinear(6, 6) if kind == "subclass" else nn.Linear(6, 6))
+        if kind == "instance":
+            mlp[2].forward = types.MethodType(lambda self, t: nn.Linear.forward(self, t) * 2 + 1, mlp[2])
+
+        def plan(styles):
+            return {"0": styles.ColwiseParallel(input_layouts=Shard(1)),
+                    "2": styles.RowwiseParallel(output_layouts=Shard(1))}
+
+        before = {op: library.CALLS[op] for op in ("all_gather_matmul", "matmul_reduce_scatter")}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mine = parallelize_module(copy.deepcopy(mlp), mesh, plan(ours))
+        y_o = mine(x)
+        ran = {op: library.CALLS[op] - n for op, n in before.items()}
+        y_t = parallelize_module(copy.deepcopy(mlp), mesh, plan(torch_tp))(x)
+        _close(y_o, y_t, f"rank {rank} {kind}: a layer's own forward vs torch's style")
+        said = [str(w.message) for w in caught if "own forward" in str(w.message)]
+        out[kind] = (ran, said)
+    return out
+
+
+def test_a_layer_with_its_own_forward_keeps_it(pools, seed):
+    for res in pools(2).run(own_forward_task, seed, timeout=120):
+        for kind, where in (("subclass", "_ScaledLinear.forward"), ("instance", "set on the instance")):
+            ran, said = res[kind]
+            assert ran == {"all_gather_matmul": 1, "matmul_reduce_scatter": 0}, (kind, ran)
+            assert len(said) == 1 and where in said[0] and "RowwiseParallel" in said[0], (kind, said)
