@@ -71,8 +71,7 @@ def _tolerances(
     with ``atol`` multiplied by the tensor's RMS where that exceeds 1, or for a sum over ranks by the RMS of the
     partials' summed magnitudes where larger (`Expected.magnitude`: each rank's partial, rounded in 16 bits before
     the sum, is off by a share of its own size, however much the sum cancels)."""
-    scales = {e.what: (e.reduction, max(1.0, float(e.value.double().pow(2).mean().sqrt()), e.magnitude))
-              for e in expected}
+    scales = {e.what: (e.reduction, _scale(e)) for e in expected}
     tols: dict[str, dict[str, dict[str, float]]] = {}
     for label in strategies:
         s = report.base_strategy(case.op, label)
@@ -83,11 +82,27 @@ def _tolerances(
     return tols
 
 
+def _scale(expected: Expected) -> float:
+    """What `tolerance`'s ``atol`` is multiplied by for `expected`: 1, its RMS, or its terms' (`_tolerances`)."""
+    return max(1.0, float(expected.value.double().pow(2).mean().sqrt()), expected.magnitude)
+
+
+def _widening(expected: list[Expected]) -> list[torch.Tensor | None]:
+    """Per tensor, where it has `Expected.terms`, the factor (at least 1) each element's ``atol`` grows by beyond
+    the tensor's (its terms' size over the tensor's scale); None for the others."""
+    return [None if e.terms is None else (e.terms.double() / _scale(e)).clamp(min=1.0) for e in expected]
+
+
 def _compare(
-    actual: list[torch.Tensor], expected: list[torch.Tensor], tols: dict[str, dict[str, float]], what: str
+    actual: list[torch.Tensor], expected: list[torch.Tensor], tols: dict[str, dict[str, float]], what: str,
+    widening: list[torch.Tensor | None],
 ) -> str | None:
-    """None if every tensor is close, else a one-line description of the first mismatch."""
-    for (name, tol), x, e in zip(tols.items(), actual, expected, strict=True):
+    """None if every tensor is close, else a one-line description of the first mismatch. Where a tensor's
+    `widening` ``s`` is given, both sides are divided by it first: ``|x - e| <= atol * s + rtol * |e|``, each
+    element held to its own terms' size (the message's differences are then in those units)."""
+    for (name, tol), x, e, s in zip(tols.items(), actual, expected, widening, strict=True):
+        if s is not None:
+            x, e, name = x.double() / s, e.double() / s, f"{name}, over each element's terms"
         try:
             torch.testing.assert_close(x, e, **tol)
         except AssertionError as exc:
@@ -185,10 +200,12 @@ def check_case(
 
     errors: dict[str, str] = {}
     oracle = [e.value for e in work.expected]
+    widening = _widening(work.expected)
     progress(0.0, f"{case.name}: checking reference")
     y_ref = calls["reference"]()
     for label, y in (("reference", y_ref), (TORCH, calls[TORCH]() if TORCH in calls else None)):
-        err = y is not None and _compare(y, oracle, tols[label], f"rank {rank}: {label} vs the local {case.op}")
+        err = y is not None and _compare(y, oracle, tols[label], f"rank {rank}: {label} vs the local {case.op}",
+                                           widening)
         if err:
             errors[label] = err
     del oracle
@@ -197,7 +214,7 @@ def check_case(
         if label in ("reference", TORCH):
             continue
         progress(i / units, f"{case.name}: checking {report.display_label(case.op, label, interpreted)}")
-        err = _compare(calls[label](), y_ref, tols[label], f"rank {rank}: {label} vs reference")
+        err = _compare(calls[label](), y_ref, tols[label], f"rank {rank}: {label} vs reference", widening)
         if err:
             errors[label] = err
     del y_ref

@@ -84,6 +84,10 @@ class Expected:
     #: a sum over ranks of their partials (`summed`): the RMS of the sum of the partials' magnitudes, which bounds
     #: the rounding of partials computed in 16 bits where the sum cancels; 0 for anything else
     magnitude: float = 0.0
+    #: per element, the summed magnitudes of its terms where a strategy's other rounding of an intermediate moves
+    #: each term by a share of its size (MoE's weights' and top-k weights' gradients); the check widens ``atol``
+    #: there to this element's own size where it exceeds the tensor's scale (`magnitude` is its RMS)
+    terms: torch.Tensor | None = None
 
 
 @dataclasses.dataclass

@@ -33,6 +33,7 @@ scaled GEMM; the rest is bf16's.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
@@ -92,15 +93,15 @@ def call(inputs: OpInputs, group, **kwargs) -> torch.Tensor:
 def dense(x: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
           experts: range = range(0), act=torch.nn.functional.gelu,
           w1_values: torch.Tensor | None = None,
-          sizes: dict[int, list] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          sizes: dict[int, ExpertSizes] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The dense model of an MoE layer: ``y[t] = sum_k wt[t, k] * act(x[t] @ w1[e]) @ w2[e]`` (``e = idx[t, k]``)
     for every token, one GEMM per expert over its rows (token order), the sum in fp32 or wider (``k`` in order);
     also the rows of `experts` in expert order (the ``x_recv`` of the ranks holding them). Autograd-able; in
     float64 it is the oracle of the MoE ops, here and in the tests. `w1_values`: the first GEMM's forward takes
     these weights' values instead (an fp8 recipe's quantized ``w1``), its gradients stay ``w1``'s (the rows'
     through ``w1`` itself, ``w1``'s from the rows). The first GEMM's output is rounded to ``w2``'s dtype (where
-    `x` and `w1` are wider: a scaled GEMM's output). `sizes`, where given, gets per expert what bounds its weights'
-    gradients' terms (`weight_grad_magnitudes`)."""
+    `x` and `w1` are wider: a scaled GEMM's output). `sizes`, where given, gets per expert what bounds the terms of
+    its weights' and the top-k weights' gradients (`terms`)."""
     N, K = idx.shape
     flat = idx.reshape(-1)
     pieces, where, recv = [], [], []
@@ -117,8 +118,8 @@ def dense(x: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor, w1: torch.Tensor
         a = act(h.to(w2.dtype))
         pieces.append(a @ w2[e])
         where.append(pairs)
-        if sizes is not None and h.requires_grad:
-            sizes[e] = _weight_grad_sizes(rows, h, a, pieces[-1])
+        if sizes is not None:
+            sizes[e] = ExpertSizes.watch(rows, h, a, pieces[-1])
     if not where:  # no token here; the inputs stay in the graph, so their gradients are zeros, not None
         tie = (x.sum() + wt.sum() + w1.sum() + w2.sum()) * 0
         return (x.new_zeros((N, w2.shape[-1])) + tie).to(x.dtype), x.new_empty(0, x.shape[1])
@@ -130,28 +131,67 @@ def dense(x: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor, w1: torch.Tensor
     return y, torch.cat([x.new_empty(0, x.shape[1]), *recv])
 
 
-def _weight_grad_sizes(rows, h, a, piece) -> list:
-    """``[|rows|, |grad h|, |act(h)|, |grad piece|]`` of one expert, the gradients filled in by hooks when the
-    backward runs: ``|rows|.T @ |grad h|`` bounds the terms ``w1``'s gradient sums, ``|act|.T @ |grad piece|``
-    ``w2``'s (`weight_grad_magnitudes`)."""
-    out = [rows.detach().abs(), None, a.detach().abs(), None]
-    h.register_hook(lambda g: out.__setitem__(1, g.detach().abs()))
-    piece.register_hook(lambda g: out.__setitem__(3, g.detach().abs()))
+@dataclasses.dataclass
+class ExpertSizes:
+    """One expert's magnitudes in the dense model (`dense`'s `sizes`): its rows, ``h``, ``act(h)`` and its output
+    ``piece`` in the forward, and the gradients reaching ``h``, ``act(h)`` and ``piece``, filled in by hooks when
+    the backward runs; they bound the terms the gradients sum (`terms`)."""
+
+    rows: torch.Tensor
+    h: torch.Tensor
+    a: torch.Tensor
+    piece: torch.Tensor
+    grad_h: torch.Tensor | None = None
+    grad_a: torch.Tensor | None = None
+    grad_piece: torch.Tensor | None = None
+
+    @classmethod
+    def watch(cls, rows, h, a, piece) -> ExpertSizes:
+        sizes = cls(*(t.detach().abs().double() for t in (rows, h, a, piece)))
+        for t, name in ((h, "grad_h"), (a, "grad_a"), (piece, "grad_piece")):
+            if t.requires_grad:
+                t.register_hook(lambda g, name=name: setattr(sizes, name, g.detach().abs().double()))
+        return sizes
+
+
+def terms(sizes: dict[int, ExpertSizes], idx: torch.Tensor, wt: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+          grad_out: torch.Tensor | None, experts: range, rows: slice) -> dict[str, torch.Tensor]:
+    """Per tensor of the MoE layer (``out``, ``grad_x`` and ``grad_topk_weights`` at the tokens `rows`, ``grad_w1``
+    and ``grad_w2`` of `experts`; the gradients where `grad_out` is given), the summed magnitudes of each element's
+    terms (`Expected.terms`): a strategy whose first GEMM rounds ``h`` otherwise (another order, fp8 tensor cores'
+    narrower accumulation, in 16 bits) moves each term by a share of its size, however much their sum cancels.
+    ``act(h)`` moves by at most ``|h|`` times that share (gelu's slope stays below 1.13, ``|gelu(h)| <= |h|``):
+    ``out[t]`` sums ``wt[t, k] * act @ w2[e]``, ``grad_w1 = rows.T @ grad h``, ``grad_w2 = act.T @ grad piece``,
+    ``grad_x`` sums ``grad h @ w1[e].T`` over its pairs and ``grad_wt[t, k] = act @ w2[e] . grad_out[t]``."""
+    N, K = idx.shape
+    flat = idx.reshape(-1)
+    wt_pairs = wt.detach().double().abs().reshape(-1)
+    m_out = torch.zeros((N * K, w2.shape[-1]), dtype=torch.float64)
+    m1 = torch.zeros((len(experts), *w1.shape[1:]), dtype=torch.float64)
+    m2 = torch.zeros((len(experts), *w2.shape[1:]), dtype=torch.float64)
+    mx = torch.zeros((N * K, w1.shape[1]), dtype=torch.float64)
+    mwt = torch.zeros(N * K, dtype=torch.float64)
+    for e, s in sizes.items():
+        pairs = (flat == e).nonzero().squeeze(1)
+        w2_e = w2[e].detach().double()
+        m_out[pairs] = wt_pairs[pairs].unsqueeze(1) * (s.h @ w2_e.abs()) + s.piece
+        if grad_out is None or s.grad_h is None:
+            continue
+        grad_h = s.grad_a * s.h + s.grad_h  # gelu's derivative moves by at most |h| times the share
+        if e in experts:
+            m1[e - experts.start], m2[e - experts.start] = s.rows.t() @ grad_h, s.h.t() @ s.grad_piece
+        mx[pairs] = grad_h @ w1[e].detach().double().abs().t()
+        g_rows = grad_out.detach().double().index_select(0, torch.div(pairs, K, rounding_mode="floor"))
+        mwt[pairs] = (s.h * (g_rows @ w2_e.t()).abs()).sum(1) + (s.piece * g_rows.abs()).sum(1)
+    out = {"out": m_out.view(N, K, -1).sum(1)[rows]}
+    if grad_out is not None:
+        out.update(grad_x=mx.view(N, K, -1).sum(1)[rows], grad_w1=m1, grad_w2=m2,
+                   grad_topk_weights=mwt.view(N, K)[rows])
     return out
 
 
-def weight_grad_magnitudes(sizes: dict[int, list], experts: range, like1: torch.Tensor,
-                           like2: torch.Tensor) -> tuple[float, float]:
-    """The RMS over `experts` of the summed magnitudes of ``w1``'s and ``w2``'s gradients (`Expected.magnitude`):
-    a strategy whose forward rounds ``h`` otherwise (a fused GEMM's order, in 16 bits) moves each term gelu's
-    derivative weighs by a share of its size, however much their sum cancels."""
-    m1 = torch.zeros((len(experts), *like1.shape[1:]), dtype=torch.float64)
-    m2 = torch.zeros((len(experts), *like2.shape[1:]), dtype=torch.float64)
-    for i, e in enumerate(experts):
-        if e in sizes and sizes[e][1] is not None:
-            rows, grad_h, a, grad_piece = (t.double() for t in sizes[e])
-            m1[i], m2[i] = rows.t() @ grad_h, a.t() @ grad_piece
-    return float(m1.pow(2).mean().sqrt()), float(m2.pow(2).mean().sqrt())
+def _rms(t: torch.Tensor) -> float:
+    return float(t.pow(2).mean().sqrt()) if t.numel() else 0.0
 
 
 class _Routing:
@@ -173,7 +213,7 @@ class _Routing:
 
 
 def _fp8_layer(p, x: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor, w1: torch.Tensor,
-               w2: torch.Tensor, sizes: dict[int, list]) -> torch.Tensor:
+               w2: torch.Tensor, sizes: dict[int, ExpertSizes]) -> torch.Tensor:
     """The layer of an fp8 problem (module docstring): the first GEMM in float32 on the tokens `x` and the weights
     `w1` as the dispatch quantizes them (the tokens' gradient straight through), its output rounded to the leaves'
     dtype as the scaled GEMM's is; the rest in the leaves' dtype with fp32 sums, as the bf16 oracle; ``y`` in `x`'s
@@ -197,23 +237,27 @@ def oracle(p, every: list[OpInputs], rank: int) -> list[Expected]:
             leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
         x_all, wt_all, w1_all, w2_all = leaves
         idx_all = torch.cat([e.routing for e in every])
-        sizes: dict[int, list] = {}
+        sizes: dict[int, ExpertSizes] = {}
         if _fp8(p):
             y_all = _fp8_layer(p, x_all, idx_all, wt_all, w1_all, w2_all, sizes)
         else:
             y_all, _ = dense(x_all, idx_all, wt_all, w1_all, w2_all, routing.mine, sizes=sizes)
         rows, mine = slice(rank * T, (rank + 1) * T), slice(routing.mine.start, routing.mine.stop)
         expected = [Expected("out", y_all[rows].detach(), H + F)]
+        grad_out = None
         if p.backward:
-            g_x, g_wt, g_w1, g_w2 = torch.autograd.grad(y_all, leaves, torch.cat([e.grad_out for e in every]))
+            grad_out = torch.cat([e.grad_out for e in every])
+            g_x, g_wt, g_w1, g_w2 = torch.autograd.grad(y_all, leaves, grad_out)
             busiest = max(routing.local_rows) if routing.local_rows else 1
-            m1, m2 = weight_grad_magnitudes(sizes, routing.mine, w1_all, w2_all)
             expected += [
                 Expected("grad_x", g_x[rows], K * (H + F)),
-                Expected("grad_w1", g_w1[mine], busiest + H, m1),
-                Expected("grad_w2", g_w2[mine], busiest, m2),
+                Expected("grad_w1", g_w1[mine], busiest + H),
+                Expected("grad_w2", g_w2[mine], busiest),
                 Expected("grad_topk_weights", g_wt[rows], H + F),
             ]
+        if x_all.dtype in (torch.bfloat16, torch.float16):  # h rounded in 16 bits (fp32's within tolerance)
+            sized = terms(sizes, idx_all, wt_all, w1_all, w2_all, grad_out, routing.mine, rows)
+            expected = [dataclasses.replace(e, magnitude=_rms(sized[e.what]), terms=sized[e.what]) for e in expected]
     return expected
 
 

@@ -137,3 +137,41 @@ def test_moe_fp8_cases_pass_their_checks_and_count_the_packed_rows(pools, seed):
             assert torch_dtypes == ref_dtypes == leaves, name
             fp8_bytes, bf16_bytes = _expected_bytes(case, seed, i, 2)
             assert nbytes == fp8_bytes and 0 < nbytes < bf16_bytes, (name, nbytes, fp8_bytes, bf16_bytes)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", FP8])
+def test_moe_checks_hold_each_gradient_to_its_terms_and_still_catch_a_wrong_one(dtype, seed):
+    """A layer whose ``h`` is rounded otherwise (each element moved by about one bf16 ulp, as a fused GEMM's order
+    does) passes the bench's check of a 16-bit case against the oracle, forward and every gradient, each element
+    held to its own terms (`Expected.terms`); gradients with one expert's rows dropped or two top-k slots swapped
+    do not."""
+    from overlap.benchmarks.checks import _compare, _tolerances, _widening
+
+    W, rank = 2, 1
+    case = MoECase.of(TINY, dtype, backward=True, preset="tiny")
+    p = case.problem
+    every = [workload("moe").inputs(p, W, SeededDraw(seed, 0, "cpu", p.torch_dtype).for_rank(q)) for q in range(W)]
+    expected = workload("moe").oracle(p, every, rank)
+    assert all(e.terms is not None and e.terms.shape == e.value.shape for e in expected)
+    shove = torch.Generator().manual_seed(seed)
+
+    def rounded_otherwise(h: torch.Tensor) -> torch.Tensor:
+        sign = torch.randint(0, 2, h.shape, generator=shove).to(h.dtype) * 2 - 1
+        return torch.nn.functional.gelu(h + (h.detach().abs() * sign * 2.0**-8))
+
+    import overlap.workloads.moe as moe_workload
+
+    original = moe_workload.dense
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe_workload, "dense", lambda *a, **k: original(*a, **k, act=rounded_otherwise))
+        got = [e.value for e in moe_workload.oracle(p, every, rank)]
+    tols = _tolerances(case, expected, "cpu", ["fused"])["fused"]
+    want, widening = [e.value for e in expected], _widening(expected)
+    assert any(not torch.equal(a, b) for a, b in zip(got[1:], want[1:]))
+    assert _compare(got, want, tols, "rounded otherwise", widening) is None
+    dropped = [t.clone() for t in got]
+    dropped[3][0].zero_()  # the first local expert's w2 gradient
+    assert "grad_w2" in (_compare(dropped, want, tols, "dropped", widening) or "")
+    swapped = [t.clone() for t in got]
+    swapped[4] = swapped[4].flip(1)
+    assert "grad_topk_weights" in (_compare(swapped, want, tols, "swapped", widening) or "")
