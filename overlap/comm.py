@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from . import world
 from .errors import OverlapError, OverlapTimeout
+from .stages import timed
 
 # ----------------------------------------------------------------------------------------------
 # Collectives and bounded waits on torch.distributed work
@@ -153,6 +154,7 @@ def _wait_polled(work: PolledWork, timeout: float | None) -> bool:
 CLOSED_AT_DEADLINE = 0.9
 
 
+@timed("wait")
 def wait_work(work, op: str, rank: int, peer: int | str, chunk: int | str, timeout: float,
               where: torch.device | world.GroupInfo | None = None) -> None:
     """``work.wait`` with a deadline; timeouts and dead peers become overlap errors.
@@ -226,6 +228,7 @@ def chunk_bounds(rows: int, num_chunks: int) -> list[tuple[int, int]]:
     return bounds
 
 
+@timed("send")
 def exchange_chunked(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, chunks_for: Callable[[str], int],
                      info: world.GroupInfo, pg, op: str) -> list[tuple[int, tuple[int, int] | None, list]]:
     """Post one pairwise step, `send` to group rank `dst` and `recv` from `src`, each cut along dim 0

@@ -329,6 +329,7 @@ class BenchConfig:
     seed: int | None = None  # None: rank 0 draws one
     progress: bool = True  # progress lines on rank 0's stderr
     wide: bool = False  # the table one line per row, about 200 columns (default: 120, `report.Table`); not in the JSON
+    profile: bool = False  # after the timings, each label's host time per stage (`timing.profile_case`)
 
     def __post_init__(self) -> None:
         for name, known in (("ops", BENCH_OPS), ("modes", MODES)):

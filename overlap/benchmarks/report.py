@@ -20,6 +20,7 @@ import math
 import textwrap
 from typing import Any
 
+from .. import stages
 from ..plans.planfile import write_atomic
 from .definitions import (
     AUTO,
@@ -293,3 +294,32 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
     """Write `payload` to `path` atomically (`overlap.plans.planfile.write_atomic`: a new temporary file, never
     one or a link someone put there, renamed over it; the umask's mode)."""
     write_atomic(path, json.dumps(payload, indent=2) + "\n")
+
+
+#: the stages of `overlap.stages` in the order a call meets them (`profile_lines`); others follow, then ``outside``
+STAGE_ORDER = ("preamble", "handshake", "route", "counts", "fp8 cast", "send", "wait", "gemm", "receive", "sum")
+
+
+def profile_lines(rows: list[dict[str, Any]], width: int = Table.WIDTH) -> list[str]:
+    """``overlap bench --profile``'s lines of one case: per row with a profile (``profile_ms``,
+    `timing.profile_case`), its time per call and that time by stage, in the order a call meets them (`STAGE_ORDER`),
+    then a helper thread's (beside the call); wrapped at `width`."""
+    shown = [r for r in rows if r.get("profile_ms")]
+    if not shown:
+        return []
+    lines = [f"{Table.INDENT}host time per stage, ms per call (mean over ranks; 'outside': the call's time outside "
+             "overlap's stages)"]
+    w = max(len(r.get("label", r["strategy"])) for r in shown)
+    for r in shown:
+        prof = dict(r["profile_ms"])
+        total, outside = prof.pop("total"), prof.pop("outside", 0.0)
+        helper = {k.removesuffix(stages.HELPER): v for k, v in prof.items() if k.endswith(stages.HELPER)}
+        own = {k: v for k, v in prof.items() if not k.endswith(stages.HELPER)}
+        rank = {name: i for i, name in enumerate(STAGE_ORDER)}
+        parts = [f"{k} {v:.3f}" for k, v in sorted(own.items(), key=lambda kv: rank.get(kv[0], len(rank)))]
+        text = f"{r.get('label', r['strategy']):<{w}}  {total:.3f} = " + " + ".join([*parts, f"outside {outside:.3f}"])
+        if helper:
+            text += "; helper thread: " + ", ".join(f"{k} {v:.3f}" for k, v in helper.items())
+        lines += textwrap.wrap(text, width, initial_indent=2 * Table.INDENT, subsequent_indent=2 * Table.INDENT
+                               + " " * (w + 2), break_long_words=False, break_on_hyphens=False)
+    return lines

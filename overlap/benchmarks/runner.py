@@ -62,7 +62,7 @@ from . import report
 from .cases import BenchConfig, default_cases
 from .checks import Checked, check_case, fused_interpreted, strategies_for
 from .definitions import MODES, TORCH, AnyCase, label_plan
-from .timing import INTERPRETED_ITERS, time_case
+from .timing import INTERPRETED_ITERS, profile_case, time_case
 
 # ----------------------------------------------------------------------------------------------
 # Facts about the machine and the software
@@ -187,7 +187,13 @@ def run_case(
     """
     checked = check_case(case, case_index, config, seed, info, pg, progress)
     stats = time_case(checked, config, info, pg, progress)
-    return case_rows(checked, stats, info.world_size), checked.notes
+    rows = case_rows(checked, stats, info.world_size)
+    if config.profile:
+        profiles = profile_case(checked, config, info, pg, progress)
+        for row in rows:
+            if row.get("status") != "FAILED" and row["strategy"] in profiles:
+                row["profile_ms"] = profiles[row["strategy"]]
+    return rows, checked.notes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,6 +270,8 @@ def run(config: BenchConfig, group: dist.ProcessGroup | None = None) -> list[dic
         rows.extend(rows_i)
         all_notes.extend(n for n in notes if n not in all_notes)
         for line in table.case_lines(case.name, rows_i):
+            out(line)
+        for line in report.profile_lines(rows_i):
             out(line)
 
     results = report.summary(rows)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import world
+from .. import stages, world
 from ..progress import Progress, quiet
 from . import report
 from .cases import BenchConfig
@@ -97,3 +97,37 @@ def time_case(
     every: list[Any] = [None] * info.world_size
     dist.all_gather_object(every, times, group=pg)
     return {label: summarize([max(r[label][i] for r in every) for i in range(repeats[label])]) for label in fns}
+
+
+#: calls per label of a profile (`profile_case`), and of interpreted fused (a call costs 0.1-1 s)
+PROFILE_CALLS, PROFILE_INTERPRETED_CALLS = 5, 1
+
+
+def profile_case(
+    checked: Checked, config: BenchConfig, info: world.GroupInfo, pg: dist.ProcessGroup, progress: Progress = quiet
+) -> dict[str, dict[str, float]]:
+    """Where each label's host time goes (``overlap bench --profile``): `PROFILE_CALLS` more calls of every label,
+    each between barriers as timed, with `overlap.stages` collecting. Returns per label the milliseconds per call,
+    mean over ranks: ``total``, each stage's own time, ``outside`` (the call's time outside every stage of the
+    calling thread) and a helper thread's stages (their names end ``(helper thread)``: beside the call, not in
+    it). The same on every rank (one ``all_gather_object``)."""
+    mine: dict[str, dict[str, float]] = {}
+    for label, fn in checked.fns.items():
+        calls = PROFILE_INTERPRETED_CALLS if label in checked.slow else PROFILE_CALLS
+        progress(1.0, f"{checked.case.name}: profiling {label}")
+        total, spent = 0.0, {}
+        for _ in range(calls):
+            with stages.collecting() as got:
+                total += timed_call(fn, info.device, pg)
+            for name, s in got.items():
+                spent[name] = spent.get(name, 0.0) + s
+        inside = sum(s for name, s in spent.items() if not name.endswith(stages.HELPER))
+        mine[label] = {"total": total, **spent, "outside": max(0.0, total - inside)}
+        mine[label] = {name: s * 1e3 / calls for name, s in mine[label].items()}
+    every: list[Any] = [None] * info.world_size
+    dist.all_gather_object(every, mine, group=pg)
+    out: dict[str, dict[str, float]] = {}
+    for label in checked.fns:
+        names = dict.fromkeys(name for r in every for name in r[label])
+        out[label] = {name: sum(r[label].get(name, 0.0) for r in every) / len(every) for name in names}
+    return out

@@ -95,6 +95,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 json_path=json_path,
                 seed=args.seed,
                 wide=args.wide,
+                profile=args.profile,
             )
         except ValueError as exc:  # e.g. --strategies symm+one_shot for an op that has no such variant
             parser.error(str(exc))

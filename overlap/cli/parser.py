@@ -332,6 +332,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the table one line per row, the case first (about 200 columns); default: at most 120 columns, "
         "each case's name on a line of its own over its rows, long plans wrapped (--json is the same either way)",
     )
+    bench.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each case's timings, run each row a few more times and print where its host time goes, per "
+        "stage of overlap's ops (preamble, handshake, route, counts, send, wait, gemm, receive, sum, fp8 cast: "
+        "each its own time, ms per call, mean over ranks), the rest of the call as 'outside' (Python glue, "
+        "autograd, allocation), a helper thread's stages apart; also in --json. Host time: on a GPU the kernels' "
+        "own time is a CUDA profiler's to measure",
+    )
     bench.set_defaults(subparser=bench)
     info.set_defaults(subparser=info)
     from .demo import add_parser as add_demo_parser  # overlap demo: its options live in overlap/cli/demo.py

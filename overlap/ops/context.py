@@ -23,6 +23,7 @@ import torch
 from .. import comm, envs, rendezvous, symm, world
 from ..errors import OverlapMismatchError, OverlapTimeout, warn_once
 from ..plans import Plan
+from ..stages import stage
 from .hierarchical import agreement
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -71,7 +72,7 @@ class CallContext:
         handshake of `overlap.ops.hierarchical.agreement` and GPU ranks a collective one."""
         rendezvous.CALLER.set(self.op)
         info = self.info
-        with record("handshake"):
+        with record("handshake"), stage("handshake"):
             if info.single_node:
                 if need_bytes > 0 and info.device.type == "cuda":
                     warn_device_connections(self.op)
@@ -115,7 +116,7 @@ def preamble(op: str, group, timeout: float | None,
     # the core now rather than after this call's Python and first spin-wait (right after a barrier, every
     # other call found its peer ~0.4 ms late without it: `bench/overhead.py --barrier`). ~1 us.
     os.sched_yield()
-    with record("preamble"):
+    with record("preamble"), stage("preamble"):
         return _preamble(op, group, timeout, decide)
 
 

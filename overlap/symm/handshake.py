@@ -35,6 +35,7 @@ import time
 import numpy as np
 
 from ..errors import OverlapMismatchError
+from ..stages import timed
 from .layout import HS_BASE, HS_RING, HS_STRIDE, NUM_SLOTS, SIG_TEXT_BYTES, W_HS_EPOCH, signals
 
 #: Host synchronizations of this process, by kind: ``rendezvous`` (a full handshake: this rank waited until
@@ -247,6 +248,7 @@ class SignatureCheck:
         return not self.unverified
 
 
+@timed("wait")
 def wait_checked(check: SignatureCheck | None, addrs: list[int], value: int, timeout: float) -> int:
     """`signal_wait_all` on `addrs` for `value` within `timeout`; with a steady-state `check`, in slices, with
     the peers' entries compared between slices. Returns the index of a flag still missing at the deadline, or

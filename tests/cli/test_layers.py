@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 #: module). The package's ``__init__`` (the public namespace) sits at the top with the command line, which
 #: reads ``overlap.__file__`` for ``overlap info``.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("facts", ("overlap.envs", "overlap.errors", "overlap.logs", "overlap.links", "overlap.lazy", "overlap.version")),
+    ("facts", ("overlap.envs", "overlap.errors", "overlap.logs", "overlap.links", "overlap.lazy", "overlap.version",
+               "overlap.stages")),
     ("world", ("overlap.world", "overlap.rendezvous", "overlap.shm", "overlap.lifetime", "overlap.pool")),
     ("signals", ("overlap._C", "overlap.signals")),
     ("comm", ("overlap.comm",)),

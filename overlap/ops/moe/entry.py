@@ -15,6 +15,7 @@ from ... import world
 from ...errors import OverlapMismatchError
 from ...plans import Plan, Problem
 from ...plans.auto import as_plan, fit_plan, plan_source, resolve_auto
+from ...stages import timed
 from ..context import FLOAT_DTYPES, CallContext, describe
 from ..fused import check_fused_available
 from .layout import MoELayout
@@ -101,6 +102,7 @@ def route(op: str, topk_idx: torch.Tensor, num_experts: int, world_size: int) ->
     return order, routed_counts(op, stats.tolist(), num_experts, world_size)
 
 
+@timed("route")
 def route_stats(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`route` left on the device: the send order, and this rank's pairs per global expert followed by its
     smallest and largest expert id (int64 ``[E + 2]``; ids out of range are counted at the nearest end, the two
@@ -113,6 +115,7 @@ def route_stats(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
     return torch.argsort(flat, stable=True), stats
 
 
+@timed("route")
 def routed_counts(op: str, stats: list[int], num_experts: int, world_size: int) -> list[list[int]]:
     """``send_counts`` (``[W][L]``) from `route_stats`' values read to the host; raises on bad expert ids."""
     bad = bad_ids(num_experts, stats[num_experts], stats[num_experts + 1])
@@ -212,6 +215,7 @@ def follow_up(h: MoELayout, op: str, rows: torch.Tensor, w: torch.Tensor | None,
     return h.context.derive(op=op, plan=chosen, signature=call_signature(op, h, rows, w, chosen, grads))
 
 
+@timed("counts")
 def exchange_counts(handle: MoELayout, cc: CallContext) -> None:
     """``recv_counts`` from every rank's ``send_counts`` with one ``all_to_all_single`` (bounded wait).
 

@@ -41,6 +41,7 @@ import itertools
 
 import torch
 
+from ...stages import timed
 from ..fp8 import MIN_SCALE, MX_BLOCK, OPERAND_DTYPE, dequantize, quantize_fp8, scaled_mm
 from ..fp8_recipe import Fp8Recipe, recipe_among, recipe_of
 from ..fp8_rows import Packed
@@ -134,6 +135,7 @@ def quantize_rows(x: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torc
     return q, scale.view(T, nb)
 
 
+@timed("fp8 cast")
 def pack(x: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
     """Tokens `x` ``[T, H]`` as packed rows ``[T, fmt.cols]`` uint8 (quantized once, here)."""
     if x.shape[0] == 0:
@@ -187,6 +189,7 @@ class Fp8Experts:
     _dense: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
+    @timed("fp8 cast")
     def quantize(cls, w: torch.Tensor, fmt: RowFormat) -> Fp8Experts:
         L, H, N = w.shape
         g = fmt.granularity

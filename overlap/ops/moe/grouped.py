@@ -10,6 +10,7 @@ import itertools
 
 import torch
 
+from ...stages import timed
 from .fp8 import Fp8Experts
 from .layout import MoELayout
 
@@ -49,6 +50,7 @@ def _grouped(a: torch.Tensor, b: torch.Tensor, counts: list[int]) -> torch.Tenso
         return None
 
 
+@timed("gemm")
 def block_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """``x``'s rows as consecutive blocks of ``counts[i]`` rows, block ``i`` times ``w[i]`` (``len(counts) ==
     w.shape[0]``; a block may be empty): ``[sum(counts), N]``. One grouped GEMM where `torch._grouped_mm` takes
@@ -67,6 +69,7 @@ def block_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tenso
     return out
 
 
+@timed("gemm")
 def grouped_mm(x: torch.Tensor, w: torch.Tensor | Fp8Experts, handle: MoELayout) -> torch.Tensor:
     """``out_e = x_e @ w[e]`` for the expert-order blocks of ``x`` (packed fp8 rows where `w` is `Fp8Experts`)."""
     if isinstance(w, Fp8Experts):
@@ -74,6 +77,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor | Fp8Experts, handle: MoELayout)
     return block_mm(x, w, handle.tokens_per_expert)
 
 
+@timed("gemm")
 def expert_mm(rows: torch.Tensor, w: torch.Tensor | Fp8Experts, e: int, out: torch.Tensor) -> torch.Tensor:
     """``out = rows @ w[e]``, one block of expert `e` as it lands (packed fp8 rows where `w` is `Fp8Experts`)."""
     if isinstance(w, Fp8Experts):
@@ -86,6 +90,7 @@ def out_dtype(w: torch.Tensor | Fp8Experts, rows_dtype: torch.dtype) -> torch.dt
     return w.dtype if isinstance(w, Fp8Experts) else rows_dtype
 
 
+@timed("gemm")
 def rows_for(h: MoELayout, y: torch.Tensor, w: torch.Tensor | None, s: int, into: torch.Tensor) -> None:
     """`into` = the rows of source `s` (in `s`'s send order), each block times its expert's weight (a GEMM per
     block, straight into `into`: on CPU ranks cheaper than a grouped GEMM's separate output and its copy)."""
@@ -100,6 +105,7 @@ def rows_for(h: MoELayout, y: torch.Tensor, w: torch.Tensor | None, s: int, into
             into[lo : lo + c].copy_(y[at : at + c])
 
 
+@timed("gemm")
 def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, handle: MoELayout, like: torch.Tensor) -> torch.Tensor:
     """``grad_w[e] = x_e.T @ grad_e`` over every row of local expert ``e`` (zeros for an expert with none)."""
     counts = handle.tokens_per_expert
@@ -116,6 +122,7 @@ def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, handle: MoELayout, 
     return grad_w
 
 
+@timed("sum")
 def weighted_sum(back: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``out[t] = sum_k w[t, k] * back[t*K + k]`` in fp32 (fp64 for fp64; k in order), cast to `out_dtype`.
     Autograd-able: it gives ``topk_weights`` the dot products and the rows ``w``-weighted gradients."""
