@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ... import comm
 from ...errors import OverlapTimeout
 from ...kernels import slots
+from ...stages import stage, timed
 from .. import fused
 from ..context import CallContext
 from . import bound as moe_bound
@@ -68,38 +69,42 @@ def run(h: layout.MoELayout, rows: torch.Tensor, row_of_send: torch.Tensor, w: t
             w = h.migration.fetch(w, "w1", cc)
         if w is not None and fp8 is not None:
             w = moe_fp8.Fp8Experts.quantize(w, fp8)
-        recv, out = STRATEGIES[kind](cc, call, h, rows, row_of_send, w, counts, between)
+        keep = w is None or keep_rows
+        recv, out = STRATEGIES[kind](cc, call, h, rows, row_of_send, w, counts, between, keep)
     finally:
         call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
-    return (recv if w is None or keep_rows else None), out
+    return (recv if keep else None), out
 
 
-def _reference(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
+def _reference(cc: CallContext, call, h, rows, row_of_send, w, counts, between, keep=True):
     if counts:
         entry.exchange_counts(h, cc)
-    send = rows.index_select(0, row_of_send)
-    stage = rows.new_empty((h.num_recv, rows.shape[1]))
-    work = dist.all_to_all_single(stage, send, h.recv_splits, h.send_splits, group=cc.pg, async_op=True)
+    with stage("send"):
+        send = rows.index_select(0, row_of_send)
+        landed = rows.new_empty((h.num_recv, rows.shape[1]))
+        work = dist.all_to_all_single(landed, send, h.recv_splits, h.send_splits, group=cc.pg, async_op=True)
     cc.wait(work, "any", "all_to_all")
-    recv = stage.index_select(0, h.staging_of_expert_row)
+    with stage("receive"):
+        recv = landed.index_select(0, h.staging_of_expert_row)
     out = grouped.grouped_mm(recv, w, h) if w is not None else None
     if between is not None:
         between()
     return recv, out
 
 
-def _pipelined(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
+def _pipelined(cc: CallContext, call, h, rows, row_of_send, w, counts, between, keep=True):
     if counts:
         entry.exchange_counts(h, cc)
     info, W, r, L = h.info, h.info.world_size, h.info.rank, h.num_local_experts
-    stage = rows.new_empty((h.num_recv, rows.shape[1]))
+    landed = rows.new_empty((h.num_recv, rows.shape[1]))
 
     def to_dest(d: int) -> torch.Tensor:
         lo = h.send_offsets[d]
-        return rows.index_select(0, row_of_send[lo : lo + h.send_splits[d]])
+        with stage("send"):
+            return rows.index_select(0, row_of_send[lo : lo + h.send_splits[d]])
 
     def from_source(s: int) -> torch.Tensor:
-        return stage[h.stage_offsets[s] : h.stage_offsets[s] + h.recv_splits[s]]
+        return landed[h.stage_offsets[s] : h.stage_offsets[s] + h.recv_splits[s]]
 
     # Post every peer's pieces at once (pairwise shift), then copy our own rows.
     pending: dict[int, list] = {s: [] for s in range(W)}
@@ -110,7 +115,9 @@ def _pipelined(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
         sent.append(buf)  # kept alive until its sends complete
         for j, got, works in comm.exchange_chunked(buf, d, from_source(s), s, cc.plan.chunks_for, info, cc.pg, cc.op):
             pending[s].append((got, j, works))
-    from_source(r).copy_(to_dest(r))
+    mine = to_dest(r)
+    with stage("send"):
+        from_source(r).copy_(mine)
     out = rows.new_empty((h.num_recv, w.shape[2]), dtype=grouped.out_dtype(w, rows.dtype)) if w is not None else None
     # Multiply block (s, e) once the pieces holding it are in: our own rows first, then in step order.
     for i in range(W):
@@ -135,27 +142,28 @@ def _pipelined(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
             for work, peer in works:
                 cc.wait(work, peer, j)
     del sent
-    return stage.index_select(0, h.staging_of_expert_row), out
+    with stage("receive"):
+        return landed.index_select(0, h.staging_of_expert_row), out
 
 
-def _symm(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
+def _symm(cc: CallContext, call, h, rows, row_of_send, w, counts, between, keep=True):
     with _produced(call, h, rows, row_of_send, counts):
         if counts:
             _read_counts(call, h)
-        recv, out = _consume(call, h, rows.dtype, rows.shape[1], w)
+        recv, out = _consume(call, h, rows.dtype, rows.shape[1], w, keep)
         if between is not None:
             between()
     return recv, out
 
 
-def _fused(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
+def _fused(cc: CallContext, call, h, rows, row_of_send, w, counts, between, keep=True):
     with _produced(call, h, rows, row_of_send, counts):
         if counts:
             _read_counts(call, h)
         if isinstance(w, moe_fp8.Fp8Experts) and not w.fused:  # (block128: symm's host loop)
-            recv, out = _consume(call, h, rows.dtype, rows.shape[1], w)
+            recv, out = _consume(call, h, rows.dtype, rows.shape[1], w, keep)
         else:
-            recv, out = _consume_fused(cc, call, h, rows.dtype, rows.shape[1], w)
+            recv, out = _consume_fused(cc, call, h, rows.dtype, rows.shape[1], w, keep)
         if between is not None:
             between()
     return recv, out
@@ -178,6 +186,7 @@ def _produced(call, h: layout.MoELayout, rows, row_of_send, counts: bool):
             call.buffer(d, torch.int32, (W, L))[r].copy_(mine[d])
             call.signal_ready(d * F)
 
+    @timed("send")
     def write(d: int) -> None:
         region = layout.region(call, h, d, r, rows.dtype, rows.shape[1])
         base = h.send_offsets[d]
@@ -227,11 +236,13 @@ def _read_counts(call, h: layout.MoELayout) -> None:
 # ---- symm: consumer side (host loop) -------------------------------------------------------------
 
 
-def _consume(call, h: layout.MoELayout, dtype, cols: int, w):
+def _consume(call, h: layout.MoELayout, dtype, cols: int, w, keep: bool = True):
+    """``(recv, out)``: each block once its flag is set, copied out of the region into ``recv`` (expert order)
+    where `keep` (else ``recv`` is None and the GEMM reads the block where it landed), multiplied into ``out``."""
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
     F, G = slots.flags_per_peer(W), slots.expert_groups(L, W)
     device = h.info.device
-    recv = torch.empty((h.num_recv, cols), dtype=dtype, device=device)
+    recv = torch.empty((h.num_recv, cols), dtype=dtype, device=device) if keep or w is None else None
     out = (torch.empty((h.num_recv, w.shape[2]), dtype=grouped.out_dtype(w, dtype), device=device)
            if w is not None else None)
     for i in range(W):  # our own rows first, then in the order the senders write us
@@ -247,16 +258,19 @@ def _consume(call, h: layout.MoELayout, dtype, cols: int, w):
                 if not c:
                     continue
                 lo, at = h.within_source(s, e), h.expert_offsets[e][s]
-                recv[at : at + c].copy_(region[lo : lo + c])
+                block = region[lo : lo + c]
+                if recv is not None:
+                    with stage("receive"):
+                        block = recv[at : at + c].copy_(block)
                 if out is not None:
-                    grouped.expert_mm(recv[at : at + c], w, e, out[at : at + c])
+                    grouped.expert_mm(block, w, e, out[at : at + c])
     return recv, out
 
 
 # ---- fused: consumer side (Triton grouped GEMM waiting per block) -------------------------------
 
 
-def _consume_fused(cc: CallContext, call, h: layout.MoELayout, dtype, cols: int, w):
+def _consume_fused(cc: CallContext, call, h: layout.MoELayout, dtype, cols: int, w, keep: bool = True):
     chosen, timeout = cc.plan, cc.timeout
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
     device = h.info.device
@@ -282,11 +296,12 @@ def _consume_fused(cc: CallContext, call, h: layout.MoELayout, dtype, cols: int,
     bad = 0 if out.is_cuda else int(err.item())
     if bad:
         raise OverlapTimeout(cc.op, r, bad - 1, "an expert block", timeout, "fused grouped GEMM wait")
-    if scaled:  # every block has landed (the kernel waited for each): the packed rows, scales included
+    if scaled and keep:  # every block has landed (the kernel waited for each): the packed rows, scales included
         _copy_rows(call, h, recv, dtype, cols)
     return recv, out
 
 
+@timed("receive")
 def _copy_rows(call, h: layout.MoELayout, recv: torch.Tensor, dtype, cols: int) -> None:
     """`recv` (expert order) from every source's region of this rank's buffer, after the blocks have landed."""
     for s in range(h.info.world_size):
@@ -298,7 +313,7 @@ def _copy_rows(call, h: layout.MoELayout, recv: torch.Tensor, dtype, cols: int) 
                 recv[at : at + c].copy_(region[lo : lo + c])
 
 
-def _hierarchical(cc: CallContext, call, h, rows, row_of_send, w, counts, between):
+def _hierarchical(cc: CallContext, call, h, rows, row_of_send, w, counts, between, keep=True):
     """Across nodes (`overlap.ops.moe.hierarchical`): a token crosses the network once per node. Rows keyed by
     pair (the combine's backward) have nothing to share within a node: they go as ``pipelined`` sends them."""
     if row_of_send is not h.token_of:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ... import comm
 from ...kernels import slots
+from ...stages import stage
 from .. import fused
 from ..context import CallContext
 from . import bound as moe_bound
@@ -62,14 +63,18 @@ def run(h: layout.MoELayout, y: torch.Tensor, w: torch.Tensor | None, cc: CallCo
         back = STRATEGIES[kind](cc, call, h, y, w, between, **extra)
     finally:
         call.finish()  # idempotent; keeps the slot protocol whole for the peers' next calls
-    return back if weights is not None else back.index_select(0, h.inv_order)
+    if weights is not None or kind in _IN_PAIR_ORDER:
+        return back
+    with stage("receive"):
+        return back.index_select(0, h.inv_order)
 
 
 def _reference(cc: CallContext, call, h, y, w, between):
     z = grouped.grouped_mm(y, w, h) if w is not None else y
-    stage = z.index_select(0, h.expert_of_staging_row)
-    back = z.new_empty((h.num_tokens * h.top_k, z.shape[1]))
-    work = dist.all_to_all_single(back, stage, h.send_splits, h.recv_splits, group=cc.pg, async_op=True)
+    with stage("send"):
+        staged = z.index_select(0, h.expert_of_staging_row)
+        back = z.new_empty((h.num_tokens * h.top_k, z.shape[1]))
+        work = dist.all_to_all_single(back, staged, h.send_splits, h.recv_splits, group=cc.pg, async_op=True)
     cc.wait(work, "any", "all_to_all")
     if between is not None:
         between()
@@ -118,9 +123,11 @@ def _symm(cc: CallContext, call, h, y, w, between, weights=None):
                 if c:
                     lo, at = h.within_source(s, e), h.expert_offsets[e][s]
                     if w is not None:
-                        torch.mm(y[at : at + c], w[e], out=region[lo : lo + c])
+                        with stage("gemm"):
+                            torch.mm(y[at : at + c], w[e], out=region[lo : lo + c])
                     else:
-                        region[lo : lo + c].copy_(y[at : at + c])
+                        with stage("send"):
+                            region[lo : lo + c].copy_(y[at : at + c])
             call.signal_ready(s * F + 1 + g)
     if between is not None:
         between()
@@ -165,8 +172,9 @@ def _mirror_flags(call, h: layout.MoELayout) -> None:
 
 def _collect(call, h: layout.MoELayout, dtype: torch.dtype, cols: int,
              weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Wait for every rank's results for our rows (flag by flag) and copy them out, in send order.
-    With `weights` (GPUs): after the same waits, the combine kernel sums them into ``[T, cols]``."""
+    """Wait for every rank's results for our rows (flag by flag) and copy them out, each straight to its pair's
+    row (pair order: one pass over the rows, no copy in send order first). With `weights` (GPUs): after the
+    same waits, the combine kernel sums them into ``[T, cols]``."""
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
     F, G = slots.flags_per_peer(W), slots.expert_groups(L, W)
     back = None if weights is not None else torch.empty((h.num_tokens * h.top_k, cols), dtype=dtype,
@@ -179,7 +187,9 @@ def _collect(call, h: layout.MoELayout, dtype: torch.dtype, cols: int,
                 call.wait_ready(d, r * F + 1 + g, chunk=f"experts {experts.start}-{experts.stop - 1} of rank {d}")
         n = h.send_splits[d]
         if n and back is not None:
-            back[h.send_offsets[d] : h.send_offsets[d] + n].copy_(layout.region(call, h, r, d, dtype, cols)[:n])
+            with stage("receive"):
+                lo = h.send_offsets[d]
+                back.index_copy_(0, h.order[lo : lo + n], layout.region(call, h, r, d, dtype, cols)[:n])
     if weights is not None:  # the waits above are stream-ordered: the kernel reads after every flag
         return moe_cuda.combine_rows(call, h, dtype, cols, weights)
     return back
@@ -193,6 +203,9 @@ def _hierarchical(cc: CallContext, call, h, y, w, between, weights=None):
         return _pipelined(cc, call, h, y, w, between)
     return moe_hierarchical.to_sources(cc, h, y, w, between, weights)
 
+
+#: the strategies whose rows come back in pair order already (`_collect`)
+_IN_PAIR_ORDER = ("symm", "fused")
 
 STRATEGIES = {"reference": _reference, "pipelined": _pipelined, "symm": _symm, "fused": _fused,
               "hierarchical": _hierarchical}
