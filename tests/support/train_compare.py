@@ -16,6 +16,11 @@ def full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _name(name: str) -> str:
+    """A parameter's name as the uncompiled model has it (``torch.compile`` wraps a module as ``_orig_mod``)."""
+    return name.replace("_orig_mod.", "")
+
+
 def train(model, batches, lr: float):
     """SGD steps on ``(tokens, targets)`` batches: per step ``(loss, grad norm, {name: grad})``, then ``{name:
     parameter}`` (whole tensors). ``DTensor`` logits (loss parallel) go through torch's ``loss_parallel()``."""
@@ -30,11 +35,38 @@ def train(model, batches, lr: float):
         with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
             loss.backward()
-        grads = {n: full(p.grad).detach().clone() for n, p in model.named_parameters()}
+        grads = {_name(n): full(p.grad).detach().clone() for n, p in model.named_parameters()}
         norm = torch.stack([g.double().norm() for g in grads.values()]).norm()
         steps.append((full(loss).detach().double(), norm, grads))
         opt.step()
-    return steps, {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+    return steps, {_name(n): full(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def train_sharded_data(model, batches, lr: float, dp_group, dp_rank: int, dp_size: int):
+    """`train` as torchtitan's trainer runs data parallelism under FSDP2 (which sums the gradients over the data
+    ranks): each data rank takes its share of every batch's rows and divides its summed loss by the batch's tokens,
+    so the gradients are the whole batch's mean loss's; the loss reported is that mean (summed over the data ranks)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    steps = []
+    for tokens, targets in batches:
+        opt.zero_grad()
+        mine = slice(dp_rank * tokens.shape[0] // dp_size, (dp_rank + 1) * tokens.shape[0] // dp_size)
+        logits = model(tokens[mine])
+        with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets[mine].flatten(), reduction="sum")
+            loss = loss / targets.numel()
+            loss.backward()
+        grads = {_name(n): full(p.grad).detach().clone() for n, p in model.named_parameters()}
+        norm = torch.stack([g.double().norm() for g in grads.values()]).norm()
+        total = full(loss).detach().double().clone()
+        dist.all_reduce(total, group=dp_group)
+        steps.append((total, norm, grads))
+        opt.step()
+    return steps, {_name(n): full(p.detach()).clone() for n, p in model.named_parameters()}
 
 
 def close(ours, torchs, exact, what: str) -> None:
