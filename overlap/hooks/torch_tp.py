@@ -76,9 +76,10 @@ from ..ops.tp.matmul_all_reduce import matmul_all_reduce
 from ..ops.tp.matmul_reduce_scatter import matmul_reduce_scatter
 from ..plans import Plan
 from ..plans.auto import as_plan
+from .expert_parallel import ExpertParallel
 from .torchao_float8 import float8_linear_recipe, is_float8_linear
 
-__all__ = ["ColwiseParallel", "PrepareModuleInput", "RowwiseParallel", "use_overlap_styles"]
+__all__ = ["ColwiseParallel", "ExpertParallel", "PrepareModuleInput", "RowwiseParallel", "use_overlap_styles"]
 
 
 def _norm(placement: Placement, ndim: int) -> Placement:
@@ -487,19 +488,24 @@ class _PrepareFloat8ModuleInput(PrepareModuleInput):
 _SWAPS = {"ColwiseParallel": (torch_tp.ColwiseParallel, ColwiseParallel),
           "RowwiseParallel": (torch_tp.RowwiseParallel, RowwiseParallel),
           "PrepareModuleInput": (torch_tp.PrepareModuleInput, PrepareModuleInput)}
-#: torchao's float8 styles -> overlap's, by name (recognized by their class's name and module: torchao not imported).
-#: torchtitan imports them from ``torchao.float8.float8_tensor_parallel`` inside its parallelize function: swap there.
-_TORCHAO_SWAPS = {"Float8ColwiseParallel": ColwiseParallel, "Float8RowwiseParallel": RowwiseParallel,
-                  "PrepareFloat8ModuleInput": _PrepareFloat8ModuleInput}
+#: torchao's float8 styles and torchtitan's expert parallelism -> overlap's, by name (recognized by their class's name
+#: and package: neither imported). torchtitan imports torchao's from ``torchao.float8.float8_tensor_parallel`` inside
+#: its parallelize function (swap there), its ``ExpertParallel`` where its MoE models parallelize (llama4's module).
+_FOREIGN_SWAPS = {"Float8ColwiseParallel": ("torchao", ColwiseParallel),
+                  "Float8RowwiseParallel": ("torchao", RowwiseParallel),
+                  "PrepareFloat8ModuleInput": ("torchao", _PrepareFloat8ModuleInput),
+                  "ExpertParallel": ("torchtitan", ExpertParallel)}
 
 
 def _theirs(module: types.ModuleType, name: str) -> type | None:
-    """The style `module` holds under `name` where it is torch's or torchao's of that name, else None."""
+    """The style `module` holds under `name` where it is torch's, torchao's or torchtitan's of that name, else
+    None."""
     value = getattr(module, name, None)
     if name in _SWAPS:
         return value if value is _SWAPS[name][0] else None
-    torchao = isinstance(value, type) and value.__name__ == name and value.__module__.split(".")[0] == "torchao"
-    return value if torchao else None
+    package = _FOREIGN_SWAPS[name][0]
+    foreign = isinstance(value, type) and value.__name__ == name and value.__module__.split(".")[0] == package
+    return value if foreign else None
 
 
 def _with_fp8(style: type, fp8: Fp8Recipe) -> type:
@@ -525,14 +531,16 @@ def use_overlap_styles(*modules: types.ModuleType, fp8: str | Fp8Recipe | None =
     torchao's float8 styles (``Float8ColwiseParallel``, ``Float8RowwiseParallel``, ``PrepareFloat8ModuleInput``) are
     swapped the same way where a module holds them: pass ``torchao.float8.float8_tensor_parallel`` too for
     torchtitan's float8 tensor parallelism (it imports them from there when it parallelizes); overlap's styles take
-    each ``Float8Linear``'s recipe from its config (`overlap.hooks.torchao_float8`).
+    each ``Float8Linear``'s recipe from its config (`overlap.hooks.torchao_float8`). torchtitan's ``ExpertParallel``
+    is swapped for overlap's (`overlap.hooks.expert_parallel`) where a module holds it: pass
+    ``torchtitan.models.llama4.infra.parallelize`` for its MoE models (DeepSeek-V3, Llama 4, Qwen3).
 
     `fp8`: the recipe overlap's ``ColwiseParallel``/``RowwiseParallel`` default to within the block (the styles'
     ``fp8=``; default None; a torchao ``Float8Linear`` they meet must name the same). ``SequenceParallel`` stays
     torch's. Raises TypeError for an argument that is not a module, ValueError for a module that imported none of
     those styles; a bad `fp8` as the styles do."""
     recipe = recipe_among("hooks.torch_tp.use_overlap_styles", fp8, GRANULARITIES, TP_ONLY)
-    ours = {name: mine for name, (_, mine) in _SWAPS.items()} | _TORCHAO_SWAPS
+    ours = {name: mine for name, (_, mine) in (_SWAPS | _FOREIGN_SWAPS).items()}
     if recipe is not None:
         ours = {name: _with_fp8(mine, recipe) if mine in (ColwiseParallel, RowwiseParallel) else mine
                 for name, mine in ours.items()}
@@ -544,7 +552,8 @@ def use_overlap_styles(*modules: types.ModuleType, fp8: str | Fp8Recipe | None =
         found = [(module, name, theirs) for name in ours if (theirs := _theirs(module, name)) is not None]
         if not found:
             raise ValueError(f"use_overlap_styles: {module.__name__} imports none of torch's {', '.join(_SWAPS)} "
-                             f"or torchao's {', '.join(_TORCHAO_SWAPS)} under those names: nothing to swap")
+                             f"or torchao's/torchtitan's {', '.join(_FOREIGN_SWAPS)} under those names: nothing to "
+                             "swap")
         swapped += found
     try:
         for module, name, _theirs_style in swapped:

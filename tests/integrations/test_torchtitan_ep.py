@@ -1,0 +1,176 @@
+"""torchtitan's expert parallelism with overlap's ``ExpertParallel`` (`overlap.hooks.expert_parallel`) in its place.
+
+torchtitan's own MoE layer (``torchtitan.models.moe.MoE``: router, reorderer, ``GroupedExperts`` with SwiGLU experts;
+the for-loop experts, as torchtitan runs them without a grouped-GEMM GPU) is parallelized by torchtitan's own
+``apply_moe_ep_tp`` on an EP mesh twice from the same weights: as it is (torchtitan's ``ExpertParallel``: two
+all-to-alls around the experts) and inside ``use_overlap_styles`` on torchtitan's llama4 parallelize module, which
+makes that function build overlap's style. Each rank feeds its own tokens (a different count per rank), then
+backward with a random output gradient: outputs, the tokens' and the router's gradients and every expert weight's
+gradient (whole) within ``1e-5`` of torchtitan's, at EP 2 and 4, on every MoE strategy; the experts' parameters are
+``Shard(0)`` DTensors as torchtitan's are. Needs the ``torchtitan`` extra; skipped without it. CPU ranks only:
+``torch.histc`` refuses int64 expert ids on CPU, which torchtitan's router passes it, so the tasks count them with
+``bincount`` for the duration (torchtitan's own run needs it as much as overlap's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+
+import pytest
+import torch
+
+import overlap  # noqa: F401  (before any DTensor op: see test_torch_tp.py)
+
+if importlib.util.find_spec("torchtitan") is None:
+    pytest.skip("torchtitan is not installed: pip install -e '.[torchtitan]'", allow_module_level=True)
+
+DIM, FFN = 32, 48
+
+
+@contextlib.contextmanager
+def _histc_of_ids():
+    """``torch.histc`` of integer ids as ``bincount`` (CPU's histc takes floating tensors only), restored after."""
+    histc = torch.histc
+
+    def counting(t, bins=100, min=0, max=0):  # noqa: A002 (torch's names)
+        if t.is_floating_point():
+            return histc(t, bins=bins, min=min, max=max)
+        return torch.bincount(t, minlength=bins)  # in the ids' dtype, as CUDA's histc of integers
+
+    torch.histc = counting
+    try:
+        yield
+    finally:
+        torch.histc = histc
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, moe):
+        super().__init__()
+        self.moe, self.moe_enabled = moe, True
+
+
+class _Model(torch.nn.Module):
+    """What ``apply_moe_ep_tp`` walks: ``layers`` of blocks with an ``moe``."""
+
+    def __init__(self, moe):
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({"0": _Block(moe)})
+
+
+def ep_task(rank, world_size, seed, strategy, score_before):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchtitan.models.llama4.infra import parallelize as titan_parallelize
+    from torchtitan.models.moe.moe import MoE, MoEArgs
+
+    from overlap.hooks.expert_parallel import ExpertParallel
+    from overlap.hooks.torch_tp import use_overlap_styles
+
+    E = 2 * world_size
+    args = MoEArgs(num_experts=E, num_shared_experts=1, top_k=2, use_grouped_mm=False, score_func="softmax",
+                   score_before_experts=score_before, load_balance_coeff=None)
+    torch.manual_seed(seed)
+    moe = MoE(args, dim=DIM, hidden_dim=FFN)
+    with torch.no_grad():  # (as torchtitan initializes: under no_grad)
+        moe.init_weights(0.1, torch.device("cpu"))
+    mesh = DeviceMesh("cpu", list(range(world_size)), mesh_dim_names=("ep",))
+
+    def parallelized(ours: bool) -> MoE:
+        """torchtitan's ``apply_moe_ep_tp`` on a copy, building torchtitan's style, or overlap's where `ours`
+        (through ``use_overlap_styles`` for ``auto``; else overlap's style with the strategy, as a user passes it)."""
+        model = _Model(copy.deepcopy(moe))
+        if ours and strategy != "auto":
+            parallelize_module(model.layers["0"].moe.experts, mesh, ExpertParallel(strategy=strategy))
+            return model.layers["0"].moe
+        with use_overlap_styles(titan_parallelize) if ours else contextlib.nullcontext():
+            titan_parallelize.apply_moe_ep_tp(model, None, mesh, None, None)
+        return model.layers["0"].moe
+
+    theirs, ours = parallelized(False), parallelized(True)
+    assert "forward" in vars(ours.experts) and "forward" not in vars(theirs.experts)  # overlap's layer, torchtitan's
+    for layer in (theirs, ours):
+        for name in ("w1", "w2", "w3"):
+            w = getattr(layer.experts, name)
+            assert isinstance(w, DTensor) and w.placements == (Shard(0),), (name, w)
+    gen = torch.Generator().manual_seed(seed * 100 + rank)
+    tokens = 1 + rank % 3  # a different batch per rank
+    x = torch.randn(tokens, 8, DIM, generator=gen)
+    grad = torch.randn(tokens, 8, DIM, generator=gen)
+
+    def run(layer):
+        xi = x.clone().requires_grad_(True)
+        with _histc_of_ids():
+            out = layer(xi)
+            out.backward(grad)
+        grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                 for n, p in layer.named_parameters()}
+        return out.detach(), xi.grad, grads
+
+    out_t, gx_t, grads_t = run(theirs)
+    before = calls()
+    out_o, gx_o, grads_o = run(ours)
+    ran = {op: n - before[op] for op, n in calls().items()}
+    ctx = f"rank {rank}/{world_size} {strategy}"
+    torch.testing.assert_close(out_o, out_t, rtol=1e-5, atol=1e-5, msg=lambda m: f"{ctx} out: {m}")
+    torch.testing.assert_close(gx_o, gx_t, rtol=1e-5, atol=1e-5, msg=lambda m: f"{ctx} grad x: {m}")
+    assert grads_o.keys() == grads_t.keys()
+    for name, g in grads_o.items():
+        torch.testing.assert_close(g, grads_t[name], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{ctx} {n}: {m}")
+    return ran
+
+
+def calls():
+    from overlap.ops import library
+
+    return {op: library.CALLS[op] for op in ("moe_dispatch", "moe_combine")}
+
+
+@pytest.mark.parametrize("score_before", [True, False], ids=["scores before", "scores after"])
+@pytest.mark.parametrize("strategy", ["auto", "reference", "pipelined", "symm", "fused"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_torchtitans_moe_trains_with_overlaps_expert_parallel_as_with_its_own(pools, seed, world_size, strategy,
+                                                                              score_before):
+    if world_size == 4 and strategy == "fused":
+        pytest.skip("fused is interpreted on CPU ranks: EP 2 covers it")
+    for rank, ran in enumerate(pools(world_size).run(ep_task, seed, strategy, score_before, timeout=600)):
+        assert ran == {"moe_dispatch": 1, "moe_combine": 1}, (rank, ran)  # one layer, one forward
+
+
+def refusals_task(rank, world_size):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchtitan.models.moe.moe import GroupedExperts
+
+    from overlap.hooks.expert_parallel import ExpertParallel
+
+    mesh = DeviceMesh("cpu", list(range(world_size)))
+    said = []
+    lacking = torch.nn.Module()
+    lacking.w1 = torch.nn.Parameter(torch.zeros(2, FFN, DIM))
+    cases = [(lacking, mesh), (GroupedExperts(DIM, FFN, 3, False), mesh)]
+    twice = parallelize_module(GroupedExperts(DIM, FFN, 2, False), mesh, ExpertParallel())
+    cases.append((twice, mesh))
+    for module, on in cases:
+        with pytest.raises(ValueError) as err:
+            parallelize_module(module, on, ExpertParallel())
+        said.append(str(err.value))
+    with pytest.raises(ValueError) as err:  # the rows per expert do not sum to the rows: raised before any transfer
+        twice(torch.zeros(5, DIM), torch.tensor([2, 2]))
+    said.append(str(err.value))
+    return said
+
+
+def test_expert_parallel_refuses_what_it_cannot_take_on_every_rank(pools):
+    from overlap.hooks.expert_parallel import ExpertParallel
+
+    with pytest.raises(ValueError, match="strategy"):
+        ExpertParallel(strategy="bogus")
+    for said in pools(2).run(refusals_task, timeout=120):
+        assert "lacks w2, w3" in said[0], said
+        assert "3 experts do not divide over 2 ranks" in said[1], said
+        assert "DTensor already" in said[2], said
+        assert "must be [4, dim]" in said[3] and "got (5, 32)" in said[3], said
