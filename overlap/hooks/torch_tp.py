@@ -31,7 +31,8 @@ has (redistributed as torch's style would where that is neither a sequence shard
 input other than ``Shard(-1)`` is redistributed to it. Where nothing is left to fuse, the style is torch's own
 (its ``_apply``): an ``nn.Embedding`` (torchtitan's ``tok_embeddings``), a mesh of more than one dim, features
 that do not divide by the mesh size (torch shards them unevenly), a row-wise output that is neither
-``Replicate()`` nor a sequence shard.
+``Replicate()`` nor a sequence shard. An ``nn.Linear`` left so is named in a warning with the reason, once per
+shape: fused TP is never silently not applied.
 
 fp8 (``fp8="rowwise" | "tensorwise" | "mxfp8"`` or an `overlap.Fp8Recipe`, checked when the style is made; docs/fp8.md):
 every path above trains the layer with the recipe: the fused ones pass it to the op (a gather moves fp8 rows), the
@@ -129,8 +130,18 @@ class _Fused:
 
     def _fuses(self, module: nn.Module, device_mesh: DeviceMesh) -> bool:
         """Whether `module` runs through the fused ops (else torch's style applies, unchanged)."""
-        return (isinstance(module, nn.Linear) and own_forward(module) is None and device_mesh.ndim == 1
-                and getattr(module, self._sharded_features) % device_mesh.size() == 0 and self._layouts_fuse())
+        return isinstance(module, nn.Linear) and own_forward(module) is None and not self._unfused(module, device_mesh)
+
+    def _unfused(self, module: nn.Linear, device_mesh: DeviceMesh) -> str:
+        """Why a plain `module` has no fused form on `device_mesh` ('' where it has one)."""
+        features = getattr(module, self._sharded_features)
+        if device_mesh.ndim != 1:
+            return f"a {device_mesh.ndim}-d mesh (overlap's ops take one dim)"
+        if features % device_mesh.size():
+            return f"{self._sharded_features}={features} do not divide over {device_mesh.size()} ranks"
+        if not self._layouts_fuse():
+            return f"its layouts ({self!r}) have no fused form"
+        return ""
 
     def _layouts_fuse(self) -> bool:
         return True
@@ -154,6 +165,11 @@ class _Fused:
                 warn_once(f"overlap's {name}(fp8={self.fp8.text!r}): {module} on a {device_mesh.ndim}-d mesh of "
                           f"{device_mesh.size()} runs torch's own style (nothing to fuse): it is not trained in fp8",
                           key=f"torch_tp.unfused_fp8:{name}:{type(module).__name__}")
+            elif isinstance(module, nn.Linear) and own_forward(module) is None:
+                # (an embedding has nothing to fuse; a layer's own forward was named above)
+                warn_once(f"overlap's {name}: {module} runs torch's own style, unfused: "
+                          f"{self._unfused(module, device_mesh)}",
+                          key=f"torch_tp.unfused:{name}:{module.in_features}x{module.out_features}")
             return super()._apply(module, device_mesh)  # torch's style: nothing of overlap to run here
         recipe = self._recipe(module, device_mesh)
         module._overlap_style = self  # (found by a PrepareModuleInput above it: `PrepareModuleInput`)

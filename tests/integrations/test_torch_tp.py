@@ -186,6 +186,8 @@ def test_block_matches_torch_styles_and_unsharded(pools, seed, world_size, layou
 
 
 def api_task(rank, world_size, seed):
+    import warnings
+
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel as TorchCol
     from torch.distributed.tensor.parallel import RowwiseParallel as TorchRow
@@ -257,8 +259,12 @@ def api_task(rank, world_size, seed):
     parallelize_module(nn.Embedding(4, 8), mesh, out["embedding"])
     out["embedding"] = out["embedding"].fused
     uneven = ColwiseParallel()
-    parallelize_module(nn.Linear(8, 2 * world_size + 1), mesh, uneven)
+    with warnings.catch_warnings(record=True) as caught:  # a plain layer left unfused is named, never silently
+        warnings.simplefilter("always")
+        parallelize_module(nn.Linear(8, 2 * world_size + 1), mesh, uneven)
+        parallelize_module(nn.Embedding(4, 8), mesh, ColwiseParallel())  # (an embedding: nothing of overlap's)
     out["uneven"] = uneven.fused
+    out["unfused_said"] = [str(w.message) for w in caught if "unfused" in str(w.message)]
 
     # The pool's group is still usable after all of that.
     y = ours(torch.randn(2, 3, 8))
@@ -279,6 +285,8 @@ def test_api_and_bad_input(pools, seed):
         # a replicated DTensor input: nothing gathered, the row-wise layer scatters the whole sequence, as torch's
         assert res["dtensor_other_placement"] == (2, 3, 8), (ctx, res["dtensor_other_placement"])
         assert res["embedding"] is False and res["uneven"] is False, (ctx, res)
+        said = res["unfused_said"]
+        assert len(said) == 1 and "ColwiseParallel" in said[0] and "out_features=5 do not divide over 2" in said[0]
         assert res["then_ok"] == (2, 3, 8), (ctx, res["then_ok"])
 
 
