@@ -19,7 +19,7 @@ import types
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .. import envs
@@ -51,24 +51,54 @@ class ExpertParallel(ParallelStyle):
         self.strategy, self.plan, self.timeout = strategy, plan, timeout
 
     def __repr__(self) -> str:
-        return f"ExpertParallel(strategy={self.strategy!r}, plan={self.plan!r}, timeout={self.timeout!r})"
+        return f"{type(self).__name__}(strategy={self.strategy!r}, plan={self.plan!r}, timeout={self.timeout!r})"
 
     def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
         if device_mesh.ndim != 1:
             raise ValueError(f"overlap's ExpertParallel takes a 1-D mesh (the experts' ranks), got {device_mesh.ndim} "
-                             "dims: expert x tensor parallelism (torchtitan's ExpertTensorParallel) is not overlap's")
+                             "dims: for experts also sharded by tensor parallelism use ExpertTensorParallel")
+        return self._shard(module, device_mesh, device_mesh, None)
+
+    def _shard(self, module: torch.nn.Module, mesh: DeviceMesh, ep_mesh: DeviceMesh,
+               etp_mesh: DeviceMesh | None) -> torch.nn.Module:
+        """Shard the experts over `ep_mesh` (and their ffn columns over `etp_mesh`; `mesh` is the one of both) and
+        set the layer's forward."""
         num_experts, hidden, ffn = _experts_shape(module)
-        W = device_mesh.size()
+        W, T = ep_mesh.size(), 1 if etp_mesh is None else etp_mesh.size()
         if num_experts % W:
-            raise ValueError(f"overlap's ExpertParallel: {num_experts} experts do not divide over {W} ranks")
+            raise ValueError(f"overlap's {type(self).__name__}: {num_experts} experts do not divide over {W} ranks")
+        if ffn % T:
+            raise ValueError(f"overlap's {type(self).__name__}: the experts' {ffn} ffn columns do not divide over "
+                             f"{T} tensor-parallel ranks")
+        if any(isinstance(getattr(module, name), DTensor) for name in WEIGHTS):
+            raise ValueError(f"overlap's {type(self).__name__}: {type(module).__name__}'s weights are DTensors "
+                             "already (parallelize a module once)")
         for name in WEIGHTS:
             param = getattr(module, name)
-            if isinstance(param, DTensor):
-                raise ValueError(f"overlap's ExpertParallel: {type(module).__name__}.{name} is a DTensor already "
-                                 "(parallelize a module once)")
-            module.register_parameter(name, torch.nn.Parameter(distribute_tensor(param, device_mesh, [Shard(0)])))
-        module.forward = types.MethodType(_layer(self, device_mesh.get_group(), num_experts, ffn), module)
+            placements = [Shard(0)]
+            if etp_mesh is not None:  # w1, w3 [E, ffn, dim] column-wise, w2 [E, dim, ffn] row-wise
+                placements.append(Shard(2 if name == "w2" else 1))
+            module.register_parameter(name, torch.nn.Parameter(distribute_tensor(param, mesh, placements)))
+        forward = _layer(self, ep_mesh.get_group(), num_experts, ffn // T, etp_mesh)
+        module.forward = types.MethodType(forward, module)
         return module
+
+
+class ExpertTensorParallel(ExpertParallel):
+    """`ExpertParallel` over a 2-D mesh ``[ep, etp]`` (torchtitan's ``ExpertTensorParallel``): the experts over
+    ``ep``, each expert's ffn columns over ``etp`` (``w1``, ``w3`` ``Shard(1)``, ``w2`` ``Shard(2)``). The routed
+    rows are the same on the ``etp`` ranks (their gradient summed over them); each ``etp`` rank dispatches them
+    over ``ep`` to its column shard of the experts and returns its partial sum of the output, which the caller
+    reduces over ``etp`` (torchtitan's MoE plan: a ``Partial`` output). The mesh's dims are named ``ep`` and ``etp``."""
+
+    def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+        if device_mesh.ndim != 2:
+            raise ValueError(f"overlap's ExpertTensorParallel takes a 2-D mesh [ep, etp], got {device_mesh.ndim} dims")
+        names = device_mesh.mesh_dim_names or ()
+        if set(names) != {"ep", "etp"}:
+            raise ValueError(f"overlap's ExpertTensorParallel takes a mesh with dims named 'ep' and 'etp' "
+                             f"(torchtitan's names), got {names or 'unnamed dims'}")
+        return self._shard(module, device_mesh, device_mesh["ep"], device_mesh["etp"])
 
 
 def _experts_shape(module: torch.nn.Module) -> tuple[int, int, int]:
@@ -84,19 +114,22 @@ def _experts_shape(module: torch.nn.Module) -> tuple[int, int, int]:
     return w1.shape[0], w1.shape[2], w1.shape[1]
 
 
-def _layer(style: ExpertParallel, group, num_experts: int, ffn: int):
-    """The experts' forward under `style`: ``(module, x, num_tokens_per_expert) -> out``."""
+def _layer(style: ExpertParallel, group, num_experts: int, ffn: int, etp_mesh: DeviceMesh | None):
+    """The experts' forward under `style`: ``(module, x, num_tokens_per_expert) -> out`` (with `etp_mesh`, this
+    rank's partial sum over the experts' ffn columns it holds)."""
     ops = dict(strategy=style.strategy, plan=style.plan, timeout=style.timeout)
 
     def forward(module: torch.nn.Module, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         counts = num_tokens_per_expert.detach().to(torch.int64)
         if counts.shape != (num_experts,):
-            raise ValueError(f"overlap's ExpertParallel: num_tokens_per_expert must be [{num_experts}], got "
+            raise ValueError(f"overlap's {type(style).__name__}: num_tokens_per_expert must be [{num_experts}], got "
                              f"{tuple(num_tokens_per_expert.shape)}")
         total = int(counts.sum())
         if x.dim() != 2 or x.shape[0] != total:
-            raise ValueError(f"overlap's ExpertParallel: the routed input must be [{total}, dim] (the rows per "
-                             f"expert sum to {total}), got {tuple(x.shape)}")
+            raise ValueError(f"overlap's {type(style).__name__}: the routed input must be [{total}, dim] (the rows "
+                             f"per expert sum to {total}), got {tuple(x.shape)}")
+        if etp_mesh is not None:  # the same rows on every etp rank: their gradients summed over them in backward
+            x = DTensor.from_local(x, etp_mesh, (Replicate(),)).to_local(grad_placements=(Partial(),))
         experts = torch.arange(num_experts, device=x.device)
         idx = torch.repeat_interleave(experts, counts.to(x.device)).unsqueeze(1)  # each row its own token, top-1
         w1, w2, w3 = (getattr(module, n).to_local() for n in WEIGHTS)

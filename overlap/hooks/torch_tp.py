@@ -77,10 +77,11 @@ from ..ops.tp.matmul_all_reduce import matmul_all_reduce
 from ..ops.tp.matmul_reduce_scatter import matmul_reduce_scatter
 from ..plans import Plan
 from ..plans.auto import as_plan
-from .expert_parallel import ExpertParallel
+from .expert_parallel import ExpertParallel, ExpertTensorParallel
 from .torchao_float8 import float8_linear_recipe, is_float8_linear
 
-__all__ = ["ColwiseParallel", "ExpertParallel", "PrepareModuleInput", "RowwiseParallel", "use_overlap_styles"]
+__all__ = ["ColwiseParallel", "ExpertParallel", "ExpertTensorParallel", "PrepareModuleInput", "RowwiseParallel",
+           "use_overlap_styles"]
 
 
 def _norm(placement: Placement, ndim: int) -> Placement:
@@ -510,7 +511,8 @@ _SWAPS = {"ColwiseParallel": (torch_tp.ColwiseParallel, ColwiseParallel),
 _FOREIGN_SWAPS = {"Float8ColwiseParallel": ("torchao", ColwiseParallel),
                   "Float8RowwiseParallel": ("torchao", RowwiseParallel),
                   "PrepareFloat8ModuleInput": ("torchao", _PrepareFloat8ModuleInput),
-                  "ExpertParallel": ("torchtitan", ExpertParallel)}
+                  "ExpertParallel": ("torchtitan", ExpertParallel),
+                  "ExpertTensorParallel": ("torchtitan", ExpertTensorParallel)}
 
 
 def _theirs(module: types.ModuleType, name: str) -> type | None:
@@ -548,8 +550,8 @@ def use_overlap_styles(*modules: types.ModuleType, fp8: str | Fp8Recipe | None =
     swapped the same way where a module holds them: pass ``torchao.float8.float8_tensor_parallel`` too for
     torchtitan's float8 tensor parallelism (it imports them from there when it parallelizes); overlap's styles take
     each ``Float8Linear``'s recipe from its config (`overlap.hooks.torchao_float8`). torchtitan's ``ExpertParallel``
-    is swapped for overlap's (`overlap.hooks.expert_parallel`) where a module holds it: pass
-    ``torchtitan.models.llama4.infra.parallelize`` for its MoE models (DeepSeek-V3, Llama 4, Qwen3).
+    and ``ExpertTensorParallel`` are swapped for overlap's (`overlap.hooks.expert_parallel`) where a module holds
+    them: pass ``torchtitan.models.llama4.infra.parallelize`` for its MoE models (DeepSeek-V3, Llama 4, Qwen3).
 
     `fp8`: the recipe overlap's ``ColwiseParallel``/``RowwiseParallel`` default to within the block (the styles'
     ``fp8=``; default None; a torchao ``Float8Linear`` they meet must name the same). ``SequenceParallel`` stays

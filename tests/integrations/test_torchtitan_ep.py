@@ -7,15 +7,17 @@ all-to-alls around the experts) and inside ``use_overlap_styles`` on torchtitan'
 makes that function build overlap's style. Each rank feeds its own tokens (a different count per rank), then
 backward with a random output gradient: outputs, the tokens' and the router's gradients and every expert weight's
 gradient (whole) within ``1e-5`` of torchtitan's, at EP 2 and 4, on every MoE strategy; the experts' parameters are
-``Shard(0)`` DTensors as torchtitan's are. Needs the ``torchtitan`` extra; skipped without it. CPU ranks only:
-``torch.histc`` refuses int64 expert ids on CPU, which torchtitan's router passes it, so the tasks count them with
-``bincount`` for the duration (torchtitan's own run needs it as much as overlap's).
+``Shard(0)`` DTensors as torchtitan's are. Then EP x TP (``ExpertTensorParallel``) on a 2 x 2 ``[ep, etp]`` mesh
+inside torchtitan's TP plan for the layer (`etp_task`). Needs the ``torchtitan`` extra; skipped without it. CPU
+ranks only: ``torch.histc`` refuses int64 expert ids on CPU, which torchtitan's router passes it, so the tasks count
+them with ``bincount`` for the duration (torchtitan's own run needs it as much as overlap's).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib.util
 
 import pytest
@@ -172,5 +174,75 @@ def test_expert_parallel_refuses_what_it_cannot_take_on_every_rank(pools):
     for said in pools(2).run(refusals_task, timeout=120):
         assert "lacks w2, w3" in said[0], said
         assert "3 experts do not divide over 2 ranks" in said[1], said
-        assert "DTensor already" in said[2], said
+        assert "DTensors already" in said[2], said
         assert "must be [4, dim]" in said[3] and "got (5, 32)" in said[3], said
+
+
+def etp_task(rank, world_size, seed, strategy):
+    """EP x TP on a 2 x 2 mesh [ep, etp], through torchtitan's ``apply_moe_ep_tp`` with its TP mesh the ``etp`` one (its
+    MoE plan: each rank's sequence shard gathered over TP, the experts' output a ``Partial`` reduce-scattered back):
+    torchtitan's ``ExpertTensorParallel`` against overlap's (swapped in by ``use_overlap_styles``, which also puts
+    overlap's TP styles on the shared expert; or made by hand with `strategy`)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torchtitan.models.llama4.infra import parallelize as titan_parallelize
+    from torchtitan.models.moe.moe import MoE, MoEArgs
+
+    from overlap.hooks.expert_parallel import ExpertTensorParallel
+    from overlap.hooks.torch_tp import use_overlap_styles
+
+    E = 4
+    args = MoEArgs(num_experts=E, num_shared_experts=1, top_k=2, use_grouped_mm=False, score_func="softmax",
+                   load_balance_coeff=None)
+    torch.manual_seed(seed)
+    moe = MoE(args, dim=DIM, hidden_dim=FFN)
+    with torch.no_grad():
+        moe.init_weights(0.1, torch.device("cpu"))
+    mesh = DeviceMesh("cpu", torch.arange(world_size).view(2, world_size // 2), mesh_dim_names=("ep", "etp"))
+    tp, ep = mesh["etp"], mesh["ep"]
+
+    def parallelized(ours: bool) -> MoE:
+        model = _Model(copy.deepcopy(moe))
+        with use_overlap_styles(titan_parallelize) if ours else contextlib.nullcontext():
+            if ours and strategy != "auto":  # overlap's style with a strategy (the name restored on exit)
+                titan_parallelize.ExpertTensorParallel = functools.partial(ExpertTensorParallel, strategy=strategy)
+            titan_parallelize.apply_moe_ep_tp(model, tp, ep, tp, mesh)
+        return model.layers["0"].moe
+
+    theirs, ours = parallelized(False), parallelized(True)
+    assert "forward" in vars(ours.experts) and "forward" not in vars(theirs.experts)
+    for layer in (theirs, ours):
+        for name in ("w1", "w2", "w3"):
+            w = getattr(layer.experts, name)
+            assert isinstance(w, DTensor) and w.placements == (Shard(0), Shard(2 if name == "w2" else 1)), (name, w)
+    gen = torch.Generator().manual_seed(seed * 100 + rank // tp.size())  # a batch per ep rank, its sequence split
+    x = torch.randn(2, 8, DIM, generator=gen).chunk(tp.size(), dim=1)[tp.get_local_rank()].contiguous()
+    grad = torch.randn(2, 8, DIM, generator=gen).chunk(tp.size(), dim=1)[tp.get_local_rank()].contiguous()
+
+    def run(layer):
+        xi = x.clone().requires_grad_(True)
+        with _histc_of_ids():
+            out = layer(xi)
+            out = out.to_local() if isinstance(out, DTensor) else out
+            out.backward(grad)
+        grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                 for n, p in layer.named_parameters()}
+        return out.detach(), xi.grad, grads
+
+    out_t, gx_t, grads_t = run(theirs)
+    before = calls()
+    out_o, gx_o, grads_o = run(ours)
+    ran = {op: n - before[op] for op, n in calls().items()}
+    ctx = f"rank {rank}/{world_size} ep x etp {strategy}"
+    torch.testing.assert_close(out_o, out_t, rtol=1e-5, atol=1e-5, msg=lambda m: f"{ctx} out: {m}")
+    torch.testing.assert_close(gx_o, gx_t, rtol=1e-5, atol=1e-5, msg=lambda m: f"{ctx} grad x: {m}")
+    assert grads_o.keys() == grads_t.keys()
+    for name, g in grads_o.items():
+        torch.testing.assert_close(g, grads_t[name], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{ctx} {n}: {m}")
+    return ran
+
+
+@pytest.mark.parametrize("strategy", ["auto", "pipelined"])
+def test_expert_tensor_parallel_trains_as_torchtitans(pools, seed, strategy):
+    for rank, ran in enumerate(pools(4).run(etp_task, seed, strategy, timeout=600)):
+        assert ran == {"moe_dispatch": 1, "moe_combine": 1}, (rank, ran)
