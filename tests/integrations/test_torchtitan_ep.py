@@ -8,9 +8,11 @@ makes that function build overlap's style. Each rank feeds its own tokens (a dif
 backward with a random output gradient: outputs, the tokens' and the router's gradients and every expert weight's
 gradient (whole) within ``1e-5`` of torchtitan's, at EP 2 and 4, on every MoE strategy; the experts' parameters are
 ``Shard(0)`` DTensors as torchtitan's are. Then EP x TP (``ExpertTensorParallel``) on a 2 x 2 ``[ep, etp]`` mesh
-inside torchtitan's TP plan for the layer (`etp_task`). Needs the ``torchtitan`` extra; skipped without it. CPU
-ranks only: ``torch.histc`` refuses int64 expert ids on CPU, which torchtitan's router passes it, so the tasks count
-them with ``bincount`` for the duration (torchtitan's own run needs it as much as overlap's).
+inside torchtitan's TP plan for the layer (`etp_task`); and torchtitan's DeepSeek-V3 (small) parallelized by its
+own ``parallelize_deepseekv3`` with FSDP2 and EP 2 and 4, trained against its own EP and float64 (`deepseek_task`).
+Needs the ``torchtitan`` extra; skipped without it. CPU ranks only: ``torch.histc`` refuses int64 expert ids on CPU,
+which torchtitan's router passes it, so the tasks count them with ``bincount`` for the duration (torchtitan's own run
+needs it as much as overlap's).
 """
 
 from __future__ import annotations
@@ -246,3 +248,72 @@ def etp_task(rank, world_size, seed, strategy):
 def test_expert_tensor_parallel_trains_as_torchtitans(pools, seed, strategy):
     for rank, ran in enumerate(pools(4).run(etp_task, seed, strategy, timeout=600)):
         assert ran == {"moe_dispatch": 1, "moe_combine": 1}, (rank, ran)
+
+
+def deepseek_task(rank, world_size, seed):
+    """torchtitan's DeepSeek-V3 (its debug shape, smaller) parallelized by its own ``parallelize_deepseekv3`` with
+    EP over both ranks (borrowed from FSDP's data ranks, as torchtitan arranges it), trained 2 SGD steps, each data
+    rank on its half of the batch: torchtitan's ``ExpertParallel`` against overlap's (``use_overlap_styles`` on the
+    llama4 module its parallelize calls into) and the unsharded model in float64. FSDP2 reduces with a plain sum on
+    gloo (tests/integrations/test_torchtitan.py says why)."""
+    import torchtitan.distributed.parallel_dims as titan_dims
+    import torchtitan.tools.utils as titan_utils
+
+    titan_utils.device_type = titan_dims.device_type = "cpu"
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import JobConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.deepseek_v3.infra.parallelize import parallelize_deepseekv3
+    from torchtitan.models.deepseek_v3.model.args import DeepSeekV3ModelArgs
+    from torchtitan.models.deepseek_v3.model.model import DeepSeekV3Model
+    from torchtitan.models.llama4.infra import parallelize as titan_parallelize
+    from torchtitan.models.moe.moe import MoEArgs
+
+    from overlap.hooks.torch_tp import use_overlap_styles
+    from tests.support.train_compare import compare, train, train_sharded_data
+
+    seq, vocab, steps = 16, 256, 2
+    args = DeepSeekV3ModelArgs(vocab_size=vocab, dim=64, inter_dim=128, moe_inter_dim=32, n_layers=2, n_dense_layers=1,
+                               n_heads=4, max_seq_len=seq, q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=16,
+                               qk_rope_head_dim=8, v_head_dim=16,
+                               moe_args=MoEArgs(num_experts=2 * world_size, num_shared_experts=1, top_k=2,
+                                                score_func="softmax", use_grouped_mm=False, load_balance_coeff=None))
+    job = JobConfig()
+    job.training.seq_len = seq
+    job.training.mixed_precision_param = "float32"
+    job.parallelism.data_parallel_shard_degree = world_size
+    job.parallelism.expert_parallel_degree = world_size
+    job.activation_checkpoint.mode = "none"
+    args.update_from_config(job)  # (as torchtitan's trainer does)
+    torch.manual_seed(seed)
+    model = DeepSeekV3Model(args)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    dims = ParallelDims(dp_replicate=1, dp_shard=world_size, cp=1, tp=1, pp=1, ep=world_size, etp=1,
+                        world_size=world_size)
+    dims.build_mesh()
+    gen = torch.Generator().manual_seed(seed + 1)
+    batches = [(torch.randint(0, vocab, (2 * world_size, seq), generator=gen),
+                torch.randint(0, vocab, (2 * world_size, seq), generator=gen)) for _ in range(steps)]
+    with _histc_of_ids():
+        exact = train(copy.deepcopy(model).double(), batches, 0.05)
+        runs, ran = [], None
+        for ours in (False, True):
+            with use_overlap_styles(titan_parallelize) if ours else contextlib.nullcontext():
+                parallel = parallelize_deepseekv3(copy.deepcopy(model), dims, job)
+            for module in parallel.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_force_sum_reduction_for_comms(True)
+            mesh = dims.get_mesh("fsdp")
+            before = calls()
+            runs.append(train_sharded_data(parallel, batches, 0.05, mesh.get_group(), mesh.get_local_rank(),
+                                           mesh.size()))
+            ran = {op: n - before[op] for op, n in calls().items()}
+    compare(runs[1], runs[0], exact, f"rank {rank}/{world_size} DeepSeek-V3 EP")
+    return ran
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_deepseek_v3_trains_with_overlaps_expert_parallel_as_with_torchtitans(pools, seed, world_size):
+    for rank, ran in enumerate(pools(world_size).run(deepseek_task, seed, timeout=600)):
+        assert ran == {"moe_dispatch": 2, "moe_combine": 2}, (rank, ran)  # one MoE layer, 2 steps
