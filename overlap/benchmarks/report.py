@@ -310,12 +310,12 @@ def profile_lines(rows: list[dict[str, Any]], width: int = Table.WIDTH) -> list[
     lines = [f"{Table.INDENT}host time per stage, ms per call (mean over ranks; 'outside': the call's time outside "
              "overlap's stages)"]
     w = max(len(r.get("label", r["strategy"])) for r in shown)
+    rank = {name: i for i, name in enumerate(STAGE_ORDER)}
     for r in shown:
         prof = dict(r["profile_ms"])
         total, outside = prof.pop("total"), prof.pop("outside", 0.0)
         helper = {k.removesuffix(stages.HELPER): v for k, v in prof.items() if k.endswith(stages.HELPER)}
         own = {k: v for k, v in prof.items() if not k.endswith(stages.HELPER)}
-        rank = {name: i for i, name in enumerate(STAGE_ORDER)}
         parts = [f"{k} {v:.3f}" for k, v in sorted(own.items(), key=lambda kv: rank.get(kv[0], len(rank)))]
         text = f"{r.get('label', r['strategy']):<{w}}  {total:.3f} = " + " + ".join([*parts, f"outside {outside:.3f}"])
         if helper:
