@@ -1,7 +1,8 @@
 """overlap: communication/compute overlap for tensor- and expert-parallel training.
 
 Public API (docs/api.md, docs/conventions.md): `all_gather_matmul`, `matmul_reduce_scatter`, `matmul_all_reduce`,
-`all_gather_weight_matmul` (the weight-side gather of FSDP), `Plan`,
+`all_gather_weight_matmul` (the weight-side gather of FSDP), `matmul_all_to_all` and `all_to_all_matmul` (sequence-
+parallel attention's projections), `Plan`,
 `PlanFile`, `STRATEGIES`, `reserve`, `release`, `OverlapError`, `OverlapTimeout`, `OverlapMismatchError`;
 `overlap.moe` (`dispatch`, `combine`, `dispatch_grouped_matmul`, `grouped_matmul_combine`) for expert
 parallelism; `overlap.nn` (drop-in modules) and `overlap.hooks` (Megatron-core, torch TP). No init call:
@@ -44,6 +45,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "matmul_reduce_scatter": (".ops.tp.matmul_reduce_scatter", "matmul_reduce_scatter"),
     "matmul_all_reduce": (".ops.tp.matmul_all_reduce", "matmul_all_reduce"),
     "all_gather_weight_matmul": (".ops.tp.all_gather_weight_matmul", "all_gather_weight_matmul"),
+    "matmul_all_to_all": (".ops.sp.matmul_all_to_all", "matmul_all_to_all"),
+    "all_to_all_matmul": (".ops.sp.all_to_all_matmul", "all_to_all_matmul"),
     "moe": (".moe", None),
     "nn": (".nn", None),
     "hooks": (".hooks", None),

@@ -79,6 +79,14 @@ def all_reduce_async(out: torch.Tensor, pg):
     return dist.all_reduce(out, group=pg, async_op=True)
 
 
+def all_to_all_async(out: torch.Tensor, inp: torch.Tensor, pg):
+    """``all_to_all_single`` with equal splits: block ``d`` of `inp` (dim 0 cut in world-size blocks) to rank ``d``,
+    block ``s`` of `out` from rank ``s``. On CPU (gloo) bounded as `reduce_scatter_async`'s work is (`PolledWork`)."""
+    _note(pg, all_to_all_async, out, inp)
+    work = dist.all_to_all_single(out, inp, group=pg, async_op=True)
+    return work if out.is_cuda else PolledWork(work)
+
+
 def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, pg):
     """``reduce_scatter_tensor`` (sum) under the name of the installed torch.
 

@@ -175,8 +175,8 @@ def heuristic_plan(op: str, world_size: int, single_node: bool, device_type: str
         plan = Plan("fused")
     else:
         plan = Plan("symm")
-    if op in OPS and plan.strategy not in OPS[op].strategies:  # an op without fused (OpSpec.strategies)
-        plan = Plan("symm")
+    if op in OPS and plan.strategy not in OPS[op].strategies:  # an op without fused or symm: the next it has
+        plan = Plan(next(s for s in ("symm", "pipelined", "reference") if s in OPS[op].strategies))
     if _takes_one_shot(op) and plan.strategy != "reference":
         one_shot = out_bytes <= ONE_SHOT_MAX_BYTES or (rows or 0) < 2 * world_size
         plan = dataclasses.replace(plan, one_shot=one_shot)

@@ -240,6 +240,28 @@ class Schedule:
         pulls = 1 if self.fused else ch
         self.serial(sum(c * self.msgs(link, m * n * size, pulls) for link, c in self.peers))
 
+    def mm_a2a(self, m: int, k: int, n: int) -> None:
+        """``all_to_all(a @ b)`` by destination (sequence parallelism's QKV side): ``[m, k] @ [k, n/W]`` per
+        destination, each ``m x n/W`` block sent, chunked for its link, while the next one is computed."""
+        W, block = self.W, m * n / self.W * self.size
+        if self.plan.strategy == "reference":
+            return self.serial(self.each_peer(block), self.mm(m, k, n))
+        piece = self.mm(m, k, n / W)
+        self.produce([*((c, piece, self.msgs(link, block, min(self.plan.chunks_for(link), m)))
+                        for link, c in self.peers), (1, piece, 0.0)])
+
+    def a2a_mm(self, m: int, k: int, n: int) -> None:
+        """``all_to_all(a) @ b`` (the output side): each source's ``m x k/W`` block, chunked for its link, multiplied
+        by its rows of ``b`` as it lands; our own block first."""
+        W, block = self.W, m * k / self.W * self.size
+        if self.plan.strategy == "reference":
+            return self.serial(self.each_peer(block), self.mm(m, k, n))
+        stages = [(1, 0.0, self.mm(m, k / W, n))]
+        for link, c in self.peers:
+            ch = min(self.plan.chunks_for(link), m)
+            stages.append((c * ch, self.msgs(link, block / ch), self.mm(m / ch, k / W, n)))
+        self.consume(stages)
+
     def moe(self, p: Problem) -> None:
         """Dispatch + grouped GEMM, combine; uniform routing: ``T*K/W`` rows to and from every peer, each of
         `optable.moe_row_bytes` (an fp8 call: the dispatch's rows packed fp8 and its GEMM at the fp8 rate, the rest

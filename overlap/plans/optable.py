@@ -1,6 +1,6 @@
 """The op table: what decides a plan for each op, for everything that reasons about ops without being one.
 
-One `OpSpec` per op in `OPS`: its family (``tp`` or ``moe``), the rows of a rank's input and output,
+One `OpSpec` per op in `OPS`: its family (``tp``, ``moe`` or ``sp``, sequence parallelism), the rows of a rank's input and output,
 its FLOPs and the bytes its plain collectives move per link class, which links each strategy chunks
 for, its cost (driving the cost model's pipelines) and the strategies it has. The cost model
 (`costmodel`), ``strategy="auto"``'s problem (`overlap.ops.tp.entry`, `overlap.ops.moe.entry`), the tuner and
@@ -20,13 +20,13 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import moe_op, tp_ops
+from . import moe_op, sp_ops, tp_ops
 from .plan import STRATEGIES
 
 if TYPE_CHECKING:
     import torch
 
-FAMILIES = ("tp", "moe")
+FAMILIES = ("tp", "moe", "sp")
 #: the dtype name of an MX fp8 call (``fp8="mxfp8"``, or fp8 operands with e8m0 block scales): e4m3 elements, one
 #: power-of-two scale byte per `MX_BLOCK` of them along ``k``. Its own name, not ``float8_e4m3fn``'s: it moves other
 #: bytes (`wire_sizes`), so plan files key it apart
@@ -189,6 +189,9 @@ def _moe_bytes_per_peer(p, W: int) -> float:
     return p.m * p.top_k / W * (dispatched + (3 if p.backward else 1) * returned)
 
 
+#: the strategies of the sequence-parallel ops (no ``symm``, ``fused`` or ``hierarchical`` yet)
+SP_STRATEGIES = ("reference", "pipelined")
+
 #: every op, by name
 OPS: dict[str, OpSpec] = {s.name: s for s in (
     _tp("all_gather_matmul", "AG+MM", in_rows=lambda m, W: m, out_rows=lambda m, W: W * m,
@@ -213,6 +216,17 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
            flops=lambda p, W: (3 if p.backward else 1) * 4 * p.m * p.top_k * p.k * p.n,
            bytes_per_peer=_moe_bytes_per_peer, chunked=moe_op.chunked, cost=moe_op.cost, fp8=True,
            calls=(2, 2)),  # (dispatch and combine; fp8: the ``fp8=`` of the dispatch, the combine in the leaves')
+    # Sequence parallelism (`sp_ops`): the QKV projections then the all-to-all to heads, and the all-to-all back
+    # then the output projection; each one's backward is the other's exchange.
+    OpSpec("matmul_all_to_all", "sp", "MM+A2A", in_rows=lambda m, W: m, out_rows=lambda m, W: W * m,
+           flops=lambda p, W: (3 if p.backward else 1) * 2 * p.m * p.k * p.n,
+           bytes_per_peer=lambda p, W: (2 if p.backward else 1) * p.m * p.n / W * ITEMSIZE[p.dtype],
+           chunked=sp_ops.chunked, cost=sp_ops.cost_matmul_all_to_all, out_cols=lambda n, W: n // W,
+           strategies=SP_STRATEGIES, dim_arg="seq_dim", several_weights=True),
+    OpSpec("all_to_all_matmul", "sp", "A2A+MM", in_rows=lambda m, W: W * m, out_rows=lambda m, W: m,
+           flops=lambda p, W: (3 if p.backward else 1) * 2 * p.m * p.k * p.n,
+           bytes_per_peer=lambda p, W: (2 if p.backward else 1) * p.m * p.k / W * ITEMSIZE[p.dtype],
+           chunked=sp_ops.chunked, cost=sp_ops.cost_all_to_all_matmul, strategies=SP_STRATEGIES, dim_arg="seq_dim"),
 )}
 
 

@@ -39,7 +39,7 @@ from ..hierarchical.nodes import Layout, layout_of
 from .hierarchical_gather import HierGather
 from .operands import Gemm
 from .rows import Product, Rows
-from .sums import LOW, sum_in_order
+from ..sums import LOW, sum_in_order
 
 
 def reduce_bytes(rows: int, n: int, dtype: torch.dtype, world_size: int) -> int:

@@ -62,7 +62,7 @@ from ..fp8_recipe import recipe_of
 from . import entry, hierarchical_reduce, operands
 from .operands import Gemm
 from .scatter_gemm import scatter_and_reduce
-from .sums import sum_in_order
+from ..sums import sum_in_order
 
 OP = "matmul_all_reduce"
 

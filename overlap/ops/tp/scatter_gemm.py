@@ -48,7 +48,7 @@ from ..context import CallContext
 from . import hierarchical_reduce
 from .operands import Gemm, kernel_tile
 from .rows import Product
-from .sums import sum_in_order
+from ..sums import sum_in_order
 
 
 def heap_bytes(chosen: Plan, m: int, n: int, dtype: torch.dtype, world_size: int) -> int:

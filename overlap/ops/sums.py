@@ -1,5 +1,6 @@
 """Sums of partial results in a fixed order: one rounding, bitwise repeatable (the reduce-scatters and
-all-reduces of `matmul_reduce_scatter`, `matmul_all_reduce` and `hierarchical_reduce`)."""
+all-reduces of `matmul_reduce_scatter`, `matmul_all_reduce` and `hierarchical_reduce`; the output projection of
+`all_to_all_matmul`)."""
 
 from __future__ import annotations
 
