@@ -144,7 +144,7 @@ def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int | 
         if plan is not None:
             _log_once(op, signature, plan, how)
             return plan
-    if not info.single_node and info.world_size > 1 and problem is not None and problem.spec.family == "tp":
+    if not info.single_node and info.world_size > 1 and problem is not None and problem.spec.family != "moe":
         plan = _across_nodes(problem, info)
         _log_once(op, signature, plan, "cost model with the default profile")
         return plan
@@ -155,7 +155,7 @@ def resolve_auto(op: str, signature: str, info: GroupInfo, rows_per_rank: int | 
     plan = heuristic_plan(op, info.world_size, info.single_node, info.device.type, rows_per_rank, dtype_name,
                           out_bytes, symm)
     how = "default heuristic"
-    if plan.strategy != "reference" and problem is not None and problem.spec.family == "tp" \
+    if plan.strategy != "reference" and problem is not None and problem.spec.family != "moe" \
             and _plain_is_cheaper(problem, _topology(info), plan, gpu_name(info.device)):
         plan, how = Plan("reference"), "cost model: the protocol costs more than the overlap saves"
     _log_once(op, signature, plan, how)
@@ -191,9 +191,9 @@ def described_plan(problem: Problem, topology, profile) -> tuple[Plan, str]:
     unfused. (At run time the last check covers the tensor-parallel ops: an MoE call's token count differs between
     ranks; a plan file from ``overlap tune --machine`` carries the checked choice to them.)"""
     spec, W = problem.spec, topology.world_size
-    if topology.num_nodes > 1 and W > 1 and spec.family == "tp":
+    if topology.num_nodes > 1 and W > 1 and spec.family != "moe":
         return best_plan(problem, topology, profile) or Plan("pipelined"), "cost model: the best plan across nodes"
-    rows = spec.in_rows(problem.m, W) if spec.family == "tp" else None
+    rows = spec.in_rows(problem.m, W) if spec.family != "moe" else None
     out_size = ITEMSIZE[FP8_LEAVES if problem.dtype in FP8_DTYPES else problem.dtype]
     out_bytes = spec.out_rows(problem.m, W) * spec.out_cols(problem.n, W) * out_size
     plan = heuristic_plan(problem.op, W, topology.num_nodes == 1, topology.device, rows, problem.dtype, out_bytes)
@@ -249,7 +249,7 @@ def _plain_is_cheaper(problem: Problem, topology, plan: Plan, name: str = "") ->
 
 
 def _across_nodes(problem: Problem, info: GroupInfo) -> Plan:
-    """A TP call on a group that spans nodes, without a plan file: the cost model's best plan (``hierarchical``,
+    """A TP or sequence-parallel call on a group that spans nodes, without a plan file: the cost model's best plan (``hierarchical``,
     ``pipelined`` or ``reference``, chunked per link) under `default_profile` of the group's device."""
     profile = default_profile(info.device.type, gpu_name(info.device))
     return best_plan(problem, topology_of(info), profile) or Plan("pipelined")

@@ -127,6 +127,8 @@ class OpSpec:
     label: a short name for plots.
     out_cols: ``(n, W) -> columns`` of a rank's output (``n``, but ``W * n`` where the gathered operand is
         the weight's columns).
+    in_cols: ``(k, W) -> columns`` of a rank's input (``k``, but ``k / W`` where the input holds this rank's heads of
+        the whole sequence: ``all_to_all_matmul``).
     strategies: the strategies the op implements (`Plan.STRATEGIES` unless it says otherwise); ``auto``
         never picks another, forcing one raises ValueError, the tuner and the benchmark skip the rest.
     dim_arg: the keyword naming the activation dim the op gathers or scatters (``gather_dim``, ``scatter_dim``;
@@ -148,6 +150,7 @@ class OpSpec:
     cost: Callable[..., None]
     variants: tuple[str, ...] = ()
     out_cols: Callable[[int, int], int] = lambda n, W: n
+    in_cols: Callable[[int, int], int] = lambda k, W: k
     strategies: tuple[str, ...] = STRATEGIES
     dim_arg: str = ""
     several_weights: bool = False
@@ -226,7 +229,8 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
     OpSpec("all_to_all_matmul", "sp", "A2A+MM", in_rows=lambda m, W: W * m, out_rows=lambda m, W: m,
            flops=lambda p, W: (3 if p.backward else 1) * 2 * p.m * p.k * p.n,
            bytes_per_peer=lambda p, W: (2 if p.backward else 1) * p.m * p.k / W * ITEMSIZE[p.dtype],
-           chunked=sp_ops.chunked, cost=sp_ops.cost_all_to_all_matmul, strategies=SP_STRATEGIES, dim_arg="seq_dim"),
+           chunked=sp_ops.chunked, cost=sp_ops.cost_all_to_all_matmul, in_cols=lambda k, W: k // W,
+           strategies=SP_STRATEGIES, dim_arg="seq_dim"),
 )}
 
 

@@ -20,7 +20,8 @@ MoE layer's dispatch) is the op's ``fp8=`` recipe on bf16 leaves: ``float8_e4m3f
 ``fp8="mxfp8"`` (`leaf_dtype`; `tp` and `moe` say what each function does with it, `plain_torch` what its torch row
 does).
 
-The tensor-parallel ops' functions: `tp`; the MoE layer's: `moe`; the plain-torch baselines: `plain_torch`; seeded
+The tensor-parallel ops' functions: `tp`; the MoE layer's: `moe`; the sequence-parallel ops' (their torch rows
+included): `sp`; the plain-torch baselines: `plain_torch`; seeded
 inputs and the oracles' sums: `data`; a plan's trial call of a problem (what the tuner times): `trial`.
 """
 
@@ -31,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import moe, plain_torch, tp
+from . import moe, plain_torch, sp, tp
 from .data import Expected, OpInputs, Plain, SeededDraw, leaf_dtype, summed
 
 
@@ -59,6 +60,10 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              tp.oracle_all_gather_weight_matmul, tp.plain_all_gather_weight_matmul,
              plain_torch.torch_all_gather_weight_matmul),
     Workload("moe", moe.inputs, moe.call, moe.oracle, moe.plain, plain_torch.torch_moe),
+    Workload("matmul_all_to_all", sp.inputs_matmul_all_to_all, sp.call_matmul_all_to_all, sp.oracle_matmul_all_to_all,
+             sp.plain_matmul_all_to_all, sp.torch_matmul_all_to_all),
+    Workload("all_to_all_matmul", sp.inputs_all_to_all_matmul, sp.call_all_to_all_matmul, sp.oracle_all_to_all_matmul,
+             sp.plain_all_to_all_matmul, sp.torch_all_to_all_matmul),
 )}
 
 

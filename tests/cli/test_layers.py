@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 #: the public op modules: each defines the custom ops of its public functions and their autograd
 OP_MODULES = ("overlap.ops.tp.all_gather_matmul", "overlap.ops.tp.matmul_reduce_scatter",
               "overlap.ops.tp.matmul_all_reduce", "overlap.ops.tp.all_gather_weight_matmul", "overlap.ops.moe.dispatch",
-              "overlap.ops.moe.combine")
+              "overlap.ops.moe.combine", "overlap.ops.sp.matmul_all_to_all", "overlap.ops.sp.all_to_all_matmul")
 #: what a module of overlap/ops may import inside a function: the optional accelerators
 LAZY_ALLOWED = ("overlap.kernels", "overlap.signals", "overlap._C")
 
@@ -181,12 +181,15 @@ def test_no_cycles():
 
 
 def test_families_and_op_modules_import_no_sibling():
-    """``overlap.ops.tp`` and ``overlap.ops.moe`` never import each other; no public op module imports another."""
+    """The families (``overlap.ops.tp``, ``overlap.ops.moe``, ``overlap.ops.sp``) never import each other; no public op
+    module imports another."""
     found = []
+    families = ("overlap.ops.tp", "overlap.ops.moe", "overlap.ops.sp")
     for name, deps in GRAPH.items():
-        for family, other in (("overlap.ops.tp.", "overlap.ops.moe"), ("overlap.ops.moe.", "overlap.ops.tp")):
-            if name.startswith(family):
-                found += [f"{name} imports {d}" for d in deps if d == other or d.startswith(other + ".")]
+        for family in families:
+            if name.startswith(family + "."):
+                for other in (f for f in families if f != family):
+                    found += [f"{name} imports {d}" for d in deps if d == other or d.startswith(other + ".")]
         if name in OP_MODULES:
             found += [f"{name} imports the op module {d}" for d in deps if d in OP_MODULES]
     assert not found, "\n".join(found)

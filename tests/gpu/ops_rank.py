@@ -87,13 +87,15 @@ def shapes(family: str, cuda: bool, mx: bool = False) -> dict[str, int]:
 
 
 def cases(cuda: bool) -> list[Case]:
-    """Every op of the table (and every `Plan` variant it takes) x `STRATEGIES` x {fwd, fwd+bwd}, table order; then
+    """Every op of the table (and every `Plan` variant it takes) x `STRATEGIES` (those it has: the sequence-parallel
+    ops have neither yet) x {fwd, fwd+bwd}, table order; then
     the same of the ops that take fp8, in the rowwise recipe, then in the MX one."""
     from overlap.plans import FP8_DTYPES, OPS
 
     return [Case(name, variant, strategy, backward, shapes(spec.family, cuda, fp8 == "mxfp8"), fp8)
             for fp8 in ("", *FP8_DTYPES) for name, spec in OPS.items() if spec.fp8 or not fp8
-            for variant in ("", *spec.variants) for strategy in STRATEGIES for backward in (False, True)]
+            for variant in ("", *spec.variants) for strategy in STRATEGIES if strategy in spec.strategies
+            for backward in (False, True)]
 
 
 # ==============================================================================================

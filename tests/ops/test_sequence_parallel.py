@@ -16,3 +16,26 @@ from tests.support import sp_oracle
 def test_matches_float64(pools, seed, world_size, dtype, strategy):
     done = pools(world_size).run(sp_oracle.check_cases, strategy, dtype, seed)
     assert done == [sp_oracle.count_cases()] * world_size
+
+
+def test_bad_inputs_raise_on_every_rank_before_any_data_moves(pools):
+    """A rank's own mistake raises there and, at once, OverlapMismatchError on its peers; mistakes every rank makes
+    raise ValueError everywhere; the pool stays usable (no call was left half-way)."""
+    seen = pools(3).run(sp_oracle.bad_inputs)
+    assert seen[1][0][0] == "ValueError" and "x" in seen[1][0][1], seen[1][0]
+    for r in (0, 2):
+        assert seen[r][0][0] == "OverlapMismatchError" and seen[r][0][2] < 30, seen[r][0]
+    for r in range(3):
+        kinds = [(kind, message) for kind, message, _ in seen[r][1:]]
+        assert kinds[0][0] == "ValueError" and "do not divide by the world size" in kinds[0][1], kinds[0]
+        assert kinds[1][0] == "ValueError" and "pad the sequence" in kinds[1][1], kinds[1]
+        assert kinds[2][0] == "ValueError" and "not implemented" in kinds[2][1], kinds[2]
+        assert kinds[3][0] == "ValueError" and "one head count per weight" in kinds[3][1], kinds[3]
+    assert pools(3).run(sp_oracle.check_cases, "pipelined", torch.float32, 5) == [sp_oracle.count_cases()] * 3
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_workloads_and_torch_rows_match_their_oracle(pools, seed, world_size):
+    """What ``overlap tune`` and the GPU check run (each op's workload) and the plain-torch row agree with the
+    workload's oracle in float64."""
+    assert pools(world_size).run(sp_oracle.workload_rows, seed) == [6] * world_size

@@ -42,18 +42,18 @@ def test_every_entry_agrees_with_itself(op, world_size, backward):
     every = [work.inputs(p, world_size, draw.for_rank(q)) for q in range(world_size)]
     for q, inputs in enumerate(every):
         a = inputs.leaves[0]
-        assert a.shape == (spec.in_rows(p.m, world_size), p.k), (op, q, a.shape)
+        assert a.shape == (spec.in_rows(p.m, world_size), spec.in_cols(p.k, world_size)), (op, q, a.shape)
         assert spec.rows_per_rank(a.shape[0], world_size) == p.m
         assert (inputs.grad_out is not None) == backward
         if backward:
-            cols = spec.out_cols(p.n, world_size) if spec.family == "tp" else p.k
+            cols = spec.out_cols(p.n, world_size) if spec.family != "moe" else p.k
             assert inputs.grad_out.shape == (spec.out_rows(p.m, world_size), cols)
     expected = work.oracle(p, every, world_size - 1)
     out = expected[0]
     assert out.what == "out" and out.value.shape[0] == spec.out_rows(p.m, world_size), (op, out.value.shape)
-    if spec.family == "tp":
+    if spec.family != "moe":
         assert out.value.shape[1] == spec.out_cols(p.n, world_size), (op, out.value.shape)
-    assert [e.what for e in expected[1:]] == ([f"grad_{n}" for n in ("a", "b")] if spec.family == "tp" else
+    assert [e.what for e in expected[1:]] == ([f"grad_{n}" for n in ("a", "b")] if spec.family != "moe" else
                                               ["grad_x", "grad_w1", "grad_w2", "grad_topk_weights"])[:len(expected) - 1]
     assert len(expected) == (1 + len(every[0].leaves) if backward else 1)
     for e, leaf in zip(expected[1:], every[-1].leaves):

@@ -201,7 +201,7 @@ def test_forecast_runs_and_auto_is_never_slower_than_unfused(name, op, dtype, ba
         if nodes > 1:
             assert not runnable & {"symm", "fused"}, (what, runnable)  # one node only
         else:
-            assert {"pipelined", "symm"} <= runnable, (what, runnable)
+            assert {"pipelined", "symm"} & set(OPS[op].strategies) <= runnable, (what, runnable)
         best = f.best
         assert best is not None and 0 <= f.hidden(best) <= 1, what
         assert f.verdict.startswith(("overlap pays", "marginal", "overlap does not pay")), f.verdict

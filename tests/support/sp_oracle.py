@@ -95,6 +95,11 @@ def oracle_a2am(cs, w_o, gs, r: int, d: int):
     return [out], _back(grad_ctx, d), [grad_w]
 
 
+def _rounded(ts: list[torch.Tensor], dtype) -> list[torch.Tensor]:
+    """The float64 values of `ts` as the op sees them: rounded to `dtype` (the oracle multiplies those exactly)."""
+    return [t.to(dtype).double() for t in ts]
+
+
 def _flat(outs, grad_x, grad_ws) -> list[torch.Tensor]:
     return [*outs, grad_x, *grad_ws]
 
@@ -129,6 +134,7 @@ def check_case(rank: int, world_size: int, op: str, strategy: str, dtype, seed: 
     W, r = world_size, rank
     if op == MA2A:
         xs, ws, gs = inputs_ma2a(seed, W, case, d)
+        xs, ws, gs = _rounded(xs, dtype), _rounded(ws, dtype), [_rounded(g, dtype) for g in gs]
         want = _flat(*oracle_ma2a(xs, ws, gs, r, d))
         scale = _flat(*oracle_ma2a([x.abs() for x in xs], [w.abs() for w in ws], [[g.abs() for g in q] for q in gs],
                                    r, d))
@@ -139,6 +145,7 @@ def check_case(rank: int, world_size: int, op: str, strategy: str, dtype, seed: 
         labels = [f"out{t}" for t in range(len(ws))] + ["grad_x"] + [f"grad_w{t}" for t in range(len(ws))]
     else:
         cs, w_o, gs = inputs_a2am(seed, W, case, d)
+        cs, w_o, gs = _rounded(cs, dtype), _rounded([w_o], dtype)[0], _rounded(gs, dtype)
         want = _flat(*oracle_a2am(cs, w_o, gs, r, d))
         scale = _flat(*oracle_a2am([c.abs() for c in cs], w_o.abs(), [g.abs() for g in gs], r, d))
 
@@ -180,3 +187,50 @@ def check_cases(rank: int, world_size: int, strategy: str, dtype, seed: int) -> 
 
 def count_cases() -> int:
     return sum(2 if case["batch"] else 1 for _, case in CASES)
+
+
+def bad_inputs(rank: int, world_size: int) -> list[tuple[str, str]]:
+    """Bad calls: rank 1 alone with a wrong activation (it raises ValueError, its peers OverlapMismatchError at once),
+    then every rank with heads not dividing the world size, a sequence not dividing it, ``symm`` forced. Returns
+    ``(exception type, message)`` per call."""
+    import overlap
+    from tests.support.tp_oracle import expect_error
+
+    W = world_size
+    x, w = torch.randn(2, 3, 8), torch.randn(8, 4 * W)
+    wrong = torch.randn(2, 3, 9) if rank == 1 else x
+    seen = [expect_error(overlap.matmul_all_to_all, wrong, w, heads=W, strategy="pipelined", timeout=60)]
+    seen.append(expect_error(overlap.matmul_all_to_all, x, torch.randn(8, 2 * (W + 1)), heads=W + 1, timeout=60))
+    seen.append(expect_error(overlap.all_to_all_matmul, torch.randn(W + 1, 2, 3), torch.randn(3 * W, 5), timeout=60))
+    seen.append(expect_error(overlap.all_to_all_matmul, torch.randn(W, 2, 3), torch.randn(3 * W, 5), strategy="symm",
+                             timeout=60))
+    seen.append(expect_error(overlap.matmul_all_to_all, x, [w, w], heads=W, timeout=60))
+    return [(kind, message, secs) for kind, message, secs in seen]
+
+
+def workload_rows(rank: int, world_size: int, seed: int) -> int:
+    """Each sequence-parallel op's workload (`overlap.workloads`): its call on every strategy and its plain-torch row
+    against its oracle, forward and backward."""
+    import dataclasses
+
+    from overlap.plans import OPS, Problem
+    from overlap.workloads import SeededDraw, workload
+
+    done = 0
+    for op in (n for n, spec in OPS.items() if spec.family == "sp"):
+        work = workload(op)
+        p = Problem(op, 3, 4 * world_size, 2 * world_size, "float64", True)
+        draw = SeededDraw(seed, rank, "cpu", torch.float64)
+        every = [work.inputs(p, world_size, draw.for_rank(q)) for q in range(world_size)]
+        want = [e.value for e in work.oracle(p, every, rank)]
+        torch_row = work.plain_torch(None)
+        for fn in (*(lambda leaves, s=s: work.call(dataclasses.replace(every[rank], leaves=leaves), None, strategy=s)
+                     for s in OPS[op].strategies), lambda leaves: torch_row(*leaves)):
+            leaves = tuple(t.clone().requires_grad_(True) for t in every[rank].leaves)
+            out = fn(leaves)
+            out.backward(every[rank].grad_out)
+            for label, got, exp in zip(("out", "grad_a", "grad_b"), (out, *(t.grad for t in leaves)), want,
+                                       strict=True):
+                torch.testing.assert_close(got, exp, rtol=1e-10, atol=1e-10, msg=f"{op} rank {rank}: {label}")
+            done += 1
+    return done
