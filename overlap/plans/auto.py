@@ -249,8 +249,9 @@ def _plain_is_cheaper(problem: Problem, topology, plan: Plan, name: str = "") ->
 
 
 def _across_nodes(problem: Problem, info: GroupInfo) -> Plan:
-    """A TP or sequence-parallel call on a group that spans nodes, without a plan file: the cost model's best plan (``hierarchical``,
-    ``pipelined`` or ``reference``, chunked per link) under `default_profile` of the group's device."""
+    """A TP or sequence-parallel call on a group that spans nodes, without a plan file: the cost model's best plan
+    (``hierarchical``, ``pipelined`` or ``reference``, chunked per link) under `default_profile` of the group's
+    device."""
     profile = default_profile(info.device.type, gpu_name(info.device))
     return best_plan(problem, topology_of(info), profile) or Plan("pipelined")
 

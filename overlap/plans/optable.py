@@ -1,7 +1,7 @@
 """The op table: what decides a plan for each op, for everything that reasons about ops without being one.
 
-One `OpSpec` per op in `OPS`: its family (``tp``, ``moe`` or ``sp``, sequence parallelism), the rows of a rank's input and output,
-its FLOPs and the bytes its plain collectives move per link class, which links each strategy chunks
+One `OpSpec` per op in `OPS`: its family (``tp``, ``moe`` or ``sp``, sequence parallelism), the rows of a rank's
+input and output, its FLOPs and the bytes its plain collectives move per link class, which links each strategy chunks
 for, its cost (driving the cost model's pipelines) and the strategies it has. The cost model
 (`costmodel`), ``strategy="auto"``'s problem (`overlap.ops.tp.entry`, `overlap.ops.moe.entry`), the tuner and
 the benchmark cases read this table; none of them switches on op names. What it takes to run an op on made-up

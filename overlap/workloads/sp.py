@@ -73,7 +73,7 @@ def oracle_matmul_all_to_all(p, every: list[OpInputs], rank: int) -> list[Expect
 
 
 def oracle_all_to_all_matmul(p, every: list[OpInputs], rank: int) -> list[Expected]:
-    W, (a, b) = len(every), every[rank].leaves
+    a, b = every[rank].leaves
     c = a.shape[1]
     rows = slice(rank * p.m, (rank + 1) * p.m)
     gathered = torch.cat([e.leaves[0][rows] for e in every], dim=1)  # every rank's heads of this rank's shard

@@ -223,11 +223,13 @@ def workload_rows(rank: int, world_size: int, seed: int) -> int:
         draw = SeededDraw(seed, rank, "cpu", torch.float64)
         every = [work.inputs(p, world_size, draw.for_rank(q)) for q in range(world_size)]
         want = [e.value for e in work.oracle(p, every, rank)]
-        torch_row = work.plain_torch(None)
-        for fn in (*(lambda leaves, s=s: work.call(dataclasses.replace(every[rank], leaves=leaves), None, strategy=s)
-                     for s in OPS[op].strategies), lambda leaves: torch_row(*leaves)):
+        runs = [*OPS[op].strategies, "torch"]
+        for how in runs:
             leaves = tuple(t.clone().requires_grad_(True) for t in every[rank].leaves)
-            out = fn(leaves)
+            if how == "torch":
+                out = work.plain_torch(None)(*leaves)
+            else:
+                out = work.call(dataclasses.replace(every[rank], leaves=leaves), None, strategy=how)
             out.backward(every[rank].grad_out)
             for label, got, exp in zip(("out", "grad_a", "grad_b"), (out, *(t.grad for t in leaves)), want,
                                        strict=True):

@@ -118,7 +118,7 @@ def _backward(grad, t, w_o, gathered, context, dim, need_ctx, need_w):
     """``overlap::all_to_all_matmul_backward``: ``(grad_ctx, grad_w_o)`` in the forward's call context."""
     cc = library.kept(context, f"{OP}.backward")
     op = f"{OP}.backward"
-    W, n = cc.world_size, w_o.shape[1]
+    n = w_o.shape[1]
     cc = cc.derive(op=op, signature=f"{op}(g={describe(grad)}, ctx={describe(t)}, seq_dim={dim}, "
                                     f"plan={cc.plan.describe()})")
     with record(op), no_autocast(cc.info.device.type):

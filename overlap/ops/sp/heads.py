@@ -6,8 +6,9 @@
   (``b`` the packed QKV weights) and `overlap.all_to_all_matmul`'s input gradient (``b = w_o.T``) run it.
 * `gather_heads(cc, sends, b)`: ``sends`` ``[W, m, C]`` (block ``d`` for destination ``d``: its sequence shard of our
   heads), ``b`` ``[W*C, n]`` whose row block ``s`` multiplies what source ``s`` sends; returns ``(out, gathered)``:
-  ``out`` ``[m, n]`` = the gathered ``[m, W*C]`` times ``b`` and ``gathered`` ``[W, m, C]``. `overlap.all_to_all_matmul`'s
-  forward (``b = w_o``) and `overlap.matmul_all_to_all`'s input gradient (``b`` the packed weights, transposed) run it.
+  ``out`` ``[m, n]`` = the gathered ``[m, W*C]`` times ``b`` and ``gathered`` ``[W, m, C]``.
+  `overlap.all_to_all_matmul`'s forward (``b = w_o``) and `overlap.matmul_all_to_all`'s input gradient (``b`` the
+  packed weights, transposed) run it.
 
 Strategies (same results up to rounding; ``reference`` is the unfused layer):
 
@@ -146,7 +147,7 @@ class Steps:
         if self.ex is not None:
             self.ex.close()
             return
-        for src, pairs in self.posted.items():
+        for pairs in self.posted.values():
             for j, _rows, works in pairs:
                 for work, peer in works:
                     if id(work) not in self.waited:

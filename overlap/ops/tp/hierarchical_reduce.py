@@ -36,10 +36,10 @@ from ..context import CallContext
 from ..hierarchical.agreement import InData
 from ..hierarchical.node_call import HEADER_BYTES, Poison, begin_node, guard, padded, wait_local
 from ..hierarchical.nodes import Layout, layout_of
+from ..sums import LOW, sum_in_order
 from .hierarchical_gather import HierGather
 from .operands import Gemm
 from .rows import Product, Rows
-from ..sums import LOW, sum_in_order
 
 
 def reduce_bytes(rows: int, n: int, dtype: torch.dtype, world_size: int) -> int:

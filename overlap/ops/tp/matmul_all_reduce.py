@@ -59,10 +59,10 @@ from ..context import CallContext, no_autocast, record
 from ..fp8 import Fp8Args
 from ..fp8_matmul import grad_gemm
 from ..fp8_recipe import recipe_of
+from ..sums import sum_in_order
 from . import entry, hierarchical_reduce, operands
 from .operands import Gemm
 from .scatter_gemm import scatter_and_reduce
-from ..sums import sum_in_order
 
 OP = "matmul_all_reduce"
 

@@ -45,10 +45,10 @@ from ...plans import Plan
 from ...symm import p2p
 from .. import fused
 from ..context import CallContext
+from ..sums import sum_in_order
 from . import hierarchical_reduce
 from .operands import Gemm, kernel_tile
 from .rows import Product
-from ..sums import sum_in_order
 
 
 def heap_bytes(chosen: Plan, m: int, n: int, dtype: torch.dtype, world_size: int) -> int:
