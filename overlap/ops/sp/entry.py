@@ -47,6 +47,15 @@ def seq_dim_of(op: str, seq_dim: Any, shape: torch.Size) -> int:
     return d
 
 
+def fake_seq_dim(op: str, seq_dim: Any, shape: torch.Size) -> int:
+    """`seq_dim_of` for a fake implementation (shapes only): 0 where it is bad (the op raises that, on every rank,
+    when it runs)."""
+    try:
+        return seq_dim_of(op, seq_dim, shape)
+    except (TypeError, ValueError):
+        return 0
+
+
 def seq_first(t: torch.Tensor, d: int) -> torch.Tensor:
     """`t` with its sequence dim `d` first, as contiguous rows ``[s, ..., f]`` (a view where ``d`` is 0)."""
     return (t if d == 0 else t.movedim(d, 0)).contiguous()
