@@ -39,3 +39,7 @@ def test_workloads_and_torch_rows_match_their_oracle(pools, seed, world_size):
     """What ``overlap tune`` and the GPU check run (each op's workload) and the plain-torch row agree with the
     workload's oracle in float64."""
     assert pools(world_size).run(sp_oracle.workload_rows, seed) == [6] * world_size
+
+
+def test_compiled_whole_matches_eager(pools, seed):
+    assert pools(2).run(sp_oracle.compiled_layer, seed, timeout=300) == [True, True]

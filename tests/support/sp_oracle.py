@@ -236,3 +236,27 @@ def workload_rows(rank: int, world_size: int, seed: int) -> int:
                 torch.testing.assert_close(got, exp, rtol=1e-10, atol=1e-10, msg=f"{op} rank {rank}: {label}")
             done += 1
     return done
+
+
+def compiled_layer(rank: int, world_size: int, seed: int) -> bool:
+    """Both ops in one function compiled whole (``fullgraph=True``, aot_eager: their fakes and registered autograd)
+    give eager's output and input gradient, bitwise (the same calls in the same plan)."""
+    import overlap
+
+    W = world_size
+    x = _draw(seed, "x", rank, (3, 2, 8)).float().requires_grad_(True)
+    wq, wk = (_draw(seed, n, 0, (8, 4 * W)).float().requires_grad_(True) for n in ("wq", "wk"))
+    wo = _draw(seed, "wo", 0, (4 * W, 6)).float().requires_grad_(True)
+
+    def layer(x):
+        q, k = overlap.matmul_all_to_all(x, [wq, wk], heads=[2 * W, W], strategy="pipelined")
+        return overlap.all_to_all_matmul(q * k, wo, strategy="pipelined")
+
+    want = layer(x)
+    want.sum().backward()
+    grads = [t.grad.clone() for t in (x, wq, wk, wo)]
+    for t in (x, wq, wk, wo):
+        t.grad = None
+    got = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    got.sum().backward()
+    return torch.equal(got, want) and all(torch.equal(t.grad, g) for t, g in zip((x, wq, wk, wo), grads, strict=True))
