@@ -21,8 +21,11 @@ if TYPE_CHECKING:  # (the cost model imports this module)
 
 
 def chunked(strategy: str, backward: bool, topology) -> tuple[str, ...]:
-    """pipelined: each peer's block chunked for the link to it (forward and backward)."""
-    return tuple(c for c, _ in topology.links) if strategy == "pipelined" else ()
+    """pipelined: each peer's block chunked for the link to it; symm: the slowest link's count (one chunking of the
+    rows for every peer, flagged per chunk)."""
+    if strategy == "pipelined":
+        return tuple(c for c, _ in topology.links)
+    return (topology.slowest_link,) if strategy == "symm" else ()
 
 
 def cost_matmul_all_to_all(x: Schedule, p: Problem) -> None:

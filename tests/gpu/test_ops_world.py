@@ -40,8 +40,8 @@ def test_the_cases_are_every_op_and_variant_by_strategy_and_mode():
     from overlap.plans import OPS
 
     names = [c.name for c in ops_rank.cases(False)]
-    ops_and_variants = [f"{n}.{v}" if v else n for n, spec in OPS.items() if "symm" in spec.strategies
-                        for v in ("", *spec.variants)]
+    ops_and_variants = [f"{n}.{v}" if v else n for n, spec in OPS.items() for v in ("", *spec.variants)]
+    strategies = {name: [s for s in ("symm", "fused") if s in spec.strategies] for name, spec in OPS.items()}
     fp8 = [f"{n}.{v}.{r}" if v else f"{n}.{r}" for r in ("fp8", "mxfp8") for n, spec in OPS.items() if spec.fp8
            for v in ("", *spec.variants)]
     assert {"all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce.one_shot", "all_gather_weight_matmul",
@@ -49,7 +49,7 @@ def test_the_cases_are_every_op_and_variant_by_strategy_and_mode():
     assert fp8 == [f"{op}.{r}" for r in ("fp8", "mxfp8") for op in (
         "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_reduce.one_shot",
         "all_gather_weight_matmul", "moe")]
-    assert names == [f"{op}-{s}-{mode}" for op in ops_and_variants + fp8 for s in ("symm", "fused")
+    assert names == [f"{op}-{s}-{mode}" for op in ops_and_variants + fp8 for s in strategies[op.split(".")[0]]
                      for mode in ("fwd", "fwd+bwd")]
     assert [c.name for c in ops_rank.cases(True)] == names  # the sizes differ, the names do not
 

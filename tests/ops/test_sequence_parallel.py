@@ -12,7 +12,7 @@ from tests.support import sp_oracle
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("strategy", ["reference", "pipelined", "auto"])
+@pytest.mark.parametrize("strategy", ["reference", "pipelined", "symm", "auto"])
 def test_matches_float64(pools, seed, world_size, dtype, strategy):
     done = pools(world_size).run(sp_oracle.check_cases, strategy, dtype, seed)
     assert done == [sp_oracle.count_cases()] * world_size

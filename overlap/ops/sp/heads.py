@@ -23,7 +23,10 @@ Strategies (same results up to rounding; ``reference`` is the unfused layer):
   agreement (`overlap.symm.p2p`: a warmed signature skips the rendezvous); elsewhere they are
   `overlap.comm.exchange_chunked`'s steps.
 
-``symm`` and ``fused`` are not implemented for this family yet (the op table says so: forcing them raises).
+* ``symm``: through the symmetric heap, each block straight into its destination's slot, flagged per chunk of rows
+  (`overlap.ops.sp.shared`).
+
+``fused`` is not implemented for this family yet (the op table says so: forcing it raises).
 """
 
 from __future__ import annotations
@@ -34,14 +37,25 @@ from ... import comm
 from ...symm import p2p
 from ..context import CallContext
 from ..sums import sum_in_order
+from . import shared
+
+
+def _begin(cc: CallContext, m: int, C: int, dtype: torch.dtype):
+    """The handshake of a call moving ``[m, C]`` blocks: the slot ``symm`` needs, the steady state of ``pipelined``
+    and ``symm``, the plain path of ``reference``."""
+    strategy = cc.plan.strategy
+    need = shared.slot_bytes(m, C, dtype, cc.world_size) if strategy == "symm" else 0
+    return cc.begin(need, steady=strategy in ("pipelined", "symm"), plain=strategy == "reference")
 
 
 def scatter_heads(cc: CallContext, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``[W, m, C]``: block ``s`` = source ``s``'s ``a @ b[:, r*C:(r+1)*C]`` (module docstring)."""
     W = cc.world_size
-    call = cc.begin(0, steady=cc.plan.strategy == "pipelined", plain=cc.plan.strategy == "reference")
+    m, C = a.shape[0], b.shape[1] // W
+    call = _begin(cc, m, C, a.dtype)
     try:
-        m, C = a.shape[0], b.shape[1] // W
+        if cc.plan.strategy == "symm":
+            return shared.scatter(cc, call, a, b)
         recv = torch.empty((W, m, C), dtype=a.dtype, device=a.device)
         if cc.plan.strategy == "reference":
             sends = torch.mm(a, b).view(m, W, C).transpose(0, 1).contiguous()
@@ -68,10 +82,11 @@ def scatter_heads(cc: CallContext, a: torch.Tensor, b: torch.Tensor) -> torch.Te
 
 def gather_heads(cc: CallContext, sends: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [m, n], gathered [W, m, C])`` (module docstring)."""
-    W = cc.world_size
-    call = cc.begin(0, steady=cc.plan.strategy == "pipelined", plain=cc.plan.strategy == "reference")
+    W, (_, m, C) = cc.world_size, sends.shape
+    call = _begin(cc, m, C, sends.dtype)
     try:
-        _, m, C = sends.shape
+        if cc.plan.strategy == "symm":
+            return shared.gather(cc, call, sends, b)
         recv = torch.empty_like(sends)
         if cc.plan.strategy == "reference":
             cc.wait(comm.all_to_all_async(recv, sends, cc.pg), "any", "all_to_all")
