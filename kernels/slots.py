@@ -11,6 +11,14 @@ one ``[m, n]`` region per source, each `region_bytes` long.
 source ``s`` sends (or gets back). Producer ``s``'s flags in a peer's pad: ``d * F`` "counts for ``d`` written",
 ``d * F + 1 + g`` "rows of expert group ``g`` for ``d`` written", ``F`` = `flags_per_peer`; experts are bucketed
 into ``G`` = `expert_groups` contiguous groups (one flag per expert where ``L < F``).
+
+**Sequence parallel** (`matmul_all_to_all`, `all_to_all_matmul`; ``W`` ranks, ``m`` rows on every rank, ``C`` columns
+of a block: the heads one rank sends another): a slot holds ``W`` regions of ``[m, C]`` row-major, each
+`region_bytes` long (16-byte aligned; `sp_slot_bytes` in all), region ``s`` holding what source ``s`` sent this rank.
+Producer ``s``'s flags in its pad: ``d * F + c`` "rows of chunk ``c`` of my block for ``d`` are in ``d``'s region
+``s``" (``F`` = `flags_per_peer`), ``NCH`` chunks (`overlap.kernels.matmul_reduce_scatter.chunk_count` with ``m``
+rows as the block), chunk ``c`` the rows `sp_chunk_rows` gives (whole row tiles of ``BLOCK_M``, the fused kernels'
+map; a ``symm`` path with no kernel may use any ``BLOCK_M``, the same on every rank).
 """
 
 from __future__ import annotations
@@ -33,6 +41,21 @@ def region_bytes(m: int, n: int, dtype: torch.dtype) -> int:
 
 def flags_per_peer(world_size: int) -> int:
     return symm.MAX_FLAGS // world_size
+
+
+def sp_slot_bytes(m: int, c: int, dtype: torch.dtype, world_size: int) -> int:
+    """A sequence-parallel slot: ``W`` regions of ``[m, c]``, each `region_bytes` long."""
+    return world_size * region_bytes(m, c, dtype)
+
+
+def sp_chunk_rows(m: int, block_m: int, num_chunks: int, chunk: int) -> range:
+    """The rows of a sequence-parallel block (``m`` rows) that chunk `chunk` of `num_chunks` covers: row tile ``t``
+    (of `block_m` rows) is in chunk ``t * num_chunks // tiles_m``, ``tiles_m = cdiv(max(m, 1), block_m)``, so chunk
+    ``c`` is the row tiles ``cdiv(c * tiles_m, num_chunks) .. cdiv((c + 1) * tiles_m, num_chunks)`` (clipped to
+    ``m``; empty where a chunk has no row)."""
+    tiles_m = -(-max(m, 1) // block_m)
+    first, last = -(-chunk * tiles_m // num_chunks), -(-(chunk + 1) * tiles_m // num_chunks)
+    return range(min(first * block_m, m), min(last * block_m, m))
 
 
 def expert_groups(num_local_experts: int, world_size: int) -> int:

@@ -209,7 +209,8 @@ def _top_functions(path: Path) -> list[str]:
 def test_one_name_per_op_across_layers():
     """A TP op of the table is its op module (`overlap/ops/tp/<op>.py`, defining the public function), its
     workload and its custom op; every kernel file but the shared ones is named for the op whose fused form it
-    holds (a TP op of the table, or the MoE grouped-GEMM op), and every ``launch_*`` lives in such a file."""
+    holds (a TP or sequence-parallel op of the table, or the MoE grouped-GEMM op), and every ``launch_*`` lives in
+    such a file."""
     import overlap
     import overlap.moe
 
@@ -221,7 +222,7 @@ def test_one_name_per_op_across_layers():
         defined = _top_functions(ROOT / "overlap" / "ops" / "moe" / f"{module}.py")
         assert all(f in defined and getattr(overlap.moe, f).__module__ == f"overlap.ops.moe.{module}"
                    for f in functions), (module, defined)
-    op_names = set(ops_of("tp")) | {f for functions in MOE_OPS.values() for f in functions}
+    op_names = set(ops_of("tp")) | set(ops_of("sp")) | {f for functions in MOE_OPS.values() for f in functions}
     shared = {"__init__", "host", "flags", "compat", "slots", "all_to_all"}
     launchers, tile_tables = {}, {}
     for path in sorted((ROOT / "kernels").glob("*.py")):

@@ -16,9 +16,9 @@ from tests.protocol import spec
 from tests.protocol.sequences import UNORDERED, Step, cpp_sequence, function_body, ptx_sequence
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCERS = ("matmul_scatter_kernel", "grouped_matmul_scatter_kernel")
+PRODUCERS = ("matmul_scatter_kernel", "grouped_matmul_scatter_kernel", "matmul_all_to_all_kernel")
 CONSUMERS = ("all_gather_matmul_kernel", "all_gather_weight_matmul_kernel", "reduce_chunks_kernel",
-             "grouped_matmul_wait_kernel")
+             "grouped_matmul_wait_kernel", "gather_blocks_kernel", "all_to_all_matmul_kernel")
 
 
 def _rows(report: list[dict], kernel: str) -> list[dict]:

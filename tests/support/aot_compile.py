@@ -40,6 +40,9 @@ from tests.support.ptx_flow import divergent_barriers, parse  # noqa: E402
 _k = _kernel_modules()  # the kernel files, one per op
 ag, agw, rs = _k.all_gather_matmul, _k.all_gather_weight_matmul, _k.matmul_reduce_scatter
 gwait, gscatter = _k.dispatch_grouped_matmul, _k.grouped_matmul_combine
+# the sequence-parallel kernels (not in `overlap.ops.fused.kernels`' tuple yet): their files directly
+from overlap.kernels import all_to_all_matmul as a2a_mm  # noqa: E402
+from overlap.kernels import matmul_all_to_all as mm_a2a  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 W = 8  # ranks of the tables (the kernels are the same for any: W is not specialized on)
@@ -376,6 +379,36 @@ def compile_moe_scatter(dtype: str, block: tuple[int, int, int], weight: str = "
     return _common({**head, "weight": weight}, dtype, block, ptx, cubin, t0)
 
 
+def compile_matmul_all_to_all(dtype: str, block: tuple[int, int, int], weight: str = "row-major") -> dict:
+    """The sequence-parallel producer (QKV projection, then the all-to-all to heads): a [1024, 4096] @ [4096, W * 512]
+    (every destination 512 columns), 2 chunks per destination."""
+    t0 = time.time()
+    a, b = torch.empty(1024, 4096, dtype=DTYPES[dtype]), _weight(4096, W * 512, dtype, weight)
+    head, ptx, cubin = _compile_launch(lambda: mm_a2a.launch_matmul_all_to_all(
+        a, b, _table(), _words(256), _table(), num_chunks=2, flag_stride=32, epoch=_words(1, 3), rank=1, block=block))
+    return _common({**head, "weight": weight}, dtype, block, ptx, cubin, t0)
+
+
+def compile_gather_blocks(dtype: str, block: tuple[int, int]) -> dict:
+    """The sequence-parallel receiver's copy: W regions of [1024, 512] into [W, 1024, 512], 2 chunks."""
+    t0 = time.time()
+    out = torch.empty(W, 1024, 512, dtype=DTYPES[dtype])
+    head, ptx, cubin = _compile_launch(lambda: mm_a2a.launch_gather_blocks(
+        out, _table(), _table(), num_chunks=2, epoch=_words(1, 3), err=_words(), timeout_ns=30 * 10**9, block=block))
+    return _common(head, dtype, block, ptx, cubin, t0)
+
+
+def compile_all_to_all_matmul(dtype: str, block: tuple[int, int, int], weight: str = "row-major") -> dict:
+    """The sequence-parallel consumer GEMM (the all-to-all back, then the output projection): W regions of [1024, 512]
+    times b [W * 512, 4096], 2 chunks."""
+    t0 = time.time()
+    out, b = torch.empty(1024, 4096, dtype=DTYPES[dtype]), _weight(W * 512, 4096, dtype, weight)
+    head, ptx, cubin = _compile_launch(lambda: a2a_mm.launch_all_to_all_matmul(
+        out, _table(), _table(), b, num_chunks=2, epoch=_words(1, 3), err=_words(), timeout_ns=30 * 10**9,
+        block=block))
+    return _common({**head, "weight": weight}, dtype, block, ptx, cubin, t0)
+
+
 @triton.jit
 def per_thread_wait_kernel(flag_ptr, err_ptr, out_ptr, epoch, timeout_ns, BLOCK: tl.constexpr):
     """overlap's wait before issue 17 (each thread's clock and its own load of the error word decide when it
@@ -463,5 +496,11 @@ if __name__ == "__main__":
               # a column-major weight (w.t()): its column offsets n * stride_bn reach 2^31 elements with the weight
               *(f("bf16", (128, 128, 64), weight="column-major") for f in (
                   compile_all_gather_matmul, compile_matmul_scatter, compile_moe_wait, compile_moe_scatter)),
+              # the sequence-parallel kernels (bf16 and fp32 tiles; the ops' column-major weight)
+              compile_matmul_all_to_all("bf16", (128, 128, 64)), compile_matmul_all_to_all("fp32", (128, 64, 32)),
+              compile_matmul_all_to_all("bf16", (128, 128, 64), weight="column-major"),
+              compile_gather_blocks("bf16", (128, 128)), compile_gather_blocks("fp32", (128, 64)),
+              compile_all_to_all_matmul("bf16", (128, 128, 64)), compile_all_to_all_matmul("fp32", (128, 64, 32)),
+              compile_all_to_all_matmul("bf16", (128, 128, 64), weight="column-major"),
               compile_per_thread_wait(), compile_narrow_offsets(), compile_occupy()]
     json.dump(report, sys.stdout)

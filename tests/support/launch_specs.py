@@ -33,6 +33,8 @@ KERNELS = {
     "matmul_reduce_scatter": ("matmul_scatter_kernel", "reduce_chunks_kernel"),
     "dispatch_grouped_matmul": ("grouped_matmul_wait_kernel",),
     "grouped_matmul_combine": ("grouped_matmul_scatter_kernel",),
+    "matmul_all_to_all": ("matmul_all_to_all_kernel", "gather_blocks_kernel"),
+    "all_to_all_matmul": ("all_to_all_matmul_kernel",),
 }
 
 

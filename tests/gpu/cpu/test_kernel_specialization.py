@@ -137,6 +137,33 @@ def test_moe_kernels_compile_once_for_every_call_and_rank():
     _one_key("grouped_matmul_scatter_kernel", scatters)
 
 
+def test_sequence_parallel_kernels_compile_once_for_every_call_and_rank():
+    """`matmul_all_to_all`'s producer and receiver copy, `all_to_all_matmul`'s consumer GEMM: every world size, rank,
+    epoch, slot, timeout, chunk count and row count (0 rows too) share one variant per kernel (``C`` and the weight's
+    shape stay specialized: the same here)."""
+    from overlap.kernels import all_to_all_matmul as a2a_mm
+    from overlap.kernels import matmul_all_to_all as mm_a2a
+
+    producers, copies, gemms = [], [], []
+    for (w, r, e, s, t), m in zip(_per_call(), itertools.cycle((0, 1, 17, 96, 1000))):
+        nch = 1 + (r + e) % min(4, -(-max(m, 1) // 128))
+        a, b = torch.empty(m, 256, dtype=torch.bfloat16), torch.empty(256, w * 128, dtype=torch.bfloat16)
+        out, b2 = torch.empty(w, m, 128, dtype=torch.bfloat16), torch.empty(w * 128, 512, dtype=torch.bfloat16)
+        table, tables = torch.zeros(w, dtype=i64), torch.zeros(w, dtype=i64)
+        producers.append(lambda a=a, b=b, w=w, r=r, e=e, s=s, nch=nch, table=table: mm_a2a.launch_matmul_all_to_all(
+            a, b, table, torch.zeros(256, dtype=i32), table, num_chunks=nch, flag_stride=256 // w, epoch=_epoch(e, s),
+            rank=r, block=(128, 128, 64)))
+        copies.append(lambda out=out, e=e, s=s, t=t, nch=nch, tables=tables: mm_a2a.launch_gather_blocks(
+            out, tables, tables, num_chunks=nch, epoch=_epoch(e, s), err=torch.zeros(1, dtype=i32), timeout_ns=t,
+            block=(128, 128)))
+        gemms.append(lambda m=m, b2=b2, e=e, s=s, t=t, nch=nch, tables=tables: a2a_mm.launch_all_to_all_matmul(
+            torch.empty(m, 512, dtype=torch.bfloat16), tables, tables, b2, num_chunks=nch, epoch=_epoch(e, s),
+            err=torch.zeros(1, dtype=i32), timeout_ns=t, block=(128, 128, 64)))
+    _one_key("matmul_all_to_all_kernel", producers)
+    _one_key("gather_blocks_kernel", copies)
+    _one_key("all_to_all_matmul_kernel", gemms)
+
+
 def test_shapes_still_choose_the_variant():
     """What is left specialized on purpose: a K that is not a multiple of 16, or b transposed, is another
     variant (its loads differ); the rows and the epoch are not."""

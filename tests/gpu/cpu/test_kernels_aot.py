@@ -16,11 +16,13 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[3]
 
 WAITING = ("all_gather_matmul_kernel", "all_gather_weight_matmul_kernel", "reduce_chunks_kernel",
-           "grouped_matmul_wait_kernel")
+           "grouped_matmul_wait_kernel", "gather_blocks_kernel", "all_to_all_matmul_kernel")
 GEMMS = ("all_gather_matmul_kernel", "all_gather_weight_matmul_kernel", "matmul_scatter_kernel",
-         "grouped_matmul_wait_kernel", "grouped_matmul_scatter_kernel")
+         "grouped_matmul_wait_kernel", "grouped_matmul_scatter_kernel", "matmul_all_to_all_kernel",
+         "all_to_all_matmul_kernel")
 ALL = ("all_gather_matmul_kernel", "all_gather_weight_matmul_kernel", "matmul_scatter_kernel", "reduce_chunks_kernel",
-       "grouped_matmul_wait_kernel", "grouped_matmul_scatter_kernel")
+       "grouped_matmul_wait_kernel", "grouped_matmul_scatter_kernel", "matmul_all_to_all_kernel",
+       "gather_blocks_kernel", "all_to_all_matmul_kernel")
 
 
 @pytest.fixture
@@ -104,6 +106,36 @@ def test_moe_scatter_kernel_compiles_for_sm90_with_wgmma_and_release_flags(repor
         assert r["cubin_bytes"] > 0, r
 
 
+def test_sequence_parallel_producer_compiles_for_sm90_with_wgmma_and_release_flags(report):
+    """`matmul_all_to_all_kernel`: each destination's columns of the product on wgmma, stored into its slot, each chunk
+    counted and released at system scope after a CTA barrier."""
+    rows = _of(report, "matmul_all_to_all_kernel")
+    assert {r["dtype"] for r in rows} == {"bf16", "fp32"} and {r["weight"] for r in rows} == {"row-major",
+                                                                                               "column-major"}
+    wgmma_type = {"bf16": "bf16", "fp32": "tf32"}
+    for r in rows:
+        assert r["wgmma"] and r["wgmma_types"] == [wgmma_type[r["dtype"]]], f"GEMM not on wgmma {r['dtype']}: {r}"
+        assert r["count_acq_rel_sys"], f"the chunk count is not a system-scope acq_rel atomic: {r}"
+        assert r["flag_release_sys"], f"the ready flag is not published by a system-scope release: {r}"
+        assert r["bar_sync"] and r["debug_barrier"], f"no CTA barrier (tl.debug_barrier) before the count: {r}"
+        assert r["cubin_bytes"] > 0, r
+
+
+def test_sequence_parallel_consumers_compile_for_sm90_with_bounded_acquire_waits(report):
+    """`gather_blocks_kernel` (the copy out of the slot, vector loads) and `all_to_all_matmul_kernel` (every source's
+    block on wgmma into one accumulator): each wait a system-scope acquire bounded by %globaltimer."""
+    for r in _of(report, "gather_blocks_kernel"):
+        assert r["loads"]["vector"] > 0 and r["loads"]["scalar_16bit"] == 0, f"the regions are not read wide: {r}"
+    rows = _of(report, "all_to_all_matmul_kernel")
+    assert {r["dtype"] for r in rows} == {"bf16", "fp32"}
+    for r in rows:
+        assert r["wgmma"] and r["wgmma_types"] == [{"bf16": "bf16", "fp32": "tf32"}[r["dtype"]]], r
+    for r in [*rows, *_of(report, "gather_blocks_kernel")]:
+        assert r["flag_acquire_sys"], f"the flag wait is not a system-scope acquire: {r}"
+        assert r["globaltimer"], f"the bounded wait does not read %globaltimer: {r}"
+        assert r["cubin_bytes"] > 0, r
+
+
 # ----------------------------------------------------------------------------------------------
 # Waits that every warp leaves together; GEMM loads that stay wide
 # ----------------------------------------------------------------------------------------------
@@ -122,7 +154,8 @@ def test_every_warp_leaves_a_wait_on_the_same_iteration(report, kernel):
 
 @pytest.mark.parametrize("kernel", ["all_gather_matmul_kernel", "all_gather_weight_matmul_kernel",
                                     "reduce_chunks_kernel", "grouped_matmul_wait_kernel", "matmul_scatter_kernel",
-                                    "grouped_matmul_scatter_kernel", "_occupy"])
+                                    "grouped_matmul_scatter_kernel", "matmul_all_to_all_kernel",
+                                    "gather_blocks_kernel", "all_to_all_matmul_kernel", "_occupy"])
 def test_no_atomic_on_a_host_word(report, kernel):
     """The error word and the GPU check's marks are pinned host memory, where a system-scope atomic over PCIe is
     not atomic with respect to the host: plain stores there; the only atomics are the flag protocol's (the
@@ -161,7 +194,8 @@ def test_gemm_operands_load_in_16_byte_copies(report, kernel):
 
 #: the stride between a weight's columns (``K`` for a column-major weight, ``w.t()``), per GEMM kernel that takes one
 WEIGHT_COLUMN_STRIDES = {"all_gather_matmul_kernel": "stride_bn", "matmul_scatter_kernel": "stride_bn",
-                         "grouped_matmul_wait_kernel": "stride_wn", "grouped_matmul_scatter_kernel": "stride_wn"}
+                         "grouped_matmul_wait_kernel": "stride_wn", "grouped_matmul_scatter_kernel": "stride_wn",
+                         "matmul_all_to_all_kernel": "stride_bn", "all_to_all_matmul_kernel": "stride_bn"}
 
 
 def _ptx_and_ttir(ops: list[str]) -> bool:
