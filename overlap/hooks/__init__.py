@@ -8,6 +8,9 @@
   whose linear layers run through the fused ops, in fp8 with ``fp8=`` (a recipe) or as torchao's float8 layers.
 * `overlap.hooks.torchao_float8`: the recipe a layer converted by torchao's float8 training
   (``torchao.float8.convert_to_float8_training``) trains with under those styles; torchao is not imported.
+* `overlap.hooks.deepspeed_ulysses`: ``UlyssesAttention``, DeepSpeed-Ulysses attention (a model's own q/k/v/o
+  ``nn.Linear`` and the local attention it gives ``deepspeed.sequence.layer.DistributedAttention``) run by
+  `overlap.matmul_all_to_all` and `overlap.all_to_all_matmul`; DeepSpeed is not imported.
 
 Submodules are imported on use (``import overlap.hooks.megatron``): neither Megatron-core nor torch's
 tensor-parallel API is needed to import `overlap`.
