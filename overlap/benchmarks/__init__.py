@@ -17,10 +17,11 @@ from .. import lazy as _lazy
 #: public name -> the submodule defining it, imported on first use (PEP 562): the command line's parser
 #: imports `names` and `models` without loading torch through `cases`
 _LAZY = {
-    **dict.fromkeys(("BENCH_OPS", "MODES", "MOE_OPS", "MOE_PRESETS", "MoEShape", "parse_moe_shape", "parse_shape"),
-                    "names"),
-    **dict.fromkeys(("OPS", "SUITES", "Case", "MoECase", "default_cases", "preset_cases", "suite_cases"), "cases"),
-    **dict.fromkeys(("TP_PRESETS", "DenseModel", "tp_problems"), "models"),
+    **dict.fromkeys(("BENCH_OPS", "DEFAULT_OPS", "MODES", "MOE_OPS", "MOE_PRESETS", "SP_OPS", "MoEShape",
+                     "parse_moe_shape", "parse_shape"), "names"),
+    **dict.fromkeys(("OPS", "SUITES", "Case", "MoECase", "SpCase", "default_cases", "preset_cases", "sp_preset_cases",
+                     "suite_cases"), "cases"),
+    **dict.fromkeys(("SP_PRESETS", "TP_PRESETS", "DenseModel", "sp_problems", "tp_problems"), "models"),
 }
 
 __all__ = sorted(_LAZY)

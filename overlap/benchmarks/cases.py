@@ -42,6 +42,7 @@ from ..plans.optable import MX_BLOCK, MX_DTYPE
 from .definitions import (
     AUTO,
     BENCH_OPS,
+    DEFAULT_OPS,
     DTYPES,
     FP8_DTYPES,
     FP8_OPS,
@@ -50,12 +51,14 @@ from .definitions import (
     MOE_OPS,
     MOE_PRESETS,
     OPS,
+    SP_OPS,
     TORCH,
     VARIANTS,
     AnyCase,
     Case,
     MoECase,
     MoEShape,
+    SpCase,
     all_bench_labels,
     all_strategy_labels,
     bench_labels,
@@ -64,7 +67,7 @@ from .definitions import (
     parse_shape,
     strategy_labels,
 )
-from .models import TP_PRESETS, layer_split, tp_problem, tp_problems
+from .models import SP_PRESETS, TP_PRESETS, layer_split, sp_problem, sp_problems, tp_problem, tp_problems
 
 __all__ = [
     # defined here
@@ -73,10 +76,12 @@ __all__ = [
     "default_cases",
     "dtype_problem",
     "preset_cases",
+    "sp_preset_cases",
     "suite_cases",
     # `definitions`'
     "AUTO",
     "BENCH_OPS",
+    "DEFAULT_OPS",
     "TORCH",
     "all_bench_labels",
     "bench_labels",
@@ -86,11 +91,13 @@ __all__ = [
     "MOE_OPS",
     "MOE_PRESETS",
     "OPS",
+    "SP_OPS",
     "VARIANTS",
     "AnyCase",
     "Case",
     "MoECase",
     "MoEShape",
+    "SpCase",
     "all_strategy_labels",
     "label_plan",
     "parse_moe_shape",
@@ -141,6 +148,14 @@ _MOE_DEFAULTS: dict[str, list[tuple[str, str, tuple[str, ...]]]] = {
     "cpu": [("mixtral", "float32", MODES), ("deepseek-v3", "float32", MODES), ("tiny", "float32", MODES)],
     # Not yet measured on a GPU.
     "cuda": [("mixtral-full", "bfloat16", MODES), ("deepseek-v3-full", "bfloat16", MODES)],
+}
+
+# (preset, dtype, modes) per device type for the sequence-parallel ops (`models.SP_PRESETS`): each preset's ``qkv``
+# layer for ``matmul_all_to_all``, its ``attn-out`` for ``all_to_all_matmul``
+_SP_DEFAULTS: dict[str, list[tuple[str, str, tuple[str, ...]]]] = {
+    "cpu": [("llama3-8b-32k", "float32", MODES)],
+    # Not yet measured on a GPU (nor has the family run on one).
+    "cuda": [("llama3-8b-32k-full", "bfloat16", MODES), ("llama3-8b-128k-full", "bfloat16", ("fwd",))],
 }
 
 
@@ -195,15 +210,34 @@ def preset_cases(
     return cases
 
 
+def sp_preset_cases(
+    preset: str,
+    op: str | Sequence[str] = SP_OPS,
+    world_size: int = 2,
+    dtype: str = "float32",
+    modes: Sequence[str] = MODES,
+) -> list[SpCase]:
+    """The cases of the `models.SP_PRESETS` attention `preset` at sequence-parallel size `world_size`, for the
+    sequence-parallel ops among `op` (others are ignored), grouped by op, then mode. Raises ValueError for an unknown
+    preset, op or mode, or a layer that does not split over `world_size` ranks (`models.sp_problem`)."""
+    ops = (op,) if isinstance(op, str) else tuple(op)
+    _check_selection(ops, modes)
+    if preset not in SP_PRESETS:
+        raise ValueError(f"unknown sequence-parallel preset {preset!r}; known: {tuple(SP_PRESETS)}")
+    problems = sp_problems(SP_PRESETS[preset][0], world_size)
+    return [SpCase.of(o, *dims, dtype, backward=mode == "fwd+bwd", preset=preset, layer=layer, sp=world_size)
+            for o in ops for layer, layer_op, dims in problems if layer_op == o for mode in MODES if mode in modes]
+
+
 def default_cases(
-    op: str | Sequence[str] = BENCH_OPS,
+    op: str | Sequence[str] = DEFAULT_OPS,
     device_type: str = "cpu",
     dtype: str | None = None,
     modes: Sequence[str] = MODES,
     world_size: int = 2,
     left_out: list[str] | None = None,
 ) -> list[AnyCase]:
-    """The default cases of `op` (one name or several, of `BENCH_OPS`) for `world_size` ranks on
+    """The default cases of `op` (one name or several, of `BENCH_OPS`; default `DEFAULT_OPS`) for `world_size` ranks on
     `device_type` (``"cpu"`` or ``"cuda"``), in the given `modes` (see `MODES`), grouped by op, then
     shape (a preset's layers in order), then mode.
 
@@ -235,6 +269,15 @@ def default_cases(
                     continue
                 cases += [MoECase.of(dims, dtype or dt, backward=mode == "fwd+bwd", preset=preset)
                           for mode in MODES if mode in case_modes and mode in modes]
+            continue
+        if o in SP_OPS:
+            for preset, dt, case_modes in _SP_DEFAULTS[device_type]:
+                if why := sp_problem(SP_PRESETS[preset][0], world_size):
+                    if left_out is not None and f"{preset}: {why}" not in left_out:
+                        left_out.append(f"{preset}: {why}")
+                    continue
+                cases += sp_preset_cases(preset, o, world_size, dtype or dt,
+                                         [mode for mode in MODES if mode in case_modes and mode in modes])
             continue
         for shape, dt, case_modes, case_ops in _DEFAULTS[device_type]:
             selected = [mode for mode in MODES if mode in case_modes and mode in modes]
@@ -288,12 +331,12 @@ SUITES: dict[str, str] = {
 def suite_cases(
     name: str, device_type: str = "cpu", world_size: int = 2, left_out: list[str] | None = None
 ) -> list[AnyCase]:
-    """The cases of suite `name` (`SUITES`) of every op in `BENCH_OPS` (see `default_cases`).
+    """The cases of suite `name` (`SUITES`) of every op in `DEFAULT_OPS` (see `default_cases`).
     Raises ValueError for an unknown suite."""
     if name not in SUITES:
         raise ValueError(f"unknown suite {name!r}; known: {tuple(SUITES)}")
     modes = MODES if name == "default" else ("fwd",)
-    cases = default_cases(BENCH_OPS, device_type, None, modes, world_size, left_out)
+    cases = default_cases(DEFAULT_OPS, device_type, None, modes, world_size, left_out)
     if name == "quick":
         return [c for c in cases if not c.fits_interpreted_fused]
     if name == "tiny":
@@ -317,7 +360,7 @@ class BenchConfig:
     Raises ValueError for anything unknown or inconsistent.
     """
 
-    ops: tuple[str, ...] = BENCH_OPS
+    ops: tuple[str, ...] = DEFAULT_OPS
     modes: tuple[str, ...] = MODES
     cases: tuple[AnyCase, ...] = ()  # empty: the default cases of `ops` x `modes` for the ranks' device type
     dtype: str | None = None  # overrides the dtype of the default cases

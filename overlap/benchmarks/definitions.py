@@ -53,6 +53,17 @@ Batch-first and several weights (`layouts`; same FLOPs and bytes as the case wit
 ``gather_dim=1`` / ``scatter_dim=1`` (name suffix ``/bsh<B>``); ``split=(n_1, ...)`` runs ``all_gather_matmul``
 with the weight's columns as several weights, one gather feeding each (``/split<n_1>+...``: q, k and v).
 
+Sequence parallelism (ops ``matmul_all_to_all`` and ``all_to_all_matmul``, `SpCase`): DeepSpeed-Ulysses attention's
+two projections with their all-to-alls, in the op table's ``m x k x n`` (`overlap.plans.sp_ops`; not the
+tensor-parallel convention above): ``matmul_all_to_all``'s ``a`` is ``[m, k]`` (this rank's sequence shard), ``b``
+``[k, n]`` (every head), the output ``[W*m, n/W]`` (this rank's heads over the whole sequence); ``all_to_all_matmul``'s
+``a`` is ``[W*m, k/W]``, ``b`` ``[k, n]``, the output ``[m, n]``. FLOPs ``2*m*k*n`` forward (``6*m*k*n`` in
+``fwd+bwd``), bytes in ``(W-1)*m*n/W`` (``all_to_all_matmul``: ``(W-1)*m*k/W``) elements, twice that in ``fwd+bwd``
+(the backward's reverse exchange). The workload gives each rank one head (``n/W`` or ``k/W`` columns), so those must
+divide by ``W`` (`SpCase.world_problem`). The ``torch`` row: the projection, ``all_to_all_single``, the layout copies
+around it; the strategies the ops implement (``reference``, ``pipelined``) and ``auto``. The presets
+(`models.SP_PRESETS`): Llama-3 8B's attention over a 32k- or 128k-token sequence.
+
 MoE (op ``moe``, `MoECase`): one MoE layer's expert part on the expert-parallel group,
 ``h, handle = overlap.moe.dispatch_grouped_matmul(x, topk_idx, w1)``, ``a = gelu(h)``,
 ``y = overlap.moe.grouped_matmul_combine(a, w2, topk_weights, handle)``. Its shape is
@@ -124,15 +135,17 @@ import torch
 from ..plans import FP8_DTYPES, Problem
 from ..plans import OPS as OP_TABLE
 from ..plans.optable import MX_BLOCK, MX_DTYPE, torch_dtype
-from .models import LAYERS, TP_PRESETS
+from .models import LAYERS, SP_LAYERS, SP_PRESETS, TP_PRESETS
 from .names import (
     AUTO,
     BENCH_OPS,
+    DEFAULT_OPS,
     DTYPE_NAMES,
     INTERPRETED_FUSED_MAX_DIM,
     MODES,
     MOE_OPS,
     MOE_PRESETS,
+    SP_OPS,
     STRATEGY_NAMES,
     TORCH,
     TP_OPS,
@@ -148,8 +161,9 @@ from .names import (
 )
 
 __all__ = [
-    "AUTO", "BENCH_OPS", "DTYPES", "FP8_DTYPES", "FP8_OPS", "INTERPRETED_FUSED_MAX_DIM", "MODES", "MOE_OPS",
-    "MOE_PRESETS", "OPS", "TORCH", "VARIANTS", "AnyCase", "Case", "MoECase", "MoEShape", "all_bench_labels",
+    "AUTO", "BENCH_OPS", "DEFAULT_OPS", "DTYPES", "FP8_DTYPES", "FP8_OPS", "INTERPRETED_FUSED_MAX_DIM", "MODES",
+    "MOE_OPS", "MOE_PRESETS", "OPS", "SP_OPS", "TORCH", "VARIANTS", "AnyCase", "Case", "MoECase", "MoEShape", "SpCase",
+    "all_bench_labels",
     "all_strategy_labels", "bench_labels", "label_plan", "parse_moe_shape", "parse_shape", "strategy_labels",
 ]
 
@@ -381,6 +395,90 @@ class MoECase(_CaseNames):
         return None
 
 
-AnyCase = Case | MoECase
+@dataclasses.dataclass(frozen=True)
+class SpCase(_CaseNames):
+    """One benchmark case of a sequence-parallel op (``matmul_all_to_all``, ``all_to_all_matmul``): its `problem`
+    (the op's ``m x k x n``, `overlap.plans.sp_ops`: ``m`` rows of this rank's sequence shard, the projection
+    ``[k, n]``; dtype; forward only or forward plus backward). `preset`, `layer` and `sp` label a case of a
+    `models.SP_PRESETS` layer cut for `sp` ranks (`cases.sp_preset_cases`), which runs only there. Made by
+    `SpCase.of`."""
+
+    problem: Problem
+    preset: str = ""
+    layer: str = ""
+    sp: int = 0
+
+    @classmethod
+    def of(cls, op: str, m: int, k: int, n: int, dtype: str = "float32", backward: bool = False,
+           **labels: Any) -> SpCase:
+        """The case of `op` at ``m x k x n`` in `dtype` (no fp8: the family has no recipe), `backward` or not.
+        Raises ValueError naming the field that is wrong."""
+        if op not in SP_OPS:
+            raise ValueError(f"unknown sequence-parallel op {op!r}; known: {SP_OPS}")
+        for name, v in (("m", m), ("k", k), ("n", n)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        _check_mode(dtype, backward, tuple(d for d in DTYPES if d not in FP8_DTYPES),
+                    "a sequence-parallel case's dtype (no fp8 recipe)")
+        return cls(Problem(op, m, k, n, dtype, backward), **labels)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.problem, Problem) or self.problem.op not in SP_OPS:
+            raise ValueError(f"an SpCase's problem is a Problem of one of {SP_OPS}, got {self.problem!r}")
+        if self.preset or self.layer or self.sp:
+            layers = [name for name, op in SP_LAYERS if op == self.op]
+            if self.preset not in SP_PRESETS or self.layer not in layers or isinstance(self.sp, bool) \
+                    or not isinstance(self.sp, int) or self.sp < 1:
+                raise ValueError(
+                    f"a preset case needs preset in {tuple(SP_PRESETS)}, a layer of {self.op} in {layers} and sp >= 1, "
+                    f"got preset={self.preset!r}, layer={self.layer!r}, sp={self.sp!r}")
+
+    @property
+    def m(self) -> int:
+        return self.problem.m
+
+    @property
+    def k(self) -> int:
+        return self.problem.k
+
+    @property
+    def n(self) -> int:
+        return self.problem.n
+
+    @property
+    def shape(self) -> str:
+        dims = f"{self.m}x{self.k}x{self.n}"
+        return f"{self.preset}/{self.layer}:{dims}" if self.preset else dims
+
+    def comm_bytes(self, world_size: int) -> int:
+        """Bytes one rank receives in one call's plain all-to-alls (the op table's)."""
+        return self.problem.spec.comm_bytes(self.problem, world_size)
+
+    @property
+    def fits_interpreted_fused(self) -> bool:
+        return max(self.m, self.k, self.n) <= INTERPRETED_FUSED_MAX_DIM
+
+    def shape_fields(self) -> dict[str, Any]:
+        """The shape as fields of a result row."""
+        return {"m": self.m, "k": self.k, "n": self.n, "preset": self.preset or None, "layer": self.layer or None}
+
+    def record(self) -> dict[str, Any]:
+        """The case as the JSON record of a run names it (the arguments of `of`)."""
+        return {"op": self.op, "m": self.m, "k": self.k, "n": self.n, "dtype": self.dtype, "backward": self.backward,
+                "preset": self.preset, "layer": self.layer, "sp": self.sp}
+
+    def world_problem(self, world_size: int) -> str | None:
+        """Why the case cannot run on `world_size` ranks, or None: a preset's shapes are its layer's at one
+        sequence-parallel size; the heads' columns (``matmul_all_to_all``'s ``n``, ``all_to_all_matmul``'s ``k``) must
+        divide by the ranks (the workload gives each rank one head of ``n/W`` or ``k/W`` columns)."""
+        if self.sp and self.sp != world_size:
+            return f"{self.name}: the {self.preset} shapes were cut for {self.sp} ranks, not {world_size}"
+        what, cols = ("n", self.n) if self.op == "matmul_all_to_all" else ("k", self.k)
+        if cols % world_size:
+            return f"{self.name}: {what} ({cols}, the heads' columns) does not divide by {world_size} ranks"
+        return None
+
+
+AnyCase = Case | MoECase | SpCase
 
 

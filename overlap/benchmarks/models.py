@@ -1,4 +1,4 @@
-"""Tensor-parallel problems of real dense models: the Llama-3 presets of ``overlap bench --shape``.
+"""Tensor- and sequence-parallel problems of real dense models: the Llama-3 presets of ``overlap bench --shape``.
 
 A preset is one transformer layer of a model, cut for tensor parallelism over the ranks (TP = the
 world size ``W``) with Megatron's sequence parallelism, ``S`` tokens per micro-batch. Its four
@@ -52,6 +52,17 @@ against 0.8-1.5), mlp-up 1.9-3.6 against 5-12 ms, mlp-down 2.5-5.8 against 2.3-5
 overlap to matter. The tokens set only the duration: at 1/4 a call takes milliseconds to tens of
 milliseconds. The 70B versions (twice the tokens, twice the widths) cost ~7-8x the 8B's GEMMs: on
 request, not in the defaults.
+
+Sequence parallelism (DeepSpeed-Ulysses, `SP_PRESETS`, `sp_problems`): Llama-3 8B's attention over a long
+sequence of ``S`` tokens, the sequence sharded over the ``W`` ranks and attention run on a shard of the heads:
+``qkv`` (``matmul_all_to_all``, ``S/W x H x (Q+2KV)``: q, k and v packed as one weight, every head) and
+``attn-out`` (``all_to_all_matmul``, ``S/W x Q x H``). Heads, KV heads and ``S`` must divide by ``W`` (whole heads
+per rank: Llama-3's 8 KV heads bound the group at 8). Per byte a rank receives, the QKV side does
+``2*W/(W-1) * k / itemsize`` FLOPs and the output side ``2*W/(W-1) * n / itemsize`` (``k`` and ``n`` the hidden
+size): ~4700 in bf16 at SP=8 for the 8B model, compute-heavy on an H100 over NVLink; at 1/16 width in fp32 on 2
+ranks, 256, the tensor-parallel presets' order. ``llama3-8b-32k`` and ``llama3-8b-128k`` are the CPU versions
+(widths at 1/16, tokens at 1/32: 1024 and 4096 tokens); ``llama3-8b-32k-full`` and ``llama3-8b-128k-full`` the real
+sizes (the GPU defaults, not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -197,3 +208,71 @@ def parse_tp_preset(text: str) -> str | None:
     """The `TP_PRESETS` name `text` spells (case and surrounding blanks ignored), or None."""
     name = text.strip().lower()
     return name if name in TP_PRESETS else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Sequence parallelism (DeepSpeed-Ulysses): the attention projections of a long-context layer
+# ----------------------------------------------------------------------------------------------
+
+#: (layer, op) of a sequence-parallel layer's attention, in the order it runs them: the q/k/v projections then the
+#: all-to-all to heads (``matmul_all_to_all``), the all-to-all back then the output projection (``all_to_all_matmul``)
+SP_LAYERS: tuple[tuple[str, str], ...] = (("qkv", "matmul_all_to_all"), ("attn-out", "all_to_all_matmul"))
+
+#: the CPU sequence-parallel presets' tokens are the real sequence's divided by this (widths: `CPU_WIDTH_SCALE`)
+SP_CPU_TOKEN_SCALE = 32
+
+
+def _sequence(model: DenseModel, tokens: int, width: int = 1, token_scale: int = 1) -> DenseModel:
+    """`model` over a sequence of `tokens` (divided by `token_scale`), its widths divided by `width`."""
+    return dataclasses.replace(model.scaled(width, 1), tokens=tokens // token_scale)
+
+
+_SP_CPU = f"widths at 1/{CPU_WIDTH_SCALE}, tokens at 1/{SP_CPU_TOKEN_SCALE}"
+
+#: name -> (layer, what it is): Llama-3 8B's attention over a long sequence, cut for sequence parallelism over the
+#: ranks (SP = the world size ``W``, `sp_problems`). ``-full``: the real sizes (the GPU defaults); the others scaled
+#: for CPU ranks, widths at 1/16 as the tensor-parallel presets (`CPU_WIDTH_SCALE`: the same balance of compute and
+#: communication per projection) and the tokens at 1/32 (`SP_CPU_TOKEN_SCALE`: 1024 tokens for 32k, 512 rows per
+#: rank on 2 ranks, a call of a few milliseconds; the tokens cancel out of that balance, so they set the duration)
+SP_PRESETS: dict[str, tuple[DenseModel, str]] = {
+    "llama3-8b-32k": (_sequence(LLAMA3_8B, 32768, CPU_WIDTH_SCALE, SP_CPU_TOKEN_SCALE),
+                      f"Llama-3 8B attention over a 32k-token sequence, {_SP_CPU}"),
+    "llama3-8b-128k": (_sequence(LLAMA3_8B, 131072, CPU_WIDTH_SCALE, SP_CPU_TOKEN_SCALE),
+                       f"Llama-3 8B attention over a 128k-token sequence, {_SP_CPU}"),
+    "llama3-8b-32k-full": (_sequence(LLAMA3_8B, 32768), "Llama-3 8B attention over a 32k-token sequence, full size"),
+    "llama3-8b-128k-full": (_sequence(LLAMA3_8B, 131072),
+                            "Llama-3 8B attention over a 128k-token sequence, full size"),
+}
+
+
+def sp_problem(model: DenseModel, world_size: int) -> str | None:
+    """Why `model`'s attention cannot be cut for sequence parallelism over `world_size` ranks, or None: every rank
+    gets whole query and key/value heads (Ulysses' rule; the key/value heads bound the group's size) and an equal
+    shard of the sequence."""
+    W = world_size
+    bad = [f"{what} ({v})" for what, v in (("heads", model.heads), ("kv_heads", model.kv_heads),
+                                           ("tokens", model.tokens)) if v % W]
+    if bad:
+        return f"{', '.join(bad)} do not divide by the sequence-parallel size {W} (the ranks)"
+    return None
+
+
+def sp_problems(model: DenseModel, world_size: int) -> list[tuple[str, str, tuple[int, int, int]]]:
+    """``[(layer, op, (m, k, n)), ...]`` of `model`'s attention at SP = `world_size`, in `SP_LAYERS` order, in the
+    sequence-parallel ops' ``m x k x n`` (`overlap.plans.sp_ops`): ``m = S/W`` rows of this rank's sequence shard;
+    ``qkv``: ``k`` = hidden, ``n = (heads + 2*kv_heads) * head_dim``, q, k and v packed as one weight (the same bytes
+    and FLOPs as three: each destination's columns of every weight travel as one block); ``attn-out``: ``k =
+    heads * head_dim``, ``n`` = hidden. Raises ValueError where `sp_problem` gives a reason."""
+    why = sp_problem(model, world_size)
+    if why:
+        raise ValueError(why)
+    m, hd = model.tokens // world_size, model.head_dim
+    dims = {"qkv": (m, model.hidden, (model.heads + 2 * model.kv_heads) * hd),
+            "attn-out": (m, model.heads * hd, model.hidden)}
+    return [(layer, op, dims[layer]) for layer, op in SP_LAYERS]
+
+
+def parse_sp_preset(text: str) -> str | None:
+    """The `SP_PRESETS` name `text` spells (case and surrounding blanks ignored), or None."""
+    name = text.strip().lower()
+    return name if name in SP_PRESETS else None

@@ -5,8 +5,9 @@ The ops, strategies, variants and dtypes are the op table's (`overlap.plans.opta
 import no torch), read from it here; `definitions` says what a case is and re-exports these names. So ``overlap
 --help`` and argument errors answer without importing torch.
 
-Strategy labels: the four strategies of `overlap.Plan` and, for ``matmul_all_reduce``, their
-``+one_shot`` variants (`strategy_labels`); a benchmark also runs two rows beside them
+Strategy labels: the strategies of `overlap.Plan` that an op implements (`OpSpec.strategies`: the sequence-parallel
+ops have ``reference`` and ``pipelined`` only) and, for ``matmul_all_reduce``, their ``+one_shot`` variants
+(`strategy_labels`); a benchmark also runs two rows beside them
 (`bench_labels`): ``torch``, the plain torch.distributed collective and ``torch.matmul`` with no code
 of this project on the timed path (the baseline of every speedup), and ``auto``, the default strategy.
 """
@@ -18,10 +19,17 @@ import dataclasses
 from ..plans.optable import OPS, TRAINING_DTYPES, ops_of
 from ..plans.plan import STRATEGIES
 
-#: the tensor-parallel ops (the op table's family ``tp``), then the MoE layer (family ``moe``)
+#: the tensor-parallel ops (the op table's family ``tp``), the MoE layer (family ``moe``), the sequence-parallel ops
+#: (family ``sp``: DeepSpeed-Ulysses attention's projections)
 TP_OPS = ops_of("tp")
 MOE_OPS = ops_of("moe")
-BENCH_OPS = TP_OPS + MOE_OPS
+SP_OPS = ops_of("sp")
+#: every op ``overlap bench --op`` takes
+BENCH_OPS = TP_OPS + MOE_OPS + SP_OPS
+#: the ops of a run without ``--op``: the sequence-parallel ones on request (``--op``, or a preset of theirs in
+#: ``--shape``): their default cases (Llama-3 8B attention over 32k tokens, scaled) would add ~15 s on 2 CPU ranks to
+#: the default run's ~40 s
+DEFAULT_OPS = TP_OPS + MOE_OPS
 
 #: ``fwd``: the forward alone; ``fwd+bwd``: forward, then backward of the fresh output
 MODES = ("fwd", "fwd+bwd")
@@ -50,13 +58,20 @@ INTERPRETED_FUSED_MAX_DIM = 128
 
 def variant_labels(op: str) -> dict[str, tuple[str, str]]:
     """``label -> (strategy, flag)`` of `op`'s variant labels (``symm+one_shot`` -> ``(symm, one_shot)``)."""
-    return {f"{s}+{v}": (s, v) for v in VARIANT_FLAGS.get(op, ()) for s in STRATEGY_NAMES if s != "reference"}
+    return {f"{s}+{v}": (s, v) for v in VARIANT_FLAGS.get(op, ()) for s in _strategies(op) if s != "reference"}
+
+
+def _strategies(op: str) -> tuple[str, ...]:
+    """`STRATEGY_NAMES` that `op` implements (`OpSpec.strategies`): an op without ``symm`` or ``fused`` has no row of
+    them (forcing one raises ValueError)."""
+    return tuple(s for s in STRATEGY_NAMES if s in OPS[op].strategies) if op in OPS else STRATEGY_NAMES
 
 
 def strategy_labels(op: str) -> tuple[str, ...]:
-    """The strategy labels `op` can be benchmarked under, each variant after its strategy."""
+    """The strategy labels `op` can be benchmarked under (the strategies it implements), each variant after its
+    strategy."""
     variants = variant_labels(op)
-    return tuple(label for s in STRATEGY_NAMES for label in (s, *(v for v in variants if variants[v][0] == s)))
+    return tuple(label for s in _strategies(op) for label in (s, *(v for v in variants if variants[v][0] == s)))
 
 
 def all_strategy_labels() -> tuple[str, ...]:

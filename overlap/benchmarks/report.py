@@ -7,7 +7,7 @@ Strategy labels are shown as the runner ran them: interpreted ``fused`` gets ``(
 column is the plan each row ran (``auto``'s choice among them), written by `overlap.Plan.label`.
 Speedups are over ``torch`` (the op in plain torch, `baseline`), with the speedup over ``reference``
 beside them. The geometric-mean speedups (`summary`, `summary_lines`) are per mode, over all modes,
-per op family (tensor-parallel, moe) where a run has both, and per op, last; they include
+per op family (tensor-parallel, moe, sequence-parallel) where a run has several, and per op, last; they include
 ``reference`` and ``auto``. `auto_vs_torch` counts the cases where ``auto`` was slower than ``torch``
 beyond the run's noise: by more than a tenth of ``torch``'s median or half the wider p25..p75 spread,
 whichever is larger (`slower_than_torch`; the goal is none).
@@ -27,6 +27,7 @@ from .definitions import (
     INTERPRETED_FUSED_MAX_DIM,
     MODES,
     MOE_OPS,
+    SP_OPS,
     TORCH,
     VARIANTS,
     AnyCase,
@@ -172,8 +173,8 @@ _ORDER = all_bench_labels()
 
 
 def family(op: str) -> str:
-    """``"moe"`` or ``"tensor-parallel"``: the op families the summary also reports apart."""
-    return "moe" if op in MOE_OPS else "tensor-parallel"
+    """``"moe"``, ``"sequence-parallel"`` or ``"tensor-parallel"``: the op families the summary also reports apart."""
+    return "moe" if op in MOE_OPS else "sequence-parallel" if op in SP_OPS else "tensor-parallel"
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -202,7 +203,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def summary_lines(
     results: dict[str, dict[str, Any]], modes: tuple[str, ...], families: tuple[str, ...], ops: tuple[str, ...]
 ) -> list[str]:
-    """The geometric means: per mode, over all modes, per op family where a run has both, per op last."""
+    """The geometric means: per mode, over all modes, per op family where a run has several, per op last."""
     lines = []
     scopes = [(m, lambda s, m=m: results[s]["by_mode"].get(m)) for m in modes]
     if len(modes) > 1:
@@ -274,6 +275,14 @@ def notes(config: Any, interpreted: bool, interpreted_iters: int) -> list[str]:
             "fixed uneven routing per case (shape T,H,F,E,K: tokens per rank, hidden, expert FFN, experts, top-k); "
             "(all_to_alls alone) = all_to_all_single of the counts and of the rows both ways; (GEMMs alone) = the "
             "grouped GEMMs on this rank's received rows; TFLOP/s and GB/s count the mean rows per rank"
+        )
+    if ops & set(SP_OPS):
+        lines.append(
+            "matmul_all_to_all, all_to_all_matmul: sequence parallelism (DeepSpeed-Ulysses attention's projections), "
+            "shape m x k x n: m rows of this rank's sequence shard, the projection [k, n] (matmul_all_to_all: "
+            "out [W*m, n/W], this rank's heads; all_to_all_matmul: ctx [W*m, k/W] in, out [m, n]); torch = the "
+            "projection and all_to_all_single with the layout copies around it; (all_to_all alone) = that "
+            "all_to_all_single"
         )
     if "fused" in config.strategies and interpreted:
         lines.append(

@@ -2,7 +2,8 @@
 
 `run` executes on every rank of the default group (all ranks call it; rank 0 prints). For each
 case (`cases.Case`: a tensor-parallel op, a shape, a dtype, a mode; `cases.MoECase`: the MoE
-layer, ``T,H,F,E,K``, a dtype, a mode), `run_case`:
+layer, ``T,H,F,E,K``, a dtype, a mode; `cases.SpCase`: a sequence-parallel op, its ``m x k x n``, a dtype, a mode),
+`run_case`:
 
 1. Fresh random inputs, seeded per rank and case (rank 0 draws the run's seed unless one is given
    and broadcasts it; the seed is printed so a run can be repeated); `case_data` says how they are
@@ -29,7 +30,7 @@ is at most `cases.INTERPRETED_FUSED_MAX_DIM`, is labelled ``(interpreted)``, is 
 in at most `timing.INTERPRETED_ITERS` of the repeats (a call costs 0.1-1 s) and is left out of the
 geometric means. ``matmul_all_reduce`` also runs the ``+one_shot`` variant of each strategy
 (`cases.VARIANTS`), a label of its own. The geometric means (over ``torch``) are per mode over every
-op, per op family (tensor-parallel, moe) where a run has both, and per op, last; then one line
+op, per op family (tensor-parallel, moe, sequence-parallel) where a run has several, and per op, last; then one line
 (and ``auto_vs_torch`` in the JSON) counts the cases where ``auto`` was slower than ``torch`` beyond
 the spreads (`report.auto_vs_torch`). Default cases that do not
 fit the ranks (MoE experts that do not split evenly, a Llama-3 layer whose heads do not) are left

@@ -2,10 +2,11 @@
 the cases of the command line's shapes, the checks of ``--json``, ``--plot`` and ``--compare``
 before any rank starts, and ``--compare``'s lines and ``--plot``'s figure after the run.
 
-Shapes (``--shape``, parsed by `overlap.cli`): ``(m, k, n)`` for every tensor-parallel op,
-``("preset", name)`` for a `models.TP_PRESETS` layer (expanded here for the number of ranks the
-command will run on, so a layer that does not split over them is a usage error before any rank
-starts), ``(MoEShape, preset name or "")`` for ``moe``.
+Shapes (``--shape``, parsed by `overlap.cli`): ``(m, k, n)`` for every tensor-parallel op and, where ``--op`` names
+them, the sequence-parallel ops (their own ``m x k x n``, `overlap.plans.sp_ops`), ``("preset", name)`` for a
+`models.TP_PRESETS` layer or a `models.SP_PRESETS` attention (expanded here for the number of ranks the command will
+run on, so a layer that does not split over them is a usage error before any rank starts), ``(MoEShape, preset name
+or "")`` for ``moe``.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..benchmarks import compare
-from ..benchmarks.models import TP_PRESETS, tp_problem
-from ..benchmarks.names import BENCH_OPS, MOE_OPS, MoEShape
+from ..benchmarks.models import SP_PRESETS, TP_PRESETS, sp_problem, tp_problem
+from ..benchmarks.names import BENCH_OPS, DEFAULT_OPS, MOE_OPS, SP_OPS, TP_OPS, MoEShape
 
 #: the suffixes ``--plot`` writes (matplotlib's raster and vector formats most people open)
 PLOT_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg", "eps", "ps", "webp", "tif", "tiff")
@@ -27,43 +28,55 @@ def is_moe_shape(shape: tuple) -> bool:
     return isinstance(shape[0], MoEShape)
 
 
+def _applies(shape: tuple, op: str, named: bool) -> bool:
+    """Whether a parsed ``--shape`` makes cases of `op`: an MoE shape of ``moe``, a preset of its family's ops, and
+    ``MxKxN`` of the tensor-parallel ops, and of the sequence-parallel ones where ``--op`` names them (`named`: their
+    ``m x k x n`` is their own, `overlap.plans.sp_ops`)."""
+    if is_moe_shape(shape):
+        return op in MOE_OPS
+    if shape[0] == "preset":
+        return op in (SP_OPS if shape[1] in SP_PRESETS else TP_OPS)
+    return op in TP_OPS or (named and op in SP_OPS)
+
+
 def cases_of(
     ops: Sequence[str] | None, modes: Sequence[str], shapes: Sequence[tuple] | None, dtype: str | None,
     world_size: int,
 ) -> tuple[tuple[str, ...], tuple[Any, ...]]:
-    """``(ops, cases)`` of the command line: `ops` as selected (None: every op, or with `shapes` the
+    """``(ops, cases)`` of the command line: `ops` as selected (None: `DEFAULT_OPS`, or with `shapes` the
     ops they are for); the cases of `shapes` in `dtype` (default float32) for `world_size` ranks,
     grouped by op, then shape (a preset's layers in order), then mode; no cases without shapes (the
     defaults are chosen on the ranks). Raises ValueError for an op without a shape, or a preset
     that does not split over `world_size` ranks."""
-    by_kind = {
-        True: [s for s in shapes or () if is_moe_shape(s)],
-        False: [s for s in shapes or () if not is_moe_shape(s)],
-    }
+    named = ops is not None
     if ops is None:
-        ops = tuple(op for op in BENCH_OPS if by_kind[op in MOE_OPS]) if shapes else BENCH_OPS
+        ops = tuple(op for op in BENCH_OPS if any(_applies(s, op, False) for s in shapes)) if shapes else DEFAULT_OPS
     ops = tuple(ops)
     if not shapes:
         return ops, ()
-    missing = [op for op in ops if not by_kind[op in MOE_OPS]]
+    missing = [op for op in ops if not any(_applies(s, op, named) for s in shapes)]
     if missing:
         kinds = " or ".join(dict.fromkeys("T,H,F,E,K or a preset" if op in MOE_OPS else "MxKxN or a preset"
                                           for op in missing))
         raise ValueError(f"--shape gives no shape for {', '.join(missing)} ({kinds})")
-    from ..benchmarks.cases import preset_cases  # torch: only once the arguments are known to be right
-    from ..benchmarks.definitions import Case, MoECase
+    from ..benchmarks.cases import preset_cases, sp_preset_cases  # torch: only once the arguments are known right
+    from ..benchmarks.definitions import Case, MoECase, SpCase
 
     dtype = dtype or "float32"
     cases: list[Any] = []
     for op in ops:
-        for shape in by_kind[op in MOE_OPS]:
+        for shape in (s for s in shapes if _applies(s, op, named)):
             if op in MOE_OPS:
                 cases += [MoECase.of(shape[0], dtype, backward=mode == "fwd+bwd", preset=shape[1]) for mode in modes]
             elif shape[0] == "preset":
-                why = tp_problem(TP_PRESETS[shape[1]][0], world_size)
+                sp = op in SP_OPS
+                why = (sp_problem(SP_PRESETS[shape[1]][0], world_size) if sp
+                       else tp_problem(TP_PRESETS[shape[1]][0], world_size))
                 if why:
                     raise ValueError(f"--shape {shape[1]} does not apply to {world_size} ranks: {why}")
-                cases += preset_cases(shape[1], op, world_size, dtype, modes)
+                cases += (sp_preset_cases if sp else preset_cases)(shape[1], op, world_size, dtype, modes)
+            elif op in SP_OPS:
+                cases += [SpCase.of(op, *shape, dtype, backward=mode == "fwd+bwd") for mode in modes]
             else:
                 cases += [Case.of(op, *shape, dtype, backward=mode == "fwd+bwd") for mode in modes]
     problems = world_problems(cases, world_size)

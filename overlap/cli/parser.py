@@ -11,9 +11,10 @@ import argparse
 import re
 import sys
 
-from ..benchmarks.models import TP_PRESETS, parse_tp_preset
+from ..benchmarks.models import SP_PRESETS, TP_PRESETS, parse_sp_preset, parse_tp_preset
 from ..benchmarks.names import (
     BENCH_OPS,
+    DEFAULT_OPS,
     DTYPE_NAMES,
     MODES,
     MOE_PRESETS,
@@ -25,7 +26,7 @@ from ..benchmarks.names import (
 from ..version import __version__
 from .argtypes import add_ranks_option, int_at_least, timeout_seconds
 
-_DESCRIPTION = "overlap: hide tensor- and expert-parallel communication behind the GEMMs around it."
+_DESCRIPTION = "overlap: hide tensor-, expert- and sequence-parallel communication behind the GEMMs around it."
 
 _EPILOG = """\
 Ranks: under torchrun the commands run on torchrun's ranks (--ranks is ignored); otherwise they
@@ -39,12 +40,14 @@ examples:
   overlap bench --op matmul_all_reduce --mode fwd
   overlap bench --ranks 4 --shape 1024x1024x1024 --dtype bfloat16 --json results.json
   overlap bench --op moe
+  overlap bench --op matmul_all_to_all,all_to_all_matmul --shape llama3-8b-128k
   overlap bench --dtype mxfp8 --op all_gather_matmul,all_gather_weight_matmul
   overlap bench --shape mixtral 256,128,256,8,2 --mode fwd+bwd
   overlap bench --shape llama3-8b --json now.json --plot now.png --compare before.json
   .venv/bin/torchrun --nproc-per-node 8 -m overlap.cli bench --strategies reference,symm,fused
   overlap tune --shape all_gather_matmul:256x1024x1024 --shape moe:512x128x448:8:2 --out plans.json
   overlap tune --shape all_gather_matmul:256x1024x1024:mxfp8 --out plans.json
+  overlap tune --shape matmul_all_to_all:512x256x384 --shape all_to_all_matmul:512x256x256 --out plans.json
   overlap tune --model hidden=4096,ffn=14336,tokens=4096,heads=32,kv_heads=8,gated=1,dtype=bfloat16 --out plans.json
   overlap tune --machine h100-sxm --model hidden=8192,ffn=28672,tokens=8192,heads=64,kv_heads=8,gated=1,dtype=bfloat16
   overlap predict --machine h100-sxm --shape llama3-70b-full --dtype bfloat16
@@ -62,14 +65,15 @@ _non_negative_int = int_at_least(0, "an integer >= 0")
 
 
 def _shape(text: str) -> tuple[int, int, int] | tuple[MoEShape, str] | tuple[str, str]:
-    """``MxKxN`` (the tensor-parallel ops) -> ``(m, k, n)``; a tensor-parallel preset name ->
-    ``("preset", name)``; ``T,H,F,E,K`` or a preset name (moe) -> ``(MoEShape, preset name or "")``."""
+    """``MxKxN`` (the tensor-parallel ops; the sequence-parallel ones where --op names them) -> ``(m, k, n)``; a
+    tensor-parallel or sequence-parallel preset name -> ``("preset", name)``; ``T,H,F,E,K`` or a preset name (moe) ->
+    ``(MoEShape, preset name or "")``."""
     if "," in text or text.strip().lower() in MOE_PRESETS:
         try:
             return parse_moe_shape(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
-    preset = parse_tp_preset(text)
+    preset = parse_tp_preset(text) or parse_sp_preset(text)
     if preset:
         return ("preset", preset)
     try:
@@ -78,7 +82,7 @@ def _shape(text: str) -> tuple[int, int, int] | tuple[MoEShape, str] | tuple[str
         if re.fullmatch(r"\s*[-+]?\d+(\s*x\s*[-+]?\d+){2}\s*", text.lower()):  # MxKxN, a dim < 1: no list of presets
             raise argparse.ArgumentTypeError(str(exc)) from None
         raise argparse.ArgumentTypeError(
-            f"{exc}; or a preset among {', '.join(TP_PRESETS)}; for moe: T,H,F,E,K or a preset among "
+            f"{exc}; or a preset among {', '.join((*TP_PRESETS, *SP_PRESETS))}; for moe: T,H,F,E,K or a preset among "
             f"{', '.join(MOE_PRESETS)}"
         ) from None
 
@@ -170,7 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
         "fastest (never one slower than reference) and write a plan file. Use it with OVERLAP_PLAN=FILE or "
         "plan='FILE'. Shapes: OP:MxKxN[:DTYPE][:fwd|fwd+bwd] (OP all_gather_matmul, matmul_reduce_scatter, "
         "matmul_all_reduce, all_gather_weight_matmul; the per-rank GEMM is [W*m, k] @ [k, n] as in overlap "
-        "bench, all_gather_weight_matmul's [m, k] @ [k, W*n]) or "
+        "bench, all_gather_weight_matmul's [m, k] @ [k, W*n]; OP matmul_all_to_all or all_to_all_matmul, the "
+        "sequence-parallel ops: m rows of this rank's sequence shard, the projection [k, n], n (matmul_all_to_all) "
+        "or k (all_to_all_matmul) dividing by the ranks, as in overlap bench) or "
         "moe:TxHxF:EXPERTS:TOPK[:DTYPE][:fwd|fwd+bwd]. A model: hidden=H,ffn=F,tokens=S[,heads=A,kv_heads=B]"
         "[,experts=E,topk=K][,gated=1][,dtype=D], one transformer layer with TP = the number of ranks and "
         "sequence parallelism. DTYPE float32, bfloat16, float16, float8_e4m3fn (the op's fp8='rowwise' recipe on "
@@ -225,7 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
         "earlier --json file. matmul_all_reduce "
         "also runs each strategy's one-shot variant (label '+one_shot'). Op 'moe' is one MoE layer's experts on the "
         "expert-parallel group (overlap.moe.dispatch_grouped_matmul, gelu, overlap.moe.grouped_matmul_combine) "
-        "with a fixed, uneven routing; its gradients of x, w1, w2 and topk_weights are checked. Interpreted "
+        "with a fixed, uneven routing; its gradients of x, w1, w2 and topk_weights are checked. matmul_all_to_all "
+        "and all_to_all_matmul are sequence parallelism's projections with their all-to-alls (DeepSpeed-Ulysses "
+        "attention); they run the strategies they implement. Interpreted "
         "'fused' (CPU ranks) runs only where every dim <= 128 and is left out of the summary and the plot.",
     )
     add_ranks_option(bench)
@@ -235,8 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         metavar="LIST",
-        help=f"comma-separated ops, or the option repeated (default: all: {','.join(BENCH_OPS)}; with --shape, "
-        "the ops its shapes are for)",
+        help=f"comma-separated ops among {','.join(BENCH_OPS)}, or the option repeated (default: "
+        f"{','.join(DEFAULT_OPS)}: the sequence-parallel ops {','.join(o for o in BENCH_OPS if o not in DEFAULT_OPS)} "
+        "run on request, by --op or a preset of theirs in --shape; with --shape, the ops its shapes are for)",
     )
     bench.add_argument(
         "--mode",
@@ -265,7 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
         "sequence parallelism (qkv and mlp-up for all_gather_matmul, attn-out and mlp-down for "
         "matmul_reduce_scatter and matmul_all_reduce), and all four with their weights sharded over the W ranks "
         "(FSDP) for all_gather_weight_matmul; presets: "
-        + "; ".join(f"{name} ({about})" for name, (_, about) in TP_PRESETS.items()),
+        + "; ".join(f"{name} ({about})" for name, (_, about) in TP_PRESETS.items())
+        + ". For the sequence-parallel ops (DeepSpeed-Ulysses attention; MxKxN only where --op names them, in their "
+        "own convention: M rows of this rank's sequence shard, the projection [K, N]; matmul_all_to_all's output "
+        "[W*M, N/W], all_to_all_matmul's input [W*M, K/W]) a long-context preset: its qkv projection for "
+        "matmul_all_to_all, its attention output for all_to_all_matmul, at sequence-parallel size W; presets: "
+        + "; ".join(f"{name} ({about})" for name, (_, about) in SP_PRESETS.items()),
     )
     bench.add_argument(
         "--dtype",

@@ -20,7 +20,7 @@ import math
 import sys
 from typing import Any
 
-from ..benchmarks.names import BENCH_OPS, DTYPE_NAMES, MODES
+from ..benchmarks.names import BENCH_OPS, DEFAULT_OPS, DTYPE_NAMES, MODES
 from .argtypes import int_at_least
 
 _at_least_one = int_at_least(1)
@@ -73,8 +73,8 @@ def add_parser(sub: Any, shape_type: Any, ops_type: Any, modes_type: Any) -> Non
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_machine_options(p, required=True)
     p.add_argument("--op", type=ops_type, action="append", default=None, metavar="LIST",
-                   help=f"comma-separated ops, or the option repeated (default: all: {','.join(BENCH_OPS)}; with "
-                   "--shape, the ops its shapes are for)")
+                   help=f"comma-separated ops among {','.join(BENCH_OPS)}, or the option repeated (default: "
+                   f"{','.join(DEFAULT_OPS)}, as overlap bench; with --shape, the ops its shapes are for)")
     p.add_argument("--shape", type=shape_type, nargs="+", default=None, metavar="SHAPE",
                    help="cases as overlap bench --shape takes them: MxKxN (the per-rank GEMM [W*M, K] @ [K, N]), a "
                    "model preset (llama3-8b-full, ...), T,H,F,E,K or an MoE preset for moe")
@@ -120,7 +120,7 @@ def cases(args: argparse.Namespace, world_size: int) -> list[tuple[Any, str]]:
     if args.shape:
         _, chosen = bench.cases_of(ops, modes, args.shape, args.dtype or "bfloat16", world_size)
     else:
-        chosen = default_cases(ops or BENCH_OPS, "cuda", args.dtype, modes, world_size)
+        chosen = default_cases(ops or DEFAULT_OPS, "cuda", args.dtype, modes, world_size)
         chosen = [c for c in chosen if not c.world_problem(world_size)]
         if not chosen:
             raise ValueError(f"no default GPU case runs on {world_size} ranks: give --shape")

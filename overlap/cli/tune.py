@@ -6,7 +6,10 @@ Problems come from the command line (``--shape``) or from a model description (`
 * ``--shape OP:MxKxN[:DTYPE][:fwd|fwd+bwd]`` with OP ``all_gather_matmul``, ``matmul_reduce_scatter``,
   ``matmul_all_reduce`` (``m x k x n`` as in ``overlap bench``: the per-rank GEMM is ``[W*m, k] @ [k, n]``) or
   ``all_gather_weight_matmul`` (``[m, k] @ [k, W*n]``), or ``moe:TxHxF:EXPERTS:TOPK[:DTYPE][:fwd|fwd+bwd]``
-  (``T`` tokens per rank, hidden ``H``, expert ffn ``F``). DTYPE ``float8_e4m3fn`` tunes the op's
+  (``T`` tokens per rank, hidden ``H``, expert ffn ``F``), or ``OP:MxKxN[:DTYPE][:fwd|fwd+bwd]`` with OP
+  ``matmul_all_to_all`` or ``all_to_all_matmul`` (sequence parallelism, ``m x k x n`` as in ``overlap bench``:
+  ``m`` rows of this rank's sequence shard, the projection ``[k, n]``; the measured calls give each rank one head,
+  so ``n``, ``all_to_all_matmul``'s ``k``, must divide by the ranks; no fp8). DTYPE ``float8_e4m3fn`` tunes the op's
   ``fp8="rowwise"`` recipe, ``mxfp8`` its ``fp8="mxfp8"`` one (``k`` a multiple of 32); their plan-file keys
   differ, as the bytes they move do (`overlap.plans.fp8_dtype`), and an op's call looks its own up.
 * ``--model hidden=H,ffn=F,tokens=S[,heads=A,kv_heads=B][,experts=E,topk=K][,gated=1][,dtype=D]``: one
@@ -54,7 +57,7 @@ def parse_shape(text: str, backward_default: bool) -> Problem:
             t, h, f = _dims(parts[1])
             experts, top_k = int(parts[2]), int(parts[3])
             rest = parts[4:]
-        elif family == "tp":
+        elif family in ("tp", "sp"):
             if len(parts) < 2:
                 raise ValueError(f"{op} needs {op}:MxKxN")
             t, h, f = _dims(parts[1])
@@ -164,8 +167,12 @@ def problems_of(config: TuneConfig, world_size: int) -> list[Problem]:
     problems = []
     for text in config.shapes:
         problems.append(parse_shape(text, not config.forward_only))
-        if problems[-1].spec.family == "moe" and problems[-1].experts % world_size:
-            raise ValueError(f"--shape {text!r}: {problems[-1].experts} experts do not split evenly over "
+        p = problems[-1]
+        if p.spec.family == "moe" and p.experts % world_size:
+            raise ValueError(f"--shape {text!r}: {p.experts} experts do not split evenly over {world_size} ranks")
+        heads = {"matmul_all_to_all": ("n", p.n), "all_to_all_matmul": ("k", p.k)}.get(p.op)
+        if heads and heads[1] % world_size:  # (the measured calls give each rank one head of these columns)
+            raise ValueError(f"--shape {text!r}: {heads[0]} ({heads[1]}, the heads' columns) does not divide by "
                              f"{world_size} ranks")
     if config.model:
         problems += parse_model(config.model, world_size, not config.forward_only)

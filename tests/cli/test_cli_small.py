@@ -302,7 +302,7 @@ def default_tables(wide: bool) -> list[tuple[str, list[str], list[dict]]]:
     for device, world_size in (("cpu", 2), ("cuda", 2), ("cuda", 8)):
         cases = tuple(c for c in default_cases(BENCH_OPS, device, None, MODES, world_size, [])
                       if not c.world_problem(world_size))
-        config = BenchConfig(cases=cases, wide=wide)
+        config = BenchConfig(ops=BENCH_OPS, cases=cases, wide=wide)
         interpreted = device == "cpu"
         table = report.Table(config.cases, config.strategies, interpreted, wide=wide)
         lines, rows = list(table.header()), []
