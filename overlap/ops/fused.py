@@ -38,6 +38,8 @@ class Kernels:
     matmul_reduce_scatter: types.ModuleType
     dispatch_grouped_matmul: types.ModuleType
     grouped_matmul_combine: types.ModuleType
+    matmul_all_to_all: types.ModuleType
+    all_to_all_matmul: types.ModuleType
 
 
 @functools.cache
@@ -51,14 +53,16 @@ def kernels() -> Kernels:
         from ..kernels import (
             all_gather_matmul,
             all_gather_weight_matmul,
+            all_to_all_matmul,
             dispatch_grouped_matmul,
             grouped_matmul_combine,
+            matmul_all_to_all,
             matmul_reduce_scatter,
         )
     except ImportError as exc:
         raise RuntimeError(f"overlap: the 'fused' strategy needs Triton, which failed to import: {exc}") from exc
     return Kernels(all_gather_matmul, all_gather_weight_matmul, matmul_reduce_scatter, dispatch_grouped_matmul,
-                   grouped_matmul_combine)
+                   grouped_matmul_combine, matmul_all_to_all, all_to_all_matmul)
 
 
 def unavailable_reason() -> str | None:

@@ -192,8 +192,8 @@ def _moe_bytes_per_peer(p, W: int) -> float:
     return p.m * p.top_k / W * (dispatched + (3 if p.backward else 1) * returned)
 
 
-#: the strategies of the sequence-parallel ops (no ``fused`` or ``hierarchical`` yet)
-SP_STRATEGIES = ("reference", "pipelined", "symm")
+#: the strategies of the sequence-parallel ops (no ``hierarchical`` yet)
+SP_STRATEGIES = ("reference", "pipelined", "symm", "fused")
 
 #: every op, by name
 OPS: dict[str, OpSpec] = {s.name: s for s in (

@@ -25,7 +25,7 @@ def chunked(strategy: str, backward: bool, topology) -> tuple[str, ...]:
     rows for every peer, flagged per chunk)."""
     if strategy == "pipelined":
         return tuple(c for c, _ in topology.links)
-    return (topology.slowest_link,) if strategy == "symm" else ()
+    return (topology.slowest_link,) if strategy in ("symm", "fused") else ()
 
 
 def cost_matmul_all_to_all(x: Schedule, p: Problem) -> None:

@@ -66,7 +66,7 @@ def test_refusals(ds_pools):
         "k_features": "k_proj must have kv_heads * head_dim = 2 * 4 output features",
         "o_features": "o_proj must take heads * head_dim = 4 * 4 input features, got 12",
         "q_by_heads": "q_proj's 18 output features do not divide into heads (4)",
-        "fused": "strategy 'fused' is not implemented",
+        "hierarchical": "strategy 'hierarchical' is not implemented",
         "scatter_idx": "scatter_idx must be 2",
     }
     for rank, res in enumerate(results):

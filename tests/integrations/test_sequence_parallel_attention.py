@@ -39,8 +39,7 @@ def test_bad_arguments_raise(pools):
         "heads_zero": "heads must be a positive int, got 0",
         "hidden_bool": "hidden must be a positive int, got True",
         "seq_dim": "seq_dim must be 0",
-        "symm": "strategy 'symm' is not implemented",
-        "fused": "strategy 'fused' is not implemented",
+        "hierarchical": "strategy 'hierarchical' is not implemented",
         "unknown_strategy": "'fastest'",
     }
     for rank, res in enumerate(results):

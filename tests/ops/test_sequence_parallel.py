@@ -43,3 +43,11 @@ def test_workloads_and_torch_rows_match_their_oracle(pools, seed, world_size):
 
 def test_compiled_whole_matches_eager(pools, seed):
     assert pools(2).run(sp_oracle.compiled_layer, seed, timeout=300) == [True, True]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_interpreted_matches_float64(pools, seed, world_size, dtype):
+    """``fused`` (the Triton kernels, interpreted on CPU ranks) against the float64 oracle, forward and backward."""
+    done = pools(world_size).run(sp_oracle.check_cases, "fused", dtype, seed, timeout=300)
+    assert done == [sp_oracle.count_cases()] * world_size

@@ -231,7 +231,7 @@ def refusals(rank: int, world_size: int) -> dict:
         "q_by_heads": expect_error(build, 4, 2, projs=(lin(8, 18), lin(8, 8), lin(8, 8), lin(18, 8))),
         "not_linear": expect_error(build, 4, 2, projs=(lin(8, 16), lin(8, 8), torch.nn.Identity(), lin(16, 8))),
         "not_callable": expect_error(build, 4, 2, local_attn=3),
-        "fused": expect_error(build, 4, 2, strategy="fused"),
+        "hierarchical": expect_error(build, 4, 2, strategy="hierarchical"),
         "scatter_idx": expect_error(
             UlyssesAttention.from_distributed_attention,
             DistributedAttention(CoreAttention(False), dist.group.WORLD, scatter_idx=1),

@@ -203,8 +203,7 @@ def bad_args_task(rank: int, world_size: int) -> dict:
         "heads_zero": expect_error(SPA, 8, 0),
         "hidden_bool": expect_error(SPA, True, W),
         "seq_dim": expect_error(SPA, 8 * W, 2 * W, seq_dim=2),
-        "symm": expect_error(SPA, 8 * W, 2 * W, strategy="symm"),
-        "fused": expect_error(SPA, 8 * W, 2 * W, strategy="fused"),
+        "hierarchical": expect_error(SPA, 8 * W, 2 * W, strategy="hierarchical"),
         "unknown_strategy": expect_error(SPA, 8 * W, 2 * W, strategy="fastest"),
         "attention_not_callable": expect_error(SPA, 8 * W, 2 * W, attention="sdpa"),
     }

@@ -191,8 +191,8 @@ def count_cases() -> int:
 
 def bad_inputs(rank: int, world_size: int) -> list[tuple[str, str]]:
     """Bad calls: rank 1 alone with a wrong activation (it raises ValueError, its peers OverlapMismatchError at once),
-    then every rank with heads not dividing the world size, a sequence not dividing it, ``fused`` forced. Returns
-    ``(exception type, message)`` per call."""
+    then every rank with heads not dividing the world size, a sequence not dividing it, ``hierarchical`` forced (not
+    implemented for this family). Returns ``(exception type, message)`` per call."""
     import overlap
     from tests.support.tp_oracle import expect_error
 
@@ -202,8 +202,8 @@ def bad_inputs(rank: int, world_size: int) -> list[tuple[str, str]]:
     seen = [expect_error(overlap.matmul_all_to_all, wrong, w, heads=W, strategy="pipelined", timeout=60)]
     seen.append(expect_error(overlap.matmul_all_to_all, x, torch.randn(8, 2 * (W + 1)), heads=W + 1, timeout=60))
     seen.append(expect_error(overlap.all_to_all_matmul, torch.randn(W + 1, 2, 3), torch.randn(3 * W, 5), timeout=60))
-    seen.append(expect_error(overlap.all_to_all_matmul, torch.randn(W, 2, 3), torch.randn(3 * W, 5), strategy="fused",
-                             timeout=60))
+    seen.append(expect_error(overlap.all_to_all_matmul, torch.randn(W, 2, 3), torch.randn(3 * W, 5),
+                             strategy="hierarchical", timeout=60))
     seen.append(expect_error(overlap.matmul_all_to_all, x, [w, w], heads=W, timeout=60))
     return [(kind, message, secs) for kind, message, secs in seen]
 

@@ -18,6 +18,7 @@ from ...plans import Plan, Problem
 from ...plans.auto import as_plan, fit_plan, plan_source, resolve_auto
 from .. import library
 from ..context import FLOAT_DTYPES, CallContext, autocast_inputs, describe, preamble
+from ..fused import check_fused_available
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +170,8 @@ def prepare(call: SpCall, first: Any, weights: Any, needs_grad: bool | None = No
             chosen = resolve_auto(op, shape_sig, info, rows, dtype, out_bytes=rows * n * t.element_size(),
                                   problem=_problem(op, rows, k, n, dtype, bool(grad)), plan_file=plan_source(call.plan))
         chosen = fit_plan(op, chosen, info)
+        if chosen.strategy == "fused":
+            check_fused_available(op, t.dtype)
         return chosen, f"{op}({shape_sig}, plan={chosen.describe()}, ring={info.slowest_link})", (t, ws, d)
 
     cc, (t, ws, d) = preamble(op, call.group, call.timeout, decide)

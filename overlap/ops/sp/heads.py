@@ -26,7 +26,11 @@ Strategies (same results up to rounding; ``reference`` is the unfused layer):
 * ``symm``: through the symmetric heap, each block straight into its destination's slot, flagged per chunk of rows
   (`overlap.ops.sp.shared`).
 
-``fused`` is not implemented for this family yet (the op table says so: forcing it raises).
+* ``fused``: the same slots, the kernels of `overlap.kernels.matmul_all_to_all` (a GEMM whose tiles store each
+  destination's columns in its slot and flag them per chunk; a copy kernel that takes each source's rows out as
+  their flags arrive) and `overlap.kernels.all_to_all_matmul` (blocks copied into their destinations' slots and
+  flagged per chunk of the kernel's rows; one GEMM kernel whose tiles wait for each source's chunk, sources in rank
+  order into one fp32 accumulator). Interpreted on CPU ranks; not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ def _begin(cc: CallContext, m: int, C: int, dtype: torch.dtype):
     """The handshake of a call moving ``[m, C]`` blocks: the slot ``symm`` needs, the steady state of ``pipelined``
     and ``symm``, the plain path of ``reference``."""
     strategy = cc.plan.strategy
-    need = shared.slot_bytes(m, C, dtype, cc.world_size) if strategy == "symm" else 0
+    need = shared.slot_bytes(m, C, dtype, cc.world_size) if strategy in ("symm", "fused") else 0
     return cc.begin(need, steady=strategy in ("pipelined", "symm"), plain=strategy == "reference")
 
 
@@ -54,8 +58,8 @@ def scatter_heads(cc: CallContext, a: torch.Tensor, b: torch.Tensor) -> torch.Te
     m, C = a.shape[0], b.shape[1] // W
     call = _begin(cc, m, C, a.dtype)
     try:
-        if cc.plan.strategy == "symm":
-            return shared.scatter(cc, call, a, b)
+        if cc.plan.strategy in ("symm", "fused"):
+            return (shared.scatter if cc.plan.strategy == "symm" else shared.scatter_fused)(cc, call, a, b)
         recv = torch.empty((W, m, C), dtype=a.dtype, device=a.device)
         if cc.plan.strategy == "reference":
             sends = torch.mm(a, b).view(m, W, C).transpose(0, 1).contiguous()
@@ -85,8 +89,8 @@ def gather_heads(cc: CallContext, sends: torch.Tensor, b: torch.Tensor) -> tuple
     W, (_, m, C) = cc.world_size, sends.shape
     call = _begin(cc, m, C, sends.dtype)
     try:
-        if cc.plan.strategy == "symm":
-            return shared.gather(cc, call, sends, b)
+        if cc.plan.strategy in ("symm", "fused"):
+            return (shared.gather if cc.plan.strategy == "symm" else shared.gather_fused)(cc, call, sends, b)
         recv = torch.empty_like(sends)
         if cc.plan.strategy == "reference":
             cc.wait(comm.all_to_all_async(recv, sends, cc.pg), "any", "all_to_all")

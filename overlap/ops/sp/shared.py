@@ -24,7 +24,9 @@ import contextlib
 import torch
 
 from ... import comm
+from ...errors import OverlapTimeout
 from ...kernels import slots
+from .. import fused
 from ..context import CallContext
 from ..sums import sum_in_order
 
@@ -154,3 +156,102 @@ def gather(cc: CallContext, call, sends: torch.Tensor, b: torch.Tensor) -> tuple
         call.finish(stream=main)
     return out, gathered
 
+
+
+# ----------------------------------------------------------------------------------------------
+# fused: the Triton kernels of `overlap.kernels.matmul_all_to_all` and `overlap.kernels.all_to_all_matmul` on the
+# same slot (their chunks: runs of row tiles, `slots.sp_chunk_rows`)
+# ----------------------------------------------------------------------------------------------
+
+
+class _Kernel:
+    """What a fused call's launches share: the tile, the chunks, the epoch word, the error word and the tables."""
+
+    def __init__(self, sl: _Slot, like: torch.Tensor):
+        cc, call = sl.cc, sl.call
+        self.sl, self.heap = sl, call.heap
+        plan = cc.plan
+        bm, bn, bk = fused.fused_tiles(plan.block_m, plan.block_n, plan.block_k, fused.interpreted(), like.dtype)
+        self.block = (bm, bn, bk)
+        self.nch = fused.kernels().matmul_all_to_all.chunk_count(plan.chunks_for(cc.info.slowest_link), sl.F, sl.m, bm)
+        self.timeout_ns = int(cc.timeout * 1e9)
+        # GPU: the error word is pinned host memory, checked by the next call without a sync; CPU (interpreted): here
+        self.err = self.heap.kernel_err() if like.is_cuda else torch.zeros(1, dtype=torch.int32)
+
+    def mine(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(src_table, flag_table)``: the regions of this rank's slot and each source's flag of chunk 0 for it."""
+        sl, tables, slot = self.sl, self.heap.tables, self.sl.call.slot
+        return tables.region_table(slot, sl.r, sl.rb, sl.W), tables.flag_table(slot, sl.r * sl.F)
+
+    def rows(self, chunk: int) -> range:
+        return slots.sp_chunk_rows(self.sl.m, self.block[0], self.nch, chunk)
+
+    def check(self, what: str) -> None:
+        bad = 0 if self.err.is_cuda else int(self.err.item())
+        if bad:
+            cc = self.sl.cc
+            raise OverlapTimeout(cc.op, cc.rank, bad - 1, what, cc.timeout, "fused kernel's wait")
+
+
+def scatter_fused(cc: CallContext, call, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`scatter` in two kernels: the GEMM stores each destination's columns in its slot and flags them per chunk;
+    the gather copies every source's region out of this rank's slot as its chunks' flags arrive."""
+    W = cc.world_size
+    sl = _Slot(cc, call, a.shape[0], b.shape[1] // W, a.dtype)
+    k = _Kernel(sl, a)
+    kernels = fused.kernels().matmul_all_to_all
+    heap, slot = call.heap, call.slot
+    call.wait_slot_free()
+    counters = heap.tables.counters(slot)
+    if not a.is_cuda:
+        counters.zero_()  # (an interpreted kernel can stop half-way on an exception; a memset is free here)
+    epoch = call.epoch_word()  # (after wait_slot_free: the slot's word)
+    kernels.launch_matmul_all_to_all(a.contiguous(), b, heap.tables.ptr_table(slot, sl.r * sl.rb), counters,
+                                     heap.tables.flag_table(slot, 0), num_chunks=k.nch, flag_stride=sl.F, epoch=epoch,
+                                     rank=sl.r, block=k.block)
+    out = torch.empty((W, sl.m, sl.C), dtype=a.dtype, device=a.device)
+    src_table, flag_table = k.mine()
+    kernels.launch_gather_blocks(out, src_table, flag_table, num_chunks=k.nch, epoch=epoch, err=k.err,
+                                 timeout_ns=k.timeout_ns, block=k.block[:2])
+    k.check("a block of heads")
+    return out
+
+
+def gather_fused(cc: CallContext, call, sends: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gather` with the consumer in one kernel: every block (this rank's own too) copied into its destination's slot
+    and flagged per chunk of the kernel's row tiles; the kernel multiplies each source's rows by its rows of ``b``
+    once their flag is there, sources in rank order into one fp32 accumulator (bitwise repeatable)."""
+    W, (_, m, C) = cc.world_size, sends.shape
+    sl = _Slot(cc, call, m, C, sends.dtype)
+    k = _Kernel(sl, sends)
+    r = sl.r
+    main = side = None
+    if sends.is_cuda:  # (not yet run on a GPU)
+        main, side = torch.cuda.current_stream(), comm.side_stream(sends.device)
+    call.wait_slot_free(main)
+    epoch = call.epoch_word()
+    for i in range(1, W + 1):  # the peers' blocks first, our own last; flagged per chunk of the kernel's rows
+        d = (r + i) % W
+        if side is not None:
+            side.wait_stream(main)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            dst = sl.region(d, r)
+            for j in range(k.nch):
+                rows = k.rows(j)
+                dst[rows.start : rows.stop].copy_(sends[d, rows.start : rows.stop], non_blocking=side is not None)
+                sl.signal(d, j, stream=side)
+    if side is not None:
+        sends.record_stream(side)
+    out = torch.empty((m, b.shape[1]), dtype=sends.dtype, device=sends.device)
+    src_table, flag_table = k.mine()
+    fused.kernels().all_to_all_matmul.launch_all_to_all_matmul(out, src_table, flag_table, b, num_chunks=k.nch,
+                                                               epoch=epoch, err=k.err, timeout_ns=k.timeout_ns,
+                                                               block=k.block)
+    k.check("a block of heads")
+    gathered = torch.empty_like(sends)  # (every flag seen by the kernel: the regions are whole)
+    for s in range(W):
+        gathered[s].copy_(sl.region(r, s))
+    if side is not None:
+        main.wait_stream(side)
+        call.finish(stream=main)
+    return out, gathered
