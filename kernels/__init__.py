@@ -7,7 +7,7 @@ here.
 
 One kernel file per op that has a fused form, named as the op (`all_gather_matmul`, `matmul_reduce_scatter`, whose
 kernels `matmul_all_reduce` runs too, `all_gather_weight_matmul`, `dispatch_grouped_matmul`,
-`grouped_matmul_combine`); `flags` holds the device-side waits and releases they share. Kernels take
+`grouped_matmul_combine`, and sequence parallelism's `matmul_all_to_all` and `all_to_all_matmul`); `flags` holds the device-side waits and releases they share. Kernels take
 peer-pointer tables and flag pointers, so the same code runs on GPUs and, interpreted (``TRITON_INTERPRET=1``,
 set by `overlap` where no GPU exists), on CPU ranks over POSIX shared memory. Beside each kernel are its host
 launcher (``launch_*``: checks the arguments, allocates what belongs to the launch, computes the grid,
