@@ -76,8 +76,8 @@ class UlyssesAttention(torch.nn.Module):
             divides by it). Both must divide by the group's size. ``d`` is ``q_proj.out_features / H``.
         batch_first: ``x`` ``[b, s/W, hidden]`` (DeepSpeed's ``batch_dim_idx=0``) instead of ``[s/W, b, hidden]``
             (``batch_dim_idx=1``).
-        strategy, plan, timeout: of `overlap.matmul_all_to_all` and `overlap.all_to_all_matmul` (``"reference"``,
-            ``"pipelined"``, ``"auto"``; default ``"auto"``).
+        strategy, plan, timeout: of `overlap.matmul_all_to_all` and `overlap.all_to_all_matmul` (the family's
+            strategies in the op table: every one but ``"hierarchical"``; default ``"auto"``).
 
     Forward: ``attn(x, *args, **kwargs)``: ``x`` this rank's shard of the sequence; ``args`` and ``kwargs`` go to
     ``local_attn`` (as ``DistributedAttention.forward``'s after ``rotary_pos_emb``); returns this rank's shard of

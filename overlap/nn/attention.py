@@ -84,7 +84,8 @@ class SequenceParallelAttention(torch.nn.Module):
             query head), differentiable. Default: `sdpa` (``scaled_dot_product_attention``).
         seq_dim: 0 for ``[s, b, hidden]`` activations, 1 for batch-first ``[b, s, hidden]``.
         strategy, plan, timeout: of `overlap.matmul_all_to_all` and `overlap.all_to_all_matmul` (this family's
-            strategies: ``"reference"``, ``"pipelined"``, ``"auto"``; defaults ``"auto"``, none, ``OVERLAP_TIMEOUT_S``).
+            strategies: the op table's, every one but ``"hierarchical"``; defaults ``"auto"``, none,
+            ``OVERLAP_TIMEOUT_S``).
         device, dtype: of the parameters (defaults: torch's default dtype, CPU).
 
     Forward: ``x`` ``[s/W, b, hidden]`` (``[b, s/W, hidden]`` with ``seq_dim=1``), this rank's shard of the sequence
@@ -94,7 +95,7 @@ class SequenceParallelAttention(torch.nn.Module):
         ValueError: in ``__init__``, before any communication: sizes that are not positive ints, ``heads`` or
             ``kv_heads`` not divisible by the group's size, ``heads`` not divisible by ``kv_heads``, ``hidden`` not
             divisible by ``heads`` without ``head_dim``, ``seq_dim`` other than 0 or 1, a strategy this family does
-            not implement (``symm``, ``fused``, ...), a bad plan or timeout. In ``forward``: ``x`` not 3-D with
+            not implement (``hierarchical``), a bad plan or timeout. In ``forward``: ``x`` not 3-D with
             ``hidden`` features, or ``attention`` returning another shape than ``q``'s (the peers' calls then raise
             `OverlapMismatchError` at once).
         TypeError: ``attention`` not callable, a plan of the wrong type; in ``forward``, ``x`` not a tensor.
