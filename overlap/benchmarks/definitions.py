@@ -473,10 +473,8 @@ class SpCase(_CaseNames):
         divide by the ranks (the workload gives each rank one head of ``n/W`` or ``k/W`` columns)."""
         if self.sp and self.sp != world_size:
             return f"{self.name}: the {self.preset} shapes were cut for {self.sp} ranks, not {world_size}"
-        what, cols = ("n", self.n) if self.op == "matmul_all_to_all" else ("k", self.k)
-        if cols % world_size:
-            return f"{self.name}: {what} ({cols}, the heads' columns) does not divide by {world_size} ranks"
-        return None
+        why = self.problem.spec.split_problem(self.problem, world_size)
+        return f"{self.name}: {why}" if why else None
 
 
 AnyCase = Case | MoECase | SpCase

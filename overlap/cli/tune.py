@@ -170,10 +170,9 @@ def problems_of(config: TuneConfig, world_size: int) -> list[Problem]:
         p = problems[-1]
         if p.spec.family == "moe" and p.experts % world_size:
             raise ValueError(f"--shape {text!r}: {p.experts} experts do not split evenly over {world_size} ranks")
-        heads = {"matmul_all_to_all": ("n", p.n), "all_to_all_matmul": ("k", p.k)}.get(p.op)
-        if heads and heads[1] % world_size:  # (the measured calls give each rank one head of these columns)
-            raise ValueError(f"--shape {text!r}: {heads[0]} ({heads[1]}, the heads' columns) does not divide by "
-                             f"{world_size} ranks")
+        why = p.spec.split_problem(p, world_size)
+        if why:  # (the measured calls give each rank one head of these columns)
+            raise ValueError(f"--shape {text!r}: {why}")
     if config.model:
         problems += parse_model(config.model, world_size, not config.forward_only)
     if not problems:

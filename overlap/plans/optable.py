@@ -169,6 +169,14 @@ class OpSpec:
         """Bytes one rank receives in one call's plain collectives (rounded: fp8's bytes per element are fractions)."""
         return round((world_size - 1) * self.bytes_per_peer(p, world_size))
 
+    def split_problem(self, p: Problem, world_size: int) -> str | None:
+        """Why `p`'s columns cannot be cut over `world_size` ranks where the op cuts them (`in_cols` or `out_cols`
+        below ``k`` or ``n``: the sequence-parallel ops give each rank whole heads), or None."""
+        for what, dim, cols in (("k", p.k, self.in_cols(p.k, world_size)), ("n", p.n, self.out_cols(p.n, world_size))):
+            if cols < dim and cols * world_size != dim:
+                return f"{what} ({dim}, the heads' columns) does not divide by {world_size} ranks"
+        return None
+
     def bytes_per_link(self, p: Problem, topology) -> dict[str, int]:
         """`comm_bytes` per link class of `topology` (from each peer over the link to it)."""
         per_peer = self.bytes_per_peer(p, topology.world_size)
