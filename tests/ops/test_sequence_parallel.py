@@ -51,3 +51,27 @@ def test_fused_interpreted_matches_float64(pools, seed, world_size, dtype):
     """``fused`` (the Triton kernels, interpreted on CPU ranks) against the float64 oracle, forward and backward."""
     done = pools(world_size).run(sp_oracle.check_cases, "fused", dtype, seed, timeout=300)
     assert done == [sp_oracle.count_cases()] * world_size
+
+
+@pytest.mark.parametrize("op", [sp_oracle.MA2A, sp_oracle.A2AM])
+@pytest.mark.parametrize("strategy", ["pipelined", "symm"])
+def test_silent_peer_times_out(op, strategy):
+    """A peer that stays in the call but sends nothing: every other rank raises OverlapTimeout at the call's deadline,
+    naming the op and a chunk (symm: the silent rank itself, whose flags never come)."""
+    from tests.support.harness import LATE_S, run_isolated
+
+    results = run_isolated(3, sp_oracle.silent_peer, op, strategy, timeout=90)
+    for rank in (0, 2):
+        kind, msg, secs = results[rank]
+        assert kind == "OverlapTimeout" and op in msg and "chunk" in msg, (rank, results[rank])
+        assert 1.5 < secs <= 2.0 + LATE_S, (rank, secs)
+        if strategy == "symm":
+            assert "peer 1" in msg, (rank, msg)
+
+
+@pytest.mark.parametrize("strategy", ["symm", "fused"])
+def test_varying_sequence_lengths_reuse_the_heap(pools, strategy):
+    """Shards of 6, 2, 4, 6 positions in turn: every call right, the heap's slot sized once for the longest and
+    never re-allocated after (shorter calls use part of it)."""
+    for sizes in pools(2).run(sp_oracle.varying_lengths, strategy, timeout=300):
+        assert sizes[1:] == [sizes[0]] * 3, sizes

@@ -260,3 +260,45 @@ def compiled_layer(rank: int, world_size: int, seed: int) -> bool:
     got = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
     got.sum().backward()
     return torch.equal(got, want) and all(torch.equal(t.grad, g) for t, g in zip((x, wq, wk, wo), grads, strict=True))
+
+
+def silent_peer(rank: int, world_size: int, op: str, strategy: str):
+    """A healthy call of `op`, then rank 1 stays in its calls but sends nothing: the others' waits end at the
+    call's deadline (2 s) with `OverlapTimeout`. Returns ``(exception type, message, seconds)``."""
+    import time
+
+    import overlap
+    from tests.support.tp_oracle import expect_error, silence
+
+    W = world_size
+    if op == MA2A:
+        args, kwargs = (torch.randn(2, 3, 8), torch.randn(8, 2 * W)), {"heads": W}
+    else:
+        args, kwargs = (torch.randn(2 * W, 3, 4), torch.randn(4 * W, 5)), {}
+    fn = getattr(overlap, op)
+    fn(*args, strategy=strategy, **kwargs)  # the heap exists, everyone healthy
+    silence(1, rank)
+    result = expect_error(fn, *args, strategy=strategy, timeout=2.0, **kwargs)
+    if rank == 1:
+        time.sleep(3.0)  # stay alive until the others have timed out
+    return result
+
+
+def varying_lengths(rank: int, world_size: int, strategy: str) -> list[int]:
+    """Calls of both ops with sequence shards of 6, 2, 4 and 6 positions (a long-context batch's varying lengths):
+    each matches the float64 layer; returns the heap's slot size after each call (growth to the longest, no
+    re-allocation after)."""
+    import overlap
+    from overlap import symm
+
+    W, sizes = world_size, []
+    w, w_o = _draw(1, "w", 0, (8, 4 * W)), _draw(1, "w_o", 0, (4 * W, 5))  # (the same on every rank)
+    for s_per in (6, 2, 4, 6):
+        xs = [_draw(s_per, "x", q, (s_per, 2, 8)) for q in range(W)]
+        q = overlap.matmul_all_to_all(xs[rank].float(), w.float(), heads=W, strategy=strategy)
+        full = torch.cat(xs) @ w  # every rank's heads of every position
+        torch.testing.assert_close(q.double(), full[..., rank * 4 : (rank + 1) * 4], rtol=1e-4, atol=1e-4)
+        y = overlap.all_to_all_matmul(full[..., rank * 4 : (rank + 1) * 4].float(), w_o.float(), strategy=strategy)
+        torch.testing.assert_close(y.double(), full[rank * s_per : (rank + 1) * s_per] @ w_o, rtol=1e-4, atol=1e-4)
+        sizes.append(symm.heap_if_open().slot_bytes)
+    return sizes
