@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .. import envs, world
-from ..ops.context import CallContext, describe
+from ..ops.context import describe, fail_before
 from ..ops.sp.all_to_all_matmul import OP as OP_OUT
 from ..ops.sp.all_to_all_matmul import all_to_all_matmul
 from ..ops.sp.matmul_all_to_all import OP as OP_QKV
@@ -204,8 +204,7 @@ class UlyssesAttention(torch.nn.Module):
 
     def _fail(self, op: str, error: Exception) -> None:
         """Raise `error` here, the peers waiting in `op` told at once (`overlap.ops.context.CallContext.fail`)."""
-        timeout = envs.resolve_timeout(self.timeout)
-        CallContext(op, self.group, world.group_info(self.group, timeout), timeout).fail(error)
+        fail_before(op, self.group, self.timeout, error)
 
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, SP={self.world_size}, "

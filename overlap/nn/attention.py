@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import envs, world
-from ..ops.context import CallContext, describe
+from ..ops.context import describe, fail_before
 from ..ops.sp.all_to_all_matmul import all_to_all_matmul
 from ..ops.sp.matmul_all_to_all import OP as OP_QKV
 from ..ops.sp.matmul_all_to_all import matmul_all_to_all
@@ -212,8 +212,7 @@ class SequenceParallelAttention(torch.nn.Module):
 
     def _fail(self, op: str, error: Exception) -> None:
         """Raise `error` here, the peers waiting in `op` told at once (`overlap.ops.context.CallContext.fail`)."""
-        timeout = envs.resolve_timeout(self.timeout)
-        CallContext(op, self.group, world.group_info(self.group, timeout), timeout).fail(error)
+        fail_before(op, self.group, self.timeout, error)
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, heads={self.heads}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "

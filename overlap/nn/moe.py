@@ -41,7 +41,7 @@ import torch.nn.functional as Fn
 from torch.nn import Parameter
 
 from .. import envs, world
-from ..ops.context import CallContext, describe
+from ..ops.context import describe, fail_before
 from ..ops.fp8_recipe import Fp8Recipe
 from ..ops.moe import fp8 as moe_fp8
 from ..ops.moe.combine import grouped_matmul_combine
@@ -212,9 +212,7 @@ class ExpertParallelMLP(torch.nn.Module):
                               "outside autocast")
         if error is None:
             return
-        timeout = envs.resolve_timeout(self.timeout)
-        pg = world.resolve_group(self.group)
-        CallContext(f"moe.{OP_DISPATCH_MM}", pg, world.group_info(pg, timeout), timeout).fail(error)
+        fail_before(f"moe.{OP_DISPATCH_MM}", self.group, self.timeout, error)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "

@@ -140,6 +140,14 @@ def _preamble(op: str, group, timeout: float | None, decide: Callable[[CallConte
     return cc.derive(plan=plan, signature=signature), payload
 
 
+def fail_before(op: str, group, timeout: float | None, error: Exception) -> NoReturn:
+    """Raise `error`, a mistake a module found before calling `op` on `group`, on this rank, and tell the peers
+    already waiting in `op` at once (`CallContext.fail`); `timeout` as the op takes it (None: OVERLAP_TIMEOUT_S)."""
+    timeout = envs.resolve_timeout(timeout)
+    pg = world.resolve_group(group)
+    CallContext(op, pg, world.group_info(pg, timeout), timeout).fail(error)
+
+
 def record(name: str) -> contextlib.AbstractContextManager:
     """A profiler range ``overlap.<name>`` (NVTX on GPUs) while a profiler runs; nothing otherwise (a range
     costs a few microseconds per call even with no profiler)."""
