@@ -134,7 +134,7 @@ def run_sp_cases(rank, world_size, seed, tmp):
     from overlap.benchmarks import runner
 
     labels = tuple(dict.fromkeys(label for op in SP_OPS for label in bench_labels(op)))
-    config = BenchConfig(ops=SP_OPS, cases=tuple(TINY), strategies=labels, timeout=60.0, progress=False,
+    config = BenchConfig(ops=SP_OPS, cases=tuple(TINY), strategies=labels, timeout=240.0, progress=False,
                          warmup=0, iters=1, seed=seed, json_path=os.path.join(tmp, "sp.json"))
     return runner.run(config, dist.group.WORLD)
 
@@ -143,7 +143,7 @@ def test_sp_cases_check_every_strategy_and_the_torch_row_and_report(pools, seed,
     """Each tiny case, both ops and modes, through the runner: ``reference`` and ``torch`` checked against the local
     oracle, every strategy the op has and ``auto`` against ``reference`` (output and gradients), none failed; the
     plans, the bytes column (the op table's), the family's geometric mean, the footnote and the JSON file."""
-    for rows in pools(2).run(run_sp_cases, seed, str(tmp_path), timeout=300):
+    for rows in pools(2).run(run_sp_cases, seed, str(tmp_path), timeout=600):
         ran = {(r["case"], r["strategy"]): r for r in rows if "context" not in r}
         assert {c for c, _ in ran} == {c.name for c in TINY}
         for case in TINY:
