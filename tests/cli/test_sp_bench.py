@@ -129,6 +129,11 @@ TINY = [SpCase.of(op, m, 16, 8, backward=backward) for op in SP_OPS for m, backw
 
 
 def run_sp_cases(rank, world_size, seed, tmp):
+    """The runner on this rank; returns its rows and what it printed (captured here: a pool made by an earlier test
+    writes to that test's stdout, not this one's)."""
+    import contextlib
+    import io
+
     import torch.distributed as dist
 
     from overlap.benchmarks import runner
@@ -136,14 +141,18 @@ def run_sp_cases(rank, world_size, seed, tmp):
     labels = tuple(dict.fromkeys(label for op in SP_OPS for label in bench_labels(op)))
     config = BenchConfig(ops=SP_OPS, cases=tuple(TINY), strategies=labels, timeout=240.0, progress=False,
                          warmup=0, iters=1, seed=seed, json_path=os.path.join(tmp, "sp.json"))
-    return runner.run(config, dist.group.WORLD)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rows = runner.run(config, dist.group.WORLD)
+    return rows, printed.getvalue()
 
 
-def test_sp_cases_check_every_strategy_and_the_torch_row_and_report(pools, seed, tmp_path, capfd):
+def test_sp_cases_check_every_strategy_and_the_torch_row_and_report(pools, seed, tmp_path):
     """Each tiny case, both ops and modes, through the runner: ``reference`` and ``torch`` checked against the local
     oracle, every strategy the op has and ``auto`` against ``reference`` (output and gradients), none failed; the
     plans, the bytes column (the op table's), the family's geometric mean, the footnote and the JSON file."""
-    for rows in pools(2).run(run_sp_cases, seed, str(tmp_path), timeout=600):
+    results = pools(2).run(run_sp_cases, seed, str(tmp_path), timeout=600)
+    for rows, _printed in results:
         ran = {(r["case"], r["strategy"]): r for r in rows if "context" not in r}
         assert {c for c, _ in ran} == {c.name for c in TINY}
         for case in TINY:
@@ -170,7 +179,7 @@ def test_sp_cases_check_every_strategy_and_the_torch_row_and_report(pools, seed,
     auto = data["summary"]["auto"]
     assert auto["by_family"] == {"sequence-parallel": {"geomean_speedup": pytest.approx(auto["geomean_speedup"]),
                                                       "cases": 4}}, auto
-    out = capfd.readouterr().out
+    out = results[0][1]  # (rank 0 prints the report)
     assert "note: matmul_all_to_all, all_to_all_matmul: sequence parallelism" in out, out
     assert "matmul_all_to_all 8x16x8 float32 fwd" in out and "cases: all 4 ran" in out, out
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from overlap.plans import OPS
 from tests.support import sp_oracle
 
 
@@ -38,7 +39,8 @@ def test_bad_inputs_raise_on_every_rank_before_any_data_moves(pools):
 def test_workloads_and_torch_rows_match_their_oracle(pools, seed, world_size):
     """What ``overlap tune`` and the GPU check run (each op's workload) and the plain-torch row agree with the
     workload's oracle in float64."""
-    assert pools(world_size).run(sp_oracle.workload_rows, seed) == [6] * world_size
+    want = 2 * len([s for s in OPS[sp_oracle.MA2A].strategies if s != "fused"]) + 2  # (two ops, each with torch)
+    assert pools(world_size).run(sp_oracle.workload_rows, seed) == [want] * world_size
 
 
 def test_compiled_whole_matches_eager(pools, seed):
