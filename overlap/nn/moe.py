@@ -27,8 +27,9 @@ Parameters and initialization (the same model whatever ``W``):
 fp8 (``fp8="rowwise" | "block128" | "mxfp8"`` or an `overlap.Fp8Recipe` of one): the tokens are quantized once on
 their rank and dispatched as fp8 rows with their scales (about half of bf16's bytes), and the first GEMM multiplies
 them by ``w1`` quantized at the same granularity (`overlap.ops.moe.fp8`); the activation, the second GEMM and the
-combine run in the parameters' dtype; the backward too (the recipe's high-precision gradients; ``+grads`` is not
-supported here yet).
+combine run in the parameters' dtype. The backward runs in the parameters' dtype (the recipe's high-precision
+gradients), or with ``+grads`` (``Fp8Recipe(granularity, grads=True)``) the first GEMM's two backward GEMMs in fp8
+(`overlap.ops.moe.fp8`; ``mxfp8`` then needs ``w1``'s width a multiple of 32).
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ class ExpertParallelMLP(torch.nn.Module):
             (`overlap.ops.moe.bound`; torch.compile needs no data-dependent size), and a forward with more
             tokens on any rank raises ValueError on every rank.
         fp8: None, or the dispatch's fp8 granularity: ``"rowwise"``, ``"block128"``, ``"mxfp8"`` (``hidden_size``
-            a multiple of 32) or an `overlap.Fp8Recipe` of one (the module docstring).
+            a multiple of 32) or an `overlap.Fp8Recipe` of one, ``grads=True`` for fp8 gradients (the module
+            docstring).
         dtype, device: of the parameters (defaults: torch's default dtype, CPU).
 
     Forward: ``x`` ``[T, H]`` or ``[s, b, H]`` holds this rank's own tokens (``T`` may differ between ranks,
@@ -105,12 +107,12 @@ class ExpertParallelMLP(torch.nn.Module):
     Raises:
         ValueError: in ``__init__``, before any communication: ``num_experts`` not divisible by the group's
             size, ``top_k`` out of ``[1, num_experts]``, an unknown activation, sizes that are not positive
-            ints, a bad strategy/plan/timeout, an fp8 granularity the dispatch does not take (``tensorwise``).
+            ints, a bad strategy/plan/timeout, an fp8 granularity the dispatch does not take (``tensorwise``),
+            ``mxfp8`` fp8 gradients with a ``w1`` width that is not a multiple of 32.
             In ``forward``: ``x`` not ``[T, H]``/``[s, b, H]`` (the peers' calls then raise at once, as for the
             ops' own input errors).
         TypeError: a plan of the wrong type, ``fp8`` of another type; ``x`` of a dtype other than the parameters'
             outside autocast.
-        NotImplementedError: an fp8 recipe with ``grads=True``, in ``__init__``.
         The ops' errors (OverlapMismatchError, OverlapTimeout) as documented in `overlap.moe`.
     """
 
@@ -132,6 +134,7 @@ class ExpertParallelMLP(torch.nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"{name}: unknown activation {activation!r}; known: {sorted(ACTIVATIONS)}")
         self.activation = activation
+        moe_fp8.check_width("nn.ExpertParallelMLP", self.fp8, ACTIVATIONS[activation][1] * self.ffn_hidden_size)
         self.group = world.resolve_group(group)
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)

@@ -384,7 +384,7 @@ def construction_task(rank, world_size) -> dict:
         "mxfp8 row k": lambda: RowParallelLinear(48 * world_size, H, fp8=Fp8Recipe("mxfp8")),
         "float64": lambda: ColumnParallelLinear(H, 32, fp8="rowwise", dtype=torch.float64),
         "moe": lambda: ExpertParallelMLP(H, 32, 2 * world_size, 1, fp8="tensorwise"),
-        "moe grads": lambda: ExpertParallelMLP(H, 32, 2 * world_size, 1, fp8="rowwise+grads"),
+        "moe grads": lambda: ExpertParallelMLP(H, 48, 2 * world_size, 1, fp8="mxfp8+grads"),
         "moe mxfp8 hidden": lambda: ExpertParallelMLP(48, 32, 2 * world_size, 1, fp8="mxfp8"),
         "moe unknown": lambda: ExpertParallelMLP(H, 32, 2 * world_size, 1, fp8="bogus"),
     }
@@ -410,7 +410,7 @@ def test_bad_recipes_raise_in_init_on_every_rank(pools):
         assert res["float64"][0] == "TypeError" and "float64" in res["float64"][1], res
         assert res["moe"][0] == "ValueError" and "'tensorwise'" in res["moe"][1], res
         assert "per token or per block" in res["moe"][1], res
-        assert res["moe grads"][0] == "NotImplementedError" and "'+grads'" in res["moe grads"][1], res
+        assert res["moe grads"][0] == "ValueError" and "48" in res["moe grads"][1], res  # (mxfp8: w1's width)
         assert res["moe mxfp8 hidden"][0] == "ValueError" and "48" in res["moe mxfp8 hidden"][1], res
         assert res["moe unknown"][0] == "ValueError" and "'bogus'" in res["moe unknown"][1], res
         assert "fp8='tensorwise+grads'" in res["repr"][0] and "fp8=None" in res["repr"][1], res

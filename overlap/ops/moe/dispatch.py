@@ -57,7 +57,8 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: d
             torch.compile; the counts still travel to the host inside the op.
         fp8: None, or ``"rowwise"``, ``"block128"``, ``"mxfp8"`` (or an `overlap.Fp8Recipe` of one): every
             token is quantized to e4m3 once, on this rank, and travels with its scales in its row
-            (`overlap.ops.moe.fp8`); ``x_recv`` holds the values the fp8 rows stand for, in ``x``'s dtype.
+            (`overlap.ops.moe.fp8`); ``x_recv`` holds the values the fp8 rows stand for, in ``x``'s dtype (a
+            recipe's ``grads`` has no GEMM to act on here: the backward is the straight-through copy).
 
     Returns:
         ``(x_recv, handle)``: ``x_recv`` ``[R, H]`` holds the rows of this rank's experts grouped by local
@@ -86,7 +87,9 @@ def dispatch_grouped_matmul(x: torch.Tensor, topk_idx: torch.Tensor, w1, num_exp
             ``fused`` is available.
         w1: ``[L, H, F]`` (any strides) or a list of ``L`` tensors ``[H, F]``: this rank's experts, in order.
         fp8: as for `dispatch`; the tokens stay fp8 into the GEMM, ``w1`` is quantized along ``H`` at the same
-            granularity and each block is a scaled GEMM (`overlap.ops.moe.fp8`); ``h`` has ``w1``'s dtype.
+            granularity and each block is a scaled GEMM (`overlap.ops.moe.fp8`); ``h`` has ``w1``'s dtype. The
+            backward's GEMMs run in ``w1``'s dtype, or in fp8 with a recipe of ``grads=True`` (``"rowwise+grads"``,
+            ``"block128+grads"``, ``"mxfp8+grads"``; ``mxfp8`` then needs ``F`` a multiple of 32).
 
     Returns:
         ``(h, handle)``: ``h`` ``[R, F]`` in `dispatch`'s row order (no activation applied; with
@@ -138,6 +141,7 @@ def _prepare(op, x, topk_idx, num_experts, w, group, strategy, plan, timeout, gr
         recipe = moe_fp8.check(op, fp8, x)
         if w is not None:
             w = entry.check_weights(op, w, L, x.shape[1], x.dtype, x.device, "w1")
+            moe_fp8.check_width(f"moe.{op}", recipe, w.shape[2])
         entry.check_topk_idx(op, topk_idx, x.shape[0], x.device)
         moe_bound.check_bound(op, bound, x.shape[0])
         key_dtype = x.dtype if recipe is None else fp8_dtype(recipe.granularity)  # (an fp8 call's bytes differ)
@@ -210,25 +214,30 @@ def _backward(grad_out, topk_idx, rows, w, key, need_x, need_w):
     op = OP_DISPATCH if w is None else OP_DISPATCH_MM
     h = moe_handle.layout_of(key, f"{op}.backward")
     grad_out, rows = moe_bound.exact(grad_out, h).contiguous(), moe_bound.exact(rows, h)  # (padding: never read)
+    fp8_grads = h.fp8 if w is not None and h.fp8 is not None and h.fp8.grads else None  # (`overlap.ops.moe.fp8`)
     if need_w and h.fp8 is not None:  # what the forward multiplied: the values of the fp8 rows
-        rows = moe_fp8.dequantize_rows(rows, h.fp8, w.dtype)
+        rows = moe_fp8.dequantize_rows(rows, h.fp8, w.dtype if fp8_grads is None else torch.float32)
     grad_w: list[torch.Tensor] = []
     w = w if h.migration is None else h.migration.extend(w, "w1")  # the hosted experts, as in the forward
 
     def weight_grad() -> None:  # runs while the input-gradient rows travel
         if need_w:
-            grad_w.append(grouped.grouped_weight_grad(rows, grad_out, h, w))
+            fp8 = None if fp8_grads is None else fp8_grads.granularity
+            grad_w.append(grouped.grouped_weight_grad(rows, grad_out, h, w, fp8))
 
     grad_x = None
     with no_autocast(h.info.device.type):
         if need_x:
             w_t = None if w is None else w.transpose(1, 2)
             cc = entry.follow_up(h, f"moe.{op}.backward", grad_out, w_t, h.plan)
+            y = grad_out
+            if fp8_grads is not None:  # the output gradient's rows quantized once, here; w1 along N to match
+                y, w_t = moe_fp8.backward_operands(grad_out, w_t, fp8_grads)
             if entry.sums_in_node(cc):  # a token's copies summed within each node before they cross
                 ones = torch.ones((h.num_tokens, h.top_k), dtype=torch.float32, device=grad_out.device)
-                grad_x = to_sources.run(h, grad_out, w_t, cc, between=weight_grad, weights=ones)
+                grad_x = to_sources.run(h, y, w_t, cc, between=weight_grad, weights=ones)
             else:
-                grad_x = _sum_copies(to_sources.run(h, grad_out, w_t, cc, between=weight_grad), h)
+                grad_x = _sum_copies(to_sources.run(h, y, w_t, cc, between=weight_grad), h)
         else:
             weight_grad()
         if need_w and h.migration is not None:  # the copies' gradients to their owners

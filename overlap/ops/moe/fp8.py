@@ -28,9 +28,23 @@ Triton grouped GEMM's fp8 form for ``rowwise`` and ``mxfp8`` (`Fp8Experts.fused`
 `overlap.kernels.dispatch_grouped_matmul`). The result has the weights' dtype. The combine moves and multiplies in
 that dtype, as without fp8.
 
-Autograd (the dense recipe's ``grads=False``): the tokens' gradient is the straight-through one (the quantization's
-derivative taken as 1), travelling back in the weights' dtype; the weight gradient multiplies the dequantized rows
-that arrived (what the forward multiplied) by the output gradient in the weights' dtype.
+Autograd: the tokens' gradient is the straight-through one (the quantization's derivative taken as 1), travelling
+back in the weights' dtype; ``w1``'s gradient multiplies the dequantized rows that arrived (what the forward
+multiplied) by the output gradient. Both backward GEMMs run in the weights' dtype (the dense recipe's
+``grads=False``, the default) or, with an `overlap.Fp8Recipe` of ``grads=True`` (``"rowwise+grads"``...), in fp8
+(`backward_operands`, `grad_gemm`), each operand e4m3 along the GEMM's reduction at the dispatch's granularity:
+
+* ``rowwise``: the input gradient ``grad_h [R, N] @ w1[e].T`` with one scale per row of ``grad_h`` and of
+  ``w1[e]``; ``w1``'s gradient ``rows_e.T @ grad_h_e`` with one scale per column of each (along the tokens).
+* ``block128``: ``grad_h`` in 1 x 128 blocks and ``w1[e].T`` in 128 x 128 (DeepSeek-V3's); for ``w1``'s
+  gradient blocks of 128 tokens per column of each.
+* ``mxfp8``: MX blocks of 32 along ``N`` (a multiple of 32: `check_width`); for ``w1``'s gradient MX blocks of 32
+  tokens per column, float32 for an expert whose token count is not a multiple of 32 (the dense recipe's rule).
+
+The output gradient's rows are quantized once on the expert's rank and packed as the tokens were (`RowFormat` of
+``N`` columns); each block's GEMM gives the weights' dtype as it leaves, so what travels back is what travels
+without fp8 gradients. ``block128`` is dequantized and multiplied in float32 (no scaled GEMM here takes its blocks);
+``w1``'s gradient is float32 rounded once to the weights' dtype.
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ import torch
 
 from ...stages import timed
 from ..fp8 import MIN_SCALE, MX_BLOCK, OPERAND_DTYPE, dequantize, quantize_fp8, scaled_mm
+from ..fp8_matmul import grad_gemm as fp8_grad_gemm
 from ..fp8_recipe import Fp8Recipe, recipe_among, recipe_of
 from ..fp8_rows import Packed
 
@@ -64,13 +79,19 @@ def recipe_for(op: str, fp8: object, hidden: int | None = None) -> Fp8Recipe | N
                           "token or per block")
     if recipe is None:
         return None
-    if recipe.grads:
-        raise NotImplementedError(f"overlap.{op}: fp8={recipe.text!r}: fp8 gradients in the MoE ops are not "
-                                  "supported yet (their backward runs in the weights' dtype): drop '+grads'")
     if recipe.granularity == "mxfp8" and hidden is not None and hidden % MX_BLOCK:
         raise ValueError(f"overlap.{op}: fp8='mxfp8' quantizes blocks of {MX_BLOCK} along the hidden size, which "
                          f"is {hidden}: it must be a multiple of {MX_BLOCK} (or use 'rowwise' or 'block128')")
     return recipe
+
+
+def check_width(op: str, recipe: Fp8Recipe | None, width: int) -> None:
+    """An ``mxfp8`` recipe with fp8 gradients needs an expert width (``w1``'s columns, the input gradient's
+    reduction) that is a multiple of 32; raises ValueError naming `op` otherwise."""
+    if recipe is not None and recipe.grads and recipe.granularity == "mxfp8" and width % MX_BLOCK:
+        raise ValueError(f"overlap.{op}: fp8={recipe.text!r} quantizes the output gradient in blocks of {MX_BLOCK} "
+                         f"along the experts' width, which is {width}: it must be a multiple of {MX_BLOCK} (or drop "
+                         "'+grads', or use 'rowwise' or 'block128')")
 
 
 def check(op: str, fp8: object, x: torch.Tensor) -> Fp8Recipe | None:
@@ -91,11 +112,12 @@ def check(op: str, fp8: object, x: torch.Tensor) -> Fp8Recipe | None:
 @dataclasses.dataclass(frozen=True)
 class RowFormat:
     """The packed row of a token of `hidden` columns at `granularity` on a device of `device_type` (module
-    docstring; the bytes are `overlap.ops.fp8_rows.Packed`'s)."""
+    docstring; the bytes are `overlap.ops.fp8_rows.Packed`'s); `grads`: the call's backward GEMMs run in fp8 too."""
 
     granularity: str
     hidden: int
     device_type: str = "cpu"
+    grads: bool = False
 
     @functools.cached_property
     def packed(self) -> Packed:
@@ -113,7 +135,7 @@ class RowFormat:
 
 
 def row_format(recipe: Fp8Recipe | None, hidden: int, device: torch.device) -> RowFormat | None:
-    return None if recipe is None else RowFormat(recipe.granularity, hidden, device.type)
+    return None if recipe is None else RowFormat(recipe.granularity, hidden, device.type, recipe.grads)
 
 
 def quantize_rows(x: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,6 +176,12 @@ def dequantize_rows(rows: torch.Tensor, fmt: RowFormat, dtype: torch.dtype) -> t
     return _dequantize_tokens(x8, scale, fmt).to(dtype)
 
 
+def _block_values(x: torch.Tensor) -> torch.Tensor:
+    """The values of `x` ``[m, r]`` quantized in 1 x 128 blocks along ``r``, float32."""
+    x8, scale = quantize_rows(x, "block128")
+    return x8.float() * scale.repeat_interleave(BLOCK, dim=1)[:, : x.shape[1]]
+
+
 def _dequantize_tokens(x8: torch.Tensor, scale: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
     if fmt.granularity == "block128":
         return x8.float() * scale.repeat_interleave(BLOCK, dim=1)[:, : fmt.hidden]
@@ -169,6 +197,27 @@ def kept_rows(x, w, grads: str, fp8: str, rows) -> torch.Tensor:
     if recipe is None:
         return x.new_empty((rows, x.shape[1]))
     return x.new_empty((rows, RowFormat(recipe.granularity, x.shape[1], x.device.type).cols), dtype=torch.uint8)
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8 gradients (``+grads``)
+# ----------------------------------------------------------------------------------------------
+
+
+@timed("fp8 cast")
+def backward_operands(grad: torch.Tensor, w_t: torch.Tensor, fmt: RowFormat) -> tuple[torch.Tensor, Fp8Experts]:
+    """The input gradient's operands with fp8 gradients: the output gradient's rows `grad` ``[R, N]`` packed along
+    ``N`` at `fmt`'s granularity, and ``w1.T`` `w_t` ``[L, N, H]`` quantized along ``N`` to match."""
+    gfmt = RowFormat(fmt.granularity, grad.shape[1], fmt.device_type)
+    return pack(grad, gfmt), Fp8Experts.quantize(w_t, gfmt)
+
+
+def grad_gemm(x: torch.Tensor, y: torch.Tensor, granularity: str) -> torch.Tensor:
+    """``x [m, r] @ y [r, n]`` in float32 for ``w1``'s gradient with fp8 gradients: both operands e4m3 along ``r``
+    (the tokens) at `granularity` (module docstring)."""
+    if granularity != "block128":
+        return fp8_grad_gemm(x, y, Fp8Recipe(granularity, grads=True), grad="y")
+    return torch.mm(_block_values(x), _block_values(y.t()).t())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import itertools
 import torch
 
 from ...stages import timed
-from .fp8 import Fp8Experts
+from .fp8 import Fp8Experts, grad_gemm
 from .layout import MoELayout
 
 #: The dtypes `torch._grouped_mm` takes on CPU ranks. GPU ranks keep one GEMM per block for now (their grouped
@@ -80,6 +80,11 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor | Fp8Experts, handle: MoELayout)
 @timed("gemm")
 def expert_mm(rows: torch.Tensor, w: torch.Tensor | Fp8Experts, e: int, out: torch.Tensor) -> torch.Tensor:
     """``out = rows @ w[e]``, one block of expert `e` as it lands (packed fp8 rows where `w` is `Fp8Experts`)."""
+    return mm_into(rows, w, e, out)
+
+
+def mm_into(rows: torch.Tensor, w: torch.Tensor | Fp8Experts, e: int, out: torch.Tensor) -> torch.Tensor:
+    """`expert_mm` outside any stage (for a caller that times its own)."""
     if isinstance(w, Fp8Experts):
         return w.mm(rows, e, out)
     return torch.mm(rows, w[e], out=out)
@@ -91,32 +96,37 @@ def out_dtype(w: torch.Tensor | Fp8Experts, rows_dtype: torch.dtype) -> torch.dt
 
 
 @timed("gemm")
-def rows_for(h: MoELayout, y: torch.Tensor, w: torch.Tensor | None, s: int, into: torch.Tensor) -> None:
+def rows_for(h: MoELayout, y: torch.Tensor, w: torch.Tensor | Fp8Experts | None, s: int, into: torch.Tensor) -> None:
     """`into` = the rows of source `s` (in `s`'s send order), each block times its expert's weight (a GEMM per
-    block, straight into `into`: on CPU ranks cheaper than a grouped GEMM's separate output and its copy)."""
+    block, straight into `into`: on CPU ranks cheaper than a grouped GEMM's separate output and its copy; packed
+    fp8 rows where `w` is `Fp8Experts`)."""
     for e in range(h.num_local_experts):
         c = h.recv_counts[s][e]
         if not c:
             continue
         lo, at = h.within_source(s, e), h.expert_offsets[e][s]
         if w is not None:
-            torch.mm(y[at : at + c], w[e], out=into[lo : lo + c])
+            mm_into(y[at : at + c], w, e, into[lo : lo + c])
         else:
             into[lo : lo + c].copy_(y[at : at + c])
 
 
 @timed("gemm")
-def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, handle: MoELayout, like: torch.Tensor) -> torch.Tensor:
-    """``grad_w[e] = x_e.T @ grad_e`` over every row of local expert ``e`` (zeros for an expert with none)."""
+def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, handle: MoELayout, like: torch.Tensor,
+                        fp8: str | None = None) -> torch.Tensor:
+    """``grad_w[e] = x_e.T @ grad_e`` over every row of local expert ``e`` (zeros for an expert with none); with
+    `fp8` (a granularity: fp8 gradients) each in fp8 along the tokens (`overlap.ops.moe.fp8.grad_gemm`)."""
     counts = handle.tokens_per_expert
     n = sum(counts)
-    grad_w = _grouped(x[:n].t(), grad[:n], counts) if like.dtype == x.dtype else None
+    grad_w = _grouped(x[:n].t(), grad[:n], counts) if like.dtype == x.dtype and fp8 is None else None
     if grad_w is not None:
         return grad_w
     grad_w = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
     at = 0
     for e, c in enumerate(counts):
-        if c:
+        if c and fp8 is not None:
+            grad_w[e].copy_(grad_gemm(x[at : at + c].t(), grad[at : at + c], fp8))
+        elif c:
             torch.mm(x[at : at + c].t(), grad[at : at + c], out=grad_w[e])
         at += c
     return grad_w

@@ -57,6 +57,7 @@ from ..context import CallContext
 from ..hierarchical import node_call as hier
 from ..hierarchical.nodes import Layout, layout_of
 from . import grouped, layout
+from .fp8 import Fp8Experts
 
 
 def _pad(nbytes: int) -> int:
@@ -251,8 +252,8 @@ def _take_blocks(cc, h, lay: Layout, rt: Routes, call, area_of, m: int, recv, ou
 # ----------------------------------------------------------------------------------------------
 
 
-def to_sources(cc: CallContext, h: layout.MoELayout, y: torch.Tensor, w: torch.Tensor | None, between,
-               weights: torch.Tensor) -> torch.Tensor:
+def to_sources(cc: CallContext, h: layout.MoELayout, y: torch.Tensor, w: torch.Tensor | Fp8Experts | None,
+               between, weights: torch.Tensor) -> torch.Tensor:
     """`overlap.ops.moe.combine.run`'s transfer across nodes with `weights` (``[T, K]``): the weighted sum
     ``[T, N]`` (each node's rows of a token summed there)."""
     lay = layout_of(cc.info)
@@ -260,10 +261,10 @@ def to_sources(cc: CallContext, h: layout.MoELayout, y: torch.Tensor, w: torch.T
         rt, lists = routes(cc, h, lay)
         W, N, Q, r, n0, l0 = cc.world_size, lay.num_nodes, lay.ranks_per_node, cc.rank, lay.node, lay.local
         cols = y.shape[1] if w is None else w.shape[2]
-        dtype = y.dtype
+        dtype = y.dtype if w is None else grouped.out_dtype(w, y.dtype)  # (packed fp8 rows: the weights')
         acc = torch.float64 if torch.float64 in (dtype, weights.dtype) else torch.float32
         biggest = max(rt.split(s, d) for s in range(W) for d in range(W))
-        region = _pad(max(biggest, 1) * cols * y.element_size())
+        region = _pad(max(biggest, 1) * cols * dtype.itemsize)
         call = hier.begin_node(cc, lay, hier.HEADER_BYTES + N * Q * region)
         sends: list = []
         from_peer: dict[int, list] = {}  # pieces posted from each counterpart: its weights and idx, then our rows

@@ -37,17 +37,19 @@ from . import bound as moe_bound
 from . import cuda as moe_cuda
 from . import grouped, layout
 from . import hierarchical as moe_hierarchical
+from .fp8 import Fp8Experts
 
 # ----------------------------------------------------------------------------------------------
 # One transfer back to the sources (combine forward; dispatch backward)
 # ----------------------------------------------------------------------------------------------
 
 
-def run(h: layout.MoELayout, y: torch.Tensor, w: torch.Tensor | None, cc: CallContext,
+def run(h: layout.MoELayout, y: torch.Tensor, w: torch.Tensor | Fp8Experts | None, cc: CallContext,
         between: Callable[[], None] | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Return each expert-order row of `y` (times its expert's ``w[e]`` where `w` is given, ``[L, H, N]``
-    any strides) to the rank of its token; one call on every rank (`cc`: its op, plan, signature).
-    `between` runs while the rows travel.
+    any strides; packed fp8 rows where `w` is `Fp8Experts`: the dispatch's backward with fp8 gradients) to the
+    rank of its token; one call on every rank (`cc`: its op, plan, signature). `between` runs while the rows
+    travel.
 
     Returns ``[P, N]`` in pair order (pair ``t*K + k``), on the rank of the tokens. With `weights`
     (``[T, K]``; ``symm``/``fused`` on GPUs, see `moe_cuda.sums_on_device`) returns the weighted sum
@@ -55,7 +57,7 @@ def run(h: layout.MoELayout, y: torch.Tensor, w: torch.Tensor | None, cc: CallCo
     """
     cols = y.shape[1] if w is None else w.shape[2]
     kind = cc.plan.strategy
-    call = moe_bound.begin(cc, h, kind, cols * y.element_size())  # (with a bound: the steady state)
+    call = moe_bound.begin(cc, h, kind, cols * _dtype(y, w).itemsize)  # (with a bound: the steady state)
     extra = {} if weights is None else {"weights": weights}  # (symm and fused on GPUs; hierarchical across nodes)
     try:
         if w is not None and w.shape[0] < h.num_local_experts:  # the forward's w2 [L]: fetch the copies, agreed
@@ -67,6 +69,11 @@ def run(h: layout.MoELayout, y: torch.Tensor, w: torch.Tensor | None, cc: CallCo
         return back
     with stage("receive"):
         return back.index_select(0, h.inv_order)
+
+
+def _dtype(y: torch.Tensor, w: torch.Tensor | Fp8Experts | None) -> torch.dtype:
+    """The dtype of the rows that travel: `y`'s, or the GEMM's result (`grouped.out_dtype`)."""
+    return y.dtype if w is None else grouped.out_dtype(w, y.dtype)
 
 
 def _reference(cc: CallContext, call, h, y, w, between):
@@ -83,8 +90,8 @@ def _reference(cc: CallContext, call, h, y, w, between):
 
 def _pipelined(cc: CallContext, call, h, y, w, between):
     info, W, r = h.info, h.info.world_size, h.info.rank
-    cols = y.shape[1] if w is None else w.shape[2]
-    back = y.new_empty((h.num_tokens * h.top_k, cols))
+    cols, dtype = y.shape[1] if w is None else w.shape[2], _dtype(y, w)
+    back = y.new_empty((h.num_tokens * h.top_k, cols), dtype=dtype)
 
     def ours_from(d: int) -> torch.Tensor:  # where rank d's results for our rows land
         return back[h.send_offsets[d] : h.send_offsets[d] + h.send_splits[d]]
@@ -92,7 +99,7 @@ def _pipelined(cc: CallContext, call, h, y, w, between):
     posted, sent = [], []
     for i in range(1, W):
         s, src = (r + i) % W, (r - i) % W
-        buf = y.new_empty((h.recv_splits[s], cols))
+        buf = y.new_empty((h.recv_splits[s], cols), dtype=dtype)
         grouped.rows_for(h, y, w, s, buf)  # the next source's GEMMs run while this one's rows travel
         sent.append(buf)
         posted.extend(comm.exchange_chunked(buf, s, ours_from(src), src, cc.plan.chunks_for, info, cc.pg, cc.op))
@@ -107,13 +114,13 @@ def _pipelined(cc: CallContext, call, h, y, w, between):
 
 
 def _symm(cc: CallContext, call, h, y, w, between, weights=None):
-    cols = y.shape[1] if w is None else w.shape[2]
+    cols, dtype = y.shape[1] if w is None else w.shape[2], _dtype(y, w)
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
     F, G = slots.flags_per_peer(W), slots.expert_groups(L, W)
     call.wait_slot_free()
     for i in range(1, W + 1):  # peers from rank + 1, our own rows last
         s = (r + i) % W
-        region = layout.region(call, h, s, r, y.dtype, cols)
+        region = layout.region(call, h, s, r, dtype, cols)
         for g in range(G):
             experts = slots.group_experts(g, L, G)
             if not sum(h.recv_counts[s][e] for e in experts):
@@ -124,17 +131,19 @@ def _symm(cc: CallContext, call, h, y, w, between, weights=None):
                     lo, at = h.within_source(s, e), h.expert_offsets[e][s]
                     if w is not None:
                         with stage("gemm"):
-                            torch.mm(y[at : at + c], w[e], out=region[lo : lo + c])
+                            grouped.mm_into(y[at : at + c], w, e, region[lo : lo + c])
                     else:
                         with stage("send"):
                             region[lo : lo + c].copy_(y[at : at + c])
             call.signal_ready(s * F + 1 + g)
     if between is not None:
         between()
-    return _collect(call, h, y.dtype, cols, weights)
+    return _collect(call, h, dtype, cols, weights)
 
 
 def _fused(cc: CallContext, call, h, y, w, between, weights=None):
+    if isinstance(w, Fp8Experts):  # (fp8 gradients: the combine kernel has no fp8 form; symm's host loop)
+        return _symm(cc, call, h, y, w, between, weights)
     chosen = cc.plan
     y = y.contiguous()  # the kernel reads rows with unit column stride
     cols = w.shape[2]
