@@ -335,6 +335,7 @@ def _moe_model(world_size: int, seed: int, fp8_field=None, fp8_recipe=None):
 
 def moe_task(rank, world_size, seed) -> dict:
     import overlap.hooks.megatron as om
+    from overlap import Fp8Recipe
     from tests.integrations.test_megatron_moe import _inputs, _run
     from tests.support.megatron_moe import cuda_plumbing, parallel_state
 
@@ -362,20 +363,22 @@ def moe_task(rank, world_size, seed) -> dict:
         y0, gx0, _ = _run(plain, x, g)
         for name, field, recipe, kw in (("keyword rowwise", None, None, {"fp8": "rowwise"}),
                                         ("config blockwise", "e4m3", "blockwise", {}),
-                                        ("config mxfp8", "e4m3", "mxfp8", {})):
+                                        ("config mxfp8", "e4m3", "mxfp8", {}),
+                                        ("keyword block128+grads", None, None,
+                                         {"fp8": Fp8Recipe("block128", grads=True)})):
             model = _moe_model(world_size, seed, field, recipe)
             om.patch(model, **kw)
             y, gx, grads = _run(model, x, g)
             err, scale = float((y - y0).abs().max()), float(y0.abs().max())
             gerr, gscale = float((gx - gx0).abs().max()), float(gx0.abs().max())
             finite = all(bool(t.isfinite().all()) for t in grads.values())
-            out[name] = (model.moe.overlap_settings.fp8.granularity, err / scale, gerr / gscale, finite)
+            out[name] = (model.moe.overlap_settings.fp8.text, err / scale, gerr / gscale, finite)
     return out
 
 
 def test_moe_layers_quantize_before_the_dispatch(pools, seed):
-    """Megatron's MoE layer patched with fp8 (keyword, or config ``blockwise``/``mxfp8``): its recipe reaches the
-    dispatch, the outputs move by fp8's rounding from the same layer without fp8 (and do move: the recipe ran), the
+    """Megatron's MoE layer patched with fp8 (keyword, or config ``blockwise``/``mxfp8``; a recipe with fp8
+    gradients): its recipe reaches the dispatch, the outputs move by fp8's rounding from the same layer without fp8 (and do move: the recipe ran), the
     gradients are finite; ``tensorwise`` and ``delayed`` are refused, leaving the model untouched."""
     for res in pools(2).run(moe_task, seed, timeout=180):
         assert res["config tensorwise"][0] == "NotImplementedError", res
@@ -386,7 +389,7 @@ def test_moe_layers_quantize_before_the_dispatch(pools, seed):
         assert res["spec tensorwise"][0] == "ValueError", res
         assert res["spec mxfp8"] == "mxfp8", res
         for name, granularity in (("keyword rowwise", "rowwise"), ("config blockwise", "block128"),
-                                  ("config mxfp8", "mxfp8")):
+                                  ("config mxfp8", "mxfp8"), ("keyword block128+grads", "block128+grads")):
             got, rel, grad_rel, finite = res[name]
             assert got == granularity, res
             # e4m3 keeps 3 mantissa bits: each product is within 2^-3 of its size, the layer's outputs well within
