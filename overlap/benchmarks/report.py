@@ -306,7 +306,8 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
 
 
 #: the stages of `overlap.stages` in the order a call meets them (`profile_lines`); others follow, then ``outside``
-STAGE_ORDER = ("preamble", "handshake", "route", "counts", "fp8 cast", "send", "wait", "gemm", "receive", "sum")
+STAGE_ORDER = ("preamble", "handshake", "route", "counts", "fp8 cast", "send", "wait", "gemm", "activation", "receive",
+               "sum")
 
 
 def profile_lines(rows: list[dict[str, Any]], width: int = Table.WIDTH) -> list[str]:

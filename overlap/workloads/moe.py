@@ -44,6 +44,7 @@ from ..ops.fp8 import quantize_fp8, quantize_weight, scaled_mm
 from ..ops.moe import combine, dispatch
 from ..ops.moe import fp8 as moe_fp8
 from ..plans import FP8_DTYPES, fp8_granularity, moe_row_bytes
+from ..stages import stage
 from .data import Expected, OpInputs, Plain, SeededDraw
 
 #: standard deviation of the per-expert popularity added to the routing logits (uneven loads)
@@ -87,7 +88,24 @@ def call(inputs: OpInputs, group, **kwargs) -> torch.Tensor:
     x, w1, w2, weights = inputs.leaves
     h, handle = dispatch.dispatch_grouped_matmul(x, inputs.routing, w1, inputs.num_experts, group=group,
                                                  **inputs.options, **kwargs)
-    return combine.grouped_matmul_combine(torch.nn.functional.gelu(h), w2, weights, handle, **kwargs)
+    return combine.grouped_matmul_combine(_Gelu.apply(h), w2, weights, handle, **kwargs)
+
+
+class _Gelu(torch.autograd.Function):
+    """``torch.nn.functional.gelu`` (the same aten ops, forward and backward), each direction the profile's stage
+    ``activation`` (`overlap.stages`): the layer's own compute that the GEMMs alone leave out."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h)
+        with stage("activation"):
+            return torch.nn.functional.gelu(h)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (h,) = ctx.saved_tensors
+        with stage("activation"):
+            return torch.ops.aten.gelu_backward(grad, h)
 
 
 def dense(x: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
