@@ -235,8 +235,39 @@ def _check_mode(dtype: Any, backward: Any, dtypes: tuple[str, ...], what: str = 
         raise ValueError(f"backward must be a bool, got {backward!r}")
 
 
+class _GemmCase(_CaseNames):
+    """What the cases of one GEMM ``m x k x n`` per rank (the tensor- and sequence-parallel ops) read from their
+    `problem`."""
+
+    @staticmethod
+    def check_dims(m: Any, k: Any, n: Any) -> None:
+        for name, v in (("m", m), ("k", k), ("n", n)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
+    @property
+    def m(self) -> int:
+        return self.problem.m
+
+    @property
+    def k(self) -> int:
+        return self.problem.k
+
+    @property
+    def n(self) -> int:
+        return self.problem.n
+
+    def comm_bytes(self, world_size: int) -> int:
+        """Bytes one rank receives in one call's plain collectives (the op table's; the module docstring)."""
+        return self.problem.spec.comm_bytes(self.problem, world_size)
+
+    @property
+    def fits_interpreted_fused(self) -> bool:
+        return max(self.m, self.k, self.n) <= INTERPRETED_FUSED_MAX_DIM
+
+
 @dataclasses.dataclass(frozen=True)
-class Case(_CaseNames):
+class Case(_GemmCase):
     """One benchmark case of a tensor-parallel op: its `problem` (op, per-rank shape ``m x k x n`` (see the module
     docstring), dtype, forward only or forward plus backward) and how the run lays it out and labels it. Made by
     `Case.of`, which names the problem's fields."""
@@ -254,9 +285,7 @@ class Case(_CaseNames):
         layout and labels of the fields above. Raises ValueError naming the field that is wrong."""
         if op not in OPS:
             raise ValueError(f"unknown op {op!r}; known: {OPS}")
-        for name, v in (("m", m), ("k", k), ("n", n)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        cls.check_dims(m, k, n)
         _check_mode(dtype, backward, tuple(DTYPES))
         if dtype in FP8_DTYPES and op not in FP8_OPS:
             raise ValueError(f"{dtype} (the fp8 recipe) is benchmarked for {FP8_OPS}, sequence-first with one "
@@ -291,31 +320,11 @@ class Case(_CaseNames):
                              + (f", split={self.split}" if self.split else ""))
 
     @property
-    def m(self) -> int:
-        return self.problem.m
-
-    @property
-    def k(self) -> int:
-        return self.problem.k
-
-    @property
-    def n(self) -> int:
-        return self.problem.n
-
-    @property
     def shape(self) -> str:
         dims = f"{self.m}x{self.k}x{self.n}"
         dims += f"/bsh{self.batch}" if self.batch else ""
         dims += f"/split{'+'.join(map(str, self.split))}" if self.split else ""
         return f"{self.preset}/{self.layer}:{dims}" if self.preset else dims
-
-    def comm_bytes(self, world_size: int) -> int:
-        """Bytes one rank receives in one call's plain collectives (see the module docstring)."""
-        return self.problem.spec.comm_bytes(self.problem, world_size)
-
-    @property
-    def fits_interpreted_fused(self) -> bool:
-        return max(self.m, self.k, self.n) <= INTERPRETED_FUSED_MAX_DIM
 
     def shape_fields(self) -> dict[str, Any]:
         """The shape as fields of a result row."""
@@ -396,7 +405,7 @@ class MoECase(_CaseNames):
 
 
 @dataclasses.dataclass(frozen=True)
-class SpCase(_CaseNames):
+class SpCase(_GemmCase):
     """One benchmark case of a sequence-parallel op (``matmul_all_to_all``, ``all_to_all_matmul``): its `problem`
     (the op's ``m x k x n``, `overlap.plans.sp_ops`: ``m`` rows of this rank's sequence shard, the projection
     ``[k, n]``; dtype; forward only or forward plus backward). `preset`, `layer` and `sp` label a case of a
@@ -415,9 +424,7 @@ class SpCase(_CaseNames):
         Raises ValueError naming the field that is wrong."""
         if op not in SP_OPS:
             raise ValueError(f"unknown sequence-parallel op {op!r}; known: {SP_OPS}")
-        for name, v in (("m", m), ("k", k), ("n", n)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        cls.check_dims(m, k, n)
         _check_mode(dtype, backward, tuple(d for d in DTYPES if d not in FP8_DTYPES),
                     "a sequence-parallel case's dtype (no fp8 recipe)")
         return cls(Problem(op, m, k, n, dtype, backward), **labels)
@@ -434,29 +441,9 @@ class SpCase(_CaseNames):
                     f"got preset={self.preset!r}, layer={self.layer!r}, sp={self.sp!r}")
 
     @property
-    def m(self) -> int:
-        return self.problem.m
-
-    @property
-    def k(self) -> int:
-        return self.problem.k
-
-    @property
-    def n(self) -> int:
-        return self.problem.n
-
-    @property
     def shape(self) -> str:
         dims = f"{self.m}x{self.k}x{self.n}"
         return f"{self.preset}/{self.layer}:{dims}" if self.preset else dims
-
-    def comm_bytes(self, world_size: int) -> int:
-        """Bytes one rank receives in one call's plain all-to-alls (the op table's)."""
-        return self.problem.spec.comm_bytes(self.problem, world_size)
-
-    @property
-    def fits_interpreted_fused(self) -> bool:
-        return max(self.m, self.k, self.n) <= INTERPRETED_FUSED_MAX_DIM
 
     def shape_fields(self) -> dict[str, Any]:
         """The shape as fields of a result row."""
