@@ -165,7 +165,7 @@ def keep(obj: Any) -> torch.Tensor:
     with _LOCK:
         serial = next(_SERIAL)
         _KEPT[serial] = obj
-    key = torch.tensor([serial], dtype=torch.int64)
+    key = torch.full((1,), serial, dtype=torch.int64)
     weakref.finalize(key, _drop, serial)
     return key
 

@@ -52,6 +52,7 @@ class Call:
         self.recording: list | None = None
         self._outer = sys.exc_info()[1]  # (an exception handled around the call, if any: not the call's own)
         self._finished = False
+        self._cuda = heap.device.type == "cuda"  # (read by every flag operation)
 
     def buffer(self, peer: int, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
         return self.heap.slot_tensor(peer, self.slot, dtype, shape, offset)
@@ -71,12 +72,9 @@ class Call:
     # GPU ranks: stream-ordered writes and waits (``overlap._C``) on the control pads' words through
     # their device addresses, on `stream` (default: the current stream), each wait bounded by the
     # host watchdog, so the host never blocks on the device.
-    def _cuda(self) -> bool:
-        return self.heap.device.type == "cuda"
-
     def _flag_addr(self, owner: int, word: int) -> int:
         h = self.heap
-        return h.pad_device_addr(owner, word) if self._cuda() else h.ctrl_addr(owner, word)
+        return h.pad_device_addr(owner, word) if self._cuda else h.ctrl_addr(owner, word)
 
     def wait_slot_free(self, stream: Any = None) -> None:
         """Wait until every rank has finished the previous call that used this slot's data."""
@@ -84,7 +82,7 @@ class Call:
         if prev <= 0 or not self.uses_heap:
             return
         h = self.heap
-        if self._cuda():
+        if self._cuda:
             for q in range(self.world_size):
                 self._bounded_wait(h.rank, h.done_word(self.slot, q), prev, q, stream)
             return
@@ -120,7 +118,7 @@ class Call:
         h = self.heap
         word = h.ready_word(self.slot, index)
         addr = self._flag_addr(h.rank, word)
-        if self._cuda():
+        if self._cuda:
             handle = stream_handle(stream)
             signals().cuda_stream_write_value32(addr, self.word, handle)
             signals().cuda_stream_write_value32(h.kernel_flag_addr(h.rank, word), self.word, handle)
@@ -131,7 +129,7 @@ class Call:
         """Wait for `peer`'s ready flag `index` of this call; a timeout names `chunk` (default: `index`)."""
         h = self.heap
         word = h.ready_word(self.slot, index)
-        if self._cuda():
+        if self._cuda:
             self._bounded_wait(peer, word, self.word, peer, stream)
             return
         if handshake.wait_checked(self.check, [self._flag_addr(peer, word)], self.word, self.timeout) >= 0:
@@ -181,7 +179,7 @@ class Call:
         h.in_flight -= 1
         for q in range(self.world_size):
             addr = self._flag_addr(q, h.done_word(self.slot, self.rank))
-            if self._cuda():
+            if self._cuda:
                 signals().cuda_stream_write_value32(addr, self.word, stream_handle(stream))
             else:
                 signals().signal_store(addr, self.word)

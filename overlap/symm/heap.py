@@ -81,7 +81,7 @@ class SymmHeap:
         self.ctrl = [t.view(torch.int32) for t in self.segments.map_all("ctrl", CTRL_WORDS * 4, timeout)]
         self._ctrl_np = [t.numpy() for t in self.ctrl]
         self._ctrl_addr = [t.data_ptr() for t in self.ctrl]
-        self.data: list[torch.Tensor] = []
+        self.data = []  # (the setter: `slot_tensor`'s views start over with every new heap)
         self.tables = AddressTables(self)  # what the kernels take: addresses of slots, regions, flags
         # Where asynchronous (stream-ordered, in-kernel) waits report a missed deadline: word p
         # is set when a wait on peer p gave up. Pinned host memory on GPUs, so the host reads it
@@ -102,6 +102,18 @@ class SymmHeap:
     def rebases(self) -> int:
         """Epoch re-bases so far (a call's number across them: `overlap.symm.p2p.call_number`)."""
         return self._rebases
+
+    @property
+    def data(self) -> list[torch.Tensor]:
+        """Every rank's data heap (uint8, every slot; empty before the first call that needs data)."""
+        return self._data
+
+    @data.setter
+    def data(self, tensors: list[torch.Tensor]) -> None:
+        self._data = tensors
+        # Each peer's heap as elements of a dtype, with its storage offset in them (`slot_tensor`), made on first
+        # use per (peer, dtype): new buffers drop them with the old ones.
+        self._typed: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int]] = {}
 
     @property
     def data_bytes(self) -> int:
@@ -438,13 +450,20 @@ class SymmHeap:
     # -- buffers --------------------------------------------------------------------------------
     def slot_tensor(self, peer: int, slot: int, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0):
         """View of `shape` elements of `dtype` in `peer`'s slot, starting `offset` bytes in."""
-        numel = 1
-        for s in shape:
-            numel *= s
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        # One view op (a slice and two views cost several times more, and MoE calls take many such views).
+        numel, step, strides = 1, 1, []
+        for s in reversed(shape):
+            strides.append(step)  # (torch's contiguous strides)
+            numel, step = numel * s, step * max(s, 1)
+        size = dtype.itemsize
+        nbytes = numel * size
         assert offset % 16 == 0 and offset + nbytes <= self.slot_bytes, (offset, nbytes, self.slot_bytes)
-        start = slot * self.slot_bytes + offset
-        return self.data[peer][start : start + nbytes].view(dtype).view(shape)
+        typed = self._typed.get((peer, dtype))
+        if typed is None:
+            whole = self._data[peer].view(dtype)
+            typed = self._typed[peer, dtype] = (whole, whole.storage_offset())
+        whole, base = typed
+        return whole.as_strided(shape, strides[::-1], base + (slot * self.slot_bytes + offset) // size)
 
     def _cancel_watchdog(self) -> None:
         c = signals()

@@ -6,6 +6,7 @@ exchange (the dispatch's one device-to-host read). Legend and row orders: `overl
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -110,8 +111,8 @@ def route_stats(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
     flat = topk_idx.reshape(-1).to(torch.int64)
     if flat.numel() == 0:
         return flat, flat.new_zeros(num_experts + 2)  # (ids 0 to 0: in range)
-    stats = torch.cat([torch.bincount(flat.clamp(0, num_experts - 1), minlength=num_experts),
-                       flat.min().view(1), flat.max().view(1)])
+    lo, hi = torch.aminmax(flat)
+    stats = torch.cat([torch.bincount(flat.clamp(0, num_experts - 1), minlength=num_experts), lo.view(1), hi.view(1)])
     return torch.argsort(flat, stable=True), stats
 
 
@@ -171,10 +172,12 @@ def sums_in_node(cc: CallContext) -> bool:
     return cc.plan.strategy == "hierarchical"
 
 
+@functools.lru_cache(maxsize=256)
 def moe_problem(tokens: int, hidden: int, ffn: int, num_experts: int, top_k: int, dtype: torch.dtype | str,
                 backward: bool) -> Problem | None:
     """The `overlap.plans.Problem` of a grouped-GEMM MoE call (plan files are keyed by it); `dtype`: the tokens',
-    or an fp8 dispatch's `overlap.plans.fp8_dtype`; `backward`: whether the call's backward will run."""
+    or an fp8 dispatch's `overlap.plans.fp8_dtype`; `backward`: whether the call's backward will run. Once per
+    shape (a `Problem` is immutable; every dispatch and combine asks for it)."""
     try:
         return Problem("moe", max(tokens, 1), hidden, ffn, str(dtype).removeprefix("torch."), backward,
                                 num_experts, top_k)

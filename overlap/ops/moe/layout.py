@@ -192,5 +192,5 @@ def region(call, h: MoELayout, owner: int, source: int, dtype: torch.dtype, cols
     """Region `source` of `owner`'s buffer in this call's slot, as ``[capacity, cols]`` rows."""
     W, L = h.info.world_size, h.num_local_experts
     stride = slots.region_stride(call.need, W, L)
-    row_bytes = cols * torch.empty((), dtype=dtype).element_size()
+    row_bytes = cols * dtype.itemsize
     return call.buffer(owner, dtype, (stride // row_bytes, cols), offset=slots.header_bytes(W, L) + source * stride)

@@ -186,16 +186,16 @@ def _produced(call, h: layout.MoELayout, rows, row_of_send, counts: bool):
             call.buffer(d, torch.int32, (W, L))[r].copy_(mine[d])
             call.signal_ready(d * F)
 
-    @timed("send")
     def write(d: int) -> None:
-        region = layout.region(call, h, d, r, rows.dtype, rows.shape[1])
-        base = h.send_offsets[d]
-        for g in range(G):
-            experts = slots.group_experts(g, L, G)
-            lo, hi = h.within_dest(d, experts.start), h.within_dest(d, experts.stop)
-            if hi > lo:
-                torch.index_select(rows, 0, row_of_send[base + lo : base + hi], out=region[lo:hi])
-                call.signal_ready(d * F + 1 + g)
+        with stage("send"):
+            region = layout.region(call, h, d, r, rows.dtype, rows.shape[1])
+            base = h.send_offsets[d]
+            for g in range(G):
+                experts = slots.group_experts(g, L, G)
+                lo, hi = h.within_dest(d, experts.start), h.within_dest(d, experts.stop)
+                if hi > lo:
+                    torch.index_select(rows, 0, row_of_send[base + lo : base + hi], out=region[lo:hi])
+                    call.signal_ready(d * F + 1 + g)
 
     def write_peers() -> None:
         with torch.no_grad():  # (grad mode is per thread; the rows may require grad)
