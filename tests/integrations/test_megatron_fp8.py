@@ -378,8 +378,9 @@ def moe_task(rank, world_size, seed) -> dict:
 
 def test_moe_layers_quantize_before_the_dispatch(pools, seed):
     """Megatron's MoE layer patched with fp8 (keyword, or config ``blockwise``/``mxfp8``; a recipe with fp8
-    gradients): its recipe reaches the dispatch, the outputs move by fp8's rounding from the same layer without fp8 (and do move: the recipe ran), the
-    gradients are finite; ``tensorwise`` and ``delayed`` are refused, leaving the model untouched."""
+    gradients): its recipe reaches the dispatch, the outputs move by fp8's rounding from the same layer without fp8
+    (and do move: the recipe ran), the gradients are finite; ``tensorwise`` and ``delayed`` are refused, leaving the
+    model untouched."""
     for res in pools(2).run(moe_task, seed, timeout=180):
         assert res["config tensorwise"][0] == "NotImplementedError", res
         assert "'tensorwise'" in res["config tensorwise"][1] and "'blockwise'" in res["config tensorwise"][1], res

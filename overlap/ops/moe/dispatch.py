@@ -215,6 +215,7 @@ def _backward(grad_out, topk_idx, rows, w, key, need_x, need_w):
     h = moe_handle.layout_of(key, f"{op}.backward")
     grad_out, rows = moe_bound.exact(grad_out, h).contiguous(), moe_bound.exact(rows, h)  # (padding: never read)
     fp8_grads = h.fp8 if w is not None and h.fp8 is not None and h.fp8.grads else None  # (`overlap.ops.moe.fp8`)
+    grads_in = None if fp8_grads is None else fp8_grads.granularity  # (the weight gradient's GEMMs in fp8)
     if need_w and h.fp8 is not None:  # what the forward multiplied: the values of the fp8 rows
         rows = moe_fp8.dequantize_rows(rows, h.fp8, w.dtype if fp8_grads is None else torch.float32)
     grad_w: list[torch.Tensor] = []
@@ -222,8 +223,7 @@ def _backward(grad_out, topk_idx, rows, w, key, need_x, need_w):
 
     def weight_grad() -> None:  # runs while the input-gradient rows travel
         if need_w:
-            fp8 = None if fp8_grads is None else fp8_grads.granularity
-            grad_w.append(grouped.grouped_weight_grad(rows, grad_out, h, w, fp8))
+            grad_w.append(grouped.grouped_weight_grad(rows, grad_out, h, w, grads_in))
 
     grad_x = None
     with no_autocast(h.info.device.type):

@@ -90,8 +90,9 @@ def mm_into(rows: torch.Tensor, w: torch.Tensor | Fp8Experts, e: int, out: torch
     return torch.mm(rows, w[e], out=out)
 
 
-def out_dtype(w: torch.Tensor | Fp8Experts, rows_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of a GEMM's result on rows of `rows_dtype`: the weights' for fp8 rows, else the rows'."""
+def out_dtype(w: torch.Tensor | Fp8Experts | None, rows_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a GEMM's result on rows of `rows_dtype` (of the rows themselves where no `w` multiplies them):
+    the weights' for fp8 rows, else the rows'."""
     return w.dtype if isinstance(w, Fp8Experts) else rows_dtype
 
 

@@ -261,7 +261,7 @@ def to_sources(cc: CallContext, h: layout.MoELayout, y: torch.Tensor, w: torch.T
         rt, lists = routes(cc, h, lay)
         W, N, Q, r, n0, l0 = cc.world_size, lay.num_nodes, lay.ranks_per_node, cc.rank, lay.node, lay.local
         cols = y.shape[1] if w is None else w.shape[2]
-        dtype = y.dtype if w is None else grouped.out_dtype(w, y.dtype)  # (packed fp8 rows: the weights')
+        dtype = grouped.out_dtype(w, y.dtype)  # (packed fp8 rows: the weights')
         acc = torch.float64 if torch.float64 in (dtype, weights.dtype) else torch.float32
         biggest = max(rt.split(s, d) for s in range(W) for d in range(W))
         region = _pad(max(biggest, 1) * cols * dtype.itemsize)

@@ -57,7 +57,8 @@ def run(h: layout.MoELayout, y: torch.Tensor, w: torch.Tensor | Fp8Experts | Non
     """
     cols = y.shape[1] if w is None else w.shape[2]
     kind = cc.plan.strategy
-    call = moe_bound.begin(cc, h, kind, cols * _dtype(y, w).itemsize)  # (with a bound: the steady state)
+    row_bytes = cols * grouped.out_dtype(w, y.dtype).itemsize
+    call = moe_bound.begin(cc, h, kind, row_bytes)  # (with a bound: the steady state)
     extra = {} if weights is None else {"weights": weights}  # (symm and fused on GPUs; hierarchical across nodes)
     try:
         if w is not None and w.shape[0] < h.num_local_experts:  # the forward's w2 [L]: fetch the copies, agreed
@@ -69,11 +70,6 @@ def run(h: layout.MoELayout, y: torch.Tensor, w: torch.Tensor | Fp8Experts | Non
         return back
     with stage("receive"):
         return back.index_select(0, h.inv_order)
-
-
-def _dtype(y: torch.Tensor, w: torch.Tensor | Fp8Experts | None) -> torch.dtype:
-    """The dtype of the rows that travel: `y`'s, or the GEMM's result (`grouped.out_dtype`)."""
-    return y.dtype if w is None else grouped.out_dtype(w, y.dtype)
 
 
 def _reference(cc: CallContext, call, h, y, w, between):
@@ -90,7 +86,7 @@ def _reference(cc: CallContext, call, h, y, w, between):
 
 def _pipelined(cc: CallContext, call, h, y, w, between):
     info, W, r = h.info, h.info.world_size, h.info.rank
-    cols, dtype = y.shape[1] if w is None else w.shape[2], _dtype(y, w)
+    cols, dtype = y.shape[1] if w is None else w.shape[2], grouped.out_dtype(w, y.dtype)
     back = y.new_empty((h.num_tokens * h.top_k, cols), dtype=dtype)
 
     def ours_from(d: int) -> torch.Tensor:  # where rank d's results for our rows land
@@ -114,7 +110,7 @@ def _pipelined(cc: CallContext, call, h, y, w, between):
 
 
 def _symm(cc: CallContext, call, h, y, w, between, weights=None):
-    cols, dtype = y.shape[1] if w is None else w.shape[2], _dtype(y, w)
+    cols, dtype = y.shape[1] if w is None else w.shape[2], grouped.out_dtype(w, y.dtype)
     W, r, L = h.info.world_size, h.info.rank, h.num_local_experts
     F, G = slots.flags_per_peer(W), slots.expert_groups(L, W)
     call.wait_slot_free()
